@@ -1,0 +1,1 @@
+//! Benchmarks and the ratio report for gradwire (filled by the performance work).

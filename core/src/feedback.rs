@@ -1,0 +1,71 @@
+//! Slice-level error feedback (Seide et al. 2014; Karimireddy et al. 2019).
+//!
+//! One step encodes `x = gradient + residual` and leaves in the residual exactly what the frame
+//! does not deliver: `residual_new = x - decoded(frame)`, computed by adding the decoded frame
+//! with weight -1. So for every coordinate `sent + residual_new == gradient + residual_old`
+//! (bit-exact where values travel as f32; otherwise up to one f32 rounding), and rounding and
+//! quantization error are kept, not lost.
+
+use crate::error::{Error, Param};
+use crate::frame::{accumulate_into, check_encode, check_input, encode_checked};
+use crate::method::{Method, Params, SignScale};
+
+/// One error-feedback step on one tensor: `residual += grad`, encode `residual` into `out`,
+/// then `residual -= decoded(out)`. Returns the frame length in bytes.
+///
+/// `residual` has the same length as `grad` (all zeros before the first step); `scratch` and
+/// `out` are sized as for [`crate::encode_into`]. All checks run before anything changes: on
+/// error the residual is untouched.
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when the lengths differ; [`Error::InvalidParams`] for unbiased
+/// random-k or unscaled sign (their residual would grow without bound); [`Error::NonFinite`]
+/// naming the first index where the gradient or `gradient + residual` is NaN or infinite;
+/// every error of [`crate::encode_into`].
+///
+/// # Panics
+/// Never.
+pub fn feedback_step(
+    grad: &[f32],
+    residual: &mut [f32],
+    params: &Params,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    if grad.len() != residual.len() {
+        return Err(Error::LengthMismatch { expected: grad.len(), got: residual.len() });
+    }
+    match params.method {
+        Method::RandomK { unbiased: true, .. } => {
+            return Err(Error::InvalidParams { param: Param::Unbiased });
+        }
+        Method::Sign { scale: SignScale::None } => {
+            return Err(Error::InvalidParams { param: Param::SignScale });
+        }
+        _ => {}
+    }
+    check_encode(grad.len(), params, scratch.len(), out.len())?;
+    if let Some(index) = crate::scalar::first_non_finite(grad) {
+        return Err(Error::NonFinite { index });
+    }
+    if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
+        return Err(Error::NonFinite { index });
+    }
+    // Range of the value type, checked on the sums before the residual changes.
+    if let Some(v) = params.method.values() {
+        if let Some(index) = grad
+            .iter()
+            .zip(residual.iter())
+            .position(|(&g, &r)| !crate::values::fits(v, g + r))
+        {
+            return Err(Error::ValueOutOfRange { index });
+        }
+    }
+    for (r, &g) in residual.iter_mut().zip(grad) {
+        *r += g;
+    }
+    debug_assert!(check_input(residual, &params.method).is_ok());
+    let len = encode_checked(residual, params, scratch, out);
+    accumulate_into(&out[..len], params, residual, -1.0)?;
+    Ok(len)
+}

@@ -1,0 +1,924 @@
+//! The wire frame: header, sections and CRC-32 trailer (normative spec: `FORMAT.md`).
+//!
+//! Encoders write into a caller-supplied `&mut [u8]` of [`max_frame_len`] bytes with a scratch
+//! slice of [`scratch_len`] words and return the bytes written. Decoders read and check the
+//! whole frame (checksum, header, every length, every index and value) before writing any
+//! output, then overwrite ([`decode_into`]) or add into ([`accumulate_into`]) a dense f32 slice
+//! whose length must equal the frame's element count.
+
+use crate::error::{Error, Param};
+use crate::index::{self, IndexSizer, IndexWriter};
+use crate::method::{K, Method, Params, Rounding, SignScale, Values};
+use crate::scalar::{self, Selection, magnitude_key};
+use crate::{quant, rng, select, sign, values};
+
+/// The first four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"GWRF";
+/// The frame format version this crate writes and reads.
+pub const FORMAT_VERSION: u8 = 1;
+
+const FIXED_LEN: usize = 16;
+const CRC_LEN: usize = 4;
+
+const M_DENSE: u8 = 0;
+const M_TOPK: u8 = 1;
+const M_THRESHOLD: u8 = 2;
+const M_RANDOMK: u8 = 3;
+const M_QUANT: u8 = 4;
+const M_SIGN: u8 = 5;
+
+const FLAG_UNBIASED: u8 = 1;
+
+const fn values_spec_len(v: Values) -> usize {
+    match v {
+        Values::Int8 { .. } => 5,
+        _ => 1,
+    }
+}
+
+const fn params_len(method: &Method) -> usize {
+    match *method {
+        Method::Dense { values } => values_spec_len(values),
+        Method::TopK { values, .. } => values_spec_len(values) + 8 + 1,
+        Method::Threshold { values, .. } => values_spec_len(values) + 4 + 8 + 1,
+        Method::RandomK { values, .. } => values_spec_len(values) + 8 + 8 + 8 + 8,
+        Method::Quant { .. } => 1 + 1 + 4,
+        Method::Sign { scale } => match scale {
+            SignScale::MeanAbs { .. } => 5,
+            SignScale::None => 1,
+        },
+    }
+}
+
+const fn int8_blocks(count: usize, v: Values) -> usize {
+    match v {
+        Values::Int8 { block } => count.div_ceil(block_or_one(block)),
+        _ => 0,
+    }
+}
+
+const fn block_or_one(b: u32) -> usize {
+    if b == 0 { 1 } else { b as usize }
+}
+
+/// The largest frame [`encode_into`] can write for `n` elements with `method`, in bytes.
+/// Saturates at `usize::MAX` instead of overflowing.
+pub const fn max_frame_len(n: usize, method: &Method) -> usize {
+    let body = match *method {
+        Method::Dense { values } => n.saturating_mul(values.value_bytes()),
+        Method::TopK { k, values } => {
+            let k = k.resolve(n as u64) as usize;
+            let raw = k.saturating_mul(index::raw_width(n as u64));
+            let bitmap = n.div_ceil(8);
+            let idx = if raw < bitmap { raw } else { bitmap };
+            idx.saturating_add(values.section_len(k))
+        }
+        Method::Threshold { values, .. } => n.div_ceil(8).saturating_add(values.section_len(n)),
+        Method::RandomK { k, values, .. } => values.section_len(k.resolve(n as u64) as usize),
+        Method::Quant { bits, block, .. } => {
+            quant::scales_len(n, block_or_one(block)).saturating_add(quant::codes_len(n, bits))
+        }
+        Method::Sign { scale } => {
+            let s = match scale {
+                SignScale::MeanAbs { block } => sign::scales_len(n, Some(block_or_one(block))),
+                SignScale::None => 0,
+            };
+            s.saturating_add(sign::bits_len(n))
+        }
+    };
+    body.saturating_add(FIXED_LEN + params_len(method) + CRC_LEN)
+}
+
+/// Scratch `u32` words that [`encode_into`] needs for `n` elements with `method`.
+pub const fn scratch_len(n: usize, method: &Method) -> usize {
+    match *method {
+        Method::TopK { k, values } => {
+            let k = k.resolve(n as u64) as usize;
+            select::topk_scratch_len(n) + int8_blocks(k, values)
+        }
+        Method::Threshold { values, .. } => int8_blocks(n, values),
+        Method::RandomK { k, values, .. } => int8_blocks(k.resolve(n as u64) as usize, values),
+        _ => 0,
+    }
+}
+
+/// Checks everything about an encode that does not depend on the gradient's values.
+pub(crate) fn check_encode(
+    n: usize,
+    params: &Params,
+    scratch: usize,
+    out: usize,
+) -> Result<(), Error> {
+    params.method.validate()?;
+    let need = scratch_len(n, &params.method);
+    if scratch < need {
+        return Err(Error::ScratchTooSmall { needed: need, got: scratch });
+    }
+    let need = max_frame_len(n, &params.method);
+    if out < need {
+        return Err(Error::BufferTooSmall { needed: need, got: out });
+    }
+    Ok(())
+}
+
+/// Checks the values an encode will read: finite, and within the value type's range.
+pub(crate) fn check_input(x: &[f32], method: &Method) -> Result<(), Error> {
+    if let Some(index) = scalar::first_non_finite(x) {
+        return Err(Error::NonFinite { index });
+    }
+    if let Some(v) = method.values() {
+        if let Some(index) = values::first_out_of_range(v, x) {
+            return Err(Error::ValueOutOfRange { index });
+        }
+    }
+    Ok(())
+}
+
+/// Encodes `grad` (n elements) with `params` into `out` and returns the frame length in bytes.
+///
+/// `scratch` must hold [`scratch_len`]`(n, &params.method)` words and `out`
+/// [`max_frame_len`]`(n, &params.method)` bytes. Nothing is written on error.
+///
+/// # Errors
+/// [`Error::InvalidParams`], [`Error::ScratchTooSmall`], [`Error::BufferTooSmall`];
+/// [`Error::NonFinite`] naming the first NaN/Inf element; [`Error::ValueOutOfRange`] when, with
+/// f16 or bf16 values, an element is beyond the type's range.
+///
+/// # Panics
+/// Never.
+pub fn encode_into(
+    grad: &[f32],
+    params: &Params,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    check_encode(grad.len(), params, scratch.len(), out.len())?;
+    check_input(grad, &params.method)?;
+    Ok(encode_checked(grad, params, scratch, out))
+}
+
+/// Little-endian cursor over the output.
+struct Put<'a> {
+    buf: &'a mut [u8],
+    pos: usize,
+}
+
+impl Put<'_> {
+    fn bytes(&mut self, b: &[u8]) {
+        self.buf[self.pos..self.pos + b.len()].copy_from_slice(b);
+        self.pos += b.len();
+    }
+    fn u8(&mut self, v: u8) {
+        self.bytes(&[v]);
+    }
+    fn u32(&mut self, v: u32) {
+        self.bytes(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
+    }
+    fn values(&mut self, v: Values) {
+        self.u8(values::id(v));
+        if let Values::Int8 { block } = v {
+            self.u32(block);
+        }
+    }
+}
+
+/// Encodes after [`check_encode`] and [`check_input`] succeeded; cannot fail.
+pub(crate) fn encode_checked(
+    g: &[f32],
+    params: &Params,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> usize {
+    let n = g.len();
+    let mut p = Put { buf: out, pos: 0 };
+    p.bytes(&MAGIC);
+    p.u8(FORMAT_VERSION);
+    let (id, flags) = match params.method {
+        Method::Dense { .. } => (M_DENSE, 0),
+        Method::TopK { .. } => (M_TOPK, 0),
+        Method::Threshold { .. } => (M_THRESHOLD, 0),
+        Method::RandomK { unbiased, .. } => (M_RANDOMK, if unbiased { FLAG_UNBIASED } else { 0 }),
+        Method::Quant { .. } => (M_QUANT, 0),
+        Method::Sign { .. } => (M_SIGN, 0),
+    };
+    p.u8(id);
+    p.u8(flags);
+    p.u8(0);
+    p.u64(n as u64);
+    match params.method {
+        Method::Dense { values } => {
+            p.values(values);
+            let vb = values.value_bytes();
+            for (j, &x) in g.iter().enumerate() {
+                values::write_plain(values, x, &mut p.buf[p.pos + j * vb..]);
+            }
+            p.pos += n * vb;
+        }
+        Method::TopK { k, values } => {
+            let k = k.resolve(n as u64) as usize;
+            let hist = select::topk_scratch_len(n);
+            let (hist_scratch, int8_scratch) = scratch.split_at_mut(hist);
+            let sel = select::topk(g, k, hist_scratch);
+            encode_sparse(g, sel, values, &mut p, int8_scratch, |p, count, codec| {
+                p.u64(count);
+                p.u8(codec);
+            });
+        }
+        Method::Threshold { threshold, values } => {
+            p.values(values);
+            p.bytes(&threshold.to_le_bytes());
+            // count and codec follow; encode_sparse writes them after measuring.
+            encode_sparse_after_values(g, Selection::Threshold(threshold), values, &mut p, scratch);
+        }
+        Method::RandomK { k, values, .. } => {
+            let k = k.resolve(n as u64);
+            p.values(values);
+            p.u64(k);
+            p.u64(params.seed);
+            p.u64(params.step);
+            p.u64(params.tensor_id);
+            let key = rng::key(params.seed, params.step, params.tensor_id);
+            write_values(g, Selection::RandomK { key, k }, values, k as usize, &mut p, scratch);
+        }
+        Method::Quant { bits, block, rounding } => {
+            p.u8(bits);
+            p.u8(match rounding {
+                Rounding::NearestEven => 0,
+                Rounding::Stochastic => 1,
+            });
+            p.u32(block);
+            let block = block as usize;
+            let s_len = quant::scales_len(n, block);
+            let c_len = quant::codes_len(n, bits);
+            let (scales, rest) = p.buf[p.pos..].split_at_mut(s_len);
+            let stochastic = match rounding {
+                Rounding::Stochastic => Some((params.seed, params.step, params.tensor_id)),
+                Rounding::NearestEven => None,
+            };
+            quant::encode(g, bits, block, stochastic, scales, &mut rest[..c_len]);
+            p.pos += s_len + c_len;
+        }
+        Method::Sign { scale } => {
+            let block = match scale {
+                SignScale::MeanAbs { block } => {
+                    p.u8(1);
+                    p.u32(block);
+                    Some(block as usize)
+                }
+                SignScale::None => {
+                    p.u8(0);
+                    None
+                }
+            };
+            let s_len = sign::scales_len(n, block);
+            let b_len = sign::bits_len(n);
+            let (scales, rest) = p.buf[p.pos..].split_at_mut(s_len);
+            sign::encode(g, block, scales, &mut rest[..b_len]);
+            p.pos += s_len + b_len;
+        }
+    }
+    let crc = crc32fast::hash(&p.buf[..p.pos]);
+    p.u32(crc);
+    p.pos
+}
+
+/// Sparse body for top-k: values spec, then `header_tail` (count/codec), index and values.
+fn encode_sparse(
+    g: &[f32],
+    sel: Selection,
+    v: Values,
+    p: &mut Put<'_>,
+    int8_scratch: &mut [u32],
+    header_tail: impl FnOnce(&mut Put<'_>, u64, u8),
+) {
+    p.values(v);
+    let (count, codec, idx_len) = measure(g, sel, v, int8_scratch);
+    header_tail(p, count, codec);
+    write_sparse_body(g, sel, v, count as usize, codec, idx_len, p, int8_scratch);
+}
+
+/// Sparse body for threshold, whose values spec and threshold are already written.
+fn encode_sparse_after_values(
+    g: &[f32],
+    sel: Selection,
+    v: Values,
+    p: &mut Put<'_>,
+    int8_scratch: &mut [u32],
+) {
+    let (count, codec, idx_len) = measure(g, sel, v, int8_scratch);
+    p.u64(count);
+    p.u8(codec);
+    write_sparse_body(g, sel, v, count as usize, codec, idx_len, p, int8_scratch);
+}
+
+/// First pass: the kept count, the smallest index codec and, for int8, each block's absmax
+/// magnitude key (into `int8_scratch`).
+fn measure(g: &[f32], sel: Selection, v: Values, int8_scratch: &mut [u32]) -> (u64, u8, usize) {
+    let mut sizer = IndexSizer::new(g.len() as u64);
+    let block = match v {
+        Values::Int8 { block } => block as usize,
+        _ => 0,
+    };
+    select::for_each_kept(g, sel, |i| {
+        if block > 0 {
+            let c = sizer.count() as usize;
+            let b = c / block;
+            if c % block == 0 {
+                int8_scratch[b] = 0;
+            }
+            int8_scratch[b] = int8_scratch[b].max(magnitude_key(g[i]));
+        }
+        sizer.push(i as u64);
+    });
+    let count = sizer.count();
+    let (codec, len) = sizer.choose();
+    (count, codec, len)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write_sparse_body(
+    g: &[f32],
+    sel: Selection,
+    v: Values,
+    count: usize,
+    codec: u8,
+    idx_len: usize,
+    p: &mut Put<'_>,
+    int8_scratch: &[u32],
+) {
+    let v_len = v.section_len(count);
+    let (idx, rest) = p.buf[p.pos..].split_at_mut(idx_len);
+    let vals = &mut rest[..v_len];
+    let mut iw = IndexWriter::new(codec, g.len() as u64, idx);
+    let mut vw = ValueWriter::new(v, count, vals, int8_scratch);
+    select::for_each_kept(g, sel, |i| {
+        iw.push(i as u64);
+        vw.push(g[i]);
+    });
+    iw.finish();
+    p.pos += idx_len + v_len;
+}
+
+/// Random-k body: values only.
+fn write_values(g: &[f32], sel: Selection, v: Values, k: usize, p: &mut Put<'_>, scratch: &mut [u32]) {
+    if let Values::Int8 { block } = v {
+        let block = block as usize;
+        let mut c = 0usize;
+        select::for_each_kept(g, sel, |i| {
+            let b = c / block;
+            if c % block == 0 {
+                scratch[b] = 0;
+            }
+            scratch[b] = scratch[b].max(magnitude_key(g[i]));
+            c += 1;
+        });
+    }
+    let v_len = v.section_len(k);
+    let mut vw = ValueWriter::new(v, k, &mut p.buf[p.pos..p.pos + v_len], scratch);
+    select::for_each_kept(g, sel, |i| vw.push(g[i]));
+    p.pos += v_len;
+}
+
+/// Writes kept values in order; int8 scales come first, from the absmax keys of the first pass.
+struct ValueWriter<'a> {
+    v: Values,
+    out: &'a mut [u8],
+    codes_at: usize,
+    absmax: &'a [u32],
+    j: usize,
+}
+
+impl<'a> ValueWriter<'a> {
+    fn new(v: Values, count: usize, out: &'a mut [u8], absmax: &'a [u32]) -> Self {
+        let codes_at = match v {
+            Values::Int8 { block } => {
+                let blocks = count.div_ceil(block as usize);
+                for b in 0..blocks {
+                    out[4 * b..4 * b + 4].copy_from_slice(&absmax[b].to_le_bytes());
+                }
+                4 * blocks
+            }
+            _ => 0,
+        };
+        ValueWriter { v, out, codes_at, absmax, j: 0 }
+    }
+
+    #[inline]
+    fn push(&mut self, x: f32) {
+        match self.v {
+            Values::Int8 { block } => {
+                let m = f32::from_bits(self.absmax[self.j / block as usize]);
+                self.out[self.codes_at + self.j] = values::int8_code(x, m) as u8;
+            }
+            v => values::write_plain(v, x, &mut self.out[self.j * v.value_bytes()..]),
+        }
+        self.j += 1;
+    }
+}
+
+/// What a frame declares, read by [`peek`] without decoding the body.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Header {
+    /// Format version.
+    pub version: u8,
+    /// Element count of the tensor.
+    pub n: u64,
+    /// Method and parameters; `k` is always a [`K::Count`]; seed, step and tensor id are those
+    /// of the frame for random-k and 0 otherwise.
+    pub params: Params,
+    /// Entries carried: the kept count for sparse methods, `n` for dense ones.
+    pub kept: u64,
+    /// Total frame length in bytes, trailer included.
+    pub frame_len: usize,
+}
+
+/// What a successful decode wrote.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FrameInfo {
+    /// Element count.
+    pub n: u64,
+    /// Entries carried (kept count for sparse methods, `n` for dense ones).
+    pub kept: u64,
+    /// The frame's method, `k` as a count.
+    pub method: Method,
+}
+
+/// Sections of a parsed frame, each with its byte offset.
+enum Body<'a> {
+    Dense { v: Values, vals: &'a [u8], off: usize },
+    Sparse {
+        v: Values,
+        count: u64,
+        codec: Option<u8>,
+        idx: &'a [u8],
+        idx_off: usize,
+        vals: &'a [u8],
+        vals_off: usize,
+    },
+    Quant { bits: u8, block: usize, scales: &'a [u8], codes: &'a [u8], off: usize },
+    Sign { block: Option<usize>, scales: &'a [u8], signs: &'a [u8], off: usize },
+}
+
+/// Checked little-endian reader over the header.
+struct Get<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Get<'a> {
+    fn take(&mut self, len: usize) -> Result<&'a [u8], Error> {
+        let end = self.pos.checked_add(len).ok_or(Error::Truncated { needed: usize::MAX, got: self.buf.len() })?;
+        let s = self
+            .buf
+            .get(self.pos..end)
+            .ok_or(Error::Truncated { needed: end + CRC_LEN, got: self.buf.len() + CRC_LEN })?;
+        self.pos = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, Error> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, Error> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, Error> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn values(&mut self) -> Result<Values, Error> {
+        let at = self.pos;
+        Ok(match self.u8()? {
+            0 => Values::F32,
+            1 => Values::F16,
+            2 => Values::Bf16,
+            3 => {
+                let block = self.u32()?;
+                if block == 0 {
+                    return Err(Error::Malformed { offset: at + 1 });
+                }
+                Values::Int8 { block }
+            }
+            _ => return Err(Error::Malformed { offset: at }),
+        })
+    }
+    /// The next `len` bytes as a section, or a `Truncated` error.
+    fn section(&mut self, len: usize) -> Result<(&'a [u8], usize), Error> {
+        let off = self.pos;
+        Ok((self.take(len)?, off))
+    }
+}
+
+fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
+    if frame.len() < FIXED_LEN + CRC_LEN {
+        return Err(Error::Truncated { needed: FIXED_LEN + CRC_LEN, got: frame.len() });
+    }
+    if frame[..4] != MAGIC {
+        return Err(Error::BadMagic);
+    }
+    if frame[4] != FORMAT_VERSION {
+        return Err(Error::UnsupportedVersion { version: frame[4] });
+    }
+    let body_end = frame.len() - CRC_LEN;
+    let t = &frame[body_end..];
+    let stored = u32::from_le_bytes([t[0], t[1], t[2], t[3]]);
+    let computed = crc32fast::hash(&frame[..body_end]);
+    if stored != computed {
+        return Err(Error::Checksum { stored, computed });
+    }
+    let mut r = Get { buf: &frame[..body_end], pos: 5 };
+    let id = r.u8()?;
+    let flags = r.u8()?;
+    if r.u8()? != 0 {
+        return Err(Error::Malformed { offset: 7 });
+    }
+    if flags != 0 && !(id == M_RANDOMK && flags == FLAG_UNBIASED) {
+        return Err(Error::Malformed { offset: 6 });
+    }
+    let n = r.u64()?;
+    let nu = usize::try_from(n).map_err(|_| Error::TooLarge { n })?;
+    let mut params = Params::new(Method::Dense { values: Values::F32 });
+    let too_large = Error::TooLarge { n };
+    let (kept, body) = match id {
+        M_DENSE => {
+            let v = r.values()?;
+            if matches!(v, Values::Int8 { .. }) {
+                return Err(Error::Malformed { offset: 16 });
+            }
+            params.method = Method::Dense { values: v };
+            let len = nu.checked_mul(v.value_bytes()).ok_or(too_large)?;
+            let (vals, off) = r.section(len)?;
+            (n, Body::Dense { v, vals, off })
+        }
+        M_TOPK | M_THRESHOLD => {
+            let v = r.values()?;
+            let threshold = if id == M_THRESHOLD {
+                let at = r.pos;
+                let t = f32::from_le_bytes(r.take(4)?.try_into().map_err(|_| Error::Malformed { offset: at })?);
+                if !(t.is_finite() && t >= 0.0) {
+                    return Err(Error::Malformed { offset: at });
+                }
+                Some(t)
+            } else {
+                None
+            };
+            let at = r.pos;
+            let count = r.u64()?;
+            if count > n {
+                return Err(Error::Malformed { offset: at });
+            }
+            let at = r.pos;
+            let codec = r.u8()?;
+            if codec > index::RAW {
+                return Err(Error::Malformed { offset: at });
+            }
+            params.method = match threshold {
+                Some(threshold) => Method::Threshold { threshold, values: v },
+                None => Method::TopK { k: K::Count(count), values: v },
+            };
+            let idx_off = r.pos;
+            let idx_len = index::section_len(codec, n, count, &r.buf[idx_off..])
+                .map_err(|_| Error::BadIndex { offset: idx_off })?;
+            let (idx, _) = r.section(idx_len)?;
+            let count_usize = usize::try_from(count).map_err(|_| too_large)?;
+            let (vals, vals_off) = r.section(v.section_len(count_usize))?;
+            (count, Body::Sparse { v, count, codec: Some(codec), idx, idx_off, vals, vals_off })
+        }
+        M_RANDOMK => {
+            let v = r.values()?;
+            let at = r.pos;
+            let k = r.u64()?;
+            if k > n {
+                return Err(Error::Malformed { offset: at });
+            }
+            params.seed = r.u64()?;
+            params.step = r.u64()?;
+            params.tensor_id = r.u64()?;
+            params.method =
+                Method::RandomK { k: K::Count(k), values: v, unbiased: flags == FLAG_UNBIASED };
+            let ku = usize::try_from(k).map_err(|_| too_large)?;
+            let (vals, vals_off) = r.section(v.section_len(ku))?;
+            (k, Body::Sparse { v, count: k, codec: None, idx: &[], idx_off: vals_off, vals, vals_off })
+        }
+        M_QUANT => {
+            let at = r.pos;
+            let bits = r.u8()?;
+            if !(2..=8).contains(&bits) {
+                return Err(Error::Malformed { offset: at });
+            }
+            let rounding = match r.u8()? {
+                0 => Rounding::NearestEven,
+                1 => Rounding::Stochastic,
+                _ => return Err(Error::Malformed { offset: at + 1 }),
+            };
+            let block = r.u32()?;
+            if block == 0 {
+                return Err(Error::Malformed { offset: at + 2 });
+            }
+            params.method = Method::Quant { bits, block, rounding };
+            let s_len = nu.div_ceil(block as usize).checked_mul(4).ok_or(too_large)?;
+            let c_len = nu.checked_mul(bits as usize).ok_or(too_large)?.div_ceil(8);
+            let (scales, off) = r.section(s_len)?;
+            let (codes, _) = r.section(c_len)?;
+            (n, Body::Quant { bits, block: block as usize, scales, codes, off })
+        }
+        M_SIGN => {
+            let at = r.pos;
+            let block = match r.u8()? {
+                0 => None,
+                1 => {
+                    let b = r.u32()?;
+                    if b == 0 {
+                        return Err(Error::Malformed { offset: at + 1 });
+                    }
+                    Some(b)
+                }
+                _ => return Err(Error::Malformed { offset: at }),
+            };
+            params.method = Method::Sign {
+                scale: match block {
+                    Some(block) => SignScale::MeanAbs { block },
+                    None => SignScale::None,
+                },
+            };
+            let block = block.map(|b| b as usize);
+            let s_len = match block {
+                Some(b) => nu.div_ceil(b).checked_mul(4).ok_or(too_large)?,
+                None => 0,
+            };
+            let (scales, off) = r.section(s_len)?;
+            let (signs, _) = r.section(nu.div_ceil(8))?;
+            (n, Body::Sign { block, scales, signs, off })
+        }
+        _ => return Err(Error::Malformed { offset: 5 }),
+    };
+    if r.pos != body_end {
+        return Err(Error::TrailingBytes { offset: r.pos });
+    }
+    let header = Header { version: FORMAT_VERSION, n, params, kept, frame_len: frame.len() };
+    Ok((header, body))
+}
+
+/// Reads and checks a frame's header (magic, version, checksum, parameters and section
+/// lengths) without decoding its body.
+///
+/// # Errors
+/// [`Error::Truncated`], [`Error::BadMagic`], [`Error::UnsupportedVersion`],
+/// [`Error::Checksum`], [`Error::Malformed`], [`Error::BadIndex`], [`Error::TrailingBytes`],
+/// [`Error::TooLarge`].
+pub fn peek(frame: &[u8]) -> Result<Header, Error> {
+    parse(frame).map(|(h, _)| h)
+}
+
+/// Checks a parsed header against what the receiver expects for `n` elements.
+fn check_expected(h: &Header, expected: &Params, n: usize) -> Result<(), Error> {
+    if h.n != n as u64 {
+        return Err(Error::ElementCount { expected: n as u64, got: h.n });
+    }
+    expected.method.validate()?;
+    let mismatch = |param| Err(Error::ParamMismatch { param });
+    match (h.params.method, expected.method) {
+        (Method::Dense { values: a }, Method::Dense { values: b }) => {
+            if a != b {
+                return mismatch(Param::Values);
+            }
+        }
+        (Method::TopK { k: a, values: va }, Method::TopK { k: b, values: vb }) => {
+            if va != vb {
+                return mismatch(Param::Values);
+            }
+            if a.resolve(h.n) != b.resolve(h.n) {
+                return mismatch(Param::K);
+            }
+        }
+        (
+            Method::Threshold { threshold: a, values: va },
+            Method::Threshold { threshold: b, values: vb },
+        ) => {
+            if va != vb {
+                return mismatch(Param::Values);
+            }
+            if a.to_bits() != b.to_bits() {
+                return mismatch(Param::Threshold);
+            }
+        }
+        (
+            Method::RandomK { k: a, values: va, unbiased: ua },
+            Method::RandomK { k: b, values: vb, unbiased: ub },
+        ) => {
+            if va != vb {
+                return mismatch(Param::Values);
+            }
+            if a.resolve(h.n) != b.resolve(h.n) {
+                return mismatch(Param::K);
+            }
+            if ua != ub {
+                return mismatch(Param::Unbiased);
+            }
+            if h.params.seed != expected.seed {
+                return mismatch(Param::Seed);
+            }
+            if h.params.step != expected.step {
+                return mismatch(Param::Step);
+            }
+            if h.params.tensor_id != expected.tensor_id {
+                return mismatch(Param::TensorId);
+            }
+        }
+        (
+            Method::Quant { bits: a, block: ba, rounding: ra },
+            Method::Quant { bits: b, block: bb, rounding: rb },
+        ) => {
+            if a != b {
+                return mismatch(Param::Bits);
+            }
+            if ba != bb {
+                return mismatch(Param::Block);
+            }
+            if ra != rb {
+                return mismatch(Param::Rounding);
+            }
+        }
+        (Method::Sign { scale: a }, Method::Sign { scale: b }) => {
+            if a != b {
+                return mismatch(Param::SignScale);
+            }
+        }
+        _ => return mismatch(Param::Method),
+    }
+    Ok(())
+}
+
+/// Validates every index and value of a parsed body.
+fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
+    match *body {
+        Body::Dense { v, vals, off } => {
+            let vb = v.value_bytes();
+            for (j, c) in vals.chunks_exact(vb).enumerate() {
+                if values::read_plain(v, c).is_none() {
+                    return Err(Error::BadValue { offset: off + j * vb });
+                }
+            }
+        }
+        Body::Sparse { v, count, codec, idx, idx_off, vals, vals_off } => {
+            if let Some(codec) = codec {
+                index::for_each_index(codec, n, count, idx, |_| {})
+                    .map_err(|_| Error::BadIndex { offset: idx_off })?;
+            }
+            validate_values(v, count as usize, vals, vals_off)?;
+        }
+        Body::Quant { bits, scales, codes, off, .. } => {
+            quant::validate(n as usize, bits, scales, codes)
+                .map_err(|o| Error::BadValue { offset: off + o })?;
+        }
+        Body::Sign { scales, signs, off, .. } => {
+            sign::validate(n as usize, scales, signs)
+                .map_err(|o| Error::BadValue { offset: off + o })?;
+        }
+    }
+    Ok(())
+}
+
+fn validate_values(v: Values, count: usize, vals: &[u8], off: usize) -> Result<(), Error> {
+    match v {
+        Values::Int8 { block } => {
+            let s_len = count.div_ceil(block as usize) * 4;
+            for (j, s) in vals[..s_len].chunks_exact(4).enumerate() {
+                let m = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                if !(m.is_finite() && m >= 0.0) {
+                    return Err(Error::BadValue { offset: off + 4 * j });
+                }
+            }
+            if let Some(j) = vals[s_len..].iter().position(|&c| c == 0x80) {
+                return Err(Error::BadValue { offset: off + s_len + j });
+            }
+        }
+        _ => {
+            let vb = v.value_bytes();
+            for (j, c) in vals.chunks_exact(vb).enumerate() {
+                if values::read_plain(v, c).is_none() {
+                    return Err(Error::BadValue { offset: off + j * vb });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Calls `f(i, value)` for every entry of a validated body (sparse: kept entries only).
+fn for_each_entry(h: &Header, body: &Body<'_>, mut f: impl FnMut(usize, f32)) {
+    let n = h.n;
+    match *body {
+        Body::Dense { v, vals, .. } => {
+            let vb = v.value_bytes();
+            for (i, c) in vals.chunks_exact(vb).enumerate() {
+                f(i, values::read_plain(v, c).unwrap_or(0.0));
+            }
+        }
+        Body::Sparse { v, count, codec, idx, vals, .. } => {
+            let count_usize = count as usize;
+            let value_at = |j: usize| -> f32 {
+                match v {
+                    Values::Int8 { block } => {
+                        let s_len = count_usize.div_ceil(block as usize) * 4;
+                        let b = 4 * (j / block as usize);
+                        let m = f32::from_le_bytes([vals[b], vals[b + 1], vals[b + 2], vals[b + 3]]);
+                        values::int8_value(vals[s_len + j] as i8, m)
+                    }
+                    _ => values::read_plain(v, &vals[j * v.value_bytes()..]).unwrap_or(0.0),
+                }
+            };
+            let mut j = 0usize;
+            match codec {
+                Some(codec) => {
+                    let _ = index::for_each_index(codec, n, count, idx, |i| {
+                        f(i as usize, value_at(j));
+                        j += 1;
+                    });
+                }
+                None => {
+                    let p = &h.params;
+                    let key = rng::key(p.seed, p.step, p.tensor_id);
+                    let scale = match p.method {
+                        Method::RandomK { unbiased: true, .. } if count > 0 => {
+                            (n as f64 / count as f64) as f32
+                        }
+                        _ => 1.0,
+                    };
+                    scalar::randomk_for_each(n, count, key, |i| {
+                        f(i as usize, value_at(j) * scale);
+                        j += 1;
+                    });
+                }
+            }
+        }
+        Body::Quant { bits, block, scales, codes, .. } => {
+            quant::decode(n as usize, bits, block, scales, codes, f);
+        }
+        Body::Sign { block, scales, signs, .. } => {
+            sign::decode(n as usize, block, scales, signs, f);
+        }
+    }
+}
+
+fn decode_checked<'a>(
+    frame: &'a [u8],
+    expected: &Params,
+    n: usize,
+) -> Result<(Header, Body<'a>), Error> {
+    let (h, body) = parse(frame)?;
+    check_expected(&h, expected, n)?;
+    validate_body(h.n, &body)?;
+    Ok((h, body))
+}
+
+fn info(h: &Header) -> FrameInfo {
+    FrameInfo { n: h.n, kept: h.kept, method: h.params.method }
+}
+
+/// Decodes `frame` into `out`, overwriting every element (entries a sparse frame does not carry
+/// become 0). `out.len()` must equal the frame's element count, and the frame must have been
+/// made with `expected` (method and parameters; for random-k also seed, step and tensor id).
+/// The whole frame is checked before anything is written.
+///
+/// # Errors
+/// Any error of [`peek`]; [`Error::ElementCount`] when `out.len()` differs from the frame's
+/// n; [`Error::ParamMismatch`] when the frame was made with other parameters;
+/// [`Error::InvalidParams`] when `expected` is invalid; [`Error::BadIndex`] and
+/// [`Error::BadValue`] for invalid sections. On error `out` is untouched.
+///
+/// # Panics
+/// Never.
+pub fn decode_into(frame: &[u8], expected: &Params, out: &mut [f32]) -> Result<FrameInfo, Error> {
+    let (h, body) = decode_checked(frame, expected, out.len())?;
+    if matches!(body, Body::Sparse { .. }) {
+        out.fill(0.0);
+    }
+    for_each_entry(&h, &body, |i, v| out[i] = v);
+    Ok(info(&h))
+}
+
+/// Adds `weight * value` of every entry of `frame` into `acc` (never overwrites; entries a
+/// sparse frame does not carry are left as they are). Same checks as [`decode_into`]; on error
+/// `acc` is untouched.
+///
+/// # Errors
+/// As [`decode_into`].
+///
+/// # Panics
+/// Never.
+pub fn accumulate_into(
+    frame: &[u8],
+    expected: &Params,
+    acc: &mut [f32],
+    weight: f32,
+) -> Result<FrameInfo, Error> {
+    let (h, body) = decode_checked(frame, expected, acc.len())?;
+    for_each_entry(&h, &body, |i, v| acc[i] += weight * v);
+    Ok(info(&h))
+}

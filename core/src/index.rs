@@ -1,0 +1,283 @@
+//! Codecs for the strictly ascending index list of a sparse frame.
+//!
+//! | id | codec | size in bytes |
+//! |---|---|---|
+//! | 0 | bitmap: bit i set when index i is kept | `ceil(n / 8)` |
+//! | 1 | delta bit-packed: gaps `i_0`, `i_j - i_(j-1) - 1` in blocks of [`DELTA_BLOCK`], each block a width byte `w` (0..=64) then `len * w` bits | `sum(1 + ceil(len * w / 8))` |
+//! | 2 | raw: each index as a little-endian integer of [`raw_width`] bytes | `count * raw_width(n)` |
+//!
+//! The encoder measures all three in one pass ([`IndexSizer`]) and picks the smallest (ties:
+//! delta, then bitmap, then raw). Decoders check that indices are strictly increasing, `< n`,
+//! exactly `count` of them, and that every padding bit is zero.
+
+use crate::bits::{BitReader, BitWriter};
+
+/// Codec id of the bitmap.
+pub const BITMAP: u8 = 0;
+/// Codec id of delta bit-packed blocks.
+pub const DELTA: u8 = 1;
+/// Codec id of raw indices.
+pub const RAW: u8 = 2;
+/// Gaps per delta block.
+pub const DELTA_BLOCK: usize = 32;
+
+/// Bytes per raw index for `n` elements: the fewest bytes that hold `n - 1` (at least 1).
+pub const fn raw_width(n: u64) -> usize {
+    if n <= 1 {
+        return 1;
+    }
+    let bits = 64 - (n - 1).leading_zeros() as usize;
+    bits.div_ceil(8)
+}
+
+const fn bit_width(x: u64) -> u32 {
+    64 - x.leading_zeros()
+}
+
+/// Measures every codec's size for an ascending index stream, one index at a time.
+#[derive(Clone, Debug)]
+pub struct IndexSizer {
+    n: u64,
+    count: u64,
+    next_min: u64,
+    block_or: u64,
+    block_len: usize,
+    delta_bytes: usize,
+}
+
+impl IndexSizer {
+    /// A sizer for indices below `n`.
+    pub const fn new(n: u64) -> Self {
+        IndexSizer { n, count: 0, next_min: 0, block_or: 0, block_len: 0, delta_bytes: 0 }
+    }
+
+    /// Adds the next index (strictly greater than the previous one, `< n`).
+    #[inline]
+    pub fn push(&mut self, i: u64) {
+        let gap = i - self.next_min;
+        self.next_min = i + 1;
+        self.count += 1;
+        self.block_or |= gap;
+        self.block_len += 1;
+        if self.block_len == DELTA_BLOCK {
+            self.close_block();
+        }
+    }
+
+    fn close_block(&mut self) {
+        if self.block_len > 0 {
+            let w = bit_width(self.block_or) as usize;
+            self.delta_bytes += 1 + (self.block_len * w).div_ceil(8);
+            self.block_len = 0;
+            self.block_or = 0;
+        }
+    }
+
+    /// Indices pushed so far.
+    pub const fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The chosen codec and its section length in bytes.
+    pub fn choose(mut self) -> (u8, usize) {
+        self.close_block();
+        let bitmap = (self.n as usize).div_ceil(8);
+        let raw = (self.count as usize).saturating_mul(raw_width(self.n));
+        let delta = self.delta_bytes;
+        if delta <= bitmap && delta <= raw {
+            (DELTA, delta)
+        } else if bitmap <= raw {
+            (BITMAP, bitmap)
+        } else {
+            (RAW, raw)
+        }
+    }
+}
+
+/// Writes an ascending index stream in one codec into a section sized by [`IndexSizer`].
+pub struct IndexWriter<'a> {
+    codec: u8,
+    n: u64,
+    buf: &'a mut [u8],
+    pos: usize,
+    next_min: u64,
+    block: [u64; DELTA_BLOCK],
+    block_len: usize,
+}
+
+impl<'a> IndexWriter<'a> {
+    /// A writer for `codec` into `section`, which must be exactly the size the sizer chose.
+    pub fn new(codec: u8, n: u64, section: &'a mut [u8]) -> Self {
+        if codec == BITMAP {
+            section.fill(0);
+        }
+        IndexWriter {
+            codec,
+            n,
+            buf: section,
+            pos: 0,
+            next_min: 0,
+            block: [0; DELTA_BLOCK],
+            block_len: 0,
+        }
+    }
+
+    /// Writes the next index.
+    #[inline]
+    pub fn push(&mut self, i: u64) {
+        match self.codec {
+            BITMAP => self.buf[(i / 8) as usize] |= 1 << (i % 8),
+            RAW => {
+                let w = raw_width(self.n);
+                self.buf[self.pos..self.pos + w].copy_from_slice(&i.to_le_bytes()[..w]);
+                self.pos += w;
+            }
+            _ => {
+                self.block[self.block_len] = i - self.next_min;
+                self.next_min = i + 1;
+                self.block_len += 1;
+                if self.block_len == DELTA_BLOCK {
+                    self.flush_block();
+                }
+            }
+        }
+    }
+
+    fn flush_block(&mut self) {
+        if self.block_len == 0 {
+            return;
+        }
+        let gaps = &self.block[..self.block_len];
+        let w = bit_width(gaps.iter().fold(0, |a, &g| a | g));
+        self.buf[self.pos] = w as u8;
+        self.pos += 1;
+        let mut bw = BitWriter::new(&mut self.buf[self.pos..]);
+        for &g in gaps {
+            bw.write(g, w);
+        }
+        self.pos += bw.finish();
+        self.block_len = 0;
+    }
+
+    /// Flushes the last delta block.
+    pub fn finish(mut self) {
+        if self.codec == DELTA {
+            self.flush_block();
+        }
+    }
+}
+
+/// Length in bytes of an index section that starts at `bytes[0]`, without decoding it.
+/// `Err(())` when the section runs past `bytes` or a width byte is invalid.
+pub fn section_len(codec: u8, n: u64, count: u64, bytes: &[u8]) -> Result<usize, ()> {
+    match codec {
+        BITMAP => {
+            let len = usize::try_from(n.div_ceil(8)).map_err(|_| ())?;
+            if len > bytes.len() { Err(()) } else { Ok(len) }
+        }
+        RAW => {
+            let len = usize::try_from(count)
+                .ok()
+                .and_then(|c| c.checked_mul(raw_width(n)))
+                .ok_or(())?;
+            if len > bytes.len() { Err(()) } else { Ok(len) }
+        }
+        DELTA => {
+            let mut pos = 0usize;
+            let mut left = count;
+            while left > 0 {
+                let len = left.min(DELTA_BLOCK as u64) as usize;
+                let w = *bytes.get(pos).ok_or(())? as usize;
+                if w > 64 {
+                    return Err(());
+                }
+                pos = pos.checked_add(1 + (len * w).div_ceil(8)).ok_or(())?;
+                if pos > bytes.len() {
+                    return Err(());
+                }
+                left -= len as u64;
+            }
+            Ok(pos)
+        }
+        _ => Err(()),
+    }
+}
+
+/// Decodes and validates an index section (exactly `section_len` bytes), calling `f` with each
+/// index in ascending order. `Err(())` on any invalid content; `f` may have been called for a
+/// prefix of the indices by then, so callers validate in a first pass before writing output.
+pub fn for_each_index(
+    codec: u8,
+    n: u64,
+    count: u64,
+    section: &[u8],
+    mut f: impl FnMut(u64),
+) -> Result<(), ()> {
+    match codec {
+        BITMAP => {
+            let mut seen = 0u64;
+            for (j, &byte) in section.iter().enumerate() {
+                let mut b = byte;
+                while b != 0 {
+                    let t = b.trailing_zeros() as u64;
+                    let i = (j as u64) * 8 + t;
+                    if i >= n {
+                        return Err(());
+                    }
+                    seen += 1;
+                    if seen > count {
+                        return Err(());
+                    }
+                    f(i);
+                    b &= b - 1;
+                }
+            }
+            if seen == count { Ok(()) } else { Err(()) }
+        }
+        RAW => {
+            let w = raw_width(n);
+            let mut next_min = 0u64;
+            for chunk in section.chunks_exact(w) {
+                let mut le = [0u8; 8];
+                le[..w].copy_from_slice(chunk);
+                let i = u64::from_le_bytes(le);
+                if i < next_min || i >= n {
+                    return Err(());
+                }
+                next_min = i + 1;
+                f(i);
+            }
+            Ok(())
+        }
+        DELTA => {
+            let mut pos = 0usize;
+            let mut left = count;
+            let mut next_min = 0u64;
+            while left > 0 {
+                let len = left.min(DELTA_BLOCK as u64) as usize;
+                let w = u32::from(*section.get(pos).ok_or(())?);
+                if w > 64 {
+                    return Err(());
+                }
+                pos += 1;
+                let mut br = BitReader::new(section.get(pos..).ok_or(())?);
+                for _ in 0..len {
+                    let gap = br.read(w).ok_or(())?;
+                    let i = next_min.checked_add(gap).ok_or(())?;
+                    if i >= n {
+                        return Err(());
+                    }
+                    next_min = i + 1;
+                    f(i);
+                }
+                if !br.padding_is_zero() {
+                    return Err(());
+                }
+                pos += br.bytes_consumed();
+                left -= len as u64;
+            }
+            if pos == section.len() { Ok(()) } else { Err(()) }
+        }
+        _ => Err(()),
+    }
+}
