@@ -1,0 +1,2 @@
+//! The `gradwire` command-line tool (being written).
+fn main() {}

@@ -1,0 +1,22 @@
+//! # gradwire
+//!
+//! Gradient compression for data-parallel training, on top of the `no_std` kernels of
+//! [`gradwire_core`]: error feedback keyed by parameter name, buckets, one bundle per rank per
+//! step, validated aggregation (sum, mean, sign majority vote), residual checkpoints, the
+//! reference Python safetensors layout, collective transports ([`comm`]) and the `gradwire`
+//! command-line tool.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod aggregate;
+pub mod allreduce;
+pub mod bucket;
+pub mod bundle;
+pub mod comm;
+pub mod compressor;
+pub mod error;
+pub mod feedback;
+pub mod reference;
+pub mod tensor;
+
+pub use gradwire_core as core;
