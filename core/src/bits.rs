@@ -11,7 +11,12 @@ pub(crate) struct BitWriter<'a> {
 
 impl<'a> BitWriter<'a> {
     pub(crate) fn new(buf: &'a mut [u8]) -> Self {
-        BitWriter { buf, pos: 0, acc: 0, nbits: 0 }
+        BitWriter {
+            buf,
+            pos: 0,
+            acc: 0,
+            nbits: 0,
+        }
     }
 
     /// Appends the low `width` bits of `value` (`width <= 64`; higher bits must be zero).

@@ -130,6 +130,11 @@ pub enum Error {
         /// Byte offset of the section holding the value.
         offset: usize,
     },
+    /// A caller's index list is not strictly ascending or holds an index out of range.
+    UnsortedIndices {
+        /// Position in the list of the first bad index.
+        position: usize,
+    },
     /// Bytes remain after the last section.
     TrailingBytes {
         /// Byte offset where the unexpected bytes start.
@@ -147,11 +152,17 @@ impl fmt::Display for Error {
                 write!(f, "scratch too small: need {needed} words, got {got}")
             }
             Error::LengthMismatch { expected, got } => {
-                write!(f, "length mismatch: expected {expected} elements, got {got}")
+                write!(
+                    f,
+                    "length mismatch: expected {expected} elements, got {got}"
+                )
             }
             Error::NonFinite { index } => write!(f, "gradient is NaN or infinite at index {index}"),
             Error::ValueOutOfRange { index } => {
-                write!(f, "value at index {index} is out of range for the value type")
+                write!(
+                    f,
+                    "value at index {index} is out of range for the value type"
+                )
             }
             Error::InvalidParams { param } => write!(f, "invalid parameter: {param:?}"),
             Error::Truncated { needed, got } => {
@@ -162,11 +173,17 @@ impl fmt::Display for Error {
                 write!(f, "unsupported frame format version {version}")
             }
             Error::Checksum { stored, computed } => {
-                write!(f, "checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")
+                write!(
+                    f,
+                    "checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"
+                )
             }
             Error::Malformed { offset } => write!(f, "malformed frame header at byte {offset}"),
             Error::ParamMismatch { param } => {
-                write!(f, "frame parameter {param:?} differs from what the receiver expects")
+                write!(
+                    f,
+                    "frame parameter {param:?} differs from what the receiver expects"
+                )
             }
             Error::ElementCount { expected, got } => {
                 write!(f, "frame has {got} elements, receiver expects {expected}")
@@ -174,6 +191,12 @@ impl fmt::Display for Error {
             Error::TooLarge { n } => write!(f, "element count {n} is too large for this platform"),
             Error::BadIndex { offset } => write!(f, "invalid index section at byte {offset}"),
             Error::BadValue { offset } => write!(f, "invalid value section at byte {offset}"),
+            Error::UnsortedIndices { position } => {
+                write!(
+                    f,
+                    "index list not strictly ascending and in range at position {position}"
+                )
+            }
             Error::TrailingBytes { offset } => write!(f, "unexpected bytes after byte {offset}"),
         }
     }

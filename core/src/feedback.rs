@@ -33,14 +33,23 @@ pub fn feedback_step(
     out: &mut [u8],
 ) -> Result<usize, Error> {
     if grad.len() != residual.len() {
-        return Err(Error::LengthMismatch { expected: grad.len(), got: residual.len() });
+        return Err(Error::LengthMismatch {
+            expected: grad.len(),
+            got: residual.len(),
+        });
     }
     match params.method {
         Method::RandomK { unbiased: true, .. } => {
-            return Err(Error::InvalidParams { param: Param::Unbiased });
+            return Err(Error::InvalidParams {
+                param: Param::Unbiased,
+            });
         }
-        Method::Sign { scale: SignScale::None } => {
-            return Err(Error::InvalidParams { param: Param::SignScale });
+        Method::Sign {
+            scale: SignScale::None,
+        } => {
+            return Err(Error::InvalidParams {
+                param: Param::SignScale,
+            });
         }
         _ => {}
     }

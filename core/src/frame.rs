@@ -112,11 +112,17 @@ pub(crate) fn check_encode(
     params.method.validate()?;
     let need = scratch_len(n, &params.method);
     if scratch < need {
-        return Err(Error::ScratchTooSmall { needed: need, got: scratch });
+        return Err(Error::ScratchTooSmall {
+            needed: need,
+            got: scratch,
+        });
     }
     let need = max_frame_len(n, &params.method);
     if out < need {
-        return Err(Error::BufferTooSmall { needed: need, got: out });
+        return Err(Error::BufferTooSmall {
+            needed: need,
+            got: out,
+        });
     }
     Ok(())
 }
@@ -157,6 +163,73 @@ pub fn encode_into(
     Ok(encode_checked(grad, params, scratch, out))
 }
 
+/// Encodes the entries of `grad` at the strictly ascending indices `kept` as a top-k frame with
+/// `k = kept.len()` and value codec `values` (for example per-tensor top-k over a bucket of
+/// fused tensors). Decode it with `Method::TopK { k: K::Count(kept.len() as u64), values }`.
+///
+/// `scratch` and `out` are sized by [`scratch_len`] and [`max_frame_len`] for that method.
+///
+/// # Errors
+/// [`Error::UnsortedIndices`] when `kept` is not strictly ascending or holds an index `>= n`;
+/// otherwise as [`encode_into`].
+///
+/// # Panics
+/// Never.
+pub fn encode_selected_into(
+    grad: &[f32],
+    kept: &[u32],
+    values: Values,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    let params = Params::new(Method::TopK {
+        k: K::Count(kept.len() as u64),
+        values,
+    });
+    check_encode(grad.len(), &params, scratch.len(), out.len())?;
+    check_input(grad, &params.method)?;
+    let mut next_min = 0usize;
+    for (position, &i) in kept.iter().enumerate() {
+        let i = i as usize;
+        if i < next_min || i >= grad.len() {
+            return Err(Error::UnsortedIndices { position });
+        }
+        next_min = i + 1;
+    }
+    let n = grad.len();
+    let mut p = Put { buf: out, pos: 0 };
+    write_fixed(&mut p, M_TOPK, 0, n);
+    p.values(values);
+    let hist = select::topk_scratch_len(n);
+    let int8_scratch = &mut scratch[hist..];
+    let iter = |f: &mut dyn FnMut(usize)| kept.iter().for_each(|&i| f(i as usize));
+    let (count, codec, idx_len) = measure(grad, &iter, values, int8_scratch);
+    p.u64(count);
+    p.u8(codec);
+    write_sparse_body(
+        grad,
+        &iter,
+        values,
+        count as usize,
+        codec,
+        idx_len,
+        &mut p,
+        int8_scratch,
+    );
+    let crc = crc32fast::hash(&p.buf[..p.pos]);
+    p.u32(crc);
+    Ok(p.pos)
+}
+
+fn write_fixed(p: &mut Put<'_>, id: u8, flags: u8, n: usize) {
+    p.bytes(&MAGIC);
+    p.u8(FORMAT_VERSION);
+    p.u8(id);
+    p.u8(flags);
+    p.u8(0);
+    p.u64(n as u64);
+}
+
 /// Little-endian cursor over the output.
 struct Put<'a> {
     buf: &'a mut [u8],
@@ -194,8 +267,6 @@ pub(crate) fn encode_checked(
 ) -> usize {
     let n = g.len();
     let mut p = Put { buf: out, pos: 0 };
-    p.bytes(&MAGIC);
-    p.u8(FORMAT_VERSION);
     let (id, flags) = match params.method {
         Method::Dense { .. } => (M_DENSE, 0),
         Method::TopK { .. } => (M_TOPK, 0),
@@ -204,10 +275,7 @@ pub(crate) fn encode_checked(
         Method::Quant { .. } => (M_QUANT, 0),
         Method::Sign { .. } => (M_SIGN, 0),
     };
-    p.u8(id);
-    p.u8(flags);
-    p.u8(0);
-    p.u64(n as u64);
+    write_fixed(&mut p, id, flags, n);
     match params.method {
         Method::Dense { values } => {
             p.values(values);
@@ -241,9 +309,20 @@ pub(crate) fn encode_checked(
             p.u64(params.step);
             p.u64(params.tensor_id);
             let key = rng::key(params.seed, params.step, params.tensor_id);
-            write_values(g, Selection::RandomK { key, k }, values, k as usize, &mut p, scratch);
+            write_values(
+                g,
+                Selection::RandomK { key, k },
+                values,
+                k as usize,
+                &mut p,
+                scratch,
+            );
         }
-        Method::Quant { bits, block, rounding } => {
+        Method::Quant {
+            bits,
+            block,
+            rounding,
+        } => {
             p.u8(bits);
             p.u8(match rounding {
                 Rounding::NearestEven => 0,
@@ -295,9 +374,10 @@ fn encode_sparse(
     header_tail: impl FnOnce(&mut Put<'_>, u64, u8),
 ) {
     p.values(v);
-    let (count, codec, idx_len) = measure(g, sel, v, int8_scratch);
+    let kept = |f: &mut dyn FnMut(usize)| select::for_each_kept(g, sel, f);
+    let (count, codec, idx_len) = measure(g, &kept, v, int8_scratch);
     header_tail(p, count, codec);
-    write_sparse_body(g, sel, v, count as usize, codec, idx_len, p, int8_scratch);
+    write_sparse_body(g, &kept, v, count as usize, codec, idx_len, p, int8_scratch);
 }
 
 /// Sparse body for threshold, whose values spec and threshold are already written.
@@ -308,21 +388,24 @@ fn encode_sparse_after_values(
     p: &mut Put<'_>,
     int8_scratch: &mut [u32],
 ) {
-    let (count, codec, idx_len) = measure(g, sel, v, int8_scratch);
+    let kept = |f: &mut dyn FnMut(usize)| select::for_each_kept(g, sel, f);
+    let (count, codec, idx_len) = measure(g, &kept, v, int8_scratch);
     p.u64(count);
     p.u8(codec);
-    write_sparse_body(g, sel, v, count as usize, codec, idx_len, p, int8_scratch);
+    write_sparse_body(g, &kept, v, count as usize, codec, idx_len, p, int8_scratch);
 }
 
 /// First pass: the kept count, the smallest index codec and, for int8, each block's absmax
 /// magnitude key (into `int8_scratch`).
-fn measure(g: &[f32], sel: Selection, v: Values, int8_scratch: &mut [u32]) -> (u64, u8, usize) {
+type KeptFn<'a> = &'a dyn Fn(&mut dyn FnMut(usize));
+
+fn measure(g: &[f32], kept: KeptFn<'_>, v: Values, int8_scratch: &mut [u32]) -> (u64, u8, usize) {
     let mut sizer = IndexSizer::new(g.len() as u64);
     let block = match v {
         Values::Int8 { block } => block as usize,
         _ => 0,
     };
-    select::for_each_kept(g, sel, |i| {
+    kept(&mut |i| {
         if block > 0 {
             let c = sizer.count() as usize;
             let b = c / block;
@@ -341,7 +424,7 @@ fn measure(g: &[f32], sel: Selection, v: Values, int8_scratch: &mut [u32]) -> (u
 #[allow(clippy::too_many_arguments)]
 fn write_sparse_body(
     g: &[f32],
-    sel: Selection,
+    kept: KeptFn<'_>,
     v: Values,
     count: usize,
     codec: u8,
@@ -354,7 +437,7 @@ fn write_sparse_body(
     let vals = &mut rest[..v_len];
     let mut iw = IndexWriter::new(codec, g.len() as u64, idx);
     let mut vw = ValueWriter::new(v, count, vals, int8_scratch);
-    select::for_each_kept(g, sel, |i| {
+    kept(&mut |i| {
         iw.push(i as u64);
         vw.push(g[i]);
     });
@@ -363,7 +446,14 @@ fn write_sparse_body(
 }
 
 /// Random-k body: values only.
-fn write_values(g: &[f32], sel: Selection, v: Values, k: usize, p: &mut Put<'_>, scratch: &mut [u32]) {
+fn write_values(
+    g: &[f32],
+    sel: Selection,
+    v: Values,
+    k: usize,
+    p: &mut Put<'_>,
+    scratch: &mut [u32],
+) {
     if let Values::Int8 { block } = v {
         let block = block as usize;
         let mut c = 0usize;
@@ -403,7 +493,13 @@ impl<'a> ValueWriter<'a> {
             }
             _ => 0,
         };
-        ValueWriter { v, out, codes_at, absmax, j: 0 }
+        ValueWriter {
+            v,
+            out,
+            codes_at,
+            absmax,
+            j: 0,
+        }
     }
 
     #[inline]
@@ -448,7 +544,11 @@ pub struct FrameInfo {
 
 /// Sections of a parsed frame, each with its byte offset.
 enum Body<'a> {
-    Dense { v: Values, vals: &'a [u8], off: usize },
+    Dense {
+        v: Values,
+        vals: &'a [u8],
+        off: usize,
+    },
     Sparse {
         v: Values,
         count: u64,
@@ -458,8 +558,19 @@ enum Body<'a> {
         vals: &'a [u8],
         vals_off: usize,
     },
-    Quant { bits: u8, block: usize, scales: &'a [u8], codes: &'a [u8], off: usize },
-    Sign { block: Option<usize>, scales: &'a [u8], signs: &'a [u8], off: usize },
+    Quant {
+        bits: u8,
+        block: usize,
+        scales: &'a [u8],
+        codes: &'a [u8],
+        off: usize,
+    },
+    Sign {
+        block: Option<usize>,
+        scales: &'a [u8],
+        signs: &'a [u8],
+        off: usize,
+    },
 }
 
 /// Checked little-endian reader over the header.
@@ -470,11 +581,14 @@ struct Get<'a> {
 
 impl<'a> Get<'a> {
     fn take(&mut self, len: usize) -> Result<&'a [u8], Error> {
-        let end = self.pos.checked_add(len).ok_or(Error::Truncated { needed: usize::MAX, got: self.buf.len() })?;
-        let s = self
-            .buf
-            .get(self.pos..end)
-            .ok_or(Error::Truncated { needed: end + CRC_LEN, got: self.buf.len() + CRC_LEN })?;
+        let end = self.pos.checked_add(len).ok_or(Error::Truncated {
+            needed: usize::MAX,
+            got: self.buf.len(),
+        })?;
+        let s = self.buf.get(self.pos..end).ok_or(Error::Truncated {
+            needed: end + CRC_LEN,
+            got: self.buf.len() + CRC_LEN,
+        })?;
         self.pos = end;
         Ok(s)
     }
@@ -516,7 +630,10 @@ impl<'a> Get<'a> {
 
 fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
     if frame.len() < FIXED_LEN + CRC_LEN {
-        return Err(Error::Truncated { needed: FIXED_LEN + CRC_LEN, got: frame.len() });
+        return Err(Error::Truncated {
+            needed: FIXED_LEN + CRC_LEN,
+            got: frame.len(),
+        });
     }
     if frame[..4] != MAGIC {
         return Err(Error::BadMagic);
@@ -531,7 +648,10 @@ fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
     if stored != computed {
         return Err(Error::Checksum { stored, computed });
     }
-    let mut r = Get { buf: &frame[..body_end], pos: 5 };
+    let mut r = Get {
+        buf: &frame[..body_end],
+        pos: 5,
+    };
     let id = r.u8()?;
     let flags = r.u8()?;
     if r.u8()? != 0 {
@@ -542,7 +662,9 @@ fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
     }
     let n = r.u64()?;
     let nu = usize::try_from(n).map_err(|_| Error::TooLarge { n })?;
-    let mut params = Params::new(Method::Dense { values: Values::F32 });
+    let mut params = Params::new(Method::Dense {
+        values: Values::F32,
+    });
     let too_large = Error::TooLarge { n };
     let (kept, body) = match id {
         M_DENSE => {
@@ -559,7 +681,11 @@ fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
             let v = r.values()?;
             let threshold = if id == M_THRESHOLD {
                 let at = r.pos;
-                let t = f32::from_le_bytes(r.take(4)?.try_into().map_err(|_| Error::Malformed { offset: at })?);
+                let t = f32::from_le_bytes(
+                    r.take(4)?
+                        .try_into()
+                        .map_err(|_| Error::Malformed { offset: at })?,
+                );
                 if !(t.is_finite() && t >= 0.0) {
                     return Err(Error::Malformed { offset: at });
                 }
@@ -578,8 +704,14 @@ fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
                 return Err(Error::Malformed { offset: at });
             }
             params.method = match threshold {
-                Some(threshold) => Method::Threshold { threshold, values: v },
-                None => Method::TopK { k: K::Count(count), values: v },
+                Some(threshold) => Method::Threshold {
+                    threshold,
+                    values: v,
+                },
+                None => Method::TopK {
+                    k: K::Count(count),
+                    values: v,
+                },
             };
             let idx_off = r.pos;
             let idx_len = index::section_len(codec, n, count, &r.buf[idx_off..])
@@ -587,7 +719,18 @@ fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
             let (idx, _) = r.section(idx_len)?;
             let count_usize = usize::try_from(count).map_err(|_| too_large)?;
             let (vals, vals_off) = r.section(v.section_len(count_usize))?;
-            (count, Body::Sparse { v, count, codec: Some(codec), idx, idx_off, vals, vals_off })
+            (
+                count,
+                Body::Sparse {
+                    v,
+                    count,
+                    codec: Some(codec),
+                    idx,
+                    idx_off,
+                    vals,
+                    vals_off,
+                },
+            )
         }
         M_RANDOMK => {
             let v = r.values()?;
@@ -599,11 +742,25 @@ fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
             params.seed = r.u64()?;
             params.step = r.u64()?;
             params.tensor_id = r.u64()?;
-            params.method =
-                Method::RandomK { k: K::Count(k), values: v, unbiased: flags == FLAG_UNBIASED };
+            params.method = Method::RandomK {
+                k: K::Count(k),
+                values: v,
+                unbiased: flags == FLAG_UNBIASED,
+            };
             let ku = usize::try_from(k).map_err(|_| too_large)?;
             let (vals, vals_off) = r.section(v.section_len(ku))?;
-            (k, Body::Sparse { v, count: k, codec: None, idx: &[], idx_off: vals_off, vals, vals_off })
+            (
+                k,
+                Body::Sparse {
+                    v,
+                    count: k,
+                    codec: None,
+                    idx: &[],
+                    idx_off: vals_off,
+                    vals,
+                    vals_off,
+                },
+            )
         }
         M_QUANT => {
             let at = r.pos;
@@ -620,12 +777,28 @@ fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
             if block == 0 {
                 return Err(Error::Malformed { offset: at + 2 });
             }
-            params.method = Method::Quant { bits, block, rounding };
-            let s_len = nu.div_ceil(block as usize).checked_mul(4).ok_or(too_large)?;
+            params.method = Method::Quant {
+                bits,
+                block,
+                rounding,
+            };
+            let s_len = nu
+                .div_ceil(block as usize)
+                .checked_mul(4)
+                .ok_or(too_large)?;
             let c_len = nu.checked_mul(bits as usize).ok_or(too_large)?.div_ceil(8);
             let (scales, off) = r.section(s_len)?;
             let (codes, _) = r.section(c_len)?;
-            (n, Body::Quant { bits, block: block as usize, scales, codes, off })
+            (
+                n,
+                Body::Quant {
+                    bits,
+                    block: block as usize,
+                    scales,
+                    codes,
+                    off,
+                },
+            )
         }
         M_SIGN => {
             let at = r.pos;
@@ -653,14 +826,28 @@ fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
             };
             let (scales, off) = r.section(s_len)?;
             let (signs, _) = r.section(nu.div_ceil(8))?;
-            (n, Body::Sign { block, scales, signs, off })
+            (
+                n,
+                Body::Sign {
+                    block,
+                    scales,
+                    signs,
+                    off,
+                },
+            )
         }
         _ => return Err(Error::Malformed { offset: 5 }),
     };
     if r.pos != body_end {
         return Err(Error::TrailingBytes { offset: r.pos });
     }
-    let header = Header { version: FORMAT_VERSION, n, params, kept, frame_len: frame.len() };
+    let header = Header {
+        version: FORMAT_VERSION,
+        n,
+        params,
+        kept,
+        frame_len: frame.len(),
+    };
     Ok((header, body))
 }
 
@@ -678,7 +865,10 @@ pub fn peek(frame: &[u8]) -> Result<Header, Error> {
 /// Checks a parsed header against what the receiver expects for `n` elements.
 fn check_expected(h: &Header, expected: &Params, n: usize) -> Result<(), Error> {
     if h.n != n as u64 {
-        return Err(Error::ElementCount { expected: n as u64, got: h.n });
+        return Err(Error::ElementCount {
+            expected: n as u64,
+            got: h.n,
+        });
     }
     expected.method.validate()?;
     let mismatch = |param| Err(Error::ParamMismatch { param });
@@ -697,8 +887,14 @@ fn check_expected(h: &Header, expected: &Params, n: usize) -> Result<(), Error> 
             }
         }
         (
-            Method::Threshold { threshold: a, values: va },
-            Method::Threshold { threshold: b, values: vb },
+            Method::Threshold {
+                threshold: a,
+                values: va,
+            },
+            Method::Threshold {
+                threshold: b,
+                values: vb,
+            },
         ) => {
             if va != vb {
                 return mismatch(Param::Values);
@@ -708,8 +904,16 @@ fn check_expected(h: &Header, expected: &Params, n: usize) -> Result<(), Error> 
             }
         }
         (
-            Method::RandomK { k: a, values: va, unbiased: ua },
-            Method::RandomK { k: b, values: vb, unbiased: ub },
+            Method::RandomK {
+                k: a,
+                values: va,
+                unbiased: ua,
+            },
+            Method::RandomK {
+                k: b,
+                values: vb,
+                unbiased: ub,
+            },
         ) => {
             if va != vb {
                 return mismatch(Param::Values);
@@ -731,8 +935,16 @@ fn check_expected(h: &Header, expected: &Params, n: usize) -> Result<(), Error> 
             }
         }
         (
-            Method::Quant { bits: a, block: ba, rounding: ra },
-            Method::Quant { bits: b, block: bb, rounding: rb },
+            Method::Quant {
+                bits: a,
+                block: ba,
+                rounding: ra,
+            },
+            Method::Quant {
+                bits: b,
+                block: bb,
+                rounding: rb,
+            },
         ) => {
             if a != b {
                 return mismatch(Param::Bits);
@@ -761,22 +973,40 @@ fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
             let vb = v.value_bytes();
             for (j, c) in vals.chunks_exact(vb).enumerate() {
                 if values::read_plain(v, c).is_none() {
-                    return Err(Error::BadValue { offset: off + j * vb });
+                    return Err(Error::BadValue {
+                        offset: off + j * vb,
+                    });
                 }
             }
         }
-        Body::Sparse { v, count, codec, idx, idx_off, vals, vals_off } => {
+        Body::Sparse {
+            v,
+            count,
+            codec,
+            idx,
+            idx_off,
+            vals,
+            vals_off,
+        } => {
             if let Some(codec) = codec {
                 index::for_each_index(codec, n, count, idx, |_| {})
                     .map_err(|_| Error::BadIndex { offset: idx_off })?;
             }
             validate_values(v, count as usize, vals, vals_off)?;
         }
-        Body::Quant { bits, scales, codes, off, .. } => {
+        Body::Quant {
+            bits,
+            scales,
+            codes,
+            off,
+            ..
+        } => {
             quant::validate(n as usize, bits, scales, codes)
                 .map_err(|o| Error::BadValue { offset: off + o })?;
         }
-        Body::Sign { scales, signs, off, .. } => {
+        Body::Sign {
+            scales, signs, off, ..
+        } => {
             sign::validate(n as usize, scales, signs)
                 .map_err(|o| Error::BadValue { offset: off + o })?;
         }
@@ -791,18 +1021,24 @@ fn validate_values(v: Values, count: usize, vals: &[u8], off: usize) -> Result<(
             for (j, s) in vals[..s_len].chunks_exact(4).enumerate() {
                 let m = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
                 if !(m.is_finite() && m >= 0.0) {
-                    return Err(Error::BadValue { offset: off + 4 * j });
+                    return Err(Error::BadValue {
+                        offset: off + 4 * j,
+                    });
                 }
             }
             if let Some(j) = vals[s_len..].iter().position(|&c| c == 0x80) {
-                return Err(Error::BadValue { offset: off + s_len + j });
+                return Err(Error::BadValue {
+                    offset: off + s_len + j,
+                });
             }
         }
         _ => {
             let vb = v.value_bytes();
             for (j, c) in vals.chunks_exact(vb).enumerate() {
                 if values::read_plain(v, c).is_none() {
-                    return Err(Error::BadValue { offset: off + j * vb });
+                    return Err(Error::BadValue {
+                        offset: off + j * vb,
+                    });
                 }
             }
         }
@@ -820,14 +1056,22 @@ fn for_each_entry(h: &Header, body: &Body<'_>, mut f: impl FnMut(usize, f32)) {
                 f(i, values::read_plain(v, c).unwrap_or(0.0));
             }
         }
-        Body::Sparse { v, count, codec, idx, vals, .. } => {
+        Body::Sparse {
+            v,
+            count,
+            codec,
+            idx,
+            vals,
+            ..
+        } => {
             let count_usize = count as usize;
             let value_at = |j: usize| -> f32 {
                 match v {
                     Values::Int8 { block } => {
                         let s_len = count_usize.div_ceil(block as usize) * 4;
                         let b = 4 * (j / block as usize);
-                        let m = f32::from_le_bytes([vals[b], vals[b + 1], vals[b + 2], vals[b + 3]]);
+                        let m =
+                            f32::from_le_bytes([vals[b], vals[b + 1], vals[b + 2], vals[b + 3]]);
                         values::int8_value(vals[s_len + j] as i8, m)
                     }
                     _ => values::read_plain(v, &vals[j * v.value_bytes()..]).unwrap_or(0.0),
@@ -857,10 +1101,21 @@ fn for_each_entry(h: &Header, body: &Body<'_>, mut f: impl FnMut(usize, f32)) {
                 }
             }
         }
-        Body::Quant { bits, block, scales, codes, .. } => {
+        Body::Quant {
+            bits,
+            block,
+            scales,
+            codes,
+            ..
+        } => {
             quant::decode(n as usize, bits, block, scales, codes, f);
         }
-        Body::Sign { block, scales, signs, .. } => {
+        Body::Sign {
+            block,
+            scales,
+            signs,
+            ..
+        } => {
             sign::decode(n as usize, block, scales, signs, f);
         }
     }
@@ -878,7 +1133,11 @@ fn decode_checked<'a>(
 }
 
 fn info(h: &Header) -> FrameInfo {
-    FrameInfo { n: h.n, kept: h.kept, method: h.params.method }
+    FrameInfo {
+        n: h.n,
+        kept: h.kept,
+        method: h.params.method,
+    }
 }
 
 /// Decodes `frame` into `out`, overwriting every element (entries a sparse frame does not carry

@@ -48,7 +48,14 @@ pub struct IndexSizer {
 impl IndexSizer {
     /// A sizer for indices below `n`.
     pub const fn new(n: u64) -> Self {
-        IndexSizer { n, count: 0, next_min: 0, block_or: 0, block_len: 0, delta_bytes: 0 }
+        IndexSizer {
+            n,
+            count: 0,
+            next_min: 0,
+            block_or: 0,
+            block_len: 0,
+            delta_bytes: 0,
+        }
     }
 
     /// Adds the next index (strictly greater than the previous one, `< n`).
@@ -276,7 +283,11 @@ pub fn for_each_index(
                 pos += br.bytes_consumed();
                 left -= len as u64;
             }
-            if pos == section.len() { Ok(()) } else { Err(()) }
+            if pos == section.len() {
+                Ok(())
+            } else {
+                Err(())
+            }
         }
         _ => Err(()),
     }

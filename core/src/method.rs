@@ -162,7 +162,10 @@ pub enum Method {
 impl Method {
     /// Default sparse top-k: ratio with f32 values.
     pub const fn top_k_ratio(ratio: f64) -> Self {
-        Method::TopK { k: K::Ratio(ratio), values: Values::F32 }
+        Method::TopK {
+            k: K::Ratio(ratio),
+            values: Values::F32,
+        }
     }
 
     /// Checks the parameters.
@@ -245,7 +248,12 @@ pub struct Params {
 impl Params {
     /// Parameters with seed, step and tensor id 0.
     pub const fn new(method: Method) -> Self {
-        Params { method, seed: 0, step: 0, tensor_id: 0 }
+        Params {
+            method,
+            seed: 0,
+            step: 0,
+            tensor_id: 0,
+        }
     }
 
     /// The same parameters with another seed.

@@ -9,7 +9,8 @@ use crate::scalar::{dequant, quant_levels};
 
 /// Bytes of the scales section: 4 per block.
 pub const fn scales_len(n: usize, block: usize) -> usize {
-    n.div_ceil(if block == 0 { 1 } else { block }).saturating_mul(4)
+    n.div_ceil(if block == 0 { 1 } else { block })
+        .saturating_mul(4)
 }
 
 /// Bytes of the codes section: `ceil(n * bits / 8)`.
@@ -55,7 +56,14 @@ pub fn validate(n: usize, bits: u8, scales: &[u8], codes: &[u8]) -> Result<(), u
 }
 
 /// Decodes validated sections, calling `f(i, value)` for every element in order.
-pub fn decode(n: usize, bits: u8, block: usize, scales: &[u8], codes: &[u8], mut f: impl FnMut(usize, f32)) {
+pub fn decode(
+    n: usize,
+    bits: u8,
+    block: usize,
+    scales: &[u8],
+    codes: &[u8],
+    mut f: impl FnMut(usize, f32),
+) {
     let l = quant_levels(bits);
     let mut br = crate::bits::BitReader::new(codes);
     for (b, s) in scales.chunks_exact(4).enumerate() {

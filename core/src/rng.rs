@@ -17,7 +17,11 @@ const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 /// The stream key for (seed, step, tensor id).
 #[inline]
 pub const fn key(seed: u64, step: u64, tensor_id: u64) -> u64 {
-    mix64(seed ^ mix64(step.wrapping_add(GOLDEN) ^ mix64(tensor_id.wrapping_add(GOLDEN.wrapping_mul(2)))))
+    mix64(
+        seed ^ mix64(
+            step.wrapping_add(GOLDEN) ^ mix64(tensor_id.wrapping_add(GOLDEN.wrapping_mul(2))),
+        ),
+    )
 }
 
 /// The 64 random bits of draw `index` in stream `key`.

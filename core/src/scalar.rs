@@ -73,7 +73,10 @@ pub fn topk_cut(g: &[f32], k: usize, hist: &mut [u32]) -> Cut {
         prefix |= (d as u32) << shift;
         prefix_mask |= digit_mask << shift;
     }
-    Cut { key: prefix, take_ties: need }
+    Cut {
+        key: prefix,
+        take_ties: need,
+    }
 }
 
 /// Which elements a sparse method keeps.
@@ -130,7 +133,9 @@ pub fn for_each_kept(g: &[f32], sel: Selection, mut f: impl FnMut(usize)) {
                 }
             }
         }
-        Selection::RandomK { key, k } => randomk_for_each(g.len() as u64, k, key, |i| f(i as usize)),
+        Selection::RandomK { key, k } => {
+            randomk_for_each(g.len() as u64, k, key, |i| f(i as usize))
+        }
     }
 }
 
@@ -201,7 +206,8 @@ pub fn abs_sum_striped(x: &[f32]) -> f32 {
             lanes[j] += v.abs();
         }
     }
-    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
 }
 
 /// The sign scale of a block: mean |x| = [`abs_sum_striped`] / len; 0 for an empty block.

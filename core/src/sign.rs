@@ -41,7 +41,13 @@ pub fn validate(n: usize, scales: &[u8], signs: &[u8]) -> Result<(), usize> {
 }
 
 /// Decodes validated sections, calling `f(i, value)`: `±scale` of the element's block, or ±1.
-pub fn decode(n: usize, block: Option<usize>, scales: &[u8], signs: &[u8], mut f: impl FnMut(usize, f32)) {
+pub fn decode(
+    n: usize,
+    block: Option<usize>,
+    scales: &[u8],
+    signs: &[u8],
+    mut f: impl FnMut(usize, f32),
+) {
     for i in 0..n {
         let mag = match block {
             Some(b) => {

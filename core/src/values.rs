@@ -48,11 +48,18 @@ pub fn write_plain(values: Values, x: f32, out: &mut [u8]) {
 #[inline]
 pub fn read_plain(values: Values, bytes: &[u8]) -> Option<f32> {
     let v = match values {
-        Values::F16 => f16::from_bits(u16::from_le_bytes([*bytes.first()?, *bytes.get(1)?])).to_f32(),
+        Values::F16 => {
+            f16::from_bits(u16::from_le_bytes([*bytes.first()?, *bytes.get(1)?])).to_f32()
+        }
         Values::Bf16 => {
             bf16::from_bits(u16::from_le_bytes([*bytes.first()?, *bytes.get(1)?])).to_f32()
         }
-        _ => f32::from_le_bytes([*bytes.first()?, *bytes.get(1)?, *bytes.get(2)?, *bytes.get(3)?]),
+        _ => f32::from_le_bytes([
+            *bytes.first()?,
+            *bytes.get(1)?,
+            *bytes.get(2)?,
+            *bytes.get(3)?,
+        ]),
     };
     if v.is_finite() { Some(v) } else { None }
 }
