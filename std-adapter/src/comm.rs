@@ -10,8 +10,9 @@
 //! Every rank passes a `max_len` to [`Communicator::all_gather`]. The transports exchange the
 //! lengths (and the limits) first, so every rank takes the same decision: when any rank's buffer
 //! is longer than the smallest `max_len` of the group, every rank's call fails with the same
-//! [`CommError::TooLarge`] naming the first such rank, and nothing of that size is allocated or
-//! copied. The group stays usable for the next call.
+//! [`CommError::TooLarge`] naming the first such rank, `out` is left as it was, and no rank
+//! allocates or copies more than its own `max_len` for any buffer. The group stays usable for
+//! the next call.
 //!
 //! # Example
 //! ```
@@ -76,10 +77,12 @@ pub trait Communicator: Send {
     /// order (`out[self.rank()]` is a copy of `local`). `out` is resized to `world_size()`
     /// and its buffers are reused, so a steady-state caller does not allocate.
     ///
+    /// Ranks should pass the same `max_len`; if they differ, the group applies the smallest.
+    ///
     /// # Errors
     /// [`CommError::TooLarge`] when any rank's buffer is longer than `max_len` bytes (checked
-    /// before anything of that size is allocated); [`CommError::Transport`] when the
-    /// transport fails.
+    /// before anything of that size is allocated; every rank gets the same error and `out` is
+    /// left as it was); [`CommError::Transport`] when the transport fails.
     fn all_gather(
         &mut self,
         local: &[u8],
