@@ -61,14 +61,13 @@ pub fn feedback_step(
         return Err(Error::NonFinite { index });
     }
     // Range of the value type, checked on the sums before the residual changes.
-    if let Some(v) = params.method.values() {
-        if let Some(index) = grad
+    if let Some(v) = params.method.values()
+        && let Some(index) = grad
             .iter()
             .zip(residual.iter())
             .position(|(&g, &r)| !crate::values::fits(v, g + r))
-        {
-            return Err(Error::ValueOutOfRange { index });
-        }
+    {
+        return Err(Error::ValueOutOfRange { index });
     }
     for (r, &g) in residual.iter_mut().zip(grad) {
         *r += g;

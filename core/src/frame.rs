@@ -132,10 +132,10 @@ pub(crate) fn check_input(x: &[f32], method: &Method) -> Result<(), Error> {
     if let Some(index) = scalar::first_non_finite(x) {
         return Err(Error::NonFinite { index });
     }
-    if let Some(v) = method.values() {
-        if let Some(index) = values::first_out_of_range(v, x) {
-            return Err(Error::ValueOutOfRange { index });
-        }
+    if let Some(v) = method.values()
+        && let Some(index) = values::first_out_of_range(v, x)
+    {
+        return Err(Error::ValueOutOfRange { index });
     }
     Ok(())
 }
@@ -406,10 +406,8 @@ fn measure(g: &[f32], kept: KeptFn<'_>, v: Values, int8_scratch: &mut [u32]) -> 
         _ => 0,
     };
     kept(&mut |i| {
-        if block > 0 {
-            let c = sizer.count() as usize;
-            let b = c / block;
-            if c % block == 0 {
+        if let Some(b) = (sizer.count() as usize).checked_div(block) {
+            if (sizer.count() as usize).is_multiple_of(block) {
                 int8_scratch[b] = 0;
             }
             int8_scratch[b] = int8_scratch[b].max(magnitude_key(g[i]));
@@ -459,7 +457,7 @@ fn write_values(
         let mut c = 0usize;
         select::for_each_kept(g, sel, |i| {
             let b = c / block;
-            if c % block == 0 {
+            if c.is_multiple_of(block) {
                 scratch[b] = 0;
             }
             scratch[b] = scratch[b].max(magnitude_key(g[i]));

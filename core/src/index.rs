@@ -174,44 +174,48 @@ impl<'a> IndexWriter<'a> {
     }
 }
 
+/// An index section is malformed (the frame decoder reports it as [`crate::Error::BadIndex`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InvalidSection;
+
 /// Length in bytes of an index section that starts at `bytes[0]`, without decoding it.
-/// `Err(())` when the section runs past `bytes` or a width byte is invalid.
-pub fn section_len(codec: u8, n: u64, count: u64, bytes: &[u8]) -> Result<usize, ()> {
+/// `Err(InvalidSection)` when the section runs past `bytes` or a width byte is invalid.
+pub fn section_len(codec: u8, n: u64, count: u64, bytes: &[u8]) -> Result<usize, InvalidSection> {
     match codec {
         BITMAP => {
-            let len = usize::try_from(n.div_ceil(8)).map_err(|_| ())?;
-            if len > bytes.len() { Err(()) } else { Ok(len) }
+            let len = usize::try_from(n.div_ceil(8)).map_err(|_| InvalidSection)?;
+            if len > bytes.len() { Err(InvalidSection) } else { Ok(len) }
         }
         RAW => {
             let len = usize::try_from(count)
                 .ok()
                 .and_then(|c| c.checked_mul(raw_width(n)))
-                .ok_or(())?;
-            if len > bytes.len() { Err(()) } else { Ok(len) }
+                .ok_or(InvalidSection)?;
+            if len > bytes.len() { Err(InvalidSection) } else { Ok(len) }
         }
         DELTA => {
             let mut pos = 0usize;
             let mut left = count;
             while left > 0 {
                 let len = left.min(DELTA_BLOCK as u64) as usize;
-                let w = *bytes.get(pos).ok_or(())? as usize;
+                let w = *bytes.get(pos).ok_or(InvalidSection)? as usize;
                 if w > 64 {
-                    return Err(());
+                    return Err(InvalidSection);
                 }
-                pos = pos.checked_add(1 + (len * w).div_ceil(8)).ok_or(())?;
+                pos = pos.checked_add(1 + (len * w).div_ceil(8)).ok_or(InvalidSection)?;
                 if pos > bytes.len() {
-                    return Err(());
+                    return Err(InvalidSection);
                 }
                 left -= len as u64;
             }
             Ok(pos)
         }
-        _ => Err(()),
+        _ => Err(InvalidSection),
     }
 }
 
 /// Decodes and validates an index section (exactly `section_len` bytes), calling `f` with each
-/// index in ascending order. `Err(())` on any invalid content; `f` may have been called for a
+/// index in ascending order. `Err(InvalidSection)` on any invalid content; `f` may have been called for a
 /// prefix of the indices by then, so callers validate in a first pass before writing output.
 pub fn for_each_index(
     codec: u8,
@@ -219,7 +223,7 @@ pub fn for_each_index(
     count: u64,
     section: &[u8],
     mut f: impl FnMut(u64),
-) -> Result<(), ()> {
+) -> Result<(), InvalidSection> {
     match codec {
         BITMAP => {
             let mut seen = 0u64;
@@ -229,17 +233,17 @@ pub fn for_each_index(
                     let t = b.trailing_zeros() as u64;
                     let i = (j as u64) * 8 + t;
                     if i >= n {
-                        return Err(());
+                        return Err(InvalidSection);
                     }
                     seen += 1;
                     if seen > count {
-                        return Err(());
+                        return Err(InvalidSection);
                     }
                     f(i);
                     b &= b - 1;
                 }
             }
-            if seen == count { Ok(()) } else { Err(()) }
+            if seen == count { Ok(()) } else { Err(InvalidSection) }
         }
         RAW => {
             let w = raw_width(n);
@@ -249,7 +253,7 @@ pub fn for_each_index(
                 le[..w].copy_from_slice(chunk);
                 let i = u64::from_le_bytes(le);
                 if i < next_min || i >= n {
-                    return Err(());
+                    return Err(InvalidSection);
                 }
                 next_min = i + 1;
                 f(i);
@@ -262,23 +266,23 @@ pub fn for_each_index(
             let mut next_min = 0u64;
             while left > 0 {
                 let len = left.min(DELTA_BLOCK as u64) as usize;
-                let w = u32::from(*section.get(pos).ok_or(())?);
+                let w = u32::from(*section.get(pos).ok_or(InvalidSection)?);
                 if w > 64 {
-                    return Err(());
+                    return Err(InvalidSection);
                 }
                 pos += 1;
-                let mut br = BitReader::new(section.get(pos..).ok_or(())?);
+                let mut br = BitReader::new(section.get(pos..).ok_or(InvalidSection)?);
                 for _ in 0..len {
-                    let gap = br.read(w).ok_or(())?;
-                    let i = next_min.checked_add(gap).ok_or(())?;
+                    let gap = br.read(w).ok_or(InvalidSection)?;
+                    let i = next_min.checked_add(gap).ok_or(InvalidSection)?;
                     if i >= n {
-                        return Err(());
+                        return Err(InvalidSection);
                     }
                     next_min = i + 1;
                     f(i);
                 }
                 if !br.padding_is_zero() {
-                    return Err(());
+                    return Err(InvalidSection);
                 }
                 pos += br.bytes_consumed();
                 left -= len as u64;
@@ -286,9 +290,9 @@ pub fn for_each_index(
             if pos == section.len() {
                 Ok(())
             } else {
-                Err(())
+                Err(InvalidSection)
             }
         }
-        _ => Err(()),
+        _ => Err(InvalidSection),
     }
 }

@@ -30,12 +30,11 @@ pub fn validate(n: usize, scales: &[u8], signs: &[u8]) -> Result<(), usize> {
             return Err(4 * j);
         }
     }
-    if n % 8 != 0 {
-        if let Some(&last) = signs.last() {
-            if last >> (n % 8) != 0 {
-                return Err(scales.len() + signs.len() - 1);
-            }
-        }
+    if !n.is_multiple_of(8)
+        && let Some(&last) = signs.last()
+        && last >> (n % 8) != 0
+    {
+        return Err(scales.len() + signs.len() - 1);
     }
     Ok(())
 }
