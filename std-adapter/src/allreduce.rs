@@ -1,1 +1,344 @@
-//! (being written)
+//! [`CompressedAllReduce`]: the original module's compressed all-reduce, over any
+//! [`Communicator`].
+//!
+//! Semantics, as in the original module:
+//! - world size 1 without a communicator: the local rank is the group; the gradient is
+//!   compressed and decompressed (so the caller sees the real compression error) and returned;
+//! - world size > 1 without a communicator: [`CompressedAllReduce::all_reduce`] is an error
+//!   ([`Error::NoCommunicator`]); [`CompressedAllReduce::all_reduce_with_peers`] takes the other
+//!   ranks' compressed gradients and returns the true mean of all contributions;
+//! - with a communicator ([`CompressedAllReduce::with_communicator`]),
+//!   [`CompressedAllReduce::all_reduce`] compresses the local gradients into one bundle,
+//!   all-gathers every rank's bundle and aggregates them (checks first, then every frame added
+//!   into the result in rank order, so every rank gets bit-identical results).
+//!
+//! The result is the mean by default; [`CompressedAllReduce::with_reduction`] selects the sum or
+//! a sign majority vote.
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use gradwire::allreduce::CompressedAllReduce;
+//! use gradwire::comm::{Communicator, LocalGroup};
+//! use gradwire::compressor::CompressionMethod;
+//! use gradwire::tensor::Tensor;
+//!
+//! let comms = LocalGroup::new(2).into_communicators();
+//! let handles: Vec<_> = comms
+//!     .into_iter()
+//!     .map(|comm| {
+//!         std::thread::spawn(move || {
+//!             let rank = comm.rank() as f32;
+//!             let mut ar = CompressedAllReduce::with_communicator(
+//!                 CompressionMethod::TopK { k: 2 },
+//!                 Box::new(comm),
+//!             );
+//!             let grads = HashMap::from([(
+//!                 "w".to_string(),
+//!                 Tensor::vector(vec![1.0 + rank, 0.0, -4.0]),
+//!             )]);
+//!             ar.all_reduce(&grads)
+//!         })
+//!     })
+//!     .collect();
+//! for h in handles {
+//!     let mean = h.join().unwrap().unwrap();
+//!     assert_eq!(mean["w"].data(), &[1.5, 0.0, -4.0]);
+//! }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::aggregate::{Reduction, aggregate_compressed_into, aggregate_into, check_contribution};
+use crate::bucket::BucketConfig;
+use crate::bundle::Manifest;
+use crate::comm::Communicator;
+use crate::compressor::{CompressedGradient, CompressionMethod, GradientCompressor};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Distributed gradient aggregation with compression (see the module docs).
+pub struct CompressedAllReduce {
+    compressor: GradientCompressor,
+    world_size: usize,
+    comm: Option<Box<dyn Communicator>>,
+    reduction: Reduction,
+    bucketing: BucketConfig,
+    /// Per-tensor manifest for the peers path.
+    tensors: Option<Manifest>,
+    /// Bundle manifest for the communicator path.
+    bundles: Option<Manifest>,
+    send: Vec<u8>,
+    gathered: Vec<Vec<u8>>,
+    flat: Vec<f32>,
+}
+
+impl fmt::Debug for CompressedAllReduce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompressedAllReduce")
+            .field("compressor", &self.compressor)
+            .field("world_size", &self.world_size)
+            .field("rank", &self.rank())
+            .field("has_communicator", &self.comm.is_some())
+            .field("reduction", &self.reduction)
+            .field("bucketing", &self.bucketing)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CompressedAllReduce {
+    /// An all-reduce over `world_size` ranks without a communicator (see the module docs).
+    pub fn new(compression_method: CompressionMethod, world_size: usize) -> Self {
+        CompressedAllReduce {
+            compressor: GradientCompressor::new(compression_method),
+            world_size,
+            comm: None,
+            reduction: Reduction::Mean,
+            bucketing: BucketConfig::none(),
+            tensors: None,
+            bundles: None,
+            send: Vec::new(),
+            gathered: Vec::new(),
+            flat: Vec::new(),
+        }
+    }
+
+    /// An all-reduce over the group of `comm` (its world size and rank):
+    /// [`CompressedAllReduce::all_reduce`] runs compress, bundle, all-gather and aggregate.
+    pub fn with_communicator(
+        compression_method: CompressionMethod,
+        comm: Box<dyn Communicator>,
+    ) -> Self {
+        let world_size = comm.world_size();
+        let mut ar = Self::new(compression_method, world_size);
+        ar.comm = Some(comm);
+        ar
+    }
+
+    /// The same all-reduce with another seed (every rank must use the same one).
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.compressor = self.compressor.with_seed(seed);
+        self.tensors = None;
+        self.bundles = None;
+        self
+    }
+
+    /// The same all-reduce combining contributions with `reduction` (default: mean).
+    pub fn with_reduction(mut self, reduction: Reduction) -> Self {
+        self.reduction = reduction;
+        self
+    }
+
+    /// The same all-reduce fusing small tensors into buckets in the bundles of the
+    /// communicator path (every rank must use the same configuration).
+    pub fn with_bucketing(mut self, bucketing: BucketConfig) -> Self {
+        self.bucketing = bucketing;
+        self.bundles = None;
+        self
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// This rank: the communicator's, or 0 without one.
+    pub fn rank(&self) -> usize {
+        self.comm.as_ref().map_or(0, |c| c.rank())
+    }
+
+    /// The local compressor (method, seed, step, error-feedback state).
+    pub fn compressor(&self) -> &GradientCompressor {
+        &self.compressor
+    }
+
+    /// The local compressor, mutable (for example to load an error-feedback checkpoint).
+    pub fn compressor_mut(&mut self) -> &mut GradientCompressor {
+        &mut self.compressor
+    }
+
+    /// Compresses, aggregates and averages gradients across the group.
+    ///
+    /// With a communicator: compress into a bundle, all-gather, aggregate. Without one: with
+    /// world size 1, a compression round trip; otherwise an error (scaling the local gradient
+    /// by the world size is not a sum across workers).
+    ///
+    /// # Errors
+    /// [`Error::NoCommunicator`] when the world size is not 1 and no communicator is
+    /// configured; [`Error::Comm`] when the transport fails; any error of
+    /// [`GradientCompressor::compress_bundle`] and [`aggregate_into`] (naming tensor and rank).
+    /// A rank whose local compression fails still takes part in the all-gather (with an empty
+    /// bundle) and returns its own error; its peers then fail naming that rank, so no rank
+    /// waits forever. Every rank's step advances by one on such a failed call (the failing
+    /// rank's residuals stay as they were; the peers' frames of that step are lost), so the
+    /// group stays in step and can call again.
+    pub fn all_reduce(
+        &mut self,
+        gradients: &HashMap<String, Tensor>,
+    ) -> Result<HashMap<String, Tensor>> {
+        let mut out = HashMap::with_capacity(gradients.len());
+        self.all_reduce_into(gradients, &mut out)?;
+        Ok(out)
+    }
+
+    /// As [`CompressedAllReduce::all_reduce`], writing into `out` and reusing its tensors.
+    ///
+    /// # Errors
+    /// As [`CompressedAllReduce::all_reduce`].
+    pub fn all_reduce_into(
+        &mut self,
+        gradients: &HashMap<String, Tensor>,
+        out: &mut HashMap<String, Tensor>,
+    ) -> Result<()> {
+        if self.comm.is_none() {
+            if self.world_size != 1 {
+                return Err(Error::NoCommunicator {
+                    world_size: self.world_size,
+                });
+            }
+            let result = self.all_reduce_with_peers_at(gradients, 0, &[])?;
+            *out = result;
+            return Ok(());
+        }
+        let method = self.compressor.method().core_method()?;
+        let fits = self.bundles.as_ref().is_some_and(|m| {
+            *m.method() == method
+                && m.seed() == self.compressor.seed()
+                && m.check_gradients(gradients).is_ok()
+        });
+        if !fits {
+            self.bundles = Some(Manifest::for_gradients(
+                gradients,
+                &CompressionMethod::Core(method),
+                self.compressor.seed(),
+                self.bucketing,
+            )?);
+        }
+        let (Some(manifest), Some(comm)) = (self.bundles.as_ref(), self.comm.as_mut()) else {
+            return Err(Error::config("no manifest or communicator"));
+        };
+        let rank = comm.rank();
+        let step = match self
+            .compressor
+            .compress_bundle(manifest, gradients, rank, &mut self.send)
+        {
+            Ok(step) => step,
+            Err(e) => {
+                // Still take part in the collective, with an empty bundle, so that the peers do
+                // not wait forever: they fail on it, naming this rank. The step advances as on
+                // the peers, so the group stays in step for the next call.
+                let step = self.compressor.step();
+                self.compressor.set_step(step.wrapping_add(1));
+                self.send.clear();
+                let _ = comm.all_gather(&self.send, manifest.max_bundle_len(), &mut self.gathered);
+                return Err(e);
+            }
+        };
+        comm.all_gather(&self.send, manifest.max_bundle_len(), &mut self.gathered)?;
+        if self.gathered.len() != self.world_size {
+            return Err(Error::WorldSize {
+                expected: self.world_size,
+                got: self.gathered.len(),
+            });
+        }
+        aggregate_into(
+            manifest,
+            &self.gathered,
+            step,
+            self.reduction,
+            &mut self.flat,
+        )?;
+        manifest.to_tensors_into(&self.flat, out)
+    }
+
+    /// Aggregates the local gradients with the peers' compressed gradients, the local rank
+    /// being rank 0 and `peers[i]` rank `i + 1`. Each tensor's contributions are summed in rank
+    /// order and divided once by the number of ranks: the true mean of the compressed
+    /// gradients (or another reduction, see [`CompressedAllReduce::with_reduction`]).
+    ///
+    /// # Errors
+    /// As [`CompressedAllReduce::all_reduce_with_peers_at`].
+    pub fn all_reduce_with_peers(
+        &mut self,
+        gradients: &HashMap<String, Tensor>,
+        peers: &[HashMap<String, CompressedGradient>],
+    ) -> Result<HashMap<String, Tensor>> {
+        self.all_reduce_with_peers_at(gradients, 0, peers)
+    }
+
+    /// As [`CompressedAllReduce::all_reduce_with_peers`], the local rank being `rank`:
+    /// `peers` holds the other ranks' contributions in rank order (rank `rank` left out), so
+    /// that every rank sums in the same order and gets bit-identical results.
+    ///
+    /// # Errors
+    /// [`Error::WorldSize`] when `peers.len() + 1` is not the world size; [`Error::Config`] for
+    /// a rank outside the group or an invalid method; naming the tensor and the rank, when a
+    /// peer's gradients differ in names, shapes, step, method or seed
+    /// ([`crate::aggregate::check_contribution`]); any error of
+    /// [`GradientCompressor::compress`]. The peers are checked before the local gradients are
+    /// compressed: on those errors nothing changes.
+    pub fn all_reduce_with_peers_at(
+        &mut self,
+        gradients: &HashMap<String, Tensor>,
+        rank: usize,
+        peers: &[HashMap<String, CompressedGradient>],
+    ) -> Result<HashMap<String, Tensor>> {
+        if peers.len() + 1 != self.world_size {
+            return Err(Error::WorldSize {
+                expected: self.world_size,
+                got: peers.len() + 1,
+            });
+        }
+        if rank >= self.world_size {
+            return Err(Error::config(format!(
+                "rank {rank} is outside a group of {} ranks",
+                self.world_size
+            )));
+        }
+        let method = self.compressor.method().core_method()?;
+        let fits = self.tensors.as_ref().is_some_and(|m| {
+            *m.method() == method
+                && m.seed() == self.compressor.seed()
+                && m.check_gradients(gradients).is_ok()
+        });
+        if !fits {
+            self.tensors = Some(Manifest::for_gradients(
+                gradients,
+                &CompressionMethod::Core(method),
+                self.compressor.seed(),
+                BucketConfig::none(),
+            )?);
+        }
+        let Some(manifest) = self.tensors.as_ref() else {
+            return Err(Error::config("no manifest"));
+        };
+        let step = self.compressor.step();
+        let peer_rank = |i: usize| if i < rank { i } else { i + 1 };
+        for (i, peer) in peers.iter().enumerate() {
+            check_contribution(manifest, peer, peer_rank(i), step)?;
+        }
+        let local = self.compressor.compress(gradients)?;
+        let mut contributions: Vec<&HashMap<String, CompressedGradient>> = peers.iter().collect();
+        contributions.insert(rank, &local);
+        aggregate_compressed_into(
+            manifest,
+            &contributions,
+            step,
+            self.reduction,
+            &mut self.flat,
+        )?;
+        manifest.to_tensors(&self.flat)
+    }
+
+    /// Compresses the local gradients for transmission to the other ranks (one frame per
+    /// tensor; the step advances).
+    ///
+    /// # Errors
+    /// As [`GradientCompressor::compress`].
+    pub fn compress_for_transmission(
+        &mut self,
+        gradients: &HashMap<String, Tensor>,
+    ) -> Result<HashMap<String, CompressedGradient>> {
+        self.compressor.compress(gradients)
+    }
+}

@@ -1,1 +1,877 @@
-//! (being written)
+//! Bundles: everything one rank sends in one step, in one message, and the [`Manifest`] a
+//! receiver decodes it against.
+//!
+//! # Bundle layout (version 1)
+//! All integers little-endian.
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | magic `GWBN` (`47 57 42 4E`) |
+//! | 4 | 1 | version, `1` |
+//! | 5 | 1 | flags, `0` (reserved) |
+//! | 6 | 2 | reserved, `0` |
+//! | 8 | 4 | rank of the sender (u32) |
+//! | 12 | 4 | entry count `E` (u32) |
+//! | 16 | 8 | step (u64) |
+//! | 24 | ... | `E` entries, in manifest order |
+//! | end - 4 | 4 | CRC-32 (IEEE, as in frames) of every byte before it |
+//!
+//! Each entry:
+//!
+//! | size | field |
+//! |---|---|
+//! | 8 | id (u64): [`gradwire_core::tensor_id`] of the tensor's name, or of the bucket's label |
+//! | 4 | frame length `L` (u32) |
+//! | `L` | a gradwire frame (`FORMAT.md`) |
+//!
+//! A bundle costs 28 bytes plus 12 per entry on top of its frames. Shapes, names, the method
+//! and the bucketing never travel: the receiver's [`Manifest`] holds them, and decoding checks
+//! the bundle against it: the header (magic, version, reserved fields, checksum, rank, step),
+//! the entry count, every entry's id (same tensors, same order) and every frame's element count
+//! and parameters (same method). Anything else is an error naming the tensor (or bucket) and
+//! the rank. Nothing is allocated from lengths read off the wire: the output is sized by the
+//! manifest, and a valid bundle is never longer than [`Manifest::max_bundle_len`] (the limit
+//! to give [`crate::comm::Communicator::all_gather`]).
+//!
+//! # Flat layout
+//! Decoders and aggregators write into one flat `Vec<f32>` of [`Manifest::flat_len`] elements:
+//! the entries' elements one after the other, in bundle order; each tensor is the contiguous
+//! range [`ManifestTensor::offset`]`..offset + numel` ([`Manifest::slice`],
+//! [`Manifest::to_tensors`]).
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use gradwire::bucket::BucketConfig;
+//! use gradwire::bundle::Manifest;
+//! use gradwire::compressor::{CompressionMethod, GradientCompressor};
+//! use gradwire::tensor::Tensor;
+//!
+//! let method = CompressionMethod::top_k_int8(0.5);
+//! let mut grads = HashMap::new();
+//! grads.insert("a".to_string(), Tensor::from_vec(vec![1.0, -2.0, 0.5, 4.0], &[2, 2])?);
+//! grads.insert("b".to_string(), Tensor::scalar(3.0));
+//! // Tensors under 2 elements go dense (exact f32); the others are fused up to 64 bytes.
+//! let bucketing = BucketConfig::fused(64).with_dense_below(2, gradwire::core::Values::F32);
+//! let manifest = Manifest::for_gradients(&grads, &method, 0, bucketing)?;
+//!
+//! let mut sender = GradientCompressor::new(method);
+//! let mut bundle = Vec::new();
+//! let step = sender.compress_bundle(&manifest, &grads, 0, &mut bundle)?;
+//!
+//! let mut flat = Vec::new();
+//! manifest.decode_bundle(&bundle, Some(0), Some(step), &mut flat)?;
+//! let out = manifest.to_tensors(&flat)?;
+//! assert_eq!(out["b"].shape(), &[] as &[usize]);
+//! assert_eq!(out["b"].data(), &[3.0]);
+//! # Ok::<(), gradwire::error::Error>(())
+//! ```
+
+use std::collections::HashMap;
+
+use gradwire_core::{
+    Header, K, Method, Param, Params, decode_into, max_frame_len, peek, scratch_len, tensor_id,
+};
+
+use crate::bucket::{BucketConfig, TopKScope, plan};
+use crate::compressor::CompressionMethod;
+use crate::error::{BundleFault, Error, Result};
+use crate::tensor::{Tensor, checked_numel};
+
+/// The first four bytes of every bundle.
+pub const BUNDLE_MAGIC: [u8; 4] = *b"GWBN";
+/// The bundle format version this crate writes and reads.
+pub const BUNDLE_VERSION: u8 = 1;
+/// Bytes of the bundle header.
+pub const HEADER_LEN: usize = 24;
+/// Bytes of an entry's id and length.
+pub const ENTRY_HEADER_LEN: usize = 12;
+/// Bytes of the CRC-32 trailer.
+pub const TRAILER_LEN: usize = 4;
+
+/// A tensor a manifest expects: its name and shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Parameter name.
+    pub name: String,
+    /// Shape (`[]` for a 0-d tensor).
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    /// A spec from a name and a shape.
+    pub fn new(name: impl Into<String>, shape: impl Into<Vec<usize>>) -> Self {
+        TensorSpec {
+            name: name.into(),
+            shape: shape.into(),
+        }
+    }
+}
+
+/// A tensor of a [`Manifest`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ManifestTensor {
+    /// Parameter name.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Elements (`product(shape)`).
+    pub numel: usize,
+    /// Start of the tensor in the flat layout.
+    pub offset: usize,
+    /// Index of the entry that carries it.
+    pub entry: usize,
+}
+
+/// What an entry of a bundle carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EntryKind {
+    /// One tensor.
+    Tensor,
+    /// Several tensors fused into one frame.
+    Bucket {
+        /// Each tensor keeps its own top-k inside the frame ([`TopKScope::PerTensor`]).
+        per_tensor_topk: bool,
+    },
+}
+
+/// An entry of a bundle: one frame carrying one tensor or a bucket.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Entry {
+    /// Id on the wire: [`tensor_id`] of the label.
+    pub id: u64,
+    /// The tensor's name, or `bucket[a, b, ...]` for a bucket.
+    pub label: String,
+    /// The tensors it carries (indices into [`Manifest::tensors`]), in flat order.
+    pub members: Vec<usize>,
+    /// Start of the entry in the flat layout.
+    pub offset: usize,
+    /// Elements of the frame (sum of the members' elements).
+    pub len: usize,
+    /// The method of the frame (for per-tensor top-k, `k` is the sum of the members' k).
+    pub method: Method,
+    /// Tensor or bucket.
+    pub kind: EntryKind,
+}
+
+/// Buffer sizes the encoder needs for a manifest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Sizes {
+    pub(crate) frame: usize,
+    pub(crate) scratch: usize,
+    pub(crate) bucket: usize,
+    pub(crate) kept: usize,
+}
+
+/// What a receiver expects: the tensors (names, shapes), the method, the seed and the bucketing,
+/// hence the entries of every bundle and their order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Manifest {
+    tensors: Vec<ManifestTensor>,
+    entries: Vec<Entry>,
+    by_name: Vec<usize>,
+    method: Method,
+    seed: u64,
+    bucketing: BucketConfig,
+    flat_len: usize,
+    max_bundle_len: usize,
+    sizes: Sizes,
+}
+
+/// What a bundle's header declares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BundleHeader {
+    /// Format version.
+    pub version: u8,
+    /// The sender's rank.
+    pub rank: u32,
+    /// Number of entries.
+    pub entries: u32,
+    /// The step the frames were made at.
+    pub step: u64,
+}
+
+impl BundleHeader {
+    /// Reads and checks a bundle's header and checksum (not its entries).
+    ///
+    /// # Errors
+    /// [`Error::Bundle`] with [`BundleFault::Truncated`], [`BundleFault::BadMagic`],
+    /// [`BundleFault::UnsupportedVersion`], [`BundleFault::Reserved`] or
+    /// [`BundleFault::Checksum`].
+    pub fn read(bundle: &[u8]) -> Result<Self> {
+        let fault = |fault| Error::Bundle { rank: None, fault };
+        if bundle.len() < HEADER_LEN + TRAILER_LEN {
+            return Err(fault(BundleFault::Truncated {
+                needed: HEADER_LEN + TRAILER_LEN,
+                got: bundle.len(),
+            }));
+        }
+        if bundle[..4] != BUNDLE_MAGIC {
+            return Err(fault(BundleFault::BadMagic));
+        }
+        if bundle[4] != BUNDLE_VERSION {
+            return Err(fault(BundleFault::UnsupportedVersion {
+                version: bundle[4],
+            }));
+        }
+        if bundle[5] != 0 {
+            return Err(fault(BundleFault::Reserved { offset: 5 }));
+        }
+        if bundle[6] != 0 || bundle[7] != 0 {
+            return Err(fault(BundleFault::Reserved { offset: 6 }));
+        }
+        let body = bundle.len() - TRAILER_LEN;
+        let stored = u32::from_le_bytes(le(&bundle[body..]));
+        let computed = crc32fast::hash(&bundle[..body]);
+        if stored != computed {
+            return Err(fault(BundleFault::Checksum { stored, computed }));
+        }
+        Ok(BundleHeader {
+            version: bundle[4],
+            rank: u32::from_le_bytes(le(&bundle[8..12])),
+            entries: u32::from_le_bytes(le(&bundle[12..16])),
+            step: u64::from_le_bytes(le(&bundle[16..24])),
+        })
+    }
+}
+
+/// The first `N` bytes of `b` as an array (zeros where `b` is shorter; callers check lengths).
+fn le<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    for (d, s) in a.iter_mut().zip(b) {
+        *d = *s;
+    }
+    a
+}
+
+/// Starts a bundle in `out` (cleared, capacity kept).
+pub(crate) fn begin_bundle(out: &mut Vec<u8>, rank: u32, entries: u32, step: u64) {
+    out.clear();
+    out.extend_from_slice(&BUNDLE_MAGIC);
+    out.extend_from_slice(&[BUNDLE_VERSION, 0, 0, 0]);
+    out.extend_from_slice(&rank.to_le_bytes());
+    out.extend_from_slice(&entries.to_le_bytes());
+    out.extend_from_slice(&step.to_le_bytes());
+}
+
+/// Appends an entry.
+pub(crate) fn push_entry(out: &mut Vec<u8>, id: u64, frame: &[u8]) {
+    out.extend_from_slice(&id.to_le_bytes());
+    // Frames of a manifest are at most `max_bundle_len`, checked at manifest build.
+    out.extend_from_slice(&u32::try_from(frame.len()).unwrap_or(u32::MAX).to_le_bytes());
+    out.extend_from_slice(frame);
+}
+
+/// Appends the checksum.
+pub(crate) fn finish_bundle(out: &mut Vec<u8>) {
+    let crc = crc32fast::hash(out);
+    out.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// Checks a frame's header against what the receiver expects, without decoding its body:
+/// checksum, element count and every parameter (the checks of
+/// [`gradwire_core::decode_into`] that do not read the body).
+///
+/// # Errors
+/// The core's [`gradwire_core::Error`]: any error of [`peek`];
+/// [`gradwire_core::Error::ElementCount`]; [`gradwire_core::Error::ParamMismatch`] naming the
+/// first parameter that differs.
+pub fn check_frame(
+    frame: &[u8],
+    expected: &Params,
+    n: usize,
+) -> std::result::Result<Header, gradwire_core::Error> {
+    let h = peek(frame)?;
+    if h.n != n as u64 {
+        return Err(gradwire_core::Error::ElementCount {
+            expected: n as u64,
+            got: h.n,
+        });
+    }
+    expected.method.validate()?;
+    let mismatch = |param| Err(gradwire_core::Error::ParamMismatch { param });
+    match (h.params.method, expected.method) {
+        (Method::Dense { values: a }, Method::Dense { values: b }) => {
+            if a != b {
+                return mismatch(Param::Values);
+            }
+        }
+        (Method::TopK { k: a, values: va }, Method::TopK { k: b, values: vb }) => {
+            if va != vb {
+                return mismatch(Param::Values);
+            }
+            if a.resolve(h.n) != b.resolve(h.n) {
+                return mismatch(Param::K);
+            }
+        }
+        (
+            Method::Threshold {
+                threshold: a,
+                values: va,
+            },
+            Method::Threshold {
+                threshold: b,
+                values: vb,
+            },
+        ) => {
+            if va != vb {
+                return mismatch(Param::Values);
+            }
+            if a.to_bits() != b.to_bits() {
+                return mismatch(Param::Threshold);
+            }
+        }
+        (
+            Method::RandomK {
+                k: a,
+                values: va,
+                unbiased: ua,
+            },
+            Method::RandomK {
+                k: b,
+                values: vb,
+                unbiased: ub,
+            },
+        ) => {
+            if va != vb {
+                return mismatch(Param::Values);
+            }
+            if a.resolve(h.n) != b.resolve(h.n) {
+                return mismatch(Param::K);
+            }
+            if ua != ub {
+                return mismatch(Param::Unbiased);
+            }
+            if h.params.seed != expected.seed {
+                return mismatch(Param::Seed);
+            }
+            if h.params.step != expected.step {
+                return mismatch(Param::Step);
+            }
+            if h.params.tensor_id != expected.tensor_id {
+                return mismatch(Param::TensorId);
+            }
+        }
+        (
+            Method::Quant {
+                bits: a,
+                block: ba,
+                rounding: ra,
+            },
+            Method::Quant {
+                bits: b,
+                block: bb,
+                rounding: rb,
+            },
+        ) => {
+            if a != b {
+                return mismatch(Param::Bits);
+            }
+            if ba != bb {
+                return mismatch(Param::Block);
+            }
+            if ra != rb {
+                return mismatch(Param::Rounding);
+            }
+        }
+        (Method::Sign { scale: a }, Method::Sign { scale: b }) => {
+            if a != b {
+                return mismatch(Param::SignScale);
+            }
+        }
+        _ => return mismatch(Param::Method),
+    }
+    Ok(h)
+}
+
+impl Manifest {
+    /// A manifest for `tensors` (in this order), compressed with `method` (error feedback, a
+    /// sender-side matter, is ignored), `seed`, and `bucketing`.
+    ///
+    /// # Errors
+    /// [`Error::DuplicateTensor`] for a name given twice; [`Error::ShapeOverflow`];
+    /// [`Error::Config`] for an invalid method or bucketing, or a model too large for one
+    /// bundle (`u32` lengths).
+    pub fn new(
+        tensors: Vec<TensorSpec>,
+        method: &CompressionMethod,
+        seed: u64,
+        bucketing: BucketConfig,
+    ) -> Result<Self> {
+        let method = method.core_method()?;
+        bucketing.validate()?;
+        let mut numels = Vec::with_capacity(tensors.len());
+        for spec in &tensors {
+            numels.push(checked_numel(&spec.name, &spec.shape)?);
+        }
+        let mut by_name: Vec<usize> = (0..tensors.len()).collect();
+        by_name.sort_by(|&a, &b| tensors[a].name.cmp(&tensors[b].name));
+        if let Some(w) = by_name
+            .windows(2)
+            .find(|w| tensors[w[0]].name == tensors[w[1]].name)
+        {
+            return Err(Error::DuplicateTensor {
+                tensor: tensors[w[0]].name.clone(),
+            });
+        }
+        let planned = plan(&numels, &bucketing);
+        let mut infos: Vec<ManifestTensor> = tensors
+            .into_iter()
+            .zip(&numels)
+            .map(|(spec, &numel)| ManifestTensor {
+                name: spec.name,
+                shape: spec.shape,
+                numel,
+                offset: 0,
+                entry: 0,
+            })
+            .collect();
+        let mut entries = Vec::with_capacity(planned.len());
+        let mut offset = 0usize;
+        let mut sizes = Sizes::default();
+        let mut max_bundle = HEADER_LEN + TRAILER_LEN;
+        let too_large = || Error::config("the model is too large for one bundle");
+        for p in planned {
+            let start = offset;
+            for &t in &p.members {
+                infos[t].offset = offset;
+                infos[t].entry = entries.len();
+                offset = offset.checked_add(infos[t].numel).ok_or_else(too_large)?;
+            }
+            let len = offset - start;
+            let (kind, label) = if p.members.len() == 1 {
+                (EntryKind::Tensor, infos[p.members[0]].name.clone())
+            } else {
+                let names: Vec<&str> = p.members.iter().map(|&t| infos[t].name.as_str()).collect();
+                let per_tensor_topk = !p.dense
+                    && bucketing.scope == TopKScope::PerTensor
+                    && matches!(method, Method::TopK { .. });
+                (
+                    EntryKind::Bucket { per_tensor_topk },
+                    format!("bucket[{}]", names.join(", ")),
+                )
+            };
+            let entry_method = if p.dense {
+                Method::Dense {
+                    values: bucketing.dense_values,
+                }
+            } else {
+                match (&kind, method) {
+                    (
+                        EntryKind::Bucket {
+                            per_tensor_topk: true,
+                        },
+                        Method::TopK { k, values },
+                    ) => {
+                        let total: u64 = p
+                            .members
+                            .iter()
+                            .map(|&t| k.resolve(infos[t].numel as u64))
+                            .sum();
+                        Method::TopK {
+                            k: K::Count(total),
+                            values,
+                        }
+                    }
+                    _ => method,
+                }
+            };
+            let frame = max_frame_len(len, &entry_method);
+            if frame > u32::MAX as usize {
+                return Err(too_large());
+            }
+            sizes.frame = sizes.frame.max(frame);
+            sizes.scratch = sizes.scratch.max(scratch_len(len, &entry_method));
+            if p.members.len() > 1 {
+                sizes.bucket = sizes.bucket.max(len);
+                if let Method::TopK { k, .. } = entry_method {
+                    let k = usize::try_from(k.resolve(len as u64)).map_err(|_| too_large())?;
+                    sizes.kept = sizes.kept.max(k);
+                }
+            }
+            max_bundle = max_bundle
+                .checked_add(ENTRY_HEADER_LEN.saturating_add(frame))
+                .ok_or_else(too_large)?;
+            entries.push(Entry {
+                id: tensor_id(&label),
+                label,
+                members: p.members,
+                offset: start,
+                len,
+                method: entry_method,
+                kind,
+            });
+        }
+        if u32::try_from(entries.len()).is_err() {
+            return Err(too_large());
+        }
+        Ok(Manifest {
+            tensors: infos,
+            entries,
+            by_name,
+            method,
+            seed,
+            bucketing,
+            flat_len: offset,
+            max_bundle_len: max_bundle,
+            sizes,
+        })
+    }
+
+    /// A manifest for the names and shapes of `grads`, in sorted name order.
+    ///
+    /// # Errors
+    /// As [`Manifest::new`].
+    pub fn for_gradients(
+        grads: &HashMap<String, Tensor>,
+        method: &CompressionMethod,
+        seed: u64,
+        bucketing: BucketConfig,
+    ) -> Result<Self> {
+        let mut specs: Vec<TensorSpec> = grads
+            .iter()
+            .map(|(n, t)| TensorSpec::new(n.clone(), t.shape()))
+            .collect();
+        specs.sort_by(|a, b| a.name.cmp(&b.name));
+        Self::new(specs, method, seed, bucketing)
+    }
+
+    /// The tensors, in the order the manifest was built with.
+    pub fn tensors(&self) -> &[ManifestTensor] {
+        &self.tensors
+    }
+
+    /// The entries of a bundle, in wire order.
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// The tensor called `name`.
+    pub fn tensor(&self, name: &str) -> Option<&ManifestTensor> {
+        self.by_name
+            .binary_search_by(|&t| self.tensors[t].name.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.tensors[self.by_name[i]])
+    }
+
+    /// The method of the tensors' frames (dense buckets use [`BucketConfig::dense_values`]).
+    pub fn method(&self) -> &Method {
+        &self.method
+    }
+
+    /// The run's seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The bucketing.
+    pub fn bucketing(&self) -> &BucketConfig {
+        &self.bucketing
+    }
+
+    /// Elements of the flat layout (every tensor's elements).
+    pub fn flat_len(&self) -> usize {
+        self.flat_len
+    }
+
+    /// The largest bundle this manifest allows, in bytes (pass it as `max_len` to
+    /// [`crate::comm::Communicator::all_gather`]).
+    pub fn max_bundle_len(&self) -> usize {
+        self.max_bundle_len
+    }
+
+    pub(crate) fn sizes(&self) -> Sizes {
+        self.sizes
+    }
+
+    /// The parameters of entry `entry`'s frame at `step`.
+    pub fn params(&self, entry: usize, step: u64) -> Params {
+        match self.entries.get(entry) {
+            Some(e) => Params {
+                method: e.method,
+                seed: self.seed,
+                step,
+                tensor_id: e.id,
+            },
+            None => Params::new(self.method),
+        }
+    }
+
+    /// `name`'s elements in a flat buffer of this manifest.
+    pub fn slice<'a>(&self, flat: &'a [f32], name: &str) -> Option<&'a [f32]> {
+        let t = self.tensor(name)?;
+        flat.get(t.offset..t.offset + t.numel)
+    }
+
+    /// The tensors of a flat buffer, with their shapes.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `flat` is not [`Manifest::flat_len`] long.
+    pub fn to_tensors(&self, flat: &[f32]) -> Result<HashMap<String, Tensor>> {
+        let mut out = HashMap::with_capacity(self.tensors.len());
+        self.to_tensors_into(flat, &mut out)?;
+        Ok(out)
+    }
+
+    /// As [`Manifest::to_tensors`], reusing the tensors already in `out` (no allocation when
+    /// `out` came from a previous call); tensors not in the manifest are removed.
+    ///
+    /// # Errors
+    /// As [`Manifest::to_tensors`].
+    pub fn to_tensors_into(&self, flat: &[f32], out: &mut HashMap<String, Tensor>) -> Result<()> {
+        if flat.len() != self.flat_len {
+            return Err(Error::ShapeMismatch {
+                tensor: "(flat buffer)".to_owned(),
+                rank: None,
+                expected: vec![self.flat_len],
+                got: vec![flat.len()],
+            });
+        }
+        out.retain(|name, _| self.tensor(name).is_some());
+        for t in &self.tensors {
+            let data = &flat[t.offset..t.offset + t.numel];
+            match out.get_mut(&t.name) {
+                Some(tensor) => tensor.assign(&t.shape, data)?,
+                None => {
+                    out.insert(t.name.clone(), Tensor::new(t.shape.clone(), data.to_vec())?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that `grads` holds exactly the manifest's tensors with their shapes.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::UnexpectedTensor`] (the first in sorted order) or
+    /// [`Error::ShapeMismatch`], naming the tensor.
+    pub fn check_gradients(&self, grads: &HashMap<String, Tensor>) -> Result<()> {
+        for &t in &self.by_name {
+            let info = &self.tensors[t];
+            match grads.get(&info.name) {
+                None => {
+                    return Err(Error::MissingTensor {
+                        tensor: info.name.clone(),
+                        rank: None,
+                    });
+                }
+                Some(g) if g.shape() != info.shape.as_slice() => {
+                    return Err(Error::ShapeMismatch {
+                        tensor: info.name.clone(),
+                        rank: None,
+                        expected: info.shape.clone(),
+                        got: g.shape().to_vec(),
+                    });
+                }
+                Some(_) => {}
+            }
+        }
+        if grads.len() != self.tensors.len() {
+            let mut extra: Vec<&String> =
+                grads.keys().filter(|n| self.tensor(n).is_none()).collect();
+            extra.sort();
+            if let Some(name) = extra.first() {
+                return Err(Error::UnexpectedTensor {
+                    tensor: (*name).clone(),
+                    rank: None,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a bundle against the manifest without decoding its frames' bodies: the header
+    /// (magic, version, reserved fields, checksum), the rank and step when given, the entry
+    /// count, every entry's id and length, and every frame's checksum, element count and
+    /// parameters. Calls `f(entry index, frame, expected parameters)` for every entry, in order, once all checks
+    /// passed. Returns the header.
+    ///
+    /// # Errors
+    /// [`Error::Bundle`] for the framing; [`Error::UnexpectedEntry`] when an entry belongs to
+    /// another tensor; [`Error::Core`] naming the tensor (or bucket) and the rank for a frame
+    /// that fails [`check_frame`]; any error `f` returns.
+    pub fn check_bundle_with(
+        &self,
+        bundle: &[u8],
+        rank: Option<usize>,
+        step: Option<u64>,
+        mut f: impl FnMut(usize, &[u8], &Params) -> Result<()>,
+    ) -> Result<BundleHeader> {
+        let fault = |rank: Option<usize>, fault| Error::Bundle { rank, fault };
+        let header = BundleHeader::read(bundle).map_err(|e| match e {
+            Error::Bundle { fault: f, .. } => fault(rank, f),
+            other => other,
+        })?;
+        let declared = usize::try_from(header.rank).ok();
+        if let Some(r) = rank
+            && declared != Some(r)
+        {
+            return Err(fault(
+                rank,
+                BundleFault::Rank {
+                    expected: r,
+                    got: u64::from(header.rank),
+                },
+            ));
+        }
+        let rank = rank.or(declared);
+        if let Some(s) = step
+            && header.step != s
+        {
+            return Err(fault(
+                rank,
+                BundleFault::Step {
+                    expected: s,
+                    got: header.step,
+                },
+            ));
+        }
+        if header.entries as usize != self.entries.len() {
+            return Err(fault(
+                rank,
+                BundleFault::EntryCount {
+                    expected: self.entries.len(),
+                    got: u64::from(header.entries),
+                },
+            ));
+        }
+        let body_end = bundle.len() - TRAILER_LEN;
+        // Pass 1: framing and frame headers of every entry.
+        let mut pos = HEADER_LEN;
+        for (e, entry) in self.entries.iter().enumerate() {
+            let frame = self.entry_at(bundle, body_end, &mut pos, e, entry, rank)?;
+            check_frame(frame, &self.params(e, header.step), entry.len)
+                .map_err(|err| Error::core(&entry.label, rank, err))?;
+        }
+        if pos != body_end {
+            return Err(fault(rank, BundleFault::TrailingBytes { offset: pos }));
+        }
+        // Valid frames never exceed their bound; kept as a last line of defence.
+        if bundle.len() > self.max_bundle_len {
+            return Err(fault(
+                rank,
+                BundleFault::TooLarge {
+                    limit: self.max_bundle_len,
+                    got: bundle.len(),
+                },
+            ));
+        }
+        // Pass 2: hand out the frames.
+        self.walk(bundle, rank, |e, frame| {
+            f(e, frame, &self.params(e, header.step))
+        })?;
+        Ok(header)
+    }
+
+    /// Calls `f(entry index, frame)` for every entry of a bundle that
+    /// [`Manifest::check_bundle`] accepted.
+    pub(crate) fn walk(
+        &self,
+        bundle: &[u8],
+        rank: Option<usize>,
+        mut f: impl FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let body_end = bundle.len().saturating_sub(TRAILER_LEN);
+        let mut pos = HEADER_LEN;
+        for (e, entry) in self.entries.iter().enumerate() {
+            let frame = self.entry_at(bundle, body_end, &mut pos, e, entry, rank)?;
+            f(e, frame)?;
+        }
+        Ok(())
+    }
+
+    /// Reads entry `e` at `pos` and advances `pos`.
+    fn entry_at<'b>(
+        &self,
+        bundle: &'b [u8],
+        body_end: usize,
+        pos: &mut usize,
+        e: usize,
+        entry: &Entry,
+        rank: Option<usize>,
+    ) -> Result<&'b [u8]> {
+        let truncated = |needed: usize| Error::Bundle {
+            rank,
+            fault: BundleFault::Truncated {
+                needed: needed.saturating_add(TRAILER_LEN),
+                got: bundle.len(),
+            },
+        };
+        let head_end = pos.saturating_add(ENTRY_HEADER_LEN);
+        let head = bundle
+            .get(*pos..head_end)
+            .filter(|_| head_end <= body_end)
+            .ok_or_else(|| truncated(head_end))?;
+        let id = u64::from_le_bytes(le(&head[..8]));
+        if id != entry.id {
+            return Err(Error::UnexpectedEntry {
+                rank,
+                index: e,
+                expected: entry.label.clone(),
+                expected_id: entry.id,
+                got_id: id,
+            });
+        }
+        let len = u32::from_le_bytes(le(&head[8..12])) as usize;
+        let end = head_end.saturating_add(len);
+        let frame = bundle
+            .get(head_end..end)
+            .filter(|_| end <= body_end)
+            .ok_or_else(|| truncated(end))?;
+        *pos = end;
+        Ok(frame)
+    }
+
+    /// Checks a bundle against the manifest (see [`Manifest::check_bundle_with`]).
+    ///
+    /// # Errors
+    /// As [`Manifest::check_bundle_with`].
+    pub fn check_bundle(
+        &self,
+        bundle: &[u8],
+        rank: Option<usize>,
+        step: Option<u64>,
+    ) -> Result<BundleHeader> {
+        self.check_bundle_with(bundle, rank, step, |_, _, _| Ok(()))
+    }
+
+    /// Decodes a bundle into `out`, resized to [`Manifest::flat_len`] (no allocation when it
+    /// already has the capacity). `rank` and `step`, when given, must match the bundle's.
+    /// Returns the bundle's header.
+    ///
+    /// # Errors
+    /// As [`Manifest::check_bundle_with`], and [`Error::Core`] naming the tensor (or bucket)
+    /// for a frame whose body is invalid (then `out` is zeroed). On any other error `out` is
+    /// untouched.
+    pub fn decode_bundle(
+        &self,
+        bundle: &[u8],
+        rank: Option<usize>,
+        step: Option<u64>,
+        out: &mut Vec<f32>,
+    ) -> Result<BundleHeader> {
+        let mut sized = false;
+        let result = self.check_bundle_with(bundle, rank, step, |e, frame, params| {
+            if !sized {
+                out.resize(self.flat_len, 0.0);
+                sized = true;
+            }
+            let entry = &self.entries[e];
+            let dst = &mut out[entry.offset..entry.offset + entry.len];
+            decode_into(frame, params, dst)
+                .map(|_| ())
+                .map_err(|err| Error::core(&entry.label, rank, err))
+        });
+        match result {
+            Ok(header) => {
+                out.resize(self.flat_len, 0.0);
+                Ok(header)
+            }
+            Err(e) => {
+                if sized {
+                    out.fill(0.0);
+                }
+                Err(e)
+            }
+        }
+    }
+}

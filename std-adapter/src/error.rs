@@ -1,1 +1,338 @@
-//! (being written)
+//! The one error type of the std crate: [`Error`].
+//!
+//! Every variant names what is wrong: the tensor (or bucket) and, where a contribution came from
+//! another rank, that rank. Core errors ([`gradwire_core::Error`]) are wrapped with that context
+//! in [`Error::Core`].
+
+use std::fmt;
+use std::path::PathBuf;
+
+use crate::comm::CommError;
+
+/// Which rank a contribution came from, for error messages: empty when unknown or local.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankCtx(pub Option<usize>);
+
+impl fmt::Display for RankCtx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(rank) => write!(f, " from rank {rank}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// "tensor `name`" for error messages; "tensor" when the tensor has no name (yet), and the
+/// label itself for a bucket (`bucket[a, b]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Named<'a>(pub &'a str);
+
+impl fmt::Display for Named<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            write!(f, "tensor")
+        } else if self.0.starts_with("bucket[") {
+            write!(f, "{}", self.0)
+        } else {
+            write!(f, "tensor `{}`", self.0)
+        }
+    }
+}
+
+/// What is wrong with the framing of a bundle (see [`crate::bundle`] for the layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BundleFault {
+    /// The bundle is shorter than its header, an entry or its trailer needs.
+    Truncated {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes available.
+        got: usize,
+    },
+    /// The bundle does not start with the bundle magic bytes.
+    BadMagic,
+    /// The bundle's format version is not supported.
+    UnsupportedVersion {
+        /// The version byte found.
+        version: u8,
+    },
+    /// A reserved header field is not zero.
+    Reserved {
+        /// Byte offset of the field.
+        offset: usize,
+    },
+    /// The CRC-32 trailer does not match the bundle's bytes.
+    Checksum {
+        /// CRC stored in the bundle.
+        stored: u32,
+        /// CRC computed over the bundle.
+        computed: u32,
+    },
+    /// The bundle says it comes from another rank than its position in the group.
+    Rank {
+        /// The rank the receiver expected.
+        expected: usize,
+        /// The rank the bundle declares.
+        got: u64,
+    },
+    /// The bundle was made at another step than the receiver expects.
+    Step {
+        /// The step the receiver expected.
+        expected: u64,
+        /// The step the bundle declares.
+        got: u64,
+    },
+    /// The bundle holds another number of entries than the manifest.
+    EntryCount {
+        /// Entries of the manifest.
+        expected: usize,
+        /// Entries the bundle declares.
+        got: u64,
+    },
+    /// Bytes remain after the last entry.
+    TrailingBytes {
+        /// Byte offset where the unexpected bytes start.
+        offset: usize,
+    },
+    /// The bundle is larger than the manifest allows.
+    TooLarge {
+        /// Largest bundle the manifest allows, in bytes.
+        limit: usize,
+        /// The bundle's length in bytes.
+        got: usize,
+    },
+}
+
+impl fmt::Display for BundleFault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            BundleFault::Truncated { needed, got } => {
+                write!(f, "truncated: needs {needed} bytes, got {got}")
+            }
+            BundleFault::BadMagic => write!(f, "not a gradwire bundle (bad magic)"),
+            BundleFault::UnsupportedVersion { version } => {
+                write!(f, "unsupported bundle format version {version}")
+            }
+            BundleFault::Reserved { offset } => {
+                write!(f, "reserved header field at byte {offset} is not zero")
+            }
+            BundleFault::Checksum { stored, computed } => write!(
+                f,
+                "checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"
+            ),
+            BundleFault::Rank { expected, got } => {
+                write!(f, "declares rank {got}, expected rank {expected}")
+            }
+            BundleFault::Step { expected, got } => {
+                write!(f, "made at step {got}, expected step {expected}")
+            }
+            BundleFault::EntryCount { expected, got } => {
+                write!(f, "holds {got} entries, the manifest has {expected}")
+            }
+            BundleFault::TrailingBytes { offset } => {
+                write!(f, "unexpected bytes after byte {offset}")
+            }
+            BundleFault::TooLarge { limit, got } => {
+                write!(
+                    f,
+                    "is {got} bytes, more than the manifest's limit of {limit}"
+                )
+            }
+        }
+    }
+}
+
+/// Everything that can go wrong in the std crate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A core kernel or frame decoder failed on one tensor (or bucket).
+    #[error("{}{}: {source}", Named(.tensor), RankCtx(*.rank))]
+    Core {
+        /// The tensor, or the bucket (`bucket[a, b, ...]`), the frame belongs to.
+        tensor: String,
+        /// The rank whose contribution failed, when it came from another rank.
+        rank: Option<usize>,
+        /// The core error.
+        #[source]
+        source: gradwire_core::Error,
+    },
+    /// A tensor's data length is not the product of its shape.
+    #[error("{}: shape {shape:?} holds {expected} elements, data has {got}", Named(.tensor))]
+    Shape {
+        /// The tensor (empty when the tensor has no name yet).
+        tensor: String,
+        /// The shape.
+        shape: Vec<usize>,
+        /// Elements the shape holds.
+        expected: usize,
+        /// Elements the data has.
+        got: usize,
+    },
+    /// The product of a shape overflows `usize`.
+    #[error("{}: the element count of shape {shape:?} overflows", Named(.tensor))]
+    ShapeOverflow {
+        /// The tensor (empty when the tensor has no name yet).
+        tensor: String,
+        /// The shape.
+        shape: Vec<usize>,
+    },
+    /// A tensor has another element count or shape than expected (a residual, a manifest, a
+    /// peer's contribution). Never truncated or padded.
+    #[error("tensor `{tensor}`{rank}: expected shape {expected:?}, got {got:?}", rank = RankCtx(*.rank))]
+    ShapeMismatch {
+        /// The tensor.
+        tensor: String,
+        /// The rank whose contribution differs, when it came from another rank.
+        rank: Option<usize>,
+        /// The shape the receiver expected.
+        expected: Vec<usize>,
+        /// The shape it got.
+        got: Vec<usize>,
+    },
+    /// A tensor changed its element count between steps of error feedback.
+    #[error("tensor `{tensor}`: residual has {expected} elements, gradient has {got}")]
+    LengthChanged {
+        /// The tensor.
+        tensor: String,
+        /// Elements of the stored residual.
+        expected: usize,
+        /// Elements of the gradient.
+        got: usize,
+    },
+    /// A tensor the receiver expects is missing from a contribution.
+    #[error("tensor `{tensor}` is missing{rank}", rank = RankCtx(*.rank))]
+    MissingTensor {
+        /// The tensor.
+        tensor: String,
+        /// The rank whose contribution lacks it, when it came from another rank.
+        rank: Option<usize>,
+    },
+    /// A contribution holds a tensor the receiver does not expect.
+    #[error("unexpected tensor `{tensor}`{rank}", rank = RankCtx(*.rank))]
+    UnexpectedTensor {
+        /// The tensor.
+        tensor: String,
+        /// The rank whose contribution holds it, when it came from another rank.
+        rank: Option<usize>,
+    },
+    /// A name appears twice where names must be unique.
+    #[error("tensor `{tensor}` appears more than once")]
+    DuplicateTensor {
+        /// The tensor.
+        tensor: String,
+    },
+    /// A bundle entry belongs to another tensor or bucket than the manifest says.
+    #[error("bundle{rank}: entry {index} should be `{expected}` (id {expected_id:#018x}), got id {got_id:#018x}", rank = RankCtx(*.rank))]
+    UnexpectedEntry {
+        /// The rank whose bundle it is.
+        rank: Option<usize>,
+        /// Position of the entry in the bundle.
+        index: usize,
+        /// The tensor or bucket the manifest has at that position.
+        expected: String,
+        /// The id the manifest has there.
+        expected_id: u64,
+        /// The id in the bundle.
+        got_id: u64,
+    },
+    /// A bundle's framing is invalid.
+    #[error("bundle{rank} {fault}", rank = RankCtx(*.rank))]
+    Bundle {
+        /// The rank whose bundle it is, when it came from another rank.
+        rank: Option<usize>,
+        /// What is wrong.
+        fault: BundleFault,
+    },
+    /// A method or configuration is invalid.
+    #[error("invalid configuration: {reason}")]
+    Config {
+        /// What is wrong.
+        reason: String,
+    },
+    /// Contributions disagree on how they were made (method, seed, step, number of ranks).
+    #[error("tensor `{tensor}`{rank}: {reason}", rank = RankCtx(*.rank))]
+    Disagreement {
+        /// The tensor (or bucket).
+        tensor: String,
+        /// The rank that disagrees.
+        rank: Option<usize>,
+        /// What differs.
+        reason: String,
+    },
+    /// The number of contributions does not match the world size.
+    #[error("expected {expected} contributions (world size), got {got}")]
+    WorldSize {
+        /// Contributions expected.
+        expected: usize,
+        /// Contributions received.
+        got: usize,
+    },
+    /// `all_reduce` across more than one rank without a communicator.
+    #[error(
+        "no communicator: cannot aggregate across {world_size} ranks; give one to \
+         CompressedAllReduce::with_communicator or use all_reduce_with_peers"
+    )]
+    NoCommunicator {
+        /// The configured world size.
+        world_size: usize,
+    },
+    /// A saved checkpoint is invalid or does not fit.
+    #[error("checkpoint: {reason}")]
+    Checkpoint {
+        /// What is wrong.
+        reason: String,
+    },
+    /// Reading or writing a file failed.
+    #[error("{}: {source}", .path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A safetensors file could not be written or read.
+    #[error("safetensors: {source}")]
+    Safetensors {
+        /// The safetensors error.
+        #[from]
+        source: safetensors::SafeTensorError,
+    },
+    /// The collective transport failed.
+    #[error("communication: {source}")]
+    Comm {
+        /// The transport error.
+        #[from]
+        source: CommError,
+    },
+}
+
+impl Error {
+    /// Wraps a core error with the tensor (or bucket) it happened on and the rank it came from.
+    pub fn core(tensor: &str, rank: Option<usize>, source: gradwire_core::Error) -> Self {
+        Error::Core {
+            tensor: tensor.to_owned(),
+            rank,
+            source,
+        }
+    }
+
+    /// A configuration error with its reason.
+    pub fn config(reason: impl Into<String>) -> Self {
+        Error::Config {
+            reason: reason.into(),
+        }
+    }
+
+    /// A checkpoint error with its reason.
+    pub fn checkpoint(reason: impl Into<String>) -> Self {
+        Error::Checkpoint {
+            reason: reason.into(),
+        }
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

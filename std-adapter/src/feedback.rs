@@ -1,1 +1,492 @@
-//! (being written)
+//! [`ErrorFeedback`]: residuals keyed by parameter name over [`gradwire_core::feedback_step`],
+//! with checkpoints.
+//!
+//! Each step encodes `gradient + residual` for every tensor and keeps in the residual exactly
+//! what the frame does not deliver (dropped entries, rounding and quantization error), so for
+//! every coordinate `sent + residual_new == gradient + residual_old`. The frames of step `s` are
+//! made with `Params { method, seed, step: s, tensor_id: tensor_id(name) }`.
+//!
+//! Rules:
+//! - a tensor seen for the first time starts from a zero residual; a tensor whose element count
+//!   changes is an error ([`Error::LengthChanged`]), never truncated or padded;
+//! - a step is all or nothing: every tensor is checked (lengths, NaN/Inf in the gradient and in
+//!   `gradient + residual`, the value type's range) before any residual changes, so a NaN in one
+//!   tensor leaves every residual, and the step counter, unchanged;
+//! - [`ErrorFeedback::save`] writes a safetensors file holding every residual (f32, exact bits)
+//!   and, in its `__metadata__`, the step, the seed and the method; a run restored with
+//!   [`ErrorFeedback::load`] continues bit-identically to one that was never interrupted.
+//!
+//! # Checkpoint layout
+//! A safetensors file with one F32 tensor of shape `[n]` per residual, keyed by the parameter
+//! name, and these `__metadata__` entries:
+//!
+//! | key | value |
+//! |---|---|
+//! | `format` | `gradwire-error-feedback` |
+//! | `version` | `1` |
+//! | `method` | [`crate::compressor::format_method`] of the method |
+//! | `seed` | the seed, decimal |
+//! | `step` | the next step to run, decimal |
+//!
+//! ```
+//! use gradwire::core::{K, Method, Values};
+//! use gradwire::feedback::ErrorFeedback;
+//!
+//! let method = Method::TopK { k: K::Count(1), values: Values::F32 };
+//! let mut fb = ErrorFeedback::new(method, 7)?;
+//! let grad = [1.0_f32, -3.0, 0.5];
+//! let mut sent = Vec::new();
+//! fb.step_with([("w", &grad[..])], |_name, frame| sent.push(frame.len()))?;
+//! assert_eq!(fb.step(), 1);
+//! // -3.0 was sent; the rest waits in the residual.
+//! assert_eq!(fb.residual("w"), Some(&[1.0_f32, 0.0, 0.5][..]));
+//! # Ok::<(), gradwire::error::Error>(())
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use gradwire_core::{
+    Method, Params, SignScale, Values, feedback_step, max_frame_len, scalar, scratch_len,
+    tensor_id, values,
+};
+use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, TensorView};
+
+use crate::compressor::{format_method, parse_method};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// Value of the `format` metadata entry of a checkpoint.
+pub const CHECKPOINT_FORMAT: &str = "gradwire-error-feedback";
+/// Value of the `version` metadata entry of a checkpoint.
+pub const CHECKPOINT_VERSION: &str = "1";
+
+/// Residuals keyed by parameter name, the method, the seed and the step counter of an
+/// error-feedback run.
+#[derive(Clone, Debug)]
+pub struct ErrorFeedback {
+    method: Method,
+    seed: u64,
+    step: u64,
+    residuals: BTreeMap<String, Vec<f32>>,
+    scratch: Vec<u32>,
+    frame: Vec<u8>,
+    ids: Vec<u64>,
+}
+
+impl PartialEq for ErrorFeedback {
+    /// Equal when method, seed, step and every residual (bit for bit) are equal.
+    fn eq(&self, other: &Self) -> bool {
+        self.method == other.method
+            && self.seed == other.seed
+            && self.step == other.step
+            && self.residuals.len() == other.residuals.len()
+            && self
+                .residuals
+                .iter()
+                .zip(&other.residuals)
+                .all(|((na, a), (nb, b))| {
+                    na == nb
+                        && a.len() == b.len()
+                        && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                })
+    }
+}
+
+/// Checks the method for error feedback.
+fn check_method(method: &Method) -> Result<()> {
+    method
+        .validate()
+        .map_err(|e| Error::config(format!("{} ({e})", format_method(method))))?;
+    match method {
+        Method::Sign {
+            scale: SignScale::None,
+        } => Err(Error::config(
+            "error feedback needs a scaled sign: with unscaled sign the residual grows without bound",
+        )),
+        Method::RandomK { unbiased: true, .. } => Err(Error::config(
+            "error feedback with unbiased random-k: the residual grows without bound",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Checks what one error-feedback step on `grad` would read, before anything changes: the
+/// residual's length, NaN/Inf in `grad` and in `grad + residual`, and the value type's range.
+/// Indices in errors are within the tensor, and are those the core reports.
+pub(crate) fn check_step_input(
+    tensor: &str,
+    grad: &[f32],
+    residual: Option<&[f32]>,
+    values: Option<Values>,
+) -> Result<()> {
+    if let Some(r) = residual
+        && r.len() != grad.len()
+    {
+        return Err(Error::LengthChanged {
+            tensor: tensor.to_owned(),
+            expected: r.len(),
+            got: grad.len(),
+        });
+    }
+    // Fast path: one SIMD pass over `grad + residual` against the value type's magnitude
+    // limit (NaN and infinity never pass).
+    let limit = values::magnitude_limit(values);
+    let within = match residual {
+        None => values::first_at_or_above(grad, limit).is_none(),
+        Some(r) => {
+            const CHUNK: usize = 1024;
+            let mut sum = [0.0f32; CHUNK];
+            grad.chunks(CHUNK).zip(r.chunks(CHUNK)).all(|(g, r)| {
+                let s = &mut sum[..g.len()];
+                for ((s, g), r) in s.iter_mut().zip(g).zip(r) {
+                    *s = g + r;
+                }
+                values::first_at_or_above(s, limit).is_none()
+            })
+        }
+    };
+    if within {
+        return Ok(());
+    }
+    // Something is out of limit: the first offender, in the core's order.
+    let core = |e| Err(Error::core(tensor, None, e));
+    if let Some(index) = scalar::first_non_finite(grad) {
+        return core(gradwire_core::Error::NonFinite { index });
+    }
+    let sum_at = |i: usize| grad[i] + residual.and_then(|r| r.get(i)).copied().unwrap_or(0.0);
+    if let Some(index) = (0..grad.len()).position(|i| !sum_at(i).is_finite()) {
+        return core(gradwire_core::Error::NonFinite { index });
+    }
+    // Every sum is finite here, so only the range of the value type remains.
+    if let Some(index) = (0..grad.len()).position(|i| sum_at(i).abs() >= limit) {
+        return core(gradwire_core::Error::ValueOutOfRange { index });
+    }
+    Ok(())
+}
+
+/// The residual of `name` for a tensor of `n` elements, created as zeros when missing.
+fn residual_slot<'m>(
+    residuals: &'m mut BTreeMap<String, Vec<f32>>,
+    name: &str,
+    n: usize,
+) -> Result<&'m mut Vec<f32>> {
+    if !residuals.contains_key(name) {
+        residuals.insert(name.to_owned(), vec![0.0; n]);
+    }
+    match residuals.get_mut(name) {
+        Some(r) if r.len() == n => Ok(r),
+        Some(r) => Err(Error::LengthChanged {
+            tensor: name.to_owned(),
+            expected: r.len(),
+            got: n,
+        }),
+        None => Err(Error::MissingTensor {
+            tensor: name.to_owned(),
+            rank: None,
+        }),
+    }
+}
+
+impl ErrorFeedback {
+    /// Error feedback with `method` and `seed`, at step 0, with no residuals.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid method, unscaled sign or unbiased random-k (their
+    /// residual would grow without bound).
+    pub fn new(method: Method, seed: u64) -> Result<Self> {
+        check_method(&method)?;
+        Ok(ErrorFeedback {
+            method,
+            seed,
+            step: 0,
+            residuals: BTreeMap::new(),
+            scratch: Vec::new(),
+            frame: Vec::new(),
+            ids: Vec::new(),
+        })
+    }
+
+    /// The method every frame is made with.
+    pub fn method(&self) -> &Method {
+        &self.method
+    }
+
+    /// The run's seed (random-k and stochastic rounding).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The next step to run (0 before the first).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The parameters of `name`'s frame at the current step.
+    pub fn params(&self, name: &str) -> Params {
+        Params {
+            method: self.method,
+            seed: self.seed,
+            step: self.step,
+            tensor_id: tensor_id(name),
+        }
+    }
+
+    /// The residual of `name`, if it has one.
+    pub fn residual(&self, name: &str) -> Option<&[f32]> {
+        self.residuals.get(name).map(Vec::as_slice)
+    }
+
+    /// Every residual, in name order.
+    pub fn residuals(&self) -> impl Iterator<Item = (&str, &[f32])> {
+        self.residuals
+            .iter()
+            .map(|(n, r)| (n.as_str(), r.as_slice()))
+    }
+
+    /// Number of residuals.
+    pub fn len(&self) -> usize {
+        self.residuals.len()
+    }
+
+    /// True when no residual is kept.
+    pub fn is_empty(&self) -> bool {
+        self.residuals.is_empty()
+    }
+
+    /// Drops every residual (the step counter, seed and method stay).
+    pub fn clear(&mut self) {
+        self.residuals.clear();
+    }
+
+    /// Sets `name`'s residual (for example to restore state kept elsewhere).
+    ///
+    /// # Errors
+    /// [`Error::Core`] with [`gradwire_core::Error::NonFinite`] when a value is NaN or
+    /// infinite; nothing changes then.
+    pub fn set_residual(&mut self, name: &str, residual: Vec<f32>) -> Result<()> {
+        if let Some(index) = scalar::first_non_finite(&residual) {
+            return Err(Error::core(
+                name,
+                None,
+                gradwire_core::Error::NonFinite { index },
+            ));
+        }
+        self.residuals.insert(name.to_owned(), residual);
+        Ok(())
+    }
+
+    /// The residual of `name` for a tensor of `n` elements, created as zeros when missing.
+    pub(crate) fn residual_for(&mut self, name: &str, n: usize) -> Result<&mut Vec<f32>> {
+        residual_slot(&mut self.residuals, name, n)
+    }
+
+    /// Sets the step counter (for a compressor taking over its state).
+    pub(crate) fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Ends a step that a caller ran through [`ErrorFeedback::residual_for`].
+    pub(crate) fn advance(&mut self) {
+        self.step = self.step.wrapping_add(1);
+    }
+
+    /// One step over a model: for every `(name, gradient)` of `grads`, in that order, encodes
+    /// `gradient + residual` with [`ErrorFeedback::params`]`(name)`, updates the residual and
+    /// hands the frame to `sink(name, frame)`. Then the step counter advances.
+    ///
+    /// `grads` is iterated twice (checks, then work), so its iterator must be `Clone` (slices,
+    /// arrays and map iterators are). Buffers are reused: a steady-state step allocates nothing.
+    ///
+    /// # Errors
+    /// Nothing changes on error (no residual, not the step counter, no call of `sink`):
+    /// [`Error::DuplicateTensor`] for a name given twice; [`Error::LengthChanged`] when a
+    /// tensor's element count differs from its residual's; [`Error::Core`] naming the tensor
+    /// for NaN/Inf in the gradient or in `gradient + residual`
+    /// ([`gradwire_core::Error::NonFinite`], with the first bad index) or a value beyond the
+    /// range of f16/bf16 values ([`gradwire_core::Error::ValueOutOfRange`]).
+    pub fn step_with<'a, I>(&mut self, grads: I, mut sink: impl FnMut(&str, &[u8])) -> Result<()>
+    where
+        I: IntoIterator<Item = (&'a str, &'a [f32])>,
+        I::IntoIter: Clone,
+    {
+        let iter = grads.into_iter();
+        let values = self.method.values();
+        // Pass 1: every check, and the buffer sizes.
+        self.ids.clear();
+        let (mut frame_len, mut scratch) = (0usize, 0usize);
+        for (name, g) in iter.clone() {
+            check_step_input(name, g, self.residual(name), values)?;
+            self.ids.push(tensor_id(name));
+            frame_len = frame_len.max(max_frame_len(g.len(), &self.method));
+            scratch = scratch.max(scratch_len(g.len(), &self.method));
+        }
+        self.ids.sort_unstable();
+        if self.ids.windows(2).any(|w| w[0] == w[1]) {
+            // Same hash: confirm with the names (rare, so this may allocate).
+            let mut names: Vec<&str> = iter.clone().map(|(n, _)| n).collect();
+            names.sort_unstable();
+            if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+                return Err(Error::DuplicateTensor {
+                    tensor: w[0].to_owned(),
+                });
+            }
+        }
+        if self.frame.len() < frame_len {
+            self.frame.resize(frame_len, 0);
+        }
+        if self.scratch.len() < scratch {
+            self.scratch.resize(scratch, 0);
+        }
+        // Pass 2: cannot fail after the checks above.
+        for (name, g) in iter {
+            let params = self.params(name);
+            let residual = residual_slot(&mut self.residuals, name, g.len())?;
+            let len = feedback_step(g, residual, &params, &mut self.scratch, &mut self.frame)
+                .map_err(|e| Error::core(name, None, e))?;
+            sink(name, &self.frame[..len]);
+        }
+        self.advance();
+        Ok(())
+    }
+
+    /// One step over named tensors in sorted name order (see [`ErrorFeedback::step_with`]),
+    /// returning each tensor's frame.
+    ///
+    /// # Errors
+    /// As [`ErrorFeedback::step_with`].
+    pub fn step_tensors(
+        &mut self,
+        grads: &HashMap<String, Tensor>,
+    ) -> Result<BTreeMap<String, Vec<u8>>> {
+        let mut sorted: Vec<(&str, &[f32])> =
+            grads.iter().map(|(n, t)| (n.as_str(), t.data())).collect();
+        sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let mut out = BTreeMap::new();
+        self.step_with(sorted.iter().copied(), |name, frame| {
+            out.insert(name.to_owned(), frame.to_vec());
+        })?;
+        Ok(out)
+    }
+
+    /// The checkpoint as safetensors bytes (layout in the module docs).
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] for a residual named `__metadata__` (reserved by safetensors);
+    /// [`Error::Safetensors`] when serialization fails.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        if self.residuals.contains_key("__metadata__") {
+            return Err(Error::checkpoint(
+                "a tensor named `__metadata__` cannot be stored in safetensors",
+            ));
+        }
+        let bytes: Vec<(&str, Vec<u8>)> = self
+            .residuals
+            .iter()
+            .map(|(n, r)| (n.as_str(), r.iter().flat_map(|x| x.to_le_bytes()).collect()))
+            .collect();
+        let mut views = Vec::with_capacity(bytes.len());
+        for (name, data) in &bytes {
+            views.push((
+                *name,
+                TensorView::new(Dtype::F32, vec![data.len() / 4], data)?,
+            ));
+        }
+        let mut meta = HashMap::new();
+        meta.insert("format".to_owned(), CHECKPOINT_FORMAT.to_owned());
+        meta.insert("version".to_owned(), CHECKPOINT_VERSION.to_owned());
+        meta.insert("method".to_owned(), format_method(&self.method));
+        meta.insert("seed".to_owned(), self.seed.to_string());
+        meta.insert("step".to_owned(), self.step.to_string());
+        Ok(safetensors::serialize(views, Some(meta))?)
+    }
+
+    /// Restores a checkpoint from the bytes [`ErrorFeedback::to_bytes`] wrote.
+    ///
+    /// # Errors
+    /// [`Error::Safetensors`] for bytes that are not safetensors; [`Error::Checkpoint`] naming
+    /// what is wrong: a missing or unknown `format`, `version`, `method`, `seed` or `step`, a
+    /// tensor that is not 1-d F32, a NaN or infinite residual value.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let (_, meta) = SafeTensors::read_metadata(bytes)?;
+        let empty = HashMap::new();
+        let meta = meta.metadata().as_ref().unwrap_or(&empty);
+        let get = |key: &str| {
+            meta.get(key)
+                .map(String::as_str)
+                .ok_or_else(|| Error::checkpoint(format!("metadata entry `{key}` is missing")))
+        };
+        let format = get("format")?;
+        if format != CHECKPOINT_FORMAT {
+            return Err(Error::checkpoint(format!(
+                "format `{format}` is not `{CHECKPOINT_FORMAT}`"
+            )));
+        }
+        let version = get("version")?;
+        if version != CHECKPOINT_VERSION {
+            return Err(Error::checkpoint(format!(
+                "version `{version}` is not supported (this build reads `{CHECKPOINT_VERSION}`)"
+            )));
+        }
+        let method = parse_method(get("method")?)
+            .map_err(|e| Error::checkpoint(format!("metadata `method`: {e}")))?;
+        let number = |key: &str| -> Result<u64> {
+            let s = get(key)?;
+            s.parse::<u64>()
+                .map_err(|_| Error::checkpoint(format!("metadata `{key}` = `{s}` is not a u64")))
+        };
+        let mut fb = ErrorFeedback::new(method, number("seed")?)
+            .map_err(|e| Error::checkpoint(format!("metadata `method`: {e}")))?;
+        fb.step = number("step")?;
+        let tensors = SafeTensors::deserialize(bytes)?;
+        for (name, view) in tensors.iter() {
+            if view.dtype() != Dtype::F32 || view.shape().len() != 1 {
+                return Err(Error::checkpoint(format!(
+                    "residual `{name}` is {:?} with shape {:?}, expected F32 with shape [n]",
+                    view.dtype(),
+                    view.shape()
+                )));
+            }
+            let r: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            if let Some(index) = scalar::first_non_finite(&r) {
+                return Err(Error::checkpoint(format!(
+                    "residual `{name}` is NaN or infinite at index {index}"
+                )));
+            }
+            fb.residuals.insert(name.to_owned(), r);
+        }
+        Ok(fb)
+    }
+
+    /// Writes the checkpoint to `path` (layout in the module docs).
+    ///
+    /// # Errors
+    /// As [`ErrorFeedback::to_bytes`]; [`Error::Io`] naming the file when writing fails.
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let bytes = self.to_bytes()?;
+        std::fs::write(path, bytes).map_err(|source| Error::Io {
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    /// Reads a checkpoint that [`ErrorFeedback::save`] wrote.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the file when reading fails; otherwise as
+    /// [`ErrorFeedback::from_bytes`].
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_bytes(&bytes)
+    }
+}

@@ -20,3 +20,12 @@ pub mod reference;
 pub mod tensor;
 
 pub use gradwire_core as core;
+
+pub use aggregate::Reduction;
+pub use allreduce::CompressedAllReduce;
+pub use bucket::{BucketConfig, TopKScope};
+pub use bundle::{Manifest, TensorSpec};
+pub use compressor::{CompressedGradient, CompressionMethod, GradientCompressor};
+pub use error::Error;
+pub use feedback::ErrorFeedback;
+pub use tensor::Tensor;

@@ -1,1 +1,149 @@
-//! (being written)
+//! [`Tensor`]: a dense row-major f32 tensor with a shape.
+//!
+//! A 0-d tensor (shape `[]`) holds one element; a shape with a zero dimension holds none.
+//!
+//! ```
+//! use gradwire::tensor::Tensor;
+//!
+//! let t = Tensor::new(vec![2, 3], vec![0.0; 6])?;
+//! assert_eq!(t.numel(), 6);
+//! assert!(Tensor::new(vec![2, 3], vec![0.0; 5]).is_err());
+//! let s = Tensor::scalar(1.5);
+//! assert_eq!(s.shape(), &[] as &[usize]);
+//! assert_eq!(s.data(), &[1.5]);
+//! # Ok::<(), gradwire::error::Error>(())
+//! ```
+
+use crate::error::{Error, Result};
+
+/// A dense row-major f32 tensor: a shape and `product(shape)` elements.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    data: Vec<f32>,
+}
+
+/// The number of elements of `shape` (1 for `[]`), or `None` on overflow.
+pub fn numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+}
+
+/// The number of elements of `shape`, or an error naming `tensor` on overflow.
+///
+/// # Errors
+/// [`Error::ShapeOverflow`] when the product overflows `usize`.
+pub(crate) fn checked_numel(tensor: &str, shape: &[usize]) -> Result<usize> {
+    numel(shape).ok_or_else(|| Error::ShapeOverflow {
+        tensor: tensor.to_owned(),
+        shape: shape.to_vec(),
+    })
+}
+
+impl Tensor {
+    /// A tensor of `shape` holding `data` (row-major).
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when `data.len()` differs from the product of `shape`;
+    /// [`Error::ShapeOverflow`] when that product overflows.
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Result<Self> {
+        let n = checked_numel("", &shape)?;
+        if n != data.len() {
+            return Err(Error::Shape {
+                tensor: String::new(),
+                shape,
+                expected: n,
+                got: data.len(),
+            });
+        }
+        Ok(Tensor { shape, data })
+    }
+
+    /// A tensor of `shape` holding `data`, arguments in the order of the original module's
+    /// `Tensor::from_vec`.
+    ///
+    /// # Errors
+    /// As [`Tensor::new`].
+    pub fn from_vec(data: Vec<f32>, shape: &[usize]) -> Result<Self> {
+        Tensor::new(shape.to_vec(), data)
+    }
+
+    /// A 1-d tensor holding `data`.
+    pub fn vector(data: Vec<f32>) -> Self {
+        Tensor {
+            shape: vec![data.len()],
+            data,
+        }
+    }
+
+    /// A 0-d tensor (shape `[]`) holding one element.
+    pub fn scalar(value: f32) -> Self {
+        Tensor {
+            shape: Vec::new(),
+            data: vec![value],
+        }
+    }
+
+    /// A tensor of `shape` filled with zeros.
+    ///
+    /// # Errors
+    /// [`Error::ShapeOverflow`] when the product of `shape` overflows.
+    pub fn zeros(shape: &[usize]) -> Result<Self> {
+        let n = checked_numel("", shape)?;
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            data: vec![0.0; n],
+        })
+    }
+
+    /// The shape (empty for a 0-d tensor).
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The elements, row-major.
+    pub fn data(&self) -> &[f32] {
+        &self.data
+    }
+
+    /// The elements, row-major, mutable (the shape cannot change through this).
+    pub fn data_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+
+    /// The number of elements (`product(shape)`, 1 for a 0-d tensor).
+    pub fn numel(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Takes the tensor apart into its shape and its elements.
+    pub fn into_parts(self) -> (Vec<usize>, Vec<f32>) {
+        (self.shape, self.data)
+    }
+
+    /// Takes the elements, dropping the shape.
+    pub fn into_data(self) -> Vec<f32> {
+        self.data
+    }
+
+    /// Sets the shape and copies `data` in, reusing this tensor's buffers (no allocation when
+    /// the capacities suffice).
+    ///
+    /// # Errors
+    /// As [`Tensor::new`]; on error the tensor is unchanged.
+    pub fn assign(&mut self, shape: &[usize], data: &[f32]) -> Result<()> {
+        let n = checked_numel("", shape)?;
+        if n != data.len() {
+            return Err(Error::Shape {
+                tensor: String::new(),
+                shape: shape.to_vec(),
+                expected: n,
+                got: data.len(),
+            });
+        }
+        self.shape.clear();
+        self.shape.extend_from_slice(shape);
+        self.data.clear();
+        self.data.extend_from_slice(data);
+        Ok(())
+    }
+}

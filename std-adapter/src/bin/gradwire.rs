@@ -1,2 +1,620 @@
-//! The `gradwire` command-line tool (being written).
-fn main() {}
+//! `gradwire`: compress, decompress and inspect gradients stored as safetensors files.
+//!
+//! ```text
+//! gradwire compress IN.safetensors -o OUT
+//!          [--method topk|randomk|threshold|quant|sign|f16|bf16|f32]
+//!          [--ratio R | --k K | --threshold T] [--bits B] [--block N]
+//!          [--values f32|f16|bf16|int8]
+//!          [--stochastic] [--seed S] [--step N] [--residual STATE.safetensors]
+//!          [--layout gradwire|reference]
+//! gradwire decompress IN -o OUT.safetensors [--layout gradwire|reference]
+//!          [--shapes MODEL.safetensors] [--mode none|topk|topk-int8] [--max-elements N]
+//! gradwire inspect IN [--json] [--layout gradwire|reference] [--shapes MODEL.safetensors]
+//!          [--max-elements N]
+//! ```
+//!
+//! Two layouts:
+//! - `gradwire` (default): a gradwire container (see the `container` module: a checksummed
+//!   manifest with names, shapes and method, followed by a gradwire bundle);
+//! - `reference`: the reference Python safetensors payload ([`gradwire::reference`]); shapes do
+//!   not travel, so `decompress` needs the receiver's model (`--shapes`).
+//!
+//! With `--residual STATE`, `compress` runs one error-feedback step: it reads the state when the
+//! file exists (an [`gradwire::feedback::ErrorFeedback`] checkpoint), compresses
+//! `gradient + residual`, and rewrites the state. Outputs and state files are written to a
+//! temporary file in the same directory and renamed, so a failure never leaves a half-written
+//! file. A failure prints one line, `gradwire: error: ...`, on stderr and exits with status 1
+//! (2 for invalid command lines).
+#![forbid(unsafe_code)]
+
+#[path = "gradwire/container.rs"]
+mod container;
+#[path = "gradwire/io.rs"]
+mod io;
+#[path = "gradwire/report.rs"]
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+use gradwire::bundle::TensorSpec;
+use gradwire::compressor::{DEFAULT_INT8_BLOCK, DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK};
+use gradwire::core::{K, Method, Rounding, SignScale, Values};
+use gradwire::feedback::ErrorFeedback;
+use gradwire::reference::{self, Mode};
+
+/// A failure: one line for stderr and the exit status.
+#[derive(Debug)]
+pub struct CliError {
+    message: String,
+    status: u8,
+}
+
+impl CliError {
+    /// A runtime failure (exit status 1).
+    pub fn new(message: impl Into<String>) -> Self {
+        CliError {
+            message: message.into(),
+            status: 1,
+        }
+    }
+
+    /// An invalid command line (exit status 2).
+    pub fn usage(message: impl Into<String>) -> Self {
+        CliError {
+            message: message.into(),
+            status: 2,
+        }
+    }
+
+    /// The message, without the `gradwire: error:` prefix.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// An I/O failure on `path`.
+    pub fn io(what: &str, path: &Path, e: &std::io::Error) -> Self {
+        let reason = match e.kind() {
+            std::io::ErrorKind::NotFound => "no such file or directory".to_owned(),
+            std::io::ErrorKind::PermissionDenied => "permission denied".to_owned(),
+            _ => e.to_string(),
+        };
+        CliError::new(format!("{what} {}: {reason}", path.display()))
+    }
+}
+
+impl From<gradwire::error::Error> for CliError {
+    fn from(e: gradwire::error::Error) -> Self {
+        CliError::new(e.to_string())
+    }
+}
+
+impl From<reference::ReferenceError> for CliError {
+    fn from(e: reference::ReferenceError) -> Self {
+        CliError::new(e.to_string())
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gradwire",
+    version,
+    about = "Compress, decompress and inspect gradients (safetensors) for data-parallel training"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Compress a float32 safetensors file of gradients.
+    Compress(CompressArgs),
+    /// Rebuild dense float32 gradients from a compressed file.
+    Decompress(DecompressArgs),
+    /// Show what a compressed file holds: per tensor and in total.
+    Inspect(InspectArgs),
+}
+
+/// Which file layout to write or read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Layout {
+    /// A gradwire container: manifest (names, shapes, method) + gradwire bundle.
+    Gradwire,
+    /// The reference Python safetensors payload (`NAME::idx`, `NAME::val`, `NAME::scale`).
+    Reference,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum MethodArg {
+    /// Exact top-k by magnitude (ties to the lower index).
+    Topk,
+    /// k entries at seeded random indices (the indices do not travel).
+    Randomk,
+    /// Entries with |g| > T.
+    Threshold,
+    /// B-bit quantization with per-block absmax scales.
+    Quant,
+    /// One sign bit per element with a per-block mean |g| scale.
+    Sign,
+    /// Dense IEEE binary16.
+    F16,
+    /// Dense bfloat16.
+    Bf16,
+    /// Dense float32 (lossless; mode `none` in the reference layout).
+    F32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ValuesArg {
+    F32,
+    F16,
+    Bf16,
+    Int8,
+}
+
+#[derive(Args, Debug)]
+#[command(group(ArgGroup::new("amount").args(["ratio", "k", "threshold"])))]
+struct CompressArgs {
+    /// Gradients: a safetensors file of float32 tensors.
+    input: PathBuf,
+    /// Output file.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Compression method.
+    #[arg(long, value_enum, default_value_t = MethodArg::Topk)]
+    method: MethodArg,
+    /// Fraction of entries kept per tensor (topk, randomk): k = max(1, floor(n * R)); default 0.01.
+    #[arg(long, value_name = "R")]
+    ratio: Option<f64>,
+    /// Entries kept per tensor (topk, randomk; gradwire layout).
+    #[arg(long, value_name = "K")]
+    k: Option<u64>,
+    /// Keep entries with |g| > T (threshold).
+    #[arg(long, value_name = "T")]
+    threshold: Option<f32>,
+    /// Bits per element, 2..=8 (quant; default 8).
+    #[arg(long, value_name = "B")]
+    bits: Option<u8>,
+    /// Elements per f32 scale (quant: 512, sign: 1024, int8 values: 256 kept values).
+    #[arg(long, value_name = "N")]
+    block: Option<u32>,
+    /// Value type of kept entries (topk, randomk, threshold; default f32).
+    #[arg(long, value_enum)]
+    values: Option<ValuesArg>,
+    /// Stochastic (unbiased) rounding for quant, from (seed, step, tensor).
+    #[arg(long)]
+    stochastic: bool,
+    /// Seed of random-k and stochastic rounding (default 0; with --residual, the state's).
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
+    /// Training step (random-k and stochastic rounding draw from it); with --residual it must
+    /// match the state's step.
+    #[arg(long, value_name = "N")]
+    step: Option<u64>,
+    /// Error-feedback state: read when it exists, rewritten after the step.
+    #[arg(long, value_name = "STATE.safetensors")]
+    residual: Option<PathBuf>,
+    /// Output layout.
+    #[arg(long, value_enum, default_value_t = Layout::Gradwire)]
+    layout: Layout,
+}
+
+#[derive(Args, Debug)]
+struct DecompressArgs {
+    /// A gradwire container or a reference payload.
+    input: PathBuf,
+    /// Output: a safetensors file of float32 tensors.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Layout of the input (default: detected from its first bytes).
+    #[arg(long, value_enum)]
+    layout: Option<Layout>,
+    /// The receiver's model (any safetensors file with the same names and shapes): required for
+    /// the reference layout; for a gradwire container, checked against its manifest.
+    #[arg(long, value_name = "MODEL.safetensors")]
+    shapes: Option<PathBuf>,
+    /// Mode of a reference payload (the X-Compression header); default: detected from dtypes.
+    #[arg(long, value_name = "MODE")]
+    mode: Option<String>,
+    /// Largest model (total elements) a container may declare when no --shapes is given.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
+    max_elements: u64,
+}
+
+/// Default of `--max-elements`: 2^30 elements (4 GiB of f32).
+const DEFAULT_MAX_ELEMENTS: u64 = 1 << 30;
+
+#[derive(Args, Debug)]
+struct InspectArgs {
+    /// A gradwire container or a reference payload.
+    input: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Layout of the input (default: detected from its first bytes).
+    #[arg(long, value_enum)]
+    layout: Option<Layout>,
+    /// The model, to report element counts of a reference payload (shapes do not travel).
+    #[arg(long, value_name = "MODEL.safetensors")]
+    shapes: Option<PathBuf>,
+    /// Largest model (total elements) a container may declare.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
+    max_elements: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                // Help and version go to stdout with status 0.
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            // clap's message up to its usage block, on one line.
+            let text = e.to_string();
+            let parts: Vec<&str> = text
+                .lines()
+                .map(str::trim)
+                .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+                .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+                .collect();
+            let message = parts.join(" ");
+            let message = message.strip_prefix("error: ").unwrap_or(&message);
+            return fail(&CliError::usage(format!("{message} (see gradwire --help)")));
+        }
+    };
+    let result = match cli.command {
+        Command::Compress(a) => compress(&a),
+        Command::Decompress(a) => decompress(&a),
+        Command::Inspect(a) => inspect(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e),
+    }
+}
+
+fn fail(e: &CliError) -> ExitCode {
+    let one_line: String = e
+        .message
+        .chars()
+        .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
+        .collect();
+    eprintln!("gradwire: error: {one_line}");
+    ExitCode::from(e.status)
+}
+
+/// The method the flags describe, checked for flags that do not apply.
+fn method_of(a: &CompressArgs) -> Result<Method, CliError> {
+    let usage = CliError::usage;
+    let sparse = matches!(
+        a.method,
+        MethodArg::Topk | MethodArg::Randomk | MethodArg::Threshold
+    );
+    if !sparse && a.values.is_some() {
+        return Err(usage("--values applies to topk, randomk and threshold"));
+    }
+    if a.method != MethodArg::Quant && a.bits.is_some() {
+        return Err(usage("--bits applies to --method quant"));
+    }
+    if a.method != MethodArg::Quant && a.stochastic {
+        return Err(usage("--stochastic applies to --method quant"));
+    }
+    if a.method != MethodArg::Threshold && a.threshold.is_some() {
+        return Err(usage("--threshold applies to --method threshold"));
+    }
+    if !matches!(a.method, MethodArg::Topk | MethodArg::Randomk)
+        && (a.ratio.is_some() || a.k.is_some())
+    {
+        return Err(usage("--ratio and --k apply to topk and randomk"));
+    }
+    let values = match a.values.unwrap_or(ValuesArg::F32) {
+        ValuesArg::F32 => Values::F32,
+        ValuesArg::F16 => Values::F16,
+        ValuesArg::Bf16 => Values::Bf16,
+        ValuesArg::Int8 => Values::Int8 {
+            block: a.block.unwrap_or(DEFAULT_INT8_BLOCK),
+        },
+    };
+    let block_applies = matches!(a.method, MethodArg::Quant | MethodArg::Sign)
+        || matches!(values, Values::Int8 { .. });
+    if a.block.is_some() && !block_applies {
+        return Err(usage("--block applies to quant, sign and --values int8"));
+    }
+    if a.block == Some(0) {
+        return Err(usage("--block must be at least 1"));
+    }
+    let k = match (a.ratio, a.k) {
+        (_, Some(k)) => K::Count(k),
+        (Some(r), None) => K::Ratio(r),
+        (None, None) => K::Ratio(0.01),
+    };
+    let method = match a.method {
+        MethodArg::Topk => Method::TopK { k, values },
+        MethodArg::Randomk => Method::RandomK {
+            k,
+            values,
+            unbiased: false,
+        },
+        MethodArg::Threshold => Method::Threshold {
+            threshold: a
+                .threshold
+                .ok_or_else(|| usage("--method threshold needs --threshold T"))?,
+            values,
+        },
+        MethodArg::Quant => Method::Quant {
+            bits: a.bits.unwrap_or(8),
+            block: a.block.unwrap_or(DEFAULT_QUANT_BLOCK),
+            rounding: if a.stochastic {
+                Rounding::Stochastic
+            } else {
+                Rounding::NearestEven
+            },
+        },
+        MethodArg::Sign => Method::Sign {
+            scale: SignScale::MeanAbs {
+                block: a.block.unwrap_or(DEFAULT_SIGN_BLOCK),
+            },
+        },
+        MethodArg::F16 => Method::Dense {
+            values: Values::F16,
+        },
+        MethodArg::Bf16 => Method::Dense {
+            values: Values::Bf16,
+        },
+        MethodArg::F32 => Method::Dense {
+            values: Values::F32,
+        },
+    };
+    method
+        .validate()
+        .map_err(|e| CliError::usage(e.to_string()))?;
+    Ok(method)
+}
+
+/// The reference mode and ratio the flags describe.
+fn reference_mode_of(a: &CompressArgs) -> Result<(Mode, f64), CliError> {
+    let usage = CliError::usage;
+    if a.k.is_some() {
+        return Err(usage(
+            "the reference layout sets k from --ratio; --k is not available",
+        ));
+    }
+    if a.block.is_some() {
+        return Err(usage(
+            "the reference layout has one int8 scale per tensor; --block is not available",
+        ));
+    }
+    if a.seed.is_some() {
+        return Err(usage("--seed does not apply to the reference layout"));
+    }
+    let ratio = a.ratio.unwrap_or(0.01);
+    if !(ratio.is_finite() && ratio >= 0.0) {
+        return Err(CliError::usage(format!(
+            "invalid ratio {ratio} (must be finite and >= 0)"
+        )));
+    }
+    let mode = match (a.method, a.values) {
+        (MethodArg::F32, None) => Mode::None,
+        (MethodArg::Topk, None | Some(ValuesArg::F32)) => Mode::TopK,
+        (MethodArg::Topk, Some(ValuesArg::Int8)) => Mode::TopKInt8,
+        (MethodArg::Topk, Some(_)) => {
+            return Err(usage("the reference layout sends f32 or int8 values"));
+        }
+        _ => {
+            return Err(usage(
+                "the reference layout supports --method topk (f32 or int8 values) and \
+                 --method f32 (mode none)",
+            ));
+        }
+    };
+    if mode == Mode::None && a.ratio.is_some() {
+        return Err(usage("--ratio applies to topk"));
+    }
+    Ok((mode, ratio))
+}
+
+/// Loads the error-feedback state at `path` if it exists (its seed must be `seed` when one is
+/// given), or starts a new one (seed 0 unless given).
+fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<ErrorFeedback, CliError> {
+    match std::fs::read(path) {
+        Ok(bytes) => {
+            let fb = ErrorFeedback::from_bytes(&bytes)
+                .map_err(|e| CliError::new(format!("{}: {e}", path.display())))?;
+            if let Some(seed) = seed
+                && fb.seed() != seed
+            {
+                return Err(CliError::new(format!(
+                    "{}: residual state has seed {}, this step uses seed {seed}",
+                    path.display(),
+                    fb.seed()
+                )));
+            }
+            Ok(fb)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Ok(ErrorFeedback::new(method, seed.unwrap_or(0))?)
+        }
+        Err(e) => Err(CliError::io("cannot read", path, &e)),
+    }
+}
+
+fn check_state_method(path: &Path, fb: &ErrorFeedback, method: &Method) -> Result<(), CliError> {
+    if fb.method() != method {
+        return Err(CliError::new(format!(
+            "{}: residual state was made with method `{}`, this step uses `{}`",
+            path.display(),
+            gradwire::compressor::format_method(fb.method()),
+            gradwire::compressor::format_method(method)
+        )));
+    }
+    Ok(())
+}
+
+fn check_state_step(path: &Path, fb: &ErrorFeedback, step: Option<u64>) -> Result<(), CliError> {
+    match step {
+        Some(s) if s != fb.step() => Err(CliError::new(format!(
+            "{}: residual state is at step {}, --step says {s}",
+            path.display(),
+            fb.step()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn compress(a: &CompressArgs) -> Result<(), CliError> {
+    // Everything about the command line is checked before any file is read.
+    let plan = match a.layout {
+        Layout::Gradwire => Plan::Gradwire(method_of(a)?),
+        Layout::Reference => {
+            let (mode, ratio) = reference_mode_of(a)?;
+            Plan::Reference(mode, ratio)
+        }
+    };
+    if a.residual.as_deref() == Some(a.output.as_path()) {
+        return Err(CliError::usage("--residual and -o must be different files"));
+    }
+    let bytes = io::read(&a.input)?;
+    let model = io::parse_model(&a.input, &bytes)?;
+    let inputs: Vec<reference::Input<'_>> = model
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.shape(), t.data()))
+        .collect();
+    let (out, state) = match plan {
+        Plan::Reference(mode, ratio) => match &a.residual {
+            None => (reference::compress(&inputs, mode, ratio)?, None),
+            Some(path) => {
+                let method = reference::feedback_method(mode, ratio);
+                let mut fb = load_state(path, method, a.seed)?;
+                check_state_method(path, &fb, &method)?;
+                check_state_step(path, &fb, a.step)?;
+                let payload =
+                    reference::compress_with_error_feedback(&inputs, &mut fb, mode, ratio)?;
+                (payload, Some(fb.to_bytes()?))
+            }
+        },
+        Plan::Gradwire(method) => match &a.residual {
+            None => (
+                container::compress(&model, method, a.seed.unwrap_or(0), a.step.unwrap_or(0))?,
+                None,
+            ),
+            Some(path) => {
+                let mut fb = load_state(path, method, a.seed)?;
+                check_state_method(path, &fb, &method)?;
+                check_state_step(path, &fb, a.step)?;
+                let out = container::compress_with_feedback(&model, &mut fb)?;
+                (out, Some(fb.to_bytes()?))
+            }
+        },
+    };
+    match (&a.residual, &state) {
+        (Some(path), Some(state)) => {
+            io::write_all_atomic(&[(a.output.as_path(), &out), (path.as_path(), state)])
+        }
+        _ => io::write_all_atomic(&[(a.output.as_path(), &out)]),
+    }
+}
+
+enum Plan {
+    Gradwire(Method),
+    Reference(Mode, f64),
+}
+
+/// The layout of `bytes`: given, or detected from the container magic.
+fn layout_of(path: &Path, bytes: &[u8], given: Option<Layout>) -> Result<Layout, CliError> {
+    let detected = if container::is_container(bytes) {
+        Layout::Gradwire
+    } else {
+        Layout::Reference
+    };
+    match given {
+        Some(Layout::Gradwire) if detected != Layout::Gradwire => Err(CliError::new(format!(
+            "{}: not a gradwire container (bad magic)",
+            path.display()
+        ))),
+        Some(l) => Ok(l),
+        None => Ok(detected),
+    }
+}
+
+fn specs_from(path: &Path) -> Result<Vec<TensorSpec>, CliError> {
+    let bytes = io::read(path)?;
+    Ok(io::parse_shapes(path, &bytes)?
+        .into_iter()
+        .map(|(n, s)| TensorSpec::new(n, s))
+        .collect())
+}
+
+fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
+    let bytes = io::read(&a.input)?;
+    let layout = layout_of(&a.input, &bytes, a.layout)?;
+    if layout == Layout::Gradwire && a.mode.is_some() {
+        return Err(CliError::usage("--mode applies to the reference layout"));
+    }
+    let model: io::Model = match layout {
+        Layout::Gradwire => {
+            let specs = a.shapes.as_deref().map(specs_from).transpose()?;
+            // With the receiver's model, the container must describe exactly that model
+            // (checked before anything is allocated), so the model bounds the output; without
+            // one, the container's own declaration is capped.
+            let max = if specs.is_some() {
+                u64::MAX
+            } else {
+                a.max_elements
+            };
+            container::decompress(&a.input, &bytes, specs.as_deref(), max)?
+        }
+        Layout::Reference => {
+            let Some(shapes) = &a.shapes else {
+                return Err(CliError::usage(
+                    "the reference layout does not carry shapes: give the model with \
+                     --shapes MODEL.safetensors",
+                ));
+            };
+            let specs = specs_from(shapes)?;
+            let mode = match &a.mode {
+                Some(m) => m.parse::<Mode>()?,
+                None => {
+                    reference::summarize(&bytes)
+                        .map_err(|e| CliError::new(format!("{}: {e}", a.input.display())))?
+                        .0
+                }
+            };
+            let dense = reference::decode(&bytes, mode, &specs)
+                .map_err(|e| CliError::new(format!("{}: {e}", a.input.display())))?;
+            specs
+                .into_iter()
+                .zip(dense)
+                .map(|(s, d)| Ok((s.name, gradwire::tensor::Tensor::new(s.shape, d)?)))
+                .collect::<Result<_, CliError>>()?
+        }
+    };
+    let out = io::model_bytes(&model)?;
+    io::write_all_atomic(&[(a.output.as_path(), &out)])
+}
+
+fn inspect(a: &InspectArgs) -> Result<(), CliError> {
+    let bytes = io::read(&a.input)?;
+    let layout = layout_of(&a.input, &bytes, a.layout)?;
+    let rep = match layout {
+        Layout::Gradwire => {
+            if a.shapes.is_some() {
+                return Err(CliError::usage(
+                    "--shapes applies to reference payloads (a container carries its shapes)",
+                ));
+            }
+            container::inspect(&a.input, &bytes, a.max_elements)?
+        }
+        Layout::Reference => {
+            let specs = a.shapes.as_deref().map(specs_from).transpose()?;
+            report::reference(&a.input, &bytes, specs.as_deref())?
+        }
+    };
+    let text = if a.json { rep.to_json() } else { rep.to_text() };
+    print!("{text}");
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! Files: reading inputs, float32 safetensors models, and atomic writes (a temporary file in the
+//! same directory, renamed over the target), so that a failure never leaves a half-written
+//! output or state file.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use gradwire::tensor::Tensor;
+use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, TensorView};
+
+use crate::CliError;
+
+/// Reads a whole file, naming it in the error.
+pub fn read(path: &Path) -> Result<Vec<u8>, CliError> {
+    fs::read(path).map_err(|e| CliError::io("cannot read", path, &e))
+}
+
+/// A model's tensors: `(name, tensor)` sorted by name.
+pub type Model = Vec<(String, Tensor)>;
+
+/// Parses a safetensors file of float32 tensors (a gradient or a model), sorted by name.
+pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+        CliError::new(format!(
+            "{}: not a valid safetensors file ({e})",
+            path.display()
+        ))
+    })?;
+    let mut model = Vec::with_capacity(st.len());
+    for (name, view) in st.iter() {
+        if view.dtype() != Dtype::F32 {
+            return Err(CliError::new(format!(
+                "{}: tensor `{name}` has dtype {:?}; gradwire reads float32 tensors",
+                path.display(),
+                view.dtype()
+            )));
+        }
+        let data = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let tensor = Tensor::new(view.shape().to_vec(), data)
+            .map_err(|e| CliError::new(format!("{}: tensor `{name}`: {e}", path.display())))?;
+        model.push((name.to_owned(), tensor));
+    }
+    model.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(model)
+}
+
+/// Names and shapes of every tensor of a safetensors file (any dtype), sorted by name: what a
+/// receiver knows about its model.
+pub fn parse_shapes(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>)>, CliError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+        CliError::new(format!(
+            "{}: not a valid safetensors file ({e})",
+            path.display()
+        ))
+    })?;
+    let mut shapes: Vec<(String, Vec<usize>)> = st
+        .iter()
+        .map(|(name, view)| (name.to_owned(), view.shape().to_vec()))
+        .collect();
+    shapes.sort();
+    Ok(shapes)
+}
+
+/// Serializes tensors as a float32 safetensors file.
+pub fn model_bytes(model: &[(String, Tensor)]) -> Result<Vec<u8>, CliError> {
+    let bytes: Vec<Vec<u8>> = model
+        .iter()
+        .map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let mut views = Vec::with_capacity(model.len());
+    for ((name, t), data) in model.iter().zip(&bytes) {
+        let view = TensorView::new(Dtype::F32, t.shape().to_vec(), data)
+            .map_err(|e| CliError::new(format!("tensor `{name}`: {e}")))?;
+        views.push((name.as_str(), view));
+    }
+    safetensors::serialize(views, None)
+        .map_err(|e| CliError::new(format!("cannot serialize safetensors: {e}")))
+}
+
+/// A file written next to its target, not yet renamed over it. Dropping it removes it.
+pub struct Staged {
+    temp: PathBuf,
+    target: PathBuf,
+    done: bool,
+}
+
+impl Staged {
+    /// Renames the temporary file over the target.
+    pub fn commit(mut self) -> Result<(), CliError> {
+        fs::rename(&self.temp, &self.target)
+            .map_err(|e| CliError::io("cannot write", &self.target, &e))?;
+        self.done = true;
+        Ok(())
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.done {
+            // Best effort: the temporary file is ours and incomplete or unwanted.
+            let _ = fs::remove_file(&self.temp);
+        }
+    }
+}
+
+/// Writes `bytes` to a new temporary file in the directory of `target` (flushed to disk), to be
+/// renamed over `target` by [`Staged::commit`].
+pub fn stage(target: &Path, bytes: &[u8]) -> Result<Staged, CliError> {
+    let file_name = target
+        .file_name()
+        .ok_or_else(|| CliError::new(format!("{}: not a file name", target.display())))?;
+    if target.is_dir() {
+        return Err(CliError::new(format!(
+            "cannot write {}: is a directory",
+            target.display()
+        )));
+    }
+    let dir = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let mut attempt = 0u32;
+    let (temp, mut file) = loop {
+        let mut name = std::ffi::OsString::from(".");
+        name.push(file_name);
+        name.push(format!(".gradwire-tmp-{}-{attempt}", std::process::id()));
+        let temp = dir.join(name);
+        match OpenOptions::new().write(true).create_new(true).open(&temp) {
+            Ok(f) => break (temp, f),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 100 => {
+                attempt += 1;
+            }
+            Err(e) => return Err(CliError::io("cannot write", target, &e)),
+        }
+    };
+    let staged = Staged {
+        temp,
+        target: target.to_path_buf(),
+        done: false,
+    };
+    write_all(&mut file, bytes).map_err(|e| CliError::io("cannot write", target, &e))?;
+    Ok(staged)
+}
+
+fn write_all(file: &mut File, bytes: &[u8]) -> std::io::Result<()> {
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+/// Writes every `(target, bytes)` atomically: all temporary files first, then the renames, so
+/// a failure while writing leaves every target as it was.
+pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<(), CliError> {
+    let staged = files
+        .iter()
+        .map(|(target, bytes)| stage(target, bytes))
+        .collect::<Result<Vec<_>, _>>()?;
+    for s in staged {
+        s.commit()?;
+    }
+    Ok(())
+}

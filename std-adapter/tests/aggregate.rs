@@ -1,0 +1,278 @@
+//! Aggregation: sum, mean, majority vote; validation naming tensor and rank; rank order.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{Rng, grads, minilm, noisy, same_bits};
+use gradwire::aggregate::{Reduction, aggregate, aggregate_compressed_into, aggregate_into};
+use gradwire::bucket::BucketConfig;
+use gradwire::bundle::{Manifest, TensorSpec};
+use gradwire::compressor::{CompressedGradient, CompressionMethod, GradientCompressor};
+use gradwire::core::{Method, Values};
+use gradwire::error::{BundleFault, Error};
+use gradwire::tensor::Tensor;
+
+fn bundles(
+    manifest: &Manifest,
+    method: &CompressionMethod,
+    per_rank: &[HashMap<String, Tensor>],
+) -> Vec<Vec<u8>> {
+    per_rank
+        .iter()
+        .enumerate()
+        .map(|(rank, g)| {
+            let mut c = GradientCompressor::new(method.clone());
+            let mut out = Vec::new();
+            c.compress_bundle(manifest, g, rank, &mut out).unwrap();
+            out
+        })
+        .collect()
+}
+
+#[test]
+fn mean_of_threes_is_three() {
+    let method = CompressionMethod::Core(Method::Dense {
+        values: Values::F32,
+    });
+    let g = grads(&[("w", &[1], vec![3.0])]);
+    let manifest = Manifest::for_gradients(&g, &method, 0, BucketConfig::none()).unwrap();
+    let b = bundles(&manifest, &method, &[g.clone(), g.clone(), g.clone()]);
+    assert_eq!(
+        aggregate(&manifest, &b, 0, Reduction::Mean).unwrap(),
+        vec![3.0]
+    );
+    assert_eq!(
+        aggregate(&manifest, &b, 0, Reduction::Sum).unwrap(),
+        vec![9.0]
+    );
+}
+
+/// Sum and mean equal the f32 sum of each rank's decoded contribution, in rank order, divided
+/// once by W: bit for bit.
+#[test]
+fn sum_and_mean_in_rank_order() {
+    let base = minilm();
+    let ranks: Vec<HashMap<String, Tensor>> =
+        (0..4).map(|r| noisy(&base, &mut Rng(r), 0.5)).collect();
+    for (method, cfg) in [
+        (CompressionMethod::top_k_int8(0.01), BucketConfig::none()),
+        (
+            CompressionMethod::top_k_int8(0.01),
+            BucketConfig::fused(64 << 10),
+        ),
+        (CompressionMethod::SignSGD, BucketConfig::none()),
+        (
+            CompressionMethod::RandomK { k: 500 },
+            BucketConfig::fused(64 << 10),
+        ),
+    ] {
+        let manifest = Manifest::for_gradients(&base, &method, 0, cfg).unwrap();
+        let b = bundles(&manifest, &method, &ranks);
+        let mut expected = vec![0.0f32; manifest.flat_len()];
+        for (rank, bundle) in b.iter().enumerate() {
+            let mut one = Vec::new();
+            manifest
+                .decode_bundle(bundle, Some(rank), Some(0), &mut one)
+                .unwrap();
+            for (e, x) in expected.iter_mut().zip(&one) {
+                *e += 1.0 * x;
+            }
+        }
+        let sum = aggregate(&manifest, &b, 0, Reduction::Sum).unwrap();
+        assert!(same_bits(&sum, &expected), "{method:?}");
+        let mean = aggregate(&manifest, &b, 0, Reduction::Mean).unwrap();
+        let expected_mean: Vec<f32> = expected.iter().map(|x| x / 4.0).collect();
+        assert!(same_bits(&mean, &expected_mean), "{method:?}");
+    }
+}
+
+#[test]
+fn majority_vote_ties_go_to_plus() {
+    let method = CompressionMethod::SignSGDMajority;
+    let votes = [
+        vec![1.0, 1.0, -1.0, -1.0, 0.0],
+        vec![1.0, -1.0, -1.0, 1.0, -0.0],
+        vec![-1.0, -1.0, -1.0, 1.0, -2.0],
+        vec![1.0, 1.0, -1.0, -1.0, -3.0],
+    ];
+    let ranks: Vec<_> = votes
+        .iter()
+        .map(|v| grads(&[("w", &[5], v.clone())]))
+        .collect();
+    let manifest = Manifest::for_gradients(&ranks[0], &method, 0, BucketConfig::none()).unwrap();
+    let b = bundles(&manifest, &method, &ranks);
+    let out = aggregate(&manifest, &b, 0, Reduction::MajorityVote).unwrap();
+    // Columns: 3+, 2-2 tie, 4-, 2-2 tie, 0 and -0 count as + (2 vs 2: tie).
+    assert_eq!(out, vec![1.0, 1.0, -1.0, 1.0, 1.0]);
+    let three = aggregate(&manifest, &b[..3], 0, Reduction::MajorityVote).unwrap();
+    assert_eq!(three, vec![1.0, -1.0, -1.0, 1.0, 1.0]);
+    // Majority vote of scaled frames is refused.
+    let scaled = CompressionMethod::SignSGD;
+    let m2 = Manifest::for_gradients(&ranks[0], &scaled, 0, BucketConfig::none()).unwrap();
+    let b2 = bundles(&m2, &scaled, &ranks);
+    assert!(matches!(
+        aggregate(&m2, &b2, 0, Reduction::MajorityVote),
+        Err(Error::Config { .. })
+    ));
+}
+
+#[test]
+fn contributions_are_checked_first_naming_tensor_and_rank() {
+    let method = CompressionMethod::TopK { k: 2 };
+    let g = grads(&[
+        ("a", &[4], vec![1.0, -2.0, 3.0, 4.0]),
+        ("b", &[3], vec![1.0, 2.0, 3.0]),
+    ]);
+    let manifest = Manifest::for_gradients(&g, &method, 0, BucketConfig::none()).unwrap();
+    let mut b = bundles(&manifest, &method, &[g.clone(), g.clone(), g.clone()]);
+    let mut out = vec![42.0f32; 2];
+
+    // Rank 2 used another method: error names `a` and rank 2; nothing accumulated.
+    let other_method = CompressionMethod::TopK { k: 1 };
+    let other = Manifest::for_gradients(&g, &other_method, 0, BucketConfig::none()).unwrap();
+    let mut c = GradientCompressor::new(other_method);
+    c.compress_bundle(&other, &g, 2, &mut b[2]).unwrap();
+    let err = aggregate_into(&manifest, &b, 0, Reduction::Mean, &mut out).unwrap_err();
+    assert!(
+        matches!(&err, Error::Core { tensor, rank: Some(2), .. } if tensor == "a"),
+        "{err}"
+    );
+    assert_eq!(out, vec![42.0; 2], "untouched");
+
+    // Rank 1 has a different model (`b` longer).
+    let g_long = grads(&[("a", &[4], vec![1.0; 4]), ("b", &[5], vec![1.0; 5])]);
+    let long = Manifest::for_gradients(&g_long, &method, 0, BucketConfig::none()).unwrap();
+    let mut b = bundles(&manifest, &method, &[g.clone(), g.clone()]);
+    let mut c = GradientCompressor::new(method.clone());
+    c.compress_bundle(&long, &g_long, 1, &mut b[1]).unwrap();
+    let err = aggregate_into(&manifest, &b, 0, Reduction::Sum, &mut out).unwrap_err();
+    assert!(
+        matches!(&err, Error::Core { tensor, rank: Some(1), source: gradwire::core::Error::ElementCount { expected: 3, got: 5 } } if tensor == "b"),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(text.contains("`b`") && text.contains("rank 1"), "{text}");
+
+    // Bundles out of rank order.
+    let b = bundles(&manifest, &method, &[g.clone(), g.clone()]);
+    let swapped = vec![b[1].clone(), b[0].clone()];
+    let err = aggregate_into(&manifest, &swapped, 0, Reduction::Sum, &mut out).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Bundle {
+                rank: Some(0),
+                fault: BundleFault::Rank {
+                    expected: 0,
+                    got: 1
+                }
+            }
+        ),
+        "{err}"
+    );
+    // Another step.
+    let err = aggregate_into(&manifest, &b, 3, Reduction::Sum, &mut out).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Bundle {
+                fault: BundleFault::Step { .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Missing tensor: a rank whose manifest lacks `b`.
+    let only_a = grads(&[("a", &[4], vec![1.0; 4])]);
+    let m_a = Manifest::new(
+        vec![TensorSpec::new("a", [4])],
+        &method,
+        0,
+        BucketConfig::none(),
+    )
+    .unwrap();
+    let mut b = bundles(&manifest, &method, &[g.clone(), g.clone()]);
+    let mut c = GradientCompressor::new(method.clone());
+    c.compress_bundle(&m_a, &only_a, 1, &mut b[1]).unwrap();
+    let err = aggregate_into(&manifest, &b, 0, Reduction::Sum, &mut out).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Bundle {
+                rank: Some(1),
+                fault: BundleFault::EntryCount {
+                    expected: 2,
+                    got: 1
+                }
+            }
+        ),
+        "{err}"
+    );
+    // No contribution.
+    let none: [Vec<u8>; 0] = [];
+    assert!(aggregate_into(&manifest, &none, 0, Reduction::Sum, &mut out).is_err());
+    assert_eq!(out, vec![42.0; 2], "untouched by every failed check");
+}
+
+#[test]
+fn compressed_gradient_maps() {
+    let method = CompressionMethod::TopK { k: 2 };
+    let g0 = grads(&[("w", &[2, 2], vec![1.0, 2.0, 3.0, 4.0])]);
+    let g1 = grads(&[("w", &[2, 2], vec![4.0, 3.0, 2.0, 1.0])]);
+    let manifest = Manifest::for_gradients(&g0, &method, 0, BucketConfig::none()).unwrap();
+    let c0 = GradientCompressor::new(method.clone()).compress_once(&g0);
+    let c1 = GradientCompressor::new(method.clone()).compress_once(&g1);
+    let mut out = Vec::new();
+    aggregate_compressed_into(&manifest, &[&c0, &c1], 0, Reduction::Mean, &mut out).unwrap();
+    assert_eq!(out, vec![2.0, 1.5, 1.5, 2.0]);
+    // A peer with another shape.
+    let g_bad = grads(&[("w", &[4], vec![1.0; 4])]);
+    let c_bad = GradientCompressor::new(method.clone()).compress_once(&g_bad);
+    let err = aggregate_compressed_into(&manifest, &[&c0, &c_bad], 0, Reduction::Mean, &mut out)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::ShapeMismatch { tensor, rank: Some(1), .. } if tensor == "w"),
+        "{err}"
+    );
+    // A peer at another step.
+    let mut late = GradientCompressor::new(method.clone());
+    late.compress_once(&g1);
+    let c_late = late.compress_once(&g1);
+    let err = aggregate_compressed_into(&manifest, &[&c0, &c_late], 0, Reduction::Mean, &mut out)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Disagreement { rank: Some(1), .. }),
+        "{err}"
+    );
+    // A peer with an extra tensor.
+    let mut extra = c1.clone();
+    extra.insert("z".to_owned(), c1["w"].clone());
+    let err = aggregate_compressed_into(&manifest, &[&c0, &extra], 0, Reduction::Sum, &mut out)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::UnexpectedTensor { tensor, rank: Some(1) } if tensor == "z"),
+        "{err}"
+    );
+    let empty: HashMap<String, CompressedGradient> = HashMap::new();
+    let err =
+        aggregate_compressed_into(&manifest, &[&empty], 0, Reduction::Sum, &mut out).unwrap_err();
+    assert!(
+        matches!(&err, Error::MissingTensor { tensor, rank: Some(0) } if tensor == "w"),
+        "{err}"
+    );
+}
+
+trait CompressOnce {
+    fn compress_once(&mut self, g: &HashMap<String, Tensor>)
+    -> HashMap<String, CompressedGradient>;
+}
+
+impl CompressOnce for GradientCompressor {
+    fn compress_once(
+        &mut self,
+        g: &HashMap<String, Tensor>,
+    ) -> HashMap<String, CompressedGradient> {
+        self.compress(g).unwrap()
+    }
+}

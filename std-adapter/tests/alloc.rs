@@ -1,0 +1,150 @@
+//! Steady state allocates nothing: a second `compress_into` (and bundle, decode and aggregate
+//! calls) of the same model allocates no memory. Counted with a global allocator, in its own
+//! test binary.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::collections::HashMap;
+
+use common::{Rng, minilm, noisy};
+use gradwire::aggregate::{Reduction, aggregate_into};
+use gradwire::bucket::BucketConfig;
+use gradwire::bundle::Manifest;
+use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::tensor::Tensor;
+
+/// Counts allocations made by the current thread while counting is on (other test threads
+/// are not counted).
+struct Counting;
+
+thread_local! {
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+    static COUNT: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note() {
+    // `try_with`: the thread-locals may already be gone while a thread shuts down.
+    let _ = COUNTING.try_with(|on| {
+        if on.get() {
+            let _ = COUNT.try_with(|c| c.set(c.get() + 1));
+        }
+    });
+}
+
+// SAFETY: the crate itself forbids unsafe code; this test binary needs `unsafe impl GlobalAlloc`
+// to count allocations. Every call forwards to the system allocator unchanged; counting only
+// touches const-initialised thread-locals, which never allocate.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note();
+        // SAFETY: forwarded with the caller's pointer, layout and size.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded with the caller's pointer and layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Allocations made by `f` on this thread.
+fn allocations(f: impl FnOnce()) -> usize {
+    COUNT.with(|c| c.set(0));
+    COUNTING.with(|on| on.set(true));
+    f();
+    COUNTING.with(|on| on.set(false));
+    COUNT.with(Cell::get)
+}
+
+#[test]
+fn counter_works() {
+    let n = allocations(|| {
+        let v = vec![1u8; 10];
+        std::hint::black_box(v);
+    });
+    assert_eq!(n, 1);
+}
+
+#[test]
+fn second_compress_into_allocates_nothing() {
+    let base = minilm();
+    let step0 = noisy(&base, &mut Rng(1), 0.5);
+    let step1 = noisy(&base, &mut Rng(2), 0.5);
+    for method in [
+        CompressionMethod::top_k_int8(0.01),
+        CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+        CompressionMethod::Threshold { threshold: 1e-3 }.with_error_feedback(),
+        CompressionMethod::SignSGD.with_error_feedback(),
+        CompressionMethod::Quantization { bits: 4 },
+        CompressionMethod::RandomK { k: 1000 },
+    ] {
+        let mut c = GradientCompressor::new(method.clone());
+        let mut out = HashMap::new();
+        c.compress_into(&step0, &mut out).unwrap();
+        let n = allocations(|| c.compress_into(&step0, &mut out).unwrap());
+        assert_eq!(
+            n, 0,
+            "{method:?}: second compress_into of the same gradients"
+        );
+        let n = allocations(|| c.compress_into(&step1, &mut out).unwrap());
+        assert_eq!(
+            n, 0,
+            "{method:?}: compress_into of the next step's gradients"
+        );
+    }
+}
+
+#[test]
+fn steady_state_bundles_decode_and_aggregate_allocate_nothing() {
+    let base = minilm();
+    let ranks: Vec<HashMap<String, Tensor>> = (0..3)
+        .map(|r| noisy(&base, &mut Rng(10 + r), 0.5))
+        .collect();
+    let method = CompressionMethod::top_k_int8(0.01).with_error_feedback();
+    for bucketing in [BucketConfig::none(), BucketConfig::fused(64 << 10)] {
+        let manifest = Manifest::for_gradients(&base, &method, 0, bucketing).unwrap();
+        let mut senders: Vec<GradientCompressor> = (0..3)
+            .map(|_| GradientCompressor::new(method.clone()))
+            .collect();
+        let mut bundles: Vec<Vec<u8>> = vec![Vec::new(); 3];
+        let mut flat = Vec::new();
+        let mut decoded = Vec::new();
+        let mut tensors = HashMap::new();
+        for step in 0..3u64 {
+            let mut run = || {
+                for (r, sender) in senders.iter_mut().enumerate() {
+                    sender
+                        .compress_bundle(&manifest, &ranks[r], r, &mut bundles[r])
+                        .unwrap();
+                }
+                manifest
+                    .decode_bundle(&bundles[1], Some(1), Some(step), &mut decoded)
+                    .unwrap();
+                aggregate_into(&manifest, &bundles, step, Reduction::Mean, &mut flat).unwrap();
+                manifest.to_tensors_into(&flat, &mut tensors).unwrap();
+            };
+            let n = allocations(&mut run);
+            if step > 0 {
+                assert_eq!(n, 0, "step {step} with {bucketing:?}");
+            }
+        }
+    }
+}

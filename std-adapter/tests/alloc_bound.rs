@@ -1,0 +1,364 @@
+//! Resource bounds: what a hostile bundle declares never decides what a receiver allocates.
+//!
+//! For fixed manifests, `decode_bundle`, `check_bundle` and `aggregate` are fed bundles that
+//! claim huge entry counts, frame lengths, element counts and kept counts (with valid
+//! checksums, so the claims are read), very long bundles, random bytes and mutated real
+//! bundles. A counting global allocator records the peak number of bytes live on this thread
+//! during each call; it must stay below a bound derived from the manifest alone:
+//! `4 * flat_len` bytes for the output (what the caller asked for) plus a fixed allowance for
+//! error messages. The core's frame decoders allocate nothing at all.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::collections::HashMap;
+
+use gradwire::aggregate::{Reduction, aggregate};
+use gradwire::bucket::BucketConfig;
+use gradwire::bundle::{Manifest, TensorSpec};
+use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::tensor::Tensor;
+use gradwire_core::{K, Method, Rounding, SignScale, Values, decode_into, tensor_id};
+
+/// Tracks the bytes live on the current thread and their peak while tracking is on.
+struct Counting;
+
+thread_local! {
+    static ON: Cell<bool> = const { Cell::new(false) };
+    static LIVE: Cell<isize> = const { Cell::new(0) };
+    static PEAK: Cell<isize> = const { Cell::new(0) };
+}
+
+fn note(delta: isize) {
+    // `try_with`: the thread-locals may already be gone while a thread shuts down.
+    let _ = ON.try_with(|on| {
+        if on.get() {
+            let _ = LIVE.try_with(|l| {
+                let v = l.get() + delta;
+                l.set(v);
+                let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
+            });
+        }
+    });
+}
+
+// SAFETY: the crate itself forbids unsafe code; this test binary needs `unsafe impl
+// GlobalAlloc` to measure allocations (std-adapter's Cargo.toml sets `unsafe_code = "deny"`
+// so that test files may allow it). Every call forwards to the system allocator unchanged;
+// counting only touches const-initialised thread-locals, which never allocate.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note(layout.size() as isize);
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note(layout.size() as isize);
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note(new_size as isize - layout.size() as isize);
+        // SAFETY: forwarded with the caller's pointer, layout and size.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        note(-(layout.size() as isize));
+        // SAFETY: forwarded with the caller's pointer and layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Peak bytes allocated (above what was live before) on this thread while `f` runs.
+fn peak<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    LIVE.with(|l| l.set(0));
+    PEAK.with(|p| p.set(0));
+    ON.with(|on| on.set(true));
+    let r = f();
+    ON.with(|on| on.set(false));
+    (r, PEAK.with(Cell::get).max(0) as usize)
+}
+
+/// Allowance for error values and their messages (tensor labels, formatted reasons).
+const SLACK: usize = 16 * 1024;
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in data {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 == 1 {
+                0xedb8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+/// Recomputes the CRC trailer of `b[start..end]` (a frame or the whole bundle).
+fn fix_crc(b: &mut [u8], start: usize, end: usize) {
+    let crc = crc32(&b[start..end - 4]);
+    b[end - 4..end].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Small deterministic generator (SplitMix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+struct Case {
+    manifest: Manifest,
+    bundle: Vec<u8>,
+}
+
+fn case(method: Method, bucketing: BucketConfig) -> Case {
+    let specs = vec![
+        TensorSpec::new("encoder.weight", vec![48, 32]),
+        TensorSpec::new("encoder.bias", vec![32]),
+        TensorSpec::new("scale", Vec::<usize>::new()),
+        TensorSpec::new("head.weight", vec![10, 7]),
+    ];
+    let cm = CompressionMethod::Core(method);
+    let manifest = Manifest::new(specs.clone(), &cm, 7, bucketing).expect("manifest");
+    let mut rng = Rng(1);
+    let grads: HashMap<String, Tensor> = specs
+        .iter()
+        .map(|s| {
+            let n: usize = s.shape.iter().product();
+            let data = (0..n)
+                .map(|_| (rng.below(2001) as f32 - 1000.0) / 256.0)
+                .collect();
+            (s.name.clone(), Tensor::new(s.shape.clone(), data).expect("tensor"))
+        })
+        .collect();
+    let mut sender = GradientCompressor::new(cm).with_seed(7);
+    let mut bundle = Vec::new();
+    sender
+        .compress_bundle(&manifest, &grads, 0, &mut bundle)
+        .expect("compress_bundle");
+    Case { manifest, bundle }
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        case(
+            Method::TopK {
+                k: K::Ratio(0.05),
+                values: Values::Int8 { block: 64 },
+            },
+            BucketConfig::none(),
+        ),
+        case(
+            Method::TopK {
+                k: K::Ratio(0.1),
+                values: Values::F16,
+            },
+            BucketConfig::fused(4096),
+        ),
+        case(
+            Method::Quant {
+                bits: 4,
+                block: 64,
+                rounding: Rounding::NearestEven,
+            },
+            BucketConfig::none(),
+        ),
+        case(
+            Method::Sign {
+                scale: SignScale::MeanAbs { block: 32 },
+            },
+            BucketConfig::none().with_dense_below(40, Values::Bf16),
+        ),
+        case(
+            Method::RandomK {
+                k: K::Count(9),
+                values: Values::F32,
+                unbiased: false,
+            },
+            BucketConfig::none(),
+        ),
+    ]
+}
+
+/// Offsets of the entries' frames: `(frame start, frame end)`.
+fn frames(b: &[u8]) -> Vec<(usize, usize)> {
+    let mut v = Vec::new();
+    let Some(body_end) = b.len().checked_sub(4) else {
+        return v;
+    };
+    let mut pos = 24;
+    while pos + 12 <= body_end {
+        let len = u32::from_le_bytes(b[pos + 8..pos + 12].try_into().unwrap()) as usize;
+        let start = pos + 12;
+        if start + len > body_end {
+            break;
+        }
+        v.push((start, start + len));
+        pos = start + len;
+    }
+    v
+}
+
+/// Hostile variants of a real bundle, each with valid checksums (frame and bundle) so that
+/// the claims are actually read.
+fn hostile(b: &[u8], rng: &mut Rng) -> Vec<Vec<u8>> {
+    let mut out = Vec::new();
+    let n = b.len();
+    let fixed = |mut v: Vec<u8>| {
+        let l = v.len();
+        fix_crc(&mut v, 0, l);
+        v
+    };
+    // Entry count: u32::MAX and the manifest's + 1.
+    for count in [u32::MAX, 5, 1 << 24] {
+        let mut v = b.to_vec();
+        v[12..16].copy_from_slice(&count.to_le_bytes());
+        out.push(fixed(v));
+    }
+    // Each frame: claimed length u32::MAX / 2^31; claimed n = 2^60 / u64::MAX / n + 1;
+    // claimed kept count 2^40 (sparse frames: bytes 21.. after the values spec).
+    for (start, end) in frames(b) {
+        for len in [u32::MAX, 1 << 31, (end - start) as u32 + 1] {
+            let mut v = b.to_vec();
+            v[start - 4..start].copy_from_slice(&len.to_le_bytes());
+            out.push(fixed(v));
+        }
+        for big in [1u64 << 60, u64::MAX, 1 << 32] {
+            let mut v = b.to_vec();
+            v[start + 8..start + 16].copy_from_slice(&big.to_le_bytes());
+            fix_crc(&mut v, start, end);
+            out.push(fixed(v));
+        }
+        for off in [17, 21, 22, 25] {
+            if start + off + 8 <= end - 4 {
+                let mut v = b.to_vec();
+                v[start + off..start + off + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+                fix_crc(&mut v, start, end);
+                out.push(fixed(v));
+            }
+        }
+    }
+    // A 1 MiB bundle: the real one followed by junk, and junk entries after a real header.
+    let mut long = b[..n - 4].to_vec();
+    long.extend((0..(1 << 20)).map(|_| rng.next() as u8));
+    long.extend_from_slice(&[0; 4]);
+    out.push(fixed(long));
+    let mut junk = b[..24].to_vec();
+    for _ in 0..16 {
+        junk.extend_from_slice(&tensor_id("encoder.weight").to_le_bytes());
+        junk.extend_from_slice(&(1u32 << 16).to_le_bytes());
+        junk.extend((0..(1 << 16)).map(|_| rng.next() as u8));
+    }
+    junk.extend_from_slice(&[0; 4]);
+    out.push(fixed(junk));
+    // Random bytes, with and without a real header, and random mutations of the real bundle.
+    for i in 0..120 {
+        let len = [0, 3, 27, 28, 100, 1000, 70_000][i % 7];
+        let mut v: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+        if i % 2 == 0 && len >= 28 {
+            v[..24].copy_from_slice(&b[..24]);
+        }
+        if len >= 4 && i % 3 != 0 {
+            v = fixed(v);
+        }
+        out.push(v);
+        let mut m = b.to_vec();
+        for _ in 0..1 + rng.below(6) {
+            let p = rng.below(n);
+            m[p] ^= 1 << rng.below(8);
+        }
+        for (start, end) in frames(&m) {
+            if end - start >= 4 {
+                fix_crc(&mut m, start, end);
+            }
+        }
+        out.push(fixed(m));
+    }
+    out
+}
+
+#[test]
+fn counter_measures_peak() {
+    let ((), p) = peak(|| {
+        let a = vec![0u8; 1000];
+        drop(a);
+        let b = vec![0u8; 300];
+        drop(b);
+    });
+    assert!((1000..1100).contains(&p), "peak {p}");
+}
+
+#[test]
+fn hostile_bundles_allocate_within_the_manifest_bound() {
+    let mut rng = Rng(42);
+    for c in cases() {
+        let m = &c.manifest;
+        let bound = 4 * m.flat_len() + SLACK;
+        // The real bundle decodes, within the bound.
+        let mut out = Vec::new();
+        let (r, p) = peak(|| m.decode_bundle(&c.bundle, Some(0), None, &mut out));
+        r.expect("a real bundle decodes");
+        assert!(p <= bound, "real bundle: {p} bytes > bound {bound}");
+        let mut worst = 0usize;
+        let mut rejected = 0usize;
+        for h in hostile(&c.bundle, &mut rng) {
+            let mut out = Vec::new();
+            let (r, p) = peak(|| m.decode_bundle(&h, None, None, &mut out));
+            rejected += usize::from(r.is_err());
+            assert!(
+                p <= bound,
+                "decode_bundle of a hostile bundle ({} bytes) allocated {p} bytes > bound {bound}: {:?}",
+                h.len(),
+                r.err().map(|e| e.to_string())
+            );
+            let (_, p2) = peak(|| m.check_bundle(&h, None, None));
+            assert!(p2 <= SLACK, "check_bundle allocated {p2} bytes");
+            let bundles = [c.bundle.as_slice(), h.as_slice()];
+            let (_, p3) = peak(|| aggregate(m, &bundles, 0, Reduction::Mean));
+            assert!(p3 <= bound, "aggregate allocated {p3} bytes > bound {bound}");
+            worst = worst.max(p).max(p2).max(p3);
+        }
+        assert!(rejected > 0);
+        eprintln!(
+            "flat_len {}: worst peak {worst} bytes, bound {bound}, {rejected} rejected",
+            m.flat_len()
+        );
+    }
+}
+
+#[test]
+fn core_decoders_allocate_nothing() {
+    let mut rng = Rng(9);
+    for c in cases() {
+        let entry = &c.manifest.entries()[0];
+        let params = c.manifest.params(0, 0);
+        for h in hostile(&c.bundle, &mut rng) {
+            let Some(&(start, end)) = frames(&h).first() else {
+                continue;
+            };
+            let frame = &h[start..end];
+            let mut out = vec![0.0f32; entry.len];
+            let (_, p) = peak(|| decode_into(frame, &params, &mut out));
+            assert_eq!(p, 0, "decode_into allocated {p} bytes");
+        }
+    }
+}

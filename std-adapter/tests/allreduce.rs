@@ -1,0 +1,338 @@
+//! CompressedAllReduce: the original module's semantics, and the communicator path over
+//! LocalGroup threads.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{Rng, grads, minilm, noisy, same_bits};
+use gradwire::aggregate::{Reduction, aggregate};
+use gradwire::allreduce::CompressedAllReduce;
+use gradwire::bucket::BucketConfig;
+use gradwire::bundle::Manifest;
+use gradwire::comm::{Communicator, LocalGroup};
+use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::error::Error;
+use gradwire::tensor::Tensor;
+
+#[test]
+fn test_compressed_all_reduce() {
+    // Aggregating across 4 ranks with no communicator must be an error, not a rescaling.
+    let mut all_reduce = CompressedAllReduce::new(CompressionMethod::TopK { k: 2 }, 4);
+    let gradients = grads(&[("param1", &[4], vec![0.4, 0.8, 0.2, -0.6])]);
+    let err = all_reduce.all_reduce(&gradients).unwrap_err();
+    assert!(
+        matches!(err, Error::NoCommunicator { world_size: 4 }),
+        "{err}"
+    );
+}
+
+#[test]
+fn test_single_rank_all_reduce_is_a_round_trip() {
+    let gradients = grads(&[("param1", &[2, 2], vec![0.4, -0.8, 0.2, -0.6])]);
+    let mut unscaled = CompressedAllReduce::new(CompressionMethod::SignSGDMajority, 1);
+    let result = unscaled.all_reduce(&gradients).unwrap();
+    assert_eq!(
+        result["param1"].data(),
+        &[1.0, -1.0, 1.0, -1.0],
+        "only the sign"
+    );
+    assert_eq!(result["param1"].shape(), &[2, 2]);
+    // EF-signSGD: ±mean|g| = ±0.5.
+    let mut scaled = CompressedAllReduce::new(CompressionMethod::SignSGD, 1);
+    let result = scaled.all_reduce(&gradients).unwrap();
+    assert_eq!(result["param1"].data(), &[0.5, -0.5, 0.5, -0.5]);
+}
+
+#[test]
+fn test_all_reduce_with_peers_sums_and_averages() {
+    let mut all_reduce = CompressedAllReduce::new(CompressionMethod::SignSGD, 3);
+    let local = grads(&[("w", &[2], vec![1.0, 1.0])]);
+    // Two peers, both reporting the opposite sign on the second coordinate.
+    let mut peer = GradientCompressor::new(CompressionMethod::SignSGD);
+    let peer_payload = peer
+        .compress(&grads(&[("w", &[2], vec![1.0, -1.0])]))
+        .unwrap();
+    let result = all_reduce
+        .all_reduce_with_peers(&local, &[peer_payload.clone(), peer_payload.clone()])
+        .unwrap();
+    let values = result["w"].data();
+    // Coordinate 0: (1 + 1 + 1) / 3 = 1. Coordinate 1: (1 - 1 - 1) / 3 = -1/3.
+    assert_eq!(values[0], 1.0);
+    assert_eq!(values[1], (1.0f32 - 1.0 - 1.0) / 3.0);
+
+    // Wrong number of contributions.
+    let err = all_reduce
+        .all_reduce_with_peers(&local, std::slice::from_ref(&peer_payload))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::WorldSize {
+                expected: 3,
+                got: 2
+            }
+        ),
+        "{err}"
+    );
+    // A peer with another length: error naming the tensor and the rank; nothing changes.
+    let step = all_reduce.compressor().step();
+    let mut other = GradientCompressor::new(CompressionMethod::SignSGD);
+    let longer = other
+        .compress(&grads(&[("w", &[3], vec![1.0, -1.0, 1.0])]))
+        .unwrap();
+    let mut peer = GradientCompressor::new(CompressionMethod::SignSGD);
+    peer.compress(&grads(&[("w", &[2], vec![1.0, -1.0])]))
+        .unwrap();
+    let good = peer
+        .compress(&grads(&[("w", &[2], vec![1.0, -1.0])]))
+        .unwrap();
+    let err = all_reduce
+        .all_reduce_with_peers_at(&local, 1, &[good, longer])
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::ShapeMismatch { tensor, rank: Some(2), .. } if tensor == "w"),
+        "{err}"
+    );
+    assert_eq!(
+        all_reduce.compressor().step(),
+        step,
+        "peers are checked first"
+    );
+}
+
+#[test]
+fn told_the_local_rank_every_rank_gets_the_same_bits() {
+    let base = minilm();
+    let w = 3;
+    let ranks: Vec<HashMap<String, Tensor>> = (0..w)
+        .map(|r| noisy(&base, &mut Rng(10 + r as u64), 1.0))
+        .collect();
+    let method = CompressionMethod::top_k_int8(0.01);
+    let payloads: Vec<_> = ranks
+        .iter()
+        .map(|g| GradientCompressor::new(method.clone()).compress(g).unwrap())
+        .collect();
+    let mut results = Vec::new();
+    for (rank, g) in ranks.iter().enumerate() {
+        let mut ar = CompressedAllReduce::new(method.clone(), w);
+        let peers: Vec<_> = (0..w)
+            .filter(|&r| r != rank)
+            .map(|r| payloads[r].clone())
+            .collect();
+        results.push(ar.all_reduce_with_peers_at(g, rank, &peers).unwrap());
+    }
+    for name in base.keys() {
+        for r in 1..w {
+            assert!(
+                same_bits(results[0][name].data(), results[r][name].data()),
+                "{name}"
+            );
+        }
+    }
+}
+
+fn run_group(
+    w: usize,
+    method: &CompressionMethod,
+    bucketing: BucketConfig,
+    reduction: Reduction,
+    per_rank: &[Vec<HashMap<String, Tensor>>],
+) -> Vec<Vec<HashMap<String, Tensor>>> {
+    let comms = LocalGroup::new(w).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            let steps = per_rank[comm.rank()].clone();
+            let method = method.clone();
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
+                    .with_seed(9)
+                    .with_bucketing(bucketing)
+                    .with_reduction(reduction);
+                let mut outs = Vec::new();
+                let mut out = HashMap::new();
+                for g in &steps {
+                    ar.all_reduce_into(g, &mut out).unwrap();
+                    outs.push(out.clone());
+                }
+                outs
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Four ranks as threads: every rank gets bit-identical results, equal to aggregating the
+/// bundles the ranks send, step after step (error feedback included).
+#[test]
+fn local_group_all_reduce() {
+    let base = minilm();
+    let w = 4;
+    let steps = 3;
+    let per_rank: Vec<Vec<HashMap<String, Tensor>>> = (0..w)
+        .map(|r| {
+            (0..steps)
+                .map(|s| noisy(&base, &mut Rng((r * 100 + s) as u64), 0.5))
+                .collect()
+        })
+        .collect();
+    let method = CompressionMethod::top_k_int8(0.01).with_error_feedback();
+    let bucketing = BucketConfig::fused(64 << 10);
+    let results = run_group(w, &method, bucketing, Reduction::Mean, &per_rank);
+
+    // The same computation by hand: each rank's compressor makes its bundle, aggregated.
+    let manifest = Manifest::for_gradients(&base, &method, 9, bucketing).unwrap();
+    let mut senders: Vec<_> = (0..w)
+        .map(|_| GradientCompressor::new(method.clone()).with_seed(9))
+        .collect();
+    for s in 0..steps {
+        let bundles: Vec<Vec<u8>> = (0..w)
+            .map(|r| {
+                let mut b = Vec::new();
+                senders[r]
+                    .compress_bundle(&manifest, &per_rank[r][s], r, &mut b)
+                    .unwrap();
+                b
+            })
+            .collect();
+        let flat = aggregate(&manifest, &bundles, s as u64, Reduction::Mean).unwrap();
+        let expected = manifest.to_tensors(&flat).unwrap();
+        for (r, result) in results.iter().enumerate() {
+            for (name, t) in &expected {
+                assert_eq!(result[s][name].shape(), t.shape());
+                assert!(
+                    same_bits(result[s][name].data(), t.data()),
+                    "rank {r} step {s} {name}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn local_group_majority_vote_and_world_size_one() {
+    let mut rng = Rng(3);
+    let w = 3;
+    let per_rank: Vec<Vec<HashMap<String, Tensor>>> = (0..w)
+        .map(|_| {
+            vec![grads(&[
+                ("w", &[10], rng.vec(10, 1.0)),
+                ("s", &[], vec![rng.unit()]),
+            ])]
+        })
+        .collect();
+    let method = CompressionMethod::SignSGDMajority;
+    let results = run_group(
+        w,
+        &method,
+        BucketConfig::none(),
+        Reduction::MajorityVote,
+        &per_rank,
+    );
+    for name in ["w", "s"] {
+        let n = per_rank[0][0][name].numel();
+        for i in 0..n {
+            let votes: i32 = (0..w)
+                .map(|r| {
+                    if per_rank[r][0][name].data()[i] < 0.0 {
+                        -1
+                    } else {
+                        1
+                    }
+                })
+                .sum();
+            let expected = if votes >= 0 { 1.0 } else { -1.0 };
+            for result in &results {
+                assert_eq!(result[0][name].data()[i], expected);
+            }
+        }
+    }
+    // A group of one with a communicator: a round trip.
+    let g = grads(&[("w", &[3], vec![1.0, -2.0, 3.0])]);
+    let results = run_group(
+        1,
+        &CompressionMethod::TopK { k: 2 },
+        BucketConfig::none(),
+        Reduction::Mean,
+        &[vec![g]],
+    );
+    assert_eq!(results[0][0]["w"].data(), &[0.0, -2.0, 3.0]);
+}
+
+#[test]
+fn ranks_that_disagree_fail_on_every_rank() {
+    // Rank 1 has another model: every rank gets an error naming the tensor and rank 1.
+    let w = 2;
+    let per_rank = [
+        grads(&[("w", &[4], vec![1.0, 2.0, 3.0, 4.0])]),
+        grads(&[("w", &[5], vec![1.0, 2.0, 3.0, 4.0, 5.0])]),
+    ];
+    let comms = LocalGroup::new(w).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            let g = per_rank[comm.rank()].clone();
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(
+                    CompressionMethod::TopK { k: 2 },
+                    Box::new(comm),
+                );
+                ar.all_reduce(&g).map(|_| ()).map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    let errors: Vec<String> = handles
+        .into_iter()
+        .map(|h| h.join().unwrap().unwrap_err())
+        .collect();
+    assert!(
+        errors[0].contains("`w`") && errors[0].contains("rank 1"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        errors[1].contains("`w`") && errors[1].contains("rank 0"),
+        "{}",
+        errors[1]
+    );
+}
+
+#[test]
+fn a_rank_that_fails_locally_does_not_hang_its_peers() {
+    let w = 3;
+    let per_rank: Vec<HashMap<String, Tensor>> = (0..w)
+        .map(|r| {
+            let x = if r == 1 { f32::NAN } else { 1.0 };
+            grads(&[("w", &[3], vec![1.0, x, 2.0])])
+        })
+        .collect();
+    let comms = LocalGroup::new(w).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            let g = per_rank[comm.rank()].clone();
+            let good = grads(&[("w", &[3], vec![1.0, 2.0, 3.0])]);
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(
+                    CompressionMethod::TopK { k: 1 },
+                    Box::new(comm),
+                );
+                let first = ar.all_reduce(&g).map(|_| ()).map_err(|e| e.to_string());
+                // The group stays usable.
+                let second = ar.all_reduce(&good).unwrap();
+                (first, second)
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let err1 = results[1].0.as_ref().unwrap_err();
+    assert!(err1.contains("`w`") && err1.contains("NaN"), "{err1}");
+    for r in [0, 2] {
+        let err = results[r].0.as_ref().unwrap_err();
+        assert!(err.contains("rank 1"), "{err}");
+    }
+    for (_, second) in &results {
+        assert_eq!(second["w"].data(), &[0.0, 0.0, 3.0]);
+    }
+}

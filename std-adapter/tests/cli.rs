@@ -1,0 +1,986 @@
+//! The `gradwire` command-line tool, run as a process on the real gradients.
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use gradwire::bundle::TensorSpec;
+use gradwire::compressor::{
+    CompressionMethod, DEFAULT_INT8_BLOCK, DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK,
+    GradientCompressor,
+};
+use gradwire::core::{K, Method, Rounding, SignScale, Values};
+use gradwire::feedback::ErrorFeedback;
+use gradwire::reference::{self, Mode};
+use gradwire::tensor::Tensor;
+use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, TensorView};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gradwire");
+
+fn testdata(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata")
+        .join(rel)
+}
+
+fn grads_path() -> PathBuf {
+    testdata("minilm_small_grads.safetensors")
+}
+
+/// A fresh, empty directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("cli")
+        .join(name);
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("run gradwire")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Runs and asserts success; returns stdout.
+fn ok(args: &[&str]) -> String {
+    let out = run(args);
+    assert!(
+        out.status.success(),
+        "gradwire {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Runs and asserts a failure with one `gradwire: error:` line on stderr that contains `want`.
+fn fails(args: &[&str], want: &str) -> String {
+    let out = run(args);
+    assert!(!out.status.success(), "gradwire {args:?} succeeded");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "not one line: {err:?}");
+    assert!(err.starts_with("gradwire: error: "), "{err:?}");
+    assert!(err.contains(want), "{err:?} does not contain {want:?}");
+    assert!(
+        out.stdout.is_empty(),
+        "stdout: {:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    err
+}
+
+/// The names in `dir`, sorted.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+fn load(path: &Path) -> Vec<(String, Tensor)> {
+    let bytes = fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Tensor)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            assert_eq!(v.dtype(), Dtype::F32);
+            let data = v
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            (n, Tensor::new(v.shape().to_vec(), data).unwrap())
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn as_map(model: &[(String, Tensor)]) -> HashMap<String, Tensor> {
+    model.iter().cloned().collect()
+}
+
+fn bits_equal(a: &[(String, Tensor)], b: &HashMap<String, Tensor>) {
+    assert_eq!(a.len(), b.len());
+    for (name, t) in a {
+        let u = &b[name];
+        assert_eq!(t.shape(), u.shape(), "{name}");
+        let same = t
+            .data()
+            .iter()
+            .zip(u.data())
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{name} differs");
+    }
+}
+
+/// A JSON number field `"key":N` after `after` in `json`.
+fn json_u64(json: &str, after: &str, key: &str) -> u64 {
+    let rest = &json[json.find(after).unwrap()..];
+    let pat = format!("\"{key}\":");
+    let start = rest.find(&pat).unwrap() + pat.len();
+    rest[start..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .unwrap()
+}
+
+/// (flags, method, seed) of the methods the round trip covers.
+fn methods() -> Vec<(Vec<&'static str>, Method, u64)> {
+    vec![
+        (
+            vec![],
+            Method::TopK {
+                k: K::Ratio(0.01),
+                values: Values::F32,
+            },
+            0,
+        ),
+        (
+            vec!["--ratio", "0.01", "--values", "int8"],
+            Method::TopK {
+                k: K::Ratio(0.01),
+                values: Values::Int8 {
+                    block: DEFAULT_INT8_BLOCK,
+                },
+            },
+            0,
+        ),
+        (
+            vec!["--k", "100", "--values", "f16"],
+            Method::TopK {
+                k: K::Count(100),
+                values: Values::F16,
+            },
+            0,
+        ),
+        (
+            vec![
+                "--method", "randomk", "--ratio", "0.05", "--seed", "3", "--values", "bf16",
+            ],
+            Method::RandomK {
+                k: K::Ratio(0.05),
+                values: Values::Bf16,
+                unbiased: false,
+            },
+            3,
+        ),
+        (
+            vec![
+                "--method",
+                "threshold",
+                "--threshold",
+                "0.01",
+                "--values",
+                "int8",
+                "--block",
+                "64",
+            ],
+            Method::Threshold {
+                threshold: 0.01,
+                values: Values::Int8 { block: 64 },
+            },
+            0,
+        ),
+        (
+            vec!["--method", "quant", "--bits", "4"],
+            Method::Quant {
+                bits: 4,
+                block: DEFAULT_QUANT_BLOCK,
+                rounding: Rounding::NearestEven,
+            },
+            0,
+        ),
+        (
+            vec![
+                "--method",
+                "quant",
+                "--bits",
+                "2",
+                "--block",
+                "128",
+                "--stochastic",
+                "--seed",
+                "9",
+            ],
+            Method::Quant {
+                bits: 2,
+                block: 128,
+                rounding: Rounding::Stochastic,
+            },
+            9,
+        ),
+        (
+            vec!["--method", "sign"],
+            Method::Sign {
+                scale: SignScale::MeanAbs {
+                    block: DEFAULT_SIGN_BLOCK,
+                },
+            },
+            0,
+        ),
+        (
+            vec!["--method", "f16"],
+            Method::Dense {
+                values: Values::F16,
+            },
+            0,
+        ),
+        (
+            vec!["--method", "bf16"],
+            Method::Dense {
+                values: Values::Bf16,
+            },
+            0,
+        ),
+        (
+            vec!["--method", "f32"],
+            Method::Dense {
+                values: Values::F32,
+            },
+            0,
+        ),
+    ]
+}
+
+#[test]
+fn gradwire_layout_round_trips_every_method_as_the_library_does() {
+    let dir = scratch("roundtrip");
+    let g = grads_path();
+    let model = load(&g);
+    let dense_bytes = fs::metadata(&g).unwrap().len();
+    for (i, (flags, method, seed)) in methods().into_iter().enumerate() {
+        let c = dir.join(format!("m{i}.gw"));
+        let d = dir.join(format!("m{i}.safetensors"));
+        let mut args = vec!["compress", s(&g), "-o", s(&c)];
+        args.extend(&flags);
+        ok(&args);
+        let size = fs::metadata(&c).unwrap().len();
+        let json = ok(&["inspect", s(&c), "--json"]);
+        assert_eq!(json_u64(&json, "\"totals\"", "bytes"), size, "{flags:?}");
+        assert_eq!(json_u64(&json, "\"totals\"", "n"), 789_504);
+        let text = ok(&["inspect", s(&c)]);
+        assert!(text.starts_with("layout: gradwire; method: "), "{text}");
+        assert_eq!(text.lines().count(), 2 + 12 + 1);
+        ok(&["decompress", s(&c), "-o", s(&d)]);
+        // With the receiver's model given, the same.
+        let d2 = dir.join(format!("m{i}b.safetensors"));
+        ok(&[
+            "decompress",
+            s(&c),
+            "-o",
+            s(&d2),
+            "--shapes",
+            s(&g),
+            "--layout",
+            "gradwire",
+        ]);
+        assert_eq!(fs::read(&d).unwrap(), fs::read(&d2).unwrap());
+
+        let mut lib = GradientCompressor::new(CompressionMethod::Core(method)).with_seed(seed);
+        let compressed = lib.compress(&as_map(&model)).unwrap();
+        let expected = lib.decompress(&compressed).unwrap();
+        bits_equal(&load(&d), &expected);
+        let kept = json_u64(&json, "\"totals\"", "kept");
+        match method {
+            Method::TopK { k: K::Ratio(_), .. } => assert_eq!(kept, 7887),
+            Method::TopK {
+                k: K::Count(100), ..
+            } => assert_eq!(kept, 1200),
+            Method::Dense { .. } | Method::Quant { .. } | Method::Sign { .. } => {
+                assert_eq!(kept, 789_504)
+            }
+            _ => {}
+        }
+        if method
+            == (Method::Dense {
+                values: Values::F32,
+            })
+        {
+            bits_equal(&model, &as_map(&load(&d)));
+        } else {
+            assert!(size < dense_bytes * 6 / 10, "{flags:?}: {size} bytes");
+        }
+    }
+    // Nothing but the outputs.
+    assert!(
+        listing(&dir).iter().all(|n| !n.starts_with('.')),
+        "{:?}",
+        listing(&dir)
+    );
+}
+
+#[test]
+fn step_flag_changes_random_draws() {
+    let dir = scratch("step");
+    let g = grads_path();
+    let (a, b) = (dir.join("a.gw"), dir.join("b.gw"));
+    let flags = ["--method", "randomk", "--k", "10", "--seed", "1"];
+    let mut args = vec!["compress", s(&g), "-o", s(&a), "--step", "4"];
+    args.extend(flags);
+    ok(&args);
+    let mut args = vec!["compress", s(&g), "-o", s(&b), "--step", "5"];
+    args.extend(flags);
+    ok(&args);
+    assert_ne!(fs::read(&a).unwrap(), fs::read(&b).unwrap());
+    assert!(ok(&["inspect", s(&a)]).contains("step: 4"));
+    assert_eq!(json_u64(&ok(&["inspect", s(&b), "--json"]), "{", "step"), 5);
+    let (da, db) = (dir.join("a.st"), dir.join("b.st"));
+    ok(&["decompress", s(&a), "-o", s(&da)]);
+    ok(&["decompress", s(&b), "-o", s(&db)]);
+    let nonzero = |p: &Path| {
+        load(p)
+            .iter()
+            .map(|(_, t)| t.data().iter().filter(|v| **v != 0.0).count())
+            .sum::<usize>()
+    };
+    assert!(nonzero(&da) <= 120 && nonzero(&da) > 60);
+    assert_ne!(fs::read(&da).unwrap(), fs::read(&db).unwrap());
+}
+
+#[test]
+fn reference_layout_matches_the_reference_files() {
+    let dir = scratch("reference");
+    let g = grads_path();
+    let model = load(&g);
+    let specs: Vec<TensorSpec> = model
+        .iter()
+        .map(|(n, t)| TensorSpec::new(n.clone(), t.shape().to_vec()))
+        .collect();
+    for (run_name, flags, mode) in [
+        ("ref_topk_0.01_step1", vec!["--ratio", "0.01"], Mode::TopK),
+        (
+            "ref_topk_0.1_step1",
+            vec!["--ratio", "0.1", "--values", "f32"],
+            Mode::TopK,
+        ),
+        (
+            "ref_topk-int8_0.01_step1",
+            vec!["--ratio", "0.01", "--values", "int8"],
+            Mode::TopKInt8,
+        ),
+    ] {
+        let p = dir.join(format!("{run_name}.st"));
+        let mut args = vec!["compress", s(&g), "-o", s(&p), "--layout", "reference"];
+        args.extend(&flags);
+        ok(&args);
+        // Decoding ours and the reference's payload gives the same dense tensors.
+        let theirs_path = testdata(&format!("reference/{run_name}.safetensors"));
+        let theirs = reference::decode(&fs::read(&theirs_path).unwrap(), mode, &specs).unwrap();
+        for (src, tag) in [(&p, "ours"), (&theirs_path, "theirs")] {
+            let d = dir.join(format!("{run_name}.{tag}.dense"));
+            ok(&["decompress", s(src), "-o", s(&d), "--shapes", s(&g)]);
+            let got = load(&d);
+            for ((name, t), want) in got.iter().zip(&theirs) {
+                assert_eq!(t.data(), want.as_slice(), "{run_name} {tag} {name}");
+            }
+        }
+        let json = ok(&["inspect", s(&p), "--json"]);
+        assert!(json.contains(&format!("\"mode\":\"{}\"", mode.as_str())));
+        assert_eq!(
+            json_u64(&json, "\"totals\"", "kept"),
+            if run_name.contains("0.1_") {
+                78_944
+            } else {
+                7887
+            }
+        );
+        assert_eq!(
+            json_u64(&json, "\"totals\"", "bytes"),
+            fs::metadata(&p).unwrap().len()
+        );
+        assert!(json.contains("\"n\":null"), "shapes do not travel");
+        let json = ok(&["inspect", s(&p), "--json", "--shapes", s(&g)]);
+        assert_eq!(json_u64(&json, "\"totals\"", "n"), 789_504);
+        // An explicit mode that disagrees with the payload is an error.
+        let (wrong, want) = if mode == Mode::TopK {
+            ("topk-int8", "has dtype F32, expected I8")
+        } else {
+            ("topk", "unexpected key")
+        };
+        let out = dir.join("never.st");
+        fails(
+            &[
+                "decompress",
+                s(&p),
+                "-o",
+                s(&out),
+                "--shapes",
+                s(&g),
+                "--mode",
+                wrong,
+            ],
+            want,
+        );
+        assert!(!out.exists());
+    }
+    // Mode none: a plain safetensors file, identical to the input's tensors.
+    let p = dir.join("none.st");
+    ok(&[
+        "compress",
+        s(&g),
+        "-o",
+        s(&p),
+        "--layout",
+        "reference",
+        "--method",
+        "f32",
+    ]);
+    let d = dir.join("none.dense");
+    ok(&[
+        "decompress",
+        s(&p),
+        "-o",
+        s(&d),
+        "--layout",
+        "reference",
+        "--shapes",
+        s(&g),
+    ]);
+    bits_equal(&model, &as_map(&load(&d)));
+    assert!(ok(&["inspect", s(&p)]).contains("mode: none"));
+}
+
+#[test]
+fn residual_state_is_created_then_reused_like_the_library() {
+    let dir = scratch("residual");
+    let g = grads_path();
+    let model = load(&g);
+    let state = dir.join("state.safetensors");
+    let (o1, o2) = (dir.join("s1.gw"), dir.join("s2.gw"));
+    let flags = ["--ratio", "0.01", "--values", "int8", "--seed", "5"];
+    let mut args = vec!["compress", s(&g), "-o", s(&o1), "--residual", s(&state)];
+    args.extend(flags);
+    ok(&args);
+    assert!(state.exists());
+    let after1 = fs::read(&state).unwrap();
+    let mut args = vec![
+        "compress",
+        s(&g),
+        "-o",
+        s(&o2),
+        "--residual",
+        s(&state),
+        "--step",
+        "1",
+    ];
+    // Without --seed, the state's seed.
+    args.extend(&flags[..4]);
+    ok(&args);
+    assert_ne!(
+        fs::read(&o1).unwrap(),
+        fs::read(&o2).unwrap(),
+        "step 2 adds the residual"
+    );
+    assert_ne!(fs::read(&state).unwrap(), after1);
+
+    // The library, two steps.
+    let method = Method::TopK {
+        k: K::Ratio(0.01),
+        values: Values::Int8 {
+            block: DEFAULT_INT8_BLOCK,
+        },
+    };
+    let mut lib =
+        GradientCompressor::new(CompressionMethod::Core(method).with_error_feedback()).with_seed(5);
+    let grads = as_map(&model);
+    let c1 = lib.compress(&grads).unwrap();
+    let first = lib.decompress(&c1).unwrap();
+    let c2 = lib.compress(&grads).unwrap();
+    let second = lib.decompress(&c2).unwrap();
+    for (out, want) in [(&o1, &first), (&o2, &second)] {
+        let d = dir.join("d.st");
+        ok(&["decompress", s(out), "-o", s(&d)]);
+        bits_equal(&load(&d), want);
+    }
+    assert!(ok(&["inspect", s(&o2)]).contains("step: 1"));
+    let saved = ErrorFeedback::load(&state).unwrap();
+    assert_eq!(&saved, lib.feedback().unwrap());
+    assert_eq!(saved.step(), 2);
+
+    // A state made for another method, seed or step is refused; nothing changes.
+    let before = fs::read(&state).unwrap();
+    let o3 = dir.join("s3.gw");
+    for (extra, want) in [
+        (
+            vec!["--ratio", "0.02", "--values", "int8", "--seed", "5"],
+            "residual state was made with method",
+        ),
+        (
+            vec!["--ratio", "0.01", "--values", "int8", "--seed", "6"],
+            "seed 5",
+        ),
+        (
+            vec![
+                "--ratio", "0.01", "--values", "int8", "--seed", "5", "--step", "7",
+            ],
+            "at step 2",
+        ),
+    ] {
+        let mut args = vec!["compress", s(&g), "-o", s(&o3), "--residual", s(&state)];
+        args.extend(&extra);
+        fails(&args, want);
+        assert_eq!(fs::read(&state).unwrap(), before);
+        assert!(!o3.exists());
+    }
+    // A corrupt state file.
+    let bad = dir.join("bad.safetensors");
+    fs::write(&bad, b"garbage").unwrap();
+    let mut args = vec!["compress", s(&g), "-o", s(&o3), "--residual", s(&bad)];
+    args.extend(flags);
+    fails(&args, "bad.safetensors");
+    assert_eq!(fs::read(&bad).unwrap(), b"garbage");
+    assert!(!o3.exists());
+    assert!(
+        listing(&dir).iter().all(|n| !n.starts_with('.')),
+        "{:?}",
+        listing(&dir)
+    );
+}
+
+#[test]
+fn reference_residual_state_matches_the_library() {
+    let dir = scratch("reference_residual");
+    let g = grads_path();
+    let model = load(&g);
+    let state = dir.join("state.safetensors");
+    let (o1, o2) = (dir.join("p1.st"), dir.join("p2.st"));
+    for o in [&o1, &o2] {
+        ok(&[
+            "compress",
+            s(&g),
+            "-o",
+            s(o),
+            "--layout",
+            "reference",
+            "--residual",
+            s(&state),
+        ]);
+    }
+    assert_ne!(fs::read(&o1).unwrap(), fs::read(&o2).unwrap());
+    let inputs: Vec<reference::Input<'_>> = model
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.shape(), t.data()))
+        .collect();
+    let mut fb = ErrorFeedback::new(reference::feedback_method(Mode::TopK, 0.01), 0).unwrap();
+    let p1 = reference::compress_with_error_feedback(&inputs, &mut fb, Mode::TopK, 0.01).unwrap();
+    let p2 = reference::compress_with_error_feedback(&inputs, &mut fb, Mode::TopK, 0.01).unwrap();
+    assert_eq!(fs::read(&o1).unwrap(), p1);
+    assert_eq!(fs::read(&o2).unwrap(), p2);
+    assert_eq!(ErrorFeedback::load(&state).unwrap(), fb);
+    // The state of a topk run cannot drive a topk-int8 run.
+    let o3 = dir.join("p3.st");
+    fails(
+        &[
+            "compress",
+            s(&g),
+            "-o",
+            s(&o3),
+            "--layout",
+            "reference",
+            "--values",
+            "int8",
+            "--residual",
+            s(&state),
+        ],
+        "residual state was made with method",
+    );
+    assert!(!o3.exists());
+}
+
+#[test]
+fn help_and_version_succeed() {
+    assert!(ok(&["--help"]).contains("compress"));
+    assert!(ok(&["compress", "--help"]).contains("--residual"));
+    assert!(ok(&["--version"]).starts_with("gradwire "));
+}
+
+#[test]
+fn bad_command_lines_are_one_line_errors() {
+    let dir = scratch("flags");
+    let g = grads_path();
+    let out = dir.join("out");
+    let o = s(&out);
+    let gs = s(&g);
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec![], "gradwire --help"),
+        (vec!["frobnicate"], "unrecognized subcommand"),
+        (vec!["compress", gs], "-o"),
+        (vec!["compress", gs, "-o", o, "--bogus"], "--bogus"),
+        (
+            vec!["compress", gs, "-o", o, "--ratio", "0.1", "--k", "5"],
+            "cannot be used with",
+        ),
+        (vec!["compress", gs, "-o", o, "--method", "lz4"], "lz4"),
+        (vec!["compress", gs, "-o", o, "--ratio", "abc"], "abc"),
+        (
+            vec!["compress", gs, "-o", o, "--bits", "4"],
+            "--bits applies to --method quant",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--method", "quant", "--bits", "9"],
+            "Bits",
+        ),
+        (
+            vec![
+                "compress", gs, "-o", o, "--method", "quant", "--values", "int8",
+            ],
+            "--values applies",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--method", "threshold"],
+            "needs --threshold",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--threshold", "0.1"],
+            "--threshold applies",
+        ),
+        (
+            vec![
+                "compress", gs, "-o", o, "--method", "sign", "--ratio", "0.1",
+            ],
+            "--ratio and --k apply",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--block", "16"],
+            "--block applies",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--method", "sign", "--block", "0"],
+            "at least 1",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--ratio", "NaN"],
+            "invalid parameter",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--ratio=-0.5"],
+            "invalid parameter",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--stochastic"],
+            "--stochastic applies",
+        ),
+        (
+            vec![
+                "compress",
+                gs,
+                "-o",
+                o,
+                "--layout",
+                "reference",
+                "--method",
+                "quant",
+            ],
+            "reference layout supports",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--layout", "reference", "--k", "5"],
+            "--k is not available",
+        ),
+        (
+            vec![
+                "compress",
+                gs,
+                "-o",
+                o,
+                "--layout",
+                "reference",
+                "--values",
+                "f16",
+            ],
+            "f32 or int8",
+        ),
+        (
+            vec![
+                "compress",
+                gs,
+                "-o",
+                o,
+                "--layout",
+                "reference",
+                "--values",
+                "int8",
+                "--block",
+                "8",
+            ],
+            "one int8 scale",
+        ),
+        (
+            vec![
+                "compress",
+                gs,
+                "-o",
+                o,
+                "--layout",
+                "reference",
+                "--seed",
+                "1",
+            ],
+            "--seed does not apply",
+        ),
+        (
+            vec![
+                "compress",
+                gs,
+                "-o",
+                o,
+                "--layout",
+                "reference",
+                "--ratio",
+                "inf",
+            ],
+            "invalid ratio",
+        ),
+        (
+            vec![
+                "compress",
+                gs,
+                "-o",
+                o,
+                "--layout",
+                "reference",
+                "--method",
+                "f32",
+                "--ratio",
+                "0.1",
+            ],
+            "--ratio applies",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--residual", o],
+            "different files",
+        ),
+        (vec!["compress", gs, "-o", o, "--layout", "zip"], "zip"),
+        (vec!["decompress", gs, "-o", o], "--shapes"),
+        (
+            vec!["decompress", gs, "-o", o, "--layout", "gradwire"],
+            "not a gradwire container",
+        ),
+        (
+            vec!["decompress", gs, "-o", o, "--shapes", gs, "--mode", "zstd"],
+            "unknown reference mode",
+        ),
+        (vec!["inspect"], "IN"),
+    ];
+    for (args, want) in cases {
+        fails(&args, want);
+        assert!(
+            listing(&dir).is_empty(),
+            "{args:?} left {:?}",
+            listing(&dir)
+        );
+    }
+    // Usage errors exit with 2.
+    assert_eq!(
+        run(&["compress", gs, "-o", o, "--bogus"]).status.code(),
+        Some(2)
+    );
+    assert_eq!(
+        run(&["compress", gs, "-o", o, "--bits", "4"]).status.code(),
+        Some(2)
+    );
+}
+
+fn safetensors_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+    let views: Vec<(&str, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, sh, b)| (*n, TensorView::new(*d, sh.clone(), b).unwrap()))
+        .collect();
+    fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+fn f32_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+#[test]
+fn bad_inputs_fail_without_touching_outputs() {
+    let dir = scratch("inputs");
+    let g = grads_path();
+    let out = dir.join("out.gw");
+    fs::write(&out, b"old contents").unwrap();
+    let o = s(&out);
+
+    fails(
+        &["compress", s(&dir.join("missing.safetensors")), "-o", o],
+        "missing.safetensors: no such file",
+    );
+    let junk = dir.join("junk.safetensors");
+    fs::write(&junk, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ").unwrap();
+    fails(
+        &["compress", s(&junk), "-o", o],
+        "not a valid safetensors file",
+    );
+    let nan = dir.join("nan.safetensors");
+    safetensors_file(
+        &nan,
+        &[
+            ("a", Dtype::F32, vec![3], f32_bytes(&[1.0, 2.0, 3.0])),
+            (
+                "b",
+                Dtype::F32,
+                vec![2, 2],
+                f32_bytes(&[1.0, 2.0, f32::NAN, 0.0]),
+            ),
+        ],
+    );
+    fails(&["compress", s(&nan), "-o", o], "`b`");
+    fails(
+        &["compress", s(&nan), "-o", o, "--layout", "reference"],
+        "\"b\": value at position 2 is NaN",
+    );
+    let state = dir.join("state.st");
+    fails(
+        &["compress", s(&nan), "-o", o, "--residual", s(&state)],
+        "index 2",
+    );
+    assert!(!state.exists(), "no state for a failed first step");
+    let f64s = dir.join("f64.safetensors");
+    safetensors_file(&f64s, &[("a", Dtype::F64, vec![1], vec![0; 8])]);
+    fails(&["compress", s(&f64s), "-o", o], "dtype F64");
+    let huge = dir.join("huge.safetensors");
+    safetensors_file(&huge, &[("a", Dtype::F32, vec![2], f32_bytes(&[1e6, 7e4]))]);
+    fails(
+        &["compress", s(&huge), "-o", o, "--method", "f16"],
+        "out of range",
+    );
+
+    assert_eq!(fs::read(&out).unwrap(), b"old contents");
+    let mut names = listing(&dir);
+    names.retain(|n| !n.ends_with(".safetensors"));
+    assert_eq!(names, ["out.gw"]);
+
+    // Unwritable outputs: a missing directory, a path under a file, a directory.
+    let nowhere = dir.join("no/such/dir/out.gw");
+    fails(
+        &["compress", s(&g), "-o", s(&nowhere)],
+        "no such file or directory",
+    );
+    let under_file = dir.join("out.gw/x.gw");
+    fails(&["compress", s(&g), "-o", s(&under_file)], "cannot write");
+    fails(&["compress", s(&g), "-o", s(&dir)], "cannot write");
+    // The state cannot be written: neither the output nor the state appears.
+    let fresh = dir.join("fresh.gw");
+    fails(
+        &[
+            "compress",
+            s(&g),
+            "-o",
+            s(&fresh),
+            "--residual",
+            s(&nowhere),
+        ],
+        "cannot write",
+    );
+    assert!(!fresh.exists());
+    assert_eq!(fs::read(&out).unwrap(), b"old contents");
+    assert!(
+        listing(&dir).iter().all(|n| !n.starts_with('.')),
+        "{:?}",
+        listing(&dir)
+    );
+}
+
+#[test]
+fn corrupt_and_truncated_containers_are_refused() {
+    let dir = scratch("corrupt");
+    let g = grads_path();
+    let c = dir.join("c.gw");
+    ok(&["compress", s(&g), "-o", s(&c), "--values", "int8"]);
+    let bytes = fs::read(&c).unwrap();
+    let out = dir.join("out.st");
+    let bad = dir.join("bad.gw");
+    // Truncations: inside the prefix, the manifest, the bundle header, an entry, the trailer.
+    let manifest_end = 16 + u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
+    for len in [
+        0,
+        3,
+        11,
+        15,
+        40,
+        manifest_end - 1,
+        manifest_end,
+        manifest_end + 10,
+        manifest_end + 30,
+        bytes.len() / 2,
+        bytes.len() - 1,
+    ] {
+        fs::write(&bad, &bytes[..len]).unwrap();
+        let want = if len < 4 { "--shapes" } else { "bad.gw" };
+        fails(&["decompress", s(&bad), "-o", s(&out)], want);
+        fails(&["inspect", s(&bad)], "bad.gw");
+        assert!(!out.exists(), "truncated at {len}");
+    }
+    // A truncated bundle is named as such.
+    fs::write(&bad, &bytes[..bytes.len() - 100]).unwrap();
+    fails(&["decompress", s(&bad), "-o", s(&out)], "bundle");
+    // Flipped bytes: in the manifest (its checksum), in the bundle (the bundle's checksum).
+    for (pos, want) in [
+        (20, "manifest checksum mismatch"),
+        (manifest_end + 100, "checksum mismatch"),
+        (bytes.len() - 1, "checksum mismatch"),
+    ] {
+        let mut b = bytes.clone();
+        b[pos] ^= 0x01;
+        fs::write(&bad, &b).unwrap();
+        fails(&["decompress", s(&bad), "-o", s(&out)], want);
+        fails(&["inspect", s(&bad), "--json"], want);
+    }
+    // Trailing garbage after the bundle.
+    let mut b = bytes.clone();
+    b.extend_from_slice(b"xx");
+    fs::write(&bad, &b).unwrap();
+    fails(&["decompress", s(&bad), "-o", s(&out)], "bundle");
+    // A receiver whose model differs.
+    let other = dir.join("other.safetensors");
+    safetensors_file(
+        &other,
+        &[(
+            "embeddings.position_embeddings.weight",
+            Dtype::F32,
+            vec![2],
+            f32_bytes(&[0.0, 0.0]),
+        )],
+    );
+    fails(
+        &["decompress", s(&c), "-o", s(&out), "--shapes", s(&other)],
+        "the model has shape [2]",
+    );
+    // A container larger than the receiver allows.
+    fails(
+        &["decompress", s(&c), "-o", s(&out), "--max-elements", "1000"],
+        "--max-elements",
+    );
+    // A reference payload decoded against the wrong model.
+    let r = dir.join("r.st");
+    ok(&["compress", s(&g), "-o", s(&r), "--layout", "reference"]);
+    fails(
+        &["decompress", s(&r), "-o", s(&out), "--shapes", s(&other)],
+        "unexpected key",
+    );
+    let mut rb = fs::read(&r).unwrap();
+    let len = rb.len();
+    rb.truncate(len - 7);
+    fs::write(&bad, &rb).unwrap();
+    fails(
+        &["decompress", s(&bad), "-o", s(&out), "--shapes", s(&g)],
+        "invalid safetensors payload",
+    );
+    assert!(!out.exists());
+    assert!(
+        listing(&dir).iter().all(|n| !n.starts_with('.')),
+        "{:?}",
+        listing(&dir)
+    );
+}

@@ -1,0 +1,52 @@
+//! Replays every file of the checked-in fuzz corpora of the std targets
+//! (`fuzz/corpus/{bundle,reference}/`) through the same target bodies the fuzzers run, on
+//! stable. The bodies live in `fuzz/logic/src/std_targets.rs` and are included here by path
+//! (no dependency on the fuzz crate, whose workspace is separate); see FUZZING.md.
+
+#[allow(dead_code, clippy::all)]
+#[path = "../../fuzz/logic/src/input.rs"]
+mod input;
+
+#[allow(dead_code, clippy::all)]
+#[path = "../../fuzz/logic/src/gens.rs"]
+mod gens;
+
+#[allow(dead_code, clippy::all)]
+#[path = "../../fuzz/logic/src/std_targets.rs"]
+mod std_targets;
+
+use std::path::{Path, PathBuf};
+
+fn corpus(target: &str) -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../fuzz/corpus")
+        .join(target);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
+        .map(|e| e.expect("corpus entry").path())
+        .filter(|p| p.is_file())
+        .collect();
+    files.sort();
+    files
+}
+
+fn replay(target: &str, body: fn(&[u8])) {
+    let files = corpus(target);
+    assert!(!files.is_empty(), "corpus of {target} is empty");
+    for f in &files {
+        let data = std::fs::read(f).expect("read corpus file");
+        let r = std::panic::catch_unwind(|| body(&data));
+        assert!(r.is_ok(), "{target}: {} fails", f.display());
+    }
+    eprintln!("{target}: {} inputs replayed", files.len());
+}
+
+#[test]
+fn replay_bundle() {
+    replay("bundle", std_targets::bundle);
+}
+
+#[test]
+fn replay_reference() {
+    replay("reference", std_targets::reference);
+}
