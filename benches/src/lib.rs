@@ -1,1 +1,320 @@
-//! Benchmarks and the ratio report for gradwire (filled by the performance work).
+//! Benchmarks and the ratio report for gradwire: the read pass that every ratio is measured
+//! against, test data (heavy-tailed values from a fixed seed; the real MiniLM gradients), the
+//! naive baselines each kernel is shown next to, and one runner per kernel through the public
+//! API.
+
+use gradwire_core::{
+    K, Method, Params, Rounding, SignScale, Values, accumulate_into, decode_into, encode_into,
+    feedback_step, max_frame_len, scratch_len,
+};
+use std::path::{Path, PathBuf};
+use wide::f32x8;
+
+/// The read pass of DESIGN.md: the fastest sum of |g|, `wide` f32x8 with four independent
+/// accumulators. Every ratio is a kernel's time over this pass's time on the same buffer.
+pub fn read_pass(x: &[f32]) -> f32 {
+    let mut acc = [f32x8::splat(0.0); 4];
+    let mut chunks = x.chunks_exact(32);
+    for c in &mut chunks {
+        for (t, a) in acc.iter_mut().enumerate() {
+            let mut l = [0.0f32; 8];
+            l.copy_from_slice(&c[8 * t..8 * t + 8]);
+            *a += f32x8::new(l).abs();
+        }
+    }
+    let mut s = ((acc[0] + acc[1]) + (acc[2] + acc[3]))
+        .to_array()
+        .iter()
+        .sum::<f32>();
+    s += chunks.remainder().iter().map(|v| v.abs()).sum::<f32>();
+    s
+}
+
+/// A uniform f64 in (0, 1) from draw `i` of a fixed stream.
+fn uniform(seed: u64, i: u64) -> f64 {
+    let r = gradwire_core::rng::draw(seed, i);
+    ((r >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64)
+}
+
+/// `n` heavy-tailed values from `seed`: a standard normal times `exp` of another (lognormal
+/// scale), like real gradients whose magnitudes span several binades.
+pub fn heavy_tailed(n: usize, seed: u64) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let u1 = uniform(seed, 4 * i);
+            let u2 = uniform(seed, 4 * i + 1);
+            let u3 = uniform(seed, 4 * i + 2);
+            let u4 = uniform(seed, 4 * i + 3);
+            let r1 = (-2.0 * u1.ln()).sqrt();
+            let z1 = r1 * (2.0 * std::f64::consts::PI * u2).cos();
+            let r2 = (-2.0 * u3.ln()).sqrt();
+            let z2 = r2 * (2.0 * std::f64::consts::PI * u4).cos();
+            (z1 * z2.exp() * 1e-3) as f32
+        })
+        .collect()
+}
+
+/// The repository root (the parent of this crate's folder).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+/// Every f32 tensor of a safetensors file, concatenated in the file's order.
+///
+/// # Errors
+/// When the file cannot be read or parsed.
+pub fn load_safetensors(path: &Path) -> Result<Vec<f32>, String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
+    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    let mut out = Vec::new();
+    for name in names {
+        let t = st.tensor(&name).map_err(|e| e.to_string())?;
+        if t.dtype() == safetensors::Dtype::F32 {
+            out.extend(
+                t.data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// The real MiniLM gradients: `testdata/minilm_small_grads.safetensors` (copied there from
+/// `../shared/data` when absent).
+///
+/// # Errors
+/// When neither copy can be read.
+pub fn minilm() -> Result<Vec<f32>, String> {
+    let path = repo_root().join("testdata/minilm_small_grads.safetensors");
+    if !path.exists() {
+        let shared = repo_root().join("../shared/data/minilm_small_grads.safetensors");
+        std::fs::copy(&shared, &path).map_err(|e| format!("{}: {e}", shared.display()))?;
+    }
+    load_safetensors(&path)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Baselines
+
+/// Exact top-k with `select_nth_unstable_by` on (|x|, index), then the kept indices sorted
+/// ascending (what a careful std-only implementation does).
+pub fn topk_select_nth(x: &[f32], k: usize, work: &mut Vec<u32>) -> usize {
+    work.clear();
+    work.extend(0..x.len() as u32);
+    let k = k.min(x.len());
+    if k > 0 && k < x.len() {
+        work.select_nth_unstable_by(k - 1, |&a, &b| {
+            let (ka, kb) = (x[a as usize].abs(), x[b as usize].abs());
+            kb.total_cmp(&ka).then(a.cmp(&b))
+        });
+    }
+    work.truncate(k);
+    work.sort_unstable();
+    work.len()
+}
+
+/// The original module's top-k: pair every element with its magnitude, sort all pairs by
+/// magnitude (descending), keep the first k (indices and values).
+pub fn topk_full_sort(x: &[f32], k: usize) -> (Vec<usize>, Vec<f32>) {
+    let mut pairs: Vec<(usize, f32)> = x.iter().map(|v| v.abs()).enumerate().collect();
+    pairs.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal));
+    let k = k.min(x.len());
+    let idx: Vec<usize> = pairs[..k].iter().map(|p| p.0).collect();
+    let vals = idx.iter().map(|&i| x[i]).collect();
+    (idx, vals)
+}
+
+/// Sign packing one bit at a time through `bitvec` (LSB-first bytes).
+pub fn sign_bitvec(x: &[f32], out: &mut bitvec::vec::BitVec<u8, bitvec::order::Lsb0>) {
+    out.clear();
+    for &v in x {
+        out.push(v < 0.0);
+    }
+}
+
+/// A plain scalar int8 quantizer: per block absmax, `round(x / m * 127)` with std's `round`.
+pub fn int8_plain(x: &[f32], block: usize, scales: &mut [f32], codes: &mut [i8]) {
+    for (b, (xs, cs)) in x.chunks(block).zip(codes.chunks_mut(block)).enumerate() {
+        let m = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        scales[b] = m;
+        let inv = if m > 0.0 { 127.0 / m } else { 0.0 };
+        for (c, &v) in cs.iter_mut().zip(xs) {
+            *c = (v * inv).round() as i8;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Codecs through the public API
+
+/// One codec: its parameters and the buffers its encoder and decoder need.
+pub struct Codec {
+    /// Method and parameters.
+    pub params: Params,
+    /// Encoder scratch.
+    pub scratch: Vec<u32>,
+    /// Frame buffer (`max_frame_len`).
+    pub frame: Vec<u8>,
+    /// Length of the last frame encoded.
+    pub len: usize,
+}
+
+impl Codec {
+    /// Buffers for `method` on `n` elements.
+    pub fn new(method: Method, n: usize) -> Self {
+        let mut params = Params::new(method);
+        params.seed = 7;
+        params.step = 1;
+        params.tensor_id = 3;
+        Codec {
+            params,
+            scratch: vec![0; scratch_len(n, &method)],
+            frame: vec![0; max_frame_len(n, &method)],
+            len: 0,
+        }
+    }
+
+    /// Encodes `x` with `encode_into`; returns the frame length.
+    ///
+    /// # Panics
+    /// When encoding fails (the bench inputs are valid).
+    pub fn encode(&mut self, x: &[f32]) -> usize {
+        self.len = encode_into(x, &self.params, &mut self.scratch, &mut self.frame).unwrap();
+        self.len
+    }
+
+    /// Decodes the last frame into `out` with `decode_into`.
+    ///
+    /// # Panics
+    /// When decoding fails.
+    pub fn decode(&self, out: &mut [f32]) {
+        decode_into(&self.frame[..self.len], &self.params, out).unwrap();
+    }
+
+    /// Adds the last frame into `acc` with `accumulate_into`.
+    ///
+    /// # Panics
+    /// When decoding fails.
+    pub fn accumulate(&self, acc: &mut [f32]) {
+        accumulate_into(&self.frame[..self.len], &self.params, acc, 1.0).unwrap();
+    }
+
+    /// One error-feedback step of `g` on `residual` with `feedback_step`.
+    ///
+    /// # Panics
+    /// When the step fails.
+    pub fn feedback(&mut self, g: &[f32], residual: &mut [f32]) -> usize {
+        self.len = feedback_step(
+            g,
+            residual,
+            &self.params,
+            &mut self.scratch,
+            &mut self.frame,
+        )
+        .unwrap();
+        self.len
+    }
+}
+
+/// The |x| at which `x` keeps about 1% of its elements (for the threshold kernel).
+pub fn threshold_for_one_percent(x: &[f32]) -> f32 {
+    let mut a: Vec<f32> = x.iter().step_by(7).map(|v| v.abs()).collect();
+    if a.is_empty() {
+        return 0.0;
+    }
+    let j = a.len() - 1 - a.len() / 100;
+    let (_, t, _) = a.select_nth_unstable_by(j, f32::total_cmp);
+    *t
+}
+
+/// The methods of the ratio report and the benches, by name.
+pub fn methods(x: &[f32]) -> Vec<(&'static str, Method)> {
+    vec![
+        (
+            "topk_1pct",
+            Method::TopK {
+                k: K::Ratio(0.01),
+                values: Values::F32,
+            },
+        ),
+        (
+            "topk_0.1pct",
+            Method::TopK {
+                k: K::Ratio(0.001),
+                values: Values::F32,
+            },
+        ),
+        (
+            "threshold",
+            Method::Threshold {
+                threshold: threshold_for_one_percent(x),
+                values: Values::F32,
+            },
+        ),
+        (
+            "randomk_1pct",
+            Method::RandomK {
+                k: K::Ratio(0.01),
+                values: Values::F32,
+                unbiased: false,
+            },
+        ),
+        (
+            "sign",
+            Method::Sign {
+                scale: SignScale::MeanAbs { block: 1024 },
+            },
+        ),
+        (
+            "quant_int8",
+            Method::Quant {
+                bits: 8,
+                block: 512,
+                rounding: Rounding::NearestEven,
+            },
+        ),
+        (
+            "quant_4bit",
+            Method::Quant {
+                bits: 4,
+                block: 512,
+                rounding: Rounding::NearestEven,
+            },
+        ),
+        (
+            "f16_cast",
+            Method::Dense {
+                values: Values::F16,
+            },
+        ),
+        (
+            "bf16_cast",
+            Method::Dense {
+                values: Values::Bf16,
+            },
+        ),
+    ]
+}
+
+/// The error-feedback method of the report: top-k 1% with int8 values.
+pub fn ef_method() -> Method {
+    Method::TopK {
+        k: K::Ratio(0.01),
+        values: Values::Int8 { block: 256 },
+    }
+}
+
+/// Whether this build has AVX2 (`"native"` on this project's machine) or not (`"default"`).
+pub fn build_name() -> &'static str {
+    if cfg!(target_feature = "avx2") {
+        "native"
+    } else {
+        "default"
+    }
+}

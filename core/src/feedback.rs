@@ -7,8 +7,12 @@
 //! quantization error are kept, not lost.
 
 use crate::error::{Error, Param};
-use crate::frame::{accumulate_into, check_encode, check_input, encode_checked};
+use crate::frame::{
+    accumulate_into, check_encode, check_input, encode_checked, encode_sparse_src, is_fused,
+};
+use crate::lanes::{LANES, Sum, load};
 use crate::method::{Method, Params, SignScale};
+use crate::values::all_below;
 
 /// One error-feedback step on one tensor: `residual += grad`, encode `residual` into `out`,
 /// then `residual -= decoded(out)`. Returns the frame length in bytes.
@@ -54,6 +58,22 @@ pub fn feedback_step(
         _ => {}
     }
     check_encode(grad.len(), params, scratch.len(), out.len())?;
+    let limit = crate::values::magnitude_limit(params.method.values());
+    if is_fused(grad.len(), &params.method) {
+        // One pass over grad and residual selects from their sum and checks it; the residual
+        // changes only after the frame is written.
+        if let Ok(len) = encode_sparse_src(&Sum(grad, residual), params, limit, scratch, out) {
+            add_into(residual, grad);
+            accumulate_into(&out[..len], params, residual, -1.0)?;
+            return Ok(len);
+        }
+    } else if all_below(&Sum(grad, residual), limit) {
+        add_into(residual, grad);
+        let len = encode_checked(residual, params, scratch, out);
+        accumulate_into(&out[..len], params, residual, -1.0)?;
+        return Ok(len);
+    }
+    // Something is out of limit: find the first offender in the specified order.
     if let Some(index) = crate::scalar::first_non_finite(grad) {
         return Err(Error::NonFinite { index });
     }
@@ -69,11 +89,22 @@ pub fn feedback_step(
     {
         return Err(Error::ValueOutOfRange { index });
     }
-    for (r, &g) in residual.iter_mut().zip(grad) {
-        *r += g;
-    }
+    add_into(residual, grad);
     debug_assert!(check_input(residual, &params.method).is_ok());
     let len = encode_checked(residual, params, scratch, out);
     accumulate_into(&out[..len], params, residual, -1.0)?;
     Ok(len)
+}
+
+/// `r[i] += g[i]` (same lengths), eight lanes at a time.
+fn add_into(r: &mut [f32], g: &[f32]) {
+    let mut rs = r.chunks_exact_mut(LANES);
+    let mut gs = g.chunks_exact(LANES);
+    for (a, b) in (&mut rs).zip(&mut gs) {
+        let v = load(a) + load(b);
+        a.copy_from_slice(v.as_array());
+    }
+    for (a, &b) in rs.into_remainder().iter_mut().zip(gs.remainder()) {
+        *a += b;
+    }
 }

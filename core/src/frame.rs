@@ -8,8 +8,10 @@
 
 use crate::error::{Error, Param};
 use crate::index::{self, IndexSizer, IndexWriter};
+use crate::lanes::{One, Source};
 use crate::method::{K, Method, Params, Rounding, SignScale, Values};
 use crate::scalar::{self, Selection, magnitude_key};
+use crate::select::{Kept, OutOfLimit};
 use crate::{quant, rng, select, sign, values};
 
 /// The first four bytes of every frame.
@@ -90,14 +92,23 @@ pub const fn max_frame_len(n: usize, method: &Method) -> usize {
 }
 
 /// Scratch `u32` words that [`encode_into`] needs for `n` elements with `method`.
+///
+/// Top-k holds its candidates ([`select::kept_scratch_len`]), threshold the entries that pass
+/// ([`select::threshold_scratch_len`]; more go a slower two-pass way), random-k its drawn
+/// indices; int8 values add one word per block of kept values.
 pub const fn scratch_len(n: usize, method: &Method) -> usize {
     match *method {
         Method::TopK { k, values } => {
             let k = k.resolve(n as u64) as usize;
-            select::topk_scratch_len(n) + int8_blocks(k, values)
+            select::kept_scratch_len(n, k).saturating_add(int8_blocks(k, values))
         }
-        Method::Threshold { values, .. } => int8_blocks(n, values),
-        Method::RandomK { k, values, .. } => int8_blocks(k.resolve(n as u64) as usize, values),
+        Method::Threshold { values, .. } => {
+            select::threshold_scratch_len(n).saturating_add(int8_blocks(n, values))
+        }
+        Method::RandomK { k, values, .. } => {
+            let k = k.resolve(n as u64) as usize;
+            k.saturating_add(int8_blocks(k, values))
+        }
         _ => 0,
     }
 }
@@ -129,6 +140,9 @@ pub(crate) fn check_encode(
 
 /// Checks the values an encode will read: finite, and within the value type's range.
 pub(crate) fn check_input(x: &[f32], method: &Method) -> Result<(), Error> {
+    if values::first_at_or_above(x, values::magnitude_limit(method.values())).is_none() {
+        return Ok(());
+    }
     if let Some(index) = scalar::first_non_finite(x) {
         return Err(Error::NonFinite { index });
     }
@@ -159,8 +173,20 @@ pub fn encode_into(
     out: &mut [u8],
 ) -> Result<usize, Error> {
     check_encode(grad.len(), params, scratch.len(), out.len())?;
+    if is_fused(grad.len(), &params.method) {
+        let limit = values::magnitude_limit(params.method.values());
+        match encode_sparse_src(&One(grad), params, limit, scratch, out) {
+            Ok(len) => return Ok(len),
+            Err(OutOfLimit) => check_input(grad, &params.method)?,
+        }
+    }
     check_input(grad, &params.method)?;
     Ok(encode_checked(grad, params, scratch, out))
+}
+
+/// Whether [`encode_sparse_src`] encodes this method (checking the input on the way).
+pub(crate) fn is_fused(n: usize, method: &Method) -> bool {
+    matches!(method, Method::TopK { .. } | Method::Threshold { .. }) && u32::try_from(n).is_ok()
 }
 
 /// Encodes the entries of `grad` at the strictly ascending indices `kept` as a top-k frame with
@@ -200,15 +226,15 @@ pub fn encode_selected_into(
     let mut p = Put { buf: out, pos: 0 };
     write_fixed(&mut p, M_TOPK, 0, n);
     p.values(values);
-    let hist = select::topk_scratch_len(n);
-    let int8_scratch = &mut scratch[hist..];
-    let iter = |f: &mut dyn FnMut(usize)| kept.iter().for_each(|&i| f(i as usize));
-    let (count, codec, idx_len) = measure(grad, &iter, values, int8_scratch);
+    let sel = select::kept_scratch_len(n, kept.len());
+    let int8_scratch = &mut scratch[sel..];
+    let e = Picked { g: grad, idx: kept };
+    let (count, codec, idx_len) = measure(n, &e, values, int8_scratch);
     p.u64(count);
     p.u8(codec);
     write_sparse_body(
-        grad,
-        &iter,
+        n,
+        &e,
         values,
         count as usize,
         codec,
@@ -280,26 +306,17 @@ pub(crate) fn encode_checked(
         Method::Dense { values } => {
             p.values(values);
             let vb = values.value_bytes();
-            for (j, &x) in g.iter().enumerate() {
-                values::write_plain(values, x, &mut p.buf[p.pos + j * vb..]);
-            }
+            values::encode_plain(values, g, &mut p.buf[p.pos..]);
             p.pos += n * vb;
         }
-        Method::TopK { k, values } => {
-            let k = k.resolve(n as u64) as usize;
-            let hist = select::topk_scratch_len(n);
-            let (hist_scratch, int8_scratch) = scratch.split_at_mut(hist);
-            let sel = select::topk(g, k, hist_scratch);
-            encode_sparse(g, sel, values, &mut p, int8_scratch, |p, count, codec| {
-                p.u64(count);
-                p.u8(codec);
-            });
-        }
-        Method::Threshold { threshold, values } => {
-            p.values(values);
-            p.bytes(&threshold.to_le_bytes());
-            // count and codec follow; encode_sparse writes them after measuring.
-            encode_sparse_after_values(g, Selection::Threshold(threshold), values, &mut p, scratch);
+        Method::TopK { .. } | Method::Threshold { .. } => {
+            if is_fused(n, &params.method) {
+                // The input is checked: the limit cannot be met.
+                if let Ok(len) = encode_sparse_src(&One(g), params, f32::INFINITY, scratch, out) {
+                    return len;
+                }
+            }
+            return encode_sparse_streamed(g, params, scratch, out);
         }
         Method::RandomK { k, values, .. } => {
             let k = k.resolve(n as u64);
@@ -309,14 +326,22 @@ pub(crate) fn encode_checked(
             p.u64(params.step);
             p.u64(params.tensor_id);
             let key = rng::key(params.seed, params.step, params.tensor_id);
-            write_values(
-                g,
-                Selection::RandomK { key, k },
-                values,
-                k as usize,
-                &mut p,
-                scratch,
-            );
+            let (idx_s, int8_s) = scratch.split_at_mut(k as usize);
+            if u32::try_from(n).is_ok() {
+                let mut c = 0usize;
+                scalar::randomk_for_each(n as u64, k, key, |i| {
+                    idx_s[c] = i as u32;
+                    c += 1;
+                });
+                let e = Picked { g, idx: idx_s };
+                write_values(&e, values, k as usize, &mut p, int8_s);
+            } else {
+                let e = Streamed {
+                    g,
+                    sel: Selection::RandomK { key, k },
+                };
+                write_values(&e, values, k as usize, &mut p, int8_s);
+            }
         }
         Method::Quant {
             bits,
@@ -364,65 +389,194 @@ pub(crate) fn encode_checked(
     p.pos
 }
 
-/// Sparse body for top-k: values spec, then `header_tail` (count/codec), index and values.
-fn encode_sparse(
-    g: &[f32],
-    sel: Selection,
-    v: Values,
-    p: &mut Put<'_>,
-    int8_scratch: &mut [u32],
-    header_tail: impl FnOnce(&mut Put<'_>, u64, u8),
-) {
-    p.values(v);
-    let kept = |f: &mut dyn FnMut(usize)| select::for_each_kept(g, sel, f);
-    let (count, codec, idx_len) = measure(g, &kept, v, int8_scratch);
-    header_tail(p, count, codec);
-    write_sparse_body(g, &kept, v, count as usize, codec, idx_len, p, int8_scratch);
+/// The entries a sparse body carries, in ascending index order.
+trait Entries {
+    /// Calls `f(index, value)` for every entry.
+    fn each(&self, f: impl FnMut(usize, f32));
 }
 
-/// Sparse body for threshold, whose values spec and threshold are already written.
-fn encode_sparse_after_values(
-    g: &[f32],
+impl Entries for Kept<'_> {
+    #[inline]
+    fn each(&self, mut f: impl FnMut(usize, f32)) {
+        for (&i, &b) in self.idx.iter().zip(self.bits) {
+            f(i as usize, f32::from_bits(b));
+        }
+    }
+}
+
+/// Entries at caller-chosen indices.
+struct Picked<'a> {
+    g: &'a [f32],
+    idx: &'a [u32],
+}
+
+impl Entries for Picked<'_> {
+    #[inline]
+    fn each(&self, mut f: impl FnMut(usize, f32)) {
+        for &i in self.idx {
+            f(i as usize, self.g[i as usize]);
+        }
+    }
+}
+
+/// Entries of a selection, found again on every call (the slow path).
+struct Streamed<'a> {
+    g: &'a [f32],
     sel: Selection,
-    v: Values,
-    p: &mut Put<'_>,
-    int8_scratch: &mut [u32],
-) {
-    let kept = |f: &mut dyn FnMut(usize)| select::for_each_kept(g, sel, f);
-    let (count, codec, idx_len) = measure(g, &kept, v, int8_scratch);
+}
+
+impl Entries for Streamed<'_> {
+    fn each(&self, mut f: impl FnMut(usize, f32)) {
+        select::for_each_kept(self.g, self.sel, |i| f(i, self.g[i]));
+    }
+}
+
+/// Threshold entries of any source, found again on every call (when too many pass).
+struct ThresholdOf<'a, S> {
+    src: &'a S,
+    t: f32,
+}
+
+impl<S: Source> Entries for ThresholdOf<'_, S> {
+    fn each(&self, mut f: impl FnMut(usize, f32)) {
+        for i in 0..self.src.len() {
+            let x = self.src.at(i);
+            if x.abs() > self.t {
+                f(i, x);
+            }
+        }
+    }
+}
+
+/// Top-k or threshold frame of `src` (length fits a `u32`; after [`check_encode`]), checking
+/// on the way that every `|x| < limit`: one pass over the input for the selection and the
+/// check, then work proportional to the entries kept.
+pub(crate) fn encode_sparse_src<S: Source>(
+    src: &S,
+    params: &Params,
+    limit: f32,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, OutOfLimit> {
+    let n = src.len();
+    // Select (and check) before writing: on error nothing is written.
+    let mut p;
+    match params.method {
+        Method::TopK { k, values } => {
+            let k = k.resolve(n as u64) as usize;
+            let (sel, int8_scratch) = scratch.split_at_mut(select::kept_scratch_len(n, k));
+            let kept = select::topk_kept_src(src, k, limit, select::sample_len(n), sel)?;
+            p = Put { buf: out, pos: 0 };
+            write_fixed(&mut p, M_TOPK, 0, n);
+            p.values(values);
+            sparse_body(n, &kept, values, &mut p, int8_scratch);
+        }
+        Method::Threshold { threshold, values } => {
+            let (sel, int8_scratch) = scratch.split_at_mut(select::threshold_scratch_len(n));
+            let kept = select::threshold_kept_src(src, threshold, limit, sel)?;
+            p = Put { buf: out, pos: 0 };
+            write_fixed(&mut p, M_THRESHOLD, 0, n);
+            p.values(values);
+            p.bytes(&threshold.to_le_bytes());
+            match kept {
+                Some(kept) => sparse_body(n, &kept, values, &mut p, int8_scratch),
+                None => {
+                    let e = ThresholdOf { src, t: threshold };
+                    sparse_body(n, &e, values, &mut p, int8_scratch)
+                }
+            }
+        }
+        _ => unreachable!("only top-k and threshold are fused"),
+    }
+    let crc = crc32fast::hash(&p.buf[..p.pos]);
+    p.u32(crc);
+    Ok(p.pos)
+}
+
+/// Top-k or threshold frame by the streaming specification (tensors beyond `u32` indices).
+fn encode_sparse_streamed(
+    g: &[f32],
+    params: &Params,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> usize {
+    let n = g.len();
+    let mut p = Put { buf: out, pos: 0 };
+    match params.method {
+        Method::TopK { k, values } => {
+            write_fixed(&mut p, M_TOPK, 0, n);
+            p.values(values);
+            let k = k.resolve(n as u64) as usize;
+            let (sel, int8_scratch) = scratch.split_at_mut(select::kept_scratch_len(n, k));
+            let e = Streamed {
+                g,
+                sel: select::topk(g, k, sel),
+            };
+            sparse_body(n, &e, values, &mut p, int8_scratch);
+        }
+        Method::Threshold { threshold, values } => {
+            write_fixed(&mut p, M_THRESHOLD, 0, n);
+            p.values(values);
+            p.bytes(&threshold.to_le_bytes());
+            let int8_scratch = &mut scratch[select::threshold_scratch_len(n)..];
+            let e = Streamed {
+                g,
+                sel: Selection::Threshold(threshold),
+            };
+            sparse_body(n, &e, values, &mut p, int8_scratch);
+        }
+        _ => unreachable!("only top-k and threshold are streamed"),
+    }
+    let crc = crc32fast::hash(&p.buf[..p.pos]);
+    p.u32(crc);
+    p.pos
+}
+
+/// Count and codec, then index and values sections.
+fn sparse_body<E: Entries>(n: usize, e: &E, v: Values, p: &mut Put<'_>, int8_scratch: &mut [u32]) {
+    let (count, codec, idx_len) = measure(n, e, v, int8_scratch);
     p.u64(count);
     p.u8(codec);
-    write_sparse_body(g, &kept, v, count as usize, codec, idx_len, p, int8_scratch);
+    write_sparse_body(n, e, v, count as usize, codec, idx_len, p, int8_scratch);
 }
 
 /// First pass: the kept count, the smallest index codec and, for int8, each block's absmax
 /// magnitude key (into `int8_scratch`).
-type KeptFn<'a> = &'a dyn Fn(&mut dyn FnMut(usize));
-
-fn measure(g: &[f32], kept: KeptFn<'_>, v: Values, int8_scratch: &mut [u32]) -> (u64, u8, usize) {
-    let mut sizer = IndexSizer::new(g.len() as u64);
-    let block = match v {
-        Values::Int8 { block } => block as usize,
-        _ => 0,
-    };
-    kept(&mut |i| {
-        if let Some(b) = (sizer.count() as usize).checked_div(block) {
-            if (sizer.count() as usize).is_multiple_of(block) {
-                int8_scratch[b] = 0;
-            }
-            int8_scratch[b] = int8_scratch[b].max(magnitude_key(g[i]));
-        }
-        sizer.push(i as u64);
-    });
+fn measure<E: Entries>(n: usize, e: &E, v: Values, int8_scratch: &mut [u32]) -> (u64, u8, usize) {
+    let mut sizer = IndexSizer::new(n as u64);
+    e.each(|i, _| sizer.push(i as u64));
+    if let Values::Int8 { block } = v {
+        int8_absmax(e, block as usize, int8_scratch);
+    }
     let count = sizer.count();
     let (codec, len) = sizer.choose();
     (count, codec, len)
 }
 
+/// Each int8 block's absmax magnitude key, for blocks of `block` consecutive entries.
+fn int8_absmax<E: Entries>(e: &E, block: usize, scratch: &mut [u32]) {
+    let mut c = 0usize;
+    let mut b = 0usize;
+    let mut m = 0u32;
+    e.each(|_, x| {
+        m = m.max(magnitude_key(x));
+        c += 1;
+        if c == block {
+            scratch[b] = m;
+            b += 1;
+            c = 0;
+            m = 0;
+        }
+    });
+    if c > 0 {
+        scratch[b] = m;
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
-fn write_sparse_body(
-    g: &[f32],
-    kept: KeptFn<'_>,
+fn write_sparse_body<E: Entries>(
+    n: usize,
+    e: &E,
     v: Values,
     count: usize,
     codec: u8,
@@ -433,40 +587,24 @@ fn write_sparse_body(
     let v_len = v.section_len(count);
     let (idx, rest) = p.buf[p.pos..].split_at_mut(idx_len);
     let vals = &mut rest[..v_len];
-    let mut iw = IndexWriter::new(codec, g.len() as u64, idx);
+    let mut iw = IndexWriter::new(codec, n as u64, idx);
     let mut vw = ValueWriter::new(v, count, vals, int8_scratch);
-    kept(&mut |i| {
+    e.each(|i, x| {
         iw.push(i as u64);
-        vw.push(g[i]);
+        vw.push(x);
     });
     iw.finish();
     p.pos += idx_len + v_len;
 }
 
 /// Random-k body: values only.
-fn write_values(
-    g: &[f32],
-    sel: Selection,
-    v: Values,
-    k: usize,
-    p: &mut Put<'_>,
-    scratch: &mut [u32],
-) {
+fn write_values<E: Entries>(e: &E, v: Values, k: usize, p: &mut Put<'_>, scratch: &mut [u32]) {
     if let Values::Int8 { block } = v {
-        let block = block as usize;
-        let mut c = 0usize;
-        select::for_each_kept(g, sel, |i| {
-            let b = c / block;
-            if c.is_multiple_of(block) {
-                scratch[b] = 0;
-            }
-            scratch[b] = scratch[b].max(magnitude_key(g[i]));
-            c += 1;
-        });
+        int8_absmax(e, block as usize, scratch);
     }
     let v_len = v.section_len(k);
     let mut vw = ValueWriter::new(v, k, &mut p.buf[p.pos..p.pos + v_len], scratch);
-    select::for_each_kept(g, sel, |i| vw.push(g[i]));
+    e.each(|_, x| vw.push(x));
     p.pos += v_len;
 }
 
@@ -968,13 +1106,10 @@ fn check_expected(h: &Header, expected: &Params, n: usize) -> Result<(), Error> 
 fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
     match *body {
         Body::Dense { v, vals, off } => {
-            let vb = v.value_bytes();
-            for (j, c) in vals.chunks_exact(vb).enumerate() {
-                if values::read_plain(v, c).is_none() {
-                    return Err(Error::BadValue {
-                        offset: off + j * vb,
-                    });
-                }
+            if let Some(j) = values::first_bad_plain(v, vals) {
+                return Err(Error::BadValue {
+                    offset: off + j * v.value_bytes(),
+                });
             }
         }
         Body::Sparse {
@@ -999,7 +1134,7 @@ fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
             off,
             ..
         } => {
-            quant::validate(n as usize, bits, scales, codes)
+            quant::validate_fast(n as usize, bits, scales, codes)
                 .map_err(|o| Error::BadValue { offset: off + o })?;
         }
         Body::Sign {
@@ -1044,6 +1179,67 @@ fn validate_values(v: Values, count: usize, vals: &[u8], off: usize) -> Result<(
     Ok(())
 }
 
+const BATCH: usize = 64;
+
+/// Sparse entries in runs of [`BATCH`]: indices gathered, values decoded together, then `f`.
+struct Batch<'a, F> {
+    v: Values,
+    vals: &'a [u8],
+    count: usize,
+    scale: f32,
+    j: usize,
+    fill: usize,
+    ib: [usize; BATCH],
+    vb: [f32; BATCH],
+    f: F,
+}
+
+impl<F: FnMut(usize, f32)> Batch<'_, F> {
+    #[inline]
+    fn push(&mut self, i: usize) {
+        self.ib[self.fill] = i;
+        self.fill += 1;
+        if self.fill == BATCH {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        let m = self.fill;
+        values::decode_run(self.v, self.vals, self.count, self.j, &mut self.vb[..m]);
+        for (&i, &x) in self.ib[..m].iter().zip(&self.vb[..m]) {
+            (self.f)(i, x * self.scale);
+        }
+        self.j += m;
+        self.fill = 0;
+    }
+}
+
+/// Writes (`weight = None`, over an output the caller zeroed for sparse bodies) or adds
+/// `weight * value` of every entry of a validated body into `out`.
+fn apply(h: &Header, body: &Body<'_>, out: &mut [f32], weight: Option<f32>) {
+    match *body {
+        Body::Dense { v, vals, .. } => values::decode_plain(v, vals, out, weight),
+        Body::Quant {
+            bits,
+            block,
+            scales,
+            codes,
+            ..
+        } => quant::decode_slice(bits, block, scales, codes, out, weight),
+        Body::Sign {
+            block,
+            scales,
+            signs,
+            ..
+        } => sign::decode_slice(block, scales, signs, out, weight),
+        Body::Sparse { .. } => match weight {
+            None => for_each_entry(h, body, |i, v| out[i] = v),
+            Some(w) => for_each_entry(h, body, |i, v| out[i] += w * v),
+        },
+    }
+}
+
 /// Calls `f(i, value)` for every entry of a validated body (sparse: kept entries only).
 fn for_each_entry(h: &Header, body: &Body<'_>, mut f: impl FnMut(usize, f32)) {
     let n = h.n;
@@ -1062,42 +1258,33 @@ fn for_each_entry(h: &Header, body: &Body<'_>, mut f: impl FnMut(usize, f32)) {
             vals,
             ..
         } => {
-            let count_usize = count as usize;
-            let value_at = |j: usize| -> f32 {
-                match v {
-                    Values::Int8 { block } => {
-                        let s_len = count_usize.div_ceil(block as usize) * 4;
-                        let b = 4 * (j / block as usize);
-                        let m =
-                            f32::from_le_bytes([vals[b], vals[b + 1], vals[b + 2], vals[b + 3]]);
-                        values::int8_value(vals[s_len + j] as i8, m)
-                    }
-                    _ => values::read_plain(v, &vals[j * v.value_bytes()..]).unwrap_or(0.0),
-                }
+            let mut batch = Batch {
+                v,
+                vals,
+                count: count as usize,
+                scale: 1.0,
+                j: 0,
+                fill: 0,
+                ib: [0; BATCH],
+                vb: [0.0; BATCH],
+                f,
             };
-            let mut j = 0usize;
             match codec {
                 Some(codec) => {
-                    let _ = index::for_each_index(codec, n, count, idx, |i| {
-                        f(i as usize, value_at(j));
-                        j += 1;
-                    });
+                    let _ = index::for_each_index(codec, n, count, idx, |i| batch.push(i as usize));
                 }
                 None => {
                     let p = &h.params;
                     let key = rng::key(p.seed, p.step, p.tensor_id);
-                    let scale = match p.method {
-                        Method::RandomK { unbiased: true, .. } if count > 0 => {
-                            (n as f64 / count as f64) as f32
-                        }
-                        _ => 1.0,
-                    };
-                    scalar::randomk_for_each(n, count, key, |i| {
-                        f(i as usize, value_at(j) * scale);
-                        j += 1;
-                    });
+                    if let Method::RandomK { unbiased: true, .. } = p.method
+                        && count > 0
+                    {
+                        batch.scale = (n as f64 / count as f64) as f32;
+                    }
+                    scalar::randomk_for_each(n, count, key, |i| batch.push(i as usize));
                 }
             }
+            batch.flush();
         }
         Body::Quant {
             bits,
@@ -1156,7 +1343,7 @@ pub fn decode_into(frame: &[u8], expected: &Params, out: &mut [f32]) -> Result<F
     if matches!(body, Body::Sparse { .. }) {
         out.fill(0.0);
     }
-    for_each_entry(&h, &body, |i, v| out[i] = v);
+    apply(&h, &body, out, None);
     Ok(info(&h))
 }
 
@@ -1176,6 +1363,6 @@ pub fn accumulate_into(
     weight: f32,
 ) -> Result<FrameInfo, Error> {
     let (h, body) = decode_checked(frame, expected, acc.len())?;
-    for_each_entry(&h, &body, |i, v| acc[i] += weight * v);
+    apply(&h, &body, acc, Some(weight));
     Ok(info(&h))
 }

@@ -184,14 +184,22 @@ pub fn section_len(codec: u8, n: u64, count: u64, bytes: &[u8]) -> Result<usize,
     match codec {
         BITMAP => {
             let len = usize::try_from(n.div_ceil(8)).map_err(|_| InvalidSection)?;
-            if len > bytes.len() { Err(InvalidSection) } else { Ok(len) }
+            if len > bytes.len() {
+                Err(InvalidSection)
+            } else {
+                Ok(len)
+            }
         }
         RAW => {
             let len = usize::try_from(count)
                 .ok()
                 .and_then(|c| c.checked_mul(raw_width(n)))
                 .ok_or(InvalidSection)?;
-            if len > bytes.len() { Err(InvalidSection) } else { Ok(len) }
+            if len > bytes.len() {
+                Err(InvalidSection)
+            } else {
+                Ok(len)
+            }
         }
         DELTA => {
             let mut pos = 0usize;
@@ -202,7 +210,9 @@ pub fn section_len(codec: u8, n: u64, count: u64, bytes: &[u8]) -> Result<usize,
                 if w > 64 {
                     return Err(InvalidSection);
                 }
-                pos = pos.checked_add(1 + (len * w).div_ceil(8)).ok_or(InvalidSection)?;
+                pos = pos
+                    .checked_add(1 + (len * w).div_ceil(8))
+                    .ok_or(InvalidSection)?;
                 if pos > bytes.len() {
                     return Err(InvalidSection);
                 }
@@ -243,7 +253,11 @@ pub fn for_each_index(
                     b &= b - 1;
                 }
             }
-            if seen == count { Ok(()) } else { Err(InvalidSection) }
+            if seen == count {
+                Ok(())
+            } else {
+                Err(InvalidSection)
+            }
         }
         RAW => {
             let w = raw_width(n);
@@ -271,7 +285,32 @@ pub fn for_each_index(
                     return Err(InvalidSection);
                 }
                 pos += 1;
-                let mut br = BitReader::new(section.get(pos..).ok_or(InvalidSection)?);
+                let body = section.get(pos..).ok_or(InvalidSection)?;
+                let bytes = (len * w as usize).div_ceil(8);
+                if w <= 56 && bytes + 8 <= body.len() {
+                    // Fast path: each gap from one unaligned little-endian u64 window.
+                    let mask = (1u64 << w) - 1;
+                    for t in 0..len {
+                        let bit = t * w as usize;
+                        let mut le = [0u8; 8];
+                        le.copy_from_slice(&body[bit / 8..bit / 8 + 8]);
+                        let gap = (u64::from_le_bytes(le) >> (bit % 8)) & mask;
+                        let i = next_min.checked_add(gap).ok_or(InvalidSection)?;
+                        if i >= n {
+                            return Err(InvalidSection);
+                        }
+                        next_min = i + 1;
+                        f(i);
+                    }
+                    let used = len * w as usize;
+                    if !used.is_multiple_of(8) && body[used / 8] >> (used % 8) != 0 {
+                        return Err(InvalidSection);
+                    }
+                    pos += bytes;
+                    left -= len as u64;
+                    continue;
+                }
+                let mut br = BitReader::new(body);
                 for _ in 0..len {
                     let gap = br.read(w).ok_or(InvalidSection)?;
                     let i = next_min.checked_add(gap).ok_or(InvalidSection)?;

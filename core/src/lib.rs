@@ -50,6 +50,7 @@
 extern crate std;
 
 mod bits;
+mod lanes;
 pub mod error;
 pub mod feedback;
 pub mod frame;

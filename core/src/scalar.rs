@@ -211,12 +211,30 @@ pub fn abs_sum_striped(x: &[f32]) -> f32 {
 }
 
 /// The sign scale of a block: mean |x| = [`abs_sum_striped`] / len; 0 for an empty block.
+///
+/// When that sum overflows (elements near `f32::MAX`), the same striped sum is taken over
+/// `|x| * 2^-64`, divided by len and multiplied by `2^64`, and capped at the block's absmax, so
+/// the scale is always finite (a frame with an infinite scale would be refused by its decoder).
+/// Fast paths may call this function for a block whose sum overflowed.
 pub fn sign_block_scale(x: &[f32]) -> f32 {
     if x.is_empty() {
-        0.0
-    } else {
-        abs_sum_striped(x) / x.len() as f32
+        return 0.0;
     }
+    let s = abs_sum_striped(x);
+    if s.is_finite() {
+        return s / x.len() as f32;
+    }
+    const DOWN: f32 = 1.0 / 18_446_744_073_709_551_616.0; // 2^-64
+    const UP: f32 = 18_446_744_073_709_551_616.0; // 2^64
+    let mut lanes = [0.0f32; 8];
+    for chunk in x.chunks(8) {
+        for (j, &v) in chunk.iter().enumerate() {
+            lanes[j] += v.abs() * DOWN;
+        }
+    }
+    let s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    ((s / x.len() as f32) * UP).min(abs_max(x))
 }
 
 /// The sign bit of an element: 1 when `x < 0` (so both zeros count as +).

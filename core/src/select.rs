@@ -2,12 +2,72 @@
 //!
 //! These are the entry points the frame encoder uses. They must produce exactly what the
 //! [`crate::scalar`] specification produces.
+//!
+//! ## Fast exact top-k
+//! [`topk_kept`] samples [`SAMPLE_LEN`] elements (stratified, at positions from a fixed
+//! generator) to estimate a magnitude threshold safely below the k-th largest, collects every
+//! element at or above it in one SIMD pass (compare, bitmask, indices and values into scratch),
+//! and finishes with an exact radix select among those candidates. When the sample misses (fewer
+//! than k candidates) or overshoots (more than the scratch holds), it falls back to the full
+//! radix select of [`crate::scalar::topk_cut`]. Either way the result is the exact top-k, ties to
+//! the lower index: the sample only decides how fast it gets there.
 
+use crate::lanes::{LANES, One, Source};
+use crate::rng;
 pub use crate::scalar::{Cut, Selection};
+use crate::scalar::{TOPK_HIST, magnitude_key};
+use wide::f32x8;
+
+/// Elements that [`topk_kept`] samples to estimate its threshold (tensors of at least
+/// [`SAMPLED_MIN`] elements).
+pub const SAMPLE_LEN: usize = 16_384;
+
+/// Tensors shorter than this select without sampling (radix select over the whole tensor).
+pub const SAMPLED_MIN: usize = 1 << 16;
+
+const KEY_MASK: u32 = 0x7fff_ffff;
 
 /// Scratch words [`topk_cut`] needs for a tensor of `n` elements.
 pub const fn topk_scratch_len(_n: usize) -> usize {
-    crate::scalar::TOPK_HIST
+    TOPK_HIST
+}
+
+/// Candidates [`topk_kept`] can hold for `k` of `n` elements: `min(n, 2k + n / 256 + 64)`.
+pub const fn candidate_capacity(n: usize, k: usize) -> usize {
+    let c = k
+        .saturating_mul(2)
+        .saturating_add(n / 256)
+        .saturating_add(64);
+    if c < n { c } else { n }
+}
+
+/// Elements [`topk_kept`] samples for a tensor of `n` elements: [`SAMPLE_LEN`] from
+/// [`SAMPLED_MIN`] on, else 0 (no sampling).
+pub const fn sample_len(n: usize) -> usize {
+    if n >= SAMPLED_MIN { SAMPLE_LEN } else { 0 }
+}
+
+/// Scratch words [`topk_kept`] needs for `k` of `n` elements.
+pub const fn kept_scratch_len(n: usize, k: usize) -> usize {
+    kept_scratch_len_with(n, k, sample_len(n))
+}
+
+/// Scratch words [`topk_kept_with`] needs for `k` of `n` elements and `sample` samples.
+pub const fn kept_scratch_len_with(n: usize, k: usize, sample: usize) -> usize {
+    TOPK_HIST
+        .saturating_add(sample)
+        .saturating_add(candidate_capacity(n, k).saturating_mul(2))
+}
+
+/// Entries [`threshold_kept`] can hold for `n` elements: `min(n, n / 32 + 64)`.
+pub const fn threshold_capacity(n: usize) -> usize {
+    let c = n / 32 + 64;
+    if c < n { c } else { n }
+}
+
+/// Scratch words [`threshold_kept`] needs for `n` elements.
+pub const fn threshold_scratch_len(n: usize) -> usize {
+    threshold_capacity(n).saturating_mul(2)
 }
 
 /// The cut of exact top-k for `1 <= k <= g.len()` (ties to the lower index). `g` must be
@@ -30,4 +90,317 @@ pub fn topk(g: &[f32], k: usize, scratch: &mut [u32]) -> Selection {
 /// Calls `f(i)` for every kept index in ascending order.
 pub fn for_each_kept(g: &[f32], sel: Selection, f: impl FnMut(usize)) {
     crate::scalar::for_each_kept(g, sel, f)
+}
+
+/// The entries a selection keeps, in ascending index order: `idx[j]` and the f32 bits of its
+/// value `bits[j]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kept<'a> {
+    /// Kept indices, strictly ascending.
+    pub idx: &'a [u32],
+    /// `f32::to_bits` of the kept values, in the same order.
+    pub bits: &'a [u32],
+}
+
+/// A scan met an element whose magnitude is not below the limit it was given: NaN, infinite,
+/// or beyond the range of the value type (see [`crate::values::magnitude_limit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutOfLimit;
+
+/// Exact top-k of `g` as a list of kept entries (`k` clamped to `g.len()`), checking on the
+/// way that every `|g[i]| < limit` (pass `f32::INFINITY` to check finiteness only).
+///
+/// `scratch` holds at least [`kept_scratch_len`]`(g.len(), k)` words; `g.len()` must fit in
+/// a `u32`. The result equals [`crate::scalar::topk_cut`] + [`crate::scalar::for_each_kept`].
+///
+/// # Errors
+/// [`OutOfLimit`] when some element is NaN or `|g[i]| >= limit`.
+///
+/// # Panics
+/// When `scratch` is too short or `g.len() > u32::MAX`.
+pub fn topk_kept<'s>(
+    g: &[f32],
+    k: usize,
+    limit: f32,
+    scratch: &'s mut [u32],
+) -> Result<Kept<'s>, OutOfLimit> {
+    topk_kept_src(&One(g), k, limit, sample_len(g.len()), scratch)
+}
+
+/// [`topk_kept`] with an explicit sample size (0: no sampling; otherwise at most `g.len()`),
+/// for tests of both paths; `scratch` holds [`kept_scratch_len_with`] words.
+///
+/// # Errors
+/// As [`topk_kept`].
+///
+/// # Panics
+/// As [`topk_kept`], and when `sample > g.len()`.
+pub fn topk_kept_with<'s>(
+    g: &[f32],
+    k: usize,
+    limit: f32,
+    sample: usize,
+    scratch: &'s mut [u32],
+) -> Result<Kept<'s>, OutOfLimit> {
+    assert!(sample <= g.len());
+    topk_kept_src(&One(g), k, limit, sample, scratch)
+}
+
+/// Entries with `|g[i]| > t` (`t` finite, `>= 0`) as a list, checking that every
+/// `|g[i]| < limit`. `Ok(None)` when more than [`threshold_capacity`] entries pass.
+///
+/// # Errors
+/// [`OutOfLimit`] as [`topk_kept`].
+///
+/// # Panics
+/// When `scratch` is shorter than [`threshold_scratch_len`] or `g.len() > u32::MAX`.
+pub fn threshold_kept<'s>(
+    g: &[f32],
+    t: f32,
+    limit: f32,
+    scratch: &'s mut [u32],
+) -> Result<Option<Kept<'s>>, OutOfLimit> {
+    threshold_kept_src(&One(g), t, limit, scratch)
+}
+
+pub(crate) fn threshold_kept_src<'s, S: Source>(
+    src: &S,
+    t: f32,
+    limit: f32,
+    scratch: &'s mut [u32],
+) -> Result<Option<Kept<'s>>, OutOfLimit> {
+    let n = src.len();
+    assert!(u32::try_from(n).is_ok());
+    let cap = threshold_capacity(n);
+    let (idx, rest) = scratch.split_at_mut(cap);
+    let bits = &mut rest[..cap];
+    // |x| > t  <=>  |x| >= next float above |t| (t finite and >= 0).
+    let lo = f32::from_bits((t.to_bits() & KEY_MASK) + 1);
+    let (count, ok) = scan(src, lo, limit, idx, bits, |_| true);
+    if !ok {
+        return Err(OutOfLimit);
+    }
+    if count > cap {
+        return Ok(None);
+    }
+    Ok(Some(Kept {
+        idx: &idx[..count],
+        bits: &bits[..count],
+    }))
+}
+
+pub(crate) fn topk_kept_src<'s, S: Source>(
+    src: &S,
+    k: usize,
+    limit: f32,
+    sample: usize,
+    scratch: &'s mut [u32],
+) -> Result<Kept<'s>, OutOfLimit> {
+    let n = src.len();
+    assert!(u32::try_from(n).is_ok());
+    let k = k.min(n);
+    let cap = candidate_capacity(n, k);
+    let (hist, rest) = scratch.split_at_mut(TOPK_HIST);
+    let (samples, rest) = rest.split_at_mut(sample);
+    let (idx, rest) = rest.split_at_mut(cap);
+    let bits = &mut rest[..cap];
+    if k == 0 || k == n {
+        // Nothing, or everything: one checking pass.
+        let lo = if k == 0 { f32::INFINITY } else { 0.0 };
+        let (count, ok) = scan(src, lo, limit, idx, bits, |_| true);
+        if !ok {
+            return Err(OutOfLimit);
+        }
+        let count = if k == 0 { 0 } else { count };
+        return Ok(Kept {
+            idx: &idx[..count],
+            bits: &bits[..count],
+        });
+    }
+    if sample > 0 {
+        let t = sample_threshold(src, k, samples);
+        let (count, ok) = scan(src, f32::from_bits(t), limit, idx, bits, |_| true);
+        if !ok {
+            return Err(OutOfLimit);
+        }
+        if count >= k && count <= cap {
+            // Every element with key >= t is a candidate and there are at least k of them, so
+            // the k-th largest key and the ties before it are the same among the candidates.
+            let cut = radix_cut(bits[..count].iter().map(|&b| b & KEY_MASK), k, hist);
+            let kept = keep_cut(&mut idx[..count], &mut bits[..count], cut);
+            debug_assert_eq!(kept, k);
+            return Ok(Kept {
+                idx: &idx[..k],
+                bits: &bits[..k],
+            });
+        }
+    }
+    // Full radix select, then one collecting pass.
+    let cut = radix_cut((0..n).map(|i| magnitude_key(src.at(i))), k, hist);
+    let mut ties = cut.take_ties;
+    let lo = f32::from_bits(cut.key);
+    let (count, ok) = scan(src, lo, limit, idx, bits, |key| {
+        if key > cut.key {
+            true
+        } else if key == cut.key && ties > 0 {
+            ties -= 1;
+            true
+        } else {
+            false
+        }
+    });
+    if !ok {
+        return Err(OutOfLimit);
+    }
+    debug_assert_eq!(count, k);
+    Ok(Kept {
+        idx: &idx[..count],
+        bits: &bits[..count],
+    })
+}
+
+/// A magnitude key at or below the k-th largest with high probability: the r-th largest key of
+/// a stratified sample, `r = lambda + 4 sqrt(lambda) + 8` with `lambda = k * s / n`.
+fn sample_threshold<S: Source>(src: &S, k: usize, samples: &mut [u32]) -> u32 {
+    let n = src.len() as u64;
+    let s = samples.len();
+    let stride = n / s as u64;
+    for (j, slot) in samples.iter_mut().enumerate() {
+        let h = rng::mix64(0x5eed_5a3b_1e00_0000 ^ j as u64) >> 32;
+        let pos = j as u64 * stride + ((h * stride) >> 32);
+        *slot = magnitude_key(src.at(pos as usize));
+    }
+    let lambda = ((k as u128 * s as u128).div_ceil(n as u128)) as usize;
+    let r = (lambda + 4 * lambda.isqrt() + 8).min(s);
+    let (_, t, _) = samples.select_nth_unstable(s - r);
+    *t
+}
+
+/// The exact cut of top-k among `keys` (`1 <= k <= count`), by the three-pass radix select of
+/// [`crate::scalar::topk_cut`].
+fn radix_cut<I: Iterator<Item = u32> + Clone>(keys: I, k: usize, hist: &mut [u32]) -> Cut {
+    const DIGITS: [(u32, u32); 3] = [(20, 11), (9, 11), (0, 9)];
+    let hist = &mut hist[..TOPK_HIST];
+    let mut prefix = 0u32;
+    let mut prefix_mask = 0u32;
+    let mut need = k;
+    for (shift, width) in DIGITS {
+        hist.fill(0);
+        let digit_mask = (1u32 << width) - 1;
+        for key in keys.clone() {
+            if key & prefix_mask == prefix {
+                hist[((key >> shift) & digit_mask) as usize] += 1;
+            }
+        }
+        let mut d = digit_mask as usize;
+        loop {
+            let c = hist[d] as usize;
+            if c >= need || d == 0 {
+                break;
+            }
+            need -= c;
+            d -= 1;
+        }
+        prefix |= (d as u32) << shift;
+        prefix_mask |= digit_mask << shift;
+    }
+    Cut {
+        key: prefix,
+        take_ties: need,
+    }
+}
+
+/// Keeps, in place and in order, the candidates that the cut keeps; returns how many.
+fn keep_cut(idx: &mut [u32], bits: &mut [u32], cut: Cut) -> usize {
+    let mut ties = cut.take_ties;
+    let mut w = 0usize;
+    for j in 0..idx.len() {
+        let key = bits[j] & KEY_MASK;
+        let keep = if key > cut.key {
+            true
+        } else if key == cut.key && ties > 0 {
+            ties -= 1;
+            true
+        } else {
+            false
+        };
+        if keep {
+            idx[w] = idx[j];
+            bits[w] = bits[j];
+            w += 1;
+        }
+    }
+    w
+}
+
+/// One SIMD pass: every element with `|x| >= lo` for which `accept(key)` holds goes to
+/// `idx`/`bits` (while they have room; the count goes on). Also checks `|x| < limit` for every
+/// element. Returns the count and whether every element was below the limit.
+#[inline]
+fn scan<S: Source>(
+    src: &S,
+    lo: f32,
+    limit: f32,
+    idx: &mut [u32],
+    bits: &mut [u32],
+    mut accept: impl FnMut(u32) -> bool,
+) -> (usize, bool) {
+    let n = src.len();
+    let cap = idx.len().min(bits.len());
+    let lo8 = f32x8::splat(lo);
+    let lim8 = f32x8::splat(limit);
+    let mut ok = f32x8::splat(0.0).simd_eq(f32x8::splat(0.0));
+    let mut count = 0usize;
+    let mut push = |m: u32, base: usize, xs: &[f32x8]| {
+        let mut m = m;
+        while m != 0 {
+            let j = m.trailing_zeros() as usize;
+            let b = xs[j / LANES].as_array()[j % LANES].to_bits();
+            if accept(b & KEY_MASK) {
+                if count < cap {
+                    idx[count] = (base + j) as u32;
+                    bits[count] = b;
+                }
+                count += 1;
+            }
+            m &= m - 1;
+        }
+    };
+    let mut i = 0usize;
+    while i + 4 * LANES <= n {
+        let xs = [
+            src.chunk(i),
+            src.chunk(i + LANES),
+            src.chunk(i + 2 * LANES),
+            src.chunk(i + 3 * LANES),
+        ];
+        let a = [xs[0].abs(), xs[1].abs(), xs[2].abs(), xs[3].abs()];
+        ok = ok
+            & (a[0].simd_lt(lim8) & a[1].simd_lt(lim8))
+            & (a[2].simd_lt(lim8) & a[3].simd_lt(lim8));
+        let m = a[0].simd_ge(lo8).to_bitmask()
+            | (a[1].simd_ge(lo8).to_bitmask() << 8)
+            | (a[2].simd_ge(lo8).to_bitmask() << 16)
+            | (a[3].simd_ge(lo8).to_bitmask() << 24);
+        if m != 0 {
+            push(m, i, &xs);
+        }
+        i += 4 * LANES;
+    }
+    while i < n {
+        let live = (n - i).min(LANES);
+        let x = if live == LANES {
+            src.chunk(i)
+        } else {
+            src.tail(i)
+        };
+        let a = x.abs();
+        ok &= a.simd_lt(lim8);
+        let m = a.simd_ge(lo8).to_bitmask() & ((1u32 << live) - 1);
+        if m != 0 {
+            push(m, i, &[x]);
+        }
+        i += LANES;
+    }
+    (count, ok.all())
 }

@@ -2,6 +2,9 @@
 //! block (the block's mean |g|, EF-signSGD, Karimireddy et al. 2019) or none (signSGD with
 //! majority vote, Bernstein et al. 2018).
 
+use crate::lanes::{LANES, load, load_padded};
+use wide::{f32x8, u32x8};
+
 /// Bytes of the scales section for `n` elements (`None`: unscaled).
 pub const fn scales_len(n: usize, block: Option<usize>) -> usize {
     match block {
@@ -17,8 +20,171 @@ pub const fn bits_len(n: usize) -> usize {
 
 /// Packs the signs of `x` into `signs` and, with `Some(block)`, each block's mean |x| into
 /// `scales` (little-endian f32). `x` must be finite.
+///
+/// SIMD: the signs through `simd_lt(0).to_bitmask()` (lane 0 is the least significant bit), the
+/// scales through [`block_scales`], whose sums repeat [`crate::scalar::abs_sum_striped`]'s order.
+/// Blocks that are a multiple of 8 elements run in cache-sized tiles (scales, then signs).
 pub fn encode(x: &[f32], block: Option<usize>, scales: &mut [u8], signs: &mut [u8]) {
-    crate::scalar::sign_encode(x, block, scales, signs)
+    match block {
+        Some(b) if b > 0 && b.is_multiple_of(LANES) => {
+            let tile = b * (TILE / b).max(1);
+            for (t, xs) in x.chunks(tile).enumerate() {
+                let blocks = xs.len().div_ceil(b);
+                let first = t * (tile / b);
+                block_scales(xs, b, &mut scales[4 * first..4 * (first + blocks)]);
+                let s0 = t * tile / LANES;
+                pack_signs(xs, &mut signs[s0..s0 + xs.len().div_ceil(LANES)]);
+            }
+        }
+        Some(b) => {
+            block_scales(x, b.max(1), scales);
+            pack_signs(x, signs);
+        }
+        None => pack_signs(x, signs),
+    }
+}
+
+const TILE: usize = 16_384;
+
+/// Packs the sign bits of `x` into `signs[..ceil(n / 8)]` (bit `i % 8` of byte `i / 8` is 1 when
+/// `x[i] < 0`; padding bits zero).
+pub fn pack_signs(x: &[f32], signs: &mut [u8]) {
+    let zero = f32x8::splat(0.0);
+    let signs = &mut signs[..x.len().div_ceil(LANES)];
+    // Whole 32-element chunks fill `head`; the tail bytes (a partial chunk) are written below.
+    let (head, tail) = signs.split_at_mut(4 * (x.len() / (4 * LANES)));
+    let mut xs = x.chunks_exact(4 * LANES);
+    for (c, o) in (&mut xs).zip(head.chunks_exact_mut(4)) {
+        let m = load(c).simd_lt(zero).to_bitmask()
+            | (load(&c[LANES..]).simd_lt(zero).to_bitmask() << 8)
+            | (load(&c[2 * LANES..]).simd_lt(zero).to_bitmask() << 16)
+            | (load(&c[3 * LANES..]).simd_lt(zero).to_bitmask() << 24);
+        o.copy_from_slice(&m.to_le_bytes());
+    }
+    for (c, o) in xs.remainder().chunks(LANES).zip(tail) {
+        *o = load_padded(c).simd_lt(zero).to_bitmask() as u8;
+    }
+}
+
+/// Writes each block's mean |x| ([`crate::scalar::sign_block_scale`], bit for bit) as a
+/// little-endian f32 into `scales` (4 bytes per block of `block >= 1` elements). Four blocks
+/// run side by side, each lane adding in the striped order of the specification.
+pub fn block_scales(x: &[f32], block: usize, scales: &mut [u8]) {
+    let full = x.len() / block;
+    let mut b = 0usize;
+    while b + 4 <= full {
+        let base = b * block;
+        let mut acc = [f32x8::splat(0.0); 4];
+        let (x0, rest) = x[base..base + 4 * block].split_at(block);
+        let (x1, rest) = rest.split_at(block);
+        let (x2, x3) = rest.split_at(block);
+        let mut c0 = x0.chunks_exact(LANES);
+        let mut c1 = x1.chunks_exact(LANES);
+        let mut c2 = x2.chunks_exact(LANES);
+        let mut c3 = x3.chunks_exact(LANES);
+        for (((a, b), c), d) in (&mut c0).zip(&mut c1).zip(&mut c2).zip(&mut c3) {
+            acc[0] += load(a).abs();
+            acc[1] += load(b).abs();
+            acc[2] += load(c).abs();
+            acc[3] += load(d).abs();
+        }
+        if !block.is_multiple_of(LANES) {
+            acc[0] += load_padded(c0.remainder()).abs();
+            acc[1] += load_padded(c1.remainder()).abs();
+            acc[2] += load_padded(c2.remainder()).abs();
+            acc[3] += load_padded(c3.remainder()).abs();
+        }
+        for (t, a) in acc.iter().enumerate() {
+            let mut s = combine(*a) / block as f32;
+            if !s.is_finite() {
+                // The sum overflowed: the specification's fallback (rare, so scalar).
+                s = crate::scalar::sign_block_scale(&x[base + t * block..base + (t + 1) * block]);
+            }
+            scales[4 * (b + t)..4 * (b + t) + 4].copy_from_slice(&s.to_le_bytes());
+        }
+        b += 4;
+    }
+    for (j, xs) in x[b * block..].chunks(block).enumerate() {
+        let mut acc = f32x8::splat(0.0);
+        for c in xs.chunks(LANES) {
+            acc += load_padded(c).abs();
+        }
+        let mut s = if xs.is_empty() {
+            0.0
+        } else {
+            combine(acc) / xs.len() as f32
+        };
+        if !s.is_finite() {
+            s = crate::scalar::sign_block_scale(xs);
+        }
+        scales[4 * (b + j)..4 * (b + j) + 4].copy_from_slice(&s.to_le_bytes());
+    }
+}
+
+/// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, the fixed order of the specification.
+#[inline]
+fn combine(a: f32x8) -> f32 {
+    let l = a.to_array();
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
+/// Decodes validated sections into `out` (`out.len() == n`): overwriting (`weight = None`) or
+/// adding `weight * value`, the same values as [`decode`].
+pub fn decode_slice(
+    block: Option<usize>,
+    scales: &[u8],
+    signs: &[u8],
+    out: &mut [f32],
+    weight: Option<f32>,
+) {
+    let n = out.len();
+    let scale = |b: usize| {
+        let j = 4 * b;
+        f32::from_le_bytes([scales[j], scales[j + 1], scales[j + 2], scales[j + 3]])
+    };
+    let chunk_scale_ok = match block {
+        Some(b) => b > 0 && b.is_multiple_of(LANES),
+        None => true,
+    };
+    if !chunk_scale_ok {
+        match weight {
+            None => decode(n, block, scales, signs, |i, v| out[i] = v),
+            Some(w) => decode(n, block, scales, signs, |i, v| out[i] += w * v),
+        }
+        return;
+    }
+    let bit = u32x8::new([1, 2, 4, 8, 16, 32, 64, 128]);
+    let zero = u32x8::splat(0);
+    let w8 = f32x8::splat(weight.unwrap_or(1.0));
+    let per = block.unwrap_or(n.max(1));
+    for (b, ob) in out.chunks_mut(per).enumerate() {
+        let mag = if block.is_some() { scale(b) } else { 1.0 };
+        let m = f32x8::splat(mag);
+        let sg = &signs[b * per / LANES..];
+        let full = ob.len() / LANES;
+        let mut os = ob.chunks_exact_mut(LANES);
+        for (o, &byte) in (&mut os).zip(sg) {
+            let neg = (u32x8::splat(u32::from(byte)) & bit).simd_ne(zero);
+            let v = f32x8::from_bits(neg).select(-m, m);
+            let r = match weight {
+                None => v,
+                Some(_) => load(o) + w8 * v,
+            };
+            o.copy_from_slice(r.as_array());
+        }
+        let o = os.into_remainder();
+        if !o.is_empty() {
+            let byte = sg[full];
+            let neg = (u32x8::splat(u32::from(byte)) & bit).simd_ne(zero);
+            let v = f32x8::from_bits(neg).select(-m, m);
+            let r = match weight {
+                None => v,
+                Some(_) => load_padded(o) + w8 * v,
+            };
+            let len = o.len();
+            o.copy_from_slice(&r.as_array()[..len]);
+        }
+    }
 }
 
 /// Checks scales (finite, `>= 0`) and that padding bits past `n` are zero.

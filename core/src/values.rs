@@ -1,9 +1,11 @@
 //! Value codecs: f32, f16, bf16 (crate `half`, round to nearest even) and int8 with a per-block
 //! absmax scale.
 
+use crate::lanes::{LANES, One, Source, load, load_padded};
 use crate::method::Values;
 use crate::scalar::{dequant, quant_code};
 use half::{bf16, f16};
+use wide::{f32x8, u32x8};
 
 /// Wire id of a value codec.
 pub const fn id(values: Values) -> u8 {
@@ -74,4 +76,295 @@ pub fn int8_code(x: f32, m: f32) -> i8 {
 #[inline]
 pub fn int8_value(code: i8, m: f32) -> f32 {
     dequant(i32::from(code), m, 127)
+}
+
+/// The magnitude bound of a value type: a finite `x` fits iff `|x| < limit`, and NaN never
+/// does (`f32::INFINITY` for f32 and int8, 65520 for f16, the first bf16 rounding to infinity
+/// for bf16). `None` (no value type) is f32.
+pub fn magnitude_limit(values: Option<Values>) -> f32 {
+    match values {
+        Some(Values::F16) => 65_520.0,
+        Some(Values::Bf16) => f32::from_bits(0x7f7f_8000),
+        _ => f32::INFINITY,
+    }
+}
+
+/// Whether every element of the source is below `limit` in magnitude (NaN never is).
+pub(crate) fn all_below<S: Source>(src: &S, limit: f32) -> bool {
+    let n = src.len();
+    let lim8 = f32x8::splat(limit);
+    let mut ok = f32x8::splat(0.0).simd_eq(f32x8::splat(0.0));
+    let mut i = 0usize;
+    while i + 4 * LANES <= n {
+        let a = src.chunk(i).abs().simd_lt(lim8) & src.chunk(i + LANES).abs().simd_lt(lim8);
+        let b = src.chunk(i + 2 * LANES).abs().simd_lt(lim8)
+            & src.chunk(i + 3 * LANES).abs().simd_lt(lim8);
+        ok &= a & b;
+        i += 4 * LANES;
+    }
+    while i < n {
+        let x = if n - i >= LANES {
+            src.chunk(i)
+        } else {
+            src.tail(i)
+        };
+        ok &= x.abs().simd_lt(lim8);
+        i += LANES;
+    }
+    ok.all()
+}
+
+/// Index of the first element of `x` with `!(|x| < limit)` (NaN included), by a SIMD pass.
+pub fn first_at_or_above(x: &[f32], limit: f32) -> Option<usize> {
+    const BLOCK: usize = 4096;
+    for (b, chunk) in x.chunks(BLOCK).enumerate() {
+        if !all_below(&One(chunk), limit) {
+            let j = chunk
+                .iter()
+                .position(|v| v.abs().partial_cmp(&limit) != Some(core::cmp::Ordering::Less))?;
+            return Some(b * BLOCK + j);
+        }
+    }
+    None
+}
+
+/// Index of the first NaN or infinite element (SIMD; equals [`crate::scalar::first_non_finite`]).
+pub fn first_non_finite(x: &[f32]) -> Option<usize> {
+    first_at_or_above(x, f32::INFINITY)
+}
+
+/// f16 bits (round to nearest even, as `half`) of eight finite lanes with `|x| < 65520`.
+#[inline]
+pub fn f16_bits_x8(x: f32x8) -> u32x8 {
+    let b = x.to_bits();
+    let sign = (b >> 16) & u32x8::splat(0x8000);
+    let a = b & u32x8::splat(0x7fff_ffff);
+    // Normal f16: rebias the exponent, round the mantissa from 23 to 10 bits to nearest even.
+    let t = a - u32x8::splat(0x3800_0000);
+    let normal = (t + u32x8::splat(0x0fff) + ((t >> 13) & u32x8::splat(1))) >> 13;
+    // Subnormal f16 (|x| < 2^-14): adding 0.5 rounds to the 2^-24 grid, to nearest even.
+    let sub = (f32x8::from_bits(a) + f32x8::splat(0.5)).to_bits() - u32x8::splat(0x3f00_0000);
+    let is_normal = a.simd_ge(u32x8::splat(0x3880_0000));
+    is_normal.select(normal, sub) | sign
+}
+
+/// bf16 bits (round to nearest even, as `half`) of eight finite lanes below the bf16 limit.
+#[inline]
+pub fn bf16_bits_x8(x: f32x8) -> u32x8 {
+    let b = x.to_bits();
+    (b + u32x8::splat(0x7fff) + ((b >> 16) & u32x8::splat(1))) >> 16
+}
+
+/// f32 lanes of eight finite f16 bit patterns (exact).
+#[inline]
+pub fn f16_to_f32_x8(h: u32x8) -> f32x8 {
+    let sign = (h & u32x8::splat(0x8000)) << 16;
+    let exp = h & u32x8::splat(0x7c00);
+    let normal = ((h & u32x8::splat(0x7fff)) << 13) + u32x8::splat(0x3800_0000);
+    let mant = h & u32x8::splat(0x03ff);
+    let sub = (f32x8::from_bits(u32x8::splat(0x3f00_0000) | mant) - f32x8::splat(0.5)).to_bits();
+    let is_sub = exp.simd_eq(u32x8::splat(0));
+    f32x8::from_bits(is_sub.select(sub, normal) | sign)
+}
+
+/// f32 lanes of eight bf16 bit patterns (exact).
+#[inline]
+pub fn bf16_to_f32_x8(h: u32x8) -> f32x8 {
+    f32x8::from_bits(h << 16)
+}
+
+#[inline]
+fn load_u16x8(bytes: &[u8]) -> u32x8 {
+    let mut a = [0u32; LANES];
+    for (j, v) in a.iter_mut().enumerate() {
+        *v = u32::from(u16::from_le_bytes([bytes[2 * j], bytes[2 * j + 1]]));
+    }
+    u32x8::new(a)
+}
+
+#[inline]
+fn store_u16x8(h: u32x8, out: &mut [u8]) {
+    for (j, &v) in h.as_array().iter().enumerate() {
+        out[2 * j..2 * j + 2].copy_from_slice(&(v as u16).to_le_bytes());
+    }
+}
+
+/// Writes every element of `x` as an f32, f16 or bf16 (little-endian) into
+/// `out[..x.len() * value_bytes]`, the same bytes as [`write_plain`] per element. `x` must be
+/// finite and fit `values` (see [`magnitude_limit`]); int8 is not a plain type.
+///
+/// # Panics
+/// When `out` is too short or `values` is int8.
+pub fn encode_plain(values: Values, x: &[f32], out: &mut [u8]) {
+    let vb = values.value_bytes();
+    let out = &mut out[..x.len() * vb];
+    match values {
+        Values::F32 => {
+            for (c, &v) in out.chunks_exact_mut(4).zip(x) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Values::F16 | Values::Bf16 => {
+            let conv = |v: f32x8| {
+                if values == Values::F16 {
+                    f16_bits_x8(v)
+                } else {
+                    bf16_bits_x8(v)
+                }
+            };
+            let mut chunks = x.chunks_exact(LANES);
+            let mut outs = out.chunks_exact_mut(2 * LANES);
+            for (c, o) in (&mut chunks).zip(&mut outs) {
+                store_u16x8(conv(load(c)), o);
+            }
+            let rest = chunks.remainder();
+            if !rest.is_empty() {
+                let mut tmp = [0u8; 2 * LANES];
+                store_u16x8(conv(load_padded(rest)), &mut tmp);
+                let o = outs.into_remainder();
+                o.copy_from_slice(&tmp[..o.len()]);
+            }
+        }
+        Values::Int8 { .. } => panic!("int8 is not a plain value type"),
+    }
+}
+
+/// Index of the first value in a plain (f32, f16, bf16) section that is not finite.
+pub fn first_bad_plain(values: Values, bytes: &[u8]) -> Option<usize> {
+    let vb = values.value_bytes();
+    const BLOCK: usize = 1024;
+    for (b, block) in bytes.chunks(BLOCK * vb).enumerate() {
+        let bad = match values {
+            Values::F16 => any_all_ones_u16(block, 0x7c00),
+            Values::Bf16 => any_all_ones_u16(block, 0x7f80),
+            _ => any_all_ones_u32(block, 0x7f80_0000),
+        };
+        if bad {
+            let j = block
+                .chunks_exact(vb)
+                .position(|c| read_plain(values, c).is_none())?;
+            return Some(b * BLOCK + j);
+        }
+    }
+    None
+}
+
+/// Whether some little-endian u16 of `bytes` has every bit of `mask` set.
+fn any_all_ones_u16(bytes: &[u8], mask: u16) -> bool {
+    let mut chunks = bytes.chunks_exact(16);
+    let mut bad = false;
+    for c in &mut chunks {
+        let mut acc = 0u16;
+        for j in 0..8 {
+            let h = u16::from_le_bytes([c[2 * j], c[2 * j + 1]]);
+            acc |= u16::from(h & mask == mask);
+        }
+        bad |= acc != 0;
+    }
+    for c in chunks.remainder().chunks_exact(2) {
+        bad |= u16::from_le_bytes([c[0], c[1]]) & mask == mask;
+    }
+    bad
+}
+
+/// Whether some little-endian u32 of `bytes` has every bit of `mask` set.
+fn any_all_ones_u32(bytes: &[u8], mask: u32) -> bool {
+    let mut chunks = bytes.chunks_exact(32);
+    let mut bad = false;
+    for c in &mut chunks {
+        let mut acc = 0u32;
+        for j in 0..8 {
+            let h = u32::from_le_bytes([c[4 * j], c[4 * j + 1], c[4 * j + 2], c[4 * j + 3]]);
+            acc |= u32::from(h & mask == mask);
+        }
+        bad |= acc != 0;
+    }
+    for c in chunks.remainder().chunks_exact(4) {
+        bad |= u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & mask == mask;
+    }
+    bad
+}
+
+/// Decodes a validated plain section into `out` (one value per element; `out.len()` values):
+/// overwriting (`weight = None`) or adding `weight * value`.
+pub fn decode_plain(values: Values, bytes: &[u8], out: &mut [f32], weight: Option<f32>) {
+    let vb = values.value_bytes();
+    let bytes = &bytes[..out.len() * vb];
+    match values {
+        Values::F32 => match weight {
+            None => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Some(w) => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o += w * f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+        },
+        Values::F16 | Values::Bf16 => {
+            let conv = |h: u32x8| {
+                if values == Values::F16 {
+                    f16_to_f32_x8(h)
+                } else {
+                    bf16_to_f32_x8(h)
+                }
+            };
+            let w8 = f32x8::splat(weight.unwrap_or(1.0));
+            let mut outs = out.chunks_exact_mut(LANES);
+            let mut ins = bytes.chunks_exact(2 * LANES);
+            for (o, c) in (&mut outs).zip(&mut ins) {
+                let v = conv(load_u16x8(c));
+                let r = match weight {
+                    None => v,
+                    Some(_) => load(o) + w8 * v,
+                };
+                o.copy_from_slice(r.as_array());
+            }
+            let o = outs.into_remainder();
+            if !o.is_empty() {
+                let mut tmp = [0u8; 2 * LANES];
+                let c = ins.remainder();
+                tmp[..c.len()].copy_from_slice(c);
+                let v = conv(load_u16x8(&tmp));
+                let r = match weight {
+                    None => v,
+                    Some(_) => load_padded(o) + w8 * v,
+                };
+                let len = o.len();
+                o.copy_from_slice(&r.as_array()[..len]);
+            }
+        }
+        Values::Int8 { .. } => panic!("int8 is not a plain value type"),
+    }
+}
+
+/// Decodes `out.len()` consecutive values of a validated sparse values section of `count`
+/// values, starting at value `first`, into `out` (int8 codes with their block scales).
+pub fn decode_run(values: Values, section: &[u8], count: usize, first: usize, out: &mut [f32]) {
+    match values {
+        Values::Int8 { block } => {
+            let block = block as usize;
+            let s_len = count.div_ceil(block) * 4;
+            let codes = &section[s_len + first..s_len + first + out.len()];
+            let mut j = first;
+            let mut o = 0usize;
+            while o < out.len() {
+                let b = j / block;
+                let end = ((b + 1) * block - j).min(out.len() - o);
+                let s = &section[4 * b..4 * b + 4];
+                let m = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                for (v, &c) in out[o..o + end].iter_mut().zip(&codes[o..o + end]) {
+                    *v = int8_value(c as i8, m);
+                }
+                o += end;
+                j += end;
+            }
+        }
+        v => {
+            let vb = v.value_bytes();
+            decode_plain(v, &section[first * vb..], out, None);
+        }
+    }
 }

@@ -1,0 +1,353 @@
+//! The ratio report: every kernel's median time over the read pass's, and over its baseline's,
+//! measured in one process with the runs interleaved (repetition r runs every kernel once before
+//! repetition r + 1 starts), on a heavy-tailed buffer from a fixed seed and on the real MiniLM
+//! gradients.
+//!
+//! `cargo run --release -p gradwire-benches --bin ratios -- [--n N] [--reps R] [--json]`
+
+use gradwire_benches::{
+    Codec, build_name, ef_method, heavy_tailed, int8_plain, methods, minilm, read_pass,
+    sign_bitvec, topk_select_nth,
+};
+use gradwire_core::scalar::{self, Selection};
+use gradwire_core::{Method, Values, k_from_ratio, values};
+use std::cell::RefCell;
+use std::hint::black_box;
+use std::rc::Rc;
+use std::time::Instant;
+
+struct Task<'a> {
+    name: String,
+    baseline: Option<&'static str>,
+    run: Box<dyn FnMut() + 'a>,
+    times: Vec<f64>,
+}
+
+fn task<'a>(name: &str, baseline: Option<&'static str>, run: impl FnMut() + 'a) -> Task<'a> {
+    Task {
+        name: name.to_string(),
+        baseline,
+        run: Box::new(run),
+        times: Vec::new(),
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// Targets of DESIGN.md: (name, default, native).
+const TARGETS: &[(&str, f64, f64)] = &[
+    ("topk_1pct", 2.5, 2.0),
+    ("topk_0.1pct", 2.0, 1.6),
+    ("threshold", 1.5, 1.5),
+    ("sign", 1.1, 1.1),
+    ("kernel_sign", 1.1, 1.1),
+    ("quant_int8", 1.5, 1.5),
+    ("kernel_quant_int8", 1.5, 1.5),
+    ("kernel_threshold", 1.5, 1.5),
+    ("accumulate_topk_1pct", 0.4, 0.4),
+    ("ef_step", 4.0, 4.0),
+];
+
+fn main() {
+    let mut n = 25_000_000usize;
+    let mut reps = 11usize;
+    let mut json = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--n" => {
+                n = args
+                    .next()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .expect("--n N") as usize
+            }
+            "--reps" => reps = args.next().and_then(|v| v.parse().ok()).expect("--reps R"),
+            "--json" => json = true,
+            _ => {
+                eprintln!("usage: ratios [--n N] [--reps R] [--json]");
+                std::process::exit(2);
+            }
+        }
+    }
+    let reps = reps.max(9);
+    let synthetic = heavy_tailed(n, 42);
+    run("heavy_tailed", &synthetic, reps, json);
+    match minilm() {
+        Ok(real) => run("minilm", &real, reps, json),
+        Err(e) => eprintln!("minilm gradients skipped: {e}"),
+    }
+}
+
+fn run(data: &str, x: &[f32], reps: usize, json: bool) {
+    let n = x.len();
+    let out = Rc::new(RefCell::new(vec![0.0f32; n]));
+    let acc = Rc::new(RefCell::new(vec![0.0f32; n]));
+    let mut tasks: Vec<Task<'_>> = Vec::new();
+    tasks.push(task("read", None, move || {
+        black_box(read_pass(black_box(x)));
+    }));
+
+    for (name, method) in methods(x) {
+        let codec = Rc::new(RefCell::new(Codec::new(method, n)));
+        codec.borrow_mut().encode(x);
+        let baseline = match name {
+            "topk_1pct" | "topk_0.1pct" => Some("topk_select_nth"),
+            "sign" => Some("sign_bitvec"),
+            "quant_int8" => Some("int8_plain"),
+            _ => Some("scalar_spec"),
+        };
+        let c = Rc::clone(&codec);
+        tasks.push(task(name, baseline, move || {
+            black_box(c.borrow_mut().encode(black_box(x)));
+        }));
+        let c = Rc::clone(&codec);
+        let o = Rc::clone(&out);
+        tasks.push(task(&format!("decode_{name}"), None, move || {
+            c.borrow().decode(&mut o.borrow_mut());
+        }));
+        let c = Rc::clone(&codec);
+        let a = Rc::clone(&acc);
+        let base = if name == "topk_1pct" {
+            Some("scatter_add_plain")
+        } else {
+            None
+        };
+        tasks.push(task(&format!("accumulate_{name}"), base, move || {
+            c.borrow().accumulate(&mut a.borrow_mut());
+        }));
+        // Baselines.
+        match name {
+            "topk_1pct" | "topk_0.1pct" => {
+                let k = if name == "topk_1pct" {
+                    k_from_ratio(n as u64, 0.01)
+                } else {
+                    k_from_ratio(n as u64, 0.001)
+                } as usize;
+                let mut work = Vec::with_capacity(n);
+                tasks.push(task(&format!("{name}:topk_select_nth"), None, move || {
+                    black_box(topk_select_nth(black_box(x), k, &mut work));
+                }));
+                if name == "topk_1pct" {
+                    let mut idx = Vec::new();
+                    let mut hist = vec![0u32; scalar::TOPK_HIST];
+                    let cut = scalar::topk_cut(x, k, &mut hist);
+                    scalar::for_each_kept(x, Selection::TopK(cut), |i| idx.push(i));
+                    let vals: Vec<f32> = idx.iter().map(|&i| x[i]).collect();
+                    let a = Rc::clone(&acc);
+                    tasks.push(task(
+                        "accumulate_topk_1pct:scatter_add_plain",
+                        None,
+                        move || {
+                            let mut a = a.borrow_mut();
+                            for (&i, &v) in idx.iter().zip(&vals) {
+                                a[i] += v;
+                            }
+                        },
+                    ));
+                }
+            }
+            "threshold" => {
+                let Method::Threshold { threshold, .. } = method else {
+                    unreachable!()
+                };
+                let mut idx = Vec::with_capacity(n / 50);
+                let mut vals = Vec::with_capacity(n / 50);
+                tasks.push(task(&format!("{name}:scalar_spec"), None, move || {
+                    idx.clear();
+                    vals.clear();
+                    scalar::for_each_kept(x, Selection::Threshold(threshold), |i| {
+                        idx.push(i as u32);
+                        vals.push(x[i]);
+                    });
+                    black_box((&idx, &vals));
+                }));
+            }
+            "randomk_1pct" => {
+                let k = k_from_ratio(n as u64, 0.01);
+                let mut vals = Vec::with_capacity(k as usize);
+                tasks.push(task(&format!("{name}:scalar_spec"), None, move || {
+                    vals.clear();
+                    let key = gradwire_core::rng::key(7, 1, 3);
+                    scalar::randomk_for_each(n as u64, k, key, |i| vals.push(x[i as usize]));
+                    black_box(&vals);
+                }));
+            }
+            "sign" => {
+                let mut bv = bitvec::vec::BitVec::with_capacity(n);
+                tasks.push(task("sign:sign_bitvec", None, move || {
+                    sign_bitvec(black_box(x), &mut bv);
+                    black_box(&bv);
+                }));
+                let mut scales = vec![0u8; n.div_ceil(1024) * 4];
+                let mut signs = vec![0u8; n.div_ceil(8)];
+                tasks.push(task("sign:scalar_spec", None, move || {
+                    scalar::sign_encode(black_box(x), Some(1024), &mut scales, &mut signs);
+                    black_box(&signs);
+                }));
+            }
+            "quant_int8" | "quant_4bit" => {
+                let bits = if name == "quant_int8" { 8 } else { 4 };
+                if bits == 8 {
+                    let mut scales = vec![0f32; n.div_ceil(512)];
+                    let mut codes = vec![0i8; n];
+                    tasks.push(task("quant_int8:int8_plain", None, move || {
+                        int8_plain(black_box(x), 512, &mut scales, &mut codes);
+                        black_box(&codes);
+                    }));
+                }
+                let mut scales = vec![0u8; n.div_ceil(512) * 4];
+                let mut codes = vec![0u8; (n * bits as usize).div_ceil(8)];
+                tasks.push(task(&format!("{name}:scalar_spec"), None, move || {
+                    scalar::quant_encode(black_box(x), bits, 512, None, &mut scales, &mut codes);
+                    black_box(&codes);
+                }));
+            }
+            "f16_cast" | "bf16_cast" => {
+                let v = if name == "f16_cast" {
+                    Values::F16
+                } else {
+                    Values::Bf16
+                };
+                let mut bytes = vec![0u8; 2 * n];
+                tasks.push(task(&format!("{name}:scalar_spec"), None, move || {
+                    for (j, &a) in black_box(x).iter().enumerate() {
+                        values::write_plain(v, a, &mut bytes[2 * j..]);
+                    }
+                    black_box(&bytes);
+                }));
+            }
+            _ => {}
+        }
+    }
+
+    // The kernels alone (no input check, no frame, no checksum): what the encoders spend on
+    // top of the check pass that the "nothing written on error" rule puts before them.
+    let mut scales = vec![0u8; n.div_ceil(1024) * 4];
+    let mut signs = vec![0u8; n.div_ceil(8)];
+    tasks.push(task("kernel_sign", Some("sign_bitvec"), move || {
+        gradwire_core::sign::encode(black_box(x), Some(1024), &mut scales, &mut signs);
+        black_box(&signs);
+    }));
+    let mut bv = bitvec::vec::BitVec::with_capacity(n);
+    tasks.push(task("kernel_sign:sign_bitvec", None, move || {
+        sign_bitvec(black_box(x), &mut bv);
+        black_box(&bv);
+    }));
+    let mut qs = vec![0u8; n.div_ceil(512) * 4];
+    let mut qc = vec![0u8; n];
+    tasks.push(task("kernel_quant_int8", Some("int8_plain"), move || {
+        gradwire_core::quant::encode(black_box(x), 8, 512, None, &mut qs, &mut qc);
+        black_box(&qc);
+    }));
+    let mut ps = vec![0f32; n.div_ceil(512)];
+    let mut pc = vec![0i8; n];
+    tasks.push(task("kernel_quant_int8:int8_plain", None, move || {
+        int8_plain(black_box(x), 512, &mut ps, &mut pc);
+        black_box(&pc);
+    }));
+    let t1 = gradwire_benches::threshold_for_one_percent(x);
+    let mut ts = vec![0u32; gradwire_core::select::threshold_scratch_len(n)];
+    tasks.push(task("kernel_threshold", None, move || {
+        let k = gradwire_core::select::threshold_kept(black_box(x), t1, f32::INFINITY, &mut ts);
+        black_box(k.map(|k| k.map(|k| k.idx.len())).ok());
+    }));
+    let mut check = 0usize;
+    tasks.push(task("check_pass", None, move || {
+        check += usize::from(values::first_non_finite(black_box(x)).is_some());
+        black_box(check);
+    }));
+
+    // The whole error-feedback step, and a naive one (r += g, select_nth top-k, r -= kept).
+    let mut ef = Codec::new(ef_method(), n);
+    let mut residual = vec![0.0f32; n];
+    tasks.push(task("ef_step", Some("ef_naive"), move || {
+        black_box(ef.feedback(black_box(x), &mut residual));
+    }));
+    let k = k_from_ratio(n as u64, 0.01) as usize;
+    let mut r2 = vec![0.0f32; n];
+    let mut work = Vec::with_capacity(n);
+    let mut sent = Vec::with_capacity(k);
+    tasks.push(task("ef_step:ef_naive", None, move || {
+        for (r, &g) in r2.iter_mut().zip(x) {
+            *r += g;
+        }
+        topk_select_nth(&r2, k, &mut work);
+        sent.clear();
+        for &i in &work {
+            sent.push((i, r2[i as usize]));
+            r2[i as usize] = 0.0;
+        }
+        black_box(&sent);
+    }));
+
+    for _ in 0..reps {
+        for t in tasks.iter_mut() {
+            let t0 = Instant::now();
+            (t.run)();
+            t.times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+
+    let read = median(&tasks[0].times);
+    let med = |name: &str| {
+        tasks
+            .iter()
+            .find(|t| t.name == name)
+            .map(|t| median(&t.times))
+    };
+    let build = build_name();
+    if !json {
+        println!(
+            "\n{data}: n = {n}, build = {build}, {reps} interleaved repetitions, medians; read pass = {:.3} ms ({:.1} GB/s)",
+            read * 1e3,
+            (n * 4) as f64 / read / 1e9
+        );
+        println!(
+            "{:<42} {:>11} {:>9} {:>12} {:>8}",
+            "kernel", "median ms", "x read", "x baseline", "target"
+        );
+    }
+    for t in &tasks {
+        let m = median(&t.times);
+        let base = t
+            .baseline
+            .and_then(|b| med(&format!("{}:{b}", t.name)))
+            .map(|b| m / b);
+        let target = TARGETS
+            .iter()
+            .find(|x| x.0 == t.name)
+            .map(|x| if build == "native" { x.2 } else { x.1 });
+        if json {
+            let base_s = base.map_or("null".to_string(), |b| format!("{b:.4}"));
+            println!(
+                "{{\"name\":\"{}\",\"data\":\"{data}\",\"n\":{n},\"median_s\":{m:.6e},\"ratio_to_read\":{:.4},\"ratio_to_baseline\":{base_s},\"baseline\":{},\"target\":{},\"build\":\"{build}\"}}",
+                t.name,
+                m / read,
+                t.baseline
+                    .map_or("null".to_string(), |b| format!("\"{b}\"")),
+                target.map_or("null".to_string(), |x| format!("{x}")),
+            );
+        } else {
+            let base_s = match (base, t.baseline) {
+                (Some(b), Some(name)) => format!("{b:.3} ({name})"),
+                _ => String::new(),
+            };
+            let target_s = target.map_or(String::new(), |x| {
+                let ok = m / read <= x;
+                format!("<= {x} {}", if ok { "met" } else { "MISSED" })
+            });
+            println!(
+                "{:<42} {:>11.3} {:>9.3} {:>12} {}",
+                t.name,
+                m * 1e3,
+                m / read,
+                base_s,
+                target_s
+            );
+        }
+    }
+}
