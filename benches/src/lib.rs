@@ -30,6 +30,48 @@ pub fn read_pass(x: &[f32]) -> f32 {
     s
 }
 
+/// The read pass over two buffers at once: the sum of |g + r| (`wide` f32x8, four independent
+/// accumulators). The traffic an error-feedback step needs before it may touch `r`.
+pub fn read_pass2(g: &[f32], r: &[f32]) -> f32 {
+    let mut acc = [f32x8::splat(0.0); 4];
+    let mut gc = g.chunks_exact(32);
+    let mut rc = r.chunks_exact(32);
+    for (a, b) in (&mut gc).zip(&mut rc) {
+        for (t, s) in acc.iter_mut().enumerate() {
+            let mut x = [0.0f32; 8];
+            let mut y = [0.0f32; 8];
+            x.copy_from_slice(&a[8 * t..8 * t + 8]);
+            y.copy_from_slice(&b[8 * t..8 * t + 8]);
+            *s += (f32x8::new(x) + f32x8::new(y)).abs();
+        }
+    }
+    let mut s = ((acc[0] + acc[1]) + (acc[2] + acc[3]))
+        .to_array()
+        .iter()
+        .sum::<f32>();
+    s += gc
+        .remainder()
+        .iter()
+        .zip(rc.remainder())
+        .map(|(a, b)| (a + b).abs())
+        .sum::<f32>();
+    s
+}
+
+/// `r[i] += g[i]`: read two buffers, write one (the update pass of an error-feedback step).
+pub fn add_pass(r: &mut [f32], g: &[f32]) {
+    for (a, &b) in r.iter_mut().zip(g) {
+        *a += b;
+    }
+}
+
+/// Read `x`, write one byte per element (the traffic of int8 quantization, no arithmetic).
+pub fn byte_pass(x: &[f32], out: &mut [u8]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = (v.to_bits() >> 24) as u8;
+    }
+}
+
 /// A uniform f64 in (0, 1) from draw `i` of a fixed stream.
 fn uniform(seed: u64, i: u64) -> f64 {
     let r = gradwire_core::rng::draw(seed, i);

@@ -8,9 +8,10 @@
 
 use crate::error::{Error, Param};
 use crate::frame::{
-    accumulate_into, check_encode, check_input, encode_checked, encode_sparse_src, is_fused,
+    accumulate_into, add_into, check_encode, check_input, encode_checked, encode_src,
+    feedback_update, is_fused,
 };
-use crate::lanes::{LANES, Sum, load};
+use crate::lanes::Sum;
 use crate::method::{Method, Params, SignScale};
 use crate::values::all_below;
 
@@ -18,8 +19,13 @@ use crate::values::all_below;
 /// then `residual -= decoded(out)`. Returns the frame length in bytes.
 ///
 /// `residual` has the same length as `grad` (all zeros before the first step); `scratch` and
-/// `out` are sized as for [`crate::encode_into`]. All checks run before anything changes: on
-/// error the residual is untouched.
+/// `out` are sized as for [`crate::encode_into`]. The residual changes only after the frame is
+/// complete, so on error the residual is untouched (and, as for [`crate::encode_into`], `out`
+/// holds no valid frame).
+///
+/// Traffic: top-k, threshold and the SIMD quantization and sign kernels read `grad` and
+/// `residual` once to encode their sum (checking it on the way), then once more to write
+/// `residual = grad + residual - decoded` in one streaming pass.
 ///
 /// # Errors
 /// [`Error::LengthMismatch`] when the lengths differ; [`Error::InvalidParams`] for unbiased
@@ -60,11 +66,10 @@ pub fn feedback_step(
     check_encode(grad.len(), params, scratch.len(), out.len())?;
     let limit = crate::values::magnitude_limit(params.method.values());
     if is_fused(grad.len(), &params.method) {
-        // One pass over grad and residual selects from their sum and checks it; the residual
+        // One pass over grad and residual encodes their sum and checks it; the residual
         // changes only after the frame is written.
-        if let Ok(len) = encode_sparse_src(&Sum(grad, residual), params, limit, scratch, out) {
-            add_into(residual, grad);
-            accumulate_into(&out[..len], params, residual, -1.0)?;
+        if let Ok(len) = encode_src(&Sum(grad, residual), params, limit, scratch, out) {
+            feedback_update(&out[..len], grad, residual)?;
             return Ok(len);
         }
     } else if all_below(&Sum(grad, residual), limit) {
@@ -94,17 +99,4 @@ pub fn feedback_step(
     let len = encode_checked(residual, params, scratch, out);
     accumulate_into(&out[..len], params, residual, -1.0)?;
     Ok(len)
-}
-
-/// `r[i] += g[i]` (same lengths), eight lanes at a time.
-fn add_into(r: &mut [f32], g: &[f32]) {
-    let mut rs = r.chunks_exact_mut(LANES);
-    let mut gs = g.chunks_exact(LANES);
-    for (a, b) in (&mut rs).zip(&mut gs) {
-        let v = load(a) + load(b);
-        a.copy_from_slice(v.as_array());
-    }
-    for (a, &b) in rs.into_remainder().iter_mut().zip(gs.remainder()) {
-        *a += b;
-    }
 }

@@ -8,7 +8,7 @@
 
 use crate::error::{Error, Param};
 use crate::index::{self, IndexSizer, IndexWriter};
-use crate::lanes::{One, Source};
+use crate::lanes::{LANES, One, Source, load};
 use crate::method::{K, Method, Params, Rounding, SignScale, Values};
 use crate::scalar::{self, Selection, magnitude_key};
 use crate::select::{Kept, OutOfLimit};
@@ -157,7 +157,9 @@ pub(crate) fn check_input(x: &[f32], method: &Method) -> Result<(), Error> {
 /// Encodes `grad` (n elements) with `params` into `out` and returns the frame length in bytes.
 ///
 /// `scratch` must hold [`scratch_len`]`(n, &params.method)` words and `out`
-/// [`max_frame_len`]`(n, &params.method)` bytes. Nothing is written on error.
+/// [`max_frame_len`]`(n, &params.method)` bytes. The input checks run inside the kernels (one
+/// pass over the input), so on error `out` holds no valid frame: its contents are unspecified
+/// (it may hold part of one).
 ///
 /// # Errors
 /// [`Error::InvalidParams`], [`Error::ScratchTooSmall`], [`Error::BufferTooSmall`];
@@ -173,27 +175,152 @@ pub fn encode_into(
     out: &mut [u8],
 ) -> Result<usize, Error> {
     check_encode(grad.len(), params, scratch.len(), out.len())?;
-    if is_fused(grad.len(), &params.method) {
-        let limit = values::magnitude_limit(params.method.values());
-        match encode_sparse_src(&One(grad), params, limit, scratch, out) {
-            Ok(len) => return Ok(len),
-            Err(OutOfLimit) => check_input(grad, &params.method)?,
+    let limit = values::magnitude_limit(params.method.values());
+    let fused = if is_fused(grad.len(), &params.method) {
+        encode_src(&One(grad), params, limit, scratch, out)
+    } else if let Method::Dense { values } = params.method {
+        encode_dense(grad, values, out)
+    } else {
+        // Random-k and the scalar quantization and sign paths: check, then encode.
+        check_input(grad, &params.method)?;
+        return Ok(encode_checked(grad, params, scratch, out));
+    };
+    match fused {
+        Ok(len) => Ok(len),
+        Err(OutOfLimit) => {
+            // The kernel met a bad element: name the first one in the specified order.
+            check_input(grad, &params.method)?;
+            Ok(encode_checked(grad, params, scratch, out))
         }
     }
-    check_input(grad, &params.method)?;
-    Ok(encode_checked(grad, params, scratch, out))
 }
 
-/// Whether [`encode_sparse_src`] encodes this method (checking the input on the way).
+/// Whether [`encode_src`] encodes this method, checking the input in the same pass: top-k and
+/// threshold (lengths that fit a `u32`), and the SIMD quantization and sign kernels.
 pub(crate) fn is_fused(n: usize, method: &Method) -> bool {
+    match *method {
+        Method::TopK { .. } | Method::Threshold { .. } => u32::try_from(n).is_ok(),
+        Method::Quant {
+            bits,
+            block,
+            rounding,
+        } => quant::is_fast(bits, block as usize, rounding),
+        Method::Sign { scale } => sign::is_fast(sign_block(scale)),
+        _ => false,
+    }
+}
+
+/// Whether [`encode_sparse_src`] encodes this method (top-k and threshold, `u32` lengths).
+fn is_sparse_fused(n: usize, method: &Method) -> bool {
     matches!(method, Method::TopK { .. } | Method::Threshold { .. }) && u32::try_from(n).is_ok()
+}
+
+const fn sign_block(scale: SignScale) -> Option<usize> {
+    match scale {
+        SignScale::MeanAbs { block } => Some(block as usize),
+        SignScale::None => None,
+    }
+}
+
+/// A frame of `src` for a method where [`is_fused`] holds (after [`check_encode`]), checking
+/// on the way that every `|x| < limit`. On error `out` holds no valid frame.
+pub(crate) fn encode_src<S: Source>(
+    src: &S,
+    params: &Params,
+    limit: f32,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, OutOfLimit> {
+    let n = src.len();
+    let mut p = Put { buf: out, pos: 0 };
+    match params.method {
+        Method::TopK { .. } | Method::Threshold { .. } => {
+            encode_sparse_src(src, params, limit, scratch, p.buf)
+        }
+        Method::Quant {
+            bits,
+            block,
+            rounding,
+        } => {
+            write_fixed(&mut p, M_QUANT, 0, n);
+            quant_params(&mut p, bits, rounding, block);
+            let block = block as usize;
+            let s_len = quant::scales_len(n, block);
+            let c_len = quant::codes_len(n, bits);
+            let (scales, rest) = p.buf[p.pos..].split_at_mut(s_len);
+            let mut body = crc32fast::Hasher::new();
+            quant::encode_fast(src, bits, block, scales, &mut rest[..c_len], |c| {
+                body.update(c)
+            })?;
+            p.pos += s_len;
+            Ok(finish_with(p, body, c_len))
+        }
+        Method::Sign { scale } => {
+            write_fixed(&mut p, M_SIGN, 0, n);
+            let block = sign_params(&mut p, scale);
+            let s_len = sign::scales_len(n, block);
+            let b_len = sign::bits_len(n);
+            let (scales, rest) = p.buf[p.pos..].split_at_mut(s_len);
+            let mut body = crc32fast::Hasher::new();
+            sign::encode_fast(src, block, scales, &mut rest[..b_len], |c| body.update(c))?;
+            p.pos += s_len;
+            Ok(finish_with(p, body, b_len))
+        }
+        _ => unreachable!("only fused methods"),
+    }
+}
+
+/// Ends a frame whose last `tail` bytes (after `p.pos`) are already folded into `body`: the
+/// CRC-32 of everything before `p.pos`, combined with `body`, as the trailer. Returns the frame
+/// length.
+fn finish_with(mut p: Put<'_>, body: crc32fast::Hasher, tail: usize) -> usize {
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&p.buf[..p.pos]);
+    crc.combine(&body);
+    p.pos += tail;
+    p.u32(crc.finalize());
+    p.pos
+}
+
+/// A dense frame, checking each run of the input before writing it.
+fn encode_dense(g: &[f32], values: Values, out: &mut [u8]) -> Result<usize, OutOfLimit> {
+    let n = g.len();
+    let mut p = Put { buf: out, pos: 0 };
+    write_fixed(&mut p, M_DENSE, 0, n);
+    p.values(values);
+    values::try_encode_plain(values, g, &mut p.buf[p.pos..])?;
+    p.pos += n * values.value_bytes();
+    let crc = crc32fast::hash(&p.buf[..p.pos]);
+    p.u32(crc);
+    Ok(p.pos)
+}
+
+fn quant_params(p: &mut Put<'_>, bits: u8, rounding: Rounding, block: u32) {
+    p.u8(bits);
+    p.u8(match rounding {
+        Rounding::NearestEven => 0,
+        Rounding::Stochastic => 1,
+    });
+    p.u32(block);
+}
+
+fn sign_params(p: &mut Put<'_>, scale: SignScale) -> Option<usize> {
+    match scale {
+        SignScale::MeanAbs { block } => {
+            p.u8(1);
+            p.u32(block);
+        }
+        SignScale::None => p.u8(0),
+    }
+    sign_block(scale)
 }
 
 /// Encodes the entries of `grad` at the strictly ascending indices `kept` as a top-k frame with
 /// `k = kept.len()` and value codec `values` (for example per-tensor top-k over a bucket of
 /// fused tensors). Decode it with `Method::TopK { k: K::Count(kept.len() as u64), values }`.
 ///
-/// `scratch` and `out` are sized by [`scratch_len`] and [`max_frame_len`] for that method.
+/// `scratch` and `out` are sized by [`scratch_len`] and [`max_frame_len`] for that method. As
+/// for [`encode_into`], on error `out` holds no valid frame (its contents are unspecified).
 ///
 /// # Errors
 /// [`Error::UnsortedIndices`] when `kept` is not strictly ascending or holds an index `>= n`;
@@ -310,7 +437,7 @@ pub(crate) fn encode_checked(
             p.pos += n * vb;
         }
         Method::TopK { .. } | Method::Threshold { .. } => {
-            if is_fused(n, &params.method) {
+            if is_sparse_fused(n, &params.method) {
                 // The input is checked: the limit cannot be met.
                 if let Ok(len) = encode_sparse_src(&One(g), params, f32::INFINITY, scratch, out) {
                     return len;
@@ -348,12 +475,7 @@ pub(crate) fn encode_checked(
             block,
             rounding,
         } => {
-            p.u8(bits);
-            p.u8(match rounding {
-                Rounding::NearestEven => 0,
-                Rounding::Stochastic => 1,
-            });
-            p.u32(block);
+            quant_params(&mut p, bits, rounding, block);
             let block = block as usize;
             let s_len = quant::scales_len(n, block);
             let c_len = quant::codes_len(n, bits);
@@ -366,17 +488,7 @@ pub(crate) fn encode_checked(
             p.pos += s_len + c_len;
         }
         Method::Sign { scale } => {
-            let block = match scale {
-                SignScale::MeanAbs { block } => {
-                    p.u8(1);
-                    p.u32(block);
-                    Some(block as usize)
-                }
-                SignScale::None => {
-                    p.u8(0);
-                    None
-                }
-            };
+            let block = sign_params(&mut p, scale);
             let s_len = sign::scales_len(n, block);
             let b_len = sign::bits_len(n);
             let (scales, rest) = p.buf[p.pos..].split_at_mut(s_len);
@@ -615,6 +727,12 @@ struct ValueWriter<'a> {
     codes_at: usize,
     absmax: &'a [u32],
     j: usize,
+    /// The int8 block of value `j`, and the values left in it (0: `j` opens the next block,
+    /// whose absmax and reciprocal are then cached in `m` and `inv`).
+    block_at: usize,
+    left: usize,
+    m: f32,
+    inv: f32,
 }
 
 impl<'a> ValueWriter<'a> {
@@ -635,6 +753,10 @@ impl<'a> ValueWriter<'a> {
             codes_at,
             absmax,
             j: 0,
+            block_at: 0,
+            left: 0,
+            m: 0.0,
+            inv: 0.0,
         }
     }
 
@@ -642,8 +764,16 @@ impl<'a> ValueWriter<'a> {
     fn push(&mut self, x: f32) {
         match self.v {
             Values::Int8 { block } => {
-                let m = f32::from_bits(self.absmax[self.j / block as usize]);
-                self.out[self.codes_at + self.j] = values::int8_code(x, m) as u8;
+                if self.left == 0 {
+                    // No division per value: blocks are counted down.
+                    self.m = f32::from_bits(self.absmax[self.block_at]);
+                    self.inv = scalar::quant_inv(self.m, 127);
+                    self.block_at += 1;
+                    self.left = block as usize;
+                }
+                self.left -= 1;
+                let q = scalar::quant_code_inv(x, self.m, self.inv, 127, None);
+                self.out[self.codes_at + self.j] = q as i8 as u8;
             }
             v => values::write_plain(v, x, &mut self.out[self.j * v.value_bytes()..]),
         }
@@ -765,6 +895,15 @@ impl<'a> Get<'a> {
 }
 
 fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
+    parse_with(frame, true)
+}
+
+/// [`parse`] without the checksum, for a frame this crate has just written.
+fn parse_trusted(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
+    parse_with(frame, false)
+}
+
+fn parse_with(frame: &[u8], verify: bool) -> Result<(Header, Body<'_>), Error> {
     if frame.len() < FIXED_LEN + CRC_LEN {
         return Err(Error::Truncated {
             needed: FIXED_LEN + CRC_LEN,
@@ -780,7 +919,11 @@ fn parse(frame: &[u8]) -> Result<(Header, Body<'_>), Error> {
     let body_end = frame.len() - CRC_LEN;
     let t = &frame[body_end..];
     let stored = u32::from_le_bytes([t[0], t[1], t[2], t[3]]);
-    let computed = crc32fast::hash(&frame[..body_end]);
+    let computed = if verify {
+        crc32fast::hash(&frame[..body_end])
+    } else {
+        stored
+    };
     if stored != computed {
         return Err(Error::Checksum { stored, computed });
     }
@@ -1122,7 +1265,7 @@ fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
             vals_off,
         } => {
             if let Some(codec) = codec {
-                index::for_each_index(codec, n, count, idx, |_| {})
+                index::validate(codec, n, count, idx)
                     .map_err(|_| Error::BadIndex { offset: idx_off })?;
             }
             validate_values(v, count as usize, vals, vals_off)?;
@@ -1166,52 +1309,73 @@ fn validate_values(v: Values, count: usize, vals: &[u8], off: usize) -> Result<(
             }
         }
         _ => {
-            let vb = v.value_bytes();
-            for (j, c) in vals.chunks_exact(vb).enumerate() {
-                if values::read_plain(v, c).is_none() {
-                    return Err(Error::BadValue {
-                        offset: off + j * vb,
-                    });
-                }
+            if let Some(j) = values::first_bad_plain(v, vals) {
+                return Err(Error::BadValue {
+                    offset: off + j * v.value_bytes(),
+                });
             }
         }
     }
     Ok(())
 }
 
-const BATCH: usize = 64;
-
-/// Sparse entries in runs of [`BATCH`]: indices gathered, values decoded together, then `f`.
-struct Batch<'a, F> {
-    v: Values,
-    vals: &'a [u8],
-    count: usize,
-    scale: f32,
-    j: usize,
-    fill: usize,
-    ib: [usize; BATCH],
-    vb: [f32; BATCH],
-    f: F,
-}
-
-impl<F: FnMut(usize, f32)> Batch<'_, F> {
-    #[inline]
-    fn push(&mut self, i: usize) {
-        self.ib[self.fill] = i;
-        self.fill += 1;
-        if self.fill == BATCH {
-            self.flush();
+/// Calls `f` with runs of entries of a validated sparse body: ascending indices and their
+/// decoded values (random-k values already multiplied by the unbiased scale). Index sections
+/// are decoded in batches ([`index::for_each_batch`]), values a batch at a time.
+fn sparse_batches(h: &Header, body: &Body<'_>, mut f: impl FnMut(&[usize], &[f32])) {
+    let Body::Sparse {
+        v,
+        count,
+        codec,
+        idx,
+        vals,
+        ..
+    } = *body
+    else {
+        return;
+    };
+    let total = count as usize;
+    let mut vb = [0.0f32; index::BATCH];
+    let mut j = 0usize;
+    match codec {
+        Some(codec) => index::for_each_batch(codec, h.n, count, idx, |ib| {
+            let m = ib.len().min(total - j);
+            values::decode_run(v, vals, total, j, &mut vb[..m]);
+            f(&ib[..m], &vb[..m]);
+            j += m;
+        }),
+        None => {
+            let p = &h.params;
+            let key = rng::key(p.seed, p.step, p.tensor_id);
+            let scale = match p.method {
+                Method::RandomK { unbiased: true, .. } if count > 0 => {
+                    (h.n as f64 / count as f64) as f32
+                }
+                _ => 1.0,
+            };
+            let mut ib = [0usize; index::BATCH];
+            let mut fill = 0usize;
+            let mut flush = |ib: &[usize], j: &mut usize| {
+                let m = ib.len();
+                values::decode_run(v, vals, total, *j, &mut vb[..m]);
+                for x in &mut vb[..m] {
+                    *x *= scale;
+                }
+                f(ib, &vb[..m]);
+                *j += m;
+            };
+            scalar::randomk_for_each(h.n, count, key, |i| {
+                ib[fill] = i as usize;
+                fill += 1;
+                if fill == index::BATCH {
+                    flush(&ib, &mut j);
+                    fill = 0;
+                }
+            });
+            if fill > 0 {
+                flush(&ib[..fill], &mut j);
+            }
         }
-    }
-
-    fn flush(&mut self) {
-        let m = self.fill;
-        values::decode_run(self.v, self.vals, self.count, self.j, &mut self.vb[..m]);
-        for (&i, &x) in self.ib[..m].iter().zip(&self.vb[..m]) {
-            (self.f)(i, x * self.scale);
-        }
-        self.j += m;
-        self.fill = 0;
     }
 }
 
@@ -1234,57 +1398,46 @@ fn apply(h: &Header, body: &Body<'_>, out: &mut [f32], weight: Option<f32>) {
             ..
         } => sign::decode_slice(block, scales, signs, out, weight),
         Body::Sparse { .. } => match weight {
-            None => for_each_entry(h, body, |i, v| out[i] = v),
-            Some(w) => for_each_entry(h, body, |i, v| out[i] += w * v),
+            None => sparse_batches(h, body, |ib, vb| {
+                for (&i, &x) in ib.iter().zip(vb) {
+                    out[i] = x;
+                }
+            }),
+            Some(w) => sparse_batches(h, body, |ib, vb| {
+                for (&i, &x) in ib.iter().zip(vb) {
+                    out[i] += w * x;
+                }
+            }),
         },
     }
 }
 
-/// Calls `f(i, value)` for every entry of a validated body (sparse: kept entries only).
-fn for_each_entry(h: &Header, body: &Body<'_>, mut f: impl FnMut(usize, f32)) {
-    let n = h.n;
-    match *body {
-        Body::Dense { v, vals, .. } => {
-            let vb = v.value_bytes();
-            for (i, c) in vals.chunks_exact(vb).enumerate() {
-                f(i, values::read_plain(v, c).unwrap_or(0.0));
-            }
-        }
-        Body::Sparse {
-            v,
-            count,
-            codec,
-            idx,
-            vals,
-            ..
-        } => {
-            let mut batch = Batch {
-                v,
-                vals,
-                count: count as usize,
-                scale: 1.0,
-                j: 0,
-                fill: 0,
-                ib: [0; BATCH],
-                vb: [0.0; BATCH],
-                f,
-            };
-            match codec {
-                Some(codec) => {
-                    let _ = index::for_each_index(codec, n, count, idx, |i| batch.push(i as usize));
+/// For a frame this crate just wrote from `g + r` (an error-feedback step whose checks all
+/// passed): `r = (g + r) - decoded(frame)`, bit for bit what `r += g` followed by
+/// [`accumulate_into`]`(frame, r, -1.0)` gives, in one streaming pass over `g` and `r` (sparse
+/// frames: the subtractions are applied while the stretch they fall in is still in cache;
+/// quantization and sign: tile by tile). `r` is untouched when the frame does not parse.
+pub(crate) fn feedback_update(frame: &[u8], g: &[f32], r: &mut [f32]) -> Result<(), Error> {
+    let (h, body) = parse_trusted(frame)?;
+    if h.n != g.len() as u64 || g.len() != r.len() {
+        return Err(Error::ElementCount {
+            expected: g.len() as u64,
+            got: h.n,
+        });
+    }
+    match body {
+        Body::Sparse { .. } => {
+            let mut done = 0usize;
+            sparse_batches(&h, &body, |ib, vb| {
+                let Some(&last) = ib.last() else { return };
+                let end = (last + 1).clamp(done, r.len());
+                add_into(&mut r[done..end], &g[done..end]);
+                done = end;
+                for (&i, &x) in ib.iter().zip(vb) {
+                    r[i] += -x;
                 }
-                None => {
-                    let p = &h.params;
-                    let key = rng::key(p.seed, p.step, p.tensor_id);
-                    if let Method::RandomK { unbiased: true, .. } = p.method
-                        && count > 0
-                    {
-                        batch.scale = (n as f64 / count as f64) as f32;
-                    }
-                    scalar::randomk_for_each(n, count, key, |i| batch.push(i as usize));
-                }
-            }
-            batch.flush();
+            });
+            add_into(&mut r[done..], &g[done..]);
         }
         Body::Quant {
             bits,
@@ -1292,17 +1445,53 @@ fn for_each_entry(h: &Header, body: &Body<'_>, mut f: impl FnMut(usize, f32)) {
             scales,
             codes,
             ..
-        } => {
-            quant::decode(n as usize, bits, block, scales, codes, f);
+        } if (bits == 8 || bits == 4) && block.is_multiple_of(LANES) => {
+            let tile = block * (FEEDBACK_TILE / block).max(1);
+            let per_byte = 8 / bits as usize;
+            for (t, (rs, gs)) in r.chunks_mut(tile).zip(g.chunks(tile)).enumerate() {
+                add_into(rs, gs);
+                let start = t * tile;
+                let s = &scales[4 * (start / block)..];
+                let c = &codes[start / per_byte..];
+                quant::decode_slice(bits, block, s, c, rs, Some(-1.0));
+            }
         }
         Body::Sign {
             block,
             scales,
             signs,
             ..
-        } => {
-            sign::decode(n as usize, block, scales, signs, f);
+        } if block.is_none_or(|b| b.is_multiple_of(LANES)) => {
+            let per = block.unwrap_or(LANES);
+            let tile = per * (FEEDBACK_TILE / per).max(1);
+            for (t, (rs, gs)) in r.chunks_mut(tile).zip(g.chunks(tile)).enumerate() {
+                add_into(rs, gs);
+                let start = t * tile;
+                let s = block.map_or(&[][..], |b| &scales[4 * (start / b)..]);
+                sign::decode_slice(block, s, &signs[start / 8..], rs, Some(-1.0));
+            }
         }
+        _ => {
+            add_into(r, g);
+            apply(&h, &body, r, Some(-1.0));
+        }
+    }
+    Ok(())
+}
+
+/// Elements per tile of the dense error-feedback update (rounded to whole blocks).
+const FEEDBACK_TILE: usize = 4096;
+
+/// `r[i] += g[i]` (same lengths), eight lanes at a time.
+pub(crate) fn add_into(r: &mut [f32], g: &[f32]) {
+    let mut rs = r.chunks_exact_mut(LANES);
+    let mut gs = g.chunks_exact(LANES);
+    for (a, b) in (&mut rs).zip(&mut gs) {
+        let v = load(a) + load(b);
+        a.copy_from_slice(v.as_array());
+    }
+    for (a, &b) in rs.into_remainder().iter_mut().zip(gs.remainder()) {
+        *a += b;
     }
 }
 

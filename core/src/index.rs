@@ -335,3 +335,179 @@ pub fn for_each_index(
         _ => Err(InvalidSection),
     }
 }
+
+/// Checks an index section (exactly `section_len` bytes) without decoding it into a list:
+/// the same verdict as [`for_each_index`] (strictly increasing, `< n`, exactly `count`
+/// indices, zero padding, the section consumed exactly), but cheaper. For delta blocks it sums
+/// each block's gaps (the last index is `count - 1 + sum of the gaps`, and indices rise
+/// strictly by construction); for the bitmap it counts set bits and checks the bits past `n`.
+///
+/// # Errors
+/// [`InvalidSection`] on any invalid content.
+pub fn validate(codec: u8, n: u64, count: u64, section: &[u8]) -> Result<(), InvalidSection> {
+    match codec {
+        BITMAP => {
+            let mut seen = 0u64;
+            let mut words = section.chunks_exact(8);
+            for w in &mut words {
+                let mut le = [0u8; 8];
+                le.copy_from_slice(w);
+                seen += u64::from(u64::from_le_bytes(le).count_ones());
+            }
+            for &b in words.remainder() {
+                seen += u64::from(b.count_ones());
+            }
+            // Bits past n can only sit in the last byte (the section is ceil(n / 8) bytes).
+            let tail = n % 8;
+            if tail != 0
+                && let Some(&last) = section.last()
+                && last >> tail != 0
+            {
+                return Err(InvalidSection);
+            }
+            if seen == count && section.len() as u64 == n.div_ceil(8) {
+                Ok(())
+            } else {
+                Err(InvalidSection)
+            }
+        }
+        DELTA => {
+            let mut pos = 0usize;
+            let mut left = count;
+            let mut next_min = 0u64;
+            while left > 0 {
+                let len = left.min(DELTA_BLOCK as u64) as usize;
+                let w = u32::from(*section.get(pos).ok_or(InvalidSection)?);
+                if w > 64 {
+                    return Err(InvalidSection);
+                }
+                pos += 1;
+                let body = section.get(pos..).ok_or(InvalidSection)?;
+                let used = len * w as usize;
+                let bytes = used.div_ceil(8);
+                if bytes > body.len() {
+                    return Err(InvalidSection);
+                }
+                let sum: u128 = if w <= 56 && bytes + 8 <= body.len() {
+                    // Each gap < 2^56, so 32 of them sum without overflow in a u64.
+                    let mask = (1u64 << w) - 1;
+                    let mut s = 0u64;
+                    for t in 0..len {
+                        let bit = t * w as usize;
+                        let mut le = [0u8; 8];
+                        le.copy_from_slice(&body[bit / 8..bit / 8 + 8]);
+                        s += (u64::from_le_bytes(le) >> (bit % 8)) & mask;
+                    }
+                    u128::from(s)
+                } else {
+                    let mut br = BitReader::new(&body[..bytes]);
+                    let mut s = 0u128;
+                    for _ in 0..len {
+                        s += u128::from(br.read(w).ok_or(InvalidSection)?);
+                    }
+                    s
+                };
+                if !used.is_multiple_of(8) && body[used / 8] >> (used % 8) != 0 {
+                    return Err(InvalidSection);
+                }
+                // The block's indices end at next_min + sum + len - 1.
+                let next = u128::from(next_min) + sum + len as u128;
+                next_min = u64::try_from(next).map_err(|_| InvalidSection)?;
+                pos += bytes;
+                left -= len as u64;
+            }
+            if next_min > n || pos != section.len() {
+                return Err(InvalidSection);
+            }
+            Ok(())
+        }
+        RAW => {
+            if section.len() as u64 != count.saturating_mul(raw_width(n) as u64) {
+                return Err(InvalidSection);
+            }
+            for_each_index(codec, n, count, section, |_| {})
+        }
+        _ => Err(InvalidSection),
+    }
+}
+
+/// Indices per call of [`for_each_batch`] (at most).
+pub const BATCH: usize = 64;
+
+/// Decodes a section that [`validate`] accepted, calling `f` with runs of up to [`BATCH`]
+/// ascending indices (a delta block at a time for delta). On a section that was not validated
+/// the indices passed are unspecified, but it never panics.
+pub fn for_each_batch(codec: u8, n: u64, count: u64, section: &[u8], mut f: impl FnMut(&[usize])) {
+    let mut buf = [0usize; BATCH];
+    match codec {
+        BITMAP => {
+            let mut fill = 0usize;
+            for (j, &byte) in section.iter().enumerate() {
+                let mut b = byte;
+                while b != 0 {
+                    buf[fill] = j * 8 + b.trailing_zeros() as usize;
+                    fill += 1;
+                    if fill == BATCH {
+                        f(&buf);
+                        fill = 0;
+                    }
+                    b &= b - 1;
+                }
+            }
+            if fill > 0 {
+                f(&buf[..fill]);
+            }
+        }
+        DELTA => {
+            let mut pos = 0usize;
+            let mut left = count;
+            let mut next = 0usize;
+            while left > 0 {
+                let len = left.min(DELTA_BLOCK as u64) as usize;
+                let Some(&w) = section.get(pos) else { return };
+                let w = u32::from(w);
+                pos += 1;
+                let Some(body) = section.get(pos..) else {
+                    return;
+                };
+                let bytes = (len * w as usize).div_ceil(8);
+                let out = &mut buf[..len];
+                if w <= 56 && bytes + 8 <= body.len() {
+                    let mask = (1u64 << w) - 1;
+                    for (t, o) in out.iter_mut().enumerate() {
+                        let bit = t * w as usize;
+                        let mut le = [0u8; 8];
+                        le.copy_from_slice(&body[bit / 8..bit / 8 + 8]);
+                        let gap = ((u64::from_le_bytes(le) >> (bit % 8)) & mask) as usize;
+                        *o = next.wrapping_add(gap);
+                        next = o.wrapping_add(1);
+                    }
+                } else {
+                    let mut br = BitReader::new(body);
+                    for o in out.iter_mut() {
+                        let gap = br.read(w).unwrap_or(0) as usize;
+                        *o = next.wrapping_add(gap);
+                        next = o.wrapping_add(1);
+                    }
+                }
+                f(out);
+                pos += bytes;
+                left -= len as u64;
+            }
+        }
+        RAW => {
+            let w = raw_width(n);
+            for run in section.chunks(BATCH * w) {
+                let mut fill = 0usize;
+                for (o, c) in buf.iter_mut().zip(run.chunks_exact(w)) {
+                    let mut le = [0u8; 8];
+                    le[..w].copy_from_slice(c);
+                    *o = u64::from_le_bytes(le) as usize;
+                    fill += 1;
+                }
+                f(&buf[..fill]);
+            }
+        }
+        _ => {}
+    }
+}

@@ -35,6 +35,9 @@ pub(crate) trait Source {
     fn tail(&self, i: usize) -> f32x8;
     /// Element `i`.
     fn at(&self, i: usize) -> f32;
+    /// Elements `start..start + 16 * (len / 16)` sixteen at a time, as two vectors (`start +
+    /// len <= len()`): the bounds are checked once, not per chunk.
+    fn pairs(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]>;
 }
 
 /// The elements of one slice.
@@ -58,6 +61,12 @@ impl Source for One<'_> {
     fn at(&self, i: usize) -> f32 {
         self.0[i]
     }
+    #[inline]
+    fn pairs(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]> {
+        self.0[start..start + len]
+            .chunks_exact(2 * LANES)
+            .map(|c| [load(c), load(&c[LANES..])])
+    }
 }
 
 /// `g[i] + r[i]` in f32 (the input of an error-feedback step); both slices have one length.
@@ -80,5 +89,12 @@ impl Source for Sum<'_> {
     #[inline]
     fn at(&self, i: usize) -> f32 {
         self.0[i] + self.1[i]
+    }
+    #[inline]
+    fn pairs(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]> {
+        let g = self.0[start..start + len].chunks_exact(2 * LANES);
+        let r = self.1[start..start + len].chunks_exact(2 * LANES);
+        g.zip(r)
+            .map(|(a, b)| [load(a) + load(b), load(&a[LANES..]) + load(&b[LANES..])])
     }
 }

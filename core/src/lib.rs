@@ -50,11 +50,11 @@
 extern crate std;
 
 mod bits;
-mod lanes;
 pub mod error;
 pub mod feedback;
 pub mod frame;
 pub mod index;
+mod lanes;
 pub mod method;
 pub mod quant;
 pub mod rng;

@@ -1,13 +1,17 @@
 //! b-bit symmetric quantization with per-block absmax scales (QSGD, Alistarh et al. 2017).
 //!
 //! Codes `q` lie in `[-l, l]` with `l = 2^(b-1) - 1` and travel as `q + l` in `b` bits,
-//! least-significant-bit first. A block's scale is its absmax `m` (f32); `q = round((x / m) * l)`
-//! and the value decoded is `(q / l) * m`, so that the extremes and constant blocks are exact.
+//! least-significant-bit first. A block's scale is its absmax `m` (f32); with the block's
+//! reciprocal `inv = l / m`, `q = round(x * inv)` (or `round((x / m) * l)` when `inv` overflows,
+//! see [`crate::scalar::quant_scaled`]) and the value decoded is `(q / l) * m`, so that the
+//! extremes and constant blocks are exact.
 
-use crate::lanes::{LANES, load, load_padded};
+use crate::lanes::{LANES, One, Source, load, load_padded};
+use crate::method::Rounding;
 use crate::rng;
-use crate::scalar::{dequant, quant_levels};
-use wide::{f32x8, i32x8};
+use crate::scalar::{dequant, quant_inv, quant_levels};
+use crate::select::OutOfLimit;
+use wide::{f32x8, i16x8, i32x8, u8x16};
 
 /// Bytes of the scales section: 4 per block.
 pub const fn scales_len(n: usize, block: usize) -> usize {
@@ -20,8 +24,18 @@ pub const fn codes_len(n: usize, bits: u8) -> usize {
     n.saturating_mul(bits as usize).div_ceil(8)
 }
 
+/// Whether the SIMD kernel encodes this configuration (nearest rounding, 8 or 4 bits, blocks a
+/// multiple of 8 elements); others run the [`crate::scalar`] specification.
+pub const fn is_fast(bits: u8, block: usize, rounding: Rounding) -> bool {
+    matches!(rounding, Rounding::NearestEven)
+        && (bits == 8 || bits == 4)
+        && block > 0
+        && block.is_multiple_of(LANES)
+}
+
 /// Quantizes `x` into `scales` ([`scales_len`] bytes) and `codes` ([`codes_len`] bytes).
-/// `stochastic` is `Some((seed, step, tensor_id))` for stochastic rounding. `x` must be finite.
+/// `stochastic` is `Some((seed, step, tensor_id))` for stochastic rounding. `x` must be finite
+/// (see [`try_encode`], which checks it on the way).
 pub fn encode(
     x: &[f32],
     bits: u8,
@@ -31,87 +45,316 @@ pub fn encode(
     codes: &mut [u8],
 ) {
     let key = stochastic.map(|(s, t, id)| rng::key(s, t, id));
-    if key.is_none() && (bits == 8 || bits == 4) && block > 0 && block.is_multiple_of(LANES) {
-        encode_fast(x, bits, block, scales, codes);
+    if key.is_none() && is_fast(bits, block, Rounding::NearestEven) {
+        // Finite input cannot fail the check.
+        let _ = encode_fast(&One(x), bits, block, scales, codes, |_| {});
     } else {
         crate::scalar::quant_encode(x, bits, block, key, scales, codes)
     }
 }
 
-/// Nearest-even quantization for 8 and 4 bits with blocks that are a multiple of 8: per block
-/// the absmax (SIMD max of |x|), then `(x / m) * l` rounded by the same add-and-subtract of
-/// 1.5 * 2^23 as [`crate::scalar::round_ties_even`], clamped, `trunc_int()`.
-fn encode_fast(x: &[f32], bits: u8, block: usize, scales: &mut [u8], codes: &mut [u8]) {
+/// As [`encode`], checking on the way that every element is finite.
+///
+/// The SIMD kernel writes block by block and detects a NaN or infinity through the block's
+/// absmax, so on error `scales` and `codes` hold a prefix of the sections (their contents are
+/// unspecified); other configurations check the whole input before writing.
+///
+/// # Errors
+/// [`OutOfLimit`] when some element is NaN or infinite.
+pub fn try_encode(
+    x: &[f32],
+    bits: u8,
+    block: usize,
+    stochastic: Option<(u64, u64, u64)>,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) -> Result<(), OutOfLimit> {
+    if stochastic.is_none() && is_fast(bits, block, Rounding::NearestEven) {
+        encode_fast(&One(x), bits, block, scales, codes, |_| {})
+    } else if crate::values::first_non_finite(x).is_some() {
+        Err(OutOfLimit)
+    } else {
+        encode(x, bits, block, stochastic, scales, codes);
+        Ok(())
+    }
+}
+
+/// The SIMD kernel over any element source (one slice, or the sum `g + r` of an
+/// error-feedback step), for configurations where [`is_fast`] holds. Per block: the absmax
+/// (SIMD max of |x|, which also checks that the block is finite), one division `inv = l / m`,
+/// then `x * inv` (or `(x / m) * l` when `inv` overflows) rounded by the same add-and-subtract
+/// of 1.5 * 2^23 as [`crate::scalar::round_ties_even`], clamped, converted, and narrowed to
+/// bytes by saturating packs (8 bits) or packed two codes per byte (4 bits).
+///
+/// The two passes are software-pipelined: while block `b` is coded (from the L1 cache), the
+/// absmax of block `b + 1` is taken (from memory), so the arithmetic overlaps the loads. On a
+/// NaN or infinity the blocks before the bad one may already be written.
+///
+/// `written` is called with each block's code bytes, in order, right after they are written
+/// (the frame encoder folds them into its checksum while they are in cache).
+pub(crate) fn encode_fast<S: Source>(
+    src: &S,
+    bits: u8,
+    block: usize,
+    scales: &mut [u8],
+    codes: &mut [u8],
+    mut written: impl FnMut(&[u8]),
+) -> Result<(), OutOfLimit> {
+    let n = src.len();
     let l = quant_levels(bits);
-    let lf = f32x8::splat(l as f32);
     let per_byte = 8 / bits as usize;
-    for (b, chunk) in x.chunks(block).enumerate() {
-        let m = block_absmax(chunk);
+    let mut m = block_absmax_src(src, 0, block.min(n)).ok_or(OutOfLimit)?;
+    let mut start = 0usize;
+    let mut b = 0usize;
+    while start < n {
+        let len = block.min(n - start);
         scales[4 * b..4 * b + 4].copy_from_slice(&m.to_le_bytes());
-        let out = &mut codes[b * block / per_byte..(b * block + chunk.len()).div_ceil(per_byte)];
-        if m == 0.0 {
-            let c = if bits == 8 {
-                l as u8
+        let out = &mut codes[start / per_byte..(start + len).div_ceil(per_byte)];
+        let next = start + len;
+        let next_len = block.min(n - next);
+        let coder = Coder::new(m, l);
+        m = match coder {
+            Some(c) if next_len == block && block.is_multiple_of(2 * LANES) => if bits == 8 {
+                code_pipelined::<S, 16>(src, start, block, &c, out)
             } else {
-                (l | (l << 4)) as u8
-            };
-            out.fill(c);
-            if bits == 4 && chunk.len() % 2 == 1 {
-                let last = out.len() - 1;
-                out[last] &= 0x0f;
+                code_pipelined::<S, 8>(src, start, block, &c, out)
             }
-            continue;
-        }
-        let m8 = f32x8::splat(m);
-        let code = |v: f32x8| -> [i32; 8] {
-            const MAGIC: f32 = 12_582_912.0;
-            let y = (v / m8) * lf;
-            let q = (y + f32x8::splat(MAGIC)) - f32x8::splat(MAGIC);
-            (q.fast_max(-lf).fast_min(lf) + lf).trunc_int().to_array()
+            .ok_or(OutOfLimit)?,
+            _ => {
+                match coder {
+                    Some(c) if bits == 8 => codes8(src, start, len, &c, out),
+                    Some(c) => codes4(src, start, len, &c, out),
+                    None => zero_block(bits, l, len, out),
+                }
+                block_absmax_src(src, next, next_len).ok_or(OutOfLimit)?
+            }
         };
-        if bits == 8 {
-            let mut xs = chunk.chunks_exact(LANES);
-            let mut os = out.chunks_exact_mut(LANES);
-            for (c, o) in (&mut xs).zip(&mut os) {
-                let q = code(load(c));
-                for (d, &v) in o.iter_mut().zip(&q) {
-                    *d = v as u8;
-                }
-            }
-            let rest = xs.remainder();
-            if !rest.is_empty() {
-                let q = code(load_padded(rest));
-                for (d, &v) in os.into_remainder().iter_mut().zip(&q) {
-                    *d = v as u8;
-                }
-            }
-        } else {
-            let mut xs = chunk.chunks_exact(LANES);
-            let mut os = out.chunks_exact_mut(LANES / 2);
-            for (c, o) in (&mut xs).zip(&mut os) {
-                let q = code(load(c));
-                for (t, d) in o.iter_mut().enumerate() {
-                    *d = (q[2 * t] | (q[2 * t + 1] << 4)) as u8;
-                }
-            }
-            let rest = xs.remainder();
-            if !rest.is_empty() {
-                let q = code(load_padded(rest));
-                let done = (chunk.len() - rest.len()) / 2;
-                for (t, d) in out[done..].iter_mut().enumerate() {
-                    let hi = if 2 * t + 1 < rest.len() {
-                        q[2 * t + 1]
-                    } else {
-                        0
-                    };
-                    *d = (q[2 * t] | (hi << 4)) as u8;
-                }
-            }
+        written(out);
+        start = next;
+        b += 1;
+    }
+    Ok(())
+}
+
+/// The codes of a block whose absmax is 0: every code is `l` (q = 0).
+fn zero_block(bits: u8, l: u32, len: usize, out: &mut [u8]) {
+    if bits == 8 {
+        out.fill(l as u8);
+    } else {
+        out.fill((l | (l << 4)) as u8);
+        if len % 2 == 1
+            && let Some(last) = out.last_mut()
+        {
+            *last &= 0x0f;
         }
     }
 }
 
-/// Largest |x| of a block (0 for an empty one), bit-equal to [`crate::scalar::abs_max`].
+/// Codes the full block at `start` (`block` a multiple of 16) into `out` while taking the
+/// absmax of the full block that follows it; `None` when that block is not finite. `STEP` is
+/// the bytes of 16 codes: 16 for 8 bits, 8 for 4 bits.
+#[inline]
+fn code_pipelined<S: Source, const STEP: usize>(
+    src: &S,
+    start: usize,
+    block: usize,
+    coder: &Coder,
+    out: &mut [u8],
+) -> Option<f32> {
+    let inf = f32x8::splat(f32::INFINITY);
+    let mut ok = inf.simd_eq(inf);
+    let mut acc = [f32x8::splat(0.0); 2];
+    let now = src.pairs(start, block);
+    let ahead = src.pairs(start + block, block);
+    for ((p, q), o) in now.zip(ahead).zip(out.chunks_exact_mut(STEP)) {
+        let (u, v) = (q[0].abs(), q[1].abs());
+        ok = ok & u.simd_lt(inf) & v.simd_lt(inf);
+        acc[0] = acc[0].fast_max(u);
+        acc[1] = acc[1].fast_max(v);
+        let c = coder.bytes16(p[0], p[1]);
+        if STEP == 16 {
+            o.copy_from_slice(&c[..STEP]);
+        } else {
+            o.copy_from_slice(&nibbles(c)[..STEP]);
+        }
+    }
+    if !ok.all() {
+        return None;
+    }
+    Some(lane_max(acc[0].fast_max(acc[1])))
+}
+
+/// The largest lane of a vector of finite, non-negative lanes.
+#[inline]
+fn lane_max(m: f32x8) -> f32 {
+    m.to_array().iter().fold(0.0f32, |a, &b| a.max(b))
+}
+
+/// Code lanes of one block: `c = clamp(round(y), -l, l) + l` with `y` the scaled position.
+struct Coder {
+    m: f32x8,
+    inv: f32x8,
+    lf: f32x8,
+    /// `1.5 * 2^23 - l`.
+    bias: f32x8,
+    /// `inv` overflowed: divide by `m`, then multiply by `l`.
+    exact: bool,
+}
+
+/// `1.5 * 2^23`, the rounding constant of [`crate::scalar::round_ties_even`].
+const MAGIC: f32 = 12_582_912.0;
+
+impl Coder {
+    /// The coder of a block with absmax `m`; `None` when `m == 0` (every code is `l`).
+    #[inline]
+    fn new(m: f32, l: u32) -> Option<Self> {
+        if m == 0.0 {
+            return None;
+        }
+        let inv = quant_inv(m, l);
+        Some(Coder {
+            m: f32x8::splat(m),
+            inv: f32x8::splat(inv),
+            lf: f32x8::splat(l as f32),
+            bias: f32x8::splat(MAGIC - l as f32),
+            exact: !inv.is_finite(),
+        })
+    }
+
+    /// The codes `q + l` of eight elements of the block.
+    ///
+    /// `t = y + 1.5 * 2^23` is the rounding step of [`crate::scalar::round_ties_even`]: it holds
+    /// `1.5 * 2^23 + round(y)` exactly, so `t - (1.5 * 2^23 - l)` is `round(y) + l`, an exact
+    /// integer that converts exactly in every build. The specification's clamp to `[-l, l]`
+    /// never binds: every element has `|x| <= m`, so `|x * fl(l / m)| <= l * (1 + 2^-24)`
+    /// rounded, and `|fl(x / m)| <= 1`, both far below `l + 1/2`.
+    #[inline]
+    fn code(&self, v: f32x8) -> i32x8 {
+        let y = if self.exact {
+            (v / self.m) * self.lf
+        } else {
+            v * self.inv
+        };
+        ((y + f32x8::splat(MAGIC)) - self.bias).fast_trunc_int()
+    }
+
+    /// The codes of elements `i..end` (`end - i < 16`), zero-padded, as bytes.
+    #[inline]
+    fn bytes16_tail<S: Source>(&self, src: &S, i: usize, end: usize) -> [u8; 16] {
+        let a = chunk_or_tail(src, i, end);
+        let b = if i + LANES < end {
+            chunk_or_tail(src, i + LANES, end)
+        } else {
+            f32x8::splat(0.0)
+        };
+        self.bytes16(a, b)
+    }
+
+    /// Sixteen codes (each 0..=254) as bytes.
+    #[inline]
+    fn bytes16(&self, a: f32x8, b: f32x8) -> [u8; 16] {
+        let lo = i16x8::from_i32x8_saturate(self.code(a));
+        let hi = i16x8::from_i32x8_saturate(self.code(b));
+        u8x16::narrow_i16x8(lo, hi).to_array()
+    }
+}
+
+/// 8-bit codes of elements `start..start + len` into `out` (`len` bytes).
+fn codes8<S: Source>(src: &S, start: usize, len: usize, coder: &Coder, out: &mut [u8]) {
+    let full = len / (2 * LANES) * (2 * LANES);
+    let (head, tail) = out.split_at_mut(full);
+    for (p, o) in src.pairs(start, full).zip(head.chunks_exact_mut(2 * LANES)) {
+        o.copy_from_slice(&coder.bytes16(p[0], p[1]));
+    }
+    if !tail.is_empty() {
+        let c = coder.bytes16_tail(src, start + full, start + len);
+        let k = tail.len();
+        tail.copy_from_slice(&c[..k]);
+    }
+}
+
+/// 4-bit codes of elements `start..start + len` into `out` (`ceil(len / 2)` bytes; the high
+/// nibble of a last odd byte is 0).
+fn codes4<S: Source>(src: &S, start: usize, len: usize, coder: &Coder, out: &mut [u8]) {
+    let full = len / (2 * LANES) * (2 * LANES);
+    let (head, tail) = out.split_at_mut(full / 2);
+    for (p, o) in src.pairs(start, full).zip(head.chunks_exact_mut(LANES)) {
+        o.copy_from_slice(&nibbles(coder.bytes16(p[0], p[1])));
+    }
+    if !tail.is_empty() {
+        let mut c = coder.bytes16_tail(src, start + full, start + len);
+        // Codes past the block are not written (a last odd code gets a zero high nibble).
+        c[len - full..].fill(0);
+        let p = nibbles(c);
+        let k = tail.len();
+        tail.copy_from_slice(&p[..k]);
+    }
+}
+
+/// Sixteen 4-bit codes (one per byte, each `< 16`) packed two per byte, the even-indexed code
+/// in the low nibble.
+#[inline]
+fn nibbles(c: [u8; 16]) -> [u8; 8] {
+    let squeeze = |w: u64| {
+        // Byte k becomes c[k] | c[k + 1] << 4; keep the even bytes, then close the gaps.
+        let t = (w | (w >> 4)) & 0x00ff_00ff_00ff_00ff;
+        let t = (t | (t >> 8)) & 0x0000_ffff_0000_ffff;
+        (t | (t >> 16)) & 0xffff_ffff
+    };
+    let mut lo = [0u8; 8];
+    let mut hi = [0u8; 8];
+    lo.copy_from_slice(&c[..8]);
+    hi.copy_from_slice(&c[8..]);
+    (squeeze(u64::from_le_bytes(lo)) | (squeeze(u64::from_le_bytes(hi)) << 32)).to_le_bytes()
+}
+
+/// Elements `i..i + 8` of `src`, zero-padded past `end`.
+#[inline]
+fn chunk_or_tail<S: Source>(src: &S, i: usize, end: usize) -> f32x8 {
+    if i + LANES <= end {
+        src.chunk(i)
+    } else if end == src.len() {
+        src.tail(i)
+    } else {
+        // A block that ends inside the source: mask the lanes past its end.
+        let live = end - i;
+        let v = src.chunk(i).to_array();
+        let mut a = [0.0f32; LANES];
+        a[..live].copy_from_slice(&v[..live]);
+        f32x8::new(a)
+    }
+}
+
+/// Largest |x| of elements `start..start + len` of `src` (0 for none), bit-equal to
+/// [`crate::scalar::abs_max`]; `None` when one of them is NaN or infinite.
+#[inline]
+fn block_absmax_src<S: Source>(src: &S, start: usize, len: usize) -> Option<f32> {
+    let inf = f32x8::splat(f32::INFINITY);
+    let mut acc = [f32x8::splat(0.0); 2];
+    let mut ok = inf.simd_eq(inf);
+    let full = len / (2 * LANES) * (2 * LANES);
+    for p in src.pairs(start, full) {
+        let (u, v) = (p[0].abs(), p[1].abs());
+        ok = ok & u.simd_lt(inf) & v.simd_lt(inf);
+        acc[0] = acc[0].fast_max(u);
+        acc[1] = acc[1].fast_max(v);
+    }
+    let end = start + len;
+    let mut i = start + full;
+    while i < end {
+        let a = chunk_or_tail(src, i, end).abs();
+        ok &= a.simd_lt(inf);
+        acc[0] = acc[0].fast_max(a);
+        i += LANES;
+    }
+    if !ok.all() {
+        return None;
+    }
+    Some(lane_max(acc[0].fast_max(acc[1])))
+}
+
+/// Largest |x| of a block (0 for an empty one), bit-equal to [`crate::scalar::abs_max`] for
+/// finite input.
 pub fn block_absmax(x: &[f32]) -> f32 {
     let mut acc = [f32x8::splat(0.0); 4];
     let mut chunks = x.chunks_exact(4 * LANES);

@@ -173,16 +173,41 @@ pub const fn quant_levels(bits: u8) -> u32 {
     (1u32 << (bits - 1)) - 1
 }
 
-/// The signed code of `x` in a block with absmax `m` and `l` levels: `y = (x / m) * l` rounded
-/// to nearest even, or down after adding `u` in `[0, 1)` (stochastic: pass the draw; nearest:
-/// pass `None`), clamped to `[-l, l]`. A block with `m == 0` codes everything as 0.
+/// The per-block reciprocal of b-bit quantization: `l / m` (infinite when `m` is so small that
+/// `l / m` overflows, and for `m == 0`).
+#[inline]
+pub fn quant_inv(m: f32, l: u32) -> f32 {
+    l as f32 / m
+}
+
+/// The scaled position of `x` in a block with absmax `m`, `l` levels and `inv` =
+/// [`quant_inv`]`(m, l)`: `x * inv` when `inv` is finite, else `(x / m) * l`. One division per
+/// block and a multiply per element; the same in every build (no fused multiply-add).
+#[inline]
+pub fn quant_scaled(x: f32, m: f32, inv: f32, l: u32) -> f32 {
+    if inv.is_finite() {
+        x * inv
+    } else {
+        (x / m) * l as f32
+    }
+}
+
+/// The signed code of `x` in a block with absmax `m` and `l` levels: `y` = [`quant_scaled`]
+/// rounded to nearest even, or down after adding `u` in `[0, 1)` (stochastic: pass the draw;
+/// nearest: pass `None`), clamped to `[-l, l]`. A block with `m == 0` codes everything as 0.
 #[inline]
 pub fn quant_code(x: f32, m: f32, l: u32, u: Option<f32>) -> i32 {
+    quant_code_inv(x, m, quant_inv(m, l), l, u)
+}
+
+/// [`quant_code`] with the block's reciprocal `inv` = [`quant_inv`]`(m, l)` computed once.
+#[inline]
+pub fn quant_code_inv(x: f32, m: f32, inv: f32, l: u32, u: Option<f32>) -> i32 {
     if m == 0.0 {
         return 0;
     }
     let lf = l as f32;
-    let y = (x / m) * lf;
+    let y = quant_scaled(x, m, inv, l);
     let q = match u {
         None => round_ties_even(y),
         Some(u) => floor(y + u),
@@ -259,10 +284,11 @@ pub fn quant_encode(
     for (b, chunk) in x.chunks(block).enumerate() {
         let m = abs_max(chunk);
         scales[4 * b..4 * b + 4].copy_from_slice(&m.to_le_bytes());
+        let inv = quant_inv(m, l);
         for (j, &v) in chunk.iter().enumerate() {
             let i = (b * block + j) as u64;
             let u = stochastic_key.map(|key| rng::uniform_f32(key, i));
-            let q = quant_code(v, m, l, u);
+            let q = quant_code_inv(v, m, inv, l, u);
             bw.write((q + l as i32) as u64, u32::from(bits));
         }
     }

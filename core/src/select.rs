@@ -336,6 +336,9 @@ fn keep_cut(idx: &mut [u32], bits: &mut [u32], cut: Cut) -> usize {
 /// One SIMD pass: every element with `|x| >= lo` for which `accept(key)` holds goes to
 /// `idx`/`bits` (while they have room; the count goes on). Also checks `|x| < limit` for every
 /// element. Returns the count and whether every element was below the limit.
+///
+/// The vectors are never spilled to find a passing lane: a pushed element is read again from
+/// the source (in the L1 cache by then; for a sum, the same f32 addition gives the same bits).
 #[inline]
 fn scan<S: Source>(
     src: &S,
@@ -351,14 +354,14 @@ fn scan<S: Source>(
     let lim8 = f32x8::splat(limit);
     let mut ok = f32x8::splat(0.0).simd_eq(f32x8::splat(0.0));
     let mut count = 0usize;
-    let mut push = |m: u32, base: usize, xs: &[f32x8]| {
+    let mut push = |m: u32, base: usize| {
         let mut m = m;
         while m != 0 {
-            let j = m.trailing_zeros() as usize;
-            let b = xs[j / LANES].as_array()[j % LANES].to_bits();
+            let i = base + m.trailing_zeros() as usize;
+            let b = src.at(i).to_bits();
             if accept(b & KEY_MASK) {
                 if count < cap {
-                    idx[count] = (base + j) as u32;
+                    idx[count] = i as u32;
                     bits[count] = b;
                 }
                 count += 1;
@@ -366,15 +369,11 @@ fn scan<S: Source>(
             m &= m - 1;
         }
     };
-    let mut i = 0usize;
-    while i + 4 * LANES <= n {
-        let xs = [
-            src.chunk(i),
-            src.chunk(i + LANES),
-            src.chunk(i + 2 * LANES),
-            src.chunk(i + 3 * LANES),
-        ];
-        let a = [xs[0].abs(), xs[1].abs(), xs[2].abs(), xs[3].abs()];
+    let full = n / (4 * LANES) * (4 * LANES);
+    let mut base = 0usize;
+    let mut pairs = src.pairs(0, full);
+    while let (Some(p), Some(q)) = (pairs.next(), pairs.next()) {
+        let a = [p[0].abs(), p[1].abs(), q[0].abs(), q[1].abs()];
         ok = ok
             & (a[0].simd_lt(lim8) & a[1].simd_lt(lim8))
             & (a[2].simd_lt(lim8) & a[3].simd_lt(lim8));
@@ -383,10 +382,11 @@ fn scan<S: Source>(
             | (a[2].simd_ge(lo8).to_bitmask() << 16)
             | (a[3].simd_ge(lo8).to_bitmask() << 24);
         if m != 0 {
-            push(m, i, &xs);
+            push(m, base);
         }
-        i += 4 * LANES;
+        base += 4 * LANES;
     }
+    let mut i = full;
     while i < n {
         let live = (n - i).min(LANES);
         let x = if live == LANES {
@@ -398,7 +398,7 @@ fn scan<S: Source>(
         ok &= a.simd_lt(lim8);
         let m = a.simd_ge(lo8).to_bitmask() & ((1u32 << live) - 1);
         if m != 0 {
-            push(m, i, &[x]);
+            push(m, i);
         }
         i += LANES;
     }

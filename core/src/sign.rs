@@ -2,7 +2,9 @@
 //! block (the block's mean |g|, EF-signSGD, Karimireddy et al. 2019) or none (signSGD with
 //! majority vote, Bernstein et al. 2018).
 
-use crate::lanes::{LANES, load, load_padded};
+use crate::lanes::{LANES, One, Source, load, load_padded};
+use crate::scalar::magnitude_key;
+use crate::select::OutOfLimit;
 use wide::{f32x8, u32x8};
 
 /// Bytes of the scales section for `n` elements (`None`: unscaled).
@@ -18,33 +20,174 @@ pub const fn bits_len(n: usize) -> usize {
     n.div_ceil(8)
 }
 
-/// Packs the signs of `x` into `signs` and, with `Some(block)`, each block's mean |x| into
-/// `scales` (little-endian f32). `x` must be finite.
-///
-/// SIMD: the signs through `simd_lt(0).to_bitmask()` (lane 0 is the least significant bit), the
-/// scales through [`block_scales`], whose sums repeat [`crate::scalar::abs_sum_striped`]'s order.
-/// Blocks that are a multiple of 8 elements run in cache-sized tiles (scales, then signs).
-pub fn encode(x: &[f32], block: Option<usize>, scales: &mut [u8], signs: &mut [u8]) {
+/// Whether the one-pass SIMD kernel encodes these blocks (unscaled, or blocks that are a
+/// multiple of 8 elements).
+pub const fn is_fast(block: Option<usize>) -> bool {
     match block {
-        Some(b) if b > 0 && b.is_multiple_of(LANES) => {
-            let tile = b * (TILE / b).max(1);
-            for (t, xs) in x.chunks(tile).enumerate() {
-                let blocks = xs.len().div_ceil(b);
-                let first = t * (tile / b);
-                block_scales(xs, b, &mut scales[4 * first..4 * (first + blocks)]);
-                let s0 = t * tile / LANES;
-                pack_signs(xs, &mut signs[s0..s0 + xs.len().div_ceil(LANES)]);
-            }
-        }
-        Some(b) => {
-            block_scales(x, b.max(1), scales);
-            pack_signs(x, signs);
-        }
-        None => pack_signs(x, signs),
+        Some(b) => b > 0 && b.is_multiple_of(LANES),
+        None => true,
     }
 }
 
-const TILE: usize = 16_384;
+/// Packs the signs of `x` into `signs` and, with `Some(block)`, each block's mean |x| into
+/// `scales` (little-endian f32). `x` must be finite (see [`try_encode`]).
+///
+/// SIMD: one pass per block adds |x| into eight striped lanes (the order of
+/// [`crate::scalar::abs_sum_striped`]) and packs the signs through
+/// `simd_lt(0).to_bitmask()` (lane 0 is the least significant bit).
+pub fn encode(x: &[f32], block: Option<usize>, scales: &mut [u8], signs: &mut [u8]) {
+    if is_fast(block) {
+        // Finite input cannot fail the check.
+        let _ = encode_fast(&One(x), block, scales, signs, |_| {});
+    } else {
+        let b = block.map_or(1, |b| b.max(1));
+        block_scales(x, b, scales);
+        pack_signs(x, signs);
+    }
+}
+
+/// As [`encode`], checking on the way that every element is finite.
+///
+/// The one-pass kernel writes block by block and detects a NaN or infinity through the
+/// block's sum of |x|, so on error `scales` and `signs` hold a prefix of the sections (their
+/// contents are unspecified); other block sizes check the whole input before writing.
+///
+/// # Errors
+/// [`OutOfLimit`] when some element is NaN or infinite.
+pub fn try_encode(
+    x: &[f32],
+    block: Option<usize>,
+    scales: &mut [u8],
+    signs: &mut [u8],
+) -> Result<(), OutOfLimit> {
+    if is_fast(block) {
+        encode_fast(&One(x), block, scales, signs, |_| {})
+    } else if crate::values::first_non_finite(x).is_some() {
+        Err(OutOfLimit)
+    } else {
+        encode(x, block, scales, signs);
+        Ok(())
+    }
+}
+
+/// Elements per checked stretch when there are no scales.
+const CHECK_RUN: usize = 1024;
+
+/// The one-pass kernel over any element source (one slice, or the sum `g + r` of an
+/// error-feedback step), for blocks where [`is_fast`] holds. A block whose sum of |x| is not
+/// finite is checked for NaN and infinity (an error) or, when every element is finite but the
+/// sum overflowed, gets the specification's overflow-safe scale. `written` is called with each
+/// block's sign bytes, in order, right after they are written.
+pub(crate) fn encode_fast<S: Source>(
+    src: &S,
+    block: Option<usize>,
+    scales: &mut [u8],
+    signs: &mut [u8],
+    mut written: impl FnMut(&[u8]),
+) -> Result<(), OutOfLimit> {
+    let n = src.len();
+    let per = block.unwrap_or(CHECK_RUN);
+    let mut start = 0usize;
+    let mut b = 0usize;
+    while start < n {
+        let len = per.min(n - start);
+        let out = &mut signs[start / LANES..(start + len).div_ceil(LANES)];
+        let sum = combine(block_pass(src, start, len, out));
+        if !sum.is_finite() && !crate::values::all_below(&Range(src, start, len), f32::INFINITY) {
+            return Err(OutOfLimit);
+        }
+        if block.is_some() {
+            let s = if sum.is_finite() {
+                sum / len as f32
+            } else {
+                overflow_scale(src, start, len)
+            };
+            scales[4 * b..4 * b + 4].copy_from_slice(&s.to_le_bytes());
+        }
+        written(out);
+        start += len;
+        b += 1;
+    }
+    Ok(())
+}
+
+/// Elements `start..start + len` of a source, as a source.
+struct Range<'a, S>(&'a S, usize, usize);
+
+impl<S: Source> Source for Range<'_, S> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.2
+    }
+    #[inline]
+    fn chunk(&self, i: usize) -> f32x8 {
+        self.0.chunk(self.1 + i)
+    }
+    #[inline]
+    fn tail(&self, i: usize) -> f32x8 {
+        let live = self.2 - i;
+        let mut a = [0.0f32; LANES];
+        for (t, v) in a[..live].iter_mut().enumerate() {
+            *v = self.0.at(self.1 + i + t);
+        }
+        f32x8::new(a)
+    }
+    #[inline]
+    fn at(&self, i: usize) -> f32 {
+        self.0.at(self.1 + i)
+    }
+    #[inline]
+    fn pairs(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]> {
+        self.0.pairs(self.1 + start, len)
+    }
+}
+
+/// One block: returns the eight striped lane sums of |x| and writes the sign bits of elements
+/// `start..start + len` into `out` (`start` a multiple of 8; `ceil(len / 8)` bytes).
+#[inline]
+fn block_pass<S: Source>(src: &S, start: usize, len: usize, out: &mut [u8]) -> f32x8 {
+    let zero = f32x8::splat(0.0);
+    let mut acc = zero;
+    let full = len / (2 * LANES) * (2 * LANES);
+    let (head, tail) = out.split_at_mut(full / LANES);
+    for (p, o) in src.pairs(start, full).zip(head.chunks_exact_mut(2)) {
+        // Lane j adds elements j, j + 8, j + 16, ... in order: the specification's order.
+        acc = (acc + p[0].abs()) + p[1].abs();
+        let m = p[0].simd_lt(zero).to_bitmask() | (p[1].simd_lt(zero).to_bitmask() << 8);
+        o.copy_from_slice(&(m as u16).to_le_bytes());
+    }
+    let end = start + len;
+    let mut i = start + full;
+    for o in tail {
+        let x = if i + LANES <= end {
+            src.chunk(i)
+        } else {
+            // Only the last block of the source ends inside a chunk.
+            src.tail(i)
+        };
+        acc += x.abs();
+        *o = x.simd_lt(zero).to_bitmask() as u8;
+        i += LANES;
+    }
+    acc
+}
+
+/// The specification's scale for a block whose sum of |x| overflowed (every element finite):
+/// the striped sum of `|x| * 2^-64`, divided by the length, times `2^64`, capped at the absmax
+/// (as [`crate::scalar::sign_block_scale`]).
+fn overflow_scale<S: Source>(src: &S, start: usize, len: usize) -> f32 {
+    const DOWN: f32 = 1.0 / 18_446_744_073_709_551_616.0; // 2^-64
+    const UP: f32 = 18_446_744_073_709_551_616.0; // 2^64
+    let mut lanes = [0.0f32; LANES];
+    let mut key = 0u32;
+    for t in 0..len {
+        let v = src.at(start + t);
+        lanes[t % LANES] += v.abs() * DOWN;
+        key = key.max(magnitude_key(v));
+    }
+    let s = combine(f32x8::new(lanes));
+    ((s / len as f32) * UP).min(f32::from_bits(key))
+}
 
 /// Packs the sign bits of `x` into `signs[..ceil(n / 8)]` (bit `i % 8` of byte `i / 8` is 1 when
 /// `x[i] < 0`; padding bits zero).

@@ -4,6 +4,7 @@
 use crate::lanes::{LANES, One, Source, load, load_padded};
 use crate::method::Values;
 use crate::scalar::{dequant, quant_code};
+use crate::select::OutOfLimit;
 use half::{bf16, f16};
 use wide::{f32x8, u32x8};
 
@@ -66,7 +67,9 @@ pub fn read_plain(values: Values, bytes: &[u8]) -> Option<f32> {
     if v.is_finite() { Some(v) } else { None }
 }
 
-/// The int8 code of `x` in a block with absmax `m`: round-to-nearest-even of `(x / m) * 127`.
+/// The int8 code of `x` in a block with absmax `m`: [`crate::scalar::quant_code`] with 127
+/// levels (round to nearest even of `x * (127 / m)`, or of `(x / m) * 127` when `127 / m`
+/// overflows).
 #[inline]
 pub fn int8_code(x: f32, m: f32) -> i8 {
     quant_code(x, m, 127, None) as i8
@@ -227,6 +230,29 @@ pub fn encode_plain(values: Values, x: &[f32], out: &mut [u8]) {
         }
         Values::Int8 { .. } => panic!("int8 is not a plain value type"),
     }
+}
+
+/// As [`encode_plain`], checking on the way that every element is below
+/// [`magnitude_limit`]`(Some(values))` (finite, and within f16 or bf16 range). The input is
+/// checked and written in runs that stay in the L1 cache; on error `out` holds a prefix of the
+/// section (its contents are unspecified).
+///
+/// # Errors
+/// [`OutOfLimit`] when some element is NaN, infinite or beyond the range of `values`.
+///
+/// # Panics
+/// When `out` is too short or `values` is int8.
+pub fn try_encode_plain(values: Values, x: &[f32], out: &mut [u8]) -> Result<(), OutOfLimit> {
+    const RUN: usize = 2048;
+    let limit = magnitude_limit(Some(values));
+    let vb = values.value_bytes();
+    for (j, run) in x.chunks(RUN).enumerate() {
+        if !all_below(&One(run), limit) {
+            return Err(OutOfLimit);
+        }
+        encode_plain(values, run, &mut out[j * RUN * vb..]);
+    }
+    Ok(())
 }
 
 /// Index of the first value in a plain (f32, f16, bf16) section that is not finite.

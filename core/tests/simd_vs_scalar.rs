@@ -577,3 +577,279 @@ fn feedback_step_leaves_the_residual_untouched_on_error() {
     assert_eq!(e, gradwire_core::Error::NonFinite { index: 250 });
     assert_eq!(bits(&r), bits(&before));
 }
+
+/// The input with a NaN or an infinity written at a position `pick` chooses (or none).
+fn with_bad(inp: &Input) -> Vec<f32> {
+    let mut x = inp.x().to_vec();
+    if !x.is_empty() && !inp.pick.is_multiple_of(4) {
+        let bad = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][inp.pick as usize % 3];
+        let at = (inp.pick as usize / 4) % x.len();
+        x[at] = bad;
+    }
+    x
+}
+
+#[test]
+fn try_encode_checks_and_matches_scalar() {
+    fn prop(inp: Input) -> TestResult {
+        let x = with_bad(&inp);
+        let n = x.len();
+        let bad = scalar::first_non_finite(&x).is_some();
+        for bits_ in [8u8, 4, 3] {
+            for block in [7usize, 8, 16, 24, 512] {
+                let s_len = quant::scales_len(n, block);
+                let c_len = quant::codes_len(n, bits_);
+                let mut a = (vec![0xa5u8; s_len], vec![0x5au8; c_len]);
+                let got = quant::try_encode(&x, bits_, block, None, &mut a.0, &mut a.1);
+                if got.is_err() != bad {
+                    return TestResult::error(format!("quant bits {bits_} block {block}"));
+                }
+                if !bad {
+                    let mut b = (vec![0x11u8; s_len], vec![0x22u8; c_len]);
+                    scalar::quant_encode(&x, bits_, block, None, &mut b.0, &mut b.1);
+                    if a != b {
+                        return TestResult::error(format!("quant bytes {bits_} {block}"));
+                    }
+                }
+            }
+        }
+        for block in [None, Some(3), Some(8), Some(16), Some(1024)] {
+            let mut a = (
+                vec![0xa5u8; sign::scales_len(n, block)],
+                vec![0x5au8; sign::bits_len(n)],
+            );
+            let got = sign::try_encode(&x, block, &mut a.0, &mut a.1);
+            if got.is_err() != bad {
+                return TestResult::error(format!("sign block {block:?}"));
+            }
+            if !bad {
+                let mut b = (
+                    vec![0x11u8; sign::scales_len(n, block)],
+                    vec![0x22u8; sign::bits_len(n)],
+                );
+                scalar::sign_encode(&x, block, &mut b.0, &mut b.1);
+                if a != b {
+                    return TestResult::error(format!("sign bytes {block:?}"));
+                }
+            }
+        }
+        for v in [Values::F32, Values::F16, Values::Bf16] {
+            let lim = values::magnitude_limit(Some(v));
+            let mut out = vec![0u8; n * v.value_bytes()];
+            let got = values::try_encode_plain(v, &x, &mut out);
+            if got.is_err() != values::first_at_or_above(&x, lim).is_some() {
+                return TestResult::error(format!("plain {v:?}"));
+            }
+            if got.is_ok() {
+                let mut want = vec![0u8; n * v.value_bytes()];
+                values::encode_plain(v, &x, &mut want);
+                if out != want {
+                    return TestResult::error(format!("plain bytes {v:?}"));
+                }
+            }
+        }
+        TestResult::passed()
+    }
+    qc(prop);
+}
+
+/// Methods whose encoders check their input inside the kernels (and every SIMD path of
+/// quantization: blocks of 16 run pipelined, blocks of 8 and 24 do not).
+fn fused_methods() -> Vec<Method> {
+    let mut m = vec![
+        Method::TopK {
+            k: K::Count(5),
+            values: Values::Int8 { block: 4 },
+        },
+        Method::TopK {
+            k: K::Count(3),
+            values: Values::F16,
+        },
+        Method::Threshold {
+            threshold: 0.5,
+            values: Values::Bf16,
+        },
+        Method::Dense {
+            values: Values::F16,
+        },
+        Method::Dense {
+            values: Values::F32,
+        },
+        Method::Sign {
+            scale: SignScale::MeanAbs { block: 8 },
+        },
+        Method::Sign {
+            scale: SignScale::MeanAbs { block: 1024 },
+        },
+        Method::Sign {
+            scale: SignScale::None,
+        },
+    ];
+    for bits in [8u8, 4] {
+        for block in [8u32, 16, 24, 512] {
+            m.push(Method::Quant {
+                bits,
+                block,
+                rounding: gradwire_core::Rounding::NearestEven,
+            });
+        }
+    }
+    m
+}
+
+/// What a check before encoding reports: the first NaN/Inf, else the first value beyond the
+/// value type's range.
+fn expected_error(x: &[f32], m: &Method) -> Option<gradwire_core::Error> {
+    if let Some(index) = scalar::first_non_finite(x) {
+        return Some(gradwire_core::Error::NonFinite { index });
+    }
+    let v = m.values()?;
+    values::first_out_of_range(v, x).map(|index| gradwire_core::Error::ValueOutOfRange { index })
+}
+
+#[test]
+fn fused_checks_name_the_first_bad_element() {
+    fn prop(inp: Input) -> TestResult {
+        let mut x = with_bad(&inp);
+        let n = x.len();
+        // Sometimes also a value beyond f16 range (before or after the bad one).
+        if n > 0 && inp.k.is_multiple_of(3) {
+            x[inp.k % n] = 70_000.0;
+        }
+        for m in fused_methods() {
+            let p = Params::new(m);
+            let got = frame(&x, &p).err();
+            if got != expected_error(&x, &m) {
+                return TestResult::error(format!("{m:?}: {got:?}"));
+            }
+            if got.is_none() {
+                // The same frame as encoding a copy (the fused path is deterministic).
+                if frame(&x, &p).unwrap() != frame(&x.clone(), &p).unwrap() {
+                    return TestResult::failed();
+                }
+            }
+        }
+        TestResult::passed()
+    }
+    qc(prop);
+}
+
+#[test]
+fn fused_feedback_steps_equal_their_definition() {
+    fn prop(inp: Input) -> TestResult {
+        // Moderate values, and sometimes huge ones whose sign-block sums overflow in f32 (the
+        // overflow-safe scale then comes from the sum source).
+        let huge = inp.pick.is_multiple_of(3);
+        let g: Vec<f32> = inp
+            .x()
+            .iter()
+            .map(|&a| {
+                let a = in_range(Values::F16, a);
+                if huge { a.signum() * 1.0e38 } else { a * 1e-3 }
+            })
+            .collect();
+        let n = g.len();
+        let r0: Vec<f32> = (0..n)
+            .map(|i| {
+                if huge {
+                    ((i % 5) as f32 - 2.0) * 1.0e37
+                } else {
+                    (i as f32 - 100.0) * 1e-3
+                }
+            })
+            .collect();
+        for m in fused_methods() {
+            if matches!(
+                m,
+                Method::Sign {
+                    scale: SignScale::None
+                }
+            ) || (huge && m.values() == Some(Values::F16))
+                || (huge && matches!(m, Method::Dense { .. }))
+            {
+                continue;
+            }
+            let p = Params::new(m);
+            let mut r = r0.clone();
+            let mut out = vec![0u8; max_frame_len(n, &m)];
+            let mut scratch = vec![0u32; scratch_len(n, &m)];
+            let len = match feedback_step(&g, &mut r, &p, &mut scratch, &mut out) {
+                Ok(len) => len,
+                Err(e) => return TestResult::error(format!("{m:?}: {e:?}")),
+            };
+            let mut x: Vec<f32> = g.iter().zip(&r0).map(|(a, b)| a + b).collect();
+            let want = frame(&x, &p).unwrap();
+            accumulate_into(&want, &p, &mut x, -1.0).unwrap();
+            if out[..len] != want[..] {
+                return TestResult::error(format!("frame {m:?}"));
+            }
+            if bits(&r) != bits(&x) {
+                return TestResult::error(format!("residual {m:?}"));
+            }
+        }
+        TestResult::passed()
+    }
+    qc(prop);
+}
+
+#[test]
+fn fused_feedback_steps_leave_the_residual_untouched_on_error() {
+    for m in fused_methods() {
+        if matches!(
+            m,
+            Method::Sign {
+                scale: SignScale::None
+            }
+        ) {
+            continue;
+        }
+        let p = Params::new(m);
+        let n = 3000;
+        for (bad_at, in_sum) in [(2900usize, false), (1500, true), (7, false)] {
+            let mut g: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.25).collect();
+            let mut r: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.125).collect();
+            if in_sum {
+                // Both finite, their sum is not.
+                g[bad_at] = f32::MAX;
+                r[bad_at] = f32::MAX;
+            } else {
+                g[bad_at] = f32::NAN;
+            }
+            let before = r.clone();
+            let mut out = vec![0u8; max_frame_len(n, &m)];
+            let mut scratch = vec![0u32; scratch_len(n, &m)];
+            let e = feedback_step(&g, &mut r, &p, &mut scratch, &mut out).unwrap_err();
+            assert_eq!(
+                e,
+                gradwire_core::Error::NonFinite { index: bad_at },
+                "{m:?}"
+            );
+            assert_eq!(bits(&r), bits(&before), "{m:?}: residual changed");
+        }
+    }
+}
+
+#[test]
+fn quant_reciprocal_overflow_matches_scalar_on_every_path() {
+    // Blocks whose absmax is subnormal enough that l / m overflows: the kernel divides instead.
+    let tiny = [1u32, 2, 3, 7, 0x0000_0400, 0x0010_0000, 0x0080_0000];
+    for len in [16usize, 17, 48, 64, 100] {
+        let x: Vec<f32> = (0..len)
+            .map(|i| {
+                let v = f32::from_bits(tiny[i % tiny.len()]);
+                if i % 3 == 1 { -v } else { v }
+            })
+            .collect();
+        for bits_ in [8u8, 4] {
+            for block in [8usize, 16, 32] {
+                let s_len = quant::scales_len(len, block);
+                let c_len = quant::codes_len(len, bits_);
+                let mut a = (vec![0u8; s_len], vec![0u8; c_len]);
+                let mut b = (vec![1u8; s_len], vec![1u8; c_len]);
+                quant::encode(&x, bits_, block, None, &mut a.0, &mut a.1);
+                scalar::quant_encode(&x, bits_, block, None, &mut b.0, &mut b.1);
+                assert_eq!(a, b, "len {len} bits {bits_} block {block}");
+            }
+        }
+    }
+}

@@ -39,12 +39,15 @@
 //! ```
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use gradwire_core::{Method, SignScale, accumulate_into, sign};
+use rayon::prelude::*;
 
-use crate::bundle::{EntryKind, Manifest, check_frame};
+use crate::bundle::{ENTRY_HEADER_LEN, Entry, EntryKind, HEADER_LEN, Manifest, check_frame};
 use crate::compressor::CompressedGradient;
 use crate::error::{Error, Result};
+use crate::parallel::{CHUNK, Parallelism, SparseList, Split, splits_sparse};
 
 /// How contributions are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,6 +117,9 @@ fn finish(out: &mut [f32], reduction: Reduction, count: usize) {
 /// resized to [`Manifest::flat_len`] (no allocation when it has the capacity). See the module
 /// docs for the checks and the reductions.
 ///
+/// This is the serial path, on the calling thread; [`Aggregator`] gives the same bits on every
+/// core.
+///
 /// # Errors
 /// [`Error::WorldSize`] for no bundle; [`Error::Config`] for a majority vote over frames that
 /// are not unscaled sign; every error of [`Manifest::check_bundle`], naming the rank (and the
@@ -148,6 +154,228 @@ pub fn aggregate_into<B: AsRef<[u8]>>(
     }
     finish(out, reduction, bundles.len());
     Ok(())
+}
+
+/// Aggregates bundles like [`aggregate_into`], on every core of rayon's pool, keeping its
+/// buffers between calls.
+///
+/// The result is the same f32 bits as [`aggregate_into`]'s, and so is every error: each entry's
+/// output range belongs to one task, which adds the ranks' frames in rank order; a large entry
+/// is cut into chunks of its output, each adding every rank's part in rank order (dense,
+/// quantization and sign frames at block boundaries; top-k and threshold frames through their
+/// indices, decoded once per rank). Zeroing, adding and the final reduction run per chunk while
+/// it is in cache. When anything fails, the serial path runs again to report the same error.
+///
+/// ```
+/// use std::collections::HashMap;
+/// use gradwire::aggregate::{Aggregator, Reduction, aggregate};
+/// use gradwire::bucket::BucketConfig;
+/// use gradwire::bundle::Manifest;
+/// use gradwire::compressor::{CompressionMethod, GradientCompressor};
+/// use gradwire::parallel::Parallelism;
+/// use gradwire::tensor::Tensor;
+///
+/// let method = CompressionMethod::SignSGD;
+/// let grads = HashMap::from([("w".to_string(), Tensor::vector(vec![0.5; 1 << 20]))]);
+/// let manifest = Manifest::for_gradients(&grads, &method, 0, BucketConfig::none())?;
+/// let mut bundles = Vec::new();
+/// for rank in 0..2 {
+///     let mut sender = GradientCompressor::new(method.clone());
+///     let mut bundle = Vec::new();
+///     sender.compress_bundle(&manifest, &grads, rank, &mut bundle)?;
+///     bundles.push(bundle);
+/// }
+/// let mut aggregator = Aggregator::new().with_parallelism(Parallelism::Parallel);
+/// let mut mean = Vec::new();
+/// aggregator.aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut mean)?;
+/// assert_eq!(mean, aggregate(&manifest, &bundles, 0, Reduction::Mean)?);
+/// # Ok::<(), gradwire::error::Error>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct Aggregator {
+    parallelism: Parallelism,
+    /// Byte range of every frame: `frames[rank * entries + entry]`.
+    frames: Vec<(usize, usize)>,
+    /// Decoded indices and values of one sparse entry, one list per rank.
+    lists: Vec<SparseList>,
+}
+
+impl Aggregator {
+    /// An aggregator with [`Parallelism::Auto`]: every core of rayon's pool when it has more
+    /// than one thread.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The same aggregator using `parallelism`.
+    pub fn with_parallelism(mut self, parallelism: Parallelism) -> Self {
+        self.parallelism = parallelism;
+        self
+    }
+
+    /// Sets how many cores the next calls use.
+    pub fn set_parallelism(&mut self, parallelism: Parallelism) {
+        self.parallelism = parallelism;
+    }
+
+    /// How many cores aggregation uses.
+    pub fn parallelism(&self) -> Parallelism {
+        self.parallelism
+    }
+
+    /// As [`aggregate_into`], with this aggregator's [`Parallelism`]. After the first call with
+    /// a manifest and world size, the aggregator's own buffers need no allocation (rayon may
+    /// still allocate for its job bookkeeping).
+    ///
+    /// # Errors
+    /// As [`aggregate_into`]: the same error for the same input.
+    pub fn aggregate_into<B: AsRef<[u8]> + Sync>(
+        &mut self,
+        manifest: &Manifest,
+        bundles: &[B],
+        step: u64,
+        reduction: Reduction,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        if !self.parallelism.is_parallel() {
+            return aggregate_into(manifest, bundles, step, reduction, out);
+        }
+        check_reduction(manifest, reduction, bundles.len())?;
+        // One entry into rayon's pool for the whole call (a call from outside the pool waits
+        // for each job it injects).
+        let done = rayon::scope(|_| {
+            let first_bad = bundles
+                .par_iter()
+                .enumerate()
+                .map(|(rank, b)| manifest.check_bundle(b.as_ref(), Some(rank), Some(step)))
+                .find_first(Result::is_err);
+            match first_bad {
+                Some(Err(e)) => Err(e),
+                _ => Ok(self.parallel(manifest, bundles, step, reduction, out)),
+            }
+        })?;
+        if done {
+            Ok(())
+        } else {
+            // Something the checks above do not cover (a frame body): the serial path finds
+            // the same error and leaves `out` as it does.
+            aggregate_into(manifest, bundles, step, reduction, out)
+        }
+    }
+
+    /// The parallel path after the bundles passed [`Manifest::check_bundle`]; `false` when a
+    /// frame turns out invalid (`out` then holds partial sums).
+    fn parallel<B: AsRef<[u8]> + Sync>(
+        &mut self,
+        manifest: &Manifest,
+        bundles: &[B],
+        step: u64,
+        reduction: Reduction,
+        out: &mut Vec<f32>,
+    ) -> bool {
+        let entries = manifest.entries();
+        let (ne, count) = (entries.len(), bundles.len());
+        // Where every frame lies: entries follow each other after the bundle header.
+        self.frames.resize(count * ne, (0, 0));
+        if ne > 0 {
+            for (row, bundle) in self.frames.chunks_mut(ne).zip(bundles) {
+                let mut pos = HEADER_LEN;
+                let walked = manifest.walk(bundle.as_ref(), None, |e, frame| {
+                    let start = pos + ENTRY_HEADER_LEN;
+                    pos = start + frame.len();
+                    row[e] = (start, pos);
+                    Ok(())
+                });
+                if walked.is_err() {
+                    return false;
+                }
+            }
+        }
+        let frames = &self.frames;
+        let frame = |rank: usize, e: usize| -> &[u8] {
+            let (a, b) = frames[rank * ne + e];
+            bundles[rank].as_ref().get(a..b).unwrap_or(&[])
+        };
+        let finish = |acc: &mut [f32]| finish(acc, reduction, count);
+        let large = |entry: &Entry| {
+            Split::new(entry.len, &entry.method, false).is_some()
+                || splits_sparse(entry.len, &entry.method)
+        };
+        out.resize(manifest.flat_len(), 0.0);
+        // Small entries: one task each, ranks in order.
+        let failed = AtomicBool::new(false);
+        for_each_entry(entries, 0, out, 0, &|e, acc| {
+            let entry = &entries[e];
+            if large(entry) {
+                return;
+            }
+            acc.fill(0.0);
+            let params = manifest.params(e, step);
+            for rank in 0..count {
+                if accumulate_into(frame(rank, e), &params, acc, 1.0).is_err() {
+                    failed.store(true, Ordering::Relaxed);
+                    return;
+                }
+            }
+            finish(acc);
+        });
+        if failed.load(Ordering::Relaxed) {
+            return false;
+        }
+        // Large entries: one after the other, each cut into chunks of its output.
+        for (e, entry) in entries.iter().enumerate() {
+            let Some(acc) = out.get_mut(entry.offset..entry.offset + entry.len) else {
+                return false;
+            };
+            if let Some(split) = Split::new(entry.len, &entry.method, false) {
+                if !split.accumulate(|r| frame(r, e), count, acc, &finish) {
+                    return false;
+                }
+            } else if splits_sparse(entry.len, &entry.method) {
+                if self.lists.len() < count {
+                    self.lists.resize_with(count, SparseList::default);
+                }
+                let lists = &mut self.lists[..count];
+                let decoded = lists
+                    .par_iter_mut()
+                    .enumerate()
+                    .all(|(r, list)| list.decode(frame(r, e), entry.len, &entry.method));
+                if !decoded {
+                    return false;
+                }
+                let lists = &*lists;
+                acc.par_chunks_mut(CHUNK).enumerate().for_each(|(j, acc)| {
+                    acc.fill(0.0);
+                    for list in lists {
+                        list.add_range(j * CHUNK, acc);
+                    }
+                    finish(acc);
+                });
+            }
+        }
+        true
+    }
+}
+
+/// Calls `f(e, range of entry e)` for entries `first..first + entries.len()`, whose ranges
+/// tile `out` from flat offset `base`, on rayon's pool (halving the entries recursively).
+fn for_each_entry<F>(entries: &[Entry], first: usize, out: &mut [f32], base: usize, f: &F)
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    match entries.len() {
+        0 => {}
+        1 => f(first, out),
+        len => {
+            let mid = len / 2;
+            let at = entries[mid].offset;
+            let (a, b) = out.split_at_mut(at.saturating_sub(base).min(out.len()));
+            rayon::join(
+                || for_each_entry(&entries[..mid], first, a, base, f),
+                || for_each_entry(&entries[mid..], first + mid, b, at, f),
+            );
+        }
+    }
 }
 
 /// As [`aggregate_into`], returning a new flat buffer.

@@ -49,12 +49,13 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::aggregate::{Reduction, aggregate_compressed_into, aggregate_into, check_contribution};
+use crate::aggregate::{Aggregator, Reduction, aggregate_compressed_into, check_contribution};
 use crate::bucket::BucketConfig;
 use crate::bundle::Manifest;
 use crate::comm::Communicator;
 use crate::compressor::{CompressedGradient, CompressionMethod, GradientCompressor};
 use crate::error::{Error, Result};
+use crate::parallel::Parallelism;
 use crate::tensor::Tensor;
 
 /// Distributed gradient aggregation with compression (see the module docs).
@@ -71,6 +72,7 @@ pub struct CompressedAllReduce {
     send: Vec<u8>,
     gathered: Vec<Vec<u8>>,
     flat: Vec<f32>,
+    aggregator: Aggregator,
 }
 
 impl fmt::Debug for CompressedAllReduce {
@@ -100,6 +102,7 @@ impl CompressedAllReduce {
             send: Vec::new(),
             gathered: Vec::new(),
             flat: Vec::new(),
+            aggregator: Aggregator::new(),
         }
     }
 
@@ -137,6 +140,15 @@ impl CompressedAllReduce {
         self
     }
 
+    /// The same all-reduce compressing and aggregating with `parallelism` (default
+    /// [`Parallelism::Auto`]: every core of rayon's pool when it has more than one thread). The
+    /// results are the same bits with every setting.
+    pub fn with_parallelism(mut self, parallelism: Parallelism) -> Self {
+        self.compressor.set_parallelism(parallelism);
+        self.aggregator.set_parallelism(parallelism);
+        self
+    }
+
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.world_size
@@ -166,7 +178,7 @@ impl CompressedAllReduce {
     /// # Errors
     /// [`Error::NoCommunicator`] when the world size is not 1 and no communicator is
     /// configured; [`Error::Comm`] when the transport fails; any error of
-    /// [`GradientCompressor::compress_bundle`] and [`aggregate_into`] (naming tensor and rank).
+    /// [`GradientCompressor::compress_bundle`] and [`Aggregator::aggregate_into`] (naming tensor and rank).
     /// A rank whose local compression fails still takes part in the all-gather (with an empty
     /// bundle) and returns its own error; its peers then fail naming that rank, so no rank
     /// waits forever. Every rank's step advances by one on such a failed call (the failing
@@ -241,7 +253,7 @@ impl CompressedAllReduce {
                 got: self.gathered.len(),
             });
         }
-        aggregate_into(
+        self.aggregator.aggregate_into(
             manifest,
             &self.gathered,
             step,

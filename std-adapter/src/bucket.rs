@@ -30,14 +30,18 @@
 //! back.
 
 use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
 
 use gradwire_core::{
-    Method, Values, accumulate_into, encode_into, encode_selected_into, feedback_step, select,
+    Method, Values, accumulate_into, encode_into, encode_selected_into, feedback_step,
+    max_frame_len, select,
 };
+use rayon::prelude::*;
 
-use crate::bundle::{EntryKind, Manifest};
+use crate::bundle::{Entry, EntryKind, Manifest, Sizes};
 use crate::error::{Error, Result};
 use crate::feedback::{ErrorFeedback, check_step_input};
+use crate::parallel::{CHUNK, Parallelism, SPLIT_MIN, Split};
 use crate::tensor::Tensor;
 
 /// Which top-k a bucket keeps.
@@ -163,11 +167,11 @@ pub(crate) fn plan(numels: &[usize], config: &BucketConfig) -> Vec<Planned> {
     entries
 }
 
-/// Reusable buffers of the encoder.
+/// Reusable buffers of one encoding task: core scratch, a bucket's gradients and residuals, and
+/// the kept indices of per-tensor top-k.
 #[derive(Debug, Default)]
-pub(crate) struct Engine {
+struct Bufs {
     scratch: Vec<u32>,
-    frame: Vec<u8>,
     x: Vec<f32>,
     r: Vec<f32>,
     kept: Vec<u32>,
@@ -179,11 +183,284 @@ fn grow<T: Clone + Default>(v: &mut Vec<T>, len: usize) {
     }
 }
 
+impl Bufs {
+    /// Grows the buffers to what the entries of a manifest with `sizes` need.
+    fn fit(&mut self, sizes: Sizes, feedback: bool) {
+        grow(&mut self.scratch, sizes.scratch);
+        if self.kept.capacity() < sizes.kept {
+            self.kept.reserve(sizes.kept - self.kept.len());
+        }
+        if feedback {
+            grow(&mut self.r, sizes.bucket);
+        }
+        grow(&mut self.x, sizes.bucket);
+    }
+}
+
+/// One entry of the parallel path: its frame, and the residuals of its tensors while it runs.
+#[derive(Debug, Default)]
+struct Slot {
+    frame: Vec<u8>,
+    len: usize,
+    res: Vec<Vec<f32>>,
+    err: Option<Error>,
+}
+
+/// [`Bufs`] taken from the engine's pool for one rayon task, given back when dropped.
+struct Lease<'p> {
+    pool: &'p Mutex<Vec<Bufs>>,
+    bufs: Option<Bufs>,
+}
+
+impl Lease<'_> {
+    fn get(&mut self, sizes: Sizes, feedback: bool) -> &mut Bufs {
+        let pool = self.pool;
+        let bufs = self.bufs.get_or_insert_with(|| {
+            pool.lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop()
+                .unwrap_or_default()
+        });
+        bufs.fit(sizes, feedback);
+        bufs
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if let Some(bufs) = self.bufs.take() {
+            self.pool
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(bufs);
+        }
+    }
+}
+
+/// Reusable buffers of the encoder: those of the serial path, and for the parallel path a
+/// frame per entry and a pool of [`Bufs`] (one per task that runs at the same time).
+#[derive(Debug, Default)]
+pub(crate) struct Engine {
+    bufs: Bufs,
+    frame: Vec<u8>,
+    res: Vec<Vec<f32>>,
+    slots: Vec<Slot>,
+    pool: Mutex<Vec<Bufs>>,
+}
+
+/// Moves the residuals of `members` into `res[..members.len()]` (see
+/// [`ErrorFeedback::take_residual`]); on error gives back those already moved.
+fn take_members(
+    fb: &mut ErrorFeedback,
+    manifest: &Manifest,
+    members: &[usize],
+    res: &mut Vec<Vec<f32>>,
+) -> Result<()> {
+    if res.len() < members.len() {
+        res.resize_with(members.len(), Vec::new);
+    }
+    for (i, &t) in members.iter().enumerate() {
+        let info = &manifest.tensors()[t];
+        if let Err(e) = fb.take_residual(&info.name, info.numel, &mut res[i]) {
+            put_members(fb, manifest, &members[..i], res);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Gives back the residuals [`take_members`] moved out.
+fn put_members(
+    fb: &mut ErrorFeedback,
+    manifest: &Manifest,
+    members: &[usize],
+    res: &mut [Vec<f32>],
+) {
+    for (&t, r) in members.iter().zip(res.iter_mut()) {
+        fb.put_residual(&manifest.tensors()[t].name, r);
+    }
+}
+
+/// The gradient of tensor `t` of the manifest (empty when missing; checked before).
+fn grad_of<'g>(manifest: &Manifest, grads: &'g HashMap<String, Tensor>, t: usize) -> &'g [f32] {
+    manifest
+        .tensors()
+        .get(t)
+        .and_then(|info| grads.get(&info.name))
+        .map_or(&[], Tensor::data)
+}
+
+/// Checks what encoding `entry` reads (see [`check_step_input`]), tensors in member order. With
+/// `parallel`, a large tensor is checked in chunks on rayon's pool (the same verdict; the error,
+/// if any, found again by the serial check so that it is the same one).
+fn check_entry(
+    manifest: &Manifest,
+    entry: &Entry,
+    grads: &HashMap<String, Tensor>,
+    feedback: Option<&ErrorFeedback>,
+    parallel: bool,
+) -> Result<()> {
+    let values = entry.method.values();
+    for &t in &entry.members {
+        let name = &manifest.tensors()[t].name;
+        let g = grad_of(manifest, grads, t);
+        let residual = feedback.and_then(|fb| fb.residual(name));
+        let chunks_ok = |g: &[f32], r: Option<&[f32]>| check_step_input(name, g, r, values).is_ok();
+        let quick = parallel
+            && g.len() >= SPLIT_MIN
+            && match residual {
+                None => g.par_chunks(CHUNK).all(|g| chunks_ok(g, None)),
+                Some(r) if r.len() == g.len() => g
+                    .par_chunks(CHUNK)
+                    .zip(r.par_chunks(CHUNK))
+                    .all(|(g, r)| chunks_ok(g, Some(r))),
+                Some(_) => false,
+            };
+        if !quick {
+            check_step_input(name, g, residual, values)?;
+        }
+    }
+    Ok(())
+}
+
+/// Encodes entry `e` of `manifest` at `step` into `frame` (at least the entry's
+/// `max_frame_len`) and returns the frame length. With error feedback, `res` holds the residuals
+/// of the entry's tensors, in member order, and is updated. The input must have been checked.
+fn encode_entry(
+    bufs: &mut Bufs,
+    manifest: &Manifest,
+    e: usize,
+    grads: &HashMap<String, Tensor>,
+    step: u64,
+    res: Option<&mut [Vec<f32>]>,
+    frame: &mut [u8],
+) -> Result<usize> {
+    let tensors = manifest.tensors();
+    let entry = &manifest.entries()[e];
+    let grad = |t: usize| grad_of(manifest, grads, t);
+    let params = manifest.params(e, step);
+    let core = |err| Error::core(&entry.label, None, err);
+    let len = match (&entry.kind, res) {
+        (EntryKind::Tensor, None) => {
+            let t = entry.members.first().copied().unwrap_or(0);
+            encode_into(grad(t), &params, &mut bufs.scratch, frame).map_err(core)?
+        }
+        (EntryKind::Tensor, Some(res)) => {
+            let t = entry.members.first().copied().unwrap_or(0);
+            let residual = res
+                .first_mut()
+                .ok_or_else(|| Error::config("no residual"))?;
+            feedback_step(grad(t), residual, &params, &mut bufs.scratch, frame).map_err(core)?
+        }
+        (EntryKind::Bucket { per_tensor_topk }, res) => {
+            let n = entry.len;
+            let x = &mut bufs.x[..n];
+            let mut at = 0;
+            for &t in &entry.members {
+                let g = grad(t);
+                x[at..at + g.len()].copy_from_slice(g);
+                at += g.len();
+            }
+            let k = match manifest.method() {
+                Method::TopK { k, .. } if *per_tensor_topk => Some(*k),
+                _ => None,
+            };
+            let values = entry.method.values().unwrap_or(Values::F32);
+            match res {
+                None => match k {
+                    Some(k) => {
+                        select_per_tensor(
+                            manifest,
+                            &entry.members,
+                            x,
+                            k,
+                            &mut bufs.scratch,
+                            &mut bufs.kept,
+                        );
+                        encode_selected_into(x, &bufs.kept, values, &mut bufs.scratch, frame)
+                            .map_err(core)?
+                    }
+                    None => encode_into(x, &params, &mut bufs.scratch, frame).map_err(core)?,
+                },
+                Some(res) => {
+                    let r = &mut bufs.r[..n];
+                    let mut at = 0;
+                    for (&t, old) in entry.members.iter().zip(res.iter()) {
+                        let seg = &mut r[at..at + tensors[t].numel];
+                        if old.len() == seg.len() {
+                            seg.copy_from_slice(old);
+                        } else {
+                            seg.fill(0.0);
+                        }
+                        at += seg.len();
+                    }
+                    let len = match k {
+                        Some(k) => {
+                            for (ri, xi) in r.iter_mut().zip(x.iter()) {
+                                *ri += *xi;
+                            }
+                            select_per_tensor(
+                                manifest,
+                                &entry.members,
+                                r,
+                                k,
+                                &mut bufs.scratch,
+                                &mut bufs.kept,
+                            );
+                            let len = encode_selected_into(
+                                r,
+                                &bufs.kept,
+                                values,
+                                &mut bufs.scratch,
+                                frame,
+                            )
+                            .map_err(core)?;
+                            accumulate_into(&frame[..len], &params, r, -1.0).map_err(core)?;
+                            len
+                        }
+                        None => {
+                            feedback_step(x, r, &params, &mut bufs.scratch, frame).map_err(core)?
+                        }
+                    };
+                    let mut at = 0;
+                    for (&t, slot) in entry.members.iter().zip(res.iter_mut()) {
+                        let numel = tensors[t].numel;
+                        slot.clear();
+                        slot.extend_from_slice(&r[at..at + numel]);
+                        at += numel;
+                    }
+                    len
+                }
+            }
+        }
+    };
+    Ok(len)
+}
+
 impl Engine {
     /// Encodes every entry of `manifest` at `step`, with error feedback when `feedback` is
     /// given (its step must be `step`), and calls `sink(entry index, frame)` for each entry in
-    /// order. Everything is checked before the first residual changes or `sink` is called.
+    /// order. Everything is checked before the first residual changes or `sink` is called. With
+    /// `parallelism`, entries (and chunks of large dense, quantization and sign tensors) are
+    /// encoded on rayon's pool; the frames and residuals are the same bytes and bits.
     pub(crate) fn encode(
+        &mut self,
+        manifest: &Manifest,
+        grads: &HashMap<String, Tensor>,
+        step: u64,
+        feedback: Option<&mut ErrorFeedback>,
+        parallelism: Parallelism,
+        sink: impl FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        if parallelism.is_parallel() {
+            self.encode_parallel(manifest, grads, step, feedback, sink)
+        } else {
+            self.encode_serial(manifest, grads, step, feedback, sink)
+        }
+    }
+
+    /// The serial path: entries one after the other into one frame buffer.
+    fn encode_serial(
         &mut self,
         manifest: &Manifest,
         grads: &HashMap<String, Tensor>,
@@ -192,142 +469,41 @@ impl Engine {
         mut sink: impl FnMut(usize, &[u8]),
     ) -> Result<()> {
         manifest.check_gradients(grads)?;
-        let tensors = manifest.tensors();
-        let grad = |t: usize| -> &[f32] {
-            tensors
-                .get(t)
-                .and_then(|info| grads.get(&info.name))
-                .map_or(&[], Tensor::data)
-        };
         // Pass 1: every check, before anything changes.
         for entry in manifest.entries() {
-            let values = entry.method.values();
-            for &t in &entry.members {
-                let name = &tensors[t].name;
-                let residual = feedback.as_deref().and_then(|fb| fb.residual(name));
-                check_step_input(name, grad(t), residual, values)?;
-            }
+            check_entry(manifest, entry, grads, feedback.as_deref(), false)?;
         }
         let sizes = manifest.sizes();
+        self.bufs.fit(sizes, feedback.is_some());
         grow(&mut self.frame, sizes.frame);
-        grow(&mut self.scratch, sizes.scratch);
-        if self.kept.capacity() < sizes.kept {
-            self.kept.reserve(sizes.kept - self.kept.len());
-        }
-        if feedback.is_some() {
-            grow(&mut self.r, sizes.bucket);
-        }
-        grow(&mut self.x, sizes.bucket);
         // Pass 2: the checks above cover every error of the kernels.
         for (e, entry) in manifest.entries().iter().enumerate() {
-            let params = manifest.params(e, step);
-            let core = |err| Error::core(&entry.label, None, err);
-            let len = match (&entry.kind, feedback.as_deref_mut()) {
-                (EntryKind::Tensor, None) => {
-                    let t = entry.members.first().copied().unwrap_or(0);
-                    encode_into(grad(t), &params, &mut self.scratch, &mut self.frame)
-                        .map_err(core)?
+            let len = match feedback.as_deref_mut() {
+                None => encode_entry(
+                    &mut self.bufs,
+                    manifest,
+                    e,
+                    grads,
+                    step,
+                    None,
+                    &mut self.frame,
+                ),
+                Some(fb) => {
+                    take_members(fb, manifest, &entry.members, &mut self.res)?;
+                    let res = &mut self.res[..entry.members.len()];
+                    let len = encode_entry(
+                        &mut self.bufs,
+                        manifest,
+                        e,
+                        grads,
+                        step,
+                        Some(&mut *res),
+                        &mut self.frame,
+                    );
+                    put_members(fb, manifest, &entry.members, res);
+                    len
                 }
-                (EntryKind::Tensor, Some(fb)) => {
-                    let t = entry.members.first().copied().unwrap_or(0);
-                    let g = grad(t);
-                    let residual = fb.residual_for(&tensors[t].name, g.len())?;
-                    feedback_step(g, residual, &params, &mut self.scratch, &mut self.frame)
-                        .map_err(core)?
-                }
-                (EntryKind::Bucket { per_tensor_topk }, fb) => {
-                    let n = entry.len;
-                    let x = &mut self.x[..n];
-                    let mut at = 0;
-                    for &t in &entry.members {
-                        let g = grad(t);
-                        x[at..at + g.len()].copy_from_slice(g);
-                        at += g.len();
-                    }
-                    let k = match manifest.method() {
-                        Method::TopK { k, .. } if *per_tensor_topk => Some(*k),
-                        _ => None,
-                    };
-                    let values = entry.method.values().unwrap_or(Values::F32);
-                    match fb {
-                        None => match k {
-                            Some(k) => {
-                                select_per_tensor(
-                                    manifest,
-                                    &entry.members,
-                                    x,
-                                    k,
-                                    &mut self.scratch,
-                                    &mut self.kept,
-                                );
-                                encode_selected_into(
-                                    x,
-                                    &self.kept,
-                                    values,
-                                    &mut self.scratch,
-                                    &mut self.frame,
-                                )
-                                .map_err(core)?
-                            }
-                            None => encode_into(x, &params, &mut self.scratch, &mut self.frame)
-                                .map_err(core)?,
-                        },
-                        Some(fb) => {
-                            let r = &mut self.r[..n];
-                            let mut at = 0;
-                            for &t in &entry.members {
-                                let info = &tensors[t];
-                                let seg = &mut r[at..at + info.numel];
-                                match fb.residual(&info.name) {
-                                    Some(old) if old.len() == seg.len() => {
-                                        seg.copy_from_slice(old);
-                                    }
-                                    _ => seg.fill(0.0),
-                                }
-                                at += info.numel;
-                            }
-                            let len = match k {
-                                Some(k) => {
-                                    for (ri, xi) in r.iter_mut().zip(x.iter()) {
-                                        *ri += *xi;
-                                    }
-                                    select_per_tensor(
-                                        manifest,
-                                        &entry.members,
-                                        r,
-                                        k,
-                                        &mut self.scratch,
-                                        &mut self.kept,
-                                    );
-                                    let len = encode_selected_into(
-                                        r,
-                                        &self.kept,
-                                        values,
-                                        &mut self.scratch,
-                                        &mut self.frame,
-                                    )
-                                    .map_err(core)?;
-                                    accumulate_into(&self.frame[..len], &params, r, -1.0)
-                                        .map_err(core)?;
-                                    len
-                                }
-                                None => {
-                                    feedback_step(x, r, &params, &mut self.scratch, &mut self.frame)
-                                        .map_err(core)?
-                                }
-                            };
-                            let mut at = 0;
-                            for &t in &entry.members {
-                                let info = &tensors[t];
-                                let slot = fb.residual_for(&info.name, info.numel)?;
-                                slot.copy_from_slice(&r[at..at + info.numel]);
-                                at += info.numel;
-                            }
-                            len
-                        }
-                    }
-                }
-            };
+            }?;
             sink(e, &self.frame[..len]);
         }
         if let Some(fb) = feedback {
@@ -335,6 +511,126 @@ impl Engine {
         }
         Ok(())
     }
+
+    /// The parallel path: checks, then every entry into its own frame buffer, entries (and
+    /// chunks of large tensors) on rayon's pool; then `sink` in manifest order.
+    fn encode_parallel(
+        &mut self,
+        manifest: &Manifest,
+        grads: &HashMap<String, Tensor>,
+        step: u64,
+        mut feedback: Option<&mut ErrorFeedback>,
+        mut sink: impl FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        manifest.check_gradients(grads)?;
+        let entries = manifest.entries();
+        if self.slots.len() < entries.len() {
+            self.slots.resize_with(entries.len(), Slot::default);
+        }
+        let slots = &mut self.slots[..entries.len()];
+        let pool = &self.pool;
+        let fb = feedback.as_deref_mut();
+        // One entry into rayon's pool for the whole step (a call from outside the pool waits
+        // for each job it injects).
+        rayon::scope(|_| encode_on_pool(manifest, grads, step, fb, slots, pool))?;
+        for (e, slot) in slots.iter().enumerate() {
+            sink(e, &slot.frame[..slot.len]);
+        }
+        if let Some(fb) = feedback {
+            fb.advance();
+        }
+        Ok(())
+    }
+}
+
+/// The parallel path's work on rayon's pool: checks (entries in parallel), residuals moved into
+/// the slots, every entry encoded into its slot (entries, and chunks of large tensors, in
+/// parallel), residuals given back. The first error in manifest order; on a check error nothing
+/// changed.
+fn encode_on_pool(
+    manifest: &Manifest,
+    grads: &HashMap<String, Tensor>,
+    step: u64,
+    mut feedback: Option<&mut ErrorFeedback>,
+    slots: &mut [Slot],
+    pool: &Mutex<Vec<Bufs>>,
+) -> Result<()> {
+    let entries = manifest.entries();
+    // Pass 1: every check, before anything changes; the first error in manifest order.
+    {
+        let fb = feedback.as_deref();
+        slots.par_iter_mut().zip(entries).for_each(|(slot, entry)| {
+            slot.err = check_entry(manifest, entry, grads, fb, true).err();
+        });
+    }
+    first_error(slots)?;
+    // The residuals move into the slots, so that each task owns its entry's.
+    if let Some(fb) = feedback.as_deref_mut() {
+        for (e, (slot, entry)) in slots.iter_mut().zip(entries).enumerate() {
+            if let Err(err) = take_members(fb, manifest, &entry.members, &mut slot.res) {
+                for (slot, entry) in slots[..e].iter_mut().zip(entries) {
+                    put_members(fb, manifest, &entry.members, &mut slot.res);
+                }
+                return Err(err);
+            }
+        }
+    }
+    // Pass 2: the checks above cover every error of the kernels.
+    let sizes = manifest.sizes();
+    let ef = feedback.is_some();
+    slots.par_iter_mut().enumerate().for_each_init(
+        || Lease { pool, bufs: None },
+        |lease, (e, slot)| {
+            let entry = &entries[e];
+            let need = max_frame_len(entry.len, &entry.method);
+            grow(&mut slot.frame, need);
+            let frame = &mut slot.frame[..need];
+            let res = if ef {
+                Some(&mut slot.res[..entry.members.len()])
+            } else {
+                None
+            };
+            let split = match entry.kind {
+                EntryKind::Tensor => Split::new(entry.len, &entry.method, true),
+                EntryKind::Bucket { .. } => None,
+            };
+            let params = manifest.params(e, step);
+            let result = match split {
+                Some(split) => {
+                    let t = entry.members.first().copied().unwrap_or(0);
+                    let g = grad_of(manifest, grads, t);
+                    let r = res.and_then(|r| r.first_mut()).map(Vec::as_mut_slice);
+                    split.encode(&params, g, r, frame).ok_or_else(|| {
+                        Error::config(format!("`{}` could not be split", entry.label))
+                    })
+                }
+                None => encode_entry(lease.get(sizes, ef), manifest, e, grads, step, res, frame),
+            };
+            match result {
+                Ok(len) => slot.len = len,
+                Err(err) => slot.err = Some(err),
+            }
+        },
+    );
+    if let Some(fb) = feedback {
+        for (slot, entry) in slots.iter_mut().zip(entries) {
+            put_members(fb, manifest, &entry.members, &mut slot.res);
+        }
+    }
+    first_error(slots)
+}
+
+/// The first error of `slots` in order; every slot's error is cleared.
+fn first_error(slots: &mut [Slot]) -> Result<()> {
+    let mut first = None;
+    for slot in slots {
+        if let Some(err) = slot.err.take()
+            && first.is_none()
+        {
+            first = Some(err);
+        }
+    }
+    first.map_or(Ok(()), Err)
 }
 
 /// Fills `kept` with each member's own top-k indices (bucket coordinates, ascending).

@@ -41,6 +41,7 @@ use crate::bucket::{BucketConfig, Engine};
 use crate::bundle::{Manifest, begin_bundle, finish_bundle, push_entry};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
+use crate::parallel::Parallelism;
 use crate::tensor::Tensor;
 
 /// Elements per f32 scale of [`CompressionMethod::SignSGD`] (DESIGN: sign <= 1.05 bits per
@@ -498,6 +499,7 @@ pub struct GradientCompressor {
     feedback: Option<ErrorFeedback>,
     layout: Option<Manifest>,
     engine: Engine,
+    parallelism: Parallelism,
     compression_ratio: f32,
 }
 
@@ -512,6 +514,7 @@ impl GradientCompressor {
             feedback: None,
             layout: None,
             engine: Engine::default(),
+            parallelism: Parallelism::Auto,
             compression_ratio: 0.0,
         }
     }
@@ -539,6 +542,24 @@ impl GradientCompressor {
         if let Some(fb) = &mut self.feedback {
             fb.set_step(step);
         }
+    }
+
+    /// The same compressor using `parallelism` (default [`Parallelism::Auto`]: every core of
+    /// rayon's pool when it has more than one thread). Every setting writes the same bytes and
+    /// leaves the same residuals.
+    pub fn with_parallelism(mut self, parallelism: Parallelism) -> Self {
+        self.parallelism = parallelism;
+        self
+    }
+
+    /// Sets how many cores the next calls use (see [`GradientCompressor::with_parallelism`]).
+    pub fn set_parallelism(&mut self, parallelism: Parallelism) {
+        self.parallelism = parallelism;
+    }
+
+    /// How many cores compression uses.
+    pub fn parallelism(&self) -> Parallelism {
+        self.parallelism
     }
 
     /// The method.
@@ -613,7 +634,9 @@ impl GradientCompressor {
 
     /// As [`GradientCompressor::compress`], writing into `out` and reusing its buffers: the
     /// entries of `out` are overwritten, entries for tensors not in `gradients` removed. A
-    /// second call with the same model allocates nothing.
+    /// second call with the same model allocates nothing on the serial path
+    /// ([`Parallelism::Serial`]); the parallel path keeps its own buffers too, and only rayon's
+    /// job bookkeeping may allocate.
     ///
     /// # Errors
     /// As [`GradientCompressor::compress`]; on error `out` is unchanged.
@@ -644,9 +667,13 @@ impl GradientCompressor {
         } else {
             None
         };
-        let result = self
-            .engine
-            .encode(&layout, gradients, step, feedback, |e, frame| {
+        let result = self.engine.encode(
+            &layout,
+            gradients,
+            step,
+            feedback,
+            self.parallelism,
+            |e, frame| {
                 let entry = &layout.entries()[e];
                 let Some(info) = entry.members.first().and_then(|&t| layout.tensors().get(t))
                 else {
@@ -675,7 +702,8 @@ impl GradientCompressor {
                         );
                     }
                 }
-            });
+            },
+        );
         self.layout = Some(layout);
         result?;
         out.retain(|name, _| gradients.contains_key(name));
@@ -690,6 +718,10 @@ impl GradientCompressor {
 
     /// Compresses `gradients` into one bundle for `manifest` (see [`crate::bundle`]), written
     /// into `out` (cleared; its capacity is reused). Returns the step the bundle was made at.
+    ///
+    /// Entries (and chunks of large dense, quantization and sign tensors) are compressed on
+    /// every core unless [`GradientCompressor::with_parallelism`] says otherwise; the bundle and
+    /// the residuals are the same bytes and bits either way (see [`crate::parallel`]).
     ///
     /// # Errors
     /// [`Error::Config`] when the manifest was made for another method or seed, or `rank` does
@@ -733,12 +765,17 @@ impl GradientCompressor {
         } else {
             None
         };
-        let result = self
-            .engine
-            .encode(manifest, gradients, step, feedback, |e, frame| {
+        let result = self.engine.encode(
+            manifest,
+            gradients,
+            step,
+            feedback,
+            self.parallelism,
+            |e, frame| {
                 let id = manifest.entries().get(e).map_or(0, |entry| entry.id);
                 push_entry(out, id, frame);
-            });
+            },
+        );
         if let Err(e) = result {
             out.clear();
             return Err(e);

@@ -282,6 +282,28 @@ impl ErrorFeedback {
         residual_slot(&mut self.residuals, name, n)
     }
 
+    /// Moves `name`'s residual (created as zeros of `n` elements when missing) into `into`,
+    /// leaving an empty vector in the map until [`ErrorFeedback::put_residual`] gives it back:
+    /// so that tasks on several threads can each own the residuals of their tensors. Allocates
+    /// only when the residual is new.
+    pub(crate) fn take_residual(
+        &mut self,
+        name: &str,
+        n: usize,
+        into: &mut Vec<f32>,
+    ) -> Result<()> {
+        std::mem::swap(residual_slot(&mut self.residuals, name, n)?, into);
+        Ok(())
+    }
+
+    /// Gives back a residual that [`ErrorFeedback::take_residual`] moved out (`from` is left
+    /// empty).
+    pub(crate) fn put_residual(&mut self, name: &str, from: &mut Vec<f32>) {
+        if let Some(slot) = self.residuals.get_mut(name) {
+            std::mem::swap(slot, from);
+        }
+    }
+
     /// Sets the step counter (for a compressor taking over its state).
     pub(crate) fn set_step(&mut self, step: u64) {
         self.step = step;

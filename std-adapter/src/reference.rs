@@ -198,7 +198,8 @@ pub enum ReferenceError {
         /// Position of the first bad value in that key.
         position: usize,
     },
-    /// An int8 scale is NaN, infinite, zero or negative.
+    /// An int8 scale is NaN, infinite, zero or negative, or so large that `127 × scale`
+    /// overflows (a code would decode to infinity).
     #[error("tensor {name:?}: invalid int8 scale {scale}")]
     BadScale {
         /// Tensor name.
@@ -930,7 +931,8 @@ fn parse_one(
         [a, b, c, d] => f32::from_le_bytes([a, b, c, d]),
         _ => f32::NAN,
     };
-    if !(scale.is_finite() && scale > 0.0) {
+    // A code decodes to `code × scale`: beyond f32::MAX / 127 that would be infinite.
+    if !(scale.is_finite() && scale > 0.0 && (127.0 * scale).is_finite()) {
         return Err(ReferenceError::BadScale {
             name: name.to_owned(),
             scale,

@@ -1,6 +1,7 @@
 //! Steady state allocates nothing: a second `compress_into` (and bundle, decode and aggregate
 //! calls) of the same model allocates no memory. Counted with a global allocator, in its own
-//! test binary.
+//! test binary. These run the serial path ([`Parallelism::Serial`]); `alloc_parallel.rs`
+//! counts the parallel path.
 
 mod common;
 
@@ -13,6 +14,7 @@ use gradwire::aggregate::{Reduction, aggregate_into};
 use gradwire::bucket::BucketConfig;
 use gradwire::bundle::Manifest;
 use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::parallel::Parallelism;
 use gradwire::tensor::Tensor;
 
 /// Counts allocations made by the current thread while counting is on (other test threads
@@ -96,7 +98,7 @@ fn second_compress_into_allocates_nothing() {
         CompressionMethod::Quantization { bits: 4 },
         CompressionMethod::RandomK { k: 1000 },
     ] {
-        let mut c = GradientCompressor::new(method.clone());
+        let mut c = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Serial);
         let mut out = HashMap::new();
         c.compress_into(&step0, &mut out).unwrap();
         let n = allocations(|| c.compress_into(&step0, &mut out).unwrap());
@@ -122,7 +124,7 @@ fn steady_state_bundles_decode_and_aggregate_allocate_nothing() {
     for bucketing in [BucketConfig::none(), BucketConfig::fused(64 << 10)] {
         let manifest = Manifest::for_gradients(&base, &method, 0, bucketing).unwrap();
         let mut senders: Vec<GradientCompressor> = (0..3)
-            .map(|_| GradientCompressor::new(method.clone()))
+            .map(|_| GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Serial))
             .collect();
         let mut bundles: Vec<Vec<u8>> = vec![Vec::new(); 3];
         let mut flat = Vec::new();

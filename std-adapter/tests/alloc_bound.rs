@@ -147,7 +147,10 @@ fn case(method: Method, bucketing: BucketConfig) -> Case {
             let data = (0..n)
                 .map(|_| (rng.below(2001) as f32 - 1000.0) / 256.0)
                 .collect();
-            (s.name.clone(), Tensor::new(s.shape.clone(), data).expect("tensor"))
+            (
+                s.name.clone(),
+                Tensor::new(s.shape.clone(), data).expect("tensor"),
+            )
         })
         .collect();
     let mut sender = GradientCompressor::new(cm).with_seed(7);
@@ -334,7 +337,10 @@ fn hostile_bundles_allocate_within_the_manifest_bound() {
             assert!(p2 <= SLACK, "check_bundle allocated {p2} bytes");
             let bundles = [c.bundle.as_slice(), h.as_slice()];
             let (_, p3) = peak(|| aggregate(m, &bundles, 0, Reduction::Mean));
-            assert!(p3 <= bound, "aggregate allocated {p3} bytes > bound {bound}");
+            assert!(
+                p3 <= bound,
+                "aggregate allocated {p3} bytes > bound {bound}"
+            );
             worst = worst.max(p).max(p2).max(p3);
         }
         assert!(rejected > 0);

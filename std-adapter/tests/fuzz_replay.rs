@@ -3,15 +3,15 @@
 //! stable. The bodies live in `fuzz/logic/src/std_targets.rs` and are included here by path
 //! (no dependency on the fuzz crate, whose workspace is separate); see FUZZING.md.
 
-#[allow(dead_code, clippy::all)]
+#[allow(dead_code)]
 #[path = "../../fuzz/logic/src/input.rs"]
 mod input;
 
-#[allow(dead_code, clippy::all)]
+#[allow(dead_code)]
 #[path = "../../fuzz/logic/src/gens.rs"]
 mod gens;
 
-#[allow(dead_code, clippy::all)]
+#[allow(dead_code)]
 #[path = "../../fuzz/logic/src/std_targets.rs"]
 mod std_targets;
 

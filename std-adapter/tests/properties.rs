@@ -195,8 +195,8 @@ fn feedback_loses_nothing(seed: u64, sel: u8, sizes: (u8, u8), steps: u8) -> Tes
                 }
                 total[t][i] += f64::from(grads[t][i]);
                 delivered[t][i] += f64::from(d[i]);
-                mag[t][i] += f64::from(grads[t][i].abs()) + f64::from(d[i].abs())
-                    + f64::from(x.abs());
+                mag[t][i] +=
+                    f64::from(grads[t][i].abs()) + f64::from(d[i].abs()) + f64::from(x.abs());
             }
         }
     }
@@ -204,8 +204,7 @@ fn feedback_loses_nothing(seed: u64, sel: u8, sizes: (u8, u8), steps: u8) -> Tes
         let r = fb.residual(name).expect("residual");
         for i in 0..ns[t] {
             let got = delivered[t][i] + f64::from(r[i]);
-            let tol = 4.0 * f64::from(f32::EPSILON) * (mag[t][i] + f64::from(r[i].abs()))
-                + 1e-40;
+            let tol = 4.0 * f64::from(f32::EPSILON) * (mag[t][i] + f64::from(r[i].abs())) + 1e-40;
             if (got - total[t][i]).abs() > tol {
                 return TestResult::error(format!(
                     "{m:?} {name}[{i}] after {steps} steps: delivered + residual = {got}, \
@@ -336,8 +335,11 @@ fn checkpoint_restores_exactly(seed: u64, sel: u8, n: u8, before: u8, after: u8)
     let mut fb = ErrorFeedback::new(m, seed ^ 0x55).expect("method");
     let names = ["layer.0.w", "layer.1.w"];
     let step = |fb: &mut ErrorFeedback, gs: &[Vec<f32>]| {
-        let input: Vec<(&str, &[f32])> =
-            names.iter().zip(gs).map(|(a, g)| (*a, g.as_slice())).collect();
+        let input: Vec<(&str, &[f32])> = names
+            .iter()
+            .zip(gs)
+            .map(|(a, g)| (*a, g.as_slice()))
+            .collect();
         let mut frames = Vec::new();
         fb.step_with(input.iter().copied(), |_, f| frames.push(f.to_vec()))
             .expect("step");
@@ -355,11 +357,13 @@ fn checkpoint_restores_exactly(seed: u64, sel: u8, n: u8, before: u8, after: u8)
             && a.seed() == b.seed()
             && a.method() == b.method()
             && a.len() == b.len()
-            && a.residuals().zip(b.residuals()).all(|((na, ra), (nb, rb))| {
-                na == nb
-                    && ra.len() == rb.len()
-                    && ra.iter().zip(rb).all(|(x, y)| x.to_bits() == y.to_bits())
-            })
+            && a.residuals()
+                .zip(b.residuals())
+                .all(|((na, ra), (nb, rb))| {
+                    na == nb
+                        && ra.len() == rb.len()
+                        && ra.iter().zip(rb).all(|(x, y)| x.to_bits() == y.to_bits())
+                })
     };
     if !same(&fb, &restored) {
         return TestResult::error(format!("{m:?}: restored state differs"));

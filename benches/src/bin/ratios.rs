@@ -3,11 +3,13 @@
 //! repetition r + 1 starts), on a heavy-tailed buffer from a fixed seed and on the real MiniLM
 //! gradients.
 //!
-//! `cargo run --release -p gradwire-benches --bin ratios -- [--n N] [--reps R] [--json]`
+//! `cargo run --release -p gradwire-benches --bin ratios -- [--n N] [--reps R] [--json]
+//! [--only NAME,NAME,..]` (`--only` keeps the read pass and the named rows with their
+//! baselines; a name matches every row that starts with it).
 
 use gradwire_benches::{
-    Codec, build_name, ef_method, heavy_tailed, int8_plain, methods, minilm, read_pass,
-    sign_bitvec, topk_select_nth,
+    Codec, add_pass, build_name, byte_pass, ef_method, heavy_tailed, int8_plain, methods, minilm,
+    read_pass, read_pass2, sign_bitvec, topk_select_nth,
 };
 use gradwire_core::scalar::{self, Selection};
 use gradwire_core::{Method, Values, k_from_ratio, values};
@@ -56,6 +58,7 @@ fn main() {
     let mut n = 25_000_000usize;
     let mut reps = 11usize;
     let mut json = false;
+    let mut only: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -67,22 +70,30 @@ fn main() {
             }
             "--reps" => reps = args.next().and_then(|v| v.parse().ok()).expect("--reps R"),
             "--json" => json = true,
+            "--only" => {
+                only = args
+                    .next()
+                    .expect("--only NAME,NAME,..")
+                    .split(',')
+                    .map(str::to_string)
+                    .collect()
+            }
             _ => {
-                eprintln!("usage: ratios [--n N] [--reps R] [--json]");
+                eprintln!("usage: ratios [--n N] [--reps R] [--json] [--only NAME,NAME,..]");
                 std::process::exit(2);
             }
         }
     }
     let reps = reps.max(9);
     let synthetic = heavy_tailed(n, 42);
-    run("heavy_tailed", &synthetic, reps, json);
+    run("heavy_tailed", &synthetic, reps, json, &only);
     match minilm() {
-        Ok(real) => run("minilm", &real, reps, json),
+        Ok(real) => run("minilm", &real, reps, json, &only),
         Err(e) => eprintln!("minilm gradients skipped: {e}"),
     }
 }
 
-fn run(data: &str, x: &[f32], reps: usize, json: bool) {
+fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String]) {
     let n = x.len();
     let out = Rc::new(RefCell::new(vec![0.0f32; n]));
     let acc = Rc::new(RefCell::new(vec![0.0f32; n]));
@@ -261,6 +272,23 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool) {
         black_box(check);
     }));
 
+    // Floors: the memory traffic the targets cannot avoid, without the arithmetic.
+    let mut bytes = vec![0u8; n];
+    tasks.push(task("floor_byte_pass", None, move || {
+        byte_pass(black_box(x), &mut bytes);
+        black_box(&bytes);
+    }));
+    let frame_bytes: Vec<u8> = (0..n).map(|i| (i as u8).wrapping_mul(37)).collect();
+    tasks.push(task("floor_crc_n_bytes", None, move || {
+        black_box(crc32fast::hash(black_box(&frame_bytes)));
+    }));
+    let mut r3 = vec![0.0f32; n];
+    tasks.push(task("floor_ef", None, move || {
+        black_box(read_pass2(black_box(x), &r3));
+        add_pass(&mut r3, black_box(x));
+        black_box(&r3);
+    }));
+
     // The whole error-feedback step, and a naive one (r += g, select_nth top-k, r -= kept).
     let mut ef = Codec::new(ef_method(), n);
     let mut residual = vec![0.0f32; n];
@@ -284,6 +312,9 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool) {
         black_box(&sent);
     }));
 
+    if !only.is_empty() {
+        tasks.retain(|t| t.name == "read" || only.iter().any(|o| t.name.starts_with(o.as_str())));
+    }
     for _ in 0..reps {
         for t in tasks.iter_mut() {
             let t0 = Instant::now();

@@ -292,14 +292,20 @@ pub fn absmax(x: &[f32]) -> f32 {
         .fold(0.0f32, |m, v| if v.abs() > m { v.abs() } else { m })
 }
 
-/// The quantization code of `x` in a block with absmax `m`: `y = (x / m) * l`, then round to
-/// nearest even (`u = None`) or `floor(y + u)`, clamped to `[-l, l]`; 0 when `m == 0`.
+/// The quantization code of `x` in a block with absmax `m` (FORMAT.md 3.5): with the block's
+/// reciprocal `inv = l / m`, `y = x * inv` (or `(x / m) * l` when `inv` is infinite), then round
+/// to nearest even (`u = None`) or `floor(y + u)`, clamped to `[-l, l]`; 0 when `m == 0`.
 pub fn quant_code_oracle(x: f32, m: f32, l: u32, u: Option<f32>) -> i32 {
     if m == 0.0 {
         return 0;
     }
     let lf = l as f32;
-    let y = (x / m) * lf;
+    let inv = lf / m;
+    let y = if inv.is_finite() {
+        x * inv
+    } else {
+        (x / m) * lf
+    };
     let q = match u {
         None => y.round_ties_even(),
         Some(u) => (y + u).floor(),
@@ -572,6 +578,27 @@ pub struct Golden {
     pub codec: Option<u8>,
 }
 
+/// Inputs whose int8 codes differ between `x * (127 / m)` and `(x / m) * 127` (FORMAT.md 3.5),
+/// then a block with a subnormal absmax.
+pub const RECIPROCAL: [f32; 16] = [
+    3.0,
+    0.318_897_63,
+    -1.641_732_2,
+    1.948_819,
+    -3.0,
+    0.5,
+    -0.25,
+    1.0,
+    f32::from_bits(3),
+    -f32::from_bits(1),
+    f32::from_bits(2),
+    0.0,
+    -0.0,
+    -f32::from_bits(3),
+    f32::from_bits(1),
+    0.0,
+];
+
 /// The 16-element input of most golden frames: ties (3.0 / -3.0, 0.5 / -0.5), zeros of both
 /// signs, a subnormal-free mix of magnitudes.
 pub const G16: [f32; 16] = [
@@ -776,6 +803,25 @@ pub fn golden() -> Vec<Golden> {
             scale: SignScale::MeanAbs { block: 8 },
         }),
         None,
+    ));
+    // x * (l / m) and (x / m) * l round differently for elements 1..=3 of the first block
+    // (0.31889763 * (127 / 3) = 13.499999 -> 13, where (0.31889763 / 3) * 127 = 13.5 -> 14);
+    // the second block's absmax is subnormal, so 127 / m overflows and (x / m) * 127 applies.
+    v.push(g(
+        "quant8_reciprocal",
+        &RECIPROCAL,
+        p(Method::Quant {
+            bits: 8,
+            block: 8,
+            rounding: Rounding::NearestEven,
+        }),
+        None,
+    ));
+    v.push(g(
+        "topk_int8_reciprocal",
+        &RECIPROCAL,
+        p(topk(6, Values::Int8 { block: 8 })),
+        Some(1),
     ));
     v.push(g(
         "worked_example",

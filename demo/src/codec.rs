@@ -1,0 +1,479 @@
+//! The compression methods, behind one trait: [`GradientCodec`].
+//!
+//! **This module is the seam where gradwire plugs in.** A training step calls exactly two
+//! functions of a codec: [`GradientCodec::encode`] turns this rank's gradients (name order)
+//! into one message, and, after the all-gather, [`GradientCodec::decode_mean`] turns every
+//! rank's message (rank order) into the mean gradient. [`new_codec`] builds the codec of a
+//! [`Method`] for one rank.
+//!
+//! Every method runs through gradwire ([`GradwireCodec`]): the message is the rank's bundle
+//! (every byte counted: header, per-tensor frames, checksums), and the mean is gradwire's
+//! validated aggregation. [`DenseF32`] (raw f32 bytes, no header) remains as the reference
+//! that a test compares gradwire's dense f32 path against.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use gradwire::aggregate::{Aggregator, Reduction};
+use gradwire::bucket::BucketConfig;
+use gradwire::bundle::{Manifest, TensorSpec};
+use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::parallel::Parallelism;
+use gradwire::tensor::Tensor;
+
+use crate::DemoError;
+use crate::model::ParamSpec;
+
+/// A compression method of the demo (the rows of its table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Method {
+    /// Dense f32 values: the uncompressed baseline.
+    #[value(name = "dense-f32")]
+    DenseF32,
+    /// Dense f16 values.
+    #[value(name = "dense-f16")]
+    DenseF16,
+    /// Top-k, k = 1 % of each tensor, int8 values with a scale, error feedback.
+    #[value(name = "topk-1%-ef-int8")]
+    TopK1EfInt8,
+    /// Top-k, k = 1 %, f32 values, no error feedback.
+    #[value(name = "topk-1%")]
+    TopK1,
+    /// Top-k, k = 0.1 %, error feedback.
+    #[value(name = "topk-0.1%-ef")]
+    TopK01Ef,
+    /// Random-k, k = 1 %, indices regenerated from the seed, error feedback.
+    #[value(name = "randk-1%-ef")]
+    RandK1Ef,
+    /// Sign (1 bit per element) with a per-block scale, error feedback.
+    #[value(name = "sign-ef")]
+    SignEf,
+    /// 4-bit quantization with a per-block scale, error feedback.
+    #[value(name = "quant4-ef")]
+    Quant4Ef,
+}
+
+impl Method {
+    /// Every method, in table order.
+    pub const ALL: [Method; 8] = [
+        Method::DenseF32,
+        Method::DenseF16,
+        Method::TopK1EfInt8,
+        Method::TopK1,
+        Method::TopK01Ef,
+        Method::RandK1Ef,
+        Method::SignEf,
+        Method::Quant4Ef,
+    ];
+
+    /// The method's name on the command line and in the reports.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::DenseF32 => "dense-f32",
+            Method::DenseF16 => "dense-f16",
+            Method::TopK1EfInt8 => "topk-1%-ef-int8",
+            Method::TopK1 => "topk-1%",
+            Method::TopK01Ef => "topk-0.1%-ef",
+            Method::RandK1Ef => "randk-1%-ef",
+            Method::SignEf => "sign-ef",
+            Method::Quant4Ef => "quant4-ef",
+        }
+    }
+
+    /// Whether [`new_codec`] can build this method's codec in this build (all of them).
+    #[must_use]
+    pub fn is_wired(self) -> bool {
+        true
+    }
+}
+
+impl fmt::Display for Method {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl serde::Serialize for Method {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+/// What a codec needs to know about the run, identical on every rank.
+#[derive(Debug, Clone)]
+pub struct CodecContext<'a> {
+    /// The model's parameters, name order: every message carries exactly these tensors.
+    pub specs: &'a [ParamSpec],
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// The run's seed (random-k and stochastic rounding draw from it).
+    pub seed: u64,
+}
+
+/// One rank's compressor and decompressor for one run (it owns the rank's error-feedback
+/// residuals, if any).
+///
+/// Contract: every rank holds a codec built from the same [`Method`] and an equal
+/// [`CodecContext`] (except `rank`); [`GradientCodec::decode_mean`] must give bit-identical
+/// output on every rank for the same messages, so that the replicas stay identical.
+pub trait GradientCodec: Send {
+    /// The method this codec implements.
+    fn method(&self) -> Method;
+
+    /// The largest message [`GradientCodec::encode`] can produce: the all-gather refuses
+    /// anything longer.
+    fn max_message_len(&self) -> usize;
+
+    /// Compresses this rank's gradient for `step`: one flat slice per parameter, in the name
+    /// order of [`CodecContext::specs`]; `out` is cleared and receives the message (every byte
+    /// that goes on the wire).
+    ///
+    /// # Errors
+    /// If a gradient does not match its tensor or cannot be encoded (e.g. NaN).
+    fn encode(&mut self, step: u64, grads: &[&[f32]], out: &mut Vec<u8>) -> Result<(), DemoError>;
+
+    /// Decodes every rank's message for `step` (rank order) and writes the mean gradient into
+    /// `out`, one vector per parameter in name order (each already of the tensor's length;
+    /// every element is overwritten).
+    ///
+    /// # Errors
+    /// If a message is malformed or does not match the model.
+    fn decode_mean(
+        &mut self,
+        step: u64,
+        messages: &[Vec<u8>],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), DemoError>;
+}
+
+/// The gradwire configuration of a demo method: the compressor's method (with error feedback
+/// where the method name says so).
+#[must_use]
+pub fn gradwire_method(method: Method) -> CompressionMethod {
+    use gradwire::core::{K, Method as Core, Values};
+    match method {
+        Method::DenseF32 => CompressionMethod::Core(Core::Dense {
+            values: Values::F32,
+        }),
+        Method::DenseF16 => CompressionMethod::Float16,
+        Method::TopK1EfInt8 => CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+        Method::TopK1 => CompressionMethod::TopKRatio {
+            ratio: 0.01,
+            values: Values::F32,
+        },
+        Method::TopK01Ef => CompressionMethod::TopKRatio {
+            ratio: 0.001,
+            values: Values::F32,
+        }
+        .with_error_feedback(),
+        Method::RandK1Ef => CompressionMethod::Core(Core::RandomK {
+            k: K::Ratio(0.01),
+            values: Values::F32,
+            unbiased: false,
+        })
+        .with_error_feedback(),
+        Method::SignEf => CompressionMethod::SignSGD.with_error_feedback(),
+        Method::Quant4Ef => CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+    }
+}
+
+/// Builds the codec of `method` for one rank: gradwire's bundle (one message per rank per
+/// step) and its validated mean aggregation.
+///
+/// # Errors
+/// [`DemoError::Codec`] when gradwire refuses the configuration.
+pub fn new_codec(
+    method: Method,
+    ctx: &CodecContext<'_>,
+) -> Result<Box<dyn GradientCodec>, DemoError> {
+    Ok(Box::new(GradwireCodec::new(method, ctx)?))
+}
+
+/// A demo method through gradwire: [`GradientCompressor::compress_bundle`] (error feedback
+/// keyed by parameter name, where the method uses it) and [`Aggregator::aggregate_into`] (every
+/// rank's bundle checked against the manifest, then added in rank order and divided once by W).
+#[derive(Debug)]
+pub struct GradwireCodec {
+    method: Method,
+    rank: usize,
+    manifest: Manifest,
+    compressor: GradientCompressor,
+    aggregator: Aggregator,
+    grads: HashMap<String, Tensor>,
+    names: Vec<String>,
+    mean: Vec<f32>,
+}
+
+impl GradwireCodec {
+    /// The codec of `method` for rank `ctx.rank`.
+    ///
+    /// # Errors
+    /// [`DemoError::Codec`] when gradwire refuses the method or the model.
+    pub fn new(method: Method, ctx: &CodecContext<'_>) -> Result<GradwireCodec, DemoError> {
+        let err = |e: gradwire::Error| DemoError::Codec {
+            method,
+            message: e.to_string(),
+        };
+        let cm = gradwire_method(method);
+        let specs: Vec<TensorSpec> = ctx
+            .specs
+            .iter()
+            .map(|p| TensorSpec::new(p.name.clone(), p.shape.clone()))
+            .collect();
+        let manifest = Manifest::new(specs, &cm, ctx.seed, BucketConfig::none()).map_err(err)?;
+        // The ranks already occupy every core: keep gradwire's own work on the rank's thread.
+        let compressor = GradientCompressor::new(cm)
+            .with_seed(ctx.seed)
+            .with_parallelism(Parallelism::Serial);
+        let mut grads = HashMap::new();
+        for p in ctx.specs {
+            grads.insert(p.name.clone(), Tensor::zeros(&p.shape).map_err(err)?);
+        }
+        Ok(GradwireCodec {
+            method,
+            rank: ctx.rank,
+            manifest,
+            compressor,
+            aggregator: Aggregator::new().with_parallelism(Parallelism::Serial),
+            grads,
+            names: ctx.specs.iter().map(|p| p.name.clone()).collect(),
+            mean: Vec::new(),
+        })
+    }
+
+    fn error(&self, e: impl fmt::Display) -> DemoError {
+        DemoError::Codec {
+            method: self.method,
+            message: e.to_string(),
+        }
+    }
+}
+
+impl GradientCodec for GradwireCodec {
+    fn method(&self) -> Method {
+        self.method
+    }
+
+    fn max_message_len(&self) -> usize {
+        self.manifest.max_bundle_len()
+    }
+
+    fn encode(&mut self, step: u64, grads: &[&[f32]], out: &mut Vec<u8>) -> Result<(), DemoError> {
+        if grads.len() != self.names.len() {
+            return Err(self.error(format!(
+                "expected {} tensors, got {}",
+                self.names.len(),
+                grads.len()
+            )));
+        }
+        for (name, g) in self.names.iter().zip(grads) {
+            let t = self.grads.get_mut(name).ok_or_else(|| DemoError::Codec {
+                method: self.method,
+                message: format!("unknown tensor {name}"),
+            })?;
+            let shape = t.shape().to_vec();
+            t.assign(&shape, g).map_err(|e| DemoError::Codec {
+                method: self.method,
+                message: e.to_string(),
+            })?;
+        }
+        self.compressor.set_step(step);
+        self.compressor
+            .compress_bundle(&self.manifest, &self.grads, self.rank, out)
+            .map_err(|e| self.error(e))?;
+        Ok(())
+    }
+
+    fn decode_mean(
+        &mut self,
+        step: u64,
+        messages: &[Vec<u8>],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), DemoError> {
+        if out.len() != self.names.len() {
+            return Err(self.error("output does not match the model"));
+        }
+        self.aggregator
+            .aggregate_into(
+                &self.manifest,
+                messages,
+                step,
+                Reduction::Mean,
+                &mut self.mean,
+            )
+            .map_err(|e| DemoError::Codec {
+                method: self.method,
+                message: e.to_string(),
+            })?;
+        for (name, o) in self.names.iter().zip(out.iter_mut()) {
+            let mean = self
+                .manifest
+                .slice(&self.mean, name)
+                .ok_or_else(|| DemoError::Codec {
+                    method: self.method,
+                    message: format!("tensor {name} missing from the manifest"),
+                })?;
+            if mean.len() != o.len() {
+                return Err(self.error(format!("tensor {name} has the wrong length")));
+            }
+            o.copy_from_slice(mean);
+        }
+        Ok(())
+    }
+}
+
+/// Dense f32 without gradwire: plain little-endian f32 bytes, no header; the denominator of the
+/// table's ratio and a cross-check of gradwire's dense path.
+#[derive(Debug, Clone)]
+pub struct DenseF32 {
+    lens: Vec<usize>,
+}
+
+impl DenseF32 {
+    /// A codec for tensors of `specs` (name order).
+    #[must_use]
+    pub fn new(specs: &[ParamSpec]) -> DenseF32 {
+        DenseF32 {
+            lens: specs.iter().map(ParamSpec::len).collect(),
+        }
+    }
+
+    fn codec_error(message: String) -> DemoError {
+        DemoError::Codec {
+            method: Method::DenseF32,
+            message,
+        }
+    }
+}
+
+impl GradientCodec for DenseF32 {
+    fn method(&self) -> Method {
+        Method::DenseF32
+    }
+
+    fn max_message_len(&self) -> usize {
+        self.lens.iter().sum::<usize>() * 4
+    }
+
+    fn encode(&mut self, _step: u64, grads: &[&[f32]], out: &mut Vec<u8>) -> Result<(), DemoError> {
+        if grads.len() != self.lens.len() {
+            return Err(Self::codec_error(format!(
+                "expected {} tensors, got {}",
+                self.lens.len(),
+                grads.len()
+            )));
+        }
+        out.clear();
+        out.reserve(self.max_message_len());
+        for (i, (g, &len)) in grads.iter().zip(&self.lens).enumerate() {
+            if g.len() != len {
+                return Err(Self::codec_error(format!(
+                    "tensor {i} has {} elements, expected {len}",
+                    g.len()
+                )));
+            }
+            for v in *g {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        Ok(())
+    }
+
+    fn decode_mean(
+        &mut self,
+        _step: u64,
+        messages: &[Vec<u8>],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), DemoError> {
+        if messages.is_empty() {
+            return Err(Self::codec_error("no messages".into()));
+        }
+        if out.len() != self.lens.len() || out.iter().zip(&self.lens).any(|(o, &n)| o.len() != n) {
+            return Err(Self::codec_error("output does not match the model".into()));
+        }
+        let expected = self.max_message_len();
+        for (rank, m) in messages.iter().enumerate() {
+            if m.len() != expected {
+                return Err(Self::codec_error(format!(
+                    "rank {rank} sent {} bytes, expected {expected}",
+                    m.len()
+                )));
+            }
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let w = messages.len() as f32;
+        let mut offset = 0;
+        for o in out.iter_mut() {
+            let bytes = o.len() * 4;
+            o.fill(0.0);
+            for m in messages {
+                let chunk = &m[offset..offset + bytes];
+                for (acc, b) in o.iter_mut().zip(chunk.chunks_exact(4)) {
+                    *acc += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            for acc in o.iter_mut() {
+                *acc /= w;
+            }
+            offset += bytes;
+        }
+        Ok(())
+    }
+}
+
+/// The bytes one dense f32 message takes for `specs`: the denominator of the table's ratio.
+#[must_use]
+pub fn dense_f32_bytes(specs: &[ParamSpec]) -> usize {
+    DenseF32::new(specs).max_message_len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::param_specs;
+
+    #[test]
+    fn dense_f32_mean_is_exact() {
+        let specs = vec![
+            ParamSpec {
+                name: "a".into(),
+                shape: vec![2],
+            },
+            ParamSpec {
+                name: "b".into(),
+                shape: vec![1],
+            },
+        ];
+        let mut codec = DenseF32::new(&specs);
+        let mut msgs = vec![Vec::new(); 3];
+        for m in &mut msgs {
+            codec
+                .encode(0, &[&[3.0, -1.5], &[0.25]], m)
+                .expect("encode");
+        }
+        assert_eq!(msgs[0].len(), 12);
+        let mut out = vec![vec![0.0; 2], vec![0.0; 1]];
+        codec.decode_mean(0, &msgs, &mut out).expect("decode");
+        assert_eq!(out, vec![vec![3.0, -1.5], vec![0.25]]);
+        msgs[1].pop();
+        assert!(codec.decode_mean(0, &msgs, &mut out).is_err());
+    }
+
+    #[test]
+    fn every_method_builds() {
+        let specs = param_specs();
+        let ctx = CodecContext {
+            specs: &specs,
+            rank: 0,
+            world_size: 2,
+            seed: 1,
+        };
+        for m in Method::ALL {
+            assert!(new_codec(m, &ctx).is_ok(), "{m}");
+        }
+        assert_eq!(dense_f32_bytes(&specs), 85_002 * 4);
+    }
+}

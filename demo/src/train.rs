@@ -1,0 +1,452 @@
+//! One rank's training loop: [`run_rank`].
+//!
+//! Every step: sample a mini-batch of this rank's shard, compute the gradient with candle,
+//! [`GradientCodec::encode`] it, all-gather the messages, [`GradientCodec::decode_mean`] them
+//! and apply the same SGD-with-momentum update as every other rank.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use gradwire::comm::Communicator;
+use indicatif::ProgressBar;
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::DemoError;
+use crate::codec::{CodecContext, GradientCodec, Method, new_codec};
+use crate::data::{Digits, Samples};
+use crate::model::{Mlp, ParamSpec, digest, init_params, param_specs, single_threaded_matmul};
+
+/// Hyper-parameters of a run, identical on every rank.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainConfig {
+    /// Number of SGD steps.
+    pub steps: usize,
+    /// Images per worker per step (the global batch is `batch_size * W`); a batch larger than
+    /// the shard takes the whole shard.
+    pub batch_size: usize,
+    /// Peak learning rate.
+    pub lr: f32,
+    /// Momentum of SGD (0 for plain SGD).
+    pub momentum: f32,
+    /// Steps of linear warm-up to the peak learning rate; cosine decay to 0 follows.
+    pub warmup_steps: usize,
+    /// Test accuracy is evaluated (on rank 0) every this many steps, and after the last step.
+    pub eval_every: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            steps: 300,
+            batch_size: 32,
+            lr: 0.05,
+            momentum: 0.9,
+            warmup_steps: 10,
+            eval_every: 10,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// The learning rate at `step` (0-based): linear warm-up, then cosine decay to 0.
+    #[must_use]
+    pub fn lr_at(&self, step: usize) -> f32 {
+        #[allow(clippy::cast_precision_loss)]
+        if step < self.warmup_steps {
+            self.lr * (step + 1) as f32 / self.warmup_steps as f32
+        } else {
+            let span = self.steps.saturating_sub(self.warmup_steps).max(1) as f32;
+            let t = (step - self.warmup_steps) as f32 / span;
+            0.5 * self.lr * (1.0 + (std::f32::consts::PI * t).cos())
+        }
+    }
+
+    /// Checks the values.
+    ///
+    /// # Errors
+    /// [`DemoError::Config`] naming the first bad value.
+    pub fn validate(&self) -> Result<(), DemoError> {
+        let bad = |m: &str| Err(DemoError::Config(m.into()));
+        if self.steps == 0 {
+            return bad("steps must be at least 1");
+        }
+        if self.batch_size == 0 {
+            return bad("batch size must be at least 1");
+        }
+        if self.eval_every == 0 {
+            return bad("eval_every must be at least 1");
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("learning rate must be positive");
+        }
+        if !(0.0..1.0).contains(&self.momentum) {
+            return bad("momentum must be in [0, 1)");
+        }
+        Ok(())
+    }
+}
+
+/// One point of a learning curve.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CurvePoint {
+    /// Steps done.
+    pub step: usize,
+    /// Test accuracy in [0, 1].
+    pub test_accuracy: f32,
+    /// Bytes each worker has sent so far (mean over workers).
+    pub bytes_per_worker: f64,
+}
+
+/// Wall-clock seconds one rank spent in each phase of its steps. Not reproducible: kept apart
+/// from the rest of the report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Timing {
+    /// Forward and backward (candle), batch assembly included.
+    pub compute_s: f64,
+    /// [`GradientCodec::encode`].
+    pub encode_s: f64,
+    /// The all-gather (waiting for peers included).
+    pub comm_s: f64,
+    /// [`GradientCodec::decode_mean`].
+    pub decode_s: f64,
+    /// The SGD update and copying the parameters into the model.
+    pub update_s: f64,
+    /// Evaluation on the test set (rank 0), not part of a step.
+    pub eval_s: f64,
+}
+
+impl Timing {
+    const FIELDS: usize = 6;
+
+    /// Seconds of the steps proper (evaluation excluded).
+    #[must_use]
+    pub fn step_s(&self) -> f64 {
+        self.compute_s + self.encode_s + self.comm_s + self.decode_s + self.update_s
+    }
+
+    /// Share of step time spent compressing and decoding, in [0, 1].
+    #[must_use]
+    pub fn codec_share(&self) -> f64 {
+        let s = self.step_s();
+        if s > 0.0 {
+            (self.encode_s + self.decode_s) / s
+        } else {
+            0.0
+        }
+    }
+
+    fn to_array(self) -> [f64; Self::FIELDS] {
+        [
+            self.compute_s,
+            self.encode_s,
+            self.comm_s,
+            self.decode_s,
+            self.update_s,
+            self.eval_s,
+        ]
+    }
+
+    fn from_array(a: [f64; Self::FIELDS]) -> Timing {
+        Timing {
+            compute_s: a[0],
+            encode_s: a[1],
+            comm_s: a[2],
+            decode_s: a[3],
+            update_s: a[4],
+            eval_s: a[5],
+        }
+    }
+
+    /// The mean of several ranks' timings.
+    #[must_use]
+    pub fn mean(timings: &[Timing]) -> Timing {
+        let mut sum = [0.0; Self::FIELDS];
+        for t in timings {
+            for (s, v) in sum.iter_mut().zip(t.to_array()) {
+                *s += v;
+            }
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let n = timings.len().max(1) as f64;
+        Timing::from_array(sum.map(|s| s / n))
+    }
+}
+
+/// What one rank reports after a run. Everything but `timing` is reproducible: the same seed
+/// gives the same values, bit for bit.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RankReport {
+    /// The method.
+    pub method: Method,
+    /// The run's seed.
+    pub seed: u64,
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Test accuracy of the final model, in [0, 1].
+    pub test_accuracy: f32,
+    /// Mean cross-entropy of the final model over the whole training set.
+    pub train_loss: f32,
+    /// Mean cross-entropy of the initial model over the whole training set.
+    pub initial_train_loss: f32,
+    /// Mean bytes one worker sent per step (every byte of the message, mean over workers and
+    /// steps).
+    pub bytes_per_worker_per_step: f64,
+    /// Learning curve: evaluated on rank 0 only (empty on the other ranks).
+    pub curve: Vec<CurvePoint>,
+    /// Digest of the final parameters ([`digest`]): equal on every rank.
+    pub param_digest: u64,
+    /// Digest of the aggregated mean gradient of every step, folded in step order: equal on
+    /// every rank (checked at the end of the run).
+    pub mean_digest: u64,
+    /// This rank's timing.
+    pub timing: Timing,
+    /// Mean timing over all ranks (gathered after the last step).
+    pub mean_timing: Timing,
+}
+
+fn digits() -> &'static Digits {
+    static DIGITS: OnceLock<Digits> = OnceLock::new();
+    DIGITS.get_or_init(Digits::load)
+}
+
+/// Draws mini-batches from a shard: a seeded permutation per epoch, cut into batches.
+struct Batches {
+    order: Vec<usize>,
+    next: usize,
+    rng: ChaCha8Rng,
+}
+
+impl Batches {
+    fn new(len: usize, seed: u64, rank: usize) -> Batches {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        // Stream 0 draws the initial weights; rank r's batches use stream r + 1.
+        rng.set_stream(rank as u64 + 1);
+        Batches {
+            order: (0..len).collect(),
+            next: len,
+            rng,
+        }
+    }
+
+    fn next_batch(&mut self, size: usize) -> Vec<usize> {
+        let size = size.min(self.order.len());
+        if self.next + size > self.order.len() {
+            self.order.shuffle(&mut self.rng);
+            self.next = 0;
+        }
+        let batch = self.order[self.next..self.next + size].to_vec();
+        self.next += size;
+        batch
+    }
+}
+
+/// Runs one rank of a data-parallel training run with the codec of `method`.
+///
+/// Every rank of `comm` must call this with the same `config`, `method` and `seed`. `progress`
+/// (normally given to rank 0 only) advances by one per step.
+///
+/// # Errors
+/// [`DemoError::NotWired`] when the method has no codec yet; codec, candle and communication
+/// errors.
+pub fn run_rank(
+    comm: &mut dyn Communicator,
+    config: &TrainConfig,
+    method: Method,
+    seed: u64,
+    progress: Option<&ProgressBar>,
+) -> Result<RankReport, DemoError> {
+    let specs = param_specs();
+    let ctx = CodecContext {
+        specs: &specs,
+        rank: comm.rank(),
+        world_size: comm.world_size(),
+        seed,
+    };
+    let codec = new_codec(method, &ctx)?;
+    run_rank_with_codec(comm, config, codec, seed, progress)
+}
+
+/// [`run_rank`] with a codec built by the caller (e.g. an experimental one).
+///
+/// # Errors
+/// Codec, candle and communication errors.
+#[allow(clippy::too_many_lines)]
+pub fn run_rank_with_codec(
+    comm: &mut dyn Communicator,
+    config: &TrainConfig,
+    mut codec: Box<dyn GradientCodec>,
+    seed: u64,
+    progress: Option<&ProgressBar>,
+) -> Result<RankReport, DemoError> {
+    config.validate()?;
+    single_threaded_matmul();
+    let rank = comm.rank();
+    let world_size = comm.world_size();
+    let data = digits();
+    let shard = data.train.shard(rank, world_size);
+    let specs: Vec<ParamSpec> = param_specs();
+    let mut params = init_params(&specs, seed);
+    let model = Mlp::new(&params)?;
+    let mut velocity: Vec<Vec<f32>> = specs.iter().map(|s| vec![0.0; s.len()]).collect();
+    let mut mean: Vec<Vec<f32>> = velocity.clone();
+    let mut batches = Batches::new(shard.len(), seed, rank);
+    let max_len = codec.max_message_len();
+    let mut message = Vec::with_capacity(max_len);
+    let mut gathered: Vec<Vec<u8>> = Vec::new();
+    let mut timing = Timing::default();
+    let mut curve = Vec::new();
+    let mut bytes_total = 0.0f64;
+    // Digest of every step's aggregated mean gradient: equal on every rank, checked below.
+    let mut mean_digest: u64 = 0;
+    let (initial_train_loss, _) = model.evaluate(&data.train)?;
+
+    let evaluate = |model: &Mlp, step: usize, bytes: f64, timing: &mut Timing| {
+        let t = Instant::now();
+        let (_, acc) = model.evaluate(&data.test)?;
+        timing.eval_s += t.elapsed().as_secs_f64();
+        Ok::<_, DemoError>(CurvePoint {
+            step,
+            test_accuracy: acc,
+            bytes_per_worker: bytes,
+        })
+    };
+    if rank == 0 {
+        curve.push(evaluate(&model, 0, 0.0, &mut timing)?);
+    }
+
+    for step in 0..config.steps {
+        let t0 = Instant::now();
+        let batch: Samples = shard.select(&batches.next_batch(config.batch_size));
+        let (_, grads) = model.loss_and_grads(&batch)?;
+        let t1 = Instant::now();
+        let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+        codec.encode(step as u64, &views, &mut message)?;
+        let t2 = Instant::now();
+        comm.all_gather(&message, max_len, &mut gathered)?;
+        let t3 = Instant::now();
+        codec.decode_mean(step as u64, &gathered, &mut mean)?;
+        mean_digest = (mean_digest ^ digest(&mean))
+            .rotate_left(17)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let t4 = Instant::now();
+        let lr = config.lr_at(step);
+        for ((p, v), g) in params.iter_mut().zip(&mut velocity).zip(&mean) {
+            for ((p, v), g) in p.iter_mut().zip(v.iter_mut()).zip(g) {
+                *v = config.momentum * *v + *g;
+                *p -= lr * *v;
+            }
+        }
+        model.set_params(&params)?;
+        let t5 = Instant::now();
+        timing.compute_s += (t1 - t0).as_secs_f64();
+        timing.encode_s += (t2 - t1).as_secs_f64();
+        timing.comm_s += (t3 - t2).as_secs_f64();
+        timing.decode_s += (t4 - t3).as_secs_f64();
+        timing.update_s += (t5 - t4).as_secs_f64();
+        #[allow(clippy::cast_precision_loss)]
+        let step_bytes =
+            gathered.iter().map(Vec::len).sum::<usize>() as f64 / gathered.len() as f64;
+        bytes_total += step_bytes;
+        let done = step + 1;
+        if rank == 0 && (done % config.eval_every == 0 || done == config.steps) {
+            let point = evaluate(&model, done, bytes_total, &mut timing)?;
+            if let Some(pb) = progress {
+                pb.set_message(format!("test acc {:.1}%", 100.0 * point.test_accuracy));
+            }
+            curve.push(point);
+        }
+        if let Some(pb) = progress {
+            pb.inc(1);
+        }
+    }
+
+    let (_, test_accuracy) = model.evaluate(&data.test)?;
+    let (train_loss, _) = model.evaluate(&data.train)?;
+
+    // Gather every rank's timing so that rank 0 (which prints the table) knows the mean.
+    let mine: Vec<u8> = timing
+        .to_array()
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    comm.all_gather(&mine, Timing::FIELDS * 8, &mut gathered)?;
+    let all: Vec<Timing> = gathered
+        .iter()
+        .map(|m| {
+            let mut a = [0.0; Timing::FIELDS];
+            for (v, b) in a.iter_mut().zip(m.chunks_exact(8)) {
+                *v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
+            }
+            Timing::from_array(a)
+        })
+        .collect();
+
+    // Every rank must hold the same aggregated gradient at every step and the same final
+    // parameters, on threads and under MPI alike.
+    let param_digest = digest(&params);
+    let mut mine = [0u8; 16];
+    mine[..8].copy_from_slice(&param_digest.to_le_bytes());
+    mine[8..].copy_from_slice(&mean_digest.to_le_bytes());
+    comm.all_gather(&mine, 16, &mut gathered)?;
+    if let Some(other) = gathered
+        .iter()
+        .position(|m| m.as_slice() != mine.as_slice())
+    {
+        return Err(DemoError::Transport(format!(
+            "replicas diverged: rank {other} aggregated other gradients or holds other parameters \
+             than rank {rank}"
+        )));
+    }
+
+    #[allow(clippy::cast_precision_loss)]
+    let bytes_per_worker_per_step = bytes_total / config.steps as f64;
+    Ok(RankReport {
+        method: codec.method(),
+        seed,
+        rank,
+        world_size,
+        test_accuracy,
+        train_loss,
+        initial_train_loss,
+        bytes_per_worker_per_step,
+        curve,
+        param_digest,
+        mean_digest,
+        timing,
+        mean_timing: Timing::mean(&all),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_warms_up_and_decays() {
+        let c = TrainConfig {
+            steps: 100,
+            warmup_steps: 10,
+            lr: 1.0,
+            ..TrainConfig::default()
+        };
+        assert!((c.lr_at(0) - 0.1).abs() < 1e-6);
+        assert!((c.lr_at(9) - 1.0).abs() < 1e-6);
+        assert!((c.lr_at(10) - 1.0).abs() < 1e-6);
+        assert!(c.lr_at(99) < 0.01);
+    }
+
+    #[test]
+    fn batches_cover_the_shard() {
+        let mut b = Batches::new(10, 7, 0);
+        let mut seen: Vec<usize> = (0..3).flat_map(|_| b.next_batch(3)).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 9);
+        assert_eq!(Batches::new(4, 7, 0).next_batch(10).len(), 4);
+    }
+}

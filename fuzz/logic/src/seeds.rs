@@ -1,0 +1,279 @@
+//! Seed inputs for the corpora: real frames of every method (and every value and index codec)
+//! for the frame targets, and generator byte strings that select every method for the
+//! structured targets. `examples/make_seeds.rs` writes them into `fuzz/corpus/<target>/`.
+
+use crate::core_targets::{decode_seed, roundtrip_seed};
+use gradwire_core::rng::mix64;
+use gradwire_core::{
+    K, Method, Params, Rounding, SignScale, Values, encode_into, max_frame_len, scratch_len,
+};
+
+/// Deterministic test gradients: empty, one element, a small heavy-tailed one, one with ties
+/// and zeros, and a mostly-zero one (so bitmap, delta and raw index codecs all appear).
+pub fn gradients() -> Vec<Vec<f32>> {
+    let wave = |n: usize, salt: u64| -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let r = mix64(i as u64 ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                let u = (r >> 40) as f32 / 16_777_216.0 - 0.5;
+                u * u * u * 8.0
+            })
+            .collect()
+    };
+    let mut ties = wave(300, 2);
+    for (i, x) in ties.iter_mut().enumerate() {
+        if i % 5 == 0 {
+            *x = 0.0;
+        } else if i % 7 == 0 {
+            *x = -0.25;
+        }
+    }
+    let mut sparse = vec![0.0f32; 1000];
+    for i in (3..1000).step_by(97) {
+        sparse[i] = (i as f32 - 500.0) / 100.0;
+    }
+    vec![vec![], vec![-1.5], wave(37, 1), ties, sparse]
+}
+
+/// Every method with a spread of parameters.
+pub fn methods() -> Vec<Params> {
+    let mut m = Vec::new();
+    let vals = [
+        Values::F32,
+        Values::F16,
+        Values::Bf16,
+        Values::Int8 { block: 1 },
+        Values::Int8 { block: 3 },
+        Values::Int8 { block: 512 },
+    ];
+    for v in [Values::F32, Values::F16, Values::Bf16] {
+        m.push(Method::Dense { values: v });
+    }
+    for v in vals {
+        m.push(Method::TopK {
+            k: K::Ratio(0.1),
+            values: v,
+        });
+        m.push(Method::Threshold {
+            threshold: 0.5,
+            values: v,
+        });
+        m.push(Method::RandomK {
+            k: K::Ratio(0.05),
+            values: v,
+            unbiased: false,
+        });
+    }
+    for k in [K::Count(0), K::Count(1), K::Count(10_000), K::Ratio(0.01)] {
+        m.push(Method::TopK {
+            k,
+            values: Values::F32,
+        });
+    }
+    m.push(Method::RandomK {
+        k: K::Count(5),
+        values: Values::F16,
+        unbiased: true,
+    });
+    for bits in 2..=8 {
+        for (block, rounding) in [(512, Rounding::NearestEven), (7, Rounding::Stochastic)] {
+            m.push(Method::Quant {
+                bits,
+                block,
+                rounding,
+            });
+        }
+    }
+    for scale in [
+        SignScale::None,
+        SignScale::MeanAbs { block: 1024 },
+        SignScale::MeanAbs { block: 5 },
+    ] {
+        m.push(Method::Sign { scale });
+    }
+    m.into_iter()
+        .enumerate()
+        .map(|(i, method)| Params {
+            method,
+            seed: 42,
+            step: i as u64,
+            tensor_id: gradwire_core::tensor_id("layer.0.weight"),
+        })
+        .collect()
+}
+
+/// Encodes `grad` with `params`.
+pub fn frame(grad: &[f32], params: &Params) -> Option<Vec<u8>> {
+    let mut out = vec![0u8; max_frame_len(grad.len(), &params.method)];
+    let mut scratch = vec![0u32; scratch_len(grad.len(), &params.method)];
+    let len = encode_into(grad, params, &mut scratch, &mut out).ok()?;
+    out.truncate(len);
+    Some(out)
+}
+
+/// Every (method, gradient) frame.
+pub fn frames() -> Vec<Vec<u8>> {
+    let grads = gradients();
+    let mut v = Vec::new();
+    for p in methods() {
+        for g in &grads {
+            if let Some(f) = frame(g, &p) {
+                v.push(f);
+            }
+        }
+    }
+    v
+}
+
+/// Seeds for the core targets as `(target, bytes)`; `extra_frames` (golden frames) join the
+/// frame targets.
+pub fn core_seeds(extra_frames: &[Vec<u8>]) -> Vec<(&'static str, Vec<u8>)> {
+    let mut frames = frames();
+    frames.extend_from_slice(extra_frames);
+    let mut out = Vec::new();
+    for f in &frames {
+        out.push(("decode", decode_seed(f)));
+        out.push(("peek_frame", f.clone()));
+    }
+    // Structured targets: a small gradient, then generator bytes choosing each method.
+    let grads = gradients();
+    for sel in 0u8..6 {
+        for variant in 0u8..4 {
+            let g = &grads[(sel + variant) as usize % grads.len()];
+            let g = &g[..g.len().min(300)];
+            let mut bytes = vec![0, sel, variant, variant * 3 + 1, 2, 7, 1, 0];
+            bytes.extend((0..24).map(|i| (mix64(u64::from(sel * 16 + variant) + i) & 0xff) as u8));
+            let seed = roundtrip_seed(&bytes, g);
+            out.push(("roundtrip", seed.clone()));
+            // no_output_leak: same layout, then a few mutations.
+            let mut leak = seed;
+            leak.extend_from_slice(&[2, 0, 40, 0, 0x10, 2, 0x80, 0, 0x01, 0]);
+            out.push(("no_output_leak", leak));
+            for which in [sel, sel + 6] {
+                let mut simd = vec![which, variant];
+                simd.extend_from_slice(&roundtrip_seed(&bytes, g));
+                out.push(("simd_scalar", simd));
+            }
+        }
+    }
+    out
+}
+
+/// Seeds for the std targets: structured bundle inputs selecting every method and bucketing,
+/// and reference inputs cut from the real payloads `ref_*_step1.safetensors` in `data` (first
+/// two tensors renamed `t0`, `t1`, a few entries each, indices folded into a 12 x 12 shape,
+/// original dtypes and entry order kept), plus payloads from `reference::compress`.
+#[cfg(feature = "std")]
+pub fn std_seeds(data: &std::path::Path) -> Vec<(&'static str, Vec<u8>)> {
+    use crate::std_targets::reference_seed;
+    use gradwire::reference::{self, Mode};
+    use safetensors::SafeTensors;
+    use safetensors::tensor::{Dtype, TensorView};
+
+    let mut out = Vec::new();
+    for sel in 0u8..6 {
+        for variant in 0u8..6 {
+            let mut b = vec![variant % 4, 3, 1, 7 + variant, 3, 2, 5, 4];
+            b.extend_from_slice(&[0, sel, variant, 3, 1, 2, 0, 1, 9, 0, 0, 0, 0, 0, 0, 0]);
+            b.extend(
+                (0..200).map(|i| (mix64(u64::from(sel * 8 + variant) * 1000 + i) & 0xff) as u8),
+            );
+            out.push(("bundle", b));
+        }
+    }
+    let specs = vec![("t0", vec![12, 12]), ("t1", vec![7])];
+    let grads: Vec<Vec<f32>> = vec![
+        (0..144)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 16.0)
+            .collect(),
+        vec![0.5, -1.0, 0.0, 2.0, -0.25, 0.0, 3.0],
+    ];
+    for mode in Mode::ALL {
+        let inputs: Vec<reference::Input<'_>> = specs
+            .iter()
+            .zip(&grads)
+            .map(|((n, s), g)| (*n, s.as_slice(), g.as_slice()))
+            .collect();
+        if let Ok(p) = reference::compress(&inputs, mode, 0.1) {
+            out.push(("reference", reference_seed(mode, &specs, &p)));
+        }
+    }
+    let Ok(dir) = std::fs::read_dir(data) else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let path = entry.path();
+        let name = path.file_name().and_then(|s| s.to_str()).unwrap_or("");
+        if !(name.starts_with("ref_") && name.ends_with("_step1.safetensors")) {
+            continue;
+        }
+        let mode = if name.contains("topk-int8") {
+            Mode::TopKInt8
+        } else {
+            Mode::TopK
+        };
+        let Ok(bytes) = std::fs::read(&path) else {
+            continue;
+        };
+        let Ok(st) = SafeTensors::deserialize(&bytes) else {
+            continue;
+        };
+        let mut names: Vec<String> = st
+            .names()
+            .iter()
+            .filter_map(|k| k.strip_suffix("::idx").map(str::to_owned))
+            .collect();
+        names.sort();
+        for take in [3usize, 10] {
+            let mut keys: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+            for (t, tensor) in names.iter().take(2).enumerate() {
+                let n = if t == 0 { 144 } else { 7 };
+                let Ok(idx) = st.tensor(&format!("{tensor}::idx")) else {
+                    continue;
+                };
+                let Ok(val) = st.tensor(&format!("{tensor}::val")) else {
+                    continue;
+                };
+                let mut seen = std::collections::BTreeSet::new();
+                let mut ib = Vec::new();
+                let mut vb = Vec::new();
+                let vsize = if val.dtype() == Dtype::I8 { 1 } else { 4 };
+                for (j, c) in idx.data().chunks_exact(8).enumerate() {
+                    let i = i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) % n;
+                    if seen.len() == take.min(n as usize) || !seen.insert(i) {
+                        continue;
+                    }
+                    ib.extend_from_slice(&i.to_le_bytes());
+                    vb.extend_from_slice(&val.data()[j * vsize..(j + 1) * vsize]);
+                }
+                let k = seen.len();
+                keys.push((format!("t{t}::idx"), Dtype::I64, vec![k], ib));
+                keys.push((format!("t{t}::val"), val.dtype(), vec![k], vb));
+                if let Ok(s) = st.tensor(&format!("{tensor}::scale")) {
+                    keys.push((
+                        format!("t{t}::scale"),
+                        Dtype::F32,
+                        vec![1],
+                        s.data().to_vec(),
+                    ));
+                }
+            }
+            let views: Vec<(String, TensorView<'_>)> = keys
+                .iter()
+                .filter_map(|(k, d, s, b)| {
+                    Some((k.clone(), TensorView::new(*d, s.clone(), b).ok()?))
+                })
+                .collect();
+            if let Ok(p) = safetensors::serialize(views, None) {
+                out.push(("reference", reference_seed(mode, &specs, &p)));
+            }
+        }
+    }
+    out
+}
+
+/// Without the std crate there are no std seeds.
+#[cfg(not(feature = "std"))]
+pub fn std_seeds(_data: &std::path::Path) -> Vec<(&'static str, Vec<u8>)> {
+    Vec::new()
+}

@@ -1,0 +1,437 @@
+//! The parallel paths ([`Parallelism::Parallel`]) give the same bytes and bits as the serial
+//! path: bundles and per-tensor frames byte for byte, residuals and aggregates bit for bit, and
+//! the same errors, on the real MiniLM gradients and on a synthetic model with one large tensor
+//! (split into chunks) and many small ones.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{MINILM, Rng, minilm, same_bits};
+use gradwire::aggregate::{Aggregator, Reduction, aggregate_into};
+use gradwire::bucket::BucketConfig;
+use gradwire::bundle::Manifest;
+use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::core::{Method, Rounding, SignScale, Values};
+use gradwire::parallel::Parallelism;
+use gradwire::tensor::Tensor;
+
+/// Elements of the large tensor of the synthetic model (not a multiple of any block or chunk).
+const LARGE: usize = 4_000_037;
+
+/// One large tensor, one mid-sized, and 40 small ones of varied sizes (some 0-d).
+fn synthetic(rng: &mut Rng) -> HashMap<String, Tensor> {
+    let mut out = HashMap::new();
+    // Heavy-tailed, with exact zeros and repeated magnitudes.
+    let big: Vec<f32> = (0..LARGE)
+        .map(|i| {
+            let u = rng.unit();
+            match i % 97 {
+                0 => 0.0,
+                1 => 0.25,
+                _ => u * u * u * 3.0,
+            }
+        })
+        .collect();
+    out.insert(
+        "large.weight".to_owned(),
+        Tensor::new(vec![LARGE], big).unwrap(),
+    );
+    out.insert(
+        "mid.weight".to_owned(),
+        Tensor::new(vec![641, 512], rng.vec(641 * 512, 0.01)).unwrap(),
+    );
+    for t in 0..40usize {
+        let name = format!("small.{t:02}");
+        if t % 13 == 0 {
+            out.insert(name, Tensor::scalar(rng.unit()));
+        } else {
+            let n = 1 + (t * 977) % 5000;
+            out.insert(name, Tensor::vector(rng.vec(n, 1e-3 * (t as f32 + 1.0))));
+        }
+    }
+    out
+}
+
+/// `base` with every value scaled by a per-(rank, step) factor and a little seeded noise.
+fn vary(base: &HashMap<String, Tensor>, seed: u64) -> HashMap<String, Tensor> {
+    let mut rng = Rng(seed);
+    let f = 0.5 + (seed % 7) as f32 * 0.1;
+    base.iter()
+        .map(|(n, t)| {
+            let data = t
+                .data()
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| {
+                    if i % 64 == 0 {
+                        x * f + rng.unit() * 1e-3
+                    } else {
+                        x * f
+                    }
+                })
+                .collect();
+            (n.clone(), Tensor::new(t.shape().to_vec(), data).unwrap())
+        })
+        .collect()
+}
+
+fn methods() -> Vec<CompressionMethod> {
+    vec![
+        CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+        CompressionMethod::SignSGD.with_error_feedback(),
+        CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+    ]
+}
+
+fn bucketings() -> Vec<BucketConfig> {
+    vec![
+        BucketConfig::none(),
+        BucketConfig::fused(64 << 10).with_dense_below(8, Values::F32),
+    ]
+}
+
+/// Runs `steps` steps of `ranks` ranks, serial and parallel side by side, and checks bundles,
+/// residuals and aggregates (the mean; also the sum with `sum`).
+fn check_same(
+    base: &HashMap<String, Tensor>,
+    method: &CompressionMethod,
+    bucketing: BucketConfig,
+    ranks: usize,
+    steps: u64,
+    sum: bool,
+) {
+    let manifest = Manifest::for_gradients(base, method, 3, bucketing).unwrap();
+    let new = |p| {
+        GradientCompressor::new(method.clone())
+            .with_seed(3)
+            .with_parallelism(p)
+    };
+    let mut serial: Vec<GradientCompressor> =
+        (0..ranks).map(|_| new(Parallelism::Serial)).collect();
+    let mut parallel: Vec<GradientCompressor> =
+        (0..ranks).map(|_| new(Parallelism::Parallel)).collect();
+    let mut agg = Aggregator::new().with_parallelism(Parallelism::Parallel);
+    let (mut flat_s, mut flat_p) = (Vec::new(), Vec::new());
+    let ctx = format!("{method:?} {bucketing:?}");
+    for step in 0..steps {
+        let mut bundles_s = Vec::new();
+        let mut bundles_p = Vec::new();
+        for r in 0..ranks {
+            let grads = vary(base, 100 * step + r as u64);
+            let (mut bs, mut bp) = (Vec::new(), Vec::new());
+            let ss = serial[r]
+                .compress_bundle(&manifest, &grads, r, &mut bs)
+                .unwrap();
+            let sp = parallel[r]
+                .compress_bundle(&manifest, &grads, r, &mut bp)
+                .unwrap();
+            assert_eq!(ss, sp, "{ctx}: step");
+            assert!(bs == bp, "{ctx}: bundle of rank {r} at step {step}");
+            assert!(
+                serial[r].feedback() == parallel[r].feedback(),
+                "{ctx}: residuals of rank {r} after step {step}"
+            );
+            bundles_s.push(bs);
+            bundles_p.push(bp);
+        }
+        let reductions: &[Reduction] = if sum {
+            &[Reduction::Sum, Reduction::Mean]
+        } else {
+            &[Reduction::Mean]
+        };
+        for &reduction in reductions {
+            aggregate_into(&manifest, &bundles_s, step, reduction, &mut flat_s).unwrap();
+            // Garbage in the output buffer must not leak into the result.
+            flat_p.clear();
+            flat_p.resize(manifest.flat_len(), f32::NAN);
+            agg.aggregate_into(&manifest, &bundles_p, step, reduction, &mut flat_p)
+                .unwrap();
+            assert!(
+                same_bits(&flat_s, &flat_p),
+                "{ctx}: {reduction:?} at step {step}"
+            );
+        }
+    }
+}
+
+#[test]
+fn minilm_parallel_equals_serial() {
+    let base = minilm();
+    for method in methods() {
+        for bucketing in bucketings() {
+            check_same(&base, &method, bucketing, 3, 3, true);
+        }
+    }
+}
+
+#[test]
+fn synthetic_large_tensor_parallel_equals_serial() {
+    let base = synthetic(&mut Rng(5));
+    for method in methods() {
+        for bucketing in bucketings() {
+            check_same(&base, &method, bucketing, 2, 2, false);
+        }
+    }
+}
+
+#[test]
+fn other_split_methods_parallel_equal_serial() {
+    // Every kind of frame that splits into chunks, and stochastic rounding (which does not,
+    // when encoding), without and with error feedback.
+    let mut rng = Rng(9);
+    let mut base = HashMap::new();
+    base.insert("w".to_owned(), Tensor::vector(rng.vec(600_001, 2.0)));
+    base.insert("b".to_owned(), Tensor::vector(rng.vec(333, 1.0)));
+    let core = |m| CompressionMethod::Core(m);
+    for method in [
+        core(Method::Dense {
+            values: Values::F16,
+        }),
+        core(Method::Dense {
+            values: Values::Bf16,
+        }),
+        core(Method::Quant {
+            bits: 8,
+            block: 100,
+            rounding: Rounding::NearestEven,
+        }),
+        core(Method::Quant {
+            bits: 3,
+            block: 512,
+            rounding: Rounding::NearestEven,
+        }),
+        core(Method::Quant {
+            bits: 4,
+            block: 512,
+            rounding: Rounding::Stochastic,
+        }),
+        core(Method::Sign {
+            scale: SignScale::MeanAbs { block: 1000 },
+        }),
+        CompressionMethod::SignSGDMajority,
+        CompressionMethod::Threshold { threshold: 1.5 },
+    ] {
+        check_same(&base, &method, BucketConfig::none(), 3, 1, false);
+        if method != CompressionMethod::SignSGDMajority {
+            check_same(
+                &base,
+                &method.with_error_feedback(),
+                BucketConfig::none(),
+                2,
+                2,
+                false,
+            );
+        }
+    }
+}
+
+#[test]
+fn majority_vote_parallel_equals_serial() {
+    let mut rng = Rng(11);
+    let base = HashMap::from([("w".to_owned(), Tensor::vector(rng.vec(700_001, 1.0)))]);
+    let method = CompressionMethod::SignSGDMajority;
+    let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
+    let bundles: Vec<Vec<u8>> = (0..4)
+        .map(|r| {
+            let mut b = Vec::new();
+            GradientCompressor::new(method.clone())
+                .compress_bundle(&manifest, &vary(&base, r), r as usize, &mut b)
+                .unwrap();
+            b
+        })
+        .collect();
+    let serial =
+        gradwire::aggregate::aggregate(&manifest, &bundles, 0, Reduction::MajorityVote).unwrap();
+    let mut parallel = Vec::new();
+    Aggregator::new()
+        .with_parallelism(Parallelism::Parallel)
+        .aggregate_into(
+            &manifest,
+            &bundles,
+            0,
+            Reduction::MajorityVote,
+            &mut parallel,
+        )
+        .unwrap();
+    assert!(same_bits(&serial, &parallel));
+}
+
+#[test]
+fn compress_into_parallel_equals_serial() {
+    let base = synthetic(&mut Rng(6));
+    for method in methods() {
+        let mut s = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Serial);
+        let mut p = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Parallel);
+        let (mut out_s, mut out_p) = (HashMap::new(), HashMap::new());
+        for step in 0..2 {
+            let grads = vary(&base, step);
+            s.compress_into(&grads, &mut out_s).unwrap();
+            p.compress_into(&grads, &mut out_p).unwrap();
+            assert!(out_s == out_p, "{method:?} at step {step}");
+            assert!(s.feedback() == p.feedback(), "{method:?} at step {step}");
+            assert_eq!(
+                s.get_compression_ratio().to_bits(),
+                p.get_compression_ratio().to_bits()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_wider_pool_gives_the_same_bits() {
+    // More threads than cores: other interleavings, same results.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(5)
+        .build()
+        .unwrap();
+    let base = synthetic(&mut Rng(7));
+    let method = CompressionMethod::SignSGD.with_error_feedback();
+    pool.install(|| {
+        assert!(Parallelism::Auto.is_parallel());
+        assert_eq!(Parallelism::Auto.threads(), 5);
+        check_same(&base, &method, BucketConfig::fused(64 << 10), 2, 1, true);
+    });
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    one.install(|| {
+        assert!(!Parallelism::Auto.is_parallel());
+        assert_eq!(Parallelism::Auto.threads(), 1);
+        assert!(Parallelism::Parallel.is_parallel());
+        check_same(&base, &method, BucketConfig::none(), 2, 1, false);
+    });
+    assert_eq!(Parallelism::Serial.threads(), 1);
+}
+
+#[test]
+fn a_nan_changes_nothing_on_either_path() {
+    let base = synthetic(&mut Rng(8));
+    let method = CompressionMethod::Quantization { bits: 4 }.with_error_feedback();
+    let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
+    let mut s = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Serial);
+    let mut p = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Parallel);
+    let (mut bs, mut bp) = (Vec::new(), Vec::new());
+    s.compress_bundle(&manifest, &base, 0, &mut bs).unwrap();
+    p.compress_bundle(&manifest, &base, 0, &mut bp).unwrap();
+    for (name, index) in [
+        ("large.weight", LARGE - 3),
+        ("large.weight", 70_000),
+        ("small.05", 2),
+    ] {
+        let mut bad = vary(&base, 1);
+        let mut data = bad[name].data().to_vec();
+        data[index] = f32::NAN;
+        bad.insert(
+            name.to_owned(),
+            Tensor::new(bad[name].shape().to_vec(), data).unwrap(),
+        );
+        let before = p.feedback().cloned();
+        let es = s.compress_bundle(&manifest, &bad, 0, &mut bs).unwrap_err();
+        let ep = p.compress_bundle(&manifest, &bad, 0, &mut bp).unwrap_err();
+        assert_eq!(format!("{es:?}"), format!("{ep:?}"));
+        assert!(format!("{ep}").contains(&index.to_string()), "{ep}");
+        assert!(p.feedback().cloned() == before, "no residual changes");
+        assert_eq!(s.step(), 1);
+        assert_eq!(p.step(), 1);
+    }
+}
+
+/// Rewrites the bundle's and the frame's checksums after an edit inside entry 0's frame.
+fn reseal(bundle: &mut [u8], frame_start: usize, frame_len: usize) {
+    let end = frame_start + frame_len - 4;
+    let crc = crc32(&bundle[frame_start..end]);
+    bundle[end..end + 4].copy_from_slice(&crc.to_le_bytes());
+    let body = bundle.len() - 4;
+    let crc = crc32(&bundle[..body]);
+    bundle[body..].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// CRC-32 (IEEE), bit by bit: the test does not depend on the crate's.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in bytes {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 == 1 {
+                (c >> 1) ^ 0xedb8_8320
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+#[test]
+fn invalid_frame_bodies_give_the_serial_errors() {
+    // A large single-tensor manifest: entry 0's frame starts after the bundle header (24 bytes)
+    // and the entry header (12).
+    let mut rng = Rng(12);
+    let base = HashMap::from([("w".to_owned(), Tensor::vector(rng.vec(600_000, 1.0)))]);
+    let frame_start = 24 + 12;
+    for (method, poke) in [
+        // Sign: a NaN scale (the first scale follows the 21-byte header).
+        (CompressionMethod::SignSGD, 21 + 4 * 7),
+        // 4-bit: a code of 15 (above 2l = 14) in the codes section.
+        (
+            CompressionMethod::Quantization { bits: 4 },
+            22 + 4 * 600_000usize.div_ceil(512) + 1000,
+        ),
+        // Top-k int8: a code of -128 at the end of the values section.
+        (CompressionMethod::top_k_int8(0.01), usize::MAX),
+    ] {
+        let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
+        let mut bundles: Vec<Vec<u8>> = (0..3)
+            .map(|r| {
+                let mut b = Vec::new();
+                GradientCompressor::new(method.clone())
+                    .compress_bundle(&manifest, &vary(&base, r), r as usize, &mut b)
+                    .unwrap();
+                b
+            })
+            .collect();
+        let bundle = &mut bundles[1];
+        let frame_len = u32::from_le_bytes(bundle[32..36].try_into().unwrap()) as usize;
+        let at = if poke == usize::MAX {
+            frame_start + frame_len - 5
+        } else {
+            frame_start + poke
+        };
+        match method {
+            CompressionMethod::SignSGD => {
+                bundle[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+            }
+            CompressionMethod::Quantization { .. } => bundle[at] = 0xff,
+            _ => bundle[at] = 0x80,
+        }
+        reseal(bundle, frame_start, frame_len);
+        let mut serial = vec![1.0f32; 5];
+        let es = aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut serial).unwrap_err();
+        let mut parallel = vec![1.0f32; 5];
+        let ep = Aggregator::new()
+            .with_parallelism(Parallelism::Parallel)
+            .aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut parallel)
+            .unwrap_err();
+        assert_eq!(format!("{es:?}"), format!("{ep:?}"), "{method:?}");
+        assert!(format!("{ep}").contains("rank 1"), "{ep}");
+        assert!(
+            same_bits(&serial, &parallel),
+            "{method:?}: out as the serial path leaves it"
+        );
+        // Framing errors (found before anything is added) as well.
+        bundles[2][30] ^= 1;
+        let es = aggregate_into(&manifest, &bundles, 0, Reduction::Sum, &mut serial).unwrap_err();
+        let ep = Aggregator::new()
+            .with_parallelism(Parallelism::Parallel)
+            .aggregate_into(&manifest, &bundles, 0, Reduction::Sum, &mut parallel)
+            .unwrap_err();
+        assert_eq!(format!("{es:?}"), format!("{ep:?}"), "{method:?}");
+    }
+}
+
+#[test]
+fn the_data_file_is_there() {
+    assert!(std::path::Path::new(MINILM).exists());
+}
