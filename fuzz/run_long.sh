@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Long fuzz runs, one target at a time, at the lowest priority (the machine is shared).
-# Usage: fuzz/run_long.sh TARGET...   (binaries already built: cargo +nightly fuzz build -O -s none)
+# Usage: fuzz/run_long.sh TARGET...   (binaries already built: cargo +nightly fuzz build -O -a -s none)
 # Each target runs at least MIN_TIME seconds (default 600) and at least MIN_EXECS executions
 # (default 5,000,000): a first session of MIN_TIME seconds, then, if it fell short, a second
 # one for the remaining executions (capped at MAX_EXTRA seconds). Both sessions work on one
@@ -11,8 +11,8 @@
 set -uo pipefail
 cd "$(dirname "$0")"
 BIN=${BIN:-target/x86_64-unknown-linux-gnu/release}
-WORK=${WORK:-/work/targets/fuzzwork}
-LOGS=${LOGS:-/work/targets/fuzzlogs}
+WORK=${WORK:-target/long/work}
+LOGS=${LOGS:-target/long/logs}
 MIN_TIME=${MIN_TIME:-600}
 MIN_EXECS=${MIN_EXECS:-5000000}
 MAX_EXTRA=${MAX_EXTRA:-2400}

@@ -5,7 +5,7 @@
 # Usage: fuzz/trim_log.sh TARGET...   (LOGS as in run_long.sh)
 set -euo pipefail
 cd "$(dirname "$0")"
-LOGS=${LOGS:-/work/targets/fuzzlogs}
+LOGS=${LOGS:-target/long/logs}
 mkdir -p logs
 for t in "$@"; do
     out=logs/$t.log

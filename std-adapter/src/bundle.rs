@@ -69,7 +69,7 @@
 use std::collections::HashMap;
 
 use gradwire_core::{
-    Header, K, Method, Param, Params, decode_into, max_frame_len, peek, scratch_len, tensor_id,
+    Header, K, Method, Params, decode_into, max_frame_len, peek, scratch_len, tensor_id,
 };
 
 use crate::bucket::{BucketConfig, TopKScope, plan};
@@ -281,105 +281,7 @@ pub fn check_frame(
     n: usize,
 ) -> std::result::Result<Header, gradwire_core::Error> {
     let h = peek(frame)?;
-    if h.n != n as u64 {
-        return Err(gradwire_core::Error::ElementCount {
-            expected: n as u64,
-            got: h.n,
-        });
-    }
-    expected.method.validate()?;
-    let mismatch = |param| Err(gradwire_core::Error::ParamMismatch { param });
-    match (h.params.method, expected.method) {
-        (Method::Dense { values: a }, Method::Dense { values: b }) => {
-            if a != b {
-                return mismatch(Param::Values);
-            }
-        }
-        (Method::TopK { k: a, values: va }, Method::TopK { k: b, values: vb }) => {
-            if va != vb {
-                return mismatch(Param::Values);
-            }
-            if a.resolve(h.n) != b.resolve(h.n) {
-                return mismatch(Param::K);
-            }
-        }
-        (
-            Method::Threshold {
-                threshold: a,
-                values: va,
-            },
-            Method::Threshold {
-                threshold: b,
-                values: vb,
-            },
-        ) => {
-            if va != vb {
-                return mismatch(Param::Values);
-            }
-            if a.to_bits() != b.to_bits() {
-                return mismatch(Param::Threshold);
-            }
-        }
-        (
-            Method::RandomK {
-                k: a,
-                values: va,
-                unbiased: ua,
-            },
-            Method::RandomK {
-                k: b,
-                values: vb,
-                unbiased: ub,
-            },
-        ) => {
-            if va != vb {
-                return mismatch(Param::Values);
-            }
-            if a.resolve(h.n) != b.resolve(h.n) {
-                return mismatch(Param::K);
-            }
-            if ua != ub {
-                return mismatch(Param::Unbiased);
-            }
-            if h.params.seed != expected.seed {
-                return mismatch(Param::Seed);
-            }
-            if h.params.step != expected.step {
-                return mismatch(Param::Step);
-            }
-            if h.params.tensor_id != expected.tensor_id {
-                return mismatch(Param::TensorId);
-            }
-        }
-        (
-            Method::Quant {
-                bits: a,
-                block: ba,
-                rounding: ra,
-            },
-            Method::Quant {
-                bits: b,
-                block: bb,
-                rounding: rb,
-            },
-        ) => {
-            if a != b {
-                return mismatch(Param::Bits);
-            }
-            if ba != bb {
-                return mismatch(Param::Block);
-            }
-            if ra != rb {
-                return mismatch(Param::Rounding);
-            }
-        }
-        (Method::Sign { scale: a }, Method::Sign { scale: b }) => {
-            if a != b {
-                return mismatch(Param::SignScale);
-            }
-        }
-        _ => return mismatch(Param::Method),
-    }
+    h.check(expected, n)?;
     Ok(h)
 }
 
