@@ -576,12 +576,12 @@ pub(crate) fn encode_sparse_src<S: Source>(
     match params.method {
         Method::TopK { k, values } => {
             let k = k.resolve(n as u64) as usize;
-            let (sel, int8_scratch) = scratch.split_at_mut(select::kept_scratch_len(n, k));
+            let sel = &mut scratch[..select::kept_scratch_len(n, k)];
             let kept = select::topk_kept_src(src, k, limit, select::sample_len(n), sel)?;
             p = Put { buf: out, pos: 0 };
             write_fixed(&mut p, M_TOPK, 0, n);
             p.values(values);
-            sparse_body(n, &kept, values, &mut p, int8_scratch);
+            kept_body(n, &kept, values, &mut p);
         }
         Method::Threshold { threshold, values } => {
             let (sel, int8_scratch) = scratch.split_at_mut(select::threshold_scratch_len(n));
@@ -591,7 +591,7 @@ pub(crate) fn encode_sparse_src<S: Source>(
             p.values(values);
             p.bytes(&threshold.to_le_bytes());
             match kept {
-                Some(kept) => sparse_body(n, &kept, values, &mut p, int8_scratch),
+                Some(kept) => kept_body(n, &kept, values, &mut p),
                 None => {
                     let e = ThresholdOf { src, t: threshold };
                     sparse_body(n, &e, values, &mut p, int8_scratch)
@@ -642,6 +642,20 @@ fn encode_sparse_streamed(
     let crc = crc32fast::hash(&p.buf[..p.pos]);
     p.u32(crc);
     p.pos
+}
+
+/// Count and codec, then index and values sections, of a list of kept entries: the bytes of
+/// [`sparse_body`], written section by section from the slices (no per-entry dispatch).
+fn kept_body(n: usize, kept: &Kept<'_>, v: Values, p: &mut Put<'_>) {
+    let count = kept.idx.len();
+    let (codec, idx_len) = index::choose_for(n as u64, kept.idx);
+    p.u64(count as u64);
+    p.u8(codec);
+    let v_len = v.section_len(count);
+    let (idx, rest) = p.buf[p.pos..].split_at_mut(idx_len);
+    index::write_u32(codec, n as u64, kept.idx, idx);
+    values::encode_bits(v, kept.bits, &mut rest[..v_len]);
+    p.pos += idx_len + v_len;
 }
 
 /// Count and codec, then index and values sections.

@@ -88,15 +88,95 @@ impl IndexSizer {
     /// The chosen codec and its section length in bytes.
     pub fn choose(mut self) -> (u8, usize) {
         self.close_block();
-        let bitmap = (self.n as usize).div_ceil(8);
-        let raw = (self.count as usize).saturating_mul(raw_width(self.n));
-        let delta = self.delta_bytes;
-        if delta <= bitmap && delta <= raw {
-            (DELTA, delta)
-        } else if bitmap <= raw {
-            (BITMAP, bitmap)
-        } else {
-            (RAW, raw)
+        choose_sizes(self.n, self.count, self.delta_bytes)
+    }
+}
+
+/// The smallest codec for `count` indices below `n` whose delta section takes `delta` bytes
+/// (ties: delta, then bitmap, then raw).
+fn choose_sizes(n: u64, count: u64, delta: usize) -> (u8, usize) {
+    let bitmap = (n as usize).div_ceil(8);
+    let raw = (count as usize).saturating_mul(raw_width(n));
+    if delta <= bitmap && delta <= raw {
+        (DELTA, delta)
+    } else if bitmap <= raw {
+        (BITMAP, bitmap)
+    } else {
+        (RAW, raw)
+    }
+}
+
+/// The gaps of one delta block of a `u32` index list (`next` is one past the index before the
+/// block), passed to `f` in order; returns their bitwise OR.
+#[inline]
+fn block_gaps(block: &[u32], next: u32, mut f: impl FnMut(u32)) -> u32 {
+    let mut or = 0u32;
+    let mut next = next;
+    for &i in block {
+        let gap = i.wrapping_sub(next);
+        or |= gap;
+        f(gap);
+        next = i.wrapping_add(1);
+    }
+    or
+}
+
+/// The codec and section length [`IndexSizer`] chooses for a strictly ascending list of
+/// indices below `n`, computed a delta block at a time from the list.
+pub fn choose_for(n: u64, idx: &[u32]) -> (u8, usize) {
+    let mut delta = 0usize;
+    let mut next = 0u32;
+    for block in idx.chunks(DELTA_BLOCK) {
+        let w = 32 - block_gaps(block, next, |_| {}).leading_zeros() as usize;
+        delta += 1 + (block.len() * w).div_ceil(8);
+        next = block[block.len() - 1].wrapping_add(1);
+    }
+    choose_sizes(n, idx.len() as u64, delta)
+}
+
+/// Writes a strictly ascending list of indices below `n` in `codec` into `section` (exactly the
+/// length [`choose_for`] gives for that codec): the same bytes as [`IndexWriter`], with delta
+/// gaps packed 32 bits at a time.
+pub fn write_u32(codec: u8, n: u64, idx: &[u32], section: &mut [u8]) {
+    match codec {
+        BITMAP => {
+            section.fill(0);
+            for &i in idx {
+                section[(i / 8) as usize] |= 1 << (i % 8);
+            }
+        }
+        RAW => {
+            let w = raw_width(n);
+            for (o, &i) in section.chunks_exact_mut(w).zip(idx) {
+                o.copy_from_slice(&u64::from(i).to_le_bytes()[..w]);
+            }
+        }
+        _ => {
+            let mut pos = 0usize;
+            let mut next = 0u32;
+            for block in idx.chunks(DELTA_BLOCK) {
+                let w = 32 - block_gaps(block, next, |_| {}).leading_zeros();
+                section[pos] = w as u8;
+                pos += 1;
+                // LSB-first: gaps enter a u64 above the bits already there; whole 32-bit words
+                // leave as little-endian bytes (w <= 32, so nothing overflows).
+                let mut acc = 0u64;
+                let mut bits = 0u32;
+                block_gaps(block, next, |gap| {
+                    acc |= u64::from(gap) << bits;
+                    bits += w;
+                    if bits >= 32 {
+                        section[pos..pos + 4].copy_from_slice(&(acc as u32).to_le_bytes());
+                        pos += 4;
+                        acc >>= 32;
+                        bits -= 32;
+                    }
+                });
+                let tail = bits.div_ceil(8) as usize;
+                section[pos..pos + tail].copy_from_slice(&acc.to_le_bytes()[..tail]);
+                pos += tail;
+                next = block[block.len() - 1].wrapping_add(1);
+            }
         }
     }
 }

@@ -90,8 +90,9 @@ pub fn try_encode(
 /// absmax of block `b + 1` is taken (from memory), so the arithmetic overlaps the loads. On a
 /// NaN or infinity the blocks before the bad one may already be written.
 ///
-/// `written` is called with each block's code bytes, in order, right after they are written
-/// (the frame encoder folds them into its checksum while they are in cache).
+/// `written` is called with the code bytes, in order and in runs of whole blocks (about 4 KiB),
+/// right after they are written (the frame encoder folds them into its checksum while they are
+/// in cache).
 pub(crate) fn encode_fast<S: Source>(
     src: &S,
     bits: u8,
@@ -106,6 +107,9 @@ pub(crate) fn encode_fast<S: Source>(
     let mut m = block_absmax_src(src, 0, block.min(n)).ok_or(OutOfLimit)?;
     let mut start = 0usize;
     let mut b = 0usize;
+    // Codes are handed to `written` in runs of at least this many bytes (still in L1).
+    const RUN: usize = 4096;
+    let mut flushed = 0usize;
     while start < n {
         let len = block.min(n - start);
         scales[4 * b..4 * b + 4].copy_from_slice(&m.to_le_bytes());
@@ -129,7 +133,11 @@ pub(crate) fn encode_fast<S: Source>(
                 block_absmax_src(src, next, next_len).ok_or(OutOfLimit)?
             }
         };
-        written(out);
+        let end = next.div_ceil(per_byte);
+        if end - flushed >= RUN || next == n {
+            written(&codes[flushed..end]);
+            flushed = end;
+        }
         start = next;
         b += 1;
     }
@@ -161,14 +169,16 @@ fn code_pipelined<S: Source, const STEP: usize>(
     coder: &Coder,
     out: &mut [u8],
 ) -> Option<f32> {
-    let inf = f32x8::splat(f32::INFINITY);
-    let mut ok = inf.simd_eq(inf);
     let mut acc = [f32x8::splat(0.0); 2];
+    // A NaN or an infinity makes this sum non-finite (one addition per vector, where a compare
+    // and a mask would take two); so may finite values that overflow it, which the exact check
+    // below then clears.
+    let mut sum = f32x8::splat(0.0);
     let now = src.pairs(start, block);
     let ahead = src.pairs(start + block, block);
     for ((p, q), o) in now.zip(ahead).zip(out.chunks_exact_mut(STEP)) {
         let (u, v) = (q[0].abs(), q[1].abs());
-        ok = ok & u.simd_lt(inf) & v.simd_lt(inf);
+        sum += u + v;
         acc[0] = acc[0].fast_max(u);
         acc[1] = acc[1].fast_max(v);
         let c = coder.bytes16(p[0], p[1]);
@@ -178,8 +188,8 @@ fn code_pipelined<S: Source, const STEP: usize>(
             o.copy_from_slice(&nibbles(c)[..STEP]);
         }
     }
-    if !ok.all() {
-        return None;
+    if !sum.is_finite().all() {
+        return block_absmax_src(src, start + block, block);
     }
     Some(lane_max(acc[0].fast_max(acc[1])))
 }

@@ -255,6 +255,64 @@ pub fn try_encode_plain(values: Values, x: &[f32], out: &mut [u8]) -> Result<(),
     Ok(())
 }
 
+/// Writes the values section of sparse entries given as f32 bits (finite, within the range of
+/// `values`), in order: the bytes of [`write_plain`] per value, or for int8 the scales (each
+/// block's absmax) then the codes of [`int8_code`].
+///
+/// # Panics
+/// When `out` is shorter than `values.section_len(bits.len())`.
+pub fn encode_bits(values: Values, bits: &[u32], out: &mut [u8]) {
+    match values {
+        Values::F32 => {
+            for (o, &b) in out.chunks_exact_mut(4).zip(bits) {
+                o.copy_from_slice(&b.to_le_bytes());
+            }
+        }
+        Values::F16 | Values::Bf16 => {
+            let conv = |b: &[u32]| {
+                let mut a = [0u32; LANES];
+                a[..b.len()].copy_from_slice(b);
+                let x = f32x8::from_bits(u32x8::new(a));
+                if values == Values::F16 {
+                    f16_bits_x8(x)
+                } else {
+                    bf16_bits_x8(x)
+                }
+            };
+            let mut chunks = bits.chunks_exact(LANES);
+            let mut outs = out[..2 * bits.len()].chunks_exact_mut(2 * LANES);
+            for (c, o) in (&mut chunks).zip(&mut outs) {
+                store_u16x8(conv(c), o);
+            }
+            let rest = chunks.remainder();
+            if !rest.is_empty() {
+                let mut tmp = [0u8; 2 * LANES];
+                store_u16x8(conv(rest), &mut tmp);
+                let o = outs.into_remainder();
+                o.copy_from_slice(&tmp[..o.len()]);
+            }
+        }
+        Values::Int8 { block } => {
+            let block = block as usize;
+            let s_len = bits.len().div_ceil(block) * 4;
+            let (scales, codes) = out.split_at_mut(s_len);
+            for ((s, c), b) in scales
+                .chunks_exact_mut(4)
+                .zip(codes.chunks_mut(block))
+                .zip(bits.chunks(block))
+            {
+                let m = f32::from_bits(b.iter().fold(0, |a, &v| a.max(v & 0x7fff_ffff)));
+                s.copy_from_slice(&m.to_le_bytes());
+                let inv = crate::scalar::quant_inv(m, 127);
+                for (o, &v) in c.iter_mut().zip(b) {
+                    let q = crate::scalar::quant_code_inv(f32::from_bits(v), m, inv, 127, None);
+                    *o = q as i8 as u8;
+                }
+            }
+        }
+    }
+}
+
 /// Index of the first value in a plain (f32, f16, bf16) section that is not finite.
 pub fn first_bad_plain(values: Values, bytes: &[u8]) -> Option<usize> {
     let vb = values.value_bytes();

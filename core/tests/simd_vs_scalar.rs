@@ -678,6 +678,10 @@ fn fused_methods() -> Vec<Method> {
         Method::Sign {
             scale: SignScale::MeanAbs { block: 8 },
         },
+        // Four blocks side by side from 64 elements on.
+        Method::Sign {
+            scale: SignScale::MeanAbs { block: 16 },
+        },
         Method::Sign {
             scale: SignScale::MeanAbs { block: 1024 },
         },
@@ -850,6 +854,62 @@ fn quant_reciprocal_overflow_matches_scalar_on_every_path() {
                 scalar::quant_encode(&x, bits_, block, None, &mut b.0, &mut b.1);
                 assert_eq!(a, b, "len {len} bits {bits_} block {block}");
             }
+        }
+    }
+}
+
+#[test]
+fn kept_frames_with_wide_gaps_equal_the_generic_path() {
+    // A few entries far apart: delta gaps of up to 22 bits, blocks of mixed widths.
+    let n = (1usize << 22) + 77;
+    let mut g = vec![0.0f32; n];
+    let mut pos: Vec<usize> = (0..70u64)
+        .map(|j| (gradwire_core::rng::mix64(j) % n as u64) as usize)
+        .collect();
+    pos.extend([0, 1, 2, 40, n - 1]);
+    pos.sort_unstable();
+    pos.dedup();
+    for (j, &i) in pos.iter().enumerate() {
+        g[i] = (j as f32 - 30.0) * 0.37 + 0.01;
+    }
+    let kept: Vec<u32> = pos.iter().map(|&i| i as u32).collect();
+    for v in value_kinds() {
+        for m in [
+            Method::TopK {
+                k: K::Count(kept.len() as u64),
+                values: v,
+            },
+            Method::Threshold {
+                threshold: 0.0,
+                values: v,
+            },
+        ] {
+            let got = frame(&g, &Params::new(m)).unwrap();
+            if m == (Method::TopK {
+                k: K::Count(kept.len() as u64),
+                values: Values::F32,
+            }) {
+                assert_eq!(got[16 + 1 + 8], gradwire_core::index::DELTA, "delta codec");
+            }
+            let q = Method::TopK {
+                k: K::Count(kept.len() as u64),
+                values: v,
+            };
+            let mut want = vec![0u8; max_frame_len(n, &q)];
+            let mut scratch = vec![0u32; scratch_len(n, &q)];
+            let len = encode_selected_into(&g, &kept, v, &mut scratch, &mut want).unwrap();
+            // Threshold frames differ in the method id and the threshold field only.
+            let (a, b) = if matches!(m, Method::Threshold { .. }) {
+                let vs = if matches!(v, Values::Int8 { .. }) {
+                    5
+                } else {
+                    1
+                };
+                (&got[16 + vs + 4..got.len() - 4], &want[16 + vs..len - 4])
+            } else {
+                (&got[..], &want[..len])
+            };
+            assert_eq!(a, b, "{m:?}");
         }
     }
 }

@@ -40,6 +40,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use gradwire_core::{Method, SignScale, accumulate_into, sign};
 use rayon::prelude::*;
@@ -196,8 +197,9 @@ pub struct Aggregator {
     parallelism: Parallelism,
     /// Byte range of every frame: `frames[rank * entries + entry]`.
     frames: Vec<(usize, usize)>,
-    /// Decoded indices and values of one sparse entry, one list per rank.
-    lists: Vec<SparseList>,
+    /// Decoded indices and values of large sparse entries: one list per rank for each entry
+    /// being aggregated at the same time.
+    lists: Mutex<Vec<Vec<SparseList>>>,
 }
 
 impl Aggregator {
@@ -237,7 +239,7 @@ impl Aggregator {
         reduction: Reduction,
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        if !self.parallelism.is_parallel() {
+        if !self.parallelism.is_parallel_for(manifest.flat_len()) {
             return aggregate_into(manifest, bundles, step, reduction, out);
         }
         check_reduction(manifest, reduction, bundles.len())?;
@@ -297,63 +299,85 @@ impl Aggregator {
             bundles[rank].as_ref().get(a..b).unwrap_or(&[])
         };
         let finish = |acc: &mut [f32]| finish(acc, reduction, count);
-        let large = |entry: &Entry| {
-            Split::new(entry.len, &entry.method, false).is_some()
-                || splits_sparse(entry.len, &entry.method)
-        };
+        let pool = &self.lists;
         out.resize(manifest.flat_len(), 0.0);
-        // Small entries: one task each, ranks in order.
+        // One task per entry, ranks in order; a large entry's task cuts its output into chunks
+        // (nested tasks, so that all entries and chunks share one parallel phase).
         let failed = AtomicBool::new(false);
         for_each_entry(entries, 0, out, 0, &|e, acc| {
             let entry = &entries[e];
-            if large(entry) {
-                return;
-            }
-            acc.fill(0.0);
-            let params = manifest.params(e, step);
-            for rank in 0..count {
-                if accumulate_into(frame(rank, e), &params, acc, 1.0).is_err() {
-                    failed.store(true, Ordering::Relaxed);
-                    return;
-                }
-            }
-            finish(acc);
-        });
-        if failed.load(Ordering::Relaxed) {
-            return false;
-        }
-        // Large entries: one after the other, each cut into chunks of its output.
-        for (e, entry) in entries.iter().enumerate() {
-            let Some(acc) = out.get_mut(entry.offset..entry.offset + entry.len) else {
-                return false;
-            };
-            if let Some(split) = Split::new(entry.len, &entry.method, false) {
-                if !split.accumulate(|r| frame(r, e), count, acc, &finish) {
-                    return false;
-                }
+            let ok = if let Some(split) = Split::new(entry.len, &entry.method, false) {
+                split.accumulate(|r| frame(r, e), count, acc, &finish)
             } else if splits_sparse(entry.len, &entry.method) {
-                if self.lists.len() < count {
-                    self.lists.resize_with(count, SparseList::default);
-                }
-                let lists = &mut self.lists[..count];
+                let mut lease = ListLease::take(pool, count);
+                let lists = lease.lists();
                 let decoded = lists
                     .par_iter_mut()
                     .enumerate()
                     .all(|(r, list)| list.decode(frame(r, e), entry.len, &entry.method));
-                if !decoded {
-                    return false;
+                if decoded {
+                    let lists = &*lists;
+                    acc.par_chunks_mut(CHUNK).enumerate().for_each(|(j, acc)| {
+                        acc.fill(0.0);
+                        for list in lists {
+                            list.add_range(j * CHUNK, acc);
+                        }
+                        finish(acc);
+                    });
                 }
-                let lists = &*lists;
-                acc.par_chunks_mut(CHUNK).enumerate().for_each(|(j, acc)| {
-                    acc.fill(0.0);
-                    for list in lists {
-                        list.add_range(j * CHUNK, acc);
-                    }
+                decoded
+            } else {
+                acc.fill(0.0);
+                let params = manifest.params(e, step);
+                let ok = (0..count)
+                    .all(|rank| accumulate_into(frame(rank, e), &params, acc, 1.0).is_ok());
+                if ok {
                     finish(acc);
-                });
+                }
+                ok
+            };
+            if !ok {
+                failed.store(true, Ordering::Relaxed);
             }
+        });
+        !failed.load(Ordering::Relaxed)
+    }
+}
+
+/// One [`SparseList`] per rank, taken from the aggregator's pool for one large sparse entry
+/// (entries run at the same time each take their own), given back when dropped.
+struct ListLease<'p> {
+    pool: &'p Mutex<Vec<Vec<SparseList>>>,
+    lists: Vec<SparseList>,
+    count: usize,
+}
+
+impl<'p> ListLease<'p> {
+    fn take(pool: &'p Mutex<Vec<Vec<SparseList>>>, count: usize) -> Self {
+        let mut lists = pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+            .unwrap_or_default();
+        if lists.len() < count {
+            lists.resize_with(count, SparseList::default);
         }
-        true
+        ListLease { pool, lists, count }
+    }
+
+    /// One list per rank.
+    fn lists(&mut self) -> &mut [SparseList] {
+        &mut self.lists[..self.count]
+    }
+}
+
+impl Drop for ListLease<'_> {
+    fn drop(&mut self) {
+        let lists = std::mem::take(&mut self.lists);
+        self.pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(lists);
     }
 }
 

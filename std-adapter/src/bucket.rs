@@ -1,5 +1,5 @@
 //! Buckets: small tensors fused into one frame, and the encoder that runs a whole
-//! [`Manifest`](crate::bundle::Manifest) (tensors and buckets, with or without error feedback).
+//! [`Manifest`] (tensors and buckets, with or without error feedback).
 //!
 //! A frame costs a fixed 30-40 bytes of header and checksum plus 12 bytes of bundle entry, and
 //! a 384-element bias at top-k 1% keeps 3 values: fusing small tensors saves most of those
@@ -452,7 +452,7 @@ impl Engine {
         parallelism: Parallelism,
         sink: impl FnMut(usize, &[u8]),
     ) -> Result<()> {
-        if parallelism.is_parallel() {
+        if parallelism.is_parallel_for(manifest.flat_len()) {
             self.encode_parallel(manifest, grads, step, feedback, sink)
         } else {
             self.encode_serial(manifest, grads, step, feedback, sink)

@@ -23,9 +23,19 @@
 //! by the element's index in the tensor, which the core's kernel counts from the slice start).
 //! Those entries run on one thread each, in parallel with the other entries.
 //!
+//! Errors are those of the serial path: compression checks every tensor (entries, and chunks
+//! of a large tensor, in parallel) before any residual changes and reports the first failing
+//! tensor in manifest order, found again by the serial check; aggregation checks the bundles in
+//! parallel and reports the first failing rank, and when a frame body turns out invalid it runs
+//! the serial path, which reports the same error and leaves the output as it does.
+//!
 //! [`Parallelism::Auto`] (the default) runs in parallel when rayon's pool (the global one, or
-//! the pool the call runs in) has more than one thread. The parallel paths keep their buffers
-//! between calls; rayon itself may allocate for its job bookkeeping (see `docs/multicore.md`).
+//! the pool the call runs in) has more than one thread. Memory: parallel compression keeps one
+//! frame buffer per entry ([`crate::bundle::Manifest::max_bundle_len`] in all) and one set of
+//! scratch buffers per task running at the same time; parallel aggregation of a large top-k or
+//! threshold entry keeps every rank's decoded indices and values (8 bytes per kept entry per
+//! rank). These buffers are kept between calls; rayon itself may allocate for its job
+//! bookkeeping (see `docs/multicore.md`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -46,7 +56,9 @@ use gradwire_core::{
 /// [`Parallelism::Serial`] inside such tasks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Parallelism {
-    /// In parallel when rayon's pool has more than one thread, else serial.
+    /// In parallel when rayon's pool has more than one thread, else serial; also serial for a
+    /// model of fewer than [`AUTO_MIN_ELEMENTS`] elements, where handing work to other threads
+    /// costs more than it saves.
     #[default]
     Auto,
     /// On the calling thread only.
@@ -55,8 +67,11 @@ pub enum Parallelism {
     Parallel,
 }
 
+/// Elements below which [`Parallelism::Auto`] runs a model serially.
+pub const AUTO_MIN_ELEMENTS: usize = 1 << 16;
+
 impl Parallelism {
-    /// Whether a call made now runs the parallel path.
+    /// Whether a call made now on a large model runs the parallel path.
     pub fn is_parallel(self) -> bool {
         match self {
             Parallelism::Auto => rayon::current_num_threads() > 1,
@@ -65,7 +80,16 @@ impl Parallelism {
         }
     }
 
-    /// Threads a call made now uses: 1 for the serial path, else the size of rayon's pool.
+    /// Whether a call made now on a model of `elements` elements runs the parallel path.
+    pub fn is_parallel_for(self, elements: usize) -> bool {
+        match self {
+            Parallelism::Auto => elements >= AUTO_MIN_ELEMENTS && self.is_parallel(),
+            other => other.is_parallel(),
+        }
+    }
+
+    /// Threads a call made now on a large model uses: 1 for the serial path, else the size of
+    /// rayon's pool.
     pub fn threads(self) -> usize {
         if self.is_parallel() {
             rayon::current_num_threads()
@@ -79,8 +103,8 @@ impl Parallelism {
 /// small enough that a chunk of the output stays in the L2 cache while W ranks add into it.
 pub(crate) const CHUNK: usize = 1 << 16;
 
-/// Entries of fewer elements are never split.
-pub(crate) const SPLIT_MIN: usize = 4 * CHUNK;
+/// Entries of fewer elements are never split (two chunks at least).
+pub(crate) const SPLIT_MIN: usize = 2 * CHUNK;
 
 /// What a split frame carries.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -278,7 +302,7 @@ impl Split {
         let mut tiny = [0u8; 64];
         encode_into(&[0.0], params, &mut [], &mut tiny).ok()?;
         let (head, rest) = frame.split_at_mut(self.header);
-        head.copy_from_slice(&tiny[..self.header]);
+        head.copy_from_slice(tiny.get(..self.header)?);
         head[8..16].copy_from_slice(&(self.n as u64).to_le_bytes());
         let (scales, rest) = rest.split_at_mut(self.scales);
         let (body, _) = rest.split_at_mut(self.body);

@@ -13,7 +13,7 @@ use gradwire::bucket::BucketConfig;
 use gradwire::bundle::Manifest;
 use gradwire::compressor::{CompressionMethod, GradientCompressor};
 use gradwire::core::{Method, Rounding, SignScale, Values};
-use gradwire::parallel::Parallelism;
+use gradwire::parallel::{AUTO_MIN_ELEMENTS, Parallelism};
 use gradwire::tensor::Tensor;
 
 /// Elements of the large tensor of the synthetic model (not a multiple of any block or chunk).
@@ -290,6 +290,10 @@ fn a_wider_pool_gives_the_same_bits() {
     pool.install(|| {
         assert!(Parallelism::Auto.is_parallel());
         assert_eq!(Parallelism::Auto.threads(), 5);
+        assert!(Parallelism::Auto.is_parallel_for(AUTO_MIN_ELEMENTS));
+        assert!(!Parallelism::Auto.is_parallel_for(AUTO_MIN_ELEMENTS - 1));
+        assert!(Parallelism::Parallel.is_parallel_for(1));
+        assert!(!Parallelism::Serial.is_parallel_for(usize::MAX));
         check_same(&base, &method, BucketConfig::fused(64 << 10), 2, 1, true);
     });
     let one = rayon::ThreadPoolBuilder::new()

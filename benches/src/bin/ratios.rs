@@ -1,11 +1,14 @@
 //! The ratio report: every kernel's median time over the read pass's, and over its baseline's,
 //! measured in one process with the runs interleaved (repetition r runs every kernel once before
-//! repetition r + 1 starts), on a heavy-tailed buffer from a fixed seed and on the real MiniLM
-//! gradients.
+//! repetition r + 1 starts, beginning at kernel r so that no kernel always follows the same
+//! one), on a heavy-tailed buffer from a fixed seed and on the real MiniLM gradients.
 //!
 //! `cargo run --release -p gradwire-benches --bin ratios -- [--n N] [--reps R] [--json]
-//! [--only NAME,NAME,..]` (`--only` keeps the read pass and the named rows with their
-//! baselines; a name matches every row that starts with it).
+//! [--only NAME,NAME,..] [--clock wall|cpu] [--data both|synthetic|minilm]` (`--only` keeps the
+//! read pass and the named rows with their baselines; a name matches every row that starts with
+//! it). `--clock cpu` times each run by the thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`)
+//! instead of the wall clock, so that time the thread spends preempted by other jobs on a shared
+//! machine does not count (their memory traffic still does). `--data` picks the buffers.
 
 use gradwire_benches::{
     Codec, add_pass, build_name, byte_pass, ef_method, heavy_tailed, int8_plain, methods, minilm,
@@ -59,6 +62,8 @@ fn main() {
     let mut reps = 11usize;
     let mut json = false;
     let mut only: Vec<String> = Vec::new();
+    let mut cpu = false;
+    let mut data = String::from("both");
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -78,22 +83,72 @@ fn main() {
                     .map(str::to_string)
                     .collect()
             }
+            "--data" => data = args.next().expect("--data both|synthetic|minilm"),
+            "--clock" => {
+                cpu = match args.next().as_deref() {
+                    Some("cpu") => true,
+                    Some("wall") => false,
+                    _ => {
+                        eprintln!("--clock wall|cpu");
+                        std::process::exit(2);
+                    }
+                }
+            }
             _ => {
-                eprintln!("usage: ratios [--n N] [--reps R] [--json] [--only NAME,NAME,..]");
+                eprintln!(
+                    "usage: ratios [--n N] [--reps R] [--json] [--only NAME,NAME,..] \
+                     [--clock wall|cpu] [--data both|synthetic|minilm]"
+                );
                 std::process::exit(2);
             }
         }
     }
     let reps = reps.max(9);
-    let synthetic = heavy_tailed(n, 42);
-    run("heavy_tailed", &synthetic, reps, json, &only);
-    match minilm() {
-        Ok(real) => run("minilm", &real, reps, json, &only),
-        Err(e) => eprintln!("minilm gradients skipped: {e}"),
+    let clock = if cpu { Clock::Cpu } else { Clock::Wall };
+    if data != "minilm" {
+        let synthetic = heavy_tailed(n, 42);
+        run("heavy_tailed", &synthetic, reps, json, &only, clock);
+    }
+    if data != "synthetic" {
+        match minilm() {
+            Ok(real) => run("minilm", &real, reps, json, &only, clock),
+            Err(e) => eprintln!("minilm gradients skipped: {e}"),
+        }
     }
 }
 
-fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String]) {
+/// What a run's time is measured by.
+#[derive(Clone, Copy, PartialEq)]
+enum Clock {
+    /// Elapsed time (`Instant`).
+    Wall,
+    /// CPU time of this thread.
+    Cpu,
+}
+
+impl Clock {
+    fn now(self) -> f64 {
+        match self {
+            Clock::Wall => {
+                static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+                START.get_or_init(Instant::now).elapsed().as_secs_f64()
+            }
+            Clock::Cpu => {
+                let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+                t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+            }
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Clock::Wall => "wall",
+            Clock::Cpu => "cpu",
+        }
+    }
+}
+
+fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: Clock) {
     let n = x.len();
     let out = Rc::new(RefCell::new(vec![0.0f32; n]));
     let acc = Rc::new(RefCell::new(vec![0.0f32; n]));
@@ -315,11 +370,15 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String]) {
     if !only.is_empty() {
         tasks.retain(|t| t.name == "read" || only.iter().any(|o| t.name.starts_with(o.as_str())));
     }
-    for _ in 0..reps {
-        for t in tasks.iter_mut() {
-            let t0 = Instant::now();
+    // Repetition r starts at task r (mod the count), so no kernel always follows the same one
+    // (a task right after a long one is preempted more often on a shared machine).
+    let count = tasks.len();
+    for r in 0..reps {
+        for j in 0..count {
+            let t = &mut tasks[(r + j) % count];
+            let t0 = clock.now();
             (t.run)();
-            t.times.push(t0.elapsed().as_secs_f64());
+            t.times.push(clock.now() - t0);
         }
     }
 
@@ -333,7 +392,8 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String]) {
     let build = build_name();
     if !json {
         println!(
-            "\n{data}: n = {n}, build = {build}, {reps} interleaved repetitions, medians; read pass = {:.3} ms ({:.1} GB/s)",
+            "\n{data}: n = {n}, build = {build}, {reps} interleaved repetitions, medians, {} clock; read pass = {:.3} ms ({:.1} GB/s)",
+            clock.name(),
             read * 1e3,
             (n * 4) as f64 / read / 1e9
         );
@@ -355,12 +415,13 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String]) {
         if json {
             let base_s = base.map_or("null".to_string(), |b| format!("{b:.4}"));
             println!(
-                "{{\"name\":\"{}\",\"data\":\"{data}\",\"n\":{n},\"median_s\":{m:.6e},\"ratio_to_read\":{:.4},\"ratio_to_baseline\":{base_s},\"baseline\":{},\"target\":{},\"build\":\"{build}\"}}",
+                "{{\"name\":\"{}\",\"data\":\"{data}\",\"n\":{n},\"median_s\":{m:.6e},\"ratio_to_read\":{:.4},\"ratio_to_baseline\":{base_s},\"baseline\":{},\"target\":{},\"build\":\"{build}\",\"clock\":\"{}\"}}",
                 t.name,
                 m / read,
                 t.baseline
                     .map_or("null".to_string(), |b| format!("\"{b}\"")),
                 target.map_or("null".to_string(), |x| format!("{x}")),
+                clock.name(),
             );
         } else {
             let base_s = match (base, t.baseline) {
