@@ -183,7 +183,8 @@ pub fn encode_into(
     } else {
         // Random-k and the scalar quantization and sign paths: check, then encode.
         check_input(grad, &params.method)?;
-        return Ok(encode_checked(grad, params, scratch, out));
+        let len = encode_checked(grad, params, scratch, out);
+        return check_unbiased_written(out, len);
     };
     match fused {
         Ok(len) => Ok(len),
@@ -193,6 +194,63 @@ pub fn encode_into(
             Ok(encode_checked(grad, params, scratch, out))
         }
     }
+}
+
+/// Unbiased random-k: the decoder multiplies every value by n/k, so a frame whose product
+/// overflows would decode to ±inf. Refuses it with [`Error::ValueOutOfRange`] naming the
+/// element, and breaks the frame's checksum so that `out` holds no valid frame.
+fn check_unbiased_written(out: &mut [u8], len: usize) -> Result<usize, Error> {
+    let Ok((h, body)) = parse_trusted(&out[..len]) else {
+        return Ok(len);
+    };
+    let Some(j) = first_unbiased_overflow(&h, &body) else {
+        return Ok(len);
+    };
+    let p = &h.params;
+    let (mut c, mut index) = (0usize, 0u64);
+    scalar::randomk_for_each(h.n, h.kept, rng::key(p.seed, p.step, p.tensor_id), |i| {
+        if c == j {
+            index = i;
+        }
+        c += 1;
+    });
+    for b in &mut out[len - 4..len] {
+        *b = !*b;
+    }
+    Err(Error::ValueOutOfRange {
+        index: usize::try_from(index).unwrap_or(usize::MAX),
+    })
+}
+
+/// The scale unbiased random-k applies to every decoded value: n/k (`None` for every other
+/// method and for k = 0).
+fn unbiased_scale(h: &Header, count: u64) -> Option<f32> {
+    match h.params.method {
+        Method::RandomK { unbiased: true, .. } if count > 0 => {
+            Some((h.n as f64 / count as f64) as f32)
+        }
+        _ => None,
+    }
+}
+
+/// The first entry of an unbiased random-k body whose decoded value times n/k is not finite.
+fn first_unbiased_overflow(h: &Header, body: &Body<'_>) -> Option<usize> {
+    let Body::Sparse { v, count, vals, .. } = *body else {
+        return None;
+    };
+    let scale = unbiased_scale(h, count)?;
+    let total = count as usize;
+    let mut buf = [0.0f32; index::BATCH];
+    let mut j = 0usize;
+    while j < total {
+        let m = (total - j).min(index::BATCH);
+        values::decode_run(v, vals, total, j, &mut buf[..m]);
+        if let Some(p) = buf[..m].iter().position(|&x| !(x * scale).is_finite()) {
+            return Some(j + p);
+        }
+        j += m;
+    }
+    None
 }
 
 /// Whether [`encode_src`] encodes this method, checking the input in the same pass: top-k and
@@ -1374,12 +1432,7 @@ fn sparse_batches(h: &Header, body: &Body<'_>, mut f: impl FnMut(&[usize], &[f32
         None => {
             let p = &h.params;
             let key = rng::key(p.seed, p.step, p.tensor_id);
-            let scale = match p.method {
-                Method::RandomK { unbiased: true, .. } if count > 0 => {
-                    (h.n as f64 / count as f64) as f32
-                }
-                _ => 1.0,
-            };
+            let scale = unbiased_scale(h, count).unwrap_or(1.0);
             let mut ib = [0usize; index::BATCH];
             let mut fill = 0usize;
             let mut flush = |ib: &[usize], j: &mut usize| {
@@ -1530,6 +1583,21 @@ fn decode_checked<'a>(
     let (h, body) = parse(frame)?;
     check_expected(&h, expected, n)?;
     validate_body(h.n, &body)?;
+    if let (
+        Some(j),
+        Body::Sparse {
+            v, count, vals_off, ..
+        },
+    ) = (first_unbiased_overflow(&h, &body), &body)
+    {
+        let at = match *v {
+            Values::Int8 { .. } => v.section_len(*count as usize) - *count as usize + j,
+            _ => j * v.value_bytes(),
+        };
+        return Err(Error::BadValue {
+            offset: vals_off + at,
+        });
+    }
     Ok((h, body))
 }
 

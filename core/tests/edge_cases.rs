@@ -658,3 +658,86 @@ fn sign_scale_of_huge_values_stays_finite() {
     );
     assert_eq!(out[3], -out[0]);
 }
+
+/// Unbiased random-k multiplies every value by n/k when decoding: a kept value whose product
+/// overflows f32 is refused by the encoder ([`Error::ValueOutOfRange`], naming the element, no
+/// valid frame left in `out`) and by the decoder ([`Error::BadValue`]), never decoded to ±inf.
+#[test]
+fn unbiased_randomk_never_decodes_to_infinity() {
+    let n = 1000usize;
+    for values in [
+        Values::F32,
+        Values::F16,
+        Values::Bf16,
+        Values::Int8 { block: 2 },
+    ] {
+        let p = Params {
+            seed: 7,
+            step: 3,
+            tensor_id: 1,
+            ..Params::new(Method::RandomK {
+                k: K::Count(4),
+                values,
+                unbiased: true,
+            })
+        };
+        let kept = randomk_oracle(n as u64, 4, 7, 3, 1);
+        // Small values (n/k = 250 times them stays finite): encodes and decodes.
+        let small = vec![60.0f32; n];
+        let frame = encode(&small, &p).unwrap();
+        let out = decode(&frame, &p, n).unwrap();
+        assert!(out.iter().all(|x| x.is_finite()), "{values:?}");
+        assert_eq!(out[kept[0] as usize], 60.0 * 250.0, "{values:?}");
+        if matches!(values, Values::F16) {
+            continue; // f16 values (<= 65504) times 250 cannot overflow f32.
+        }
+
+        // One kept element of 1e37: 250 * 1e37 overflows. The error names it.
+        let mut big = small.clone();
+        big[kept[2] as usize] = 1.0e37;
+        let mut out = vec![0u8; max_frame_len(n, &p.method)];
+        let mut scratch = vec![0u32; scratch_len(n, &p.method)];
+        assert_eq!(
+            encode_into(&big, &p, &mut scratch, &mut out),
+            Err(Error::ValueOutOfRange {
+                index: kept[2] as usize
+            }),
+            "{values:?}"
+        );
+        assert!(
+            peek(&out).is_err() || decode(&out, &p, n).is_err(),
+            "{values:?}: out must hold no valid frame"
+        );
+        // The same element outside the kept set is not sent: no error.
+        let mut unkept = small.clone();
+        let other = (0..n).find(|i| !kept.contains(&(*i as u64))).unwrap();
+        unkept[other] = 1.0e37;
+        assert!(encode(&unkept, &p).is_ok(), "{values:?}");
+
+        // A hostile frame: a value patched to 1e37 behind a valid checksum.
+        let mut frame = encode(&small, &p).unwrap();
+        let value_bytes = match values {
+            Values::F32 => 1.0e37f32.to_le_bytes().to_vec(),
+            Values::Bf16 => half::bf16::from_f32(1.0e37).to_le_bytes().to_vec(),
+            // int8: the first block's scale (its codes are 127 for 60.0).
+            _ => 1.0e37f32.to_le_bytes().to_vec(),
+        };
+        let vals_at = frame.len() - 4 - Values::section_len(values, 4);
+        frame[vals_at..vals_at + value_bytes.len()].copy_from_slice(&value_bytes);
+        fix_crc(&mut frame);
+        assert!(
+            matches!(decode(&frame, &p, n), Err(Error::BadValue { .. })),
+            "{values:?}: {:?}",
+            decode(&frame, &p, n)
+        );
+        let mut acc = vec![0.0f32; n];
+        assert!(
+            matches!(
+                accumulate_into(&frame, &p, &mut acc, 1.0),
+                Err(Error::BadValue { .. })
+            ),
+            "{values:?}"
+        );
+        assert!(acc.iter().all(|&x| x == 0.0), "{values:?}: acc untouched");
+    }
+}

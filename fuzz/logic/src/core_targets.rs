@@ -387,6 +387,27 @@ pub fn roundtrip(data: &[u8]) {
         assert_eq!(res, Err(Error::ValueOutOfRange { index }));
         return;
     }
+    if let Method::RandomK {
+        k, unbiased: true, ..
+    } = m
+        && let Err(Error::ValueOutOfRange { index }) = res
+    {
+        // Unbiased random-k refuses a kept value whose decoded product with n/k overflows
+        // (the value codec's rounding moves |x| by well under 1%).
+        let kk = k.resolve(n as u64).max(1);
+        let s = (n as f64 / kk as f64) as f32;
+        assert!(
+            f64::from(grad[index].abs()) * f64::from(s) > 0.99 * f64::from(f32::MAX),
+            "{m:?}: ValueOutOfRange at {index} for {} * {s}",
+            grad[index]
+        );
+        let mut o = sentinel_buf(n);
+        assert!(
+            decode_into(&frame, &params, &mut o).is_err(),
+            "{m:?}: a refused frame decoded"
+        );
+        return;
+    }
     let len = match res {
         Ok(len) => len,
         Err(e) => panic!("encode_into({m:?}, n = {n}) failed: {e:?}"),
@@ -431,6 +452,10 @@ pub fn roundtrip(data: &[u8]) {
     assert_eq!(info.n, n as u64);
     assert_eq!(info.kept, h.kept);
     assert!(!out.iter().any(|v| v.to_bits() == SENTINEL));
+    assert!(
+        out.iter().all(|v| v.is_finite()),
+        "{m:?}: a fresh frame decoded to a non-finite value"
+    );
     let mut out_h = sentinel_buf(n);
     decode_into(frame, &h.params, &mut out_h).expect("decode against the peeked header");
     assert!(same_bits(&out, &out_h));

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 4, point 3: the main job on MPI. A short run of every method with 4 ranks under
+# `mpirun` on loopback must give the same JSON report, timings aside, as the same run with 4
+# threads: same accuracies, losses, bytes, curves, final-parameter digests and digests of
+# every step's aggregated gradient (each rank checks at the end of a run that its digests equal
+# every other rank's, and fails the run otherwise).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+mkdir -p out
+# From the workspace root (not `-p gradwire-demo`), so that candle keeps the features of the
+# README's build and is not compiled again.
+cargo build --release --example data_parallel --features gradwire-demo/mpi
+bin=target/release/examples/data_parallel
+args=(--steps 60 --seeds 1 --quiet)
+"$bin" --transport threads --workers 4 "${args[@]}" --json out/mpi-demo-threads.json \
+    --plot out/mpi-demo-threads.png
+mpirun --oversubscribe -x RAYON_NUM_THREADS=1 -np 4 \
+    "$bin" --transport mpi --workers 4 "${args[@]}" --json out/mpi-demo-mpi.json \
+    --plot out/mpi-demo-mpi.png
+python3 - out/mpi-demo-threads.json out/mpi-demo-mpi.json <<'PY'
+import json, sys
+threads, mpi = (json.load(open(p)) for p in sys.argv[1:3])
+for r in (threads, mpi):
+    r.pop("timing", None)
+if threads != mpi:
+    for key in sorted(set(threads) | set(mpi)):
+        if threads.get(key) != mpi.get(key):
+            print(f"mpi-demo: '{key}' differs:\n  threads: {json.dumps(threads.get(key))[:600]}\n  mpi:     {json.dumps(mpi.get(key))[:600]}")
+    sys.exit(1)
+runs = [run for row in mpi["results"] for run in row["runs"]]
+print(f"mpi-demo: 4 MPI ranks == 4 threads: {len(mpi['results'])} methods, {len(runs)} runs, "
+      f"JSON identical apart from timing (mean_digest of each run: "
+      + ", ".join(run["mean_digest"][:8] for run in runs) + ")")
+PY
