@@ -244,7 +244,7 @@ fn quant_encode_and_decode_match_scalar() {
         let x = inp.x();
         let n = x.len();
         for bits_ in 2..=8u8 {
-            for block in [1usize, 7, 8, 16, 24, 512] {
+            for block in [1usize, 7, 8, 16, 24, 40, 96, 512] {
                 let s_len = quant::scales_len(n, block);
                 let c_len = quant::codes_len(n, bits_);
                 let mut a = (vec![0xa5u8; s_len], vec![0x5au8; c_len]);
