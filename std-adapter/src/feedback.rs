@@ -50,7 +50,6 @@ use gradwire_core::{
     Method, Params, SignScale, Values, feedback_step, max_frame_len, scalar, scratch_len,
     tensor_id, values,
 };
-use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 
 use crate::compressor::{format_method, parse_method};
@@ -431,9 +430,9 @@ impl ErrorFeedback {
     /// what is wrong: a missing or unknown `format`, `version`, `method`, `seed` or `step`, a
     /// tensor that is not 1-d F32, a NaN or infinite residual value.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        let (_, meta) = SafeTensors::read_metadata(bytes)?;
+        let (header, data) = crate::safetensors_checked::read_header(bytes)?;
         let empty = HashMap::new();
-        let meta = meta.metadata().as_ref().unwrap_or(&empty);
+        let meta = header.metadata().as_ref().unwrap_or(&empty);
         let get = |key: &str| {
             meta.get(key)
                 .map(String::as_str)
@@ -461,17 +460,19 @@ impl ErrorFeedback {
         let mut fb = ErrorFeedback::new(method, number("seed")?)
             .map_err(|e| Error::checkpoint(format!("metadata `method`: {e}")))?;
         fb.step = number("step")?;
-        let tensors = SafeTensors::deserialize(bytes)?;
-        for (name, view) in tensors.iter() {
-            if view.dtype() != Dtype::F32 || view.shape().len() != 1 {
+        for (name, info) in header.tensors() {
+            if info.dtype != Dtype::F32 || info.shape.len() != 1 {
                 return Err(Error::checkpoint(format!(
                     "residual `{name}` is {:?} with shape {:?}, expected F32 with shape [n]",
-                    view.dtype(),
-                    view.shape()
+                    info.dtype, info.shape
                 )));
             }
-            let r: Vec<f32> = view
-                .data()
+            // In range: `read_header` checked every offset against the data section.
+            let (start, end) = info.data_offsets;
+            let raw = data.get(start..end).ok_or_else(|| {
+                Error::checkpoint(format!("residual `{name}` lies outside the file"))
+            })?;
+            let r: Vec<f32> = raw
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
@@ -480,7 +481,7 @@ impl ErrorFeedback {
                     "residual `{name}` is NaN or infinite at index {index}"
                 )));
             }
-            fb.residuals.insert(name.to_owned(), r);
+            fb.residuals.insert(name, r);
         }
         Ok(fb)
     }

@@ -22,6 +22,7 @@ pub mod error;
 pub mod feedback;
 pub mod parallel;
 pub mod reference;
+pub mod safetensors_checked;
 pub mod tensor;
 
 pub use gradwire_core as core;

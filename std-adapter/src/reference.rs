@@ -860,7 +860,7 @@ pub fn parse(
     mode: Mode,
     specs: &[TensorSpec],
 ) -> Result<Vec<Entry>, ReferenceError> {
-    let st = SafeTensors::deserialize(payload)?;
+    let st = crate::safetensors_checked::deserialize(payload)?;
     let ns = check_specs(specs)?;
     let expected: BTreeSet<String> = specs.iter().flat_map(|s| keys(&s.name, mode)).collect();
     let mut names = st.names();
@@ -1014,7 +1014,7 @@ pub struct Summary {
 /// F32 nor I8; [`ReferenceError::MissingKey`] when a tensor lacks its `::idx` or `::val` key;
 /// [`ReferenceError::UnexpectedKey`] for a key that fits no mode.
 pub fn summarize(payload: &[u8]) -> Result<(Mode, Vec<Summary>), ReferenceError> {
-    let st = SafeTensors::deserialize(payload)?;
+    let st = crate::safetensors_checked::deserialize(payload)?;
     let mut names = st.names();
     names.sort_unstable();
     let sparse = names.iter().any(|k| k.contains("::"));

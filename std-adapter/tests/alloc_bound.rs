@@ -6,7 +6,9 @@
 //! bundles. A counting global allocator records the peak number of bytes live on this thread
 //! during each call; it must stay below a bound derived from the manifest alone:
 //! `4 * flat_len` bytes for the output (what the caller asked for) plus a fixed allowance for
-//! error messages. The core's frame decoders allocate nothing at all.
+//! error messages. The core's frame decoders allocate nothing at all. Error-feedback
+//! checkpoints (`ErrorFeedback::from_bytes`) with hostile headers stay within 4 bytes per input
+//! byte plus the same allowance.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -367,4 +369,108 @@ fn core_decoders_allocate_nothing() {
             assert_eq!(p, 0, "decode_into allocated {p} bytes");
         }
     }
+}
+
+/// A checkpoint header (the `__metadata__` of `ErrorFeedback::to_bytes`) followed by `tensors`
+/// as `(name, dtype, shape, data_offsets)`, its declared length, and `data` bytes.
+fn checkpoint_file(tensors: &[(&str, &str, &str, [u64; 2])], data: usize) -> Vec<u8> {
+    let mut header = String::from(
+        "{\"__metadata__\":{\"format\":\"gradwire-error-feedback\",\"version\":\"1\",\
+         \"method\":\"topk k=count:1 values=f32\",\"seed\":\"0\",\"step\":\"0\"}",
+    );
+    for (name, dtype, shape, [a, b]) in tensors {
+        header.push_str(&format!(
+            ",\"{name}\":{{\"dtype\":\"{dtype}\",\"shape\":[{shape}],\"data_offsets\":[{a},{b}]}}"
+        ));
+    }
+    header.push('}');
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    out.resize(out.len() + data, 0x3f);
+    out
+}
+
+/// `ErrorFeedback::from_bytes` allocates in proportion to its input, whatever the header
+/// declares: huge shapes and offsets over a short file, offsets that add up past `usize::MAX`,
+/// huge header lengths, truncations, random mutations and random bytes. Bound: 4 bytes per
+/// input byte (the parsed header and the residuals) plus [`SLACK`].
+#[test]
+fn hostile_checkpoints_allocate_within_the_input_bound() {
+    use gradwire::feedback::ErrorFeedback;
+
+    let mut fb = ErrorFeedback::new(
+        Method::TopK {
+            k: K::Count(1),
+            values: Values::F32,
+        },
+        7,
+    )
+    .expect("method");
+    fb.set_residual("w", (0..1000).map(|i| i as f32 / 7.0).collect())
+        .expect("finite");
+    fb.set_residual("b", vec![0.5; 10]).expect("finite");
+    let real = fb.to_bytes().expect("checkpoint");
+    let huge = |e: u32| (1u64 << e).to_string();
+    let size: u64 = (1 << 61) - 1;
+    let eight: Vec<(String, [u64; 2])> = (0..8u64)
+        .map(|i| (format!("t{i}"), [i * size, (i + 1) * size]))
+        .collect();
+    let size_s = size.to_string();
+    let eight: Vec<(&str, &str, &str, [u64; 2])> = eight
+        .iter()
+        .map(|(n, o)| (n.as_str(), "U8", size_s.as_str(), *o))
+        .collect();
+    let mut hostile = vec![
+        checkpoint_file(&[("w", "F32", &huge(40), [0, 1 << 42])], 16),
+        checkpoint_file(&[("w", "F32", &huge(40), [0, 16])], 16),
+        checkpoint_file(&[("w", "F32", &huge(59), [0, 0])], 0),
+        checkpoint_file(&[("w", "F32", "4", [0, u64::MAX])], 16),
+        checkpoint_file(&[("w", "F32", &format!("{},0", huge(62)), [0, 0])], 0),
+        checkpoint_file(&eight, 16),
+    ];
+    for len in [u64::MAX, 1 << 40, 100_000_000, 100_000_001] {
+        let mut h = real.clone();
+        h[..8].copy_from_slice(&len.to_le_bytes());
+        hostile.push(h);
+    }
+    for cut in [0, 7, 8, 9, 100, real.len() / 2, real.len() - 1] {
+        hostile.push(real[..cut].to_vec());
+    }
+    let mut rng = Rng(11);
+    for _ in 0..200 {
+        let mut h = real.clone();
+        for _ in 0..1 + rng.below(4) {
+            let at = rng.below(h.len());
+            h[at] = rng.next() as u8;
+        }
+        hostile.push(h);
+    }
+    hostile.push((0..4096).map(|_| rng.next() as u8).collect());
+
+    let (r, p) = peak(|| ErrorFeedback::from_bytes(&real));
+    assert!(r.expect("a real checkpoint loads") == fb);
+    let mut worst = (p, real.len());
+    assert!(p <= 4 * real.len() + SLACK, "real checkpoint: {p} bytes");
+    let mut rejected = 0usize;
+    for h in &hostile {
+        let bound = 4 * h.len() + SLACK;
+        let (r, p) = peak(|| ErrorFeedback::from_bytes(h));
+        rejected += usize::from(r.is_err());
+        assert!(
+            p <= bound,
+            "from_bytes of a {}-byte checkpoint allocated {p} bytes > bound {bound}: {:?}",
+            h.len(),
+            r.err().map(|e| e.to_string())
+        );
+        if p > worst.0 {
+            worst = (p, h.len());
+        }
+    }
+    assert!(rejected >= 17, "{rejected} rejected");
+    eprintln!(
+        "checkpoints: worst peak {} bytes for a {}-byte input, {rejected} of {} rejected",
+        worst.0,
+        worst.1,
+        hostile.len()
+    );
 }

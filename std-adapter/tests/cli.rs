@@ -984,3 +984,32 @@ fn corrupt_and_truncated_containers_are_refused() {
         listing(&dir)
     );
 }
+
+/// A gradient file whose safetensors header declares offsets near `usize::MAX` (what
+/// safetensors 0.8 adds without an overflow check): one error line, no panic.
+#[test]
+fn safetensors_offsets_near_usize_max_are_one_line_errors() {
+    let size: u64 = (1 << 61) - 1;
+    let tensors: Vec<String> = (0..8u64)
+        .map(|i| {
+            format!(
+                "\"t{i}\":{{\"dtype\":\"F32\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
+                size / 4,
+                i * size,
+                (i + 1) * size
+            )
+        })
+        .collect();
+    let header = format!("{{{}}}", tensors.join(","));
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(&[0; 16]);
+    let dir = scratch("offsets_near_max");
+    let bad = dir.join("grads.safetensors");
+    fs::write(&bad, &bytes).unwrap();
+    let out = dir.join("grads.gw");
+    fails(
+        &["compress", s(&bad), "-o", s(&out)],
+        "not a valid safetensors file",
+    );
+}

@@ -1,7 +1,7 @@
 //! Replays every file of the checked-in fuzz corpora of the std targets
-//! (`fuzz/corpus/{bundle,reference}/`) through the same target bodies the fuzzers run, on
-//! stable. The bodies live in `fuzz/logic/src/std_targets.rs` and are included here by path
-//! (no dependency on the fuzz crate, whose workspace is separate); see FUZZING.md.
+//! (`fuzz/corpus/{bundle,reference,checkpoint}/`) through the same target bodies the fuzzers
+//! run, on stable. The bodies live in `fuzz/logic/src/std_targets.rs` and are included here by
+//! path (no dependency on the fuzz crate, whose workspace is separate); see FUZZING.md.
 
 #[allow(dead_code)]
 #[path = "../../fuzz/logic/src/input.rs"]
@@ -49,4 +49,9 @@ fn replay_bundle() {
 #[test]
 fn replay_reference() {
     replay("reference", std_targets::reference);
+}
+
+#[test]
+fn replay_checkpoint() {
+    replay("checkpoint", std_targets::checkpoint);
 }

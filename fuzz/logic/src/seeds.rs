@@ -198,6 +198,7 @@ pub fn std_seeds(data: &std::path::Path) -> Vec<(&'static str, Vec<u8>)> {
             out.push(("reference", reference_seed(mode, &specs, &p)));
         }
     }
+    out.extend(checkpoint_seeds());
     let Ok(dir) = std::fs::read_dir(data) else {
         return out;
     };
@@ -267,6 +268,115 @@ pub fn std_seeds(data: &std::path::Path) -> Vec<(&'static str, Vec<u8>)> {
             if let Ok(p) = safetensors::serialize(views, None) {
                 out.push(("reference", reference_seed(mode, &specs, &p)));
             }
+        }
+    }
+    out
+}
+
+/// Seeds for the `checkpoint` target: real checkpoints from `ErrorFeedback::to_bytes` (given
+/// raw), the regression checkpoint whose offsets add up past `usize::MAX` (raw), and generator
+/// byte strings for each mode (a checkpoint from `ErrorFeedback`, the same edited, a hand-built
+/// file, the same edited).
+#[cfg(feature = "std")]
+pub fn checkpoint_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use gradwire::feedback::ErrorFeedback;
+
+    let mut out = Vec::new();
+    let methods = [
+        Method::TopK {
+            k: K::Ratio(0.25),
+            values: Values::Int8 { block: 4 },
+        },
+        Method::Sign {
+            scale: SignScale::MeanAbs { block: 3 },
+        },
+        Method::Quant {
+            bits: 4,
+            block: 8,
+            rounding: Rounding::Stochastic,
+        },
+    ];
+    for (i, method) in methods.into_iter().enumerate() {
+        let Ok(mut fb) = ErrorFeedback::new(method, 42 + i as u64) else {
+            continue;
+        };
+        let mut g = [0.0f32; 12];
+        for (j, v) in g.iter_mut().enumerate() {
+            *v = (j as f32 - 5.5) / 4.0;
+        }
+        let empty: [f32; 0] = [];
+        for _ in 0..=i {
+            let grads = [("layer.0.weight", &g[..]), ("b", &g[..3]), ("", &empty[..])];
+            if fb.step_with(grads, |_, _| {}).is_err() {
+                break;
+            }
+        }
+        let _ = fb.set_residual("tiny", vec![f32::from_bits(1), -0.0, f32::MAX]);
+        if let Ok(b) = fb.to_bytes() {
+            let mut v = vec![0u8];
+            v.extend_from_slice(&b);
+            out.push(("checkpoint", v));
+        }
+    }
+    // Eight U8 tensors of 2^61 - 1 bytes each: offsets that end past usize::MAX once the
+    // header length is added (std-adapter/tests/regressions.rs).
+    let size: u64 = (1 << 61) - 1;
+    let mut header = String::from(
+        "{\"__metadata__\":{\"format\":\"gradwire-error-feedback\",\"version\":\"1\",\
+         \"method\":\"topk k=count:1 values=f32\",\"seed\":\"0\",\"step\":\"0\"}",
+    );
+    for i in 0..8u64 {
+        header.push_str(&format!(
+            ",\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{size}],\"data_offsets\":[{},{}]}}",
+            i * size,
+            (i + 1) * size
+        ));
+    }
+    header.push('}');
+    let mut v = vec![0u8];
+    v.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    v.extend_from_slice(header.as_bytes());
+    v.extend_from_slice(&[0; 16]);
+    out.push(("checkpoint", v));
+    // Hand-built files (mode 3): a valid checkpoint (top-1, seed 5, step 9, `layer.0.weight` =
+    // [1, -1, -0] and an empty `layer.1.weight`, data in reversed order), the same edited, and
+    // variants with a 0-d tensor, a NaN value and an I64 tensor.
+    let valid = [
+        2, 2, 3, 0, 1, 0, 1, 0, 6, 5, 6, 9, 1, 2, 5, 1, 4, 3, 3, 16, 3, 0xf0, 2, 3, 5, 1, 4, 0, 1,
+        2, 1, 1, 1, 1,
+    ];
+    for (sel, tail) in [
+        (3u8, &[][..]),
+        (0x83, &[1, 3, 7, 3, 0][..]),
+        (0x83, &[0, 2, 0][..]),
+    ] {
+        let mut b = vec![sel];
+        b.extend_from_slice(&valid);
+        b.extend_from_slice(tail);
+        out.push(("checkpoint", b));
+    }
+    let mut zero_d = vec![3u8];
+    zero_d.extend_from_slice(&valid);
+    zero_d[27] = 0; // layer.1.weight: shape [] (one element, 0.5)
+    zero_d.splice(28..29, [3, 8]);
+    out.push(("checkpoint", zero_d));
+    let mut nan = vec![3u8];
+    nan.extend_from_slice(&valid);
+    nan[23] = 2; // the last value of layer.0.weight: NaN
+    nan[24] = 0;
+    out.push(("checkpoint", nan));
+    let mut int = vec![3u8];
+    int.extend_from_slice(&valid);
+    int[16] = 0; // layer.0.weight: a dtype from the table, I64
+    int.insert(17, 1);
+    out.push(("checkpoint", int));
+    for sel in [1u8, 2, 3, 0x83] {
+        for variant in 0u8..6 {
+            let mut b = vec![sel];
+            b.extend((0..160).map(|i| {
+                (mix64(u64::from(sel) * 1000 + u64::from(variant) * 200 + i) & 0xff) as u8
+            }));
+            out.push(("checkpoint", b));
         }
     }
     out

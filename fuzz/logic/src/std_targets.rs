@@ -1,19 +1,21 @@
 //! Bodies of the fuzz targets over the std crate `gradwire`: the bundle decoder against an
-//! arbitrary receiver manifest, and the reference-layout (safetensors) reader against
-//! arbitrary receiver shapes. `std-adapter/tests/fuzz_replay.rs` includes this file (with
-//! `input.rs` and `gens.rs`) and replays `fuzz/corpus/{bundle,reference}/`.
+//! arbitrary receiver manifest, the reference-layout (safetensors) reader against arbitrary
+//! receiver shapes, and the error-feedback checkpoint reader. `std-adapter/tests/fuzz_replay.rs`
+//! includes this file (with `input.rs` and `gens.rs`) and replays
+//! `fuzz/corpus/{bundle,reference,checkpoint}/`.
 
 use std::collections::HashMap;
 
-use crate::gens::{gen_method, pow2};
+use crate::gens::{gen_grad, gen_method, pow2};
 use crate::input::{Input, crc32, with_crc};
 use gradwire::bucket::{BucketConfig, TopKScope};
 use gradwire::bundle::{Manifest, TensorSpec};
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::compressor::{CompressionMethod, GradientCompressor, format_method, parse_method};
 use gradwire::error::Error;
+use gradwire::feedback::ErrorFeedback;
 use gradwire::reference::{self, Mode, ReferenceError};
 use gradwire::tensor::Tensor;
-use gradwire_core::Values;
+use gradwire_core::{K, Method, Values};
 
 /// Largest flat layout (elements) a target's manifest may have.
 pub const MAX_FLAT: usize = 4096;
@@ -481,4 +483,569 @@ fn check_reference(payload: &[u8], mode: Mode, specs: &[TensorSpec]) {
         (Err(a), Err(b)) => assert_eq!(format!("{a:?}"), format!("{b:?}")),
         (a, b) => panic!("parse and decode disagree: {:?} / {:?}", a.err(), b.err()),
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// checkpoint: error-feedback checkpoints (safetensors), `ErrorFeedback::from_bytes`
+// ---------------------------------------------------------------------------------------------
+
+/// `s` as a JSON string literal (quotes, backslashes and control characters escaped).
+fn json_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A residual name: plain, colliding, empty, non-ASCII, needing JSON escapes, or the key
+/// safetensors reserves.
+fn gen_residual_name(inp: &mut Input<'_>, i: usize) -> String {
+    match inp.u8() % 16 {
+        0 => format!("t{}", inp.u8() % 3),
+        1 => String::new(),
+        2 => "λ.é/∂".to_owned(),
+        3 => "a\"b\\c\n".to_owned(),
+        4 => "__metadata__".to_owned(),
+        _ => format!("layer.{i}.weight"),
+    }
+}
+
+/// A residual of up to 48 values (raw bits, so NaN, infinities, subnormals and -0.0 appear).
+fn gen_residual(inp: &mut Input<'_>) -> Vec<f32> {
+    match inp.u8() % 8 {
+        0 => Vec::new(),
+        1 => vec![f32::from_bits(inp.u32() & 0x807f_ffff)], // a subnormal or a zero
+        _ => gen_grad(inp, 48),
+    }
+}
+
+/// An error-feedback state from fuzzer choices: a method (an invalid one is replaced by
+/// top-1), a seed, a step and residuals (non-finite ones are refused by `set_residual`,
+/// checked). `None` when `to_bytes` refuses the state (a residual named `__metadata__`, checked
+/// to be the reason).
+pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
+    let method = gen_method(inp, 64, &[]);
+    let (seed, step) = match inp.u8() % 3 {
+        0 => (u64::from(inp.u8()), u64::from(inp.u8())),
+        1 => (inp.u64(), inp.u64()),
+        _ => (u64::MAX, u64::MAX),
+    };
+    let mut fb = ErrorFeedback::new(method, seed).unwrap_or_else(|_| {
+        let top1 = Method::TopK {
+            k: K::Count(1),
+            values: Values::F32,
+        };
+        ErrorFeedback::new(top1, seed).expect("top-1 is a valid error-feedback method")
+    });
+    let count = inp.range(0, 4) as usize;
+    let mut reserved = false;
+    for i in 0..count {
+        let name = gen_residual_name(inp, i);
+        let r = gen_residual(inp);
+        let finite = r.iter().all(|v| v.is_finite());
+        match fb.set_residual(&name, r) {
+            Ok(()) => {
+                assert!(finite, "set_residual accepted a non-finite residual");
+                reserved |= name == "__metadata__";
+            }
+            Err(e) => assert!(!finite, "set_residual refused a finite residual: {e}"),
+        }
+    }
+    match fb.to_bytes() {
+        Ok(_) if reserved => panic!("to_bytes stored a residual named __metadata__"),
+        Ok(b) => {
+            // `ErrorFeedback` has no public step setter and running `step` steps is out of
+            // reach: the step goes into the checkpoint text, which must then load.
+            let b = with_step(&b, step).expect("to_bytes wrote a `step` entry");
+            let fb = ErrorFeedback::from_bytes(&b)
+                .unwrap_or_else(|e| panic!("a checkpoint from to_bytes does not load: {e}"));
+            assert_eq!(fb.step(), step);
+            Some(fb)
+        }
+        Err(e) => {
+            assert!(
+                reserved && matches!(e, Error::Checkpoint { .. }),
+                "to_bytes failed: {e}"
+            );
+            None
+        }
+    }
+}
+
+/// `b` (a checkpoint) with its `step` metadata set to `step` (header rewritten, data kept).
+fn with_step(b: &[u8], step: u64) -> Option<Vec<u8>> {
+    let n = usize::try_from(u64::from_le_bytes(b.get(..8)?.try_into().ok()?)).ok()?;
+    let header = std::str::from_utf8(b.get(8..8usize.checked_add(n)?)?).ok()?;
+    let at = header.find("\"step\":\"")? + 8;
+    let end = at + header[at..].find('"')?;
+    let new = format!("{}{step}{}", &header[..at], &header[end..]);
+    let mut out = (new.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(new.as_bytes());
+    out.extend_from_slice(&b[8 + n..]);
+    Some(out)
+}
+
+/// What a hand-built checkpoint must load as: `Some(Ok(state))` when it is valid,
+/// `Some(Err(()))` when its structure is valid safetensors but its content is not a
+/// checkpoint (a metadata entry wrong, a residual not 1-d F32, a NaN or infinite value), `None`
+/// when the safetensors structure itself may be broken (offsets or lengths edited, names
+/// repeated), so anything but a panic goes.
+type Expect = Option<Result<(String, u64, u64, Vec<(String, Vec<u32>)>), ()>>;
+
+/// A safetensors file built from fuzzer choices around the checkpoint layout, with what it must
+/// load as: metadata entries right, missing or wrong (unknown format or version, methods
+/// valid, invalid or not error-feedback methods, seeds and steps beyond u64 or signed), up to 9
+/// tensors (names as [`gen_residual_name`]) of F32 or another dtype, shapes `[n]`, 0-d, 2-d,
+/// huge or the largest a dtype allows, values as raw bits (NaN, infinities, subnormals), data
+/// in listed or reversed order, offsets consistent, accumulated from the declared sizes (so
+/// that a few tensors declare more than `usize::MAX` bytes in all) or arbitrary, and the
+/// header length right or edited.
+pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
+    let mut structure_ok = true;
+    let mut content_ok = true;
+    // Metadata.
+    let mut meta: Vec<(String, String)> = Vec::new();
+    match inp.u8() % 8 {
+        0 => content_ok = false,
+        1 => {
+            meta.push(("format".into(), "pt".into()));
+            content_ok = false;
+        }
+        _ => meta.push(("format".into(), "gradwire-error-feedback".into())),
+    }
+    match inp.u8() % 8 {
+        0 => content_ok = false,
+        1 => {
+            meta.push(("version".into(), "2".into()));
+            content_ok = false;
+        }
+        _ => meta.push(("version".into(), "1".into())),
+    }
+    let method_text = match inp.u8() % 8 {
+        0 => None,
+        1 => Some("topk  k=count:3\tvalues=f32".to_owned()),
+        2 => Some(
+            ["sign scale=none", "topk", "dense values=int8:4", "nope x=1"][inp.u8() as usize % 4]
+                .to_owned(),
+        ),
+        _ => Some(format_method(&gen_method(inp, 64, &[]))),
+    };
+    let method = method_text
+        .as_deref()
+        .and_then(|t| parse_method(t).ok())
+        .filter(|m| ErrorFeedback::new(*m, 0).is_ok());
+    if method.is_none() {
+        content_ok = false;
+    }
+    if let Some(t) = &method_text {
+        meta.push(("method".into(), t.clone()));
+    }
+    fn number(inp: &mut Input<'_>) -> Option<String> {
+        let s = match inp.u8() % 10 {
+            0 => return None,
+            1 => "18446744073709551616".to_owned(),
+            2 => "-1".to_owned(),
+            3 => "+7".to_owned(),
+            4 => String::new(),
+            5 => u64::MAX.to_string(),
+            _ => inp.u8().to_string(),
+        };
+        Some(s)
+    }
+    let seed_text = number(inp);
+    let step_text = number(inp);
+    let seed = seed_text.as_deref().and_then(|s| s.parse::<u64>().ok());
+    let step = step_text.as_deref().and_then(|s| s.parse::<u64>().ok());
+    if seed.is_none() || step.is_none() {
+        content_ok = false;
+    }
+    if let Some(s) = seed_text {
+        meta.push(("seed".into(), s));
+    }
+    if let Some(s) = step_text {
+        meta.push(("step".into(), s));
+    }
+    if inp.u8().is_multiple_of(8) {
+        meta.push(("note".into(), "extra entries are ignored".into()));
+    }
+    // Tensors.
+    struct T {
+        name: String,
+        dtype: &'static str,
+        shape: Vec<u64>,
+        declared: u64,
+        data: Vec<u8>,
+    }
+    let count = inp.range(0, 9) as usize;
+    let mut tensors: Vec<T> = Vec::new();
+    let mut residuals: Vec<(String, Vec<u32>)> = Vec::new();
+    for i in 0..count {
+        let name = gen_residual_name(inp, i);
+        let (dtype, size) = if inp.u8().is_multiple_of(8) {
+            DTYPES[inp.range(0, 7) as usize]
+        } else {
+            DTYPES[0]
+        };
+        let shape: Vec<u64> = match inp.u8() % 16 {
+            0 => vec![],
+            1 => vec![inp.range(0, 3), inp.range(0, 3)],
+            2 => vec![inp.u64() >> (inp.u8() % 64)],
+            // The largest element count whose bit size fits usize, and just below it.
+            3 => vec![(u64::MAX / (8 * size as u64)) - u64::from(inp.u8() % 4)],
+            _ => vec![inp.range(0, 24)],
+        };
+        let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let declared = numel.and_then(|n| n.checked_mul(size as u64));
+        let mut data = Vec::new();
+        let mut finite = true;
+        match declared {
+            Some(l) if l <= 1 << 12 => {
+                for _ in 0..l / size as u64 {
+                    if dtype == "F32" {
+                        let v = match inp.u8() % 16 {
+                            0 => inp.f32_bits(),
+                            1 => f32::from_bits(inp.u32() & 0x807f_ffff),
+                            2 => [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, f32::MAX]
+                                [inp.u8() as usize % 5],
+                            _ => f32::from(inp.u8() as i8) / 16.0,
+                        };
+                        finite &= v.is_finite();
+                        data.extend_from_slice(&v.to_le_bytes());
+                    } else {
+                        data.extend(
+                            inp.bytes(size)
+                                .iter()
+                                .copied()
+                                .chain(std::iter::repeat(0))
+                                .take(size),
+                        );
+                    }
+                }
+            }
+            _ => {
+                // Declared beyond what is written: structurally broken.
+                structure_ok = false;
+                data.resize(inp.range(0, 16) as usize, 0);
+            }
+        }
+        if dtype != "F32" || shape.len() != 1 || !finite {
+            content_ok = false;
+        }
+        if name == "__metadata__" || residuals.iter().any(|(n, _)| *n == name) {
+            structure_ok = false;
+        }
+        let bits = data
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        residuals.push((name.clone(), bits));
+        tensors.push(T {
+            name,
+            dtype,
+            shape,
+            declared: declared.unwrap_or(u64::MAX),
+            data,
+        });
+    }
+    // Data section, in listed or reversed order.
+    let reversed = inp.bool();
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    if reversed {
+        order.reverse();
+    }
+    let mut offsets = vec![(0u64, 0u64); tensors.len()];
+    let mut data = Vec::new();
+    for &i in &order {
+        let start = data.len() as u64;
+        data.extend_from_slice(&tensors[i].data);
+        offsets[i] = (start, data.len() as u64);
+    }
+    match inp.u8() % 16 {
+        // Offsets accumulated from the declared sizes (wrapping), whatever was written.
+        0 => {
+            structure_ok = false;
+            let mut at = 0u64;
+            for &i in &order {
+                let end = at.wrapping_add(tensors[i].declared);
+                offsets[i] = (at, end);
+                at = end;
+            }
+        }
+        // One offset pair arbitrary.
+        1 if !tensors.is_empty() => {
+            structure_ok = false;
+            let i = inp.range(0, tensors.len() as u64 - 1) as usize;
+            offsets[i] = match inp.u8() % 3 {
+                0 => (inp.range(0, 64), inp.range(0, 64)),
+                1 => (offsets[i].0, u64::MAX),
+                _ => (offsets[i].1, offsets[i].0),
+            };
+        }
+        _ => {}
+    }
+    // Header.
+    let mut header = String::from("{");
+    let mut items = Vec::new();
+    if !meta.is_empty() || inp.u8().is_multiple_of(4) {
+        let entries: Vec<String> = meta
+            .iter()
+            .map(|(k, v)| format!("{}:{}", json_str(k), json_str(v)))
+            .collect();
+        items.push(format!("\"__metadata__\":{{{}}}", entries.join(",")));
+    }
+    for (t, (a, b)) in tensors.iter().zip(&offsets) {
+        let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
+        items.push(format!(
+            "{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{a},{b}]}}",
+            json_str(&t.name),
+            t.dtype,
+            shape.join(",")
+        ));
+    }
+    if inp.u8().is_multiple_of(2) && items.len() > 1 {
+        // The metadata entry last instead of first.
+        let m = items.remove(0);
+        items.push(m);
+    }
+    header.push_str(&items.join(","));
+    header.push('}');
+    if inp.u8().is_multiple_of(4) {
+        // safetensors pads headers with spaces.
+        header.push_str(&" ".repeat(inp.range(0, 7) as usize));
+    }
+    let declared_len = match inp.u8() % 16 {
+        0 => {
+            structure_ok = false;
+            [
+                header.len() as u64 + 1,
+                (header.len() as u64).wrapping_sub(1),
+                u64::MAX,
+                1 << 63,
+                100_000_000,
+                (header.len() + data.len()) as u64 + 8,
+            ][inp.u8() as usize % 6]
+        }
+        _ => header.len() as u64,
+    };
+    let mut out = declared_len.to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&data);
+    if inp.u8().is_multiple_of(16) {
+        structure_ok = false;
+        out.extend_from_slice(inp.bytes(8));
+    }
+    let expect = if !structure_ok {
+        None
+    } else if let (true, Some(m), Some(seed), Some(step)) = (content_ok, method, seed, step) {
+        residuals.sort_by(|a, b| a.0.cmp(&b.0));
+        Some(Ok((format_method(&m), seed, step, residuals)))
+    } else {
+        Some(Err(()))
+    };
+    (out, expect)
+}
+
+/// Bit-exact equality of two error-feedback states: method (compared as text and by `==`),
+/// seed, step, names, lengths and every residual's bits.
+fn assert_same_state(a: &ErrorFeedback, b: &ErrorFeedback, what: &str) {
+    assert_eq!(
+        format!("{:?}", a.method()),
+        format!("{:?}", b.method()),
+        "{what}: method"
+    );
+    assert_eq!(a.seed(), b.seed(), "{what}: seed");
+    assert_eq!(a.step(), b.step(), "{what}: step");
+    let names_a: Vec<&str> = a.residuals().map(|(n, _)| n).collect();
+    let names_b: Vec<&str> = b.residuals().map(|(n, _)| n).collect();
+    assert_eq!(names_a, names_b, "{what}: residual names");
+    for ((n, x), (_, y)) in a.residuals().zip(b.residuals()) {
+        assert!(same_bits(x, y), "{what}: residual `{n}` differs");
+    }
+    assert!(
+        a == b,
+        "{what}: PartialEq disagrees with a bit-exact comparison"
+    );
+}
+
+/// `from_bytes` on `bytes`, then the properties every result must have: no panic; success
+/// means every residual is finite, the residuals hold no more than the input's bytes, the
+/// state saves (`to_bytes`), loads back bit for bit, and a compressor with error feedback
+/// around its method takes it over. Returns the state.
+fn check_checkpoint(bytes: &[u8]) -> Option<ErrorFeedback> {
+    let fb = match ErrorFeedback::from_bytes(bytes) {
+        Ok(fb) => fb,
+        Err(e) => {
+            assert!(!e.to_string().is_empty(), "an error without a message");
+            return None;
+        }
+    };
+    let mut total = 0usize;
+    for (name, r) in fb.residuals() {
+        if let Some(i) = r.iter().position(|v| !v.is_finite()) {
+            panic!("from_bytes accepted residual `{name}` with {} at {i}", r[i]);
+        }
+        total += 4 * r.len() + name.len();
+    }
+    assert!(
+        total <= bytes.len(),
+        "{total} bytes of residuals from a {}-byte checkpoint",
+        bytes.len()
+    );
+    let again = fb
+        .to_bytes()
+        .unwrap_or_else(|e| panic!("to_bytes of a loaded checkpoint fails: {e}"));
+    let back = ErrorFeedback::from_bytes(&again)
+        .unwrap_or_else(|e| panic!("a re-saved checkpoint does not load: {e}"));
+    assert_same_state(&fb, &back, "re-saved checkpoint");
+    let mut c =
+        GradientCompressor::new(CompressionMethod::Core(*fb.method()).with_error_feedback());
+    if let Err(e) = c.restore_feedback(fb.clone()) {
+        panic!("a compressor does not take over a loaded checkpoint: {e}");
+    }
+    Some(fb)
+}
+
+/// Edits of a checkpoint's safetensors framing: the 8-byte header length set to a nearby or
+/// huge value, a number in the header (a shape or an offset) replaced, or the file cut.
+fn edit_checkpoint(b: &mut Vec<u8>, inp: &mut Input<'_>) {
+    let Some(n) = b
+        .get(..8)
+        .and_then(|h| h.try_into().ok())
+        .map(u64::from_le_bytes)
+    else {
+        return;
+    };
+    match inp.u8() % 4 {
+        0 => {
+            let v = [
+                n.wrapping_add(1),
+                n.wrapping_sub(1),
+                u64::MAX,
+                1 << 40,
+                b.len() as u64,
+                0,
+            ][inp.u8() as usize % 6];
+            b[..8].copy_from_slice(&v.to_le_bytes());
+        }
+        1 | 2 => {
+            // The k-th run of digits inside the header becomes another number (same JSON
+            // shape, so safetensors reads it): a shape dimension, an offset or a metadata value.
+            let end = usize::try_from(n).map_or(b.len(), |n| n.saturating_add(8).min(b.len()));
+            let mut runs = Vec::new();
+            let mut i = 8;
+            while i < end {
+                if b[i].is_ascii_digit() {
+                    let s = i;
+                    while i < end && b[i].is_ascii_digit() {
+                        i += 1;
+                    }
+                    runs.push((s, i));
+                } else {
+                    i += 1;
+                }
+            }
+            if runs.is_empty() {
+                return;
+            }
+            let (s, e) = runs[inp.u8() as usize % runs.len()];
+            let old: u64 = std::str::from_utf8(&b[s..e])
+                .ok()
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0);
+            let v = match inp.u8() % 6 {
+                0 => old.wrapping_add(1),
+                1 => old.wrapping_sub(1),
+                2 => old.wrapping_mul(2),
+                3 => u64::MAX,
+                4 => 1 << 61,
+                _ => u64::from(inp.u8()),
+            };
+            let text = v.to_string();
+            let mut out = b[..s].to_vec();
+            out.extend_from_slice(text.as_bytes());
+            out.extend_from_slice(&b[e..]);
+            // Keep the header length in step with the new text.
+            if let Some(nn) = n
+                .checked_add(text.len() as u64)
+                .and_then(|x| x.checked_sub((e - s) as u64))
+            {
+                out[..8].copy_from_slice(&nn.to_le_bytes());
+            }
+            *b = out;
+        }
+        _ => b.truncate(inp.u16() as usize % (b.len() + 1)),
+    }
+}
+
+/// Input: a first byte choosing raw bytes, a checkpoint written by `ErrorFeedback::to_bytes`
+/// from fuzzer-chosen state, or a hand-built safetensors file around the checkpoint layout
+/// ([`gen_checkpoint_file`]); the last two are then optionally edited ([`edit_checkpoint`],
+/// [`mutate`]). Checks:
+/// - `ErrorFeedback::from_bytes` never panics, and what it accepts is finite, within the
+///   input's size, saves and loads back bit for bit, and is taken over by a compressor;
+/// - a checkpoint written by `to_bytes` loads back bit for bit (names, shapes, residual bits,
+///   method, seed, step);
+/// - an unedited hand-built file loads exactly as built when it is a valid checkpoint, and is
+///   an error when its safetensors structure is valid but its content is not.
+///
+/// Memory stays bounded by the input: libFuzzer's `-rss_limit_mb`/`-malloc_limit_mb` fail the
+/// run on a large allocation, and `std-adapter/tests/alloc_bound.rs` measures the peak.
+pub fn checkpoint(data: &[u8]) {
+    let mut inp = Input::new(data);
+    let sel = inp.u8();
+    let bytes = match sel % 4 {
+        0 => inp.rest().to_vec(),
+        1 | 2 => {
+            let Some(fb) = gen_feedback(&mut inp) else {
+                return;
+            };
+            let mut b = fb.to_bytes().expect("to_bytes of a state that saved once");
+            let back = ErrorFeedback::from_bytes(&b)
+                .unwrap_or_else(|e| panic!("a checkpoint from to_bytes does not load: {e}"));
+            assert_same_state(&fb, &back, "checkpoint from to_bytes");
+            if sel % 4 == 2 {
+                edit_checkpoint(&mut b, &mut inp);
+                mutate(&mut b, &mut inp);
+            }
+            b
+        }
+        _ => {
+            let (mut b, expect) = gen_checkpoint_file(&mut inp);
+            let edited = sel & 0x80 != 0;
+            if edited {
+                edit_checkpoint(&mut b, &mut inp);
+                mutate(&mut b, &mut inp);
+            }
+            let got = check_checkpoint(&b);
+            match (edited, expect, got) {
+                (true, _, _) | (false, None, _) => {}
+                (false, Some(Ok((method, seed, step, residuals))), Some(fb)) => {
+                    assert_eq!(format_method(fb.method()), method);
+                    assert_eq!((fb.seed(), fb.step()), (seed, step));
+                    let got: Vec<(String, Vec<u32>)> = fb
+                        .residuals()
+                        .map(|(n, r)| (n.to_owned(), r.iter().map(|v| v.to_bits()).collect()))
+                        .collect();
+                    assert!(got == residuals, "a valid checkpoint loads other residuals");
+                }
+                (false, Some(Ok(_)), None) => {
+                    let e = ErrorFeedback::from_bytes(&b).err();
+                    panic!("a valid hand-built checkpoint does not load: {e:?}");
+                }
+                (false, Some(Err(())), Some(_)) => {
+                    panic!("an invalid checkpoint (bad metadata, dtype, shape or value) loads")
+                }
+                (false, Some(Err(())), None) => {}
+            }
+            return;
+        }
+    };
+    check_checkpoint(&bytes);
 }

@@ -7,7 +7,6 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use gradwire::tensor::Tensor;
-use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 
 use crate::CliError;
@@ -22,7 +21,7 @@ pub type Model = Vec<(String, Tensor)>;
 
 /// Parses a safetensors file of float32 tensors (a gradient or a model), sorted by name.
 pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+    let st = gradwire::safetensors_checked::deserialize(bytes).map_err(|e| {
         CliError::new(format!(
             "{}: not a valid safetensors file ({e})",
             path.display()
@@ -53,7 +52,7 @@ pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
 /// Names and shapes of every tensor of a safetensors file (any dtype), sorted by name: what a
 /// receiver knows about its model.
 pub fn parse_shapes(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>)>, CliError> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+    let st = gradwire::safetensors_checked::deserialize(bytes).map_err(|e| {
         CliError::new(format!(
             "{}: not a valid safetensors file ({e})",
             path.display()

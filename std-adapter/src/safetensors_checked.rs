@@ -1,0 +1,57 @@
+//! Reading untrusted safetensors bytes without the overflow of safetensors 0.8.
+//!
+//! `safetensors::SafeTensors::deserialize` (0.8) adds the data length its header declares to
+//! the header length without an overflow check: a crafted header whose offsets end near
+//! `usize::MAX` panics where overflow checks are on (debug builds, fuzzing) and relies on
+//! wrapping arithmetic elsewhere. Every reader of bytes that come from outside (residual
+//! checkpoints, reference-layout payloads, the CLI's input files) goes through [`deserialize`],
+//! which validates the header first with nothing added and nothing allocated beyond the parsed
+//! header, whose size the input bounds. Found by the `checkpoint` fuzz target (FUZZING.md).
+
+use safetensors::SafeTensorError;
+use safetensors::tensor::{Metadata, SafeTensors};
+
+/// Parses the header of safetensors `bytes` (8-byte little-endian header length, UTF-8 JSON
+/// header; every tensor's dtype, shape and offsets validated by safetensors' [`Metadata`]) and
+/// checks that the data section is exactly as long as the offsets say. Returns the header and
+/// the data section.
+///
+/// # Errors
+/// The [`SafeTensorError`] that `SafeTensors::deserialize` gives for the same defect:
+/// `HeaderTooSmall`, `HeaderTooLarge`, `InvalidHeaderLength`, `InvalidHeader`,
+/// `InvalidHeaderDeserialization` (which includes bad offsets, shapes and dtypes) and
+/// `MetadataIncompleteBuffer`.
+///
+/// # Panics
+/// Never.
+pub fn read_header(bytes: &[u8]) -> Result<(Metadata, &[u8]), SafeTensorError> {
+    let (len, rest) = bytes
+        .split_first_chunk::<8>()
+        .ok_or(SafeTensorError::HeaderTooSmall)?;
+    let n =
+        usize::try_from(u64::from_le_bytes(*len)).map_err(|_| SafeTensorError::HeaderTooLarge)?;
+    let (header, data) = rest
+        .split_at_checked(n)
+        .ok_or(SafeTensorError::InvalidHeaderLength)?;
+    let header = std::str::from_utf8(header).map_err(SafeTensorError::InvalidHeader)?;
+    let meta: Metadata =
+        serde_json::from_str(header).map_err(SafeTensorError::InvalidHeaderDeserialization)?;
+    if meta.data_len() != data.len() {
+        return Err(SafeTensorError::MetadataIncompleteBuffer);
+    }
+    Ok((meta, data))
+}
+
+/// `SafeTensors::deserialize` of `bytes` after [`read_header`] has validated them, so that
+/// safetensors' own arithmetic cannot overflow (its header length plus a data length that equals
+/// the bytes present).
+///
+/// # Errors
+/// As [`read_header`], then as `SafeTensors::deserialize`.
+///
+/// # Panics
+/// Never.
+pub fn deserialize(bytes: &[u8]) -> Result<SafeTensors<'_>, SafeTensorError> {
+    read_header(bytes)?;
+    SafeTensors::deserialize(bytes)
+}
