@@ -337,8 +337,12 @@ fn keep_cut(idx: &mut [u32], bits: &mut [u32], cut: Cut) -> usize {
 /// `idx`/`bits` (while they have room; the count goes on). Also checks `|x| < limit` for every
 /// element. Returns the count and whether every element was below the limit.
 ///
-/// The vectors are never spilled to find a passing lane: a pushed element is read again from
-/// the source (in the L1 cache by then; for a sum, the same f32 addition gives the same bits).
+/// One compare per vector does both: a lane is looked at again when `!(|x| < min(lo, limit))`,
+/// which holds for every candidate and every element at or above the limit (NaN included,
+/// as an unordered compare); the scalar path then sorts out which it is from the key (NaN keys
+/// sort above the key of infinity). The vectors are never spilled to find a passing lane: a
+/// lane is read again from the source (in the L1 cache by then; for a sum, the same f32
+/// addition gives the same bits).
 #[inline]
 fn scan<S: Source>(
     src: &S,
@@ -349,40 +353,33 @@ fn scan<S: Source>(
     mut accept: impl FnMut(u32) -> bool,
 ) -> (usize, bool) {
     let n = src.len();
-    let cap = idx.len().min(bits.len());
-    let lo8 = f32x8::splat(lo);
-    let lim8 = f32x8::splat(limit);
-    let mut ok = f32x8::splat(0.0).simd_eq(f32x8::splat(0.0));
+    let lo_key = lo.to_bits() & KEY_MASK;
+    let lim_key = limit.to_bits() & KEY_MASK;
+    let either = f32x8::splat(f32::from_bits(lo_key.min(lim_key)));
+    let mut bad = false;
     let mut count = 0usize;
-    let mut push = |m: u32, base: usize| {
-        let mut m = m;
-        while m != 0 {
-            let i = base + m.trailing_zeros() as usize;
-            let b = src.at(i).to_bits();
-            if accept(b & KEY_MASK) {
-                if count < cap {
-                    idx[count] = i as u32;
-                    bits[count] = b;
-                }
-                count += 1;
-            }
-            m &= m - 1;
-        }
-    };
     let full = n / (4 * LANES) * (4 * LANES);
     let mut base = 0usize;
     let mut pairs = src.pairs(0, full);
     while let (Some(p), Some(q)) = (pairs.next(), pairs.next()) {
-        let a = [p[0].abs(), p[1].abs(), q[0].abs(), q[1].abs()];
-        ok = ok
-            & (a[0].simd_lt(lim8) & a[1].simd_lt(lim8))
-            & (a[2].simd_lt(lim8) & a[3].simd_lt(lim8));
-        let m = a[0].simd_ge(lo8).to_bitmask()
-            | (a[1].simd_ge(lo8).to_bitmask() << 8)
-            | (a[2].simd_ge(lo8).to_bitmask() << 16)
-            | (a[3].simd_ge(lo8).to_bitmask() << 24);
+        // Bit set: |x| < min(lo, limit), the lane needs no second look.
+        let below = p[0].abs().simd_lt(either).to_bitmask()
+            | (p[1].abs().simd_lt(either).to_bitmask() << 8)
+            | (q[0].abs().simd_lt(either).to_bitmask() << 16)
+            | (q[1].abs().simd_lt(either).to_bitmask() << 24);
+        let m = !below;
         if m != 0 {
-            push(m, base);
+            push_lanes(
+                src,
+                m,
+                base,
+                (lo_key, lim_key),
+                idx,
+                bits,
+                &mut count,
+                &mut bad,
+                &mut accept,
+            );
         }
         base += 4 * LANES;
     }
@@ -394,13 +391,55 @@ fn scan<S: Source>(
         } else {
             src.tail(i)
         };
-        let a = x.abs();
-        ok &= a.simd_lt(lim8);
-        let m = a.simd_ge(lo8).to_bitmask() & ((1u32 << live) - 1);
+        let m = !x.abs().simd_lt(either).to_bitmask() & ((1u32 << live) - 1);
         if m != 0 {
-            push(m, i);
+            push_lanes(
+                src,
+                m,
+                i,
+                (lo_key, lim_key),
+                idx,
+                bits,
+                &mut count,
+                &mut bad,
+                &mut accept,
+            );
         }
         i += LANES;
     }
-    (count, ok.all())
+    (count, !bad)
+}
+
+/// [`scan`]'s second look at the lanes set in `m` (lane `j` is element `base + j`): elements at
+/// or above the limit set `bad`; candidates that `accept` takes go to the list while it has room
+/// (the count goes on). `keys` are the keys of `lo` and of the limit.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn push_lanes<S: Source>(
+    src: &S,
+    m: u32,
+    base: usize,
+    (lo_key, lim_key): (u32, u32),
+    idx: &mut [u32],
+    bits: &mut [u32],
+    count: &mut usize,
+    bad: &mut bool,
+    accept: &mut impl FnMut(u32) -> bool,
+) {
+    let mut m = m;
+    while m != 0 {
+        let i = base + m.trailing_zeros() as usize;
+        let b = src.at(i).to_bits();
+        let key = b & KEY_MASK;
+        if key >= lim_key {
+            *bad = true;
+        } else if key >= lo_key && accept(key) {
+            if let (Some(x), Some(y)) = (idx.get_mut(*count), bits.get_mut(*count)) {
+                *x = i as u32;
+                *y = b;
+            }
+            *count += 1;
+        }
+        m &= m - 1;
+    }
 }

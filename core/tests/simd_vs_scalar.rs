@@ -158,6 +158,50 @@ fn topk_kept_reports_values_beyond_the_limit() {
     assert!(select::topk_kept(&x, 3, f32::INFINITY, &mut scratch).is_err());
 }
 
+/// One out-of-limit element anywhere (first or last vector, the tail, below or above the
+/// selection's threshold) makes every selection an error, whatever k, sample and limit.
+#[test]
+fn every_selection_reports_one_element_beyond_the_limit() {
+    let n = 70_003;
+    let base: Vec<f32> = (0..n)
+        .map(|i| ((i as f32) * 0.618).sin() * (1.0 + (i % 97) as f32))
+        .collect();
+    let f16 = values::magnitude_limit(Some(Values::F16));
+    for pos in [0, 5, 31, 32, 40_000, n - 35, n - 3, n - 1] {
+        for (bad, lim) in [
+            (f32::NAN, f32::INFINITY),
+            (f32::NEG_INFINITY, f32::INFINITY),
+            (f32::NAN, f16),
+            (70_000.0, f16),
+            (-65_520.0, f16),
+        ] {
+            let mut x = base.clone();
+            x[pos] = bad;
+            for k in [0, 1, 700, n] {
+                for sample in [0, select::sample_len(n)] {
+                    let len = select::kept_scratch_len_with(n, k, sample);
+                    let mut scratch = vec![0u32; len];
+                    let got = select::topk_kept_with(&x, k, lim, sample, &mut scratch);
+                    assert!(got.is_err(), "pos {pos}, bad {bad}, k {k}, sample {sample}");
+                }
+            }
+            for t in [0.0, 1.0, 1e30] {
+                let mut scratch = vec![0u32; select::threshold_scratch_len(n)];
+                let got = select::threshold_kept(&x, t, lim, &mut scratch);
+                assert!(got.is_err(), "pos {pos}, bad {bad}, t {t}");
+            }
+        }
+    }
+    // Just below the f16 limit is fine, and selected exactly.
+    let mut x = base.clone();
+    x[n - 1] = -65_519.0;
+    for k in [0, 1, 700, n] {
+        let mut scratch = vec![0u32; select::kept_scratch_len(n, k)];
+        let got = select::topk_kept(&x, k, f16, &mut scratch).unwrap();
+        assert_eq!(pairs(got), scalar_topk(&x, k), "k = {k}");
+    }
+}
+
 #[test]
 fn threshold_kept_matches_scalar() {
     fn prop(inp: Input) -> TestResult {
