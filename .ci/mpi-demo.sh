@@ -7,15 +7,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+command -v mpirun >/dev/null || { echo "mpi-demo: mpirun not found (run .ci/install-mpi.sh)"; exit 1; }
 mkdir -p out
-# From the workspace root (not `-p gradwire-demo`), so that candle keeps the features of the
-# README's build and is not compiled again.
+# As the README builds it. The first build with the mpi feature compiles candle and its
+# dependencies once more (bindgen, which mpi-sys needs, turns on a feature of `syn`): about
+# 3.5 minutes on 2 cores.
 cargo build --release --example data_parallel --features gradwire-demo/mpi
-bin=target/release/examples/data_parallel
+bin="${CARGO_TARGET_DIR:-target}/release/examples/data_parallel"
 args=(--steps 60 --seeds 1 --quiet)
-"$bin" --transport threads --workers 4 "${args[@]}" --json out/mpi-demo-threads.json \
+timeout 900 "$bin" --transport threads --workers 4 "${args[@]}" --json out/mpi-demo-threads.json \
     --plot out/mpi-demo-threads.png
-mpirun --oversubscribe -x RAYON_NUM_THREADS=1 -np 4 \
+# Open MPI flags: --oversubscribe (4 ranks on 2 cores), -x (pass the variable to every rank);
+# candle spins a thread pool per rank unless RAYON_NUM_THREADS=1. A hung rank fails the stage.
+timeout 900 mpirun --oversubscribe -x RAYON_NUM_THREADS=1 -np 4 \
     "$bin" --transport mpi --workers 4 "${args[@]}" --json out/mpi-demo-mpi.json \
     --plot out/mpi-demo-mpi.png
 python3 - out/mpi-demo-threads.json out/mpi-demo-mpi.json <<'PY'

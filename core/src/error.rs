@@ -66,7 +66,8 @@ pub enum Error {
         /// Index of the first bad element.
         index: usize,
     },
-    /// A value does not fit the chosen value type (e.g. beyond f16's range).
+    /// A value does not fit the chosen value type (e.g. beyond f16's range), or, with unbiased
+    /// random-k, its decoded product with n/k would not be finite.
     ValueOutOfRange {
         /// Index of the first element that does not fit.
         index: usize,
@@ -161,7 +162,8 @@ impl fmt::Display for Error {
             Error::ValueOutOfRange { index } => {
                 write!(
                     f,
-                    "value at index {index} is out of range for the value type"
+                    "value at index {index} is out of range for the value type \
+                     (or, with unbiased random-k, times n/k)"
                 )
             }
             Error::InvalidParams { param } => write!(f, "invalid parameter: {param:?}"),

@@ -164,7 +164,8 @@ pub(crate) fn check_input(x: &[f32], method: &Method) -> Result<(), Error> {
 /// # Errors
 /// [`Error::InvalidParams`], [`Error::ScratchTooSmall`], [`Error::BufferTooSmall`];
 /// [`Error::NonFinite`] naming the first NaN/Inf element; [`Error::ValueOutOfRange`] when, with
-/// f16 or bf16 values, an element is beyond the type's range.
+/// f16 or bf16 values, an element is beyond the type's range, or when, with unbiased random-k, a
+/// kept value times n/k would decode to ±inf (FORMAT.md 3.4).
 ///
 /// # Panics
 /// Never.

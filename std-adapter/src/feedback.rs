@@ -460,7 +460,11 @@ impl ErrorFeedback {
         let mut fb = ErrorFeedback::new(method, number("seed")?)
             .map_err(|e| Error::checkpoint(format!("metadata `method`: {e}")))?;
         fb.step = number("step")?;
-        for (name, info) in header.tensors() {
+        // Sorted, so that the error for a checkpoint with several bad residuals is always the
+        // same one (the header's map has no order).
+        let mut tensors: Vec<_> = header.tensors().into_iter().collect();
+        tensors.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        for (name, info) in tensors {
             if info.dtype != Dtype::F32 || info.shape.len() != 1 {
                 return Err(Error::checkpoint(format!(
                     "residual `{name}` is {:?} with shape {:?}, expected F32 with shape [n]",

@@ -11,6 +11,9 @@
 use safetensors::SafeTensorError;
 use safetensors::tensor::{Metadata, SafeTensors};
 
+/// The largest header safetensors 0.8 accepts (its `MAX_HEADER_SIZE`), in bytes.
+pub const MAX_HEADER_LEN: usize = 100_000_000;
+
 /// Parses the header of safetensors `bytes` (8-byte little-endian header length, UTF-8 JSON
 /// header; every tensor's dtype, shape and offsets validated by safetensors' [`Metadata`]) and
 /// checks that the data section is exactly as long as the offsets say. Returns the header and
@@ -30,6 +33,9 @@ pub fn read_header(bytes: &[u8]) -> Result<(Metadata, &[u8]), SafeTensorError> {
         .ok_or(SafeTensorError::HeaderTooSmall)?;
     let n =
         usize::try_from(u64::from_le_bytes(*len)).map_err(|_| SafeTensorError::HeaderTooLarge)?;
+    if n > MAX_HEADER_LEN {
+        return Err(SafeTensorError::HeaderTooLarge);
+    }
     let (header, data) = rest
         .split_at_checked(n)
         .ok_or(SafeTensorError::InvalidHeaderLength)?;

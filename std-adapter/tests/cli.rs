@@ -993,8 +993,7 @@ fn safetensors_offsets_near_usize_max_are_one_line_errors() {
     let tensors: Vec<String> = (0..8u64)
         .map(|i| {
             format!(
-                "\"t{i}\":{{\"dtype\":\"F32\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
-                size / 4,
+                "\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{size}],\"data_offsets\":[{},{}]}}",
                 i * size,
                 (i + 1) * size
             )

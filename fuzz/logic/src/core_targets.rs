@@ -392,15 +392,17 @@ pub fn roundtrip(data: &[u8]) {
     } = m
         && let Err(Error::ValueOutOfRange { index }) = res
     {
-        // Unbiased random-k refuses a kept value whose decoded product with n/k overflows
-        // (the value codec's rounding moves |x| by well under 1%).
+        // Unbiased random-k refuses a kept value whose decoded product with n/k overflows. A
+        // decoded value is at most the largest |x| (int8: its block's absmax; f16/bf16: |x|
+        // rounded up by under 1%), so that largest |x| times n/k must come near f32::MAX.
         let kk = k.resolve(n as u64).max(1);
         let s = (n as f64 / kk as f64) as f32;
+        let max_abs = grad.iter().fold(0.0f32, |a, x| a.max(x.abs()));
         assert!(
-            f64::from(grad[index].abs()) * f64::from(s) > 0.99 * f64::from(f32::MAX),
-            "{m:?}: ValueOutOfRange at {index} for {} * {s}",
-            grad[index]
+            f64::from(max_abs) * f64::from(s) > 0.99 * f64::from(f32::MAX),
+            "{m:?}: ValueOutOfRange at {index} with max |x| {max_abs} and n/k {s}"
         );
+        assert!(index < n, "{m:?}: ValueOutOfRange at {index} of {n}");
         let mut o = sentinel_buf(n);
         assert!(
             decode_into(&frame, &params, &mut o).is_err(),
