@@ -661,11 +661,19 @@ fn bad_command_lines_are_one_line_errors() {
         ),
         (
             vec!["compress", gs, "-o", o, "--ratio", "NaN"],
-            "invalid parameter",
+            "invalid --ratio NaN",
         ),
         (
             vec!["compress", gs, "-o", o, "--ratio=-0.5"],
-            "invalid parameter",
+            "invalid --ratio -0.5",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--ratio", "2"],
+            "must be > 0 and <= 1",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--ratio", "0"],
+            "must be > 0 and <= 1",
         ),
         (
             vec!["compress", gs, "-o", o, "--stochastic"],

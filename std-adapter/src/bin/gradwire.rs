@@ -165,7 +165,8 @@ struct CompressArgs {
     /// Compression method.
     #[arg(long, value_enum, default_value_t = MethodArg::Topk)]
     method: MethodArg,
-    /// Fraction of entries kept per tensor (topk, randomk): k = max(1, floor(n * R)); default 0.01.
+    /// Fraction of entries kept per tensor (topk, randomk), 0 < R <= 1: k = max(1, floor(n * R));
+    /// default 0.01.
     #[arg(long, value_name = "R")]
     ratio: Option<f64>,
     /// Entries kept per tensor (topk, randomk; gradwire layout).
@@ -327,6 +328,14 @@ fn method_of(a: &CompressArgs) -> Result<Method, CliError> {
     }
     if a.block == Some(0) {
         return Err(usage("--block must be at least 1"));
+    }
+    if let Some(r) = a.ratio
+        && !(r.is_finite() && r > 0.0 && r <= 1.0)
+    {
+        return Err(CliError::usage(format!(
+            "invalid --ratio {r}: the fraction of entries kept must be > 0 and <= 1 \
+             (0.01 keeps 1%)"
+        )));
     }
     let k = match (a.ratio, a.k) {
         (_, Some(k)) => K::Count(k),
