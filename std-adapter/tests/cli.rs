@@ -1020,3 +1020,18 @@ fn safetensors_offsets_near_usize_max_are_one_line_errors() {
         "not a valid safetensors file",
     );
 }
+
+/// No command, and a misspelt flag: one line that says what is missing or what was meant.
+#[test]
+fn missing_command_and_misspelt_flag_say_what_to_do() {
+    fails(&[], "missing command: compress, decompress or inspect");
+    let g = grads_path();
+    fails(
+        &["compress", s(&g), "-o", "x.gw", "--ratoi", "0.1"],
+        "a similar argument exists: '--ratio'",
+    );
+    fails(
+        &["compress"],
+        "required arguments were not provided: --output",
+    );
+}

@@ -255,15 +255,30 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::SUCCESS;
             }
-            // clap's message up to its usage block, on one line.
+            if matches!(
+                e.kind(),
+                ErrorKind::MissingSubcommand | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                return fail(&CliError::usage(
+                    "missing command: compress, decompress or inspect (see gradwire --help)",
+                ));
+            }
+            // clap's message up to its usage block, on one line (with its tip, e.g. a similar
+            // flag's name).
             let text = e.to_string();
             let parts: Vec<&str> = text
                 .lines()
                 .map(str::trim)
                 .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
-                .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+                .filter(|l| !l.is_empty())
                 .collect();
-            let message = parts.join(" ");
+            let mut message = String::new();
+            for part in parts {
+                if !message.is_empty() {
+                    message.push_str(if message.ends_with(':') { " " } else { "; " });
+                }
+                message.push_str(part);
+            }
             let message = message.strip_prefix("error: ").unwrap_or(&message);
             return fail(&CliError::usage(format!("{message} (see gradwire --help)")));
         }
