@@ -1,5 +1,7 @@
 //! The `gradwire` command-line tool, run as a process on the real gradients.
 
+mod common;
+
 use std::collections::HashMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -997,20 +999,7 @@ fn corrupt_and_truncated_containers_are_refused() {
 /// safetensors 0.8 adds without an overflow check): one error line, no panic.
 #[test]
 fn safetensors_offsets_near_usize_max_are_one_line_errors() {
-    let size: u64 = (1 << 61) - 1;
-    let tensors: Vec<String> = (0..8u64)
-        .map(|i| {
-            format!(
-                "\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{size}],\"data_offsets\":[{},{}]}}",
-                i * size,
-                (i + 1) * size
-            )
-        })
-        .collect();
-    let header = format!("{{{}}}", tensors.join(","));
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(header.as_bytes());
-    bytes.extend_from_slice(&[0; 16]);
+    let bytes = common::safetensors_with_offsets_near_usize_max("");
     let dir = scratch("offsets_near_max");
     let bad = dir.join("grads.safetensors");
     fs::write(&bad, &bytes).unwrap();

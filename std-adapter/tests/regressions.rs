@@ -1,6 +1,7 @@
 //! Named regression tests for what the fuzz targets found in the std crate (FUZZING.md lists
 //! them). Each runs on stable; the inputs are inline.
 
+mod common;
 use gradwire::bundle::TensorSpec;
 use gradwire::reference::{self, Entry, Mode, ReferenceError};
 
@@ -45,46 +46,12 @@ fn reference_int8_scale_that_overflows_is_rejected() {
 #[test]
 fn checkpoint_with_data_offsets_near_usize_max_is_an_error() {
     use gradwire::feedback::ErrorFeedback;
-    let size: u64 = (1 << 61) - 1;
-    let mut header = String::from(
-        "{\"__metadata__\":{\"format\":\"gradwire-error-feedback\",\"version\":\"1\",\
+    let bytes = common::safetensors_with_offsets_near_usize_max(
+        "\"__metadata__\":{\"format\":\"gradwire-error-feedback\",\"version\":\"1\",\
          \"method\":\"topk k=count:1 values=f32\",\"seed\":\"0\",\"step\":\"0\"}",
     );
-    for i in 0..8u64 {
-        header.push_str(&format!(
-            ",\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{size}],\"data_offsets\":[{},{}]}}",
-            i * size,
-            (i + 1) * size
-        ));
-    }
-    header.push('}');
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(header.as_bytes());
-    bytes.extend_from_slice(&[0; 16]);
     let r = ErrorFeedback::from_bytes(&bytes);
     assert!(r.is_err(), "{r:?}");
-}
-
-/// Safetensors bytes whose header declares eight `U8` tensors of 2^61 - 1 bytes each over a
-/// 16-byte data section: safetensors 0.8 adds those offsets to the header length unchecked.
-fn safetensors_with_offsets_near_usize_max(meta: &str) -> Vec<u8> {
-    let size: u64 = (1 << 61) - 1;
-    let mut header = format!("{{{meta}");
-    for i in 0..8u64 {
-        if header.len() > 1 {
-            header.push(',');
-        }
-        header.push_str(&format!(
-            "\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{size}],\"data_offsets\":[{},{}]}}",
-            i * size,
-            (i + 1) * size
-        ));
-    }
-    header.push('}');
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(header.as_bytes());
-    bytes.extend_from_slice(&[0; 16]);
-    bytes
 }
 
 /// The same overflow through the reference layout's readers (payloads from the network): an
@@ -94,7 +61,7 @@ fn safetensors_with_offsets_near_usize_max(meta: &str) -> Vec<u8> {
 fn reference_payload_with_offsets_near_usize_max_is_an_error() {
     use gradwire::bundle::TensorSpec;
     use gradwire::reference::{Mode, decode, parse, summarize};
-    let bytes = safetensors_with_offsets_near_usize_max("");
+    let bytes = common::safetensors_with_offsets_near_usize_max("");
     let specs = [TensorSpec::new("t0", vec![4])];
     for mode in Mode::ALL {
         assert!(parse(&bytes, mode, &specs).is_err(), "{mode:?}");

@@ -145,3 +145,26 @@ impl Stepper {
         out
     }
 }
+
+/// Safetensors bytes whose header declares eight `U8` tensors of 2^61 - 1 bytes each over a
+/// 16-byte data section: safetensors 0.8 adds those offsets to the header length unchecked.
+/// `meta`: JSON members put before the tensors (e.g. a `"__metadata__"` entry), or empty.
+pub fn safetensors_with_offsets_near_usize_max(meta: &str) -> Vec<u8> {
+    let size: u64 = (1 << 61) - 1;
+    let mut header = format!("{{{meta}");
+    for i in 0..8u64 {
+        if header.len() > 1 {
+            header.push(',');
+        }
+        header.push_str(&format!(
+            "\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{size}],\"data_offsets\":[{},{}]}}",
+            i * size,
+            (i + 1) * size
+        ));
+    }
+    header.push('}');
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(&[0; 16]);
+    bytes
+}
