@@ -433,6 +433,105 @@ pub fn encode_selected_into(
     Ok(p.pos)
 }
 
+/// Encodes a top-k or threshold frame of an `n`-element tensor from its kept entries alone:
+/// `kept.idx` (strictly ascending, `< n`) and the f32 bits of their values `kept.bits`, as
+/// the chunked selection of [`crate::select`] produces them ([`crate::select::candidates`],
+/// [`crate::select::topk_of_candidates`]). The bytes are those [`encode_into`] writes for a
+/// tensor whose selection keeps exactly these entries; `out` holds at least
+/// [`max_frame_len`]`(n, &params.method)` bytes. Returns the frame length.
+///
+/// The tensor itself is not read, so whether these are its top-k, or all its entries above the
+/// threshold, is the caller's to ensure; checked here is everything the frame's own validity
+/// needs: the count (`k` resolved for `n`, for top-k), the indices, each value above the
+/// threshold (threshold), finite and within the value type's range.
+///
+/// # Errors
+/// [`Error::InvalidParams`] for another method or invalid parameters, and with
+/// [`Param::K`] when a top-k list does not hold `k` entries, with [`Param::Threshold`] when a
+/// threshold entry is not above the threshold; [`Error::BufferTooSmall`];
+/// [`Error::TooLarge`] when `n` exceeds `u32::MAX`; [`Error::LengthMismatch`] when `idx` and
+/// `bits` differ in length; [`Error::UnsortedIndices`]; [`Error::NonFinite`] and
+/// [`Error::ValueOutOfRange`] naming the tensor index of a bad value. On error `out` holds no
+/// valid frame.
+///
+/// # Panics
+/// Never.
+pub fn encode_kept_into(
+    n: usize,
+    params: &Params,
+    kept: Kept<'_>,
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    params.method.validate()?;
+    let need = max_frame_len(n, &params.method);
+    if out.len() < need {
+        return Err(Error::BufferTooSmall {
+            needed: need,
+            got: out.len(),
+        });
+    }
+    if u32::try_from(n).is_err() {
+        return Err(Error::TooLarge { n: n as u64 });
+    }
+    if kept.idx.len() != kept.bits.len() {
+        return Err(Error::LengthMismatch {
+            expected: kept.idx.len(),
+            got: kept.bits.len(),
+        });
+    }
+    let (values, above) = match params.method {
+        Method::TopK { k, values } => {
+            if k.resolve(n as u64) != kept.idx.len() as u64 {
+                return Err(Error::InvalidParams { param: Param::K });
+            }
+            (values, None)
+        }
+        Method::Threshold { threshold, values } => (values, Some(threshold)),
+        _ => {
+            return Err(Error::InvalidParams {
+                param: Param::Method,
+            });
+        }
+    };
+    let limit = values::magnitude_limit(Some(values));
+    let mut next_min = 0usize;
+    for (position, (&i, &b)) in kept.idx.iter().zip(kept.bits).enumerate() {
+        let index = i as usize;
+        if index < next_min || index >= n {
+            return Err(Error::UnsortedIndices { position });
+        }
+        next_min = index + 1;
+        let x = f32::from_bits(b);
+        if !x.is_finite() {
+            return Err(Error::NonFinite { index });
+        }
+        if x.abs() >= limit {
+            return Err(Error::ValueOutOfRange { index });
+        }
+        if above.is_some_and(|t| magnitude_key(x) <= magnitude_key(t)) {
+            return Err(Error::InvalidParams {
+                param: Param::Threshold,
+            });
+        }
+    }
+    let mut p = Put { buf: out, pos: 0 };
+    match above {
+        None => {
+            write_fixed(&mut p, M_TOPK, 0, n);
+            p.values(values);
+        }
+        Some(t) => {
+            write_fixed(&mut p, M_THRESHOLD, 0, n);
+            p.values(values);
+            p.bytes(&t.to_le_bytes());
+        }
+    }
+    kept_body(n, &kept, values, &mut p);
+    let crc = crc32fast::hash(&p.buf[..p.pos]);
+    p.u32(crc);
+    Ok(p.pos)
+}
+
 fn write_fixed(p: &mut Put<'_>, id: u8, flags: u8, n: usize) {
     p.bytes(&MAGIC);
     p.u8(FORMAT_VERSION);

@@ -12,7 +12,7 @@
 //! radix select of [`crate::scalar::topk_cut`]. Either way the result is the exact top-k, ties to
 //! the lower index: the sample only decides how fast it gets there.
 
-use crate::lanes::{LANES, One, Source};
+use crate::lanes::{LANES, One, Source, Sum};
 use crate::rng;
 pub use crate::scalar::{Cut, Selection};
 use crate::scalar::{TOPK_HIST, magnitude_key};
@@ -163,6 +163,131 @@ pub fn threshold_kept<'s>(
     threshold_kept_src(&One(g), t, limit, scratch)
 }
 
+/// Chunked selection, step 1 of 3 for top-k: a magnitude floor at or below the k-th largest
+/// `|x|` of the whole tensor with high probability, where `x = g` or, with `residual`,
+/// `x = g + residual` (f32 addition, the input of an error-feedback step). The same floor
+/// [`topk_kept`] scans with; `samples` holds at least [`SAMPLE_LEN`] words.
+///
+/// Chunked top-k (for a tensor split across threads, each chunk scanned on its own): take this
+/// floor, collect each chunk's [`candidates`] at or above it, concatenate the lists in chunk
+/// order, and when they hold at least `k` entries finish with [`topk_of_candidates`]; the
+/// result is exactly [`topk_kept`]'s. When they hold fewer (the sample missed, rare), select
+/// on the whole tensor instead.
+///
+/// `None` when there is nothing to sample: `g.len() <` [`SAMPLED_MIN`], `k == 0`,
+/// `k >= g.len()`, or `residual` of another length than `g`.
+///
+/// # Panics
+/// When `samples` is shorter than [`SAMPLE_LEN`].
+pub fn topk_floor(
+    g: &[f32],
+    residual: Option<&[f32]>,
+    k: usize,
+    samples: &mut [u32],
+) -> Option<f32> {
+    let n = g.len();
+    if n < SAMPLED_MIN || k == 0 || k >= n || residual.is_some_and(|r| r.len() != n) {
+        return None;
+    }
+    let samples = &mut samples[..SAMPLE_LEN];
+    let t = match residual {
+        None => sample_threshold(&One(g), k, samples),
+        Some(r) => sample_threshold(&Sum(g, r), k, samples),
+    };
+    Some(f32::from_bits(t))
+}
+
+/// Chunked selection, step 1 for threshold selection (`|x| > t`, `t` finite and `>= 0`): the
+/// floor that [`candidates`] takes, the smallest f32 above `|t|`, so that `|x| >= floor`
+/// exactly when `|x| > t`.
+pub fn threshold_floor(t: f32) -> f32 {
+    f32::from_bits((t.to_bits() & KEY_MASK).saturating_add(1))
+}
+
+/// Chunked selection, step 2: the entries of one chunk with `|x| >= floor`, where `x = g` or,
+/// with `residual` (same length), `x = g + residual`, checking on the way that every
+/// `|x| < limit` (as [`topk_kept`]). The chunk starts at element `offset` of the tensor: the
+/// indices written are `offset + i`, ascending; `bits` gets `x.to_bits()`.
+///
+/// Returns how many entries pass, which may exceed `idx.len()` or `bits.len()`: the lists
+/// then hold the first ones only (call again with longer lists).
+///
+/// # Errors
+/// [`OutOfLimit`] when some `x` is NaN or `|x| >= limit`.
+///
+/// # Panics
+/// When `residual` has another length than `g`, or `offset + g.len()` exceeds `u32::MAX + 1`
+/// (indices are `u32`).
+pub fn candidates(
+    g: &[f32],
+    residual: Option<&[f32]>,
+    offset: usize,
+    floor: f32,
+    limit: f32,
+    idx: &mut [u32],
+    bits: &mut [u32],
+) -> Result<usize, OutOfLimit> {
+    let end = offset.checked_add(g.len());
+    assert!(
+        end.is_some_and(|e| e <= u32::MAX as usize + 1),
+        "indices beyond u32"
+    );
+    let (idx, bits) = {
+        let m = idx.len().min(bits.len());
+        (&mut idx[..m], &mut bits[..m])
+    };
+    let (count, ok) = match residual {
+        None => scan(&One(g), floor, limit, idx, bits, |_| true),
+        Some(r) => {
+            assert_eq!(r.len(), g.len(), "residual length");
+            scan(&Sum(g, r), floor, limit, idx, bits, |_| true)
+        }
+    };
+    if !ok {
+        return Err(OutOfLimit);
+    }
+    if offset > 0 {
+        let base = offset as u32;
+        let written = count.min(idx.len());
+        for i in &mut idx[..written] {
+            *i += base;
+        }
+    }
+    Ok(count)
+}
+
+/// Chunked selection, step 3 for top-k: the exact top-k (ties to the lower index) among
+/// candidates `idx`/`bits` (as [`candidates`] writes them, the chunks' lists concatenated in
+/// order) that include every element of the tensor with `|x| >=` the floor of [`topk_floor`].
+/// With at least `k` of them, this is exactly the tensor's top-k. Keeps the chosen entries in
+/// place, in order; `hist` holds at least [`topk_scratch_len`] words.
+///
+/// With `k >= idx.len()` every candidate is kept; with `k == 0`, none.
+///
+/// # Panics
+/// When `idx` and `bits` differ in length or `hist` is too short.
+pub fn topk_of_candidates<'s>(
+    idx: &'s mut [u32],
+    bits: &'s mut [u32],
+    k: usize,
+    hist: &mut [u32],
+) -> Kept<'s> {
+    assert_eq!(idx.len(), bits.len(), "candidate lists");
+    let count = idx.len();
+    let kept = if k == 0 {
+        0
+    } else if k >= count {
+        count
+    } else {
+        let cut = radix_cut(bits.iter().map(|&b| b & KEY_MASK), k, hist);
+        keep_cut(idx, bits, cut)
+    };
+    Kept {
+        idx: &idx[..kept],
+        bits: &bits[..kept],
+    }
+}
+
 pub(crate) fn threshold_kept_src<'s, S: Source>(
     src: &S,
     t: f32,
@@ -175,7 +300,7 @@ pub(crate) fn threshold_kept_src<'s, S: Source>(
     let (idx, rest) = scratch.split_at_mut(cap);
     let bits = &mut rest[..cap];
     // |x| > t  <=>  |x| >= next float above |t| (t finite and >= 0).
-    let lo = f32::from_bits((t.to_bits() & KEY_MASK) + 1);
+    let lo = threshold_floor(t);
     let (count, ok) = scan(src, lo, limit, idx, bits, |_| true);
     if !ok {
         return Err(OutOfLimit);

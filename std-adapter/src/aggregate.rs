@@ -320,7 +320,7 @@ impl Aggregator {
                     acc.par_chunks_mut(CHUNK).enumerate().for_each(|(j, acc)| {
                         acc.fill(0.0);
                         for list in lists {
-                            list.add_range(j * CHUNK, acc);
+                            list.add_range(j * CHUNK, acc, 1.0);
                         }
                         finish(acc);
                     });

@@ -42,6 +42,7 @@ use crate::bundle::{Entry, EntryKind, Manifest, Sizes};
 use crate::error::{Error, Result};
 use crate::feedback::{ErrorFeedback, check_step_input};
 use crate::parallel::{CHUNK, Parallelism, SPLIT_MIN, Split};
+use crate::parallel_select::{Selected, SparseSplit, splits_selection};
 use crate::tensor::Tensor;
 
 /// Which top-k a bucket keeps.
@@ -197,13 +198,17 @@ impl Bufs {
     }
 }
 
-/// One entry of the parallel path: its frame, and the residuals of its tensors while it runs.
+/// One entry of the parallel path: its frame, the residuals of its tensors while it runs, and
+/// for a large top-k or threshold tensor the buffers of its chunked selection (`selected`: its
+/// frame was written while checking).
 #[derive(Debug, Default)]
 struct Slot {
     frame: Vec<u8>,
     len: usize,
     res: Vec<Vec<f32>>,
     err: Option<Error>,
+    split: SparseSplit,
+    selected: bool,
 }
 
 /// [`Bufs`] taken from the engine's pool for one rayon task, given back when dropped.
@@ -556,12 +561,22 @@ fn encode_on_pool(
     pool: &Mutex<Vec<Bufs>>,
 ) -> Result<()> {
     let entries = manifest.entries();
-    // Pass 1: every check, before anything changes; the first error in manifest order.
+    // Pass 1: every check, before anything changes; the first error in manifest order. A large
+    // top-k or threshold tensor is checked by its chunked selection, which writes its frame on
+    // the way (reading the residual, not changing it).
     {
         let fb = feedback.as_deref();
-        slots.par_iter_mut().zip(entries).for_each(|(slot, entry)| {
-            slot.err = check_entry(manifest, entry, grads, fb, true).err();
-        });
+        slots
+            .par_iter_mut()
+            .zip(entries)
+            .enumerate()
+            .for_each(|(e, (slot, entry))| {
+                slot.selected = false;
+                if select_in_chunks(manifest, e, grads, step, fb, slot) {
+                    return;
+                }
+                slot.err = check_entry(manifest, entry, grads, fb, true).err();
+            });
     }
     first_error(slots)?;
     // The residuals move into the slots, so that each task owns its entry's.
@@ -582,6 +597,21 @@ fn encode_on_pool(
         || Lease { pool, bufs: None },
         |lease, (e, slot)| {
             let entry = &entries[e];
+            if slot.selected {
+                // The frame is written; with error feedback the residual follows it.
+                if let Some(r) = slot.res.first_mut().filter(|_| ef) {
+                    let t = entry.members.first().copied().unwrap_or(0);
+                    let g = grad_of(manifest, grads, t);
+                    let frame = &slot.frame[..slot.len];
+                    if !slot.split.update_residual(frame, &entry.method, g, r) {
+                        slot.err = Some(Error::config(format!(
+                            "`{}`: residual update failed",
+                            entry.label
+                        )));
+                    }
+                }
+                return;
+            }
             let need = max_frame_len(entry.len, &entry.method);
             grow(&mut slot.frame, need);
             let frame = &mut slot.frame[..need];
@@ -618,6 +648,56 @@ fn encode_on_pool(
         }
     }
     first_error(slots)
+}
+
+/// Pass 1 of the parallel path for entry `e` when it is one large top-k or threshold tensor:
+/// selects in chunks and writes its frame into the slot (`slot.selected`), reading the
+/// gradient and, with `feedback`, the residual. `true` when done (frame written, or the error
+/// of a bad value set); `false` when the entry takes the ordinary check and encoder (another
+/// kind of entry, no residual yet, the sample missed).
+fn select_in_chunks(
+    manifest: &Manifest,
+    e: usize,
+    grads: &HashMap<String, Tensor>,
+    step: u64,
+    feedback: Option<&ErrorFeedback>,
+    slot: &mut Slot,
+) -> bool {
+    let entry = &manifest.entries()[e];
+    if !matches!(entry.kind, EntryKind::Tensor) || !splits_selection(entry.len, &entry.method) {
+        return false;
+    }
+    let t = entry.members.first().copied().unwrap_or(0);
+    let g = grad_of(manifest, grads, t);
+    let r = match feedback {
+        None => None,
+        // Before its first step a residual is zeros, and `g + 0` is not always `g` (-0.0):
+        // that step takes the ordinary way.
+        Some(fb) => match fb.residual(&manifest.tensors()[t].name) {
+            Some(r) => Some(r),
+            None => return false,
+        },
+    };
+    let need = max_frame_len(entry.len, &entry.method);
+    grow(&mut slot.frame, need);
+    let params = manifest.params(e, step);
+    match slot.split.encode(&params, g, r, &mut slot.frame[..need]) {
+        Selected::Frame(len) => {
+            slot.len = len;
+            slot.selected = true;
+            true
+        }
+        Selected::OutOfLimit => {
+            // The serial check names the bad value; it cannot pass.
+            slot.err = Some(
+                check_entry(manifest, entry, grads, feedback, false)
+                    .err()
+                    .unwrap_or_else(|| Error::config(format!("`{}`: bad value", entry.label))),
+            );
+            true
+        }
+        Selected::Serial => false,
+    }
 }
 
 /// The first error of `slots` in order; every slot's error is cleared.

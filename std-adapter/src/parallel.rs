@@ -17,11 +17,14 @@
 //!   aggregated in chunks of the output: each rank's indices and values are decoded once (ranks in
 //!   parallel), then each chunk adds, rank by rank, the entries that fall into it.
 //!
-//! Not split, because one frame depends on the whole tensor: the selection of top-k and
-//! threshold (a global k-th magnitude, an index codec chosen for the whole frame), random-k
-//! (indices drawn by sequential selection sampling) and stochastic rounding (random draws keyed
-//! by the element's index in the tensor, which the core's kernel counts from the slice start).
-//! Those entries run on one thread each, in parallel with the other entries.
+//! - **top-k and threshold of one large tensor**: selected in chunks (each chunk collects its
+//!   candidates above a global floor, an exact select among them finishes), then one frame is
+//!   written from the kept list; see `parallel_select.rs`.
+//!
+//! Not split, because one frame depends on the whole tensor in a way chunks cannot share:
+//! random-k (indices drawn by sequential selection sampling) and stochastic rounding (random
+//! draws keyed by the element's index in the tensor, which the core's kernel counts from the
+//! slice start). Those entries run on one thread each, in parallel with the other entries.
 //!
 //! Errors are those of the serial path: compression checks every tensor (entries, and chunks
 //! of a large tensor, in parallel) before any residual changes and reports the first failing
@@ -509,14 +512,14 @@ impl SparseList {
         true
     }
 
-    /// Adds the entries with index in `start..start + acc.len()` into `acc`, as the core's
-    /// `accumulate_into` with weight 1 does (`acc[i] += 1 * value`, and `1 * value == value`).
-    pub(crate) fn add_range(&self, start: usize, acc: &mut [f32]) {
+    /// Adds `weight * value` of the entries with index in `start..start + acc.len()` into
+    /// `acc`, as the core's `accumulate_into` does (`acc[i] += weight * value`).
+    pub(crate) fn add_range(&self, start: usize, acc: &mut [f32], weight: f32) {
         let end = start + acc.len();
         let lo = self.idx.partition_point(|&i| (i as usize) < start);
         let hi = self.idx.partition_point(|&i| (i as usize) < end);
         for (&i, &v) in self.idx[lo..hi].iter().zip(&self.val[lo..hi]) {
-            acc[i as usize - start] += v;
+            acc[i as usize - start] += weight * v;
         }
     }
 }

@@ -12,7 +12,7 @@ use gradwire::aggregate::{Aggregator, Reduction, aggregate_into};
 use gradwire::bucket::BucketConfig;
 use gradwire::bundle::Manifest;
 use gradwire::compressor::{CompressionMethod, GradientCompressor};
-use gradwire::core::{Method, Rounding, SignScale, Values};
+use gradwire::core::{K, Method, Rounding, SignScale, Values};
 use gradwire::parallel::{AUTO_MIN_ELEMENTS, Parallelism};
 use gradwire::tensor::Tensor;
 
@@ -312,33 +312,89 @@ fn a_wider_pool_gives_the_same_bits() {
 #[test]
 fn a_nan_changes_nothing_on_either_path() {
     let base = synthetic(&mut Rng(8));
-    let method = CompressionMethod::Quantization { bits: 4 }.with_error_feedback();
-    let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
-    let mut s = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Serial);
-    let mut p = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Parallel);
-    let (mut bs, mut bp) = (Vec::new(), Vec::new());
-    s.compress_bundle(&manifest, &base, 0, &mut bs).unwrap();
-    p.compress_bundle(&manifest, &base, 0, &mut bp).unwrap();
-    for (name, index) in [
-        ("large.weight", LARGE - 3),
-        ("large.weight", 70_000),
-        ("small.05", 2),
+    let f16_topk = CompressionMethod::Core(Method::TopK {
+        k: K::Ratio(0.01),
+        values: Values::F16,
+    });
+    // 4-bit splits into chunks; top-k and threshold select in chunks (from the second step
+    // on, when the residuals exist), and check on the way.
+    for method in [
+        CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+        CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+        CompressionMethod::Threshold { threshold: 0.5 }.with_error_feedback(),
+        f16_topk.clone(),
+        f16_topk.clone().with_error_feedback(),
     ] {
-        let mut bad = vary(&base, 1);
-        let mut data = bad[name].data().to_vec();
-        data[index] = f32::NAN;
-        bad.insert(
-            name.to_owned(),
-            Tensor::new(bad[name].shape().to_vec(), data).unwrap(),
-        );
-        let before = p.feedback().cloned();
-        let es = s.compress_bundle(&manifest, &bad, 0, &mut bs).unwrap_err();
-        let ep = p.compress_bundle(&manifest, &bad, 0, &mut bp).unwrap_err();
-        assert_eq!(format!("{es:?}"), format!("{ep:?}"));
-        assert!(format!("{ep}").contains(&index.to_string()), "{ep}");
-        assert!(p.feedback().cloned() == before, "no residual changes");
-        assert_eq!(s.step(), 1);
-        assert_eq!(p.step(), 1);
+        let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
+        let mut s = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Serial);
+        let mut p = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Parallel);
+        let (mut bs, mut bp) = (Vec::new(), Vec::new());
+        s.compress_bundle(&manifest, &base, 0, &mut bs).unwrap();
+        p.compress_bundle(&manifest, &base, 0, &mut bp).unwrap();
+        for (name, index, bad_value) in [
+            ("large.weight", LARGE - 3, f32::NAN),
+            ("large.weight", 70_000, f32::NAN),
+            ("large.weight", 1_000_000, f32::NEG_INFINITY),
+            ("large.weight", 2_000_000, 1e6),
+            ("small.05", 2, f32::NAN),
+        ] {
+            let mut bad = vary(&base, 1);
+            let mut data = bad[name].data().to_vec();
+            data[index] = bad_value;
+            bad.insert(
+                name.to_owned(),
+                Tensor::new(bad[name].shape().to_vec(), data).unwrap(),
+            );
+            let before = p.feedback().cloned();
+            let es = s.compress_bundle(&manifest, &bad, 0, &mut bs);
+            let ep = p.compress_bundle(&manifest, &bad, 0, &mut bp);
+            let ctx = format!("{method:?}: {bad_value} at {name}[{index}]");
+            assert_eq!(format!("{es:?}"), format!("{ep:?}"), "{ctx}");
+            if bad_value.is_finite() && !matches!(method, CompressionMethod::Core(_)) {
+                // 1e6 fits every value type but f16: both paths encode it.
+                assert!(bs == bp, "{ctx}");
+                assert!(s.feedback() == p.feedback(), "{ctx}");
+                continue;
+            }
+            let ep = ep.unwrap_err();
+            assert!(format!("{ep}").contains(&index.to_string()), "{ctx}: {ep}");
+            assert!(
+                p.feedback().cloned() == before,
+                "{ctx}: no residual changes"
+            );
+            assert_eq!(s.step(), p.step(), "{ctx}");
+        }
+    }
+}
+
+#[test]
+fn tie_heavy_tensors_select_in_chunks_as_serially() {
+    // A constant tensor (every element a candidate: the chunked selection gives up, the
+    // serial one runs), a mostly-zero one (ties at zero among the top-k), and threshold
+    // keeping everything non-zero; several steps with error feedback.
+    let mut rng = Rng(12);
+    let ones = vec![1.0f32; 300_001];
+    let sparse: Vec<f32> = (0..400_003)
+        .map(|i| if i % 20 == 0 { rng.unit() - 0.5 } else { 0.0 })
+        .collect();
+    let base = HashMap::from([
+        ("ones".to_owned(), Tensor::vector(ones)),
+        ("sparse".to_owned(), Tensor::vector(sparse)),
+    ]);
+    for method in [
+        CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+        CompressionMethod::Core(Method::TopK {
+            k: K::Ratio(0.2),
+            values: Values::F32,
+        }),
+        CompressionMethod::Core(Method::TopK {
+            k: K::Ratio(0.1),
+            values: Values::Bf16,
+        })
+        .with_error_feedback(),
+        CompressionMethod::Threshold { threshold: 0.0 }.with_error_feedback(),
+    ] {
+        check_same(&base, &method, BucketConfig::none(), 2, 3, true);
     }
 }
 

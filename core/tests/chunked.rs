@@ -1,0 +1,345 @@
+//! Chunked selection (`select::topk_floor`, `select::candidates`, `select::topk_of_candidates`)
+//! and the frame writer from a kept list (`encode_kept_into`) against `encode_into` and the
+//! error-feedback step: the same frames byte for byte, whatever the chunk boundaries.
+
+mod common;
+
+use common::{Data, Floats, encode, qc};
+use gradwire_core::select::{self, Kept};
+use gradwire_core::{
+    Error, K, Method, Param, Params, Values, encode_kept_into, feedback_step, max_frame_len,
+    scratch_len, values,
+};
+
+/// Chunk boundaries of `n` elements cut at positions drawn from `data` (some empty chunks).
+fn cuts(n: usize, pieces: usize, data: &mut Data) -> Vec<usize> {
+    let mut c: Vec<usize> = (0..pieces)
+        .map(|_| data.below(n as u64 + 1) as usize)
+        .collect();
+    c.push(0);
+    c.push(n);
+    c.sort_unstable();
+    c
+}
+
+/// Every chunk's candidates with `|x| >= floor`, concatenated in order (lists grown and the
+/// chunk scanned again when they were too short, as a caller does).
+fn chunked_candidates(
+    g: &[f32],
+    r: Option<&[f32]>,
+    bounds: &[usize],
+    floor: f32,
+    limit: f32,
+) -> Result<(Vec<u32>, Vec<u32>), select::OutOfLimit> {
+    let (mut idx, mut bits) = (Vec::new(), Vec::new());
+    for w in bounds.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        let mut cap = 3;
+        loop {
+            let (mut i, mut v) = (vec![0u32; cap], vec![0u32; cap]);
+            let count = select::candidates(
+                &g[a..b],
+                r.map(|r| &r[a..b]),
+                a,
+                floor,
+                limit,
+                &mut i,
+                &mut v,
+            )?;
+            if count <= cap {
+                idx.extend_from_slice(&i[..count]);
+                bits.extend_from_slice(&v[..count]);
+                break;
+            }
+            cap = count;
+        }
+    }
+    Ok((idx, bits))
+}
+
+/// The frame of top-k (k resolved for `x`) through the chunked path, with `floor` (the sampled
+/// one, or any lower bound of the k-th magnitude); `None` when the candidates are fewer than k.
+fn chunked_topk_frame(
+    g: &[f32],
+    r: Option<&[f32]>,
+    bounds: &[usize],
+    floor: f32,
+    p: &Params,
+) -> Option<Vec<u8>> {
+    let n = g.len();
+    let Method::TopK { k, values } = p.method else {
+        unreachable!()
+    };
+    let k = k.resolve(n as u64) as usize;
+    let limit = values::magnitude_limit(Some(values));
+    let (mut idx, mut bits) = chunked_candidates(g, r, bounds, floor, limit).ok()?;
+    if idx.len() < k {
+        return None;
+    }
+    let mut hist = vec![0u32; select::topk_scratch_len(n)];
+    let kept = select::topk_of_candidates(&mut idx, &mut bits, k, &mut hist);
+    let mut out = vec![0u8; max_frame_len(n, &p.method)];
+    let len = encode_kept_into(n, p, kept, &mut out).unwrap();
+    out.truncate(len);
+    Some(out)
+}
+
+fn value_kinds() -> [Values; 4] {
+    [
+        Values::F32,
+        Values::F16,
+        Values::Bf16,
+        Values::Int8 { block: 32 },
+    ]
+}
+
+fn moderate(x: f32) -> f32 {
+    if x.abs() > 1000.0 { x.signum() } else { x }
+}
+
+#[test]
+fn chunked_topk_with_any_lower_floor_equals_encode_into() {
+    fn prop(x: Floats, k: u16, pick: u32, seed: u64) -> bool {
+        let x: Vec<f32> = x.0.iter().map(|&a| moderate(a)).collect();
+        let n = x.len();
+        let k = usize::from(k) % (n + 2);
+        let mut data = Data(seed);
+        let bounds = cuts(n, 1 + (seed % 5) as usize, &mut data);
+        for v in value_kinds() {
+            let p = Params::new(Method::TopK {
+                k: K::Count(k as u64),
+                values: v,
+            });
+            let want = encode(&x, &p).unwrap();
+            // Floors at and below the k-th magnitude (a picked element's, or zero).
+            let mut mags: Vec<f32> = x.iter().map(|a| a.abs()).collect();
+            mags.sort_unstable_by(|a, b| b.total_cmp(a));
+            let kth = if k == 0 || n == 0 {
+                0.0
+            } else {
+                mags[(k.min(n)) - 1]
+            };
+            let picked = if n == 0 { 0.0 } else { mags[pick as usize % n] };
+            for floor in [0.0, kth, picked.min(kth)] {
+                let got = chunked_topk_frame(&x, None, &bounds, floor, &p);
+                if got.as_deref() != Some(&want[..]) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+    qc(300, prop as fn(Floats, u16, u32, u64) -> bool);
+}
+
+#[test]
+fn chunked_threshold_equals_encode_into() {
+    fn prop(x: Floats, pick: u32, seed: u64) -> bool {
+        let x: Vec<f32> = x.0.iter().map(|&a| moderate(a)).collect();
+        let n = x.len();
+        let t = if n == 0 {
+            0.0
+        } else {
+            x[pick as usize % n].abs()
+        };
+        let mut data = Data(seed);
+        let bounds = cuts(n, 1 + (seed % 5) as usize, &mut data);
+        for v in value_kinds() {
+            let p = Params::new(Method::Threshold {
+                threshold: t,
+                values: v,
+            });
+            let want = encode(&x, &p).unwrap();
+            let limit = values::magnitude_limit(Some(v));
+            let (idx, bits) =
+                chunked_candidates(&x, None, &bounds, select::threshold_floor(t), limit).unwrap();
+            let mut out = vec![0u8; max_frame_len(n, &p.method)];
+            let kept = Kept {
+                idx: &idx,
+                bits: &bits,
+            };
+            let len = encode_kept_into(n, &p, kept, &mut out).unwrap();
+            if out[..len] != want[..] {
+                return false;
+            }
+        }
+        true
+    }
+    qc(300, prop as fn(Floats, u32, u64) -> bool);
+}
+
+/// A large heavy-tailed tensor with ties and one region of large values, and a residual.
+fn large(n: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let mut d = Data(seed);
+    let g = (0..n)
+        .map(|i| {
+            let v = d.grad();
+            if i % 7 == 0 {
+                (v * 64.0).round() / 64.0
+            } else if (n / 3..n / 3 + 2000).contains(&i) {
+                v * 100.0
+            } else {
+                v
+            }
+        })
+        .collect();
+    let r = (0..n).map(|_| d.grad() * 0.5).collect();
+    (g, r)
+}
+
+#[test]
+fn chunked_topk_with_the_sampled_floor_equals_encode_into_and_feedback_step() {
+    let n = select::SAMPLED_MIN * 3 + 777;
+    let (g, r) = large(n, 7);
+    let mut data = Data(11);
+    let mut samples = vec![0u32; select::SAMPLE_LEN];
+    for (ratio, pieces) in [(0.01, 7), (0.001, 30), (0.3, 2), (0.0, 3)] {
+        let bounds = cuts(n, pieces, &mut data);
+        for v in value_kinds() {
+            let p = Params::new(Method::TopK {
+                k: K::Ratio(ratio),
+                values: v,
+            });
+            let k = K::Ratio(ratio).resolve(n as u64) as usize;
+            // Plain top-k.
+            let floor = select::topk_floor(&g, None, k, &mut samples).unwrap();
+            let got = chunked_topk_frame(&g, None, &bounds, floor, &p).expect("enough candidates");
+            assert_eq!(got, encode(&g, &p).unwrap(), "ratio {ratio} {v:?}");
+            // One error-feedback step: the frame of g + r.
+            let floor = select::topk_floor(&g, Some(&r), k, &mut samples).unwrap();
+            let got = chunked_topk_frame(&g, Some(&r), &bounds, floor, &p).unwrap();
+            let mut res = r.clone();
+            let mut want = vec![0u8; max_frame_len(n, &p.method)];
+            let mut scratch = vec![0u32; scratch_len(n, &p.method)];
+            let len = feedback_step(&g, &mut res, &p, &mut scratch, &mut want).unwrap();
+            assert_eq!(got, want[..len], "feedback ratio {ratio} {v:?}");
+        }
+    }
+}
+
+#[test]
+fn topk_floor_is_none_where_nothing_is_sampled() {
+    let mut samples = vec![0u32; select::SAMPLE_LEN];
+    let small = vec![1.0f32; select::SAMPLED_MIN - 1];
+    assert_eq!(select::topk_floor(&small, None, 10, &mut samples), None);
+    let (g, r) = large(select::SAMPLED_MIN, 3);
+    assert_eq!(select::topk_floor(&g, None, 0, &mut samples), None);
+    assert_eq!(select::topk_floor(&g, None, g.len(), &mut samples), None);
+    assert_eq!(select::topk_floor(&g, Some(&r[1..]), 5, &mut samples), None);
+    assert!(select::topk_floor(&g, Some(&r), 5, &mut samples).is_some());
+}
+
+#[test]
+fn candidates_report_values_beyond_the_limit_and_overflowing_lists() {
+    let mut x = vec![0.5f32; 100];
+    x[40] = 3.0;
+    x[70] = 2.0;
+    let (mut i, mut v) = (vec![0u32; 1], vec![0u32; 1]);
+    // Two pass; the list holds the first, indices offset.
+    assert_eq!(
+        select::candidates(&x, None, 1000, 1.5, f32::INFINITY, &mut i, &mut v),
+        Ok(2)
+    );
+    assert_eq!((i[0], v[0]), (1040, 3.0f32.to_bits()));
+    x[90] = f32::NAN;
+    assert_eq!(
+        select::candidates(&x, None, 0, 1.5, f32::INFINITY, &mut i, &mut v),
+        Err(select::OutOfLimit)
+    );
+    x[90] = 70_000.0;
+    assert_eq!(
+        select::candidates(
+            &x,
+            None,
+            0,
+            1.5,
+            values::magnitude_limit(Some(Values::F16)),
+            &mut i,
+            &mut v
+        ),
+        Err(select::OutOfLimit)
+    );
+    // With a residual the candidates are of the sum.
+    let g = [1.0f32, -1.0, 0.25];
+    let r = [1.0f32, 0.5, 0.0];
+    let (mut i, mut v) = (vec![0u32; 3], vec![0u32; 3]);
+    assert_eq!(
+        select::candidates(&g, Some(&r), 0, 0.5, f32::INFINITY, &mut i, &mut v),
+        Ok(2)
+    );
+    assert_eq!(&i[..2], &[0, 1]);
+    assert_eq!(&v[..2], &[2.0f32.to_bits(), (-0.5f32).to_bits()]);
+}
+
+#[test]
+fn encode_kept_into_refuses_what_would_make_an_invalid_frame() {
+    let n = 10;
+    let topk = |k| {
+        Params::new(Method::TopK {
+            k: K::Count(k),
+            values: Values::F16,
+        })
+    };
+    let mut out = vec![0u8; 1024];
+    let one = 1.0f32.to_bits();
+    let kept = |idx: &'static [u32], bits: &'static [u32]| Kept { idx, bits };
+    let leak: &'static [u32] = Box::leak(vec![one, one].into_boxed_slice());
+    assert_eq!(
+        encode_kept_into(n, &topk(3), kept(&[1, 2], leak), &mut out),
+        Err(Error::InvalidParams { param: Param::K })
+    );
+    assert_eq!(
+        encode_kept_into(n, &topk(2), kept(&[2, 2], leak), &mut out),
+        Err(Error::UnsortedIndices { position: 1 })
+    );
+    assert_eq!(
+        encode_kept_into(n, &topk(2), kept(&[2, 10], leak), &mut out),
+        Err(Error::UnsortedIndices { position: 1 })
+    );
+    assert_eq!(
+        encode_kept_into(n, &topk(2), kept(&[2, 3], &[1],), &mut out),
+        Err(Error::LengthMismatch {
+            expected: 2,
+            got: 1
+        })
+    );
+    let nan: &'static [u32] = Box::leak(vec![one, f32::NAN.to_bits()].into_boxed_slice());
+    assert_eq!(
+        encode_kept_into(n, &topk(2), kept(&[2, 7], nan), &mut out),
+        Err(Error::NonFinite { index: 7 })
+    );
+    let big: &'static [u32] = Box::leak(vec![70_000.0f32.to_bits(), one].into_boxed_slice());
+    assert_eq!(
+        encode_kept_into(n, &topk(2), kept(&[4, 7], big), &mut out),
+        Err(Error::ValueOutOfRange { index: 4 })
+    );
+    let th = Params::new(Method::Threshold {
+        threshold: 1.0,
+        values: Values::F32,
+    });
+    assert_eq!(
+        encode_kept_into(n, &th, kept(&[2, 3], leak), &mut out),
+        Err(Error::InvalidParams {
+            param: Param::Threshold
+        })
+    );
+    assert!(matches!(
+        encode_kept_into(n, &topk(2), kept(&[2, 3], leak), &mut out[..10]),
+        Err(Error::BufferTooSmall { .. })
+    ));
+    let dense = Params::new(Method::Dense {
+        values: Values::F32,
+    });
+    assert_eq!(
+        encode_kept_into(n, &dense, kept(&[2, 3], leak), &mut out),
+        Err(Error::InvalidParams {
+            param: Param::Method
+        })
+    );
+    // And a valid list is the frame encode_into writes.
+    let mut g = vec![0.0f32; n];
+    g[2] = 1.0;
+    g[3] = 1.0;
+    let len = encode_kept_into(n, &topk(2), kept(&[2, 3], leak), &mut out).unwrap();
+    assert_eq!(out[..len], encode(&g, &topk(2)).unwrap()[..]);
+}
