@@ -229,7 +229,7 @@ pub fn candidates(
 ) -> Result<usize, OutOfLimit> {
     let end = offset.checked_add(g.len());
     assert!(
-        end.is_some_and(|e| e <= u32::MAX as usize + 1),
+        end.is_some_and(|e| e as u64 <= 1 << 32),
         "indices beyond u32"
     );
     let (idx, bits) = {
