@@ -44,12 +44,29 @@ pub fn encode(
     scales: &mut [u8],
     codes: &mut [u8],
 ) {
+    encode_from(x, 0, bits, block, stochastic, scales, codes)
+}
+
+/// [`encode`] of the elements `first..first + x.len()` of a tensor, for a tensor quantized in
+/// pieces (on several threads, say): stochastic rounding draws for element `first + i` of the
+/// tensor, so a piece that starts on a whole block and a whole byte of codes writes exactly
+/// its part of the whole tensor's sections (`scales` from byte `4 * first / block`, `codes`
+/// from byte `first * bits / 8`). With nearest rounding `first` changes nothing.
+pub fn encode_from(
+    x: &[f32],
+    first: u64,
+    bits: u8,
+    block: usize,
+    stochastic: Option<(u64, u64, u64)>,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) {
     let key = stochastic.map(|(s, t, id)| rng::key(s, t, id));
     if key.is_none() && is_fast(bits, block, Rounding::NearestEven) {
         // Finite input cannot fail the check.
         let _ = encode_fast(&One(x), bits, block, scales, codes, |_| {});
     } else {
-        crate::scalar::quant_encode(x, bits, block, key, scales, codes)
+        crate::scalar::quant_encode_from(x, first, bits, block, key, scales, codes)
     }
 }
 

@@ -279,6 +279,20 @@ pub fn quant_encode(
     scales: &mut [u8],
     codes: &mut [u8],
 ) {
+    quant_encode_from(x, 0, bits, block, stochastic_key, scales, codes)
+}
+
+/// [`quant_encode`] of the elements `first..first + x.len()` of a tensor: stochastic rounding
+/// draws for element `first + i`. The specification of [`crate::quant::encode_from`].
+pub fn quant_encode_from(
+    x: &[f32],
+    first: u64,
+    bits: u8,
+    block: usize,
+    stochastic_key: Option<u64>,
+    scales: &mut [u8],
+    codes: &mut [u8],
+) {
     let l = quant_levels(bits);
     let mut bw = crate::bits::BitWriter::new(codes);
     for (b, chunk) in x.chunks(block).enumerate() {
@@ -286,7 +300,7 @@ pub fn quant_encode(
         scales[4 * b..4 * b + 4].copy_from_slice(&m.to_le_bytes());
         let inv = quant_inv(m, l);
         for (j, &v) in chunk.iter().enumerate() {
-            let i = (b * block + j) as u64;
+            let i = first.wrapping_add((b * block + j) as u64);
             let u = stochastic_key.map(|key| rng::uniform_f32(key, i));
             let q = quant_code_inv(v, m, inv, l, u);
             bw.write((q + l as i32) as u64, u32::from(bits));

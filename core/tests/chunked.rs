@@ -343,3 +343,40 @@ fn encode_kept_into_refuses_what_would_make_an_invalid_frame() {
     let len = encode_kept_into(n, &topk(2), kept(&[2, 3], leak), &mut out).unwrap();
     assert_eq!(out[..len], encode(&g, &topk(2)).unwrap()[..]);
 }
+
+#[test]
+fn quantization_in_pieces_equals_the_whole_tensor() {
+    use gradwire_core::quant;
+    // Pieces that start on whole blocks and whole bytes of codes, stochastic and nearest.
+    let n = 10_000 + 37;
+    let x = Data(5).grads(n);
+    for (bits, block) in [(4u8, 512usize), (3, 64), (8, 100), (2, 8)] {
+        for stochastic in [Some((7u64, 3u64, 99u64)), None] {
+            let (sl, cl) = (quant::scales_len(n, block), quant::codes_len(n, bits));
+            let (mut s1, mut c1) = (vec![0u8; sl], vec![0u8; cl]);
+            quant::encode(&x, bits, block, stochastic, &mut s1, &mut c1);
+            let (mut s2, mut c2) = (vec![0u8; sl], vec![0u8; cl]);
+            // Pieces of whole blocks whose element count is a multiple of 8.
+            let piece = block * 8;
+            for (p, xs) in x.chunks(piece).enumerate() {
+                let first = p * piece;
+                let (sa, ca) = (4 * (first / block), first * bits as usize / 8);
+                let (se, ce) = (
+                    sa + quant::scales_len(xs.len(), block),
+                    ca + quant::codes_len(xs.len(), bits),
+                );
+                quant::encode_from(
+                    xs,
+                    first as u64,
+                    bits,
+                    block,
+                    stochastic,
+                    &mut s2[sa..se],
+                    &mut c2[ca..ce],
+                );
+            }
+            assert_eq!(s1, s2, "{bits} bits, block {block}, {stochastic:?}");
+            assert_eq!(c1, c2, "{bits} bits, block {block}, {stochastic:?}");
+        }
+    }
+}

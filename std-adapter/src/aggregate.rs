@@ -306,7 +306,7 @@ impl Aggregator {
         let failed = AtomicBool::new(false);
         for_each_entry(entries, 0, out, 0, &|e, acc| {
             let entry = &entries[e];
-            let ok = if let Some(split) = Split::new(entry.len, &entry.method, false) {
+            let ok = if let Some(split) = Split::new(entry.len, &entry.method) {
                 split.accumulate(|r| frame(r, e), count, acc, &finish)
             } else if splits_sparse(entry.len, &entry.method) {
                 let mut lease = ListLease::take(pool, count);

@@ -621,7 +621,7 @@ fn encode_on_pool(
                 None
             };
             let split = match entry.kind {
-                EntryKind::Tensor => Split::new(entry.len, &entry.method, true),
+                EntryKind::Tensor => Split::new(entry.len, &entry.method),
                 EntryKind::Bucket { .. } => None,
             };
             let params = manifest.params(e, step);

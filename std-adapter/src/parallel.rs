@@ -21,10 +21,12 @@
 //!   candidates above a global floor, an exact select among them finishes), then one frame is
 //!   written from the kept list; see `parallel_select.rs`.
 //!
+//! Stochastic rounding splits too: its draws are keyed by the element's index in the tensor,
+//! which the core's `quant::encode_from` takes for a piece.
+//!
 //! Not split, because one frame depends on the whole tensor in a way chunks cannot share:
-//! random-k (indices drawn by sequential selection sampling) and stochastic rounding (random
-//! draws keyed by the element's index in the tensor, which the core's kernel counts from the
-//! slice start). Those entries run on one thread each, in parallel with the other entries.
+//! random-k (indices drawn by sequential selection sampling). Such entries run on one thread
+//! each, in parallel with the other entries.
 //!
 //! Errors are those of the serial path: compression checks every tensor (entries, and chunks
 //! of a large tensor, in parallel) before any residual changes and reports the first failing
@@ -143,21 +145,13 @@ fn gcd(mut a: usize, mut b: usize) -> usize {
 
 impl Split {
     /// The split of a frame of `n` elements made with `method`, or `None` when it does not
-    /// split (another method, too few elements, a block too large). With `encode`, stochastic
-    /// rounding does not split (decoding it does).
-    pub(crate) fn new(n: usize, method: &Method, encode: bool) -> Option<Split> {
+    /// split (another method, too few elements, a block too large).
+    pub(crate) fn new(n: usize, method: &Method) -> Option<Split> {
         let (kind, block) = match *method {
             Method::Dense { values } if !matches!(values, Values::Int8 { .. }) => {
                 (Kind::Dense(values), 1)
             }
-            Method::Quant {
-                bits,
-                block,
-                rounding,
-            } => {
-                if encode && rounding == Rounding::Stochastic {
-                    return None;
-                }
+            Method::Quant { bits, block, .. } => {
                 let block = block as usize;
                 (Kind::Quant { bits, block }, block)
             }
@@ -249,11 +243,21 @@ impl Split {
         Some((frame.get(self.header..b0)?, frame.get(b0..b0 + self.body)?))
     }
 
-    /// Encodes `x` (one tile) into its sections.
-    fn encode_tile(&self, x: &[f32], scales: &mut [u8], body: &mut [u8]) {
+    /// Encodes `x` (one tile, elements `first..` of the tensor) into its sections;
+    /// `stochastic` is the (seed, step, tensor id) of stochastic rounding.
+    fn encode_tile(
+        &self,
+        x: &[f32],
+        first: usize,
+        stochastic: Option<(u64, u64, u64)>,
+        scales: &mut [u8],
+        body: &mut [u8],
+    ) {
         match self.kind {
             Kind::Dense(v) => values::encode_plain(v, x, body),
-            Kind::Quant { bits, block } => quant::encode(x, bits, block, None, scales, body),
+            Kind::Quant { bits, block } => {
+                quant::encode_from(x, first as u64, bits, block, stochastic, scales, body);
+            }
             Kind::Sign { block } => sign::encode(x, block, scales, body),
         }
     }
@@ -311,6 +315,14 @@ impl Split {
         let (body, _) = rest.split_at_mut(self.body);
         let chunks = self.n.div_ceil(self.chunk);
         let failed = AtomicBool::new(false);
+        // Stochastic rounding draws by the element's index in the tensor.
+        let stochastic = match params.method {
+            Method::Quant {
+                rounding: Rounding::Stochastic,
+                ..
+            } => Some((params.seed, params.step, params.tensor_id)),
+            _ => None,
+        };
         let work = |j: usize, s: &mut [u8], b: &mut [u8], r: Option<&mut [f32]>| {
             let start = j * self.chunk;
             let g = &grad[start..(start + self.chunk).min(self.n)];
@@ -324,8 +336,9 @@ impl Split {
                     failed.store(true, Ordering::Relaxed);
                     return;
                 };
+                let first = start + a;
                 match r.as_deref_mut() {
-                    None => self.encode_tile(g, s, b),
+                    None => self.encode_tile(g, first, stochastic, s, b),
                     Some(r) => {
                         let Some(r) = r.get_mut(a..a + g.len()) else {
                             failed.store(true, Ordering::Relaxed);
@@ -334,7 +347,7 @@ impl Split {
                         for (r, g) in r.iter_mut().zip(g) {
                             *r += *g;
                         }
-                        self.encode_tile(r, s, b);
+                        self.encode_tile(r, first, stochastic, s, b);
                         self.add(s, b, r, -1.0);
                     }
                 }
