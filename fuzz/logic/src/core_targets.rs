@@ -798,6 +798,50 @@ pub fn simd_scalar(data: &[u8]) {
     }
 }
 
+/// The candidates (`|x| >= floor`) of `x` in chunks cut where the input says (lists of a
+/// length the input says, grown and scanned again when too short), concatenated in order;
+/// `None` when a chunk met a value at or above `limit` (or NaN). With a residual half the time:
+/// `x = g + r`, each element in one of the two and -0.0 in the other (`v + -0.0` is `v`, bit
+/// for bit, -0.0 included).
+fn chunked(x: &[f32], floor: f32, limit: f32, inp: &mut Input<'_>) -> Option<(Vec<u32>, Vec<u32>)> {
+    let n = x.len();
+    let mut bounds: Vec<usize> = (0..inp.u8() % 5)
+        .map(|_| inp.range(0, n as u64) as usize)
+        .collect();
+    bounds.push(0);
+    bounds.push(n);
+    bounds.sort_unstable();
+    let split = inp.bool();
+    let r: Vec<f32> = x
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| if split && i % 2 == 1 { v } else { -0.0 })
+        .collect();
+    let g: Vec<f32> = x
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| if split && i % 2 == 1 { -0.0 } else { v })
+        .collect();
+    let (mut idx, mut bits) = (Vec::new(), Vec::new());
+    for w in bounds.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        let mut cap = inp.u8() as usize % 8;
+        loop {
+            let (mut i, mut v) = (vec![0u32; cap], vec![0u32; cap]);
+            let res = if split { Some(&r[a..b]) } else { None };
+            let src = if split { &g[a..b] } else { &x[a..b] };
+            let count = select::candidates(src, res, a, floor, limit, &mut i, &mut v).ok()?;
+            if count <= cap {
+                idx.extend_from_slice(&i[..count]);
+                bits.extend_from_slice(&v[..count]);
+                break;
+            }
+            cap = count;
+        }
+    }
+    Some((idx, bits))
+}
+
 /// The fast entry points added with the SIMD paths, each against its scalar definition.
 /// `raw` is the gradient before non-finite values were replaced (to test the limit checks).
 fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
@@ -846,6 +890,49 @@ fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
                     }
                 }
             }
+            // The chunked selection: any floor at or below the k-th magnitude (zero, or the
+            // k-th magnitude itself), chunks cut where the input says.
+            let kth = topk_oracle(raw, k.min(n))
+                .iter()
+                .map(|&i| raw[i].abs())
+                .fold(f32::INFINITY, f32::min);
+            let floor = if inp.bool() || !kth.is_finite() {
+                0.0
+            } else {
+                kth
+            };
+            let cut = chunked(raw, floor, limit, inp);
+            match (cut, first_bad(raw)) {
+                (None, Some(_)) => {}
+                (None, None) => panic!("candidates refused a valid input (limit {limit})"),
+                (Some(_), Some(i)) => panic!("candidates missed {} at {i}", raw[i]),
+                (Some((mut idx, mut bits)), None) => {
+                    let mut hist = vec![0u32; select::topk_scratch_len(n)];
+                    let kept = select::topk_of_candidates(&mut idx, &mut bits, k, &mut hist);
+                    let got: Vec<usize> = kept.idx.iter().map(|&i| i as usize).collect();
+                    assert_eq!(
+                        got,
+                        topk_oracle(raw, k.min(n)),
+                        "chunked top-k (floor {floor})"
+                    );
+                    // The frame from the kept list is encode_into's.
+                    let p = Params::new(Method::TopK {
+                        k: K::Count(k as u64),
+                        values: vals.unwrap_or(Values::F32),
+                    });
+                    let mut a = vec![0u8; max_frame_len(n, &p.method)];
+                    let la = gradwire_core::encode_kept_into(n, &p, kept, &mut a)
+                        .expect("encode_kept_into");
+                    let mut b = vec![0u8; max_frame_len(n, &p.method)];
+                    let mut scratch = vec![0u32; scratch_len(n, &p.method)];
+                    let lb = encode_into(raw, &p, &mut scratch, &mut b).expect("encode_into");
+                    assert_eq!(
+                        a[..la],
+                        b[..lb],
+                        "encode_kept_into differs from encode_into"
+                    );
+                }
+            }
         }
         6 => {
             let t = match inp.u8() % 3 {
@@ -867,6 +954,30 @@ fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
                     for (&i, &b) in kept.idx.iter().zip(kept.bits) {
                         assert_eq!(raw[i as usize].to_bits(), b);
                     }
+                }
+            }
+            // The chunked selection and the frame from its list.
+            match chunked(raw, select::threshold_floor(t), limit, inp) {
+                None => assert!(first_bad(raw).is_some(), "candidates refused a valid input"),
+                Some((idx, bits)) => {
+                    assert!(first_bad(raw).is_none(), "candidates missed a bad value");
+                    let got: Vec<usize> = idx.iter().map(|&i| i as usize).collect();
+                    assert_eq!(got, want, "chunked threshold (t = {t})");
+                    let p = Params::new(Method::Threshold {
+                        threshold: t,
+                        values: vals.unwrap_or(Values::F32),
+                    });
+                    let kept = select::Kept {
+                        idx: &idx,
+                        bits: &bits,
+                    };
+                    let mut a = vec![0u8; max_frame_len(n, &p.method)];
+                    let la = gradwire_core::encode_kept_into(n, &p, kept, &mut a)
+                        .expect("encode_kept_into");
+                    let mut b = vec![0u8; max_frame_len(n, &p.method)];
+                    let mut scratch = vec![0u32; scratch_len(n, &p.method)];
+                    let lb = encode_into(raw, &p, &mut scratch, &mut b).expect("encode_into");
+                    assert_eq!(a[..la], b[..lb], "threshold frame from the chunked list");
                 }
             }
         }
