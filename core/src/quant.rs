@@ -36,6 +36,10 @@ pub const fn is_fast(bits: u8, block: usize, rounding: Rounding) -> bool {
 /// Quantizes `x` into `scales` ([`scales_len`] bytes) and `codes` ([`codes_len`] bytes).
 /// `stochastic` is `Some((seed, step, tensor_id))` for stochastic rounding. `x` must be finite
 /// (see [`try_encode`], which checks it on the way).
+///
+/// # Panics
+/// When `block == 0` or `scales` or `codes` is shorter than its length above (a caller's
+/// sizing error; no value of `x` panics).
 pub fn encode(
     x: &[f32],
     bits: u8,
@@ -52,6 +56,9 @@ pub fn encode(
 /// tensor, so a piece that starts on a whole block and a whole byte of codes writes exactly
 /// its part of the whole tensor's sections (`scales` from byte `4 * first / block`, `codes`
 /// from byte `first * bits / 8`). With nearest rounding `first` changes nothing.
+///
+/// # Panics
+/// As [`encode`].
 pub fn encode_from(
     x: &[f32],
     first: u64,

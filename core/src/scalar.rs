@@ -284,6 +284,10 @@ pub fn quant_encode(
 
 /// [`quant_encode`] of the elements `first..first + x.len()` of a tensor: stochastic rounding
 /// draws for element `first + i`. The specification of [`crate::quant::encode_from`].
+///
+/// # Panics
+/// When `block == 0` or `scales` or `codes` is shorter than [`crate::quant::scales_len`] or
+/// [`crate::quant::codes_len`].
 pub fn quant_encode_from(
     x: &[f32],
     first: u64,

@@ -42,7 +42,7 @@ use crate::bundle::{Entry, EntryKind, Manifest, Sizes};
 use crate::error::{Error, Result};
 use crate::feedback::{ErrorFeedback, check_step_input};
 use crate::parallel::{CHUNK, Parallelism, SPLIT_MIN, Split};
-use crate::parallel_select::{Selected, SparseSplit, splits_selection};
+use crate::parallel_select::{Rule, Selected, SparseSplit};
 use crate::tensor::Tensor;
 
 /// Which top-k a bucket keeps.
@@ -198,7 +198,7 @@ impl Bufs {
     }
 }
 
-/// One entry of the parallel path: its frame, the residuals of its tensors while it runs, and
+/// One entry of a step: its frame, the residuals of its tensors while it runs, and
 /// for a large top-k or threshold tensor the buffers of its chunked selection (`selected`: its
 /// frame was written while checking).
 #[derive(Debug, Default)]
@@ -242,13 +242,10 @@ impl Drop for Lease<'_> {
     }
 }
 
-/// Reusable buffers of the encoder: those of the serial path, and for the parallel path a
-/// frame per entry and a pool of [`Bufs`] (one per task that runs at the same time).
+/// Reusable buffers of the encoder: a frame (and residual slots) per entry, and a pool of
+/// [`Bufs`] (one per task that runs at the same time; one on a single thread).
 #[derive(Debug, Default)]
 pub(crate) struct Engine {
-    bufs: Bufs,
-    frame: Vec<u8>,
-    res: Vec<Vec<f32>>,
     slots: Vec<Slot>,
     pool: Mutex<Vec<Bufs>>,
 }
@@ -445,86 +442,21 @@ fn encode_entry(
 impl Engine {
     /// Encodes every entry of `manifest` at `step`, with error feedback when `feedback` is
     /// given (its step must be `step`), and calls `sink(entry index, frame)` for each entry in
-    /// order. Everything is checked before the first residual changes or `sink` is called. With
-    /// `parallelism`, entries (and chunks of large dense, quantization and sign tensors) are
-    /// encoded on rayon's pool; the frames and residuals are the same bytes and bits.
+    /// order. Everything is checked before the first residual changes or `sink` is called.
+    ///
+    /// One path, on one thread or on rayon's pool (`parallelism`): pass 1 checks every entry
+    /// (a large top-k or threshold tensor by its chunked selection, which writes its frame on
+    /// the way), pass 2 encodes the others, each entry into its own frame buffer, and updates
+    /// the residuals; then `sink` in manifest order. In parallel, entries run on the pool, and
+    /// so do chunks of large dense, quantization, sign, top-k and threshold tensors; the frames
+    /// and residuals are the same bytes and bits either way.
     pub(crate) fn encode(
         &mut self,
         manifest: &Manifest,
         grads: &HashMap<String, Tensor>,
         step: u64,
-        feedback: Option<&mut ErrorFeedback>,
+        mut feedback: Option<&mut ErrorFeedback>,
         parallelism: Parallelism,
-        sink: impl FnMut(usize, &[u8]),
-    ) -> Result<()> {
-        if parallelism.is_parallel_for(manifest.flat_len()) {
-            self.encode_parallel(manifest, grads, step, feedback, sink)
-        } else {
-            self.encode_serial(manifest, grads, step, feedback, sink)
-        }
-    }
-
-    /// The serial path: entries one after the other into one frame buffer.
-    fn encode_serial(
-        &mut self,
-        manifest: &Manifest,
-        grads: &HashMap<String, Tensor>,
-        step: u64,
-        mut feedback: Option<&mut ErrorFeedback>,
-        mut sink: impl FnMut(usize, &[u8]),
-    ) -> Result<()> {
-        manifest.check_gradients(grads)?;
-        // Pass 1: every check, before anything changes.
-        for entry in manifest.entries() {
-            check_entry(manifest, entry, grads, feedback.as_deref(), false)?;
-        }
-        let sizes = manifest.sizes();
-        self.bufs.fit(sizes, feedback.is_some());
-        grow(&mut self.frame, sizes.frame);
-        // Pass 2: the checks above cover every error of the kernels.
-        for (e, entry) in manifest.entries().iter().enumerate() {
-            let len = match feedback.as_deref_mut() {
-                None => encode_entry(
-                    &mut self.bufs,
-                    manifest,
-                    e,
-                    grads,
-                    step,
-                    None,
-                    &mut self.frame,
-                ),
-                Some(fb) => {
-                    take_members(fb, manifest, &entry.members, &mut self.res)?;
-                    let res = &mut self.res[..entry.members.len()];
-                    let len = encode_entry(
-                        &mut self.bufs,
-                        manifest,
-                        e,
-                        grads,
-                        step,
-                        Some(&mut *res),
-                        &mut self.frame,
-                    );
-                    put_members(fb, manifest, &entry.members, res);
-                    len
-                }
-            }?;
-            sink(e, &self.frame[..len]);
-        }
-        if let Some(fb) = feedback {
-            fb.advance();
-        }
-        Ok(())
-    }
-
-    /// The parallel path: checks, then every entry into its own frame buffer, entries (and
-    /// chunks of large tensors) on rayon's pool; then `sink` in manifest order.
-    fn encode_parallel(
-        &mut self,
-        manifest: &Manifest,
-        grads: &HashMap<String, Tensor>,
-        step: u64,
-        mut feedback: Option<&mut ErrorFeedback>,
         mut sink: impl FnMut(usize, &[u8]),
     ) -> Result<()> {
         manifest.check_gradients(grads)?;
@@ -535,9 +467,13 @@ impl Engine {
         let slots = &mut self.slots[..entries.len()];
         let pool = &self.pool;
         let fb = feedback.as_deref_mut();
-        // One entry into rayon's pool for the whole step (a call from outside the pool waits
-        // for each job it injects).
-        rayon::scope(|_| encode_on_pool(manifest, grads, step, fb, slots, pool))?;
+        if parallelism.is_parallel_for(manifest.flat_len()) {
+            // One entry into rayon's pool for the whole step (a call from outside the pool
+            // waits for each job it injects).
+            rayon::scope(|_| encode_slots(manifest, grads, step, fb, slots, pool, true))?;
+        } else {
+            encode_slots(manifest, grads, step, fb, slots, pool, false)?;
+        }
         for (e, slot) in slots.iter().enumerate() {
             sink(e, &slot.frame[..slot.len]);
         }
@@ -548,17 +484,28 @@ impl Engine {
     }
 }
 
-/// The parallel path's work on rayon's pool: checks (entries in parallel), residuals moved into
-/// the slots, every entry encoded into its slot (entries, and chunks of large tensors, in
-/// parallel), residuals given back. The first error in manifest order; on a check error nothing
-/// changed.
-fn encode_on_pool(
+/// Runs `f(index, item)` for every item, on rayon's pool when `parallel`, else in order.
+fn for_each_slot<T: Send>(items: &mut [T], parallel: bool, f: impl Fn(usize, &mut T) + Sync) {
+    if parallel {
+        items.par_iter_mut().enumerate().for_each(|(i, t)| f(i, t));
+    } else {
+        items.iter_mut().enumerate().for_each(|(i, t)| f(i, t));
+    }
+}
+
+/// The work of one step: checks (a large top-k or threshold tensor's by its chunked
+/// selection, which writes its frame), residuals moved into the slots, every other entry
+/// encoded into its slot and every residual updated, residuals given back. With `parallel`,
+/// entries and chunks of large tensors run on rayon's pool. The first error in manifest order;
+/// on a check error nothing changed.
+fn encode_slots(
     manifest: &Manifest,
     grads: &HashMap<String, Tensor>,
     step: u64,
     mut feedback: Option<&mut ErrorFeedback>,
     slots: &mut [Slot],
     pool: &Mutex<Vec<Bufs>>,
+    parallel: bool,
 ) -> Result<()> {
     let entries = manifest.entries();
     // Pass 1: every check, before anything changes; the first error in manifest order. A large
@@ -566,17 +513,13 @@ fn encode_on_pool(
     // the way (reading the residual, not changing it).
     {
         let fb = feedback.as_deref();
-        slots
-            .par_iter_mut()
-            .zip(entries)
-            .enumerate()
-            .for_each(|(e, (slot, entry))| {
-                slot.selected = false;
-                if select_in_chunks(manifest, e, grads, step, fb, slot) {
-                    return;
-                }
-                slot.err = check_entry(manifest, entry, grads, fb, true).err();
-            });
+        for_each_slot(slots, parallel, |e, slot| {
+            slot.selected = false;
+            if select_in_chunks(manifest, e, grads, step, fb, slot, parallel) {
+                return;
+            }
+            slot.err = check_entry(manifest, &entries[e], grads, fb, parallel).err();
+        });
     }
     first_error(slots)?;
     // The residuals move into the slots, so that each task owns its entry's.
@@ -590,58 +533,64 @@ fn encode_on_pool(
             }
         }
     }
-    // Pass 2: the checks above cover every error of the kernels.
+    // Pass 2: the checks above cover every error of the kernels. Each task takes one set of
+    // scratch buffers from the pool for all the entries it encodes.
     let sizes = manifest.sizes();
     let ef = feedback.is_some();
-    slots.par_iter_mut().enumerate().for_each_init(
-        || Lease { pool, bufs: None },
-        |lease, (e, slot)| {
-            let entry = &entries[e];
-            if slot.selected {
-                // The frame is written; with error feedback the residual follows it.
-                if let Some(r) = slot.res.first_mut().filter(|_| ef) {
-                    let t = entry.members.first().copied().unwrap_or(0);
-                    let g = grad_of(manifest, grads, t);
-                    let frame = &slot.frame[..slot.len];
-                    if !slot.split.update_residual(frame, &entry.method, g, r) {
-                        slot.err = Some(Error::config(format!(
-                            "`{}`: residual update failed",
-                            entry.label
-                        )));
-                    }
-                }
-                return;
+    let work = |lease: &mut Lease<'_>, e: usize, slot: &mut Slot| {
+        let entry = &entries[e];
+        if slot.selected {
+            // The frame is written; with error feedback the residual follows it.
+            if let Some(r) = slot.res.first_mut().filter(|_| ef) {
+                let t = entry.members.first().copied().unwrap_or(0);
+                let g = grad_of(manifest, grads, t);
+                slot.split.update_residual(g, r, parallel);
             }
-            let need = max_frame_len(entry.len, &entry.method);
-            grow(&mut slot.frame, need);
-            let frame = &mut slot.frame[..need];
-            let res = if ef {
-                Some(&mut slot.res[..entry.members.len()])
-            } else {
-                None
-            };
-            let split = match entry.kind {
-                EntryKind::Tensor => Split::new(entry.len, &entry.method),
-                EntryKind::Bucket { .. } => None,
-            };
-            let params = manifest.params(e, step);
-            let result = match split {
-                Some(split) => {
-                    let t = entry.members.first().copied().unwrap_or(0);
-                    let g = grad_of(manifest, grads, t);
-                    let r = res.and_then(|r| r.first_mut()).map(Vec::as_mut_slice);
-                    split.encode(&params, g, r, frame).ok_or_else(|| {
-                        Error::config(format!("`{}` could not be split", entry.label))
-                    })
-                }
-                None => encode_entry(lease.get(sizes, ef), manifest, e, grads, step, res, frame),
-            };
-            match result {
-                Ok(len) => slot.len = len,
-                Err(err) => slot.err = Some(err),
+            return;
+        }
+        let need = max_frame_len(entry.len, &entry.method);
+        grow(&mut slot.frame, need);
+        let frame = &mut slot.frame[..need];
+        let res = if ef {
+            Some(&mut slot.res[..entry.members.len()])
+        } else {
+            None
+        };
+        // Split into chunks of tiles also on one thread: `r += g`, encode and `r -= decoded`
+        // per tile while it is in cache (one pass over g and r where the core's
+        // `feedback_step`, which must check before it writes, makes two).
+        let split = match entry.kind {
+            EntryKind::Tensor => Split::new(entry.len, &entry.method),
+            EntryKind::Bucket { .. } => None,
+        };
+        let params = manifest.params(e, step);
+        let result = match split {
+            Some(split) => {
+                let t = entry.members.first().copied().unwrap_or(0);
+                let g = grad_of(manifest, grads, t);
+                let r = res.and_then(|r| r.first_mut()).map(Vec::as_mut_slice);
+                split
+                    .encode(&params, g, r, frame, parallel)
+                    .ok_or_else(|| Error::config(format!("`{}` could not be split", entry.label)))
             }
-        },
-    );
+            None => encode_entry(lease.get(sizes, ef), manifest, e, grads, step, res, frame),
+        };
+        match result {
+            Ok(len) => slot.len = len,
+            Err(err) => slot.err = Some(err),
+        }
+    };
+    if parallel {
+        slots.par_iter_mut().enumerate().for_each_init(
+            || Lease { pool, bufs: None },
+            |lease, (e, slot)| work(lease, e, slot),
+        );
+    } else {
+        let mut lease = Lease { pool, bufs: None };
+        for (e, slot) in slots.iter_mut().enumerate() {
+            work(&mut lease, e, slot);
+        }
+    }
     if let Some(fb) = feedback {
         for (slot, entry) in slots.iter_mut().zip(entries) {
             put_members(fb, manifest, &entry.members, &mut slot.res);
@@ -650,8 +599,8 @@ fn encode_on_pool(
     first_error(slots)
 }
 
-/// Pass 1 of the parallel path for entry `e` when it is one large top-k or threshold tensor:
-/// selects in chunks and writes its frame into the slot (`slot.selected`), reading the
+/// Pass 1 for entry `e` when it is one large top-k or threshold tensor: selects in chunks (on
+/// rayon's pool with `parallel`) and writes its frame into the slot (`slot.selected`), reading the
 /// gradient and, with `feedback`, the residual. `true` when done (frame written, or the error
 /// of a bad value set); `false` when the entry takes the ordinary check and encoder (another
 /// kind of entry, no residual yet, the sample missed).
@@ -662,26 +611,37 @@ fn select_in_chunks(
     step: u64,
     feedback: Option<&ErrorFeedback>,
     slot: &mut Slot,
+    parallel: bool,
 ) -> bool {
     let entry = &manifest.entries()[e];
-    if !matches!(entry.kind, EntryKind::Tensor) || !splits_selection(entry.len, &entry.method) {
+    let rule = match entry.kind {
+        EntryKind::Tensor => Rule::of(entry.len, &entry.method),
+        EntryKind::Bucket { .. } => None,
+    };
+    let Some(rule) = rule else {
         return false;
-    }
+    };
     let t = entry.members.first().copied().unwrap_or(0);
     let g = grad_of(manifest, grads, t);
     let r = match feedback {
         None => None,
         // Before its first step a residual is zeros, and `g + 0` is not always `g` (-0.0):
-        // that step takes the ordinary way.
+        // that step takes the ordinary way, and sizes the buffers for the next one.
         Some(fb) => match fb.residual(&manifest.tensors()[t].name) {
             Some(r) => Some(r),
-            None => return false,
+            None => {
+                slot.split.reserve(entry.len, rule, parallel);
+                return false;
+            }
         },
     };
     let need = max_frame_len(entry.len, &entry.method);
     grow(&mut slot.frame, need);
     let params = manifest.params(e, step);
-    match slot.split.encode(&params, g, r, &mut slot.frame[..need]) {
+    match slot
+        .split
+        .encode(&params, g, r, &mut slot.frame[..need], parallel)
+    {
         Selected::Frame(len) => {
             slot.len = len;
             slot.selected = true;

@@ -28,6 +28,9 @@
 //! random-k (indices drawn by sequential selection sampling). Such entries run on one thread
 //! each, in parallel with the other entries.
 //!
+//! `Parallelism::Serial` runs the same code on the calling thread, chunks one after the other
+//! (the compressor's passes and tiles help there too: see `docs/multicore.md`).
+//!
 //! Errors are those of the serial path: compression checks every tensor (entries, and chunks
 //! of a large tensor, in parallel) before any residual changes and reports the first failing
 //! tensor in manifest order, found again by the serial check; aggregation checks the bundles in
@@ -50,6 +53,14 @@ use gradwire_core::{
     Method, Params, Rounding, SignScale, Values, encode_into, index, max_frame_len, quant, sign,
     values,
 };
+
+/// How many frames of large top-k or threshold tensors this process has selected in chunks
+/// (rather than by the core's serial selection, when the sample missed or overshot or a
+/// residual did not exist yet). For tests and diagnostics; the bytes are the same either way.
+#[doc(hidden)]
+pub fn frames_selected_in_chunks() -> u64 {
+    crate::parallel_select::frames_selected_in_chunks()
+}
 
 /// How many cores compression and aggregation use.
 ///
@@ -297,6 +308,7 @@ impl Split {
         grad: &[f32],
         residual: Option<&mut [f32]>,
         frame: &mut [u8],
+        parallel: bool,
     ) -> Option<usize> {
         if grad.len() != self.n
             || residual.as_ref().is_some_and(|r| r.len() != self.n)
@@ -353,12 +365,26 @@ impl Split {
                 }
             }
         };
-        split_chunks(self, 0, chunks, scales, body, residual, &work);
+        if parallel {
+            split_chunks(self, 0, chunks, scales, body, residual, &work);
+        } else {
+            let mut residual = residual;
+            for j in 0..chunks {
+                let (a, e) = (j * self.chunk, ((j + 1) * self.chunk).min(self.n));
+                let s = &mut scales[self.scale_bytes(a)..self.scale_bytes(e)];
+                let b = &mut body[self.body_bytes(a)..self.body_bytes(e)];
+                work(j, s, b, residual.as_deref_mut().map(|r| &mut r[a..e]));
+            }
+        }
         if failed.load(Ordering::Relaxed) {
             return None;
         }
         let end = self.header + self.scales + self.body;
-        let crc = crc32(&frame[..end]);
+        let crc = if parallel {
+            crc32(&frame[..end])
+        } else {
+            crc32fast::hash(&frame[..end])
+        };
         frame[end..end + 4].copy_from_slice(&crc.to_le_bytes());
         Some(end + 4)
     }
@@ -523,6 +549,12 @@ impl SparseList {
         self.val.resize(count_usize, 0.0);
         values::decode_run(v, vals, count_usize, 0, &mut self.val);
         true
+    }
+
+    /// Makes room for `count` entries, so that decoding a frame of that many allocates nothing.
+    pub(crate) fn reserve(&mut self, count: usize) {
+        self.idx.reserve(count.saturating_sub(self.idx.len()));
+        self.val.reserve(count.saturating_sub(self.val.len()));
     }
 
     /// Adds `weight * value` of the entries with index in `start..start + acc.len()` into

@@ -1,4 +1,6 @@
-//! Top-k and threshold of one large tensor, selected in chunks on rayon's pool.
+//! Top-k and threshold of one large tensor, selected in chunks: on rayon's pool, or one chunk
+//! after the other on one thread (where the gain is that the selection is the input check, so
+//! `g` and the residual are read twice per step, not three times).
 //!
 //! The frame of a top-k or threshold tensor depends on the whole tensor (the k-th largest
 //! magnitude, one index codec for all kept entries), but finding what it keeps does not have to
@@ -9,7 +11,7 @@
 //!    (16 384 loads); threshold: the next float above `t`;
 //! 2. every chunk of [`CHUNK`] elements collects its candidates (`|x| >= floor`) into its own
 //!    list, checking on the way that every `x` is finite and within the value type's range:
-//!    chunks in parallel, the one full read of the tensor;
+//!    the one full read of the tensor;
 //! 3. the lists, concatenated in chunk order, hold every element at or above the floor; with at
 //!    least k of them, an exact radix select among them (1-2% of the tensor) keeps the top-k,
 //!    ties to the lower index: the same entries as the serial selection, so
@@ -18,20 +20,29 @@
 //! With error feedback the scanned values are `g + r` (the f32 sum the serial step encodes),
 //! read without changing the residual, so that a bad value found on the way leaves everything
 //! as it was; once every entry of the step is encoded, [`SparseSplit::update_residual`] writes
-//! `r = r + g`, then `r[i] += -decoded[i]` at the kept indices, chunks in parallel: per element
+//! `r = r + g`, then `r[i] += -decoded[i]` at the kept indices, chunk by chunk: per element
 //! the operations of the core's `feedback_step`.
 //!
 //! When the sample misses (fewer than k candidates) or overshoots (more than four times what
-//! the serial selection would hold), the entry goes the serial way; both are rare on real
+//! the core's serial selection holds: `2k + n/256 + 64` for top-k, `n/32 + 64` for threshold),
+//! the core's own selection runs (`feedback_step` / `encode_into`); both are rare on real
 //! gradients, and the result is the same frame either way.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use gradwire_core::select::{self, Kept};
 use gradwire_core::{Method, Params, encode_kept_into, values};
 use rayon::prelude::*;
 
 use crate::parallel::{CHUNK, SPLIT_MIN, SparseList};
+
+/// Frames written by the chunked selection in this process (for tests that must know it ran).
+static FRAMES: AtomicU64 = AtomicU64::new(0);
+
+/// Frames written by the chunked selection in this process so far.
+pub(crate) fn frames_selected_in_chunks() -> u64 {
+    FRAMES.load(Ordering::Relaxed)
+}
 
 /// What [`SparseSplit::encode`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +71,49 @@ pub(crate) fn splits_selection(n: usize, method: &Method) -> bool {
     }
 }
 
+/// What a chunked selection keeps.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Rule {
+    /// The k largest magnitudes (`0 < k < n`).
+    TopK(usize),
+    /// Magnitudes above the threshold.
+    Threshold(f32),
+}
+
+impl Rule {
+    /// The rule of `method` for `n` elements, when it selects in chunks.
+    pub(crate) fn of(n: usize, method: &Method) -> Option<Rule> {
+        if !splits_selection(n, method) {
+            return None;
+        }
+        match *method {
+            Method::TopK { k, .. } => Some(Rule::TopK(k.resolve(n as u64) as usize)),
+            Method::Threshold { threshold, .. } => Some(Rule::Threshold(threshold)),
+            _ => None,
+        }
+    }
+
+    /// Candidates the serial selection holds for `n` elements (one list on one thread).
+    fn capacity(self, n: usize) -> usize {
+        match self {
+            Rule::TopK(k) => select::candidate_capacity(n, k),
+            Rule::Threshold(_) => select::threshold_capacity(n),
+        }
+    }
+
+    /// The first length of each chunk's list: twice its share of [`Rule::capacity`].
+    fn chunk_capacity(self, n: usize) -> usize {
+        let chunks = n.div_ceil(CHUNK).max(1);
+        (2 * self.capacity(n).div_ceil(chunks)).clamp(64, CHUNK)
+    }
+}
+
+fn grow(v: &mut Vec<u32>, len: usize) {
+    if v.len() < len {
+        v.resize(len, 0);
+    }
+}
+
 /// One chunk's candidates: `idx[..count]`, `bits[..count]` once the chunk fitted.
 #[derive(Debug, Default)]
 struct ChunkList {
@@ -81,7 +135,8 @@ pub(crate) struct SparseSplit {
 
 impl SparseSplit {
     /// Selects the entries of `x = g` (or `g + r` with a residual of the same length) that the
-    /// frame of `params` keeps, chunks in parallel, and writes the frame into `frame` (at
+    /// frame of `params` keeps, chunks on rayon's pool with `parallel` (else one after the
+    /// other), and writes the frame into `frame` (at
     /// least the method's `max_frame_len` bytes): the bytes of the core's `encode_into` of `x`.
     /// Reads `g` and `r` only.
     pub(crate) fn encode(
@@ -90,6 +145,7 @@ impl SparseSplit {
         g: &[f32],
         r: Option<&[f32]>,
         frame: &mut [u8],
+        parallel: bool,
     ) -> Selected {
         let n = g.len();
         if !splits_selection(n, &params.method) || r.is_some_and(|r| r.len() != n) {
@@ -99,29 +155,106 @@ impl SparseSplit {
             return Selected::Serial;
         };
         let limit = values::magnitude_limit(Some(v));
-        let (floor, k, bound) = match params.method {
-            Method::TopK { k, .. } => {
-                let k = k.resolve(n as u64) as usize;
-                self.samples.resize(select::SAMPLE_LEN, 0);
-                let Some(floor) = select::topk_floor(g, r, k, &mut self.samples) else {
-                    return Selected::Serial;
-                };
-                (floor, Some(k), 4 * select::candidate_capacity(n, k))
+        let Some(rule) = Rule::of(n, &params.method) else {
+            return Selected::Serial;
+        };
+        self.reserve(n, rule, parallel);
+        let (floor, k) = match rule {
+            Rule::Threshold(t) => (select::threshold_floor(t), None),
+            Rule::TopK(k) => match select::topk_floor(g, r, k, &mut self.samples) {
+                Some(floor) => (floor, Some(k)),
+                None => return Selected::Serial,
+            },
+        };
+        let cap = rule.capacity(n);
+        let count = if parallel {
+            match self.collect_in_parallel(g, r, floor, limit, rule) {
+                Ok(Some(count)) => count,
+                Ok(None) => return Selected::Serial,
+                Err(select::OutOfLimit) => return Selected::OutOfLimit,
             }
-            Method::Threshold { threshold, .. } => (select::threshold_floor(threshold), None, n),
-            _ => return Selected::Serial,
+        } else {
+            // One list, at first of the serial selection's capacity; one that is too short
+            // grows to the count (up to four times that capacity) and the tensor is scanned
+            // again.
+            let scan = |idx: &mut [u32], bits: &mut [u32]| {
+                select::candidates(g, r, 0, floor, limit, idx, bits)
+            };
+            match scan(&mut self.idx, &mut self.bits) {
+                Ok(count) if count <= self.idx.len() => count,
+                Ok(count) if count <= 4 * cap => {
+                    grow(&mut self.idx, count);
+                    grow(&mut self.bits, count);
+                    match scan(&mut self.idx, &mut self.bits) {
+                        Ok(c) if c == count => count,
+                        _ => return Selected::Serial,
+                    }
+                }
+                Ok(_) => return Selected::Serial,
+                Err(select::OutOfLimit) => return Selected::OutOfLimit,
+            }
         };
-        // Step 2: every chunk's candidates, in parallel. A list too short for its chunk grows
-        // to the count and the chunk (in the L2 cache by then) is scanned again, while the
-        // total stays within `bound`.
-        let chunks = n.div_ceil(CHUNK);
-        if self.chunks.len() < chunks {
-            self.chunks.resize_with(chunks, ChunkList::default);
+        if k.is_some_and(|k| count < k) {
+            return Selected::Serial;
         }
-        let first = match k {
-            Some(k) => (k.div_ceil(chunks) * 2).max(64),
-            None => 1024,
+        // Step 3: the exact top-k among the candidates (threshold: all of them).
+        let (idx, bits) = (&mut self.idx[..count], &mut self.bits[..count]);
+        let kept = match k {
+            Some(k) => select::topk_of_candidates(idx, bits, k, &mut self.hist),
+            None => Kept { idx, bits },
         };
+        let Ok(len) = encode_kept_into(n, params, kept, frame) else {
+            return Selected::Serial;
+        };
+        // With a residual, the sent values are decoded now, so that the update after every
+        // entry of the step is encoded cannot fail (no residual may change before all have).
+        if r.is_some() && !self.sent.decode(&frame[..len], n, &params.method) {
+            return Selected::Serial;
+        }
+        FRAMES.fetch_add(1, Ordering::Relaxed);
+        Selected::Frame(len)
+    }
+
+    /// Sizes the buffers for a tensor of `n` elements selected by `rule` (so that a later step
+    /// allocates nothing): the serial selection's candidate capacity, the sample, the radix
+    /// histogram, the decoded sent entries and, with `parallel`, one list per chunk.
+    pub(crate) fn reserve(&mut self, n: usize, rule: Rule, parallel: bool) {
+        let cap = rule.capacity(n);
+        grow(&mut self.idx, cap);
+        grow(&mut self.bits, cap);
+        if let Rule::TopK(k) = rule {
+            grow(&mut self.samples, select::SAMPLE_LEN);
+            grow(&mut self.hist, select::topk_scratch_len(n));
+            self.sent.reserve(k);
+        }
+        if parallel {
+            let chunks = n.div_ceil(CHUNK);
+            if self.chunks.len() < chunks {
+                self.chunks.resize_with(chunks, ChunkList::default);
+            }
+            let first = rule.chunk_capacity(n);
+            for list in &mut self.chunks[..chunks] {
+                grow(&mut list.idx, first);
+                grow(&mut list.bits, first);
+            }
+        }
+    }
+
+    /// Every chunk's candidates on rayon's pool, then the lists in chunk order in
+    /// `self.idx`/`self.bits`; returns their count. A list too short for its chunk grows to the
+    /// count and the chunk (in the L2 cache by then) is scanned again, while the total stays
+    /// within four times the serial selection's capacity (`Ok(None)` past it).
+    fn collect_in_parallel(
+        &mut self,
+        g: &[f32],
+        r: Option<&[f32]>,
+        floor: f32,
+        limit: f32,
+        rule: Rule,
+    ) -> Result<Option<usize>, select::OutOfLimit> {
+        let n = g.len();
+        let bound = 4 * rule.capacity(n);
+        let chunks = n.div_ceil(CHUNK);
         let total = AtomicUsize::new(0);
         let bad = AtomicBool::new(false);
         let over = AtomicBool::new(false);
@@ -131,12 +264,7 @@ impl SparseSplit {
             .for_each(|(j, list)| {
                 let start = j * CHUNK;
                 let end = (start + CHUNK).min(n);
-                let gc = &g[start..end];
-                let rc = r.map(|r| &r[start..end]);
-                if list.idx.len() < first {
-                    list.idx.resize(first, 0);
-                    list.bits.resize(first, 0);
-                }
+                let (gc, rc) = (&g[start..end], r.map(|r| &r[start..end]));
                 list.count = 0;
                 let scan = |list: &mut ChunkList| {
                     select::candidates(gc, rc, start, floor, limit, &mut list.idx, &mut list.bits)
@@ -150,8 +278,8 @@ impl SparseSplit {
                     return;
                 }
                 if count > list.idx.len() {
-                    list.idx.resize(count, 0);
-                    list.bits.resize(count, 0);
+                    grow(&mut list.idx, count);
+                    grow(&mut list.bits, count);
                     if scan(list) != Ok(count) {
                         bad.store(true, Ordering::Relaxed);
                         return;
@@ -159,60 +287,62 @@ impl SparseSplit {
                 }
                 list.count = count;
             });
-        if bad.load(Ordering::Relaxed) {
-            return Selected::OutOfLimit;
+        if bad.load(Ordering::Relaxed) || over.load(Ordering::Relaxed) {
+            self.trim_lists(n, rule);
+            return match bad.load(Ordering::Relaxed) {
+                true => Err(select::OutOfLimit),
+                false => Ok(None),
+            };
         }
-        let total = total.load(Ordering::Relaxed);
-        if over.load(Ordering::Relaxed) || k.is_some_and(|k| total < k) {
-            return Selected::Serial;
-        }
-        // Step 3: the lists in chunk order, then the exact top-k among them.
         self.idx.clear();
         self.bits.clear();
         for list in &self.chunks[..chunks] {
             self.idx.extend_from_slice(&list.idx[..list.count]);
             self.bits.extend_from_slice(&list.bits[..list.count]);
         }
-        let kept = match k {
-            Some(k) => {
-                self.hist.resize(select::topk_scratch_len(n), 0);
-                select::topk_of_candidates(&mut self.idx, &mut self.bits, k, &mut self.hist)
+        self.trim_lists(n, rule);
+        Ok(Some(self.idx.len()))
+    }
+
+    /// Lists keep what they grew to, up to four times the serial capacity in all; past that
+    /// they go back to their first length, so that the candidates of large values that move
+    /// from chunk to chunk over the steps do not pile up.
+    fn trim_lists(&mut self, n: usize, rule: Rule) {
+        let lists = &mut self.chunks[..n.div_ceil(CHUNK)];
+        let held: usize = lists.iter().map(|l| l.idx.len()).sum();
+        if held > 4 * rule.capacity(n) {
+            let first = rule.chunk_capacity(n);
+            for list in lists {
+                for v in [&mut list.idx, &mut list.bits] {
+                    v.truncate(first);
+                    v.shrink_to(first);
+                }
             }
-            None => Kept {
-                idx: &self.idx,
-                bits: &self.bits,
-            },
-        };
-        match encode_kept_into(n, params, kept, frame) {
-            Ok(len) => Selected::Frame(len),
-            Err(_) => Selected::Serial,
         }
     }
 
-    /// The residual update of an error-feedback step whose `frame` (made by
-    /// [`SparseSplit::encode`] from `g` and `r`, `method` its manifest's method) is complete:
-    /// `r = r + g`, then `r[i] += -decoded[i]` at the kept indices, chunks in parallel. `false`
-    /// (and `r` unchanged) when the frame does not decode.
-    pub(crate) fn update_residual(
-        &mut self,
-        frame: &[u8],
-        method: &Method,
-        g: &[f32],
-        r: &mut [f32],
-    ) -> bool {
-        if g.len() != r.len() || !self.sent.decode(frame, g.len(), method) {
-            return false;
-        }
+    /// The residual update of an error-feedback step whose frame [`SparseSplit::encode`] wrote
+    /// from `g` and `r` (with `r` given, so that it decoded the sent values): `r = r + g`, then
+    /// `r[i] += -decoded[i]` at the kept indices, chunks on rayon's pool with `parallel`.
+    pub(crate) fn update_residual(&self, g: &[f32], r: &mut [f32], parallel: bool) {
+        debug_assert_eq!(g.len(), r.len());
         let sent = &self.sent;
-        r.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .enumerate()
-            .for_each(|(j, (r, g))| {
-                for (r, g) in r.iter_mut().zip(g) {
-                    *r += *g;
-                }
-                sent.add_range(j * CHUNK, r, -1.0);
-            });
-        true
+        let update = |j: usize, (r, g): (&mut [f32], &[f32])| {
+            for (r, g) in r.iter_mut().zip(g) {
+                *r += *g;
+            }
+            sent.add_range(j * CHUNK, r, -1.0);
+        };
+        if parallel {
+            r.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .enumerate()
+                .for_each(|(j, c)| update(j, c));
+        } else {
+            r.chunks_mut(CHUNK)
+                .zip(g.chunks(CHUNK))
+                .enumerate()
+                .for_each(|(j, c)| update(j, c));
+        }
     }
 }

@@ -177,8 +177,8 @@ fn synthetic_large_tensor_parallel_equals_serial() {
 
 #[test]
 fn other_split_methods_parallel_equal_serial() {
-    // Every kind of frame that splits into chunks, and stochastic rounding (which does not,
-    // when encoding), without and with error feedback.
+    // Every kind of frame that splits into chunks (stochastic rounding too), without and with
+    // error feedback.
     let mut rng = Rng(9);
     let mut base = HashMap::new();
     base.insert("w".to_owned(), Tensor::vector(rng.vec(600_001, 2.0)));
@@ -494,4 +494,46 @@ fn invalid_frame_bodies_give_the_serial_errors() {
 #[test]
 fn the_data_file_is_there() {
     assert!(std::path::Path::new(MINILM).exists());
+}
+
+#[test]
+fn large_sparse_frames_equal_the_core_step() {
+    // Both paths select a large top-k or threshold tensor in chunks; their frames and
+    // residuals must be the core's `encode_into` / `feedback_step`, step after step.
+    use gradwire::core::{encode_into, feedback_step, max_frame_len, scratch_len};
+    let base = synthetic(&mut Rng(13));
+    let name = "large.weight";
+    for method in [
+        CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+        CompressionMethod::top_k_int8(0.001),
+        CompressionMethod::Threshold { threshold: 1.0 }.with_error_feedback(),
+        CompressionMethod::Threshold { threshold: 2.0 },
+    ] {
+        for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+            let mut c = GradientCompressor::new(method.clone())
+                .with_seed(4)
+                .with_parallelism(parallelism);
+            let mut residual = vec![0.0f32; LARGE];
+            let mut out = HashMap::new();
+            for step in 0..3u64 {
+                let grads = vary(&base, 7 + step);
+                c.compress_into(&grads, &mut out).unwrap();
+                let p = c.params(name, step).unwrap();
+                let g = grads[name].data();
+                let mut frame = vec![0u8; max_frame_len(LARGE, &p.method)];
+                let mut scratch = vec![0u32; scratch_len(LARGE, &p.method)];
+                let len = if method.uses_error_feedback() {
+                    feedback_step(g, &mut residual, &p, &mut scratch, &mut frame).unwrap()
+                } else {
+                    encode_into(g, &p, &mut scratch, &mut frame).unwrap()
+                };
+                let ctx = format!("{method:?} {parallelism:?} step {step}");
+                assert!(out[name].frame() == &frame[..len], "{ctx}: frame");
+                if method.uses_error_feedback() {
+                    let r = c.feedback().unwrap().residual(name).unwrap();
+                    assert!(same_bits(r, &residual), "{ctx}: residual");
+                }
+            }
+        }
+    }
 }
