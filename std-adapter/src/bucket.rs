@@ -178,7 +178,8 @@ struct Bufs {
     kept: Vec<u32>,
 }
 
-fn grow<T: Clone + Default>(v: &mut Vec<T>, len: usize) {
+/// Grows `v` to at least `len` elements (never shrinks it).
+pub(crate) fn grow<T: Clone + Default>(v: &mut Vec<T>, len: usize) {
     if v.len() < len {
         v.resize(len, T::default());
     }

@@ -34,6 +34,7 @@ use gradwire_core::select::{self, Kept};
 use gradwire_core::{Method, Params, encode_kept_into, values};
 use rayon::prelude::*;
 
+use crate::bucket::grow;
 use crate::parallel::{CHUNK, SPLIT_MIN, SparseList};
 
 /// Frames written by the chunked selection in this process (for tests that must know it ran).
@@ -56,21 +57,6 @@ pub(crate) enum Selected {
     Serial,
 }
 
-/// Whether a tensor of `n` elements with `method` is selected in chunks: top-k with
-/// `0 < k < n` on at least [`SPLIT_MIN`] elements (past the core's sampling minimum), or
-/// threshold, with `u32` indices.
-pub(crate) fn splits_selection(n: usize, method: &Method) -> bool {
-    let sized = n >= SPLIT_MIN.max(select::SAMPLED_MIN) && u32::try_from(n).is_ok();
-    match *method {
-        Method::TopK { k, .. } => {
-            let k = k.resolve(n as u64);
-            sized && k > 0 && k < n as u64
-        }
-        Method::Threshold { .. } => sized,
-        _ => false,
-    }
-}
-
 /// What a chunked selection keeps.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Rule {
@@ -81,13 +67,18 @@ pub(crate) enum Rule {
 }
 
 impl Rule {
-    /// The rule of `method` for `n` elements, when it selects in chunks.
+    /// The rule of `method` for a tensor of `n` elements when it is selected in chunks: top-k
+    /// with `0 < k < n` or threshold, on at least [`SPLIT_MIN`] elements (past the core's
+    /// sampling minimum) with `u32` indices.
     pub(crate) fn of(n: usize, method: &Method) -> Option<Rule> {
-        if !splits_selection(n, method) {
+        if n < SPLIT_MIN.max(select::SAMPLED_MIN) || u32::try_from(n).is_err() {
             return None;
         }
         match *method {
-            Method::TopK { k, .. } => Some(Rule::TopK(k.resolve(n as u64) as usize)),
+            Method::TopK { k, .. } => {
+                let k = k.resolve(n as u64) as usize;
+                (k > 0 && k < n).then_some(Rule::TopK(k))
+            }
             Method::Threshold { threshold, .. } => Some(Rule::Threshold(threshold)),
             _ => None,
         }
@@ -105,12 +96,6 @@ impl Rule {
     fn chunk_capacity(self, n: usize) -> usize {
         let chunks = n.div_ceil(CHUNK).max(1);
         (2 * self.capacity(n).div_ceil(chunks)).clamp(64, CHUNK)
-    }
-}
-
-fn grow(v: &mut Vec<u32>, len: usize) {
-    if v.len() < len {
-        v.resize(len, 0);
     }
 }
 
@@ -136,9 +121,8 @@ pub(crate) struct SparseSplit {
 impl SparseSplit {
     /// Selects the entries of `x = g` (or `g + r` with a residual of the same length) that the
     /// frame of `params` keeps, chunks on rayon's pool with `parallel` (else one after the
-    /// other), and writes the frame into `frame` (at
-    /// least the method's `max_frame_len` bytes): the bytes of the core's `encode_into` of `x`.
-    /// Reads `g` and `r` only.
+    /// other), and writes the frame into `frame` (at least the method's `max_frame_len` bytes):
+    /// the bytes of the core's `encode_into` of `x`. Reads `g` and `r` only.
     pub(crate) fn encode(
         &mut self,
         params: &Params,
@@ -148,16 +132,13 @@ impl SparseSplit {
         parallel: bool,
     ) -> Selected {
         let n = g.len();
-        if !splits_selection(n, &params.method) || r.is_some_and(|r| r.len() != n) {
+        let (Some(rule), Some(v)) = (Rule::of(n, &params.method), params.method.values()) else {
+            return Selected::Serial;
+        };
+        if r.is_some_and(|r| r.len() != n) {
             return Selected::Serial;
         }
-        let Some(v) = params.method.values() else {
-            return Selected::Serial;
-        };
         let limit = values::magnitude_limit(Some(v));
-        let Some(rule) = Rule::of(n, &params.method) else {
-            return Selected::Serial;
-        };
         self.reserve(n, rule, parallel);
         let (floor, k) = match rule {
             Rule::Threshold(t) => (select::threshold_floor(t), None),
