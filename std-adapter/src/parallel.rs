@@ -38,9 +38,10 @@
 //! the serial path, which reports the same error and leaves the output as it does.
 //!
 //! [`Parallelism::Auto`] (the default) runs in parallel when rayon's pool (the global one, or
-//! the pool the call runs in) has more than one thread. Memory: parallel compression keeps one
-//! frame buffer per entry ([`crate::bundle::Manifest::max_bundle_len`] in all) and one set of
-//! scratch buffers per task running at the same time; parallel aggregation of a large top-k or
+//! the pool the call runs in) has more than one thread. Memory: compression (serial or
+//! parallel) keeps one frame buffer per entry ([`crate::bundle::Manifest::max_bundle_len`] in
+//! all), one set of scratch buffers per task running at the same time and, per large top-k or
+//! threshold tensor, the lists of its chunked selection; parallel aggregation of a large top-k or
 //! threshold entry keeps every rank's decoded indices and values (8 bytes per kept entry per
 //! rank). These buffers are kept between calls; rayon itself may allocate for its job
 //! bookkeeping (see `docs/multicore.md`).

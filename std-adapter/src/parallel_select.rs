@@ -198,15 +198,20 @@ impl SparseSplit {
 
     /// Sizes the buffers for a tensor of `n` elements selected by `rule` (so that a later step
     /// allocates nothing): the serial selection's candidate capacity, the sample, the radix
-    /// histogram, the decoded sent entries and, with `parallel`, one list per chunk.
+    /// histogram, the decoded sent entries (k, or the threshold's capacity) and, with
+    /// `parallel`, one list per chunk. A step that keeps more than that capacity (threshold:
+    /// more than `n/32 + 64` entries) grows the lists once, up to four times it.
     pub(crate) fn reserve(&mut self, n: usize, rule: Rule, parallel: bool) {
         let cap = rule.capacity(n);
         grow(&mut self.idx, cap);
         grow(&mut self.bits, cap);
-        if let Rule::TopK(k) = rule {
-            grow(&mut self.samples, select::SAMPLE_LEN);
-            grow(&mut self.hist, select::topk_scratch_len(n));
-            self.sent.reserve(k);
+        match rule {
+            Rule::TopK(k) => {
+                grow(&mut self.samples, select::SAMPLE_LEN);
+                grow(&mut self.hist, select::topk_scratch_len(n));
+                self.sent.reserve(k);
+            }
+            Rule::Threshold(_) => self.sent.reserve(cap),
         }
         if parallel {
             let chunks = n.div_ceil(CHUNK);
@@ -285,14 +290,14 @@ impl SparseSplit {
         Ok(Some(self.idx.len()))
     }
 
-    /// Lists keep what they grew to, up to four times the serial capacity in all; past that
-    /// they go back to their first length, so that the candidates of large values that move
-    /// from chunk to chunk over the steps do not pile up.
+    /// Lists keep what they grew to, up to four times the serial capacity beyond their first
+    /// lengths in all; past that they go back to their first length, so that the candidates of
+    /// large values that move from chunk to chunk over the steps do not pile up.
     fn trim_lists(&mut self, n: usize, rule: Rule) {
         let lists = &mut self.chunks[..n.div_ceil(CHUNK)];
+        let first = rule.chunk_capacity(n);
         let held: usize = lists.iter().map(|l| l.idx.len()).sum();
-        if held > 4 * rule.capacity(n) {
-            let first = rule.chunk_capacity(n);
+        if held > lists.len() * first + 4 * rule.capacity(n) {
             for list in lists {
                 for v in [&mut list.idx, &mut list.bits] {
                     v.truncate(first);

@@ -150,3 +150,28 @@ fn steady_state_bundles_decode_and_aggregate_allocate_nothing() {
         }
     }
 }
+
+#[test]
+fn chunked_selection_allocates_nothing_after_the_first_step() {
+    // A large threshold or top-k tensor with error feedback: its first step goes the core's
+    // way (no residual yet) and sizes the chunked selection's buffers, so the steps after it,
+    // selected in chunks on the serial path, allocate nothing, also when the first step's
+    // gradients are tiny (nothing kept) and later ones keep 1%.
+    let n = 300_000;
+    let step = |seed: u64, scale: f32| {
+        HashMap::from([("w".to_owned(), Tensor::vector(Rng(seed).vec(n, scale)))])
+    };
+    let steps = [step(1, 0.01), step(2, 1.0), step(3, 0.01), step(4, 1.0)];
+    for method in [
+        CompressionMethod::Threshold { threshold: 0.99 }.with_error_feedback(),
+        CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+    ] {
+        let mut c = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Serial);
+        let mut out = HashMap::new();
+        c.compress_into(&steps[0], &mut out).unwrap();
+        for (s, g) in steps.iter().enumerate().skip(1) {
+            let n = allocations(|| c.compress_into(g, &mut out).unwrap());
+            assert_eq!(n, 0, "{method:?}: step {s}");
+        }
+    }
+}

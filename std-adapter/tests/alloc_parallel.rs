@@ -137,4 +137,33 @@ fn steady_state_parallel_allocations_are_only_rayons_bookkeeping() {
             "{model} {method:?} {bucketing:?}: {per_call} allocations per call"
         );
     }
+    // Threshold candidates packed into 2 of 16 chunks, about three times what the core's
+    // serial selection holds: the chunk lists grow once and keep their size.
+    let mut rng = Rng(5);
+    let packed: Vec<f32> = (0..1usize << 20)
+        .map(|i| {
+            if i < 2 * 65_536 && i % 4 != 0 {
+                2.0 + rng.unit().abs()
+            } else {
+                rng.unit() * 0.5
+            }
+        })
+        .collect();
+    let packed = HashMap::from([("w".to_owned(), Tensor::vector(packed))]);
+    let threshold = CompressionMethod::Threshold { threshold: 1.0 };
+    let mut c = GradientCompressor::new(threshold).with_parallelism(Parallelism::Parallel);
+    let mut out = HashMap::new();
+    for _ in 0..2 {
+        c.compress_into(&packed, &mut out).unwrap();
+    }
+    let n = allocations(|| {
+        for _ in 0..CALLS {
+            c.compress_into(&packed, &mut out).unwrap();
+        }
+    });
+    eprintln!("packed threshold: {n} allocations in {CALLS} calls");
+    assert!(
+        n <= CALLS,
+        "packed threshold: {n} allocations in {CALLS} calls"
+    );
 }

@@ -537,3 +537,137 @@ fn large_sparse_frames_equal_the_core_step() {
         }
     }
 }
+
+#[test]
+fn split_frames_and_residuals_equal_the_core_step() {
+    // Dense, quantization and sign tensors split into tiles on one thread too: frames and
+    // residuals must be the core's `encode_into` / `feedback_step`, step after step, with -0.0,
+    // subnormals and large values in the gradient.
+    use gradwire::core::{encode_into, feedback_step, max_frame_len, scratch_len};
+    const N: usize = 600_001;
+    let grads = |step: u64| {
+        let mut rng = Rng(77 + step);
+        let mut v = rng.vec(N, 3.0);
+        for (i, x) in v.iter_mut().enumerate() {
+            match i % 101 {
+                0 => *x = -0.0,
+                1 => *x = 1e-42,
+                2 => *x = -1e-30,
+                3 => {
+                    *x = if step.is_multiple_of(2) {
+                        6000.0
+                    } else {
+                        -6000.0
+                    }
+                }
+                _ => {}
+            }
+        }
+        HashMap::from([
+            ("w".to_owned(), Tensor::vector(v)),
+            ("b".to_owned(), Tensor::vector(rng.vec(333, 1.0))),
+        ])
+    };
+    let q = |bits, block, rounding| Method::Quant {
+        bits,
+        block,
+        rounding,
+    };
+    for m in [
+        Method::Dense {
+            values: Values::F16,
+        },
+        Method::Dense {
+            values: Values::Bf16,
+        },
+        q(8, 100, Rounding::NearestEven),
+        q(3, 512, Rounding::NearestEven),
+        q(4, 512, Rounding::Stochastic),
+        q(2, 7, Rounding::Stochastic),
+        Method::Sign {
+            scale: SignScale::MeanAbs { block: 1000 },
+        },
+        Method::Sign {
+            scale: SignScale::MeanAbs { block: 3 },
+        },
+    ] {
+        for ef in [false, true] {
+            let method = match ef {
+                false => CompressionMethod::Core(m),
+                true => CompressionMethod::Core(m).with_error_feedback(),
+            };
+            for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+                let mut c = GradientCompressor::new(method.clone())
+                    .with_seed(5)
+                    .with_parallelism(parallelism);
+                let mut residual = vec![0.0f32; N];
+                let mut out = HashMap::new();
+                for step in 0..3u64 {
+                    let g = grads(step);
+                    c.compress_into(&g, &mut out).unwrap();
+                    let p = c.params("w", step).unwrap();
+                    let mut frame = vec![0u8; max_frame_len(N, &p.method)];
+                    let mut scratch = vec![0u32; scratch_len(N, &p.method)];
+                    let w = g["w"].data();
+                    let len = match ef {
+                        true => feedback_step(w, &mut residual, &p, &mut scratch, &mut frame),
+                        false => encode_into(w, &p, &mut scratch, &mut frame),
+                    }
+                    .unwrap();
+                    let ctx = format!("{m:?} ef={ef} {parallelism:?} step {step}");
+                    assert!(out["w"].frame() == &frame[..len], "{ctx}: frame");
+                    if ef {
+                        let r = c.feedback().unwrap().residual("w").unwrap();
+                        assert!(same_bits(r, &residual), "{ctx}: residual");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn threshold_lists_that_grow_equal_the_core_step() {
+    // Steps keeping between the core's threshold capacity (n/32) and four times it: the
+    // chunked lists grow, and the frames are still the core's.
+    use gradwire::core::{encode_into, feedback_step, max_frame_len, scratch_len};
+    let n = 500_000;
+    for t in [0.95f32, 0.90] {
+        for ef in [false, true] {
+            let method = match ef {
+                false => CompressionMethod::Threshold { threshold: t },
+                true => CompressionMethod::Threshold { threshold: t }.with_error_feedback(),
+            };
+            for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+                let mut c = GradientCompressor::new(method.clone())
+                    .with_seed(2)
+                    .with_parallelism(parallelism);
+                let mut residual = vec![0.0f32; n];
+                let mut out = HashMap::new();
+                for step in 0..4u64 {
+                    let scale = if step.is_multiple_of(2) { 0.01 } else { 1.0 };
+                    let g = HashMap::from([(
+                        "w".to_owned(),
+                        Tensor::vector(Rng(40 + step).vec(n, scale)),
+                    )]);
+                    c.compress_into(&g, &mut out).unwrap();
+                    let p = c.params("w", step).unwrap();
+                    let mut frame = vec![0u8; max_frame_len(n, &p.method)];
+                    let mut scratch = vec![0u32; scratch_len(n, &p.method)];
+                    let w = g["w"].data();
+                    let len = match ef {
+                        true => feedback_step(w, &mut residual, &p, &mut scratch, &mut frame),
+                        false => encode_into(w, &p, &mut scratch, &mut frame),
+                    }
+                    .unwrap();
+                    let ctx = format!("threshold {t} ef={ef} {parallelism:?} step {step}");
+                    assert!(out["w"].frame() == &frame[..len], "{ctx}: frame");
+                    if ef {
+                        let r = c.feedback().unwrap().residual("w").unwrap();
+                        assert!(same_bits(r, &residual), "{ctx}: residual");
+                    }
+                }
+            }
+        }
+    }
+}
