@@ -47,6 +47,13 @@ pub const fn sample_len(n: usize) -> usize {
     if n >= SAMPLED_MIN { SAMPLE_LEN } else { 0 }
 }
 
+/// Words of `hist` that let [`topk_of_candidates`] take its fast path for `count` candidates
+/// (the radix histogram, and room for the keys of the bucket that holds the cut, which on
+/// gradient-like data is about 13% of the candidates).
+pub const fn candidates_hist_len(count: usize) -> usize {
+    TOPK_HIST.saturating_add(count / 4).saturating_add(64)
+}
+
 /// Scratch words [`topk_kept`] needs for `k` of `n` elements.
 pub const fn kept_scratch_len(n: usize, k: usize) -> usize {
     kept_scratch_len_with(n, k, sample_len(n))
@@ -260,7 +267,9 @@ pub fn candidates(
 /// candidates `idx`/`bits` (as [`candidates`] writes them, the chunks' lists concatenated in
 /// order) that include every element of the tensor with `|x| >=` the floor of [`topk_floor`].
 /// With at least `k` of them, this is exactly the tensor's top-k. Keeps the chosen entries in
-/// place, in order; `hist` holds at least [`topk_scratch_len`] words.
+/// place, in order; `hist` holds at least [`topk_scratch_len`] words, and any words beyond
+/// those are working space that makes it faster (a fifth of the candidate count is usually
+/// enough; see [`candidates_hist_len`]).
 ///
 /// With `k >= idx.len()` every candidate is kept; with `k == 0`, none.
 ///
@@ -279,7 +288,8 @@ pub fn topk_of_candidates<'s>(
     } else if k >= count {
         count
     } else {
-        let cut = radix_cut(bits.iter().map(|&b| b & KEY_MASK), k, hist);
+        let (hist, spare) = hist.split_at_mut(TOPK_HIST);
+        let cut = candidate_cut(bits, k, hist, spare);
         keep_cut(idx, bits, cut)
     };
     Kept {
@@ -351,8 +361,9 @@ pub(crate) fn topk_kept_src<'s, S: Source>(
         if count >= k && count <= cap {
             // Every element with key >= t is a candidate and there are at least k of them, so
             // the k-th largest key and the ties before it are the same among the candidates.
-            let cut = radix_cut(bits[..count].iter().map(|&b| b & KEY_MASK), k, hist);
-            let kept = keep_cut(&mut idx[..count], &mut bits[..count], cut);
+            let (cand, spare) = idx.split_at_mut(count);
+            let cut = candidate_cut(&bits[..count], k, hist, spare);
+            let kept = keep_cut(cand, &mut bits[..count], cut);
             debug_assert_eq!(kept, k);
             return Ok(Kept {
                 idx: &idx[..k],
@@ -401,15 +412,28 @@ fn sample_threshold<S: Source>(src: &S, k: usize, samples: &mut [u32]) -> u32 {
     *t
 }
 
+/// The digits of the radix select (shift, width), most significant first: those of
+/// [`crate::scalar::topk_cut`].
+const DIGITS: [(u32, u32); 3] = [(20, 11), (9, 11), (0, 9)];
+
 /// The exact cut of top-k among `keys` (`1 <= k <= count`), by the three-pass radix select of
 /// [`crate::scalar::topk_cut`].
 fn radix_cut<I: Iterator<Item = u32> + Clone>(keys: I, k: usize, hist: &mut [u32]) -> Cut {
-    const DIGITS: [(u32, u32); 3] = [(20, 11), (9, 11), (0, 9)];
+    radix_digits(keys, &DIGITS, 0, 0, k, hist)
+}
+
+/// The radix select over `digits`, among the keys that match `prefix` on `prefix_mask`, of the
+/// `need`-th largest (`need >= 1`).
+fn radix_digits<I: Iterator<Item = u32> + Clone>(
+    keys: I,
+    digits: &[(u32, u32)],
+    mut prefix: u32,
+    mut prefix_mask: u32,
+    mut need: usize,
+    hist: &mut [u32],
+) -> Cut {
     let hist = &mut hist[..TOPK_HIST];
-    let mut prefix = 0u32;
-    let mut prefix_mask = 0u32;
-    let mut need = k;
-    for (shift, width) in DIGITS {
+    for &(shift, width) in digits {
         hist.fill(0);
         let digit_mask = (1u32 << width) - 1;
         for key in keys.clone() {
@@ -417,15 +441,7 @@ fn radix_cut<I: Iterator<Item = u32> + Clone>(keys: I, k: usize, hist: &mut [u32
                 hist[((key >> shift) & digit_mask) as usize] += 1;
             }
         }
-        let mut d = digit_mask as usize;
-        loop {
-            let c = hist[d] as usize;
-            if c >= need || d == 0 {
-                break;
-            }
-            need -= c;
-            d -= 1;
-        }
+        let d = descend(hist, digit_mask as usize, &mut need);
         prefix |= (d as u32) << shift;
         prefix_mask |= digit_mask << shift;
     }
@@ -435,25 +451,75 @@ fn radix_cut<I: Iterator<Item = u32> + Clone>(keys: I, k: usize, hist: &mut [u32
     }
 }
 
-/// Keeps, in place and in order, the candidates that the cut keeps; returns how many.
+/// The bucket, counted down from `top`, that holds the `need`-th largest key; `need` becomes
+/// its rank inside that bucket.
+fn descend(hist: &[u32], top: usize, need: &mut usize) -> usize {
+    let mut d = top;
+    loop {
+        let c = hist[d] as usize;
+        if c >= *need || d == 0 {
+            return d;
+        }
+        *need -= c;
+        d -= 1;
+    }
+}
+
+/// [`radix_cut`] of the keys of `bits` (`1 <= k <= bits.len()`), faster: after the first
+/// digit, the keys of the bucket that holds the cut are copied into `spare` when they fit
+/// (branch-free), and the last two digits look at those alone instead of every key twice.
+fn candidate_cut(bits: &[u32], k: usize, hist: &mut [u32], spare: &mut [u32]) -> Cut {
+    let keys = || bits.iter().map(|&b| b & KEY_MASK);
+    let (shift, width) = DIGITS[0];
+    let hist = &mut hist[..TOPK_HIST];
+    hist.fill(0);
+    for key in keys() {
+        hist[(key >> shift) as usize] += 1;
+    }
+    let mut need = k;
+    let d = descend(hist, (1 << width) - 1, &mut need) as u32;
+    let in_bucket = hist[d as usize] as usize;
+    if in_bucket >= spare.len() {
+        return radix_digits(
+            keys(),
+            &DIGITS[1..],
+            d << shift,
+            u32::MAX << shift,
+            need,
+            hist,
+        );
+    }
+    // Every key is written at `w`, which moves on only for the bucket's keys: `w` stays at
+    // most `in_bucket`, below `spare.len()`.
+    let mut w = 0usize;
+    for key in keys() {
+        spare[w] = key;
+        w += usize::from(key >> shift == d);
+    }
+    let bucket = spare[..w].iter().copied();
+    radix_digits(
+        bucket,
+        &DIGITS[1..],
+        d << shift,
+        u32::MAX << shift,
+        need,
+        hist,
+    )
+}
+
+/// Keeps, in place and in order, the candidates that the cut keeps; returns how many. Branch
+/// free: every entry is copied to `w`, which moves on for the kept ones.
 fn keep_cut(idx: &mut [u32], bits: &mut [u32], cut: Cut) -> usize {
     let mut ties = cut.take_ties;
     let mut w = 0usize;
     for j in 0..idx.len() {
-        let key = bits[j] & KEY_MASK;
-        let keep = if key > cut.key {
-            true
-        } else if key == cut.key && ties > 0 {
-            ties -= 1;
-            true
-        } else {
-            false
-        };
-        if keep {
-            idx[w] = idx[j];
-            bits[w] = bits[j];
-            w += 1;
-        }
+        let (i, b) = (idx[j], bits[j]);
+        let key = b & KEY_MASK;
+        let tie = key == cut.key && ties > 0;
+        ties -= usize::from(tie);
+        idx[w] = i;
+        bits[w] = b;
+        w += usize::from(key > cut.key || tie);
     }
     w
 }

@@ -380,3 +380,68 @@ fn quantization_in_pieces_equals_the_whole_tensor() {
         }
     }
 }
+
+#[test]
+fn topk_of_candidates_is_the_same_with_and_without_working_space() {
+    // The fast path (the cut's bucket copied into the working space beyond the histogram) and
+    // the plain one, against a sort, with many ties and keys packed into few buckets.
+    fn prop(x: Floats, k: u16, extra: u16) -> bool {
+        let n = x.0.len();
+        let k = usize::from(k) % (n + 1);
+        let idx: Vec<u32> = (0..n as u32).collect();
+        let bits: Vec<u32> = x.0.iter().map(|v| v.to_bits()).collect();
+        let mut want: Vec<u32> = {
+            let mut order: Vec<u32> = idx.clone();
+            order.sort_by(|&a, &b| {
+                let (ka, kb) = (
+                    bits[a as usize] & 0x7fff_ffff,
+                    bits[b as usize] & 0x7fff_ffff,
+                );
+                kb.cmp(&ka).then(a.cmp(&b))
+            });
+            order.truncate(k);
+            order
+        };
+        want.sort_unstable();
+        [
+            select::topk_scratch_len(n),
+            select::candidates_hist_len(n),
+            select::topk_scratch_len(n) + usize::from(extra) % (n + 2),
+        ]
+        .iter()
+        .all(|&len| {
+            let (mut i, mut b) = (idx.clone(), bits.clone());
+            let mut hist = vec![7u32; len];
+            let kept = select::topk_of_candidates(&mut i, &mut b, k, &mut hist);
+            kept.idx == want.as_slice()
+                && kept
+                    .idx
+                    .iter()
+                    .zip(kept.bits)
+                    .all(|(&j, &v)| bits[j as usize] == v)
+        })
+    }
+    qc(500, prop as fn(Floats, u16, u16) -> bool);
+    // A large list where the cut's bucket holds many keys (all in one bucket).
+    let mut d = Data(9);
+    let n = 200_000;
+    let x: Vec<f32> = (0..n)
+        .map(|_| 1.0 + (d.below(1 << 16) as f32) / 65536.0 * 0.1)
+        .collect();
+    let bits: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
+    for k in [1, 1000, 99_999, n - 1] {
+        let mut results = Vec::new();
+        for len in [
+            select::topk_scratch_len(n),
+            select::candidates_hist_len(n),
+            4096 + n,
+        ] {
+            let (mut i, mut b) = ((0..n as u32).collect::<Vec<_>>(), bits.clone());
+            let mut hist = vec![0u32; len];
+            let kept = select::topk_of_candidates(&mut i, &mut b, k, &mut hist);
+            results.push(kept.idx.to_vec());
+        }
+        assert_eq!(results[0].len(), k);
+        assert!(results.iter().all(|r| *r == results[0]), "k = {k}");
+    }
+}

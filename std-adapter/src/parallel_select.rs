@@ -208,7 +208,7 @@ impl SparseSplit {
         match rule {
             Rule::TopK(k) => {
                 grow(&mut self.samples, select::SAMPLE_LEN);
-                grow(&mut self.hist, select::topk_scratch_len(n));
+                grow(&mut self.hist, select::candidates_hist_len(cap));
                 self.sent.reserve(k);
             }
             Rule::Threshold(_) => self.sent.reserve(cap),
