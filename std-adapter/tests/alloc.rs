@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::collections::HashMap;
 
 use common::{Rng, minilm, noisy};
@@ -17,64 +15,13 @@ use gradwire::compressor::{CompressionMethod, GradientCompressor};
 use gradwire::parallel::Parallelism;
 use gradwire::tensor::Tensor;
 
-/// Counts allocations made by the current thread while counting is on (other test threads
-/// are not counted).
-struct Counting;
+#[path = "common/counting.rs"]
+mod counting;
 
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-    static COUNT: Cell<usize> = const { Cell::new(0) };
-}
-
-fn note() {
-    // `try_with`: the thread-locals may already be gone while a thread shuts down.
-    let _ = COUNTING.try_with(|on| {
-        if on.get() {
-            let _ = COUNT.try_with(|c| c.set(c.get() + 1));
-        }
-    });
-}
-
-// SAFETY: the crate itself forbids unsafe code; this test binary needs `unsafe impl GlobalAlloc`
-// to count allocations. Every call forwards to the system allocator unchanged; counting only
-// touches const-initialised thread-locals, which never allocate.
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note();
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        note();
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note();
-        // SAFETY: forwarded with the caller's pointer, layout and size.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded with the caller's pointer and layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+use counting::allocations;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Allocations made by `f` on this thread.
-fn allocations(f: impl FnOnce()) -> usize {
-    COUNT.with(|c| c.set(0));
-    COUNTING.with(|on| on.set(true));
-    f();
-    COUNTING.with(|on| on.set(false));
-    COUNT.with(Cell::get)
-}
+static GLOBAL: counting::Counting = counting::Counting;
 
 #[test]
 fn counter_works() {

@@ -10,8 +10,6 @@
 //! checkpoints (`ErrorFeedback::from_bytes`) with hostile headers stay within 4 bytes per input
 //! byte plus the same allowance.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::collections::HashMap;
 
 use gradwire::aggregate::{Reduction, aggregate};
@@ -21,71 +19,13 @@ use gradwire::compressor::{CompressionMethod, GradientCompressor};
 use gradwire::tensor::Tensor;
 use gradwire_core::{K, Method, Rounding, SignScale, Values, decode_into, tensor_id};
 
-/// Tracks the bytes live on the current thread and their peak while tracking is on.
-struct Counting;
+#[path = "common/counting.rs"]
+mod counting;
 
-thread_local! {
-    static ON: Cell<bool> = const { Cell::new(false) };
-    static LIVE: Cell<isize> = const { Cell::new(0) };
-    static PEAK: Cell<isize> = const { Cell::new(0) };
-}
-
-fn note(delta: isize) {
-    // `try_with`: the thread-locals may already be gone while a thread shuts down.
-    let _ = ON.try_with(|on| {
-        if on.get() {
-            let _ = LIVE.try_with(|l| {
-                let v = l.get() + delta;
-                l.set(v);
-                let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
-            });
-        }
-    });
-}
-
-// SAFETY: the crate itself forbids unsafe code; this test binary needs `unsafe impl
-// GlobalAlloc` to measure allocations (std-adapter's Cargo.toml sets `unsafe_code = "deny"`
-// so that test files may allow it). Every call forwards to the system allocator unchanged;
-// counting only touches const-initialised thread-locals, which never allocate.
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note(layout.size() as isize);
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        note(layout.size() as isize);
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note(new_size as isize - layout.size() as isize);
-        // SAFETY: forwarded with the caller's pointer, layout and size.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        note(-(layout.size() as isize));
-        // SAFETY: forwarded with the caller's pointer and layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+use counting::peak;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Peak bytes allocated (above what was live before) on this thread while `f` runs.
-fn peak<R>(f: impl FnOnce() -> R) -> (R, usize) {
-    LIVE.with(|l| l.set(0));
-    PEAK.with(|p| p.set(0));
-    ON.with(|on| on.set(true));
-    let r = f();
-    ON.with(|on| on.set(false));
-    (r, PEAK.with(Cell::get).max(0) as usize)
-}
+static GLOBAL: counting::Counting = counting::Counting;
 
 /// Allowance for error values and their messages (tensor labels, formatted reasons).
 const SLACK: usize = 16 * 1024;

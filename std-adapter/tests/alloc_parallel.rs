@@ -12,9 +12,7 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use common::{Rng, minilm, noisy};
 use gradwire::aggregate::{Aggregator, Reduction};
@@ -24,57 +22,13 @@ use gradwire::compressor::{CompressionMethod, GradientCompressor};
 use gradwire::parallel::Parallelism;
 use gradwire::tensor::Tensor;
 
-struct Counting;
+#[path = "common/counting.rs"]
+mod counting;
 
-static ON: AtomicBool = AtomicBool::new(false);
-static COUNT: AtomicUsize = AtomicUsize::new(0);
-
-fn note() {
-    if ON.load(Ordering::Relaxed) {
-        COUNT.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-// SAFETY: the crate itself forbids unsafe code; this test binary needs `unsafe impl GlobalAlloc`
-// to count allocations. Every call forwards to the system allocator unchanged; counting only
-// touches atomics, which never allocate.
-#[allow(unsafe_code)]
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note();
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        note();
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note();
-        // SAFETY: forwarded with the caller's pointer, layout and size.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded with the caller's pointer and layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+use counting::allocations_on_every_thread as allocations;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Allocations made by `f`, on every thread.
-fn allocations(f: impl FnOnce()) -> usize {
-    COUNT.store(0, Ordering::SeqCst);
-    ON.store(true, Ordering::SeqCst);
-    f();
-    ON.store(false, Ordering::SeqCst);
-    COUNT.load(Ordering::SeqCst)
-}
+static GLOBAL: counting::Counting = counting::Counting;
 
 #[test]
 fn steady_state_parallel_allocations_are_only_rayons_bookkeeping() {
