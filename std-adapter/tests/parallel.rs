@@ -496,13 +496,50 @@ fn the_data_file_is_there() {
     assert!(std::path::Path::new(MINILM).exists());
 }
 
+/// Compresses `grads(step)` for `steps` steps with `method` on `parallelism` (seed 4) and
+/// checks tensor `name`'s frame, and with error feedback its residual, against the core's
+/// `encode_into` / `feedback_step` on that tensor alone, step after step.
+fn check_against_the_core_step(
+    method: &CompressionMethod,
+    parallelism: Parallelism,
+    name: &str,
+    steps: u64,
+    grads: impl Fn(u64) -> HashMap<String, Tensor>,
+) {
+    use gradwire::core::{encode_into, feedback_step, max_frame_len, scratch_len};
+    let mut c = GradientCompressor::new(method.clone())
+        .with_seed(4)
+        .with_parallelism(parallelism);
+    let mut residual = Vec::new();
+    let mut out = HashMap::new();
+    let ef = method.uses_error_feedback();
+    for step in 0..steps {
+        let grads = grads(step);
+        c.compress_into(&grads, &mut out).unwrap();
+        let p = c.params(name, step).unwrap();
+        let g = grads[name].data();
+        residual.resize(g.len(), 0.0);
+        let mut frame = vec![0u8; max_frame_len(g.len(), &p.method)];
+        let mut scratch = vec![0u32; scratch_len(g.len(), &p.method)];
+        let len = match ef {
+            true => feedback_step(g, &mut residual, &p, &mut scratch, &mut frame),
+            false => encode_into(g, &p, &mut scratch, &mut frame),
+        }
+        .unwrap();
+        let ctx = format!("{method:?} {parallelism:?} step {step}");
+        assert!(out[name].frame() == &frame[..len], "{ctx}: frame");
+        if ef {
+            let r = c.feedback().unwrap().residual(name).unwrap();
+            assert!(same_bits(r, &residual), "{ctx}: residual");
+        }
+    }
+}
+
 #[test]
 fn large_sparse_frames_equal_the_core_step() {
     // Both paths select a large top-k or threshold tensor in chunks; their frames and
-    // residuals must be the core's `encode_into` / `feedback_step`, step after step.
-    use gradwire::core::{encode_into, feedback_step, max_frame_len, scratch_len};
+    // residuals must be the core's, step after step.
     let base = synthetic(&mut Rng(13));
-    let name = "large.weight";
     for method in [
         CompressionMethod::top_k_int8(0.01).with_error_feedback(),
         CompressionMethod::top_k_int8(0.001),
@@ -510,30 +547,9 @@ fn large_sparse_frames_equal_the_core_step() {
         CompressionMethod::Threshold { threshold: 2.0 },
     ] {
         for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
-            let mut c = GradientCompressor::new(method.clone())
-                .with_seed(4)
-                .with_parallelism(parallelism);
-            let mut residual = vec![0.0f32; LARGE];
-            let mut out = HashMap::new();
-            for step in 0..3u64 {
-                let grads = vary(&base, 7 + step);
-                c.compress_into(&grads, &mut out).unwrap();
-                let p = c.params(name, step).unwrap();
-                let g = grads[name].data();
-                let mut frame = vec![0u8; max_frame_len(LARGE, &p.method)];
-                let mut scratch = vec![0u32; scratch_len(LARGE, &p.method)];
-                let len = if method.uses_error_feedback() {
-                    feedback_step(g, &mut residual, &p, &mut scratch, &mut frame).unwrap()
-                } else {
-                    encode_into(g, &p, &mut scratch, &mut frame).unwrap()
-                };
-                let ctx = format!("{method:?} {parallelism:?} step {step}");
-                assert!(out[name].frame() == &frame[..len], "{ctx}: frame");
-                if method.uses_error_feedback() {
-                    let r = c.feedback().unwrap().residual(name).unwrap();
-                    assert!(same_bits(r, &residual), "{ctx}: residual");
-                }
-            }
+            check_against_the_core_step(&method, parallelism, "large.weight", 3, |step| {
+                vary(&base, 7 + step)
+            });
         }
     }
 }
@@ -541,9 +557,8 @@ fn large_sparse_frames_equal_the_core_step() {
 #[test]
 fn split_frames_and_residuals_equal_the_core_step() {
     // Dense, quantization and sign tensors split into tiles on one thread too: frames and
-    // residuals must be the core's `encode_into` / `feedback_step`, step after step, with -0.0,
-    // subnormals and large values in the gradient.
-    use gradwire::core::{encode_into, feedback_step, max_frame_len, scratch_len};
+    // residuals must be the core's, step after step, with -0.0, subnormals and large values in
+    // the gradient.
     const N: usize = 600_001;
     let grads = |step: u64| {
         let mut rng = Rng(77 + step);
@@ -591,36 +606,12 @@ fn split_frames_and_residuals_equal_the_core_step() {
             scale: SignScale::MeanAbs { block: 3 },
         },
     ] {
-        for ef in [false, true] {
-            let method = match ef {
-                false => CompressionMethod::Core(m),
-                true => CompressionMethod::Core(m).with_error_feedback(),
-            };
+        for method in [
+            CompressionMethod::Core(m),
+            CompressionMethod::Core(m).with_error_feedback(),
+        ] {
             for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
-                let mut c = GradientCompressor::new(method.clone())
-                    .with_seed(5)
-                    .with_parallelism(parallelism);
-                let mut residual = vec![0.0f32; N];
-                let mut out = HashMap::new();
-                for step in 0..3u64 {
-                    let g = grads(step);
-                    c.compress_into(&g, &mut out).unwrap();
-                    let p = c.params("w", step).unwrap();
-                    let mut frame = vec![0u8; max_frame_len(N, &p.method)];
-                    let mut scratch = vec![0u32; scratch_len(N, &p.method)];
-                    let w = g["w"].data();
-                    let len = match ef {
-                        true => feedback_step(w, &mut residual, &p, &mut scratch, &mut frame),
-                        false => encode_into(w, &p, &mut scratch, &mut frame),
-                    }
-                    .unwrap();
-                    let ctx = format!("{m:?} ef={ef} {parallelism:?} step {step}");
-                    assert!(out["w"].frame() == &frame[..len], "{ctx}: frame");
-                    if ef {
-                        let r = c.feedback().unwrap().residual("w").unwrap();
-                        assert!(same_bits(r, &residual), "{ctx}: residual");
-                    }
-                }
+                check_against_the_core_step(&method, parallelism, "w", 3, grads);
             }
         }
     }
@@ -630,43 +621,18 @@ fn split_frames_and_residuals_equal_the_core_step() {
 fn threshold_lists_that_grow_equal_the_core_step() {
     // Steps keeping between the core's threshold capacity (n/32) and four times it: the
     // chunked lists grow, and the frames are still the core's.
-    use gradwire::core::{encode_into, feedback_step, max_frame_len, scratch_len};
     let n = 500_000;
+    let grads = |step: u64| {
+        let scale = if step.is_multiple_of(2) { 0.01 } else { 1.0 };
+        HashMap::from([("w".to_owned(), Tensor::vector(Rng(40 + step).vec(n, scale)))])
+    };
     for t in [0.95f32, 0.90] {
-        for ef in [false, true] {
-            let method = match ef {
-                false => CompressionMethod::Threshold { threshold: t },
-                true => CompressionMethod::Threshold { threshold: t }.with_error_feedback(),
-            };
+        for method in [
+            CompressionMethod::Threshold { threshold: t },
+            CompressionMethod::Threshold { threshold: t }.with_error_feedback(),
+        ] {
             for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
-                let mut c = GradientCompressor::new(method.clone())
-                    .with_seed(2)
-                    .with_parallelism(parallelism);
-                let mut residual = vec![0.0f32; n];
-                let mut out = HashMap::new();
-                for step in 0..4u64 {
-                    let scale = if step.is_multiple_of(2) { 0.01 } else { 1.0 };
-                    let g = HashMap::from([(
-                        "w".to_owned(),
-                        Tensor::vector(Rng(40 + step).vec(n, scale)),
-                    )]);
-                    c.compress_into(&g, &mut out).unwrap();
-                    let p = c.params("w", step).unwrap();
-                    let mut frame = vec![0u8; max_frame_len(n, &p.method)];
-                    let mut scratch = vec![0u32; scratch_len(n, &p.method)];
-                    let w = g["w"].data();
-                    let len = match ef {
-                        true => feedback_step(w, &mut residual, &p, &mut scratch, &mut frame),
-                        false => encode_into(w, &p, &mut scratch, &mut frame),
-                    }
-                    .unwrap();
-                    let ctx = format!("threshold {t} ef={ef} {parallelism:?} step {step}");
-                    assert!(out["w"].frame() == &frame[..len], "{ctx}: frame");
-                    if ef {
-                        let r = c.feedback().unwrap().residual("w").unwrap();
-                        assert!(same_bits(r, &residual), "{ctx}: residual");
-                    }
-                }
+                check_against_the_core_step(&method, parallelism, "w", 4, grads);
             }
         }
     }
