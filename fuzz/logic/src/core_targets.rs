@@ -907,7 +907,12 @@ fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
                 (None, None) => panic!("candidates refused a valid input (limit {limit})"),
                 (Some(_), Some(i)) => panic!("candidates missed {} at {i}", raw[i]),
                 (Some((mut idx, mut bits)), None) => {
-                    let mut hist = vec![0u32; select::topk_scratch_len(n)];
+                    // With working space beyond the histogram (the fast cut) or without.
+                    let len = match inp.bool() {
+                        true => select::candidates_hist_len(idx.len()),
+                        false => select::topk_scratch_len(n),
+                    };
+                    let mut hist = vec![0u32; len];
                     let kept = select::topk_of_candidates(&mut idx, &mut bits, k, &mut hist);
                     let got: Vec<usize> = kept.idx.iter().map(|&i| i as usize).collect();
                     assert_eq!(
