@@ -798,6 +798,17 @@ pub fn simd_scalar(data: &[u8]) {
     }
 }
 
+/// The frame `encode_kept_into` writes from `kept` is the one `encode_into` writes for `x`.
+fn assert_kept_frame(x: &[f32], p: &Params, kept: select::Kept<'_>, what: &str) {
+    let n = x.len();
+    let mut a = vec![0u8; max_frame_len(n, &p.method)];
+    let la = gradwire_core::encode_kept_into(n, p, kept, &mut a).expect("encode_kept_into");
+    let mut b = vec![0u8; max_frame_len(n, &p.method)];
+    let mut scratch = vec![0u32; scratch_len(n, &p.method)];
+    let lb = encode_into(x, p, &mut scratch, &mut b).expect("encode_into");
+    assert_eq!(a[..la], b[..lb], "{what} frame from the chunked list");
+}
+
 /// The candidates (`|x| >= floor`) of `x` in chunks cut where the input says (lists of a
 /// length the input says, grown and scanned again when too short), concatenated in order;
 /// `None` when a chunk met a value at or above `limit` (or NaN). With a residual half the time:
@@ -925,17 +936,7 @@ fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
                         k: K::Count(k as u64),
                         values: vals.unwrap_or(Values::F32),
                     });
-                    let mut a = vec![0u8; max_frame_len(n, &p.method)];
-                    let la = gradwire_core::encode_kept_into(n, &p, kept, &mut a)
-                        .expect("encode_kept_into");
-                    let mut b = vec![0u8; max_frame_len(n, &p.method)];
-                    let mut scratch = vec![0u32; scratch_len(n, &p.method)];
-                    let lb = encode_into(raw, &p, &mut scratch, &mut b).expect("encode_into");
-                    assert_eq!(
-                        a[..la],
-                        b[..lb],
-                        "encode_kept_into differs from encode_into"
-                    );
+                    assert_kept_frame(raw, &p, kept, "top-k");
                 }
             }
         }
@@ -976,13 +977,7 @@ fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
                         idx: &idx,
                         bits: &bits,
                     };
-                    let mut a = vec![0u8; max_frame_len(n, &p.method)];
-                    let la = gradwire_core::encode_kept_into(n, &p, kept, &mut a)
-                        .expect("encode_kept_into");
-                    let mut b = vec![0u8; max_frame_len(n, &p.method)];
-                    let mut scratch = vec![0u32; scratch_len(n, &p.method)];
-                    let lb = encode_into(raw, &p, &mut scratch, &mut b).expect("encode_into");
-                    assert_eq!(a[..la], b[..lb], "threshold frame from the chunked list");
+                    assert_kept_frame(raw, &p, kept, "threshold");
                 }
             }
         }
