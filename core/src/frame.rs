@@ -12,7 +12,7 @@ use crate::lanes::{LANES, One, Source, load};
 use crate::method::{K, Method, Params, Rounding, SignScale, Values};
 use crate::scalar::{self, Selection, magnitude_key};
 use crate::select::{Kept, OutOfLimit};
-use crate::{quant, rng, select, sign, values};
+use crate::{quant, randomk, rng, select, sign, values};
 
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"GWRF";
@@ -209,7 +209,7 @@ fn check_unbiased_written(out: &mut [u8], len: usize) -> Result<usize, Error> {
     };
     let p = &h.params;
     let (mut c, mut index) = (0usize, 0u64);
-    scalar::randomk_for_each(h.n, h.kept, rng::key(p.seed, p.step, p.tensor_id), |i| {
+    randomk::for_each(h.n, h.kept, rng::key(p.seed, p.step, p.tensor_id), |i| {
         if c == j {
             index = i;
         }
@@ -614,7 +614,7 @@ pub(crate) fn encode_checked(
             let (idx_s, int8_s) = scratch.split_at_mut(k as usize);
             if u32::try_from(n).is_ok() {
                 let mut c = 0usize;
-                scalar::randomk_for_each(n as u64, k, key, |i| {
+                randomk::for_each(n as u64, k, key, |i| {
                     idx_s[c] = i as u32;
                     c += 1;
                 });
@@ -1544,7 +1544,7 @@ fn sparse_batches(h: &Header, body: &Body<'_>, mut f: impl FnMut(&[usize], &[f32
                 f(ib, &vb[..m]);
                 *j += m;
             };
-            scalar::randomk_for_each(h.n, count, key, |i| {
+            randomk::for_each(h.n, count, key, |i| {
                 ib[fill] = i as usize;
                 fill += 1;
                 if fill == index::BATCH {

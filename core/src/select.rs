@@ -95,8 +95,13 @@ pub fn topk(g: &[f32], k: usize, scratch: &mut [u32]) -> Selection {
 }
 
 /// Calls `f(i)` for every kept index in ascending order.
-pub fn for_each_kept(g: &[f32], sel: Selection, f: impl FnMut(usize)) {
-    crate::scalar::for_each_kept(g, sel, f)
+pub fn for_each_kept(g: &[f32], sel: Selection, mut f: impl FnMut(usize)) {
+    match sel {
+        Selection::RandomK { key, k } => {
+            crate::randomk::for_each(g.len() as u64, k, key, |i| f(i as usize))
+        }
+        _ => crate::scalar::for_each_kept(g, sel, f),
+    }
 }
 
 /// The entries a selection keeps, in ascending index order: `idx[j]` and the f32 bits of its
