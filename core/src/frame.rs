@@ -433,26 +433,30 @@ pub fn encode_selected_into(
     Ok(p.pos)
 }
 
-/// Encodes a top-k or threshold frame of an `n`-element tensor from its kept entries alone:
-/// `kept.idx` (strictly ascending, `< n`) and the f32 bits of their values `kept.bits`, as
-/// the chunked selection of [`crate::select`] produces them ([`crate::select::candidates`],
-/// [`crate::select::topk_of_candidates`]). The bytes are those [`encode_into`] writes for a
-/// tensor whose selection keeps exactly these entries; `out` holds at least
+/// Encodes a top-k, threshold or random-k frame of an `n`-element tensor from its kept entries
+/// alone: `kept.idx` (strictly ascending, `< n`) and the f32 bits of their values `kept.bits`,
+/// as the chunked selection of [`crate::select`] produces them ([`crate::select::candidates`],
+/// [`crate::select::topk_of_candidates`]) or, for random-k, the indices [`crate::randomk`]
+/// draws for the frame's (seed, step, tensor id). The bytes are those [`encode_into`] writes
+/// for a tensor whose selection keeps exactly these entries; `out` holds at least
 /// [`max_frame_len`]`(n, &params.method)` bytes. Returns the frame length.
 ///
-/// The tensor itself is not read, so whether these are its top-k, or all its entries above the
-/// threshold, is the caller's to ensure; checked here is everything the frame's own validity
-/// needs: the count (`k` resolved for `n`, for top-k), the indices, each value above the
-/// threshold (threshold), finite and within the value type's range.
+/// The tensor itself is not read, so whether these are its top-k, all its entries above the
+/// threshold, or random-k's draw (whose indices the frame does not carry: the receiver draws
+/// them again) is the caller's to ensure; checked here is everything the frame's own validity
+/// needs: the count (`k` resolved for `n`, for top-k and random-k), the indices, each value
+/// above the threshold (threshold), finite and within the value type's range, and for unbiased
+/// random-k each value times n/k finite once decoded.
 ///
 /// # Errors
 /// [`Error::InvalidParams`] for another method or invalid parameters, and with
-/// [`Param::K`] when a top-k list does not hold `k` entries, with [`Param::Threshold`] when a
-/// threshold entry is not above the threshold; [`Error::BufferTooSmall`];
-/// [`Error::TooLarge`] when `n` exceeds `u32::MAX`; [`Error::LengthMismatch`] when `idx` and
-/// `bits` differ in length; [`Error::UnsortedIndices`]; [`Error::NonFinite`] and
-/// [`Error::ValueOutOfRange`] naming the tensor index of a bad value. On error `out` holds no
-/// valid frame.
+/// [`Param::K`] when a top-k or random-k list does not hold `k` entries, with
+/// [`Param::Threshold`] when a threshold entry is not above the threshold;
+/// [`Error::BufferTooSmall`]; [`Error::TooLarge`] when `n` exceeds `u32::MAX`;
+/// [`Error::LengthMismatch`] when `idx` and `bits` differ in length;
+/// [`Error::UnsortedIndices`]; [`Error::NonFinite`] and [`Error::ValueOutOfRange`] naming the
+/// tensor index of a bad value (unbiased random-k: also of a value whose n/k multiple
+/// overflows). On error `out` holds no valid frame.
 ///
 /// # Panics
 /// Never.
@@ -487,6 +491,12 @@ pub fn encode_kept_into(
             (values, None)
         }
         Method::Threshold { threshold, values } => (values, Some(threshold)),
+        Method::RandomK { k, values, .. } => {
+            if k.resolve(n as u64) != kept.idx.len() as u64 {
+                return Err(Error::InvalidParams { param: Param::K });
+            }
+            (values, None)
+        }
         _ => {
             return Err(Error::InvalidParams {
                 param: Param::Method,
@@ -515,21 +525,42 @@ pub fn encode_kept_into(
         }
     }
     let mut p = Put { buf: out, pos: 0 };
-    match above {
-        None => {
-            write_fixed(&mut p, M_TOPK, 0, n);
+    let unbiased = match params.method {
+        Method::RandomK { unbiased, .. } => {
+            let flags = if unbiased { FLAG_UNBIASED } else { 0 };
+            write_fixed(&mut p, M_RANDOMK, flags, n);
             p.values(values);
+            p.u64(kept.idx.len() as u64);
+            p.u64(params.seed);
+            p.u64(params.step);
+            p.u64(params.tensor_id);
+            let v_len = values.section_len(kept.bits.len());
+            values::encode_bits(values, kept.bits, &mut p.buf[p.pos..p.pos + v_len]);
+            p.pos += v_len;
+            unbiased
         }
-        Some(t) => {
-            write_fixed(&mut p, M_THRESHOLD, 0, n);
+        _ => {
+            write_fixed(
+                &mut p,
+                if above.is_some() { M_THRESHOLD } else { M_TOPK },
+                0,
+                n,
+            );
             p.values(values);
-            p.bytes(&t.to_le_bytes());
+            if let Some(t) = above {
+                p.bytes(&t.to_le_bytes());
+            }
+            kept_body(n, &kept, values, &mut p);
+            false
         }
-    }
-    kept_body(n, &kept, values, &mut p);
+    };
     let crc = crc32fast::hash(&p.buf[..p.pos]);
     p.u32(crc);
-    Ok(p.pos)
+    let len = p.pos;
+    if unbiased {
+        return check_unbiased_written(out, len);
+    }
+    Ok(len)
 }
 
 fn write_fixed(p: &mut Put<'_>, id: u8, flags: u8, n: usize) {

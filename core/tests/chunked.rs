@@ -445,3 +445,136 @@ fn topk_of_candidates_is_the_same_with_and_without_working_space() {
         assert!(results.iter().all(|r| *r == results[0]), "k = {k}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Random-k from its drawn indices
+
+/// Random-k's frame from the indices `randomk::for_each` draws and the values at them.
+fn randomk_kept_frame(x: &[f32], p: &Params) -> Result<Vec<u8>, Error> {
+    let n = x.len();
+    let Method::RandomK { k, .. } = p.method else {
+        unreachable!()
+    };
+    let key = gradwire_core::rng::key(p.seed, p.step, p.tensor_id);
+    let mut idx = Vec::new();
+    gradwire_core::randomk::for_each(n as u64, k.resolve(n as u64), key, |i| idx.push(i as u32));
+    let bits: Vec<u32> = idx.iter().map(|&i| x[i as usize].to_bits()).collect();
+    let mut out = vec![0u8; max_frame_len(n, &p.method)];
+    let len = encode_kept_into(
+        n,
+        p,
+        Kept {
+            idx: &idx,
+            bits: &bits,
+        },
+        &mut out,
+    )?;
+    out.truncate(len);
+    Ok(out)
+}
+
+#[test]
+fn randomk_frames_from_the_drawn_indices_are_those_of_encode_into_and_feedback_step() {
+    let mut data = Data(31);
+    for (case, n) in [0usize, 1, 7, 100, 4099, 70_001].into_iter().enumerate() {
+        let g: Vec<f32> = data.grads(n).into_iter().map(moderate).collect();
+        let r: Vec<f32> = data
+            .grads(n)
+            .into_iter()
+            .map(|x| moderate(x) * 0.25)
+            .collect();
+        for v in value_kinds() {
+            for (k, unbiased) in [
+                (K::Ratio(0.01), false),
+                (K::Count(3), true),
+                (K::Ratio(0.5), false),
+            ] {
+                let p = Params::new(Method::RandomK {
+                    k,
+                    values: v,
+                    unbiased,
+                })
+                .with_seed(case as u64)
+                .at_step(9)
+                .for_tensor(4);
+                assert_eq!(
+                    randomk_kept_frame(&g, &p),
+                    encode(&g, &p),
+                    "n {n} {v:?} {k:?}"
+                );
+                if unbiased {
+                    continue;
+                }
+                // Error feedback encodes g + r (the f32 sums).
+                let (mut res, mut out) = (r.clone(), vec![0u8; max_frame_len(n, &p.method)]);
+                let mut scratch = vec![0u32; scratch_len(n, &p.method)];
+                let len = feedback_step(&g, &mut res, &p, &mut scratch, &mut out).unwrap();
+                let x: Vec<f32> = g.iter().zip(&r).map(|(g, r)| g + r).collect();
+                assert_eq!(
+                    randomk_kept_frame(&x, &p).unwrap(),
+                    out[..len],
+                    "EF n {n} {v:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn randomk_kept_lists_are_checked_like_the_others() {
+    let n = 1000;
+    let p = |k, unbiased| {
+        Params::new(Method::RandomK {
+            k: K::Count(k),
+            values: Values::F16,
+            unbiased,
+        })
+    };
+    let mut out = vec![0u8; max_frame_len(n, &p(4, false).method)];
+    const ONE: u32 = 0x3f80_0000; // 1.0
+    const BIG: u32 = 0x4788_b800; // 70 000.0
+    let kept = |idx: &'static [u32], bits: &'static [u32]| Kept { idx, bits };
+    assert_eq!(
+        encode_kept_into(n, &p(3, false), kept(&[1, 2], &[ONE, ONE]), &mut out),
+        Err(Error::InvalidParams { param: Param::K })
+    );
+    assert_eq!(
+        encode_kept_into(n, &p(2, false), kept(&[5, 2], &[ONE, ONE]), &mut out),
+        Err(Error::UnsortedIndices { position: 1 })
+    );
+    assert_eq!(
+        encode_kept_into(n, &p(2, false), kept(&[2, 5], &[ONE, BIG]), &mut out),
+        Err(Error::ValueOutOfRange { index: 5 })
+    );
+    // Unbiased: 1e36 is a finite f32, but times n/k = 500 it would decode to infinity; the
+    // error names the element of the tensor, as encode_into's does.
+    let unbiased = Params::new(Method::RandomK {
+        k: K::Count(2),
+        values: Values::F32,
+        unbiased: true,
+    });
+    let mut g = vec![0.0f32; n];
+    let key = gradwire_core::rng::key(0, 0, 0);
+    let mut idx = Vec::new();
+    gradwire_core::randomk::for_each(n as u64, 2, key, |i| idx.push(i as u32));
+    g[idx[1] as usize] = 1e36;
+    let bits: Vec<u32> = idx.iter().map(|&i| g[i as usize].to_bits()).collect();
+    let want = Err(Error::ValueOutOfRange {
+        index: idx[1] as usize,
+    });
+    assert_eq!(encode(&g, &unbiased).map(|_| ()), want);
+    let mut out = vec![0u8; max_frame_len(n, &unbiased.method)];
+    assert_eq!(
+        encode_kept_into(
+            n,
+            &unbiased,
+            Kept {
+                idx: &idx,
+                bits: &bits
+            },
+            &mut out
+        )
+        .map(|_| ()),
+        want
+    );
+}
