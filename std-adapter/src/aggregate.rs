@@ -42,13 +42,14 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use gradwire_core::{Method, SignScale, accumulate_into, sign};
+use gradwire_core::{Method, SignScale, accumulate_into, rng, sign};
 use rayon::prelude::*;
 
 use crate::bundle::{ENTRY_HEADER_LEN, Entry, EntryKind, HEADER_LEN, Manifest, check_frame};
 use crate::compressor::CompressedGradient;
 use crate::error::{Error, Result};
 use crate::parallel::{CHUNK, Parallelism, SparseList, Split, splits_sparse};
+use crate::parallel_randomk::RandomKDraw;
 
 /// How contributions are combined.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -197,9 +198,10 @@ pub struct Aggregator {
     parallelism: Parallelism,
     /// Byte range of every frame: `frames[rank * entries + entry]`.
     frames: Vec<(usize, usize)>,
-    /// Decoded indices and values of large sparse entries: one list per rank for each entry
-    /// being aggregated at the same time.
-    lists: Mutex<Vec<Vec<SparseList>>>,
+    /// Decoded indices and values of large sparse entries: one list per rank (and random-k's
+    /// draw of the indices, which all ranks share) for each entry being aggregated at the same
+    /// time.
+    lists: Mutex<Vec<Lists>>,
 }
 
 impl Aggregator {
@@ -310,11 +312,25 @@ impl Aggregator {
                 split.accumulate(|r| frame(r, e), count, acc, &finish)
             } else if splits_sparse(entry.len, &entry.method) {
                 let mut lease = ListLease::take(pool, count);
-                let lists = lease.lists();
-                let decoded = lists
-                    .par_iter_mut()
-                    .enumerate()
-                    .all(|(r, list)| list.decode(frame(r, e), entry.len, &entry.method));
+                let (lists, draw) = lease.lists();
+                let decoded = if let Method::RandomK { k, .. } = entry.method {
+                    // Every rank's frame carries the manifest's seed, step and tensor id
+                    // (checked above), so one draw of the indices serves them all.
+                    let params = manifest.params(e, step);
+                    let key = rng::key(params.seed, params.step, params.tensor_id);
+                    let n = entry.len;
+                    draw.draw(n, k.resolve(n as u64), key, true, |_, _| true);
+                    let idx = draw.indices();
+                    lists
+                        .par_iter_mut()
+                        .enumerate()
+                        .all(|(r, list)| list.decode_randomk(frame(r, e), n, &params, idx))
+                } else {
+                    lists
+                        .par_iter_mut()
+                        .enumerate()
+                        .all(|(r, list)| list.decode(frame(r, e), entry.len, &entry.method))
+                };
                 if decoded {
                     let lists = &*lists;
                     acc.par_chunks_mut(CHUNK).enumerate().for_each(|(j, acc)| {
@@ -344,30 +360,38 @@ impl Aggregator {
     }
 }
 
-/// One [`SparseList`] per rank, taken from the aggregator's pool for one large sparse entry
-/// (entries run at the same time each take their own), given back when dropped.
+/// The decoded entries of one large sparse entry: one [`SparseList`] per rank, and random-k's
+/// draw of the indices that all ranks share.
+#[derive(Debug, Default)]
+struct Lists {
+    ranks: Vec<SparseList>,
+    draw: RandomKDraw,
+}
+
+/// [`Lists`] taken from the aggregator's pool for one large sparse entry (entries run at the
+/// same time each take their own), given back when dropped.
 struct ListLease<'p> {
-    pool: &'p Mutex<Vec<Vec<SparseList>>>,
-    lists: Vec<SparseList>,
+    pool: &'p Mutex<Vec<Lists>>,
+    lists: Lists,
     count: usize,
 }
 
 impl<'p> ListLease<'p> {
-    fn take(pool: &'p Mutex<Vec<Vec<SparseList>>>, count: usize) -> Self {
+    fn take(pool: &'p Mutex<Vec<Lists>>, count: usize) -> Self {
         let mut lists = pool
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .pop()
             .unwrap_or_default();
-        if lists.len() < count {
-            lists.resize_with(count, SparseList::default);
+        if lists.ranks.len() < count {
+            lists.ranks.resize_with(count, SparseList::default);
         }
         ListLease { pool, lists, count }
     }
 
-    /// One list per rank.
-    fn lists(&mut self) -> &mut [SparseList] {
-        &mut self.lists[..self.count]
+    /// One list per rank, and the draw.
+    fn lists(&mut self) -> (&mut [SparseList], &mut RandomKDraw) {
+        (&mut self.lists.ranks[..self.count], &mut self.lists.draw)
     }
 }
 

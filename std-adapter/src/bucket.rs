@@ -449,8 +449,8 @@ impl Engine {
     /// (a large top-k or threshold tensor by its chunked selection, which writes its frame on
     /// the way), pass 2 encodes the others, each entry into its own frame buffer, and updates
     /// the residuals; then `sink` in manifest order. In parallel, entries run on the pool, and
-    /// so do chunks of large dense, quantization, sign, top-k and threshold tensors; the frames
-    /// and residuals are the same bytes and bits either way.
+    /// so do chunks of large dense, quantization, sign, top-k, threshold and random-k tensors;
+    /// the frames and residuals are the same bytes and bits either way.
     pub(crate) fn encode(
         &mut self,
         manifest: &Manifest,

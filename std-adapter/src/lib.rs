@@ -21,6 +21,7 @@ pub mod compressor;
 pub mod error;
 pub mod feedback;
 pub mod parallel;
+mod parallel_randomk;
 mod parallel_select;
 pub mod reference;
 pub mod safetensors_checked;

@@ -20,13 +20,14 @@
 //! - **top-k and threshold of one large tensor**: selected in chunks (each chunk collects its
 //!   candidates above a global floor, an exact select among them finishes), then one frame is
 //!   written from the kept list; see `parallel_select.rs`.
+//! - **random-k of one large tensor**: the indices of the sequential selection sampling are
+//!   drawn in chunks (each chunk lists the draws below a bound on the count still needed, one
+//!   thread walks the lists with the exact count; see `parallel_randomk.rs`), then one frame is
+//!   written from them. Aggregation draws the indices once for all ranks (their frames carry
+//!   the same seed, step and tensor id) and decodes each rank's values.
 //!
 //! Stochastic rounding splits too: its draws are keyed by the element's index in the tensor,
 //! which the core's `quant::encode_from` takes for a piece.
-//!
-//! Not split, because one frame depends on the whole tensor in a way chunks cannot share:
-//! random-k (indices drawn by sequential selection sampling). Such entries run on one thread
-//! each, in parallel with the other entries.
 //!
 //! `Parallelism::Serial` runs the same code on the calling thread, chunks one after the other
 //! (the compressor's passes and tiles help there too: see `docs/multicore.md`).
@@ -40,11 +41,11 @@
 //! [`Parallelism::Auto`] (the default) runs in parallel when rayon's pool (the global one, or
 //! the pool the call runs in) has more than one thread. Memory: compression (serial or
 //! parallel) keeps one frame buffer per entry ([`crate::bundle::Manifest::max_bundle_len`] in
-//! all), one set of scratch buffers per task running at the same time and, per large top-k or
-//! threshold tensor, the lists of its chunked selection; parallel aggregation of a large top-k or
-//! threshold entry keeps every rank's decoded indices and values (8 bytes per kept entry per
-//! rank). These buffers are kept between calls; rayon itself may allocate for its job
-//! bookkeeping (see `docs/multicore.md`).
+//! all), one set of scratch buffers per task running at the same time and, per large top-k,
+//! threshold or random-k tensor, the lists of its chunked selection (random-k: 16 bytes per
+//! candidate, about k of them); parallel aggregation of a large sparse entry keeps every rank's
+//! decoded indices and values (8 bytes per kept entry per rank). These buffers are kept between
+//! calls; rayon itself may allocate for its job bookkeeping (see `docs/multicore.md`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -55,8 +56,8 @@ use gradwire_core::{
     values,
 };
 
-/// How many frames of large top-k or threshold tensors this process has selected in chunks
-/// (rather than by the core's serial selection, when the sample missed or overshot or a
+/// How many frames of large top-k, threshold or random-k tensors this process has selected in
+/// chunks (rather than by the core's serial selection, when the sample missed or overshot or a
 /// residual did not exist yet). For tests and diagnostics; the bytes are the same either way.
 #[doc(hidden)]
 pub fn frames_selected_in_chunks() -> u64 {
@@ -483,8 +484,8 @@ pub(crate) fn crc32(bytes: &[u8]) -> u32 {
         .finalize()
 }
 
-/// The indices and values of one sparse frame (top-k or threshold), decoded once so that chunks
-/// of the output can each add the entries that fall into them.
+/// The indices and values of one sparse frame (top-k, threshold or random-k), decoded once so
+/// that chunks of the output can each add the entries that fall into them.
 #[derive(Debug, Default)]
 pub(crate) struct SparseList {
     idx: Vec<u32>,
@@ -493,8 +494,10 @@ pub(crate) struct SparseList {
 
 /// Whether a frame of `n` elements made with `method` is aggregated through a [`SparseList`].
 pub(crate) fn splits_sparse(n: usize, method: &Method) -> bool {
-    matches!(method, Method::TopK { .. } | Method::Threshold { .. })
-        && n >= SPLIT_MIN
+    matches!(
+        method,
+        Method::TopK { .. } | Method::Threshold { .. } | Method::RandomK { .. }
+    ) && n >= SPLIT_MIN
         && u32::try_from(n).is_ok()
 }
 
@@ -549,6 +552,66 @@ impl SparseList {
         }
         self.val.resize(count_usize, 0.0);
         values::decode_run(v, vals, count_usize, 0, &mut self.val);
+        true
+    }
+
+    /// Decodes a random-k frame of `n` elements whose header was checked against `expected`
+    /// (the manifest's parameters), given the indices random-k draws for them (`idx`, drawn
+    /// for `expected`'s seed, step and tensor id): the values, times n/k when unbiased.
+    /// `false`, with the list in any state, for anything the core's decoder would reject.
+    pub(crate) fn decode_randomk(
+        &mut self,
+        frame: &[u8],
+        n: usize,
+        expected: &Params,
+        idx: &[u32],
+    ) -> bool {
+        self.idx.clear();
+        self.val.clear();
+        let method = &expected.method;
+        let (Method::RandomK { unbiased, .. }, Some(v)) = (*method, method.values()) else {
+            return false;
+        };
+        // The parameters end with k, seed, step and tensor id (u64 each); the values section
+        // follows, then the CRC.
+        let Some(header) = max_frame_len(0, method).checked_sub(4) else {
+            return false;
+        };
+        let (Some(fixed), Some(vals)) = (
+            frame.get(header.saturating_sub(32)..header),
+            frame.get(header..frame.len().saturating_sub(4)),
+        ) else {
+            return false;
+        };
+        let word = |j: usize| {
+            let mut c = [0u8; 8];
+            c.copy_from_slice(&fixed[8 * j..8 * j + 8]);
+            u64::from_le_bytes(c)
+        };
+        let count = idx.len();
+        if header < 48
+            || word(0) != count as u64
+            || [word(1), word(2), word(3)] != [expected.seed, expected.step, expected.tensor_id]
+            || count > n
+            || vals.len() != v.section_len(count)
+            || !values_valid(v, count, vals)
+        {
+            return false;
+        }
+        self.idx.extend_from_slice(idx);
+        self.val.resize(count, 0.0);
+        values::decode_run(v, vals, count, 0, &mut self.val);
+        if unbiased && count > 0 {
+            // The core's decoder: `value = fl(v * s)`, s = n/k in binary64 rounded once; a frame
+            // where that is not finite is invalid.
+            let s = (n as f64 / count as f64) as f32;
+            for x in &mut self.val {
+                *x *= s;
+                if !x.is_finite() {
+                    return false;
+                }
+            }
+        }
         true
     }
 

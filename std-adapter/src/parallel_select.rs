@@ -23,6 +23,10 @@
 //! `r = r + g`, then `r[i] += -decoded[i]` at the kept indices, chunk by chunk: per element
 //! the operations of the core's `feedback_step`.
 //!
+//! Random-k takes the same path with another selection: its indices are drawn in chunks
+//! (`parallel_randomk.rs`), each chunk's task checking the chunk first, and the frame is written
+//! from them and the values at them.
+//!
 //! When the sample misses (fewer than k candidates) or overshoots (more than four times what
 //! the core's serial selection holds: `2k + n/256 + 64` for top-k, `n/32 + 64` for threshold),
 //! the core's own selection runs (`feedback_step` / `encode_into`); both are rare on real
@@ -31,11 +35,12 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use gradwire_core::select::{self, Kept};
-use gradwire_core::{Method, Params, encode_kept_into, values};
+use gradwire_core::{Method, Params, encode_kept_into, rng, values};
 use rayon::prelude::*;
 
 use crate::bucket::grow;
 use crate::parallel::{CHUNK, SPLIT_MIN, SparseList};
+use crate::parallel_randomk::RandomKDraw;
 
 /// Frames written by the chunked selection in this process (for tests that must know it ran).
 static FRAMES: AtomicU64 = AtomicU64::new(0);
@@ -64,6 +69,8 @@ pub(crate) enum Rule {
     TopK(usize),
     /// Magnitudes above the threshold.
     Threshold(f32),
+    /// Random-k's draw of k indices (`0 < k < n`).
+    RandomK(usize),
 }
 
 impl Rule {
@@ -80,6 +87,10 @@ impl Rule {
                 (k > 0 && k < n).then_some(Rule::TopK(k))
             }
             Method::Threshold { threshold, .. } => Some(Rule::Threshold(threshold)),
+            Method::RandomK { k, .. } => {
+                let k = k.resolve(n as u64) as usize;
+                (k > 0 && k < n).then_some(Rule::RandomK(k))
+            }
             _ => None,
         }
     }
@@ -89,6 +100,7 @@ impl Rule {
         match self {
             Rule::TopK(k) => select::candidate_capacity(n, k),
             Rule::Threshold(_) => select::threshold_capacity(n),
+            Rule::RandomK(k) => k,
         }
     }
 
@@ -116,6 +128,7 @@ pub(crate) struct SparseSplit {
     hist: Vec<u32>,
     samples: Vec<u32>,
     sent: SparseList,
+    draw: RandomKDraw,
 }
 
 impl SparseSplit {
@@ -140,12 +153,16 @@ impl SparseSplit {
         }
         let limit = values::magnitude_limit(Some(v));
         self.reserve(n, rule, parallel);
+        if let Rule::RandomK(k) = rule {
+            return self.encode_randomk(params, g, r, k, limit, frame, parallel);
+        }
         let (floor, k) = match rule {
             Rule::Threshold(t) => (select::threshold_floor(t), None),
             Rule::TopK(k) => match select::topk_floor(g, r, k, &mut self.samples) {
                 Some(floor) => (floor, Some(k)),
                 None => return Selected::Serial,
             },
+            Rule::RandomK(_) => return Selected::Serial,
         };
         let cap = rule.capacity(n);
         let count = if parallel {
@@ -196,6 +213,50 @@ impl SparseSplit {
         Selected::Frame(len)
     }
 
+    /// Random-k: the indices drawn in chunks (each chunk's task checks the chunk first, as the
+    /// top-k scan does), the values at them gathered (`g`, or the f32 sum `g + r`), the frame
+    /// written from the list.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_randomk(
+        &mut self,
+        params: &Params,
+        g: &[f32],
+        r: Option<&[f32]>,
+        k: usize,
+        limit: f32,
+        frame: &mut [u8],
+        parallel: bool,
+    ) -> Selected {
+        let n = g.len();
+        let key = rng::key(params.seed, params.step, params.tensor_id);
+        // The check: a scan for candidates at or above +inf finds none, and fails on a NaN or a
+        // value at or above the limit (one SIMD pass, the same as the top-k scan's check).
+        let check = |a: usize, e: usize| {
+            let rc = r.map(|r| &r[a..e]);
+            select::candidates(&g[a..e], rc, a, f32::INFINITY, limit, &mut [], &mut []).is_ok()
+        };
+        if !self.draw.draw(n, k as u64, key, parallel, check) {
+            return Selected::OutOfLimit;
+        }
+        let idx = self.draw.indices();
+        grow(&mut self.bits, idx.len());
+        let bits = &mut self.bits[..idx.len()];
+        for (b, &i) in bits.iter_mut().zip(idx) {
+            let i = i as usize;
+            *b = r.map_or(g[i], |r| g[i] + r[i]).to_bits();
+        }
+        let kept = Kept { idx, bits };
+        let Ok(len) = encode_kept_into(n, params, kept, frame) else {
+            // Unbiased values whose n/k multiple overflows: the serial encoder names one.
+            return Selected::Serial;
+        };
+        if r.is_some() && !self.sent.decode_randomk(&frame[..len], n, params, idx) {
+            return Selected::Serial;
+        }
+        FRAMES.fetch_add(1, Ordering::Relaxed);
+        Selected::Frame(len)
+    }
+
     /// Sizes the buffers for a tensor of `n` elements selected by `rule` (so that a later step
     /// allocates nothing): the serial selection's candidate capacity, the sample, the radix
     /// histogram, the decoded sent entries (k, or the threshold's capacity) and, with
@@ -203,15 +264,24 @@ impl SparseSplit {
     /// more than `n/32 + 64` entries) grows the lists once, up to four times it.
     pub(crate) fn reserve(&mut self, n: usize, rule: Rule, parallel: bool) {
         let cap = rule.capacity(n);
-        grow(&mut self.idx, cap);
         grow(&mut self.bits, cap);
         match rule {
             Rule::TopK(k) => {
+                grow(&mut self.idx, cap);
                 grow(&mut self.samples, select::SAMPLE_LEN);
                 grow(&mut self.hist, select::candidates_hist_len(cap));
                 self.sent.reserve(k);
             }
-            Rule::Threshold(_) => self.sent.reserve(cap),
+            Rule::Threshold(_) => {
+                grow(&mut self.idx, cap);
+                self.sent.reserve(cap);
+            }
+            Rule::RandomK(k) => {
+                // The indices are the draw's; no chunk lists of candidates.
+                self.sent.reserve(k);
+                self.draw.reserve(n, k as u64, parallel);
+                return;
+            }
         }
         if parallel {
             let chunks = n.div_ceil(CHUNK);

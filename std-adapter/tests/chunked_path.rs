@@ -1,4 +1,4 @@
-//! The chunked selection of large top-k and threshold tensors runs where it should, and gives
+//! The chunked selection of large top-k, threshold and random-k tensors runs where it should, and gives
 //! way where it should: one test in its own binary, so that the process-wide count of frames
 //! selected in chunks moves only with it. (Its bytes are checked against the core's in
 //! `tests/parallel.rs`.)
@@ -54,5 +54,13 @@ fn large_sparse_tensors_are_selected_in_chunks_unless_the_sample_cannot_serve() 
         // Threshold keeping more than the lists hold: the core's streaming writer.
         let low = CompressionMethod::Threshold { threshold: 0.0 };
         assert_eq!(chunked_frames(&large, &low, parallelism, 1), 0);
+        // Random-k: drawn in chunks every step (with error feedback after the first), unless
+        // it keeps nothing or everything.
+        let randomk = CompressionMethod::RandomK { k: 3000 };
+        assert_eq!(chunked_frames(&large, &randomk, parallelism, 3), 3);
+        let ef = randomk.clone().with_error_feedback();
+        assert_eq!(chunked_frames(&large, &ef, parallelism, 3), 2);
+        let all = CompressionMethod::RandomK { k: 300_000 };
+        assert_eq!(chunked_frames(&large, &all, parallelism, 1), 0);
     }
 }

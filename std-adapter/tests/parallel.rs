@@ -175,6 +175,15 @@ fn synthetic_large_tensor_parallel_equals_serial() {
     }
 }
 
+/// Unbiased random-k with int8 values (no error feedback: the residual would grow).
+fn unbiased_randomk() -> CompressionMethod {
+    CompressionMethod::Core(Method::RandomK {
+        k: K::Ratio(0.02),
+        values: Values::Int8 { block: 256 },
+        unbiased: true,
+    })
+}
+
 #[test]
 fn other_split_methods_parallel_equal_serial() {
     // Every kind of frame that splits into chunks (stochastic rounding too), without and with
@@ -211,9 +220,11 @@ fn other_split_methods_parallel_equal_serial() {
         }),
         CompressionMethod::SignSGDMajority,
         CompressionMethod::Threshold { threshold: 1.5 },
+        CompressionMethod::RandomK { k: 6_000 },
+        unbiased_randomk(),
     ] {
         check_same(&base, &method, BucketConfig::none(), 3, 1, false);
-        if method != CompressionMethod::SignSGDMajority {
+        if method != CompressionMethod::SignSGDMajority && method != unbiased_randomk() {
             check_same(
                 &base,
                 &method.with_error_feedback(),
@@ -316,14 +327,20 @@ fn a_nan_changes_nothing_on_either_path() {
         k: K::Ratio(0.01),
         values: Values::F16,
     });
-    // 4-bit splits into chunks; top-k and threshold select in chunks (from the second step
-    // on, when the residuals exist), and check on the way.
+    // 4-bit splits into chunks; top-k, threshold and random-k select in chunks (from the
+    // second step on, when the residuals exist), and check on the way.
     for method in [
         CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
         CompressionMethod::top_k_int8(0.01).with_error_feedback(),
         CompressionMethod::Threshold { threshold: 0.5 }.with_error_feedback(),
         f16_topk.clone(),
         f16_topk.clone().with_error_feedback(),
+        CompressionMethod::RandomK { k: 40_000 }.with_error_feedback(),
+        CompressionMethod::Core(Method::RandomK {
+            k: K::Ratio(0.01),
+            values: Values::F16,
+            unbiased: false,
+        }),
     ] {
         let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
         let mut s = GradientCompressor::new(method.clone()).with_parallelism(Parallelism::Serial);
@@ -441,6 +458,15 @@ fn invalid_frame_bodies_give_the_serial_errors() {
         ),
         // Top-k int8: a code of -128 at the end of the values section.
         (CompressionMethod::top_k_int8(0.01), usize::MAX),
+        // Unbiased random-k (f32 values, n/k = 100): a value of 1e37 decodes to infinity.
+        (
+            CompressionMethod::Core(Method::RandomK {
+                k: K::Ratio(0.01),
+                values: Values::F32,
+                unbiased: true,
+            }),
+            usize::MAX - 1,
+        ),
     ] {
         let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
         let mut bundles: Vec<Vec<u8>> = (0..3)
@@ -454,16 +480,19 @@ fn invalid_frame_bodies_give_the_serial_errors() {
             .collect();
         let bundle = &mut bundles[1];
         let frame_len = u32::from_le_bytes(bundle[32..36].try_into().unwrap()) as usize;
-        let at = if poke == usize::MAX {
-            frame_start + frame_len - 5
-        } else {
-            frame_start + poke
+        let at = match poke {
+            usize::MAX => frame_start + frame_len - 5,
+            p if p == usize::MAX - 1 => frame_start + frame_len - 8,
+            p => frame_start + p,
         };
         match method {
             CompressionMethod::SignSGD => {
                 bundle[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
             }
             CompressionMethod::Quantization { .. } => bundle[at] = 0xff,
+            CompressionMethod::Core(Method::RandomK { .. }) => {
+                bundle[at..at + 4].copy_from_slice(&1e37f32.to_le_bytes());
+            }
             _ => bundle[at] = 0x80,
         }
         reseal(bundle, frame_start, frame_len);
@@ -549,6 +578,33 @@ fn large_sparse_frames_equal_the_core_step() {
         for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
             check_against_the_core_step(&method, parallelism, "large.weight", 3, |step| {
                 vary(&base, 7 + step)
+            });
+        }
+    }
+}
+
+#[test]
+fn large_randomk_frames_equal_the_core_step() {
+    // Both paths draw a large random-k tensor's indices in chunks (on one thread: the core's
+    // draw) and write the frame from them; frames and residuals must be the core's.
+    let base = synthetic(&mut Rng(14));
+    let core = |k, values, unbiased| {
+        CompressionMethod::Core(Method::RandomK {
+            k,
+            values,
+            unbiased,
+        })
+    };
+    for method in [
+        CompressionMethod::RandomK { k: 40_000 }.with_error_feedback(),
+        CompressionMethod::RandomK { k: 1 },
+        core(K::Ratio(0.01), Values::Int8 { block: 256 }, false).with_error_feedback(),
+        core(K::Ratio(0.6), Values::Bf16, false).with_error_feedback(),
+        core(K::Count(999), Values::F16, true),
+    ] {
+        for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+            check_against_the_core_step(&method, parallelism, "large.weight", 3, |step| {
+                vary(&base, 9 + step)
             });
         }
     }
