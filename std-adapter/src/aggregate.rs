@@ -116,8 +116,9 @@ fn finish(out: &mut [f32], reduction: Reduction, count: usize) {
 }
 
 /// Aggregates the bundles of W ranks (`bundles[r]` is rank `r`'s) made at `step` into `out`,
-/// resized to [`Manifest::flat_len`] (no allocation when it has the capacity). See the module
-/// docs for the checks and the reductions.
+/// resized to [`Manifest::flat_len`] (no allocation when it has the capacity, except for a
+/// large random-k entry, whose indices are drawn once for all ranks: 4 bytes per kept element,
+/// and its decoded values, 8). See the module docs for the checks and the reductions.
 ///
 /// This is the serial path, on the calling thread; [`Aggregator`] gives the same bits on every
 /// core.
@@ -141,11 +142,40 @@ pub fn aggregate_into<B: AsRef<[u8]>>(
     }
     out.clear();
     out.resize(manifest.flat_len(), 0.0);
+    // A large random-k entry's indices are the same in every rank's frame (the frames carry the
+    // manifest's seed, step and tensor id, checked above): drawn once, at its first frame.
+    let mut drawn: Vec<Option<RandomKDraw>> = Vec::new();
+    let mut list = SparseList::default();
     for (rank, bundle) in bundles.iter().enumerate() {
         let result = manifest.walk(bundle.as_ref(), Some(rank), |e, frame| {
             let entry = &manifest.entries()[e];
             let acc = &mut out[entry.offset..entry.offset + entry.len];
-            accumulate_into(frame, &manifest.params(e, step), acc, 1.0)
+            let params = manifest.params(e, step);
+            if let Method::RandomK { k, .. } = entry.method
+                && splits_sparse(entry.len, &entry.method)
+            {
+                if drawn.len() <= e {
+                    drawn.resize_with(e + 1, || None);
+                }
+                let draw = drawn[e].get_or_insert_with(|| {
+                    let mut draw = RandomKDraw::default();
+                    let key = rng::key(params.seed, params.step, params.tensor_id);
+                    draw.draw(
+                        entry.len,
+                        k.resolve(entry.len as u64),
+                        key,
+                        false,
+                        |_, _| true,
+                    );
+                    draw
+                });
+                if list.decode_randomk(frame, entry.len, &params, draw.indices()) {
+                    list.add_range(0, acc, 1.0);
+                    return Ok(());
+                }
+                // Invalid: the core's decoder names the fault (and adds nothing).
+            }
+            accumulate_into(frame, &params, acc, 1.0)
                 .map(|_| ())
                 .map_err(|err| Error::core(&entry.label, Some(rank), err))
         });
@@ -165,7 +195,8 @@ pub fn aggregate_into<B: AsRef<[u8]>>(
 /// output range belongs to one task, which adds the ranks' frames in rank order; a large entry
 /// is cut into chunks of its output, each adding every rank's part in rank order (dense,
 /// quantization and sign frames at block boundaries; top-k and threshold frames through their
-/// indices, decoded once per rank). Zeroing, adding and the final reduction run per chunk while
+/// indices, decoded once per rank; random-k frames through the indices drawn once for all
+/// ranks). Zeroing, adding and the final reduction run per chunk while
 /// it is in cache. When anything fails, the serial path runs again to report the same error.
 ///
 /// ```

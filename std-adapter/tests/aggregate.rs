@@ -88,6 +88,58 @@ fn sum_and_mean_in_rank_order() {
 }
 
 #[test]
+fn large_randomk_entries_sum_as_the_core_decodes_them() {
+    // Tensors past the split size: the indices are drawn once for all ranks, serially and in
+    // parallel; the sum must be the core decoder's frame by frame, with every value codec and
+    // the unbiased scaling.
+    use gradwire::aggregate::Aggregator;
+    use gradwire::core::K;
+    use gradwire::parallel::Parallelism;
+    let mut rng = Rng(21);
+    let base = HashMap::from([
+        ("w".to_owned(), Tensor::vector(rng.vec(300_001, 1.0))),
+        ("b".to_owned(), Tensor::vector(rng.vec(70, 1.0))),
+    ]);
+    let ranks: Vec<HashMap<String, Tensor>> = (0..3)
+        .map(|r| noisy(&base, &mut Rng(30 + r), 0.5))
+        .collect();
+    let core = |values, unbiased| {
+        CompressionMethod::Core(Method::RandomK {
+            k: K::Ratio(0.02),
+            values,
+            unbiased,
+        })
+    };
+    for method in [
+        CompressionMethod::RandomK { k: 4000 },
+        core(Values::Int8 { block: 256 }, true),
+        core(Values::Bf16, false),
+        core(Values::F16, true),
+    ] {
+        let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
+        let b = bundles(&manifest, &method, &ranks);
+        let mut expected = vec![0.0f32; manifest.flat_len()];
+        for (rank, bundle) in b.iter().enumerate() {
+            let mut one = Vec::new();
+            manifest
+                .decode_bundle(bundle, Some(rank), Some(0), &mut one)
+                .unwrap();
+            for (e, x) in expected.iter_mut().zip(&one) {
+                *e += 1.0 * x;
+            }
+        }
+        let sum = aggregate(&manifest, &b, 0, Reduction::Sum).unwrap();
+        assert!(same_bits(&sum, &expected), "{method:?}");
+        let mut par = Vec::new();
+        Aggregator::new()
+            .with_parallelism(Parallelism::Parallel)
+            .aggregate_into(&manifest, &b, 0, Reduction::Sum, &mut par)
+            .unwrap();
+        assert!(same_bits(&par, &expected), "{method:?} in parallel");
+    }
+}
+
+#[test]
 fn majority_vote_ties_go_to_plus() {
     let method = CompressionMethod::SignSGDMajority;
     let votes = [

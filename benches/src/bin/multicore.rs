@@ -1,13 +1,13 @@
 //! Serial vs parallel: `GradientCompressor::compress_bundle` and aggregation of W = 8 bundles
 //! (`aggregate_into`, the serial path, vs `Aggregator` on rayon's pool), on a model of one large
 //! tensor plus 50 small ones (2.5e7 elements in all) and on the real MiniLM gradients, for top-k
-//! 1% int8, sign, 4-bit and threshold (|g| > 0.01), each with error feedback, and QSGD (4-bit
-//! stochastic rounding, no error feedback). Serial and parallel runs alternate (which
+//! 1% int8, sign, 4-bit, threshold (|g| > 0.01) and random-k 1% (f32 values), each with error
+//! feedback, and QSGD (4-bit stochastic rounding, no error feedback). Serial and parallel runs alternate (which
 //! one goes first alternates too) and every parallel result is checked against the serial one
 //! (bundles byte for byte, aggregates bit for bit). Medians of the repetitions.
 //!
 //! `cargo run --release -p gradwire-benches --bin multicore -- [--reps R] [--n N]
-//! [--only large|minilm] [--method top-k|sign|4-bit|QSGD|threshold] [--ranks W] [--gate X]` (defaults: 11
+//! [--only large|minilm] [--method top-k|sign|4-bit|QSGD|threshold|random-k] [--ranks W] [--gate X]` (defaults: 11
 //! repetitions, N = 2.5e7, W = 8, X = 1.8).
 //!
 //! Other work on a shared machine takes cores away for a while, so the bench measures what
@@ -26,7 +26,7 @@ use gradwire::aggregate::{Aggregator, Reduction, aggregate_into};
 use gradwire::bucket::BucketConfig;
 use gradwire::bundle::Manifest;
 use gradwire::compressor::{CompressionMethod, GradientCompressor};
-use gradwire::core::{Method, Rounding};
+use gradwire::core::{K, Method, Rounding, Values};
 use gradwire::parallel::Parallelism;
 use gradwire::tensor::Tensor;
 use gradwire_benches::{build_name, heavy_tailed, repo_root};
@@ -234,7 +234,7 @@ fn bench_model(
     method_filter: Option<&str>,
     rows: &mut Vec<Row>,
 ) {
-    let methods: [(&'static str, CompressionMethod); 5] = [
+    let methods: [(&'static str, CompressionMethod); 6] = [
         (
             "top-k 1% int8 + EF",
             CompressionMethod::top_k_int8(0.01).with_error_feedback(),
@@ -258,6 +258,15 @@ fn bench_model(
         (
             "threshold + EF",
             CompressionMethod::Threshold { threshold: 0.01 }.with_error_feedback(),
+        ),
+        (
+            "random-k 1% + EF",
+            CompressionMethod::Core(Method::RandomK {
+                k: K::Ratio(0.01),
+                values: Values::F32,
+                unbiased: false,
+            })
+            .with_error_feedback(),
         ),
     ];
     for (label, method) in methods {

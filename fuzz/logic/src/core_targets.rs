@@ -711,8 +711,9 @@ pub fn simd_scalar(data: &[u8]) {
     let mut buf = vec![0.0f32; offset + n];
     buf[offset..].copy_from_slice(&grad);
     let x = &buf[offset..];
-    match which % 12 {
-        5..=11 => simd_more(which % 12, &raw, x, &mut inp),
+    match which % 13 {
+        5..=11 => simd_more(which % 13, &raw, x, &mut inp),
+        12 => randomk_runs(&mut inp),
         0 => {
             // Exact top-k cut and the kept indices.
             if n == 0 {
@@ -855,6 +856,42 @@ fn chunked(x: &[f32], floor: f32, limit: f32, inp: &mut Input<'_>) -> Option<(Ve
 
 /// The fast entry points added with the SIMD paths, each against its scalar definition.
 /// `raw` is the gradient before non-finite values were replaced (to test the limit checks).
+/// The fast random-k draw against the specification's Algorithm S: `randomk::for_each`, and
+/// candidates of runs cut anywhere, scanned with any bound at or above the count still needed
+/// (through buffers of any size), resolved in order.
+fn randomk_runs(inp: &mut Input<'_>) {
+    use gradwire_core::randomk::{self, Candidate};
+    let n = inp.range(0, 70_000);
+    let k = match inp.u8() % 4 {
+        0 => inp.range(0, n + 2),
+        1 => n / 100,
+        2 => n.saturating_sub(inp.range(0, 10)),
+        _ => inp.range(0, 5),
+    };
+    let key = inp.u64();
+    let mut spec = Vec::new();
+    scalar::randomk_for_each(n, k, key, |i| spec.push(i));
+    let mut fast = Vec::new();
+    randomk::for_each(n, k, key, |i| fast.push(i));
+    assert_eq!(fast, spec, "randomk::for_each (n = {n}, k = {k})");
+    let mut buf = vec![Candidate::default(); 1 + inp.range(0, 300) as usize];
+    let (mut needed, mut start, mut got) = (k.min(n), 0u64, Vec::new());
+    while start < n && needed > 0 {
+        let end = (start + 1 + inp.range(0, 5000)).min(n);
+        let bound = needed.saturating_add(inp.range(0, 3) * inp.range(0, 100));
+        let (mut i, mut list) = (start, Vec::new());
+        while i < end {
+            let (count, next) = randomk::candidates(key, n, i, end, bound, &mut buf);
+            assert!(next > i || count > 0, "no progress");
+            list.extend_from_slice(&buf[..count]);
+            i = next;
+        }
+        randomk::resolve(&list, &mut needed, |i| got.push(i));
+        start = end;
+    }
+    assert_eq!(got, spec, "random-k runs (n = {n}, k = {k})");
+}
+
 fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
     use gradwire_core::values;
     let n = x.len();
