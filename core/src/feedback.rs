@@ -75,7 +75,7 @@ pub fn feedback_step(
     } else if all_below(&Sum(grad, residual), limit) {
         add_into(residual, grad);
         let len = encode_checked(residual, params, scratch, out);
-        accumulate_into(&out[..len], params, residual, -1.0)?;
+        subtract_sent(&out[..len], params, scratch, residual)?;
         return Ok(len);
     }
     // Something is out of limit: find the first offender in the specified order.
@@ -97,6 +97,41 @@ pub fn feedback_step(
     add_into(residual, grad);
     debug_assert!(check_input(residual, &params.method).is_ok());
     let len = encode_checked(residual, params, scratch, out);
-    accumulate_into(&out[..len], params, residual, -1.0)?;
+    subtract_sent(&out[..len], params, scratch, residual)?;
     Ok(len)
+}
+
+/// `residual += -1 * decoded(frame)` for a frame [`encode_checked`] just wrote from `residual`
+/// with `scratch`: [`accumulate_into`]`(frame, residual, -1.0)`, except for random-k, whose
+/// indices the encoder left in `scratch` (`u32`, n within `u32`): the values section is decoded
+/// and subtracted at them, without drawing the indices a second time (the draw is most of a
+/// random-k step).
+fn subtract_sent(
+    frame: &[u8],
+    params: &Params,
+    scratch: &[u32],
+    residual: &mut [f32],
+) -> Result<(), Error> {
+    let n = residual.len();
+    if let Method::RandomK { k, values, .. } = params.method
+        && u32::try_from(n).is_ok()
+    {
+        let k = k.resolve(n as u64) as usize;
+        let section = frame
+            .len()
+            .checked_sub(4 + values.section_len(k))
+            .and_then(|at| frame.get(at..frame.len() - 4));
+        if let (Some(section), Some(idx)) = (section, scratch.get(..k)) {
+            let mut buf = [0.0f32; 64];
+            for (j, idx) in idx.chunks(buf.len()).enumerate() {
+                let vals = &mut buf[..idx.len()];
+                crate::values::decode_run(values, section, k, j * 64, vals);
+                for (&i, &x) in idx.iter().zip(vals.iter()) {
+                    residual[i as usize] += -1.0 * x;
+                }
+            }
+            return Ok(());
+        }
+    }
+    accumulate_into(frame, params, residual, -1.0).map(|_| ())
 }

@@ -515,6 +515,16 @@ fn randomk_frames_from_the_drawn_indices_are_those_of_encode_into_and_feedback_s
                     out[..len],
                     "EF n {n} {v:?}"
                 );
+                // The residual: `g + r`, then the frame added with weight -1 (the step does it
+                // from the indices left in scratch, without drawing them again).
+                let mut want = x.clone();
+                gradwire_core::accumulate_into(&out[..len], &p, &mut want, -1.0).unwrap();
+                assert!(
+                    want.iter()
+                        .zip(&res)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "EF residual n {n} {v:?}"
+                );
             }
         }
     }
