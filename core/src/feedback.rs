@@ -127,7 +127,7 @@ fn subtract_sent(
                 let vals = &mut buf[..idx.len()];
                 crate::values::decode_run(values, section, k, j * 64, vals);
                 for (&i, &x) in idx.iter().zip(vals.iter()) {
-                    residual[i as usize] += -1.0 * x;
+                    residual[i as usize] += -x; // -1 * x: accumulate_into with weight -1
                 }
             }
             return Ok(());
