@@ -185,7 +185,7 @@ pub fn encode_into(
         // Random-k and the scalar quantization and sign paths: check, then encode.
         check_input(grad, &params.method)?;
         let len = encode_checked(grad, params, scratch, out);
-        return check_unbiased_written(out, len);
+        return check_unbiased_written(out, len, None);
     };
     match fused {
         Ok(len) => Ok(len),
@@ -199,22 +199,33 @@ pub fn encode_into(
 
 /// Unbiased random-k: the decoder multiplies every value by n/k, so a frame whose product
 /// overflows would decode to ±inf. Refuses it with [`Error::ValueOutOfRange`] naming the
-/// element, and breaks the frame's checksum so that `out` holds no valid frame.
-fn check_unbiased_written(out: &mut [u8], len: usize) -> Result<usize, Error> {
+/// element (`index_of(j)`: the tensor index of kept entry `j`, `None` to draw it again), and
+/// breaks the frame's checksum so that `out` holds no valid frame.
+fn check_unbiased_written(
+    out: &mut [u8],
+    len: usize,
+    index_of: Option<&[u32]>,
+) -> Result<usize, Error> {
     let Ok((h, body)) = parse_trusted(&out[..len]) else {
         return Ok(len);
     };
     let Some(j) = first_unbiased_overflow(&h, &body) else {
         return Ok(len);
     };
-    let p = &h.params;
-    let (mut c, mut index) = (0usize, 0u64);
-    randomk::for_each(h.n, h.kept, rng::key(p.seed, p.step, p.tensor_id), |i| {
-        if c == j {
-            index = i;
+    let index = match index_of.and_then(|idx| idx.get(j)) {
+        Some(&i) => u64::from(i),
+        None => {
+            let p = &h.params;
+            let (mut c, mut index) = (0usize, 0u64);
+            randomk::for_each(h.n, h.kept, rng::key(p.seed, p.step, p.tensor_id), |i| {
+                if c == j {
+                    index = i;
+                }
+                c += 1;
+            });
+            index
         }
-        c += 1;
-    });
+    };
     for b in &mut out[len - 4..len] {
         *b = !*b;
     }
@@ -558,7 +569,7 @@ pub fn encode_kept_into(
     p.u32(crc);
     let len = p.pos;
     if unbiased {
-        return check_unbiased_written(out, len);
+        return check_unbiased_written(out, len, Some(kept.idx));
     }
     Ok(len)
 }

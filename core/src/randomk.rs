@@ -129,8 +129,9 @@ fn pass_limit(bound: u64, remaining: u64) -> Option<u64> {
 
 /// Scans indices `start..end` of an `n`-element tensor in stream `key` and writes, in ascending
 /// order, every index whose scaled draw `h` is below `bound` into `out` (see [`Candidate`]).
-/// Returns how many it wrote and the first index it did not scan: `end`, or less when `out`
-/// filled up first (call again from there). Indices at or past `n` are never scanned.
+/// Returns how many it wrote and the first index it did not scan: `max(start, min(end, n))`,
+/// or less when `out` filled up first (call again from there). Indices at or past `n` are
+/// never scanned.
 ///
 /// With `bound` at least the number of indices Algorithm S still needs at `start`, the output
 /// holds every index it keeps in `start..end` ([`resolve`] picks them).

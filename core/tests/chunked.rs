@@ -587,4 +587,14 @@ fn randomk_kept_lists_are_checked_like_the_others() {
         .map(|_| ()),
         want
     );
+    // The error names the element of the list it was given, whatever the indices.
+    let bits = [1.0f32.to_bits(), 1e36f32.to_bits()];
+    let kept = Kept {
+        idx: &[3, 5],
+        bits: &bits,
+    };
+    assert_eq!(
+        encode_kept_into(n, &unbiased, kept, &mut out),
+        Err(Error::ValueOutOfRange { index: 5 })
+    );
 }

@@ -5,7 +5,9 @@
 //! anything else is an error naming the tensor (or bucket) and the rank. Then every frame is
 //! added straight into the result with [`gradwire_core::accumulate_into`], in rank order, so
 //! every rank that aggregates the same contributions gets bit-identical results; no rank's
-//! contribution is ever decoded into a dense copy of its own.
+//! contribution is ever decoded into a dense copy of its own. (A large random-k entry's indices,
+//! the same in every rank's frame, are drawn once and each frame's values added at them: the
+//! same additions.)
 //!
 //! - [`Reduction::Sum`]: the f32 sum, in rank order.
 //! - [`Reduction::Mean`]: the sum, divided once by W (the mean of `[3]`, `[3]`, `[3]` is `[3]`).

@@ -199,8 +199,8 @@ impl Bufs {
     }
 }
 
-/// One entry of a step: its frame, the residuals of its tensors while it runs, and
-/// for a large top-k or threshold tensor the buffers of its chunked selection (`selected`: its
+/// One entry of a step: its frame, the residuals of its tensors while it runs, and for a large
+/// top-k, threshold or random-k tensor the buffers of its chunked selection (`selected`: its
 /// frame was written while checking).
 #[derive(Debug, Default)]
 struct Slot {
@@ -446,11 +446,11 @@ impl Engine {
     /// order. Everything is checked before the first residual changes or `sink` is called.
     ///
     /// One path, on one thread or on rayon's pool (`parallelism`): pass 1 checks every entry
-    /// (a large top-k or threshold tensor by its chunked selection, which writes its frame on
-    /// the way), pass 2 encodes the others, each entry into its own frame buffer, and updates
-    /// the residuals; then `sink` in manifest order. In parallel, entries run on the pool, and
-    /// so do chunks of large dense, quantization, sign, top-k, threshold and random-k tensors;
-    /// the frames and residuals are the same bytes and bits either way.
+    /// (a large top-k, threshold or random-k tensor by its chunked selection, which writes its
+    /// frame on the way), pass 2 encodes the others, each entry into its own frame buffer, and
+    /// updates the residuals; then `sink` in manifest order. In parallel, entries run on the
+    /// pool, and so do chunks of large dense, quantization, sign, top-k, threshold and random-k
+    /// tensors; the frames and residuals are the same bytes and bits either way.
     pub(crate) fn encode(
         &mut self,
         manifest: &Manifest,
@@ -494,7 +494,7 @@ fn for_each_slot<T: Send>(items: &mut [T], parallel: bool, f: impl Fn(usize, &mu
     }
 }
 
-/// The work of one step: checks (a large top-k or threshold tensor's by its chunked
+/// The work of one step: checks (a large top-k, threshold or random-k tensor's by its chunked
 /// selection, which writes its frame), residuals moved into the slots, every other entry
 /// encoded into its slot and every residual updated, residuals given back. With `parallel`,
 /// entries and chunks of large tensors run on rayon's pool. The first error in manifest order;
@@ -510,8 +510,8 @@ fn encode_slots(
 ) -> Result<()> {
     let entries = manifest.entries();
     // Pass 1: every check, before anything changes; the first error in manifest order. A large
-    // top-k or threshold tensor is checked by its chunked selection, which writes its frame on
-    // the way (reading the residual, not changing it).
+    // top-k, threshold or random-k tensor is checked by its chunked selection, which writes its
+    // frame on the way (reading the residual, not changing it).
     {
         let fb = feedback.as_deref();
         for_each_slot(slots, parallel, |e, slot| {
@@ -600,11 +600,11 @@ fn encode_slots(
     first_error(slots)
 }
 
-/// Pass 1 for entry `e` when it is one large top-k or threshold tensor: selects in chunks (on
-/// rayon's pool with `parallel`) and writes its frame into the slot (`slot.selected`), reading the
-/// gradient and, with `feedback`, the residual. `true` when done (frame written, or the error
-/// of a bad value set); `false` when the entry takes the ordinary check and encoder (another
-/// kind of entry, no residual yet, the sample missed).
+/// Pass 1 for entry `e` when it is one large top-k, threshold or random-k tensor: selects in
+/// chunks (on rayon's pool with `parallel`) and writes its frame into the slot
+/// (`slot.selected`), reading the gradient and, with `feedback`, the residual. `true` when done
+/// (frame written, or the error of a bad value set); `false` when the entry takes the ordinary
+/// check and encoder (another kind of entry, no residual yet, the sample missed).
 fn select_in_chunks(
     manifest: &Manifest,
     e: usize,

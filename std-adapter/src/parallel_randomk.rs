@@ -56,11 +56,18 @@ fn bound_at(n: u64, k: u64, start: u64) -> u64 {
 }
 
 /// The first length of the list of chunk `start..end` scanned with `bound`: twice the expected
-/// candidates (about `bound * len / (n - end + 1)`) plus 64, at most the chunk's length.
+/// candidates plus 64, at most the chunk's length. Index `i` is a candidate with probability
+/// `min(1, bound / (n - i))`; summed over the chunk (`n - i` from `a = n - end + 1` to
+/// `b = n - start`) that is about `bound * ln(b / a)`, and all of `n - i <= bound`.
 fn first_capacity(n: usize, bound: u64, start: usize, end: usize) -> usize {
     let len = end - start;
-    let expect = (bound as f64 * len as f64 / (n - end + 1) as f64).min(len as f64) as usize;
-    (2 * expect + 64).min(len)
+    let (a, b, u) = ((n - end + 1) as f64, (n - start) as f64, bound as f64);
+    let expect = if u <= a {
+        u * ((b / a).ln() + 1.0 / a)
+    } else {
+        (u - a) + u * ((b / u).max(1.0).ln() + 1.0 / u)
+    };
+    (2.0 * expect.min(len as f64) + 64.0).min(len as f64) as usize
 }
 
 impl RandomKDraw {
@@ -221,13 +228,19 @@ mod tests {
 
     #[test]
     fn a_missed_bound_is_drawn_again_exactly() {
-        // Bounds of 1 everywhere miss in every chunk but the last ones; step 2 rescans them.
+        // Every list scanned with a bound of 1, below the count needed in every chunk but the
+        // last ones: step 2 must scan those chunks again with the exact count.
         let (n, k) = (6 * CHUNK, 6 * CHUNK as u64 / 10);
         let key = rng::key(1, 2, 3);
         let mut draw = RandomKDraw::default();
         assert!(draw.draw(n, k, key, true, |_, _| true));
-        for list in &mut draw.lists {
-            list.bound = 1;
+        for (j, list) in draw.lists.iter_mut().enumerate() {
+            let (start, end) = (j * CHUNK, ((j + 1) * CHUNK).min(n));
+            grow(&mut list.buf, end - start);
+            let (c, next) =
+                randomk::candidates(key, n as u64, start as u64, end as u64, 1, &mut list.buf);
+            assert_eq!(next, end as u64);
+            (list.count, list.bound) = (c, 1);
         }
         draw.resolve_lists(n, k, key);
         assert_eq!(draw.indices(), spec(n, k, key));

@@ -75,8 +75,8 @@ pub(crate) enum Rule {
 
 impl Rule {
     /// The rule of `method` for a tensor of `n` elements when it is selected in chunks: top-k
-    /// with `0 < k < n` or threshold, on at least [`SPLIT_MIN`] elements (past the core's
-    /// sampling minimum) with `u32` indices.
+    /// or random-k with `0 < k < n`, or threshold, on at least [`SPLIT_MIN`] elements (past the
+    /// core's sampling minimum) with `u32` indices.
     pub(crate) fn of(n: usize, method: &Method) -> Option<Rule> {
         if n < SPLIT_MIN.max(select::SAMPLED_MIN) || u32::try_from(n).is_err() {
             return None;

@@ -854,8 +854,6 @@ fn chunked(x: &[f32], floor: f32, limit: f32, inp: &mut Input<'_>) -> Option<(Ve
     Some((idx, bits))
 }
 
-/// The fast entry points added with the SIMD paths, each against its scalar definition.
-/// `raw` is the gradient before non-finite values were replaced (to test the limit checks).
 /// The fast random-k draw against the specification's Algorithm S: `randomk::for_each`, and
 /// candidates of runs cut anywhere, scanned with any bound at or above the count still needed
 /// (through buffers of any size), resolved in order.
@@ -892,6 +890,8 @@ fn randomk_runs(inp: &mut Input<'_>) {
     assert_eq!(got, spec, "random-k runs (n = {n}, k = {k})");
 }
 
+/// The fast entry points added with the SIMD paths, each against its scalar definition.
+/// `raw` is the gradient before non-finite values were replaced (to test the limit checks).
 fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
     use gradwire_core::values;
     let n = x.len();
