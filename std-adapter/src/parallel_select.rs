@@ -104,6 +104,12 @@ impl Rule {
         }
     }
 
+    /// Candidates a chunked selection may hold in all: four times [`Rule::capacity`] (past
+    /// that, the core's selection runs; chunk lists keep what they grew to up to that much).
+    fn bound(self, n: usize) -> usize {
+        4 * self.capacity(n)
+    }
+
     /// The first length of each chunk's list: twice its share of [`Rule::capacity`].
     fn chunk_capacity(self, n: usize) -> usize {
         let chunks = n.div_ceil(CHUNK).max(1);
@@ -164,7 +170,6 @@ impl SparseSplit {
             },
             Rule::RandomK(_) => return Selected::Serial,
         };
-        let cap = rule.capacity(n);
         let count = if parallel {
             match self.collect_in_parallel(g, r, floor, limit, rule) {
                 Ok(Some(count)) => count,
@@ -180,7 +185,7 @@ impl SparseSplit {
             };
             match scan(&mut self.idx, &mut self.bits) {
                 Ok(count) if count <= self.idx.len() => count,
-                Ok(count) if count <= 4 * cap => {
+                Ok(count) if count <= rule.bound(n) => {
                     grow(&mut self.idx, count);
                     grow(&mut self.bits, count);
                     match scan(&mut self.idx, &mut self.bits) {
@@ -309,7 +314,7 @@ impl SparseSplit {
         rule: Rule,
     ) -> Result<Option<usize>, select::OutOfLimit> {
         let n = g.len();
-        let bound = 4 * rule.capacity(n);
+        let bound = rule.bound(n);
         let chunks = n.div_ceil(CHUNK);
         let total = AtomicUsize::new(0);
         let bad = AtomicBool::new(false);
@@ -367,7 +372,7 @@ impl SparseSplit {
         let lists = &mut self.chunks[..n.div_ceil(CHUNK)];
         let first = rule.chunk_capacity(n);
         let held: usize = lists.iter().map(|l| l.idx.len()).sum();
-        if held > lists.len() * first + 4 * rule.capacity(n) {
+        if held > lists.len() * first + rule.bound(n) {
             for list in lists {
                 for v in [&mut list.idx, &mut list.bits] {
                     v.truncate(first);
