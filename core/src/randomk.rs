@@ -6,26 +6,30 @@
 //! draws are independent of each other; only that number (which never grows) links one index to
 //! the next. So the scan splits in two:
 //!
-//! 1. [`candidates`]: compute `h_i` for a run of indices, eight at a time with no dependency
-//!    between them (the 5 multiplications of an index overlap with the next index's), and keep
-//!    every index with `h_i` below a bound: any number at least the count still needed when
-//!    the run starts. That is a superset of what the run keeps (about `bound / (n - i)` of it).
+//! 1. [`candidates`]: for a run of indices, keep every index with `h_i` below a bound: any
+//!    number at least the count still needed when the run starts. That is a superset of what
+//!    the run keeps (about `bound / (n - i)` of it). The draws are computed eight at a time
+//!    with no dependency between them (the multiplications of one index overlap with the
+//!    next's), and compared raw against the span's pass limit (`h_i < bound` exactly when
+//!    `draw < ceil(bound * 2^64 / (n - i))`; one 128-bit division per [`SPAN`] indices), so
+//!    that only the few that pass are scaled.
 //! 2. [`resolve`]: walk the candidates in order with the exact count: keep `i` when `h_i` is
 //!    below it, and count down.
 //!
 //! [`for_each`] alternates the two over windows of [`WINDOW`] indices. A multi-core caller runs
 //! step 1 on many runs at once, with a bound that holds with overwhelming probability (the count
 //! needed at a position is hypergeometric), and step 2 on one thread over the lists in order,
-//! checking that each run's bound held ([`resolve`] says when it did not).
+//! scanning a run again with the exact count where its bound turns out too low.
 //!
 //! Measured (N = 2.5e7, k = 1%, best of 7, one core): the specification's loop 76-82 ms (3.1-3.3
-//! ns per index); [`for_each`] 72 ms in the default build (scalar chains: the 5 multiplications
-//! per index bound it) and 59 ms with AVX2 (`-C target-cpu=native`: four lanes per vector, each
-//! 64-bit multiply from three 32-bit ones). The draws are compute-bound, about 7 read passes of
-//! the tensor: what random-k really gains from is more cores (the std crate draws chunks in
-//! parallel) and, on the receiver, drawing once for every rank's frame.
+//! ns per index); [`for_each`] 72 ms in the default build (scalar chains: the multiplications
+//! bound it) and 59 ms with AVX2 (`-C target-cpu=native`: four lanes per vector, each 64-bit
+//! multiply from three 32-bit ones). The draws are compute-bound, 7-14 read passes of the tensor
+//! depending on the machine's read speed: what random-k really gains from is more cores (the
+//! std crate draws chunks in parallel) and, on the receiver, drawing once for every rank's
+//! frame (BENCHMARKS.md, round 5).
 
-use crate::rng;
+use crate::rng::{self, GOLDEN};
 
 /// Indices [`for_each`] scans per call of [`candidates`].
 pub const WINDOW: u64 = 512;
@@ -48,8 +52,6 @@ fn scaled(d: u64, remaining: u64) -> u64 {
     ((d as u128 * remaining as u128) >> 64) as u64
 }
 
-const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
-
 /// The counter `rng::draw` mixes for index `i`: `i * G + G`.
 #[inline(always)]
 fn counter(i: u64) -> u64 {
@@ -57,7 +59,7 @@ fn counter(i: u64) -> u64 {
 }
 
 /// Indices per span: every span has one pass limit on the raw draws (one 128-bit division).
-const SPAN: u64 = 512;
+pub const SPAN: u64 = 512;
 
 /// Lanes [`candidates`] computes side by side.
 const LANES: usize = 8;

@@ -12,7 +12,8 @@ pub const fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+/// The golden-ratio increment of SplitMix64 (`G` in FORMAT.md 6.1).
+pub(crate) const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// The stream key for (seed, step, tensor id).
 #[inline]
