@@ -77,10 +77,21 @@ pub enum CompressionMethod {
         values: Values,
     },
     /// Random-k sparsification: `k` entries at indices drawn from (seed, step, tensor id); the
-    /// indices do not travel, the receiver regenerates them. f32 values, no n/k scaling.
+    /// indices do not travel, the receiver regenerates them. f32 values, no n/k scaling. `k` is
+    /// the same count for every tensor (all of a tensor of at most `k` elements is sent); for a
+    /// fraction of each tensor use [`CompressionMethod::RandomKRatio`].
     RandomK {
         /// Entries kept per tensor.
         k: usize,
+    },
+    /// Random-k with `k = floor(n * ratio)` clamped to `[1, n]` per tensor (as for
+    /// [`CompressionMethod::TopKRatio`]) and a value codec; no n/k scaling (for the unbiased
+    /// estimate use [`CompressionMethod::Core`] with `unbiased: true`, without error feedback).
+    RandomKRatio {
+        /// Fraction of the entries kept, in `[0, 1]` (>= 1 keeps everything).
+        ratio: f64,
+        /// Value codec of the kept entries.
+        values: Values,
     },
     /// Threshold sparsification: the entries with `|g| > threshold`, f32 values.
     Threshold {
@@ -186,6 +197,11 @@ impl CompressionMethod {
             CompressionMethod::RandomK { k } => Method::RandomK {
                 k: K::Count(u64::try_from(*k).unwrap_or(u64::MAX)),
                 values: Values::F32,
+                unbiased: false,
+            },
+            CompressionMethod::RandomKRatio { ratio, values } => Method::RandomK {
+                k: K::Ratio(*ratio),
+                values: *values,
                 unbiased: false,
             },
             CompressionMethod::Threshold { threshold } => Method::Threshold {

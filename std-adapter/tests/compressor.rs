@@ -145,6 +145,10 @@ fn every_original_method_round_trips() {
         CompressionMethod::Float16,
         CompressionMethod::BFloat16,
         CompressionMethod::top_k_int8(0.01),
+        CompressionMethod::RandomKRatio {
+            ratio: 0.01,
+            values: Values::Int8 { block: 256 },
+        },
         CompressionMethod::ErrorFeedback {
             base_method: Box::new(CompressionMethod::TopK { k: 20 }),
         },
@@ -161,6 +165,37 @@ fn every_original_method_round_trips() {
             "{method:?}"
         );
         assert!(restored.iter().all(|x| x.is_finite()));
+    }
+}
+
+#[test]
+fn random_k_by_ratio_keeps_that_fraction_of_each_tensor() {
+    // k = floor(n * ratio) per tensor, at least 1: 20 of 2000, 1 of 50; the same frames as the
+    // core's method, with error feedback too.
+    let mut rng = Rng(4);
+    let g = grads(&[
+        ("big", &[2000], rng.vec(2000, 1.0)),
+        ("small", &[50], rng.vec(50, 1.0)),
+    ]);
+    let method = CompressionMethod::RandomKRatio {
+        ratio: 0.01,
+        values: Values::F16,
+    };
+    assert_eq!(
+        method.core_method().unwrap(),
+        Method::RandomK {
+            k: K::Ratio(0.01),
+            values: Values::F16,
+            unbiased: false,
+        }
+    );
+    for m in [method.clone(), method.with_error_feedback()] {
+        let mut c = GradientCompressor::new(m.clone());
+        let out = c.compress(&g).unwrap();
+        let restored = c.decompress(&out).unwrap();
+        let nonzero = |name: &str| restored[name].data().iter().filter(|x| **x != 0.0).count();
+        assert_eq!(nonzero("big"), 20, "{m:?}");
+        assert_eq!(nonzero("small"), 1, "{m:?}");
     }
 }
 
@@ -291,6 +326,10 @@ fn invalid_methods_are_errors() {
         CompressionMethod::TopKRatio {
             ratio: -0.5,
             values: Values::F32,
+        },
+        CompressionMethod::RandomKRatio {
+            ratio: f64::NAN,
+            values: Values::F16,
         },
         CompressionMethod::SignSGDMajority.with_error_feedback(),
         CompressionMethod::ErrorFeedback {
