@@ -44,7 +44,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use gradwire_core::{Method, SignScale, accumulate_into, rng, sign};
+use gradwire_core::{Method, SignScale, accumulate_into, sign};
 use rayon::prelude::*;
 
 use crate::bundle::{ENTRY_HEADER_LEN, Entry, EntryKind, HEADER_LEN, Manifest, check_frame};
@@ -153,7 +153,7 @@ pub fn aggregate_into<B: AsRef<[u8]>>(
             let entry = &manifest.entries()[e];
             let acc = &mut out[entry.offset..entry.offset + entry.len];
             let params = manifest.params(e, step);
-            if let Method::RandomK { k, .. } = entry.method
+            if matches!(entry.method, Method::RandomK { .. })
                 && splits_sparse(entry.len, &entry.method)
             {
                 if drawn.len() <= e {
@@ -161,14 +161,7 @@ pub fn aggregate_into<B: AsRef<[u8]>>(
                 }
                 let draw = drawn[e].get_or_insert_with(|| {
                     let mut draw = RandomKDraw::default();
-                    let key = rng::key(params.seed, params.step, params.tensor_id);
-                    draw.draw(
-                        entry.len,
-                        k.resolve(entry.len as u64),
-                        key,
-                        false,
-                        |_, _| true,
-                    );
+                    draw.draw_for(&params, entry.len, false, |_, _| true);
                     draw
                 });
                 if list.decode_randomk(frame, entry.len, &params, draw.indices()) {
@@ -198,8 +191,8 @@ pub fn aggregate_into<B: AsRef<[u8]>>(
 /// is cut into chunks of its output, each adding every rank's part in rank order (dense,
 /// quantization and sign frames at block boundaries; top-k and threshold frames through their
 /// indices, decoded once per rank; random-k frames through the indices drawn once for all
-/// ranks). Zeroing, adding and the final reduction run per chunk while
-/// it is in cache. When anything fails, the serial path runs again to report the same error.
+/// ranks). Zeroing, adding and the final reduction run per chunk while it is in cache. When
+/// anything fails, the serial path runs again to report the same error.
 ///
 /// ```
 /// use std::collections::HashMap;
@@ -346,13 +339,12 @@ impl Aggregator {
             } else if splits_sparse(entry.len, &entry.method) {
                 let mut lease = ListLease::take(pool, count);
                 let (lists, draw) = lease.lists();
-                let decoded = if let Method::RandomK { k, .. } = entry.method {
+                let decoded = if matches!(entry.method, Method::RandomK { .. }) {
                     // Every rank's frame carries the manifest's seed, step and tensor id
                     // (checked above), so one draw of the indices serves them all.
                     let params = manifest.params(e, step);
-                    let key = rng::key(params.seed, params.step, params.tensor_id);
                     let n = entry.len;
-                    draw.draw(n, k.resolve(n as u64), key, true, |_, _| true);
+                    draw.draw_for(&params, n, true, |_, _| true);
                     let idx = draw.indices();
                     lists
                         .par_iter_mut()

@@ -19,6 +19,7 @@
 use rayon::prelude::*;
 
 use gradwire_core::randomk::{self, Candidate};
+use gradwire_core::{Method, Params, rng};
 
 use crate::bucket::grow;
 use crate::parallel::CHUNK;
@@ -94,6 +95,22 @@ impl RandomKDraw {
     /// The indices of the last [`RandomKDraw::draw`], ascending.
     pub(crate) fn indices(&self) -> &[u32] {
         &self.idx
+    }
+
+    /// [`RandomKDraw::draw`] for the random-k method of `params` on `n` elements: its `k`
+    /// resolved for `n`, the stream of its seed, step and tensor id. `false` for another method.
+    pub(crate) fn draw_for(
+        &mut self,
+        params: &Params,
+        n: usize,
+        parallel: bool,
+        check: impl Fn(usize, usize) -> bool + Sync,
+    ) -> bool {
+        let Method::RandomK { k, .. } = params.method else {
+            return false;
+        };
+        let key = rng::key(params.seed, params.step, params.tensor_id);
+        self.draw(n, k.resolve(n as u64), key, parallel, check)
     }
 
     /// Draws the `min(k, n)` indices random-k keeps of `n` elements (`n <= u32::MAX + 1`) in

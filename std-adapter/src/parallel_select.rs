@@ -35,7 +35,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use gradwire_core::select::{self, Kept};
-use gradwire_core::{Method, Params, encode_kept_into, rng, values};
+use gradwire_core::{Method, Params, encode_kept_into, values};
 use rayon::prelude::*;
 
 use crate::bucket::grow;
@@ -159,8 +159,8 @@ impl SparseSplit {
         }
         let limit = values::magnitude_limit(Some(v));
         self.reserve(n, rule, parallel);
-        if let Rule::RandomK(k) = rule {
-            return self.encode_randomk(params, g, r, k, limit, frame, parallel);
+        if let Rule::RandomK(_) = rule {
+            return self.encode_randomk(params, g, r, limit, frame, parallel);
         }
         let (floor, k) = match rule {
             Rule::Threshold(t) => (select::threshold_floor(t), None),
@@ -221,26 +221,23 @@ impl SparseSplit {
     /// Random-k: the indices drawn in chunks (each chunk's task checks the chunk first, as the
     /// top-k scan does), the values at them gathered (`g`, or the f32 sum `g + r`), the frame
     /// written from the list.
-    #[allow(clippy::too_many_arguments)]
     fn encode_randomk(
         &mut self,
         params: &Params,
         g: &[f32],
         r: Option<&[f32]>,
-        k: usize,
         limit: f32,
         frame: &mut [u8],
         parallel: bool,
     ) -> Selected {
         let n = g.len();
-        let key = rng::key(params.seed, params.step, params.tensor_id);
         // The check: a scan for candidates at or above +inf finds none, and fails on a NaN or a
         // value at or above the limit (one SIMD pass, the same as the top-k scan's check).
         let check = |a: usize, e: usize| {
             let rc = r.map(|r| &r[a..e]);
             select::candidates(&g[a..e], rc, a, f32::INFINITY, limit, &mut [], &mut []).is_ok()
         };
-        if !self.draw.draw(n, k as u64, key, parallel, check) {
+        if !self.draw.draw_for(params, n, parallel, check) {
             return Selected::OutOfLimit;
         }
         let idx = self.draw.indices();
