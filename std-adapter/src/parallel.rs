@@ -43,9 +43,10 @@
 //! parallel) keeps one frame buffer per entry ([`crate::bundle::Manifest::max_bundle_len`] in
 //! all), one set of scratch buffers per task running at the same time and, per large top-k,
 //! threshold or random-k tensor, the lists of its chunked selection (random-k: 16 bytes per
-//! candidate, about k of them); parallel aggregation of a large sparse entry keeps every rank's
-//! decoded indices and values (8 bytes per kept entry per rank). These buffers are kept between
-//! calls; rayon itself may allocate for its job bookkeeping (see `docs/multicore.md`).
+//! candidate, lists of twice the expected count, about 2k); parallel aggregation of a large
+//! sparse entry keeps every rank's decoded indices and values (8 bytes per kept entry per rank).
+//! These buffers are kept between calls; rayon itself may allocate for its job bookkeeping (see
+//! `docs/multicore.md`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
