@@ -536,27 +536,16 @@ pub fn encode_kept_into(
         }
     }
     let mut p = Put { buf: out, pos: 0 };
+    write_method(&mut p, &params.method, n);
     let unbiased = match params.method {
         Method::RandomK { unbiased, .. } => {
-            let flags = if unbiased { FLAG_UNBIASED } else { 0 };
-            write_fixed(&mut p, M_RANDOMK, flags, n);
-            p.values(values);
-            p.u64(kept.idx.len() as u64);
-            p.u64(params.seed);
-            p.u64(params.step);
-            p.u64(params.tensor_id);
+            p.randomk_params(values, kept.idx.len() as u64, params);
             let v_len = values.section_len(kept.bits.len());
             values::encode_bits(values, kept.bits, &mut p.buf[p.pos..p.pos + v_len]);
             p.pos += v_len;
             unbiased
         }
         _ => {
-            write_fixed(
-                &mut p,
-                if above.is_some() { M_THRESHOLD } else { M_TOPK },
-                0,
-                n,
-            );
             p.values(values);
             if let Some(t) = above {
                 p.bytes(&t.to_le_bytes());
@@ -572,6 +561,19 @@ pub fn encode_kept_into(
         return check_unbiased_written(out, len, Some(kept.idx));
     }
     Ok(len)
+}
+
+/// The fixed header with the method id and flags of `method`.
+fn write_method(p: &mut Put<'_>, method: &Method, n: usize) {
+    let (id, flags) = match *method {
+        Method::Dense { .. } => (M_DENSE, 0),
+        Method::TopK { .. } => (M_TOPK, 0),
+        Method::Threshold { .. } => (M_THRESHOLD, 0),
+        Method::RandomK { unbiased, .. } => (M_RANDOMK, if unbiased { FLAG_UNBIASED } else { 0 }),
+        Method::Quant { .. } => (M_QUANT, 0),
+        Method::Sign { .. } => (M_SIGN, 0),
+    };
+    write_fixed(p, id, flags, n);
 }
 
 fn write_fixed(p: &mut Put<'_>, id: u8, flags: u8, n: usize) {
@@ -609,6 +611,14 @@ impl Put<'_> {
             self.u32(block);
         }
     }
+    /// Random-k's parameters (FORMAT.md 3.4): value codec, k, seed, step and tensor id.
+    fn randomk_params(&mut self, v: Values, k: u64, params: &Params) {
+        self.values(v);
+        self.u64(k);
+        self.u64(params.seed);
+        self.u64(params.step);
+        self.u64(params.tensor_id);
+    }
 }
 
 /// Encodes after [`check_encode`] and [`check_input`] succeeded; cannot fail.
@@ -620,15 +630,7 @@ pub(crate) fn encode_checked(
 ) -> usize {
     let n = g.len();
     let mut p = Put { buf: out, pos: 0 };
-    let (id, flags) = match params.method {
-        Method::Dense { .. } => (M_DENSE, 0),
-        Method::TopK { .. } => (M_TOPK, 0),
-        Method::Threshold { .. } => (M_THRESHOLD, 0),
-        Method::RandomK { unbiased, .. } => (M_RANDOMK, if unbiased { FLAG_UNBIASED } else { 0 }),
-        Method::Quant { .. } => (M_QUANT, 0),
-        Method::Sign { .. } => (M_SIGN, 0),
-    };
-    write_fixed(&mut p, id, flags, n);
+    write_method(&mut p, &params.method, n);
     match params.method {
         Method::Dense { values } => {
             p.values(values);
@@ -647,11 +649,7 @@ pub(crate) fn encode_checked(
         }
         Method::RandomK { k, values, .. } => {
             let k = k.resolve(n as u64);
-            p.values(values);
-            p.u64(k);
-            p.u64(params.seed);
-            p.u64(params.step);
-            p.u64(params.tensor_id);
+            p.randomk_params(values, k, params);
             let key = rng::key(params.seed, params.step, params.tensor_id);
             let (idx_s, int8_s) = scratch.split_at_mut(k as usize);
             if u32::try_from(n).is_ok() {

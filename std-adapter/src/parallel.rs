@@ -514,21 +514,10 @@ impl SparseList {
         };
         // The header ends with the count (u64) and the index codec (u8); the index section
         // follows, then the values section, then the CRC.
-        let Some(header) = max_frame_len(0, method).checked_sub(4) else {
+        let Some((fixed, body)) = header_tail_and_body(frame, method, 9) else {
             return false;
         };
-        let (Some(fixed), Some(body)) = (
-            frame.get(header.saturating_sub(9)..header),
-            frame.get(header..frame.len().saturating_sub(4)),
-        ) else {
-            return false;
-        };
-        if header < 25 {
-            return false;
-        }
-        let mut c = [0u8; 8];
-        c.copy_from_slice(&fixed[..8]);
-        let count = u64::from_le_bytes(c);
+        let count = le_u64(&fixed[..8]);
         let codec = fixed[8];
         let Ok(count_usize) = usize::try_from(count) else {
             return false;
@@ -575,23 +564,12 @@ impl SparseList {
         };
         // The parameters end with k, seed, step and tensor id (u64 each); the values section
         // follows, then the CRC.
-        let Some(header) = max_frame_len(0, method).checked_sub(4) else {
+        let Some((fixed, vals)) = header_tail_and_body(frame, method, 32) else {
             return false;
         };
-        let (Some(fixed), Some(vals)) = (
-            frame.get(header.saturating_sub(32)..header),
-            frame.get(header..frame.len().saturating_sub(4)),
-        ) else {
-            return false;
-        };
-        let word = |j: usize| {
-            let mut c = [0u8; 8];
-            c.copy_from_slice(&fixed[8 * j..8 * j + 8]);
-            u64::from_le_bytes(c)
-        };
+        let word = |j: usize| le_u64(&fixed[8 * j..8 * j + 8]);
         let count = idx.len();
-        if header < 48
-            || word(0) != count as u64
+        if word(0) != count as u64
             || [word(1), word(2), word(3)] != [expected.seed, expected.step, expected.tensor_id]
             || count > n
             || vals.len() != v.section_len(count)
@@ -632,6 +610,31 @@ impl SparseList {
             acc[i as usize - start] += weight * v;
         }
     }
+}
+
+/// The last `tail` bytes of the fixed header of a frame made with `method` (its length is the
+/// core's `max_frame_len(0, method) - 4`, at least 16 + `tail`) and the body between the header
+/// and the CRC; `None` when the frame is too short.
+fn header_tail_and_body<'f>(
+    frame: &'f [u8],
+    method: &Method,
+    tail: usize,
+) -> Option<(&'f [u8], &'f [u8])> {
+    let header = max_frame_len(0, method).checked_sub(4)?;
+    if header < 16 + tail {
+        return None;
+    }
+    Some((
+        frame.get(header - tail..header)?,
+        frame.get(header..frame.len().checked_sub(4)?)?,
+    ))
+}
+
+/// A little-endian `u64` from 8 bytes.
+fn le_u64(b: &[u8]) -> u64 {
+    let mut c = [0u8; 8];
+    c.copy_from_slice(b);
+    u64::from_le_bytes(c)
 }
 
 /// The core's checks of a values section of `count` values: int8 scales finite and `>= 0` and

@@ -39,6 +39,7 @@ use gradwire_core::{Method, Params, encode_kept_into, values};
 use rayon::prelude::*;
 
 use crate::bucket::grow;
+use crate::feedback::check_step_input;
 use crate::parallel::{CHUNK, SPLIT_MIN, SparseList};
 use crate::parallel_randomk::RandomKDraw;
 
@@ -160,7 +161,7 @@ impl SparseSplit {
         let limit = values::magnitude_limit(Some(v));
         self.reserve(n, rule, parallel);
         if let Rule::RandomK(_) = rule {
-            return self.encode_randomk(params, g, r, limit, frame, parallel);
+            return self.encode_randomk(params, g, r, frame, parallel);
         }
         let (floor, k) = match rule {
             Rule::Threshold(t) => (select::threshold_floor(t), None),
@@ -226,16 +227,15 @@ impl SparseSplit {
         params: &Params,
         g: &[f32],
         r: Option<&[f32]>,
-        limit: f32,
         frame: &mut [u8],
         parallel: bool,
     ) -> Selected {
         let n = g.len();
-        // The check: a scan for candidates at or above +inf finds none, and fails on a NaN or a
-        // value at or above the limit (one SIMD pass, the same as the top-k scan's check).
+        // The serial path's input check, chunk by chunk (a failing chunk: the serial check
+        // names the element).
+        let values = params.method.values();
         let check = |a: usize, e: usize| {
-            let rc = r.map(|r| &r[a..e]);
-            select::candidates(&g[a..e], rc, a, f32::INFINITY, limit, &mut [], &mut []).is_ok()
+            check_step_input("", &g[a..e], r.map(|r| &r[a..e]), values).is_ok()
         };
         if !self.draw.draw_for(params, n, parallel, check) {
             return Selected::OutOfLimit;

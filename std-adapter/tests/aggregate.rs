@@ -30,6 +30,22 @@ fn bundles(
         .collect()
 }
 
+/// The sum of the bundles (made at step 0) as the core decodes them, rank by rank, frame by
+/// frame, added in rank order.
+fn decoded_sum(manifest: &Manifest, bundles: &[Vec<u8>]) -> Vec<f32> {
+    let mut sum = vec![0.0f32; manifest.flat_len()];
+    for (rank, bundle) in bundles.iter().enumerate() {
+        let mut one = Vec::new();
+        manifest
+            .decode_bundle(bundle, Some(rank), Some(0), &mut one)
+            .unwrap();
+        for (e, x) in sum.iter_mut().zip(&one) {
+            *e += 1.0 * x;
+        }
+    }
+    sum
+}
+
 #[test]
 fn mean_of_threes_is_three() {
     let method = CompressionMethod::Core(Method::Dense {
@@ -69,16 +85,7 @@ fn sum_and_mean_in_rank_order() {
     ] {
         let manifest = Manifest::for_gradients(&base, &method, 0, cfg).unwrap();
         let b = bundles(&manifest, &method, &ranks);
-        let mut expected = vec![0.0f32; manifest.flat_len()];
-        for (rank, bundle) in b.iter().enumerate() {
-            let mut one = Vec::new();
-            manifest
-                .decode_bundle(bundle, Some(rank), Some(0), &mut one)
-                .unwrap();
-            for (e, x) in expected.iter_mut().zip(&one) {
-                *e += 1.0 * x;
-            }
-        }
+        let expected = decoded_sum(&manifest, &b);
         let sum = aggregate(&manifest, &b, 0, Reduction::Sum).unwrap();
         assert!(same_bits(&sum, &expected), "{method:?}");
         let mean = aggregate(&manifest, &b, 0, Reduction::Mean).unwrap();
@@ -118,16 +125,7 @@ fn large_randomk_entries_sum_as_the_core_decodes_them() {
     ] {
         let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
         let b = bundles(&manifest, &method, &ranks);
-        let mut expected = vec![0.0f32; manifest.flat_len()];
-        for (rank, bundle) in b.iter().enumerate() {
-            let mut one = Vec::new();
-            manifest
-                .decode_bundle(bundle, Some(rank), Some(0), &mut one)
-                .unwrap();
-            for (e, x) in expected.iter_mut().zip(&one) {
-                *e += 1.0 * x;
-            }
-        }
+        let expected = decoded_sum(&manifest, &b);
         let sum = aggregate(&manifest, &b, 0, Reduction::Sum).unwrap();
         assert!(same_bits(&sum, &expected), "{method:?}");
         let mut par = Vec::new();
