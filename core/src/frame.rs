@@ -8,7 +8,7 @@
 
 use crate::error::{Error, Param};
 use crate::index::{self, IndexSizer, IndexWriter};
-use crate::lanes::{LANES, One, Source, load};
+use crate::lanes::{AHEAD, LANES, One, Source, load, prefetch};
 use crate::method::{K, Method, Params, Rounding, SignScale, Values};
 use crate::scalar::{self, Selection, magnitude_key};
 use crate::select::{Kept, OutOfLimit};
@@ -1624,6 +1624,10 @@ fn apply(h: &Header, body: &Body<'_>, out: &mut [f32], weight: Option<f32>) {
                 }
             }),
             Some(w) => sparse_batches(h, body, |ib, vb| {
+                // The batch's lines are asked for together, so that their misses overlap.
+                for &i in ib {
+                    prefetch(out, i);
+                }
                 for (&i, &x) in ib.iter().zip(vb) {
                     out[i] += w * x;
                 }
@@ -1651,13 +1655,13 @@ pub(crate) fn feedback_update(frame: &[u8], g: &[f32], r: &mut [f32]) -> Result<
             sparse_batches(&h, &body, |ib, vb| {
                 let Some(&last) = ib.last() else { return };
                 let end = (last + 1).clamp(done, r.len());
-                add_into(&mut r[done..end], &g[done..end]);
+                add_range(r, g, done, end);
                 done = end;
                 for (&i, &x) in ib.iter().zip(vb) {
                     r[i] += -x;
                 }
             });
-            add_into(&mut r[done..], &g[done..]);
+            add_range(r, g, done, r.len());
         }
         Body::Quant {
             bits,
@@ -1668,12 +1672,12 @@ pub(crate) fn feedback_update(frame: &[u8], g: &[f32], r: &mut [f32]) -> Result<
         } if (bits == 8 || bits == 4) && block.is_multiple_of(LANES) => {
             let tile = block * (FEEDBACK_TILE / block).max(1);
             let per_byte = 8 / bits as usize;
-            for (t, (rs, gs)) in r.chunks_mut(tile).zip(g.chunks(tile)).enumerate() {
-                add_into(rs, gs);
-                let start = t * tile;
+            for start in (0..r.len()).step_by(tile) {
+                let end = (start + tile).min(r.len());
+                add_range(r, g, start, end);
                 let s = &scales[4 * (start / block)..];
                 let c = &codes[start / per_byte..];
-                quant::decode_slice(bits, block, s, c, rs, Some(-1.0));
+                quant::decode_slice(bits, block, s, c, &mut r[start..end], Some(-1.0));
             }
         }
         Body::Sign {
@@ -1684,10 +1688,11 @@ pub(crate) fn feedback_update(frame: &[u8], g: &[f32], r: &mut [f32]) -> Result<
         } if block.is_none_or(|b| b.is_multiple_of(LANES)) => {
             let per = block.unwrap_or(LANES);
             let tile = per * (FEEDBACK_TILE / per).max(1);
-            for (t, (rs, gs)) in r.chunks_mut(tile).zip(g.chunks(tile)).enumerate() {
-                add_into(rs, gs);
-                let start = t * tile;
+            for start in (0..r.len()).step_by(tile) {
+                let end = (start + tile).min(r.len());
+                add_range(r, g, start, end);
                 let s = block.map_or(&[][..], |b| &scales[4 * (start / b)..]);
+                let rs = &mut r[start..end];
                 sign::decode_slice(block, s, &signs[start / 8..], rs, Some(-1.0));
             }
         }
@@ -1704,13 +1709,28 @@ const FEEDBACK_TILE: usize = 4096;
 
 /// `r[i] += g[i]` (same lengths), eight lanes at a time.
 pub(crate) fn add_into(r: &mut [f32], g: &[f32]) {
-    let mut rs = r.chunks_exact_mut(LANES);
-    let mut gs = g.chunks_exact(LANES);
-    for (a, b) in (&mut rs).zip(&mut gs) {
-        let v = load(a) + load(b);
-        a.copy_from_slice(v.as_array());
+    add_range(r, g, 0, r.len());
+}
+
+/// `r[i] += g[i]` for `i` in `start..end` (cut to both lengths), eight lanes at a time,
+/// prefetching [`AHEAD`] elements on in the whole buffers (so that a caller walking them
+/// stretch by stretch still asks for lines ahead of the stretch).
+pub(crate) fn add_range(r: &mut [f32], g: &[f32], start: usize, end: usize) {
+    let end = end.min(r.len()).min(g.len());
+    let start = start.min(end);
+    let full = start + (end - start) / (2 * LANES) * (2 * LANES);
+    let mut i = start;
+    while i < full {
+        // One line of each buffer.
+        prefetch(g, i + AHEAD);
+        prefetch(r, i + AHEAD);
+        let v0 = load(&r[i..]) + load(&g[i..]);
+        let v1 = load(&r[i + LANES..]) + load(&g[i + LANES..]);
+        r[i..i + LANES].copy_from_slice(v0.as_array());
+        r[i + LANES..i + 2 * LANES].copy_from_slice(v1.as_array());
+        i += 2 * LANES;
     }
-    for (a, &b) in rs.into_remainder().iter_mut().zip(gs.remainder()) {
+    for (a, &b) in r[full..end].iter_mut().zip(&g[full..end]) {
         *a += b;
     }
 }

@@ -3,6 +3,11 @@
 //!
 //! Everything here uses safe `wide` operations only. Tails (the last `len % 8` elements) are
 //! loaded into a zero-padded `[f32; 8]` and go through the same kernel as full chunks.
+//!
+//! [`prefetch`] asks for a cache line [`AHEAD`] elements before a streaming kernel reads it
+//! (through `safe_arch`, `wide`'s own backend; a hint that never changes a result). On this
+//! project's machine one core's hardware prefetcher keeps too few lines in flight for a loop
+//! that does more than add: see docs/prefetch.md for the measurements.
 
 use wide::f32x8;
 
@@ -25,10 +30,35 @@ pub(crate) fn load_padded(s: &[f32]) -> f32x8 {
     f32x8::new(a)
 }
 
+/// How far ahead of their reads the streaming kernels prefetch, in f32 elements (16 KiB per
+/// stream; measured in docs/prefetch.md).
+pub(crate) const AHEAD: usize = 4096;
+
+/// Asks for the cache line that holds `x[i]` to be loaded into every cache level. Nothing
+/// happens when `i` is out of bounds or the target has no prefetch instruction; a hint, it
+/// never changes a result.
+#[inline(always)]
+pub(crate) fn prefetch(x: &[f32], i: usize) {
+    #[cfg(all(
+        any(target_arch = "x86", target_arch = "x86_64"),
+        target_feature = "sse"
+    ))]
+    if let Some(v) = x.get(i) {
+        safe_arch::prefetch_t0(v);
+    }
+    #[cfg(not(all(
+        any(target_arch = "x86", target_arch = "x86_64"),
+        target_feature = "sse"
+    )))]
+    let _ = (x, i);
+}
+
 /// Where a scan reads its elements from: one slice, or the lane-wise f32 sum of two.
 pub(crate) trait Source {
     /// Element count.
     fn len(&self) -> usize;
+    /// [`prefetch`] of element `i` (of every slice the source reads).
+    fn prefetch(&self, i: usize);
     /// Elements `i..i + 8` (`i + 8 <= len`).
     fn chunk(&self, i: usize) -> f32x8;
     /// Elements `i..len` (`len - i <= 8`), zero-padded.
@@ -48,6 +78,10 @@ impl Source for One<'_> {
     #[inline]
     fn len(&self) -> usize {
         self.0.len()
+    }
+    #[inline(always)]
+    fn prefetch(&self, i: usize) {
+        prefetch(self.0, i);
     }
     #[inline]
     fn chunk(&self, i: usize) -> f32x8 {
@@ -78,6 +112,11 @@ impl Source for Sum<'_> {
     fn len(&self) -> usize {
         self.0.len()
     }
+    #[inline(always)]
+    fn prefetch(&self, i: usize) {
+        prefetch(self.0, i);
+        prefetch(self.1, i);
+    }
     #[inline]
     fn chunk(&self, i: usize) -> f32x8 {
         load(&self.0[i..]) + load(&self.1[i..])
@@ -96,5 +135,40 @@ impl Source for Sum<'_> {
         let r = self.1[start..start + len].chunks_exact(2 * LANES);
         g.zip(r)
             .map(|(a, b)| [load(a) + load(b), load(&a[LANES..]) + load(&b[LANES..])])
+    }
+}
+
+/// Elements `start..start + len` of a source, as a source.
+pub(crate) struct Range<'a, S>(pub(crate) &'a S, pub(crate) usize, pub(crate) usize);
+
+impl<S: Source> Source for Range<'_, S> {
+    #[inline]
+    fn len(&self) -> usize {
+        self.2
+    }
+    #[inline(always)]
+    fn prefetch(&self, i: usize) {
+        self.0.prefetch(self.1 + i);
+    }
+    #[inline]
+    fn chunk(&self, i: usize) -> f32x8 {
+        self.0.chunk(self.1 + i)
+    }
+    #[inline]
+    fn tail(&self, i: usize) -> f32x8 {
+        let live = self.2 - i;
+        let mut a = [0.0f32; LANES];
+        for (t, v) in a[..live].iter_mut().enumerate() {
+            *v = self.0.at(self.1 + i + t);
+        }
+        f32x8::new(a)
+    }
+    #[inline]
+    fn at(&self, i: usize) -> f32 {
+        self.0.at(self.1 + i)
+    }
+    #[inline]
+    fn pairs(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]> {
+        self.0.pairs(self.1 + start, len)
     }
 }

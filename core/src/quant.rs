@@ -6,7 +6,7 @@
 //! see [`crate::scalar::quant_scaled`]) and the value decoded is `(q / l) * m`, so that the
 //! extremes and constant blocks are exact.
 
-use crate::lanes::{LANES, One, Source, load, load_padded};
+use crate::lanes::{AHEAD, LANES, One, Source, load, load_padded};
 use crate::method::Rounding;
 use crate::rng;
 use crate::scalar::{dequant, quant_inv, quant_levels};
@@ -200,7 +200,9 @@ fn code_pipelined<S: Source, const STEP: usize>(
     let mut sum = f32x8::splat(0.0);
     let now = src.pairs(start, block);
     let ahead = src.pairs(start + block, block);
-    for ((p, q), o) in now.zip(ahead).zip(out.chunks_exact_mut(STEP)) {
+    for (t, ((p, q), o)) in now.zip(ahead).zip(out.chunks_exact_mut(STEP)).enumerate() {
+        // The line AHEAD elements past the one the absmax reads.
+        src.prefetch(start + block + 2 * LANES * t + AHEAD);
         let (u, v) = (q[0].abs(), q[1].abs());
         sum += u + v;
         acc[0] = acc[0].fast_max(u);

@@ -12,7 +12,7 @@
 //! radix select of [`crate::scalar::topk_cut`]. Either way the result is the exact top-k, ties to
 //! the lower index: the sample only decides how fast it gets there.
 
-use crate::lanes::{LANES, One, Source, Sum};
+use crate::lanes::{AHEAD, LANES, One, Source, Sum};
 use crate::rng;
 pub use crate::scalar::{Cut, Selection};
 use crate::scalar::{TOPK_HIST, magnitude_key};
@@ -558,6 +558,8 @@ fn scan<S: Source>(
     let mut base = 0usize;
     let mut pairs = src.pairs(0, full);
     while let (Some(p), Some(q)) = (pairs.next(), pairs.next()) {
+        src.prefetch(base + AHEAD);
+        src.prefetch(base + AHEAD + 2 * LANES);
         // Bit set: |x| < min(lo, limit), the lane needs no second look.
         let below = p[0].abs().simd_lt(either).to_bitmask()
             | (p[1].abs().simd_lt(either).to_bitmask() << 8)

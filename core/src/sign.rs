@@ -2,7 +2,7 @@
 //! block (the block's mean |g|, EF-signSGD, Karimireddy et al. 2019) or none (signSGD with
 //! majority vote, Bernstein et al. 2018).
 
-use crate::lanes::{LANES, One, Source, load, load_padded};
+use crate::lanes::{AHEAD, LANES, One, Range, Source, load, load_padded};
 use crate::scalar::magnitude_key;
 use crate::select::OutOfLimit;
 use wide::{f32x8, u32x8};
@@ -171,7 +171,11 @@ fn quad_pass<S: Source>(src: &S, start: usize, per: usize, out: &mut [u8]) -> [f
         .zip(o1.chunks_exact_mut(2))
         .zip(o2.chunks_exact_mut(2))
         .zip(o3.chunks_exact_mut(2));
-    for ((((p0, p1), p2), p3), (((q0, q1), q2), q3)) in x.zip(o) {
+    for (t, ((((p0, p1), p2), p3), (((q0, q1), q2), q3))) in x.zip(o).enumerate() {
+        // One cache line of each stream, AHEAD elements on.
+        for s in 0..4 {
+            src.prefetch(start + s * per + 2 * LANES * t + AHEAD);
+        }
         for (a, (p, q)) in acc.iter_mut().zip([(p0, q0), (p1, q1), (p2, q2), (p3, q3)]) {
             *a = (*a + p[0].abs()) + p[1].abs();
             let m = p[0].simd_lt(zero).to_bitmask() | (p[1].simd_lt(zero).to_bitmask() << 8);
@@ -179,37 +183,6 @@ fn quad_pass<S: Source>(src: &S, start: usize, per: usize, out: &mut [u8]) -> [f
         }
     }
     acc
-}
-
-/// Elements `start..start + len` of a source, as a source.
-struct Range<'a, S>(&'a S, usize, usize);
-
-impl<S: Source> Source for Range<'_, S> {
-    #[inline]
-    fn len(&self) -> usize {
-        self.2
-    }
-    #[inline]
-    fn chunk(&self, i: usize) -> f32x8 {
-        self.0.chunk(self.1 + i)
-    }
-    #[inline]
-    fn tail(&self, i: usize) -> f32x8 {
-        let live = self.2 - i;
-        let mut a = [0.0f32; LANES];
-        for (t, v) in a[..live].iter_mut().enumerate() {
-            *v = self.0.at(self.1 + i + t);
-        }
-        f32x8::new(a)
-    }
-    #[inline]
-    fn at(&self, i: usize) -> f32 {
-        self.0.at(self.1 + i)
-    }
-    #[inline]
-    fn pairs(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]> {
-        self.0.pairs(self.1 + start, len)
-    }
 }
 
 /// One block: returns the eight striped lane sums of |x| and writes the sign bits of elements

@@ -1,7 +1,7 @@
 //! Value codecs: f32, f16, bf16 (crate `half`, round to nearest even) and int8 with a per-block
 //! absmax scale.
 
-use crate::lanes::{LANES, One, Source, load, load_padded};
+use crate::lanes::{AHEAD, LANES, One, Range, Source, load, load_padded};
 use crate::method::Values;
 use crate::scalar::{dequant, quant_code};
 use crate::select::OutOfLimit;
@@ -99,6 +99,8 @@ pub(crate) fn all_below<S: Source>(src: &S, limit: f32) -> bool {
     let mut ok = f32x8::splat(0.0).simd_eq(f32x8::splat(0.0));
     let mut i = 0usize;
     while i + 4 * LANES <= n {
+        src.prefetch(i + AHEAD);
+        src.prefetch(i + AHEAD + 2 * LANES);
         let a = src.chunk(i).abs().simd_lt(lim8) & src.chunk(i + LANES).abs().simd_lt(lim8);
         let b = src.chunk(i + 2 * LANES).abs().simd_lt(lim8)
             & src.chunk(i + 3 * LANES).abs().simd_lt(lim8);
@@ -121,7 +123,8 @@ pub(crate) fn all_below<S: Source>(src: &S, limit: f32) -> bool {
 pub fn first_at_or_above(x: &[f32], limit: f32) -> Option<usize> {
     const BLOCK: usize = 4096;
     for (b, chunk) in x.chunks(BLOCK).enumerate() {
-        if !all_below(&One(chunk), limit) {
+        // A range of the whole slice, so that the pass prefetches past the block.
+        if !all_below(&Range(&One(x), b * BLOCK, chunk.len()), limit) {
             let j = chunk
                 .iter()
                 .position(|v| v.abs().partial_cmp(&limit) != Some(core::cmp::Ordering::Less))?;
