@@ -1810,3 +1810,17 @@ pub fn accumulate_into(
     apply(&h, &body, acc, Some(weight));
     Ok(info(&h))
 }
+
+/// Checks `frame` as [`decode_into`] does for an output of `n` elements, writing nothing: the
+/// header, the parameters against `expected`, and every index and value of the body. A frame
+/// that passes decodes with [`decode_into`] and [`accumulate_into`] without error.
+///
+/// # Errors
+/// As [`decode_into`] (with `n` in place of `out.len()`): the same error for the same frame.
+///
+/// # Panics
+/// Never.
+pub fn validate(frame: &[u8], expected: &Params, n: usize) -> Result<FrameInfo, Error> {
+    let (h, _) = decode_checked(frame, expected, n)?;
+    Ok(info(&h))
+}

@@ -68,6 +68,6 @@ pub use error::{Error, Param};
 pub use feedback::feedback_step;
 pub use frame::{
     FORMAT_VERSION, FrameInfo, Header, MAGIC, accumulate_into, decode_into, encode_into,
-    encode_kept_into, encode_selected_into, max_frame_len, peek, scratch_len,
+    encode_kept_into, encode_selected_into, max_frame_len, peek, scratch_len, validate,
 };
 pub use method::{K, Method, Params, Rounding, SignScale, Values, k_from_ratio, tensor_id};

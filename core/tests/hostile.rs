@@ -8,6 +8,7 @@ mod common;
 use common::{Golden, fix_crc, golden, testdata};
 use gradwire_core::{
     Error, K, Method, Params, Rounding, SignScale, Values, accumulate_into, decode_into, peek,
+    validate,
 };
 
 fn frames() -> Vec<(Golden, Vec<u8>)> {
@@ -25,11 +26,12 @@ const SENTINEL: u32 = 0x7fc0_beef;
 
 /// Decodes `frame` and checks the decoder's promises: no panic (the caller would see it); on
 /// error the output is untouched; on success every element is written and decode_into agrees
-/// with accumulate_into into zeros.
+/// with accumulate_into into zeros; validate gives decode_into's result without writing.
 fn decode_checked(frame: &[u8], p: &Params, n: usize) -> Result<Vec<f32>, Error> {
     let _ = peek(frame);
     let mut out = vec![f32::from_bits(SENTINEL); n];
     let res = decode_into(frame, p, &mut out);
+    assert_eq!(validate(frame, p, n), res, "validate and decode disagree");
     let mut acc = vec![0.0f32; n];
     let acc_res = accumulate_into(frame, p, &mut acc, 1.0);
     assert_eq!(
@@ -152,6 +154,33 @@ fn every_single_byte_change_with_a_valid_crc_is_safe() {
     assert!(
         decoded > 0 && refused > 0,
         "decoded {decoded}, refused {refused}"
+    );
+}
+
+/// `validate` makes decode_into's checks (a NaN value with a valid CRC included) and writes
+/// nothing: a regression for peers checked before the local state changes.
+#[test]
+fn validate_checks_the_body_as_decode_does() {
+    let (case, frame) = frames()
+        .into_iter()
+        .find(|(c, _)| c.name == "dense_f32")
+        .unwrap();
+    let n = case.grad.len();
+    let info = validate(&frame, &case.params, n).unwrap();
+    assert_eq!(info.n, n as u64);
+    let mut bad = frame.clone();
+    bad[17..21].copy_from_slice(&f32::NAN.to_le_bytes());
+    fix_crc(&mut bad);
+    // The header alone passes: only the body is wrong.
+    assert!(peek(&bad).is_ok());
+    let e = validate(&bad, &case.params, n).unwrap_err();
+    assert_eq!(e, Error::BadValue { offset: 17 });
+    let mut out = vec![f32::from_bits(SENTINEL); n];
+    assert_eq!(decode_into(&bad, &case.params, &mut out).unwrap_err(), e);
+    assert!(out.iter().all(|x| x.to_bits() == SENTINEL));
+    assert_eq!(
+        validate(&frame, &case.params, n + 1).unwrap_err(),
+        decode_into(&frame, &case.params, &mut vec![0.0; n + 1]).unwrap_err()
     );
 }
 

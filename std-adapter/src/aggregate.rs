@@ -44,6 +44,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 
+use gradwire_core::values::first_non_finite;
 use gradwire_core::{Method, SignScale, accumulate_into, sign};
 use rayon::prelude::*;
 
@@ -104,7 +105,9 @@ fn check_no_buckets(manifest: &Manifest) -> Result<()> {
     Ok(())
 }
 
-fn finish(out: &mut [f32], reduction: Reduction, count: usize) {
+/// Applies the reduction to the sum in `out`; `false` when the result is not finite (finite
+/// contributions whose f32 sum overflows; a majority vote never does).
+fn finish(out: &mut [f32], reduction: Reduction, count: usize) -> bool {
     match reduction {
         Reduction::Sum => {}
         Reduction::Mean => {
@@ -113,8 +116,34 @@ fn finish(out: &mut [f32], reduction: Reduction, count: usize) {
                 *x /= w;
             }
         }
-        Reduction::MajorityVote => sign::majority(out),
+        Reduction::MajorityVote => {
+            sign::majority(out);
+            return true;
+        }
     }
+    first_non_finite(out).is_none()
+}
+
+/// [`finish`] on the whole flat result `out`: on overflow, `out` zeroed and
+/// [`Error::Overflow`] naming the tensor holding the first non-finite element.
+fn finish_flat(
+    manifest: &Manifest,
+    out: &mut [f32],
+    reduction: Reduction,
+    count: usize,
+) -> Result<()> {
+    if finish(out, reduction, count) {
+        return Ok(());
+    }
+    let at = first_non_finite(out).unwrap_or(0);
+    out.fill(0.0);
+    // Bucket entries hold several tensors: the one whose range holds the element.
+    let (tensor, index) = manifest
+        .tensors()
+        .iter()
+        .find(|t| (t.offset..t.offset + t.numel).contains(&at))
+        .map_or((String::new(), at), |t| (t.name.clone(), at - t.offset));
+    Err(Error::Overflow { tensor, index })
 }
 
 /// Aggregates the bundles of W ranks (`bundles[r]` is rank `r`'s) made at `step` into `out`,
@@ -131,6 +160,8 @@ fn finish(out: &mut [f32], reduction: Reduction, count: usize) {
 /// tensor or bucket where an entry is at fault). Checks run on every bundle before anything is
 /// accumulated, so `out` is untouched on those errors; a frame whose body turns out invalid
 /// while accumulating is an [`Error::Core`] naming tensor and rank, and leaves `out` zeroed.
+/// [`Error::Overflow`] when finite contributions sum (or, for the mean, average) beyond the f32
+/// range, naming the tensor and the element of the first non-finite result; `out` is zeroed.
 pub fn aggregate_into<B: AsRef<[u8]>>(
     manifest: &Manifest,
     bundles: &[B],
@@ -179,8 +210,7 @@ pub fn aggregate_into<B: AsRef<[u8]>>(
             return Err(e);
         }
     }
-    finish(out, reduction, bundles.len());
-    Ok(())
+    finish_flat(manifest, out, reduction, bundles.len())
 }
 
 /// Aggregates bundles like [`aggregate_into`], on every core of rayon's pool, keeping its
@@ -192,7 +222,8 @@ pub fn aggregate_into<B: AsRef<[u8]>>(
 /// quantization and sign frames at block boundaries; top-k and threshold frames through their
 /// indices, decoded once per rank; random-k frames through the indices drawn once for all
 /// ranks). Zeroing, adding and the final reduction run per chunk while it is in cache. When
-/// anything fails, the serial path runs again to report the same error.
+/// anything fails (an invalid frame body, a result that overflows f32), the serial path runs
+/// again to report the same error.
 ///
 /// ```
 /// use std::collections::HashMap;
@@ -287,14 +318,14 @@ impl Aggregator {
         if done {
             Ok(())
         } else {
-            // Something the checks above do not cover (a frame body): the serial path finds
-            // the same error and leaves `out` as it does.
+            // Something the checks above do not cover (a frame body, or a sum that overflows):
+            // the serial path finds the same error and leaves `out` as it does.
             aggregate_into(manifest, bundles, step, reduction, out)
         }
     }
 
     /// The parallel path after the bundles passed [`Manifest::check_bundle`]; `false` when a
-    /// frame turns out invalid (`out` then holds partial sums).
+    /// frame turns out invalid or the result is not finite (`out` then holds partial sums).
     fn parallel<B: AsRef<[u8]> + Sync>(
         &mut self,
         manifest: &Manifest,
@@ -358,24 +389,21 @@ impl Aggregator {
                 };
                 if decoded {
                     let lists = &*lists;
-                    acc.par_chunks_mut(CHUNK).enumerate().for_each(|(j, acc)| {
+                    acc.par_chunks_mut(CHUNK).enumerate().all(|(j, acc)| {
                         acc.fill(0.0);
                         for list in lists {
                             list.add_range(j * CHUNK, acc, 1.0);
                         }
-                        finish(acc);
-                    });
+                        finish(acc)
+                    })
+                } else {
+                    false
                 }
-                decoded
             } else {
                 acc.fill(0.0);
                 let params = manifest.params(e, step);
-                let ok = (0..count)
-                    .all(|rank| accumulate_into(frame(rank, e), &params, acc, 1.0).is_ok());
-                if ok {
-                    finish(acc);
-                }
-                ok
+                (0..count).all(|rank| accumulate_into(frame(rank, e), &params, acc, 1.0).is_ok())
+                    && finish(acc)
             };
             if !ok {
                 failed.store(true, Ordering::Relaxed);
@@ -476,6 +504,7 @@ pub fn aggregate<B: AsRef<[u8]>>(
 /// [`Error::Disagreement`] (another step), [`Error::Core`] (a frame that fails
 /// [`check_frame`]: another method, seed, element count...). All checks run before anything is
 /// accumulated; a frame body found invalid while accumulating leaves `out` zeroed.
+/// [`Error::Overflow`] when the result is not finite, as for [`aggregate_into`] (`out` zeroed).
 pub fn aggregate_compressed_into(
     manifest: &Manifest,
     contributions: &[&HashMap<String, CompressedGradient>],
@@ -502,8 +531,7 @@ pub fn aggregate_compressed_into(
             }
         }
     }
-    finish(out, reduction, contributions.len());
-    Ok(())
+    finish_flat(manifest, out, reduction, contributions.len())
 }
 
 /// Checks rank `rank`'s per-tensor compressed gradients made at `step` against a manifest

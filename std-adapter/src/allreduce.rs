@@ -286,9 +286,13 @@ impl CompressedAllReduce {
     /// [`Error::WorldSize`] when `peers.len() + 1` is not the world size; [`Error::Config`] for
     /// a rank outside the group or an invalid method; naming the tensor and the rank, when a
     /// peer's gradients differ in names, shapes, step, method or seed
-    /// ([`crate::aggregate::check_contribution`]); any error of
-    /// [`GradientCompressor::compress`]. The peers are checked before the local gradients are
-    /// compressed: on those errors nothing changes.
+    /// ([`crate::aggregate::check_contribution`]), or a peer's frame body is invalid
+    /// ([`Error::Core`], the error of [`gradwire_core::validate`]); any error of
+    /// [`GradientCompressor::compress`]. The peers, frame bodies included, are checked before
+    /// the local gradients are compressed: on those errors nothing changes.
+    /// [`Error::Overflow`] when the aggregate overflows f32 (see
+    /// [`crate::aggregate::aggregate_compressed_into`]); that is known only after the local
+    /// compression, so the step and the residuals have advanced.
     pub fn all_reduce_with_peers_at(
         &mut self,
         gradients: &HashMap<String, Tensor>,
@@ -328,6 +332,14 @@ impl CompressedAllReduce {
         let peer_rank = |i: usize| if i < rank { i } else { i + 1 };
         for (i, peer) in peers.iter().enumerate() {
             check_contribution(manifest, peer, peer_rank(i), step)?;
+            // The frame bodies too (check_contribution reads the headers only), so that a bad
+            // peer fails before the local compression changes the residuals and the step.
+            for (e, entry) in manifest.entries().iter().enumerate() {
+                if let Some(cg) = peer.get(&entry.label) {
+                    gradwire_core::validate(cg.frame(), &manifest.params(e, step), entry.len)
+                        .map_err(|err| Error::core(&entry.label, Some(peer_rank(i)), err))?;
+                }
+            }
         }
         let local = self.compressor.compress(gradients)?;
         let mut contributions: Vec<&HashMap<String, CompressedGradient>> = peers.iter().collect();

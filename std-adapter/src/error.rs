@@ -261,6 +261,15 @@ pub enum Error {
         /// What differs.
         reason: String,
     },
+    /// Finite contributions aggregate (sum, or mean) beyond the f32 range: the result would be
+    /// infinite.
+    #[error("the aggregate of tensor {tensor:?} overflows f32 at element {index}")]
+    Overflow {
+        /// The tensor holding the first element that overflows.
+        tensor: String,
+        /// That element's flat (row-major) index within the tensor.
+        index: usize,
+    },
     /// The number of contributions does not match the world size.
     #[error("expected {expected} contributions (world size), got {got}")]
     WorldSize {

@@ -395,13 +395,14 @@ impl Split {
     /// Overwrites `acc` (`n` elements) with the sum of `count` frames of this split (in the
     /// order `frames(0)`, `frames(1)`, ...), chunks in parallel, then applies `finish` to each
     /// chunk of the sum. Each chunk starts from zeros, checks each frame's piece as the core's
-    /// decoder does and adds it. `false` when a frame is invalid (`acc` then holds partial sums).
+    /// decoder does and adds it. `false` when a frame is invalid or `finish` returns `false` for
+    /// a chunk (`acc` then holds partial sums).
     pub(crate) fn accumulate<'f>(
         &self,
         frames: impl Fn(usize) -> &'f [u8] + Sync,
         count: usize,
         acc: &mut [f32],
-        finish: &(impl Fn(&mut [f32]) + Sync),
+        finish: &(impl Fn(&mut [f32]) -> bool + Sync),
     ) -> bool {
         if acc.len() != self.n || (0..count).any(|r| frames(r).len() != self.frame_len()) {
             return false;
@@ -423,7 +424,9 @@ impl Split {
                     }
                     self.add(s, b, acc, 1.0);
                 }
-                finish(acc);
+                if !finish(acc) {
+                    failed.store(true, Ordering::Relaxed);
+                }
             });
         !failed.load(Ordering::Relaxed)
     }

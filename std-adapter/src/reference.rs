@@ -22,7 +22,10 @@
 //! writes them in no particular order, and the decoder accepts any order). In
 //! [`Mode::TopKInt8`], `scale = max|val| / 127` computed in f32 (`1.0` when every kept value is
 //! zero, as the reference does), codes are `round_half_even(val / scale)` clamped to
-//! `[-127, 127]`, and a code decodes to `code × scale` in f32.
+//! `[-127, 127]`, and a code decodes to `code × scale` in f32. Where the reference's scale is
+//! unusable (`127 × scale` overflows for a peak near `f32::MAX`; `max|val| / 127` underflows to
+//! 0 for a subnormal peak) the scale is the nearest one below that fits, or the smallest
+//! positive f32: every payload written decodes to finite values.
 //!
 //! # Error feedback: where gradwire differs from the reference
 //! [`feedback_step`] adds the residual to the gradient, compresses the sum `x`, and leaves in
@@ -233,8 +236,9 @@ pub enum ReferenceError {
         /// Elements found.
         got: usize,
     },
-    /// The same tensor name appears twice in the input, or a name contains `::`.
-    #[error("invalid tensor name {0:?} (duplicate, or contains \"::\")")]
+    /// The same tensor name appears twice in the input, a name contains `::`, or a name is
+    /// `__metadata__` (reserved by safetensors).
+    #[error("invalid tensor name {0:?} (duplicate, contains \"::\", or is \"__metadata__\")")]
     BadName(String),
     /// An error-feedback state was made for another method (mode or ratio) than this step.
     #[error(
@@ -390,9 +394,26 @@ fn select_topk(x: &[f32], ratio: f64) -> Vec<u64> {
 }
 
 /// The reference's int8 quantization of the kept values: `(codes, scale)`.
+///
+/// `scale = peak / 127` in f32, as the reference computes it, except at the two ends of the f32
+/// range, where the reference writes payloads that no decoder can use and this function a
+/// scale that [`parse`] (and the reference's decoder) accept, so that every code decodes to a
+/// finite value:
+/// - a peak near `f32::MAX`, where `127 × scale` overflows: the scale is stepped down
+///   ([`f32::next_down`]) until `127 × scale` is finite (codes are clamped to `[-127, 127]`);
+/// - a subnormal peak, where `peak / 127` underflows to 0 (the reference would divide by 0):
+///   the scale is the smallest positive f32, so codes are small integers that decode exactly.
 fn quantize_int8(values: &[f32]) -> (Vec<i8>, f32) {
     let peak = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let scale = if peak > 0.0 { peak / 127.0 } else { 1.0 };
+    let mut scale = if peak > 0.0 { peak / 127.0 } else { 1.0 };
+    if scale == 0.0 {
+        scale = f32::from_bits(1);
+    }
+    // Near f32::MAX, `peak / 127` rounds to at most one step above the largest scale that
+    // fits (the scale is finite: so is the input).
+    while !(127.0 * scale).is_finite() {
+        scale = scale.next_down();
+    }
     let codes = values
         .iter()
         .map(|&v| (v / scale).round_ties_even().clamp(-127.0, 127.0) as i8)
@@ -505,10 +526,16 @@ fn feedback_checked(grad: &[f32], residual: &mut [f32], mode: Mode, ratio: f64) 
 /// One input tensor: `(name, shape, data)`.
 pub type Input<'a> = (&'a str, &'a [usize], &'a [f32]);
 
+/// Whether `name` cannot name a tensor of a payload: it contains `::`, or it is
+/// `__metadata__`, the key safetensors reserves.
+fn reserved_name(name: &str) -> bool {
+    name.contains("::") || name == "__metadata__"
+}
+
 fn check_inputs(tensors: &[Input<'_>]) -> Result<(), ReferenceError> {
     let mut seen = BTreeSet::new();
     for &(name, shape, data) in tensors {
-        if name.contains("::") || !seen.insert(name) {
+        if reserved_name(name) || !seen.insert(name) {
             return Err(ReferenceError::BadName(name.to_owned()));
         }
         let n = numel(name, shape)?;
@@ -528,7 +555,7 @@ fn check_inputs(tensors: &[Input<'_>]) -> Result<(), ReferenceError> {
 /// feedback.
 ///
 /// # Errors
-/// [`ReferenceError::BadName`] for a duplicate name or one containing `::`;
+/// [`ReferenceError::BadName`] for a duplicate name, one containing `::`, or `__metadata__`;
 /// [`ReferenceError::ElementCount`] when a tensor's data does not match its shape;
 /// [`ReferenceError::NonFinite`] naming the first bad tensor and position;
 /// [`ReferenceError::InvalidRatio`]; [`ReferenceError::Safetensors`] if serialization fails.
@@ -659,14 +686,15 @@ fn le_bytes<T: Copy, const W: usize>(x: &[T], f: impl Fn(T) -> [u8; W]) -> Vec<u
 /// (top-k keys are flat `[k]`).
 ///
 /// # Errors
-/// [`ReferenceError::BadName`] for a name containing `::`; [`ReferenceError::ElementCount`] when a
-/// dense entry does not match its shape; [`ReferenceError::Safetensors`] if serialization fails.
+/// [`ReferenceError::BadName`] for a name containing `::` or `__metadata__`;
+/// [`ReferenceError::ElementCount`] when a dense entry does not match its shape;
+/// [`ReferenceError::Safetensors`] if serialization fails.
 pub fn to_bytes<'a>(
     entries: impl IntoIterator<Item = (&'a str, &'a [usize], &'a Entry)>,
 ) -> Result<Vec<u8>, ReferenceError> {
     let mut keys: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, shape, entry) in entries {
-        if name.contains("::") {
+        if reserved_name(name) {
             return Err(ReferenceError::BadName(name.to_owned()));
         }
         match entry {
@@ -821,7 +849,7 @@ fn check_specs(specs: &[TensorSpec]) -> Result<Vec<usize>, ReferenceError> {
     specs
         .iter()
         .map(|s| {
-            if s.name.contains("::") || !seen.insert(s.name.as_str()) {
+            if reserved_name(&s.name) || !seen.insert(s.name.as_str()) {
                 return Err(ReferenceError::BadName(s.name.clone()));
             }
             numel(&s.name, &s.shape)
@@ -849,7 +877,8 @@ pub fn keys(name: &str, mode: Mode) -> Vec<String> {
 ///
 /// # Errors
 /// [`ReferenceError::Safetensors`] for bytes that are not a safetensors file;
-/// [`ReferenceError::BadName`] for a duplicate spec name or one containing `::`;
+/// [`ReferenceError::BadName`] for a duplicate spec name, one containing `::`, or
+/// `__metadata__`;
 /// [`ReferenceError::ShapeOverflow`]; [`ReferenceError::UnexpectedKey`] (the first in sorted order)
 /// and [`ReferenceError::MissingKey`]; [`ReferenceError::WrongDtype`],
 /// [`ReferenceError::WrongShape`], [`ReferenceError::LengthMismatch`],

@@ -265,6 +265,66 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
     assert_eq!(out, vec![42.0; 2], "untouched by every failed check");
 }
 
+/// Finite contributions whose f32 sum overflows: an error naming the tensor and the element
+/// within it (never an infinite aggregate), the same on the serial and the parallel path (small
+/// entries, a dense entry cut into chunks, a large top-k entry, a bucket), `out` zeroed.
+#[test]
+fn an_aggregate_that_overflows_f32_is_an_error() {
+    use gradwire::aggregate::Aggregator;
+    use gradwire::parallel::Parallelism;
+    let dense = CompressionMethod::Core(Method::Dense {
+        values: Values::F32,
+    });
+    let small = grads(&[("a", &[3], vec![1.0; 3]), ("w", &[2], vec![3e38, 1.0])]);
+    let n = 300_001;
+    let at = 200_003;
+    let mut big = vec![0.5f32; n];
+    big[at] = 3e38;
+    let large = grads(&[("a", &[3], vec![1.0; 3]), ("big", &[n], big)]);
+    let cases = [
+        (&dense, &small, BucketConfig::none(), "w", 0),
+        (&dense, &small, BucketConfig::fused(64 << 10), "w", 0),
+        (&dense, &large, BucketConfig::none(), "big", at),
+        (
+            &CompressionMethod::TopK { k: 3 },
+            &large,
+            BucketConfig::none(),
+            "big",
+            at,
+        ),
+    ];
+    let is_overflow = |err: &Error, name: &str, at: usize| matches!(err, Error::Overflow { tensor, index } if tensor == name && *index == at);
+    for (method, g, cfg, name, at) in cases {
+        let manifest = Manifest::for_gradients(g, method, 0, cfg).unwrap();
+        let b = bundles(&manifest, method, &[g.clone(), g.clone()]);
+        for reduction in [Reduction::Sum, Reduction::Mean] {
+            let what = format!("{method:?} {cfg:?} {reduction:?}");
+            let mut out = vec![42.0; 3];
+            let err = aggregate_into(&manifest, &b, 0, reduction, &mut out).unwrap_err();
+            assert!(is_overflow(&err, name, at), "{what}: {err}");
+            assert_eq!(out, vec![0.0; manifest.flat_len()], "{what}");
+            let mut par = vec![f32::NAN; 3];
+            let par_err = Aggregator::new()
+                .with_parallelism(Parallelism::Parallel)
+                .aggregate_into(&manifest, &b, 0, reduction, &mut par)
+                .unwrap_err();
+            assert_eq!(par_err.to_string(), err.to_string(), "{what} in parallel");
+            assert!(is_overflow(&par_err, name, at), "{what}: {par_err}");
+            assert_eq!(par, out, "{what} in parallel");
+            if cfg == BucketConfig::none() {
+                let c: Vec<_> = (0..2)
+                    .map(|_| GradientCompressor::new(method.clone()).compress_once(g))
+                    .collect();
+                let err =
+                    aggregate_compressed_into(&manifest, &[&c[0], &c[1]], 0, reduction, &mut out)
+                        .unwrap_err();
+                assert!(is_overflow(&err, name, at), "{what} per tensor: {err}");
+                assert_eq!(out, vec![0.0; manifest.flat_len()], "{what}");
+            }
+        }
+    }
+}
+
 #[test]
 fn compressed_gradient_maps() {
     let method = CompressionMethod::TopK { k: 2 };

@@ -11,7 +11,7 @@ use gradwire::allreduce::CompressedAllReduce;
 use gradwire::bucket::BucketConfig;
 use gradwire::bundle::Manifest;
 use gradwire::comm::{Communicator, LocalGroup};
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::compressor::{CompressedGradient, CompressionMethod, GradientCompressor};
 use gradwire::error::Error;
 use gradwire::tensor::Tensor;
 
@@ -334,5 +334,44 @@ fn a_rank_that_fails_locally_does_not_hang_its_peers() {
     }
     for (_, second) in &results {
         assert_eq!(second["w"].data(), &[0.0, 0.0, 3.0]);
+    }
+}
+
+/// A peer frame whose header is valid but whose body is not (a NaN value, CRC recomputed) fails
+/// before the local compression: the step and the residuals do not change.
+#[test]
+fn a_peer_with_an_invalid_body_changes_no_local_state() {
+    let method = CompressionMethod::TopK { k: 1 }.with_error_feedback();
+    let g = grads(&[("w", &[3], vec![1.0, -3.0, 0.5])]);
+    let mut peer = GradientCompressor::new(method.clone());
+    let mut ar = CompressedAllReduce::new(method, 2);
+    let residual = |ar: &CompressedAllReduce| {
+        ar.compressor()
+            .feedback()
+            .and_then(|f| f.residual("w"))
+            .map(<[f32]>::to_vec)
+    };
+    let bad = |good: &HashMap<String, CompressedGradient>| {
+        let mut frame = good["w"].frame().to_vec();
+        let l = frame.len();
+        frame[l - 8..l - 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        let crc = crc32fast::hash(&frame[..l - 4]);
+        frame[l - 4..].copy_from_slice(&crc.to_le_bytes());
+        let cg = CompressedGradient::from_frame(frame, vec![3], good["w"].step()).unwrap();
+        HashMap::from([("w".to_owned(), cg)])
+    };
+    for step in 0..2u64 {
+        let good = peer.compress(&g).unwrap();
+        let before = residual(&ar);
+        let err = ar.all_reduce_with_peers(&g, &[bad(&good)]).unwrap_err();
+        assert!(
+            matches!(&err, Error::Core { tensor, rank: Some(1), .. } if tensor == "w"),
+            "{err}"
+        );
+        assert_eq!(ar.compressor().step(), step);
+        assert_eq!(residual(&ar), before);
+        // The same step with the peer's good frame goes through.
+        ar.all_reduce_with_peers(&g, &[good]).unwrap();
+        assert_eq!(ar.compressor().step(), step + 1);
     }
 }

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use gradwire::bundle::TensorSpec;
+use gradwire::feedback::ErrorFeedback;
 use gradwire::reference::{self, Entry, Mode, ReferenceError as Error};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
@@ -332,6 +333,68 @@ fn int8_of_all_zero_values_uses_scale_one() {
     );
 }
 
+/// A peak near `f32::MAX`: the reference's `peak / 127` makes `127 × scale` overflow, a payload
+/// no decoder accepts and an infinite residual. The scale steps down instead: the payload
+/// decodes finite, the residual stays finite, and its checkpoint loads.
+#[test]
+fn int8_of_a_peak_near_f32_max_decodes_finite() {
+    let x = [f32::MAX, 0.0];
+    let t: Vec<(&str, &[usize], &[f32])> = vec![("w", &[2], &x)];
+    let specs = [TensorSpec::new("w", vec![2])];
+    let payload = reference::compress(&t, Mode::TopKInt8, 0.5).unwrap();
+    let d = reference::decode(&payload, Mode::TopKInt8, &specs).unwrap();
+    assert!(d[0][0].is_finite() && d[0][0] > 0.0, "{:?}", d[0]);
+    assert_eq!(d[0][1], 0.0);
+    let mut fb = ErrorFeedback::new(reference::feedback_method(Mode::TopKInt8, 0.5), 0).unwrap();
+    let payload =
+        reference::compress_with_error_feedback(&t, &mut fb, Mode::TopKInt8, 0.5).unwrap();
+    let sent = reference::decode(&payload, Mode::TopKInt8, &specs).unwrap();
+    let r = fb.residual("w").unwrap().to_vec();
+    assert!(r.iter().all(|v| v.is_finite()), "{r:?}");
+    assert_eq!(sent[0][0] + r[0], f32::MAX, "nothing lost");
+    let mut restored = ErrorFeedback::from_bytes(&fb.to_bytes().unwrap()).unwrap();
+    assert_eq!(restored.residual("w"), Some(&r[..]));
+    assert_eq!(restored.step(), 1);
+    let next = [1.0f32, -2.0];
+    let t: Vec<(&str, &[usize], &[f32])> = vec![("w", &[2], &next)];
+    let payload =
+        reference::compress_with_error_feedback(&t, &mut restored, Mode::TopKInt8, 0.5).unwrap();
+    reference::decode(&payload, Mode::TopKInt8, &specs).unwrap();
+}
+
+/// A subnormal peak: `peak / 127` underflows to 0 (the reference divides by it); the scale is
+/// the smallest positive f32 instead, so the codes are exact and nothing is lost.
+#[test]
+fn int8_of_a_subnormal_peak_is_exact() {
+    let tiny = f32::from_bits(1);
+    let specs = [TensorSpec::new("w", vec![2])];
+    let x = [tiny, 0.0];
+    let t: Vec<(&str, &[usize], &[f32])> = vec![("w", &[2], &x)];
+    let e = reference::compress_tensor(&x, Mode::TopKInt8, 0.5).unwrap();
+    assert_eq!(
+        e,
+        Entry::TopKInt8 {
+            indices: vec![0],
+            codes: vec![1],
+            scale: tiny
+        }
+    );
+    let payload = reference::compress(&t, Mode::TopKInt8, 0.5).unwrap();
+    let d = reference::decode(&payload, Mode::TopKInt8, &specs).unwrap();
+    assert_eq!(d[0][0].to_bits(), 1);
+    assert_eq!(d[0][1], 0.0);
+    // Error feedback: what is sent plus the residual is the gradient, exactly.
+    let x = [f32::from_bits(40), -f32::from_bits(3)];
+    let t: Vec<(&str, &[usize], &[f32])> = vec![("w", &[2], &x)];
+    let mut r = vec![vec![0.0f32; 2]];
+    let payload = reference::compress_with_residuals(&t, &mut r, Mode::TopKInt8, 0.5).unwrap();
+    let sent = reference::decode(&payload, Mode::TopKInt8, &specs).unwrap();
+    assert_eq!(sent[0], [x[0], 0.0]);
+    for i in 0..2 {
+        assert_eq!(sent[0][i] + r[0][i], x[i], "element {i}");
+    }
+}
+
 #[test]
 fn bad_inputs_are_refused_before_any_residual_changes() {
     let a = [1.0f32, 2.0];
@@ -380,6 +443,27 @@ fn bad_inputs_are_refused_before_any_residual_changes() {
         reference::compress(&colon, Mode::TopK, 0.5),
         Err(Error::BadName(_))
     ));
+    // safetensors reserves `__metadata__`: such a payload could not be read back.
+    let meta: Vec<(&str, &[usize], &[f32])> = vec![("__metadata__", &[2], &a)];
+    for mode in Mode::ALL {
+        assert_eq!(
+            reference::compress(&meta, mode, 0.5),
+            Err(Error::BadName("__metadata__".into())),
+            "{mode}"
+        );
+        let mut r = vec![vec![0.5f32; 2]];
+        assert_eq!(
+            reference::compress_with_residuals(&meta, &mut r, mode, 0.5),
+            Err(Error::BadName("__metadata__".into()))
+        );
+        assert_eq!(r, vec![vec![0.5f32; 2]]);
+    }
+    let mut fb = ErrorFeedback::new(reference::feedback_method(Mode::None, 0.5), 0).unwrap();
+    assert_eq!(
+        reference::compress_with_error_feedback(&meta, &mut fb, Mode::None, 0.5),
+        Err(Error::BadName("__metadata__".into()))
+    );
+    assert_eq!((fb.step(), fb.residual("__metadata__")), (0, None));
     let mut short = vec![vec![0.0f32; 1]];
     assert!(matches!(
         reference::compress_with_residuals(&t, &mut short, Mode::TopK, 0.5),
@@ -570,6 +654,14 @@ fn hostile_payloads_are_clear_errors() {
         reference::decode(&topk(&[], &[]), Mode::TopK, &dup),
         Err(Error::BadName(_))
     ));
+    let meta = vec![TensorSpec::new("__metadata__", vec![2])];
+    for mode in Mode::ALL {
+        assert_eq!(
+            reference::decode(&payload(&[]), mode, &meta),
+            Err(Error::BadName("__metadata__".into())),
+            "{mode}"
+        );
+    }
     let huge = vec![TensorSpec::new("w", vec![usize::MAX, 2])];
     assert!(matches!(
         reference::decode(&topk(&[], &[]), Mode::TopK, &huge),
