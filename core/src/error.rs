@@ -61,7 +61,8 @@ pub enum Error {
         /// Actual length in elements.
         got: usize,
     },
-    /// A gradient element is NaN or infinite.
+    /// A gradient element is NaN or infinite (in an error-feedback step: or gradient + residual,
+    /// which overflows to infinity when both are large).
     NonFinite {
         /// Index of the first bad element.
         index: usize,
@@ -158,7 +159,11 @@ impl fmt::Display for Error {
                     "length mismatch: expected {expected} elements, got {got}"
                 )
             }
-            Error::NonFinite { index } => write!(f, "gradient is NaN or infinite at index {index}"),
+            Error::NonFinite { index } => write!(
+                f,
+                "gradient is NaN or infinite at index {index} (with error feedback: gradient + \
+                 residual, which may overflow f32 although both are finite)"
+            ),
             Error::ValueOutOfRange { index } => {
                 write!(
                     f,
