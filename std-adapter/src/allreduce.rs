@@ -58,6 +58,9 @@ use crate::error::{Error, Result};
 use crate::parallel::Parallelism;
 use crate::tensor::Tensor;
 
+/// Bytes of the layout fingerprint that follows a bundle on a communicator.
+const LAYOUT_LEN: usize = 8;
+
 /// Distributed gradient aggregation with compression (see the module docs).
 pub struct CompressedAllReduce {
     compressor: GradientCompressor,
@@ -171,14 +174,18 @@ impl CompressedAllReduce {
 
     /// Compresses, aggregates and averages gradients across the group.
     ///
-    /// With a communicator: compress into a bundle, all-gather, aggregate. Without one: with
+    /// With a communicator: compress into a bundle, all-gather it followed by the 8-byte
+    /// [`Manifest::layout_fingerprint`] (so that ranks whose tensors have the same element
+    /// counts but other shapes or names are an error, not a silent element-wise mean),
+    /// aggregate. Without one: with
     /// world size 1, a compression round trip; otherwise an error (scaling the local gradient
     /// by the world size is not a sum across workers).
     ///
     /// # Errors
     /// [`Error::NoCommunicator`] when the world size is not 1 and no communicator is
     /// configured; [`Error::Comm`] when the transport fails; any error of
-    /// [`GradientCompressor::compress_bundle`] and [`Aggregator::aggregate_into`] (naming tensor and rank).
+    /// [`GradientCompressor::compress_bundle`] and [`Aggregator::aggregate_into`] (naming tensor and rank);
+    /// [`Error::LayoutMismatch`] naming the first rank whose layout fingerprint differs.
     /// A rank whose local compression fails still takes part in the all-gather (with an empty
     /// bundle) and returns its own error; its peers then fail naming that rank, so no rank
     /// waits forever. Every rank's step advances by one on such a failed call (the failing
@@ -242,17 +249,33 @@ impl CompressedAllReduce {
                 let step = self.compressor.step();
                 self.compressor.set_step(step.wrapping_add(1));
                 self.send.clear();
-                let _ = comm.all_gather(&self.send, manifest.max_bundle_len(), &mut self.gathered);
+                let max_len = manifest.max_bundle_len().saturating_add(LAYOUT_LEN);
+                let _ = comm.all_gather(&self.send, max_len, &mut self.gathered);
                 return Err(e);
             }
         };
-        comm.all_gather(&self.send, manifest.max_bundle_len(), &mut self.gathered)?;
+        let layout = manifest.layout_fingerprint().to_le_bytes();
+        self.send.extend_from_slice(&layout);
+        let max_len = manifest.max_bundle_len().saturating_add(LAYOUT_LEN);
+        comm.all_gather(&self.send, max_len, &mut self.gathered)?;
         if self.gathered.len() != self.world_size {
             return Err(Error::WorldSize {
                 expected: self.world_size,
                 got: self.gathered.len(),
             });
         }
+        let mut other_layout = None;
+        for (r, message) in self.gathered.iter_mut().enumerate() {
+            // An empty message is a rank whose compression failed: the aggregator names it.
+            if let Some(at) = message.len().checked_sub(layout.len()) {
+                if message[at..] != layout {
+                    other_layout = other_layout.or(Some(r));
+                }
+                message.truncate(at);
+            }
+        }
+        // The aggregator's checks name the tensor (another element count, a missing tensor);
+        // the layout catches what they cannot see: the same counts in other shapes.
         self.aggregator.aggregate_into(
             manifest,
             &self.gathered,
@@ -260,6 +283,9 @@ impl CompressedAllReduce {
             self.reduction,
             &mut self.flat,
         )?;
+        if let Some(rank) = other_layout {
+            return Err(Error::LayoutMismatch { rank });
+        }
         manifest.to_tensors_into(&self.flat, out)
     }
 

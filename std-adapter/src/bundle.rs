@@ -175,6 +175,7 @@ pub struct Manifest {
     flat_len: usize,
     max_bundle_len: usize,
     sizes: Sizes,
+    layout: u64,
 }
 
 /// What a bundle's header declares.
@@ -406,6 +407,7 @@ impl Manifest {
         if u32::try_from(entries.len()).is_err() {
             return Err(too_large());
         }
+        let layout = layout_fingerprint(&infos, &entries);
         Ok(Manifest {
             tensors: infos,
             entries,
@@ -416,6 +418,7 @@ impl Manifest {
             flat_len: offset,
             max_bundle_len: max_bundle,
             sizes,
+            layout,
         })
     }
 
@@ -473,6 +476,14 @@ impl Manifest {
     /// Elements of the flat layout (every tensor's elements).
     pub fn flat_len(&self) -> usize {
         self.flat_len
+    }
+
+    /// A stable 64-bit fingerprint of the layout: every tensor's name and shape in manifest
+    /// order, and every entry's label (so the bucketing). Bundles carry entry ids and element
+    /// counts, not shapes; ranks compare this to catch tensors with the same element count but
+    /// another shape (a `[256, 64]` against a `[64, 256]`).
+    pub fn layout_fingerprint(&self) -> u64 {
+        self.layout
     }
 
     /// The largest bundle this manifest allows, in bytes (pass it as `max_len` to
@@ -776,4 +787,29 @@ impl Manifest {
             }
         }
     }
+}
+
+/// FNV-1a (as [`gradwire_core::tensor_id`]) over every tensor's name and shape, then every
+/// entry's label; names end with a 0 byte, dimensions are u64 little-endian after their count.
+fn layout_fingerprint(tensors: &[ManifestTensor], entries: &[Entry]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for t in tensors {
+        eat(t.name.as_bytes());
+        eat(&[0]);
+        eat(&(t.shape.len() as u64).to_le_bytes());
+        for &d in &t.shape {
+            eat(&(d as u64).to_le_bytes());
+        }
+    }
+    for e in entries {
+        eat(e.label.as_bytes());
+        eat(&[0]);
+    }
+    h
 }

@@ -261,6 +261,16 @@ pub enum Error {
         /// What differs.
         reason: String,
     },
+    /// Another rank's tensors differ from this rank's in names, shapes or bucketing (detected
+    /// through the layout fingerprint that travels with every bundle on a communicator; equal
+    /// element counts with other shapes would otherwise be averaged element by element).
+    #[error(
+        "rank {rank} has another model layout (tensor names, shapes or bucketing) than this rank"
+    )]
+    LayoutMismatch {
+        /// The rank whose layout differs.
+        rank: usize,
+    },
     /// Finite contributions aggregate (sum, or mean) beyond the f32 range: the result would be
     /// infinite.
     #[error("the aggregate of tensor {tensor:?} overflows f32 at element {index}")]

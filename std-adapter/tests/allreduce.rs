@@ -298,6 +298,96 @@ fn ranks_that_disagree_fail_on_every_rank() {
     );
 }
 
+/// Runs one `all_reduce` per rank (rank `r` with `per_rank[r]`) on a `LocalGroup` and returns
+/// each rank's error message (`None` on success).
+fn all_reduce_errors(
+    method: CompressionMethod,
+    bucketing: BucketConfig,
+    per_rank: Vec<HashMap<String, Tensor>>,
+) -> Vec<Option<String>> {
+    let comms = LocalGroup::new(per_rank.len()).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            let g = per_rank[comm.rank()].clone();
+            let method = method.clone();
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
+                    .with_bucketing(bucketing);
+                ar.all_reduce(&g).err().map(|e| e.to_string())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn same_counts_in_other_shapes_fail_on_every_rank() {
+    // Bundles carry element counts, not shapes: a [256, 64] against a [64, 256] used to be
+    // averaged element by element. The layout fingerprint makes it an error naming the rank.
+    let data: Vec<f32> = (0..16_384).map(|i| (i % 97) as f32 - 48.0).collect();
+    let small: Vec<f32> = (0..24).map(|i| i as f32 - 12.0).collect();
+    let cases = [
+        (
+            CompressionMethod::TopKRatio {
+                ratio: 0.01,
+                values: gradwire::core::Values::F32,
+            }
+            .with_error_feedback(),
+            BucketConfig::none(),
+            [("w", vec![256, 64]), ("w", vec![64, 256])],
+            data.clone(),
+        ),
+        (
+            CompressionMethod::Quantization { bits: 4 },
+            BucketConfig::none(),
+            [("w", vec![4, 6]), ("w", vec![6, 4])],
+            small.clone(),
+        ),
+        (
+            CompressionMethod::TopK { k: 3 },
+            BucketConfig::fused(1 << 20),
+            [("w", vec![4, 6]), ("w", vec![6, 4])],
+            small.clone(),
+        ),
+    ];
+    for (method, bucketing, shapes, values) in cases {
+        let per_rank: Vec<_> = shapes
+            .iter()
+            .map(|(name, shape)| {
+                let mut g = grads(&[(name, shape.as_slice(), values.clone())]);
+                // A second tensor, so that buckets fuse something.
+                g.insert("b".to_string(), Tensor::vector(vec![0.5, -1.5, 2.0]));
+                g
+            })
+            .collect();
+        let errors = all_reduce_errors(method.clone(), bucketing, per_rank);
+        assert_eq!(
+            errors[0].as_deref(),
+            Some(
+                "rank 1 has another model layout (tensor names, shapes or bucketing) than this rank"
+            ),
+            "{method:?}"
+        );
+        assert!(
+            errors[1]
+                .as_deref()
+                .is_some_and(|e| e.starts_with("rank 0 ")),
+            "{errors:?}"
+        );
+        // The same shapes on both ranks succeed.
+        let same: Vec<_> = (0..2)
+            .map(|_| {
+                let (name, shape) = &shapes[0];
+                let mut g = grads(&[(name, shape.as_slice(), values.clone())]);
+                g.insert("b".to_string(), Tensor::vector(vec![0.5, -1.5, 2.0]));
+                g
+            })
+            .collect();
+        assert_eq!(all_reduce_errors(method, bucketing, same), vec![None, None]);
+    }
+}
+
 #[test]
 fn a_rank_that_fails_locally_does_not_hang_its_peers() {
     let w = 3;
