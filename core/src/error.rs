@@ -171,7 +171,33 @@ impl fmt::Display for Error {
                      (or, with unbiased random-k, times n/k)"
                 )
             }
-            Error::InvalidParams { param } => write!(f, "invalid parameter: {param:?}"),
+            Error::InvalidParams { param } => {
+                write!(f, "invalid parameter: {param:?}")?;
+                match param {
+                    Param::Bits => write!(f, " (quantization takes 2..=8 bits)"),
+                    Param::Block => write!(f, " (a block holds at least 1 element)"),
+                    Param::K => write!(
+                        f,
+                        " (a ratio is finite and >= 0; a given kept list holds exactly k entries)"
+                    ),
+                    Param::Threshold => {
+                        write!(f, " (finite and >= 0; every given kept entry is above it)")
+                    }
+                    Param::Values => write!(
+                        f,
+                        " (int8 values need a block of at least 1 and a sparse method)"
+                    ),
+                    Param::Unbiased => write!(
+                        f,
+                        " (unbiased random-k cannot run with error feedback: the residual would \
+                         grow without bound)"
+                    ),
+                    Param::SignScale => {
+                        write!(f, " (error feedback needs sign with per-block scales)")
+                    }
+                    _ => Ok(()),
+                }
+            }
             Error::Truncated { needed, got } => {
                 write!(f, "truncated frame: need {needed} bytes, got {got}")
             }

@@ -747,3 +747,37 @@ fn unbiased_randomk_never_decodes_to_infinity() {
         assert!(acc.iter().all(|&x| x == 0.0), "{values:?}: acc untouched");
     }
 }
+
+#[test]
+fn invalid_parameters_say_what_is_valid() {
+    let quant = |bits, block| Method::Quant {
+        bits,
+        block,
+        rounding: Rounding::NearestEven,
+    };
+    let message = |m: Method| m.validate().unwrap_err().to_string();
+    assert_eq!(
+        message(quant(9, 512)),
+        "invalid parameter: Bits (quantization takes 2..=8 bits)"
+    );
+    assert!(message(quant(1, 512)).contains("2..=8"));
+    assert!(message(quant(4, 0)).contains("at least 1 element"));
+    let g = [1.0f32, 2.0];
+    let mut r = [0.0f32; 2];
+    let unbiased = Params::new(Method::RandomK {
+        k: K::Count(1),
+        values: Values::F32,
+        unbiased: true,
+    });
+    let err = feedback(&g, &mut r, &unbiased).unwrap_err().to_string();
+    assert!(err.contains("cannot run with error feedback"), "{err}");
+    // Under error feedback a NaN may be gradient + residual: the message says so.
+    let mut r = [f32::MAX, 0.0];
+    let topk = Params::new(Method::TopK {
+        k: K::Count(1),
+        values: Values::F32,
+    });
+    let err = feedback(&[f32::MAX, 0.0], &mut r, &topk).unwrap_err();
+    assert_eq!(err, Error::NonFinite { index: 0 });
+    assert!(err.to_string().contains("gradient + residual"), "{err}");
+}
