@@ -535,6 +535,23 @@ fn residual_state_is_created_then_reused_like_the_library() {
         assert_eq!(fs::read(&state).unwrap(), before);
         assert!(!o3.exists());
     }
+    // A state of another model: the gradients file lacks one of its tensors.
+    let (first_name, first) = &model[0];
+    let other = dir.join("other_model.safetensors");
+    safetensors_file(
+        &other,
+        &[(
+            first_name.as_str(),
+            Dtype::F32,
+            first.shape().to_vec(),
+            f32_bytes(first.data()),
+        )],
+    );
+    let mut args = vec!["compress", s(&other), "-o", s(&o3), "--residual", s(&state)];
+    args.extend(flags);
+    fails(&args, "which the gradients file does not have");
+    assert_eq!(fs::read(&state).unwrap(), before);
+    assert!(!o3.exists());
     // A corrupt state file.
     let bad = dir.join("bad.safetensors");
     fs::write(&bad, b"garbage").unwrap();

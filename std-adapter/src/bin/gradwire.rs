@@ -20,7 +20,8 @@
 //!   not travel, so `decompress` needs the receiver's model (`--shapes`).
 //!
 //! With `--residual STATE`, `compress` runs one error-feedback step: it reads the state when the
-//! file exists (an [`gradwire::feedback::ErrorFeedback`] checkpoint), compresses
+//! file exists (an [`gradwire::feedback::ErrorFeedback`] checkpoint of this model: each of its
+//! residuals must name a tensor of the gradients file, with the same method, seed and step), compresses
 //! `gradient + residual`, and rewrites the state. Outputs and state files are written to a
 //! temporary file in the same directory and renamed, so a failure never leaves a half-written
 //! file. A failure prints one line, `gradwire: error: ...`, on stderr and exits with status 1
@@ -490,6 +491,23 @@ fn check_state_step(path: &Path, fb: &ErrorFeedback, step: Option<u64>) -> Resul
     }
 }
 
+/// The state must be one of this model's: a residual whose tensor the gradients file lacks is
+/// a state of another model (its residuals would be carried along and saved again unseen).
+fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Result<(), CliError> {
+    if let Some((name, _)) = fb.residuals().find(|(name, _)| {
+        model
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .is_err()
+    }) {
+        return Err(CliError::new(format!(
+            "{}: residual state holds tensor `{name}`, which the gradients file does not have \
+             (a state of another model?)",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 fn compress(a: &CompressArgs) -> Result<(), CliError> {
     // Everything about the command line is checked before any file is read.
     let plan = match a.layout {
@@ -516,6 +534,7 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
                 let mut fb = load_state(path, method, a.seed)?;
                 check_state_method(path, &fb, &method)?;
                 check_state_step(path, &fb, a.step)?;
+                check_state_names(path, &fb, &model)?;
                 let payload =
                     reference::compress_with_error_feedback(&inputs, &mut fb, mode, ratio)?;
                 (payload, Some(fb.to_bytes()?))
@@ -530,6 +549,7 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
                 let mut fb = load_state(path, method, a.seed)?;
                 check_state_method(path, &fb, &method)?;
                 check_state_step(path, &fb, a.step)?;
+                check_state_names(path, &fb, &model)?;
                 let out = container::compress_with_feedback(&model, &mut fb)?;
                 (out, Some(fb.to_bytes()?))
             }
