@@ -161,8 +161,8 @@ impl fmt::Display for Error {
             }
             Error::NonFinite { index } => write!(
                 f,
-                "gradient is NaN or infinite at index {index} (with error feedback: gradient + \
-                 residual, which may overflow f32 although both are finite)"
+                "NaN or infinity at index {index} (of the gradient; under error feedback, of \
+                 gradient + residual, which can overflow)"
             ),
             Error::ValueOutOfRange { index } => {
                 write!(

@@ -780,4 +780,8 @@ fn invalid_parameters_say_what_is_valid() {
     let err = feedback(&[f32::MAX, 0.0], &mut r, &topk).unwrap_err();
     assert_eq!(err, Error::NonFinite { index: 0 });
     assert!(err.to_string().contains("gradient + residual"), "{err}");
+    assert!(
+        err.to_string().starts_with("NaN or infinity at index 0"),
+        "{err}"
+    );
 }

@@ -160,8 +160,10 @@ fn finish_flat(
 /// tensor or bucket where an entry is at fault). Checks run on every bundle before anything is
 /// accumulated, so `out` is untouched on those errors; a frame whose body turns out invalid
 /// while accumulating is an [`Error::Core`] naming tensor and rank, and leaves `out` zeroed.
-/// [`Error::Overflow`] when finite contributions sum (or, for the mean, average) beyond the f32
-/// range, naming the tensor and the element of the first non-finite result; `out` is zeroed.
+/// [`Error::Overflow`] when the f32 sum of finite contributions overflows (under
+/// [`Reduction::Mean`] too: the sum is divided by W once, at the end, so a mean that would fit
+/// is still an error when its sum does not), naming the tensor and the element of the first
+/// non-finite result; `out` is zeroed.
 pub fn aggregate_into<B: AsRef<[u8]>>(
     manifest: &Manifest,
     bundles: &[B],

@@ -358,8 +358,11 @@ impl CompressedAllReduce {
         let peer_rank = |i: usize| if i < rank { i } else { i + 1 };
         for (i, peer) in peers.iter().enumerate() {
             check_contribution(manifest, peer, peer_rank(i), step)?;
-            // The frame bodies too (check_contribution reads the headers only), so that a bad
-            // peer fails before the local compression changes the residuals and the step.
+        }
+        // The frame bodies too (check_contribution reads the headers only), so that a bad peer
+        // fails before the local compression changes the residuals and the step; after every
+        // peer's headers, so that a missing tensor or another shape is reported first.
+        for (i, peer) in peers.iter().enumerate() {
             for (e, entry) in manifest.entries().iter().enumerate() {
                 if let Some(cg) = peer.get(&entry.label) {
                     gradwire_core::validate(cg.frame(), &manifest.params(e, step), entry.len)

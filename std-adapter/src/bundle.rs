@@ -1,5 +1,5 @@
-//! Bundles: everything one rank sends in one step, in one message, and the [`Manifest`] a
-//! receiver decodes it against.
+//! Bundles: everything one rank sends in one step, in one message (on a communicator, with
+//! an 8-byte layout fingerprint after it), and the [`Manifest`] a receiver decodes it against.
 //!
 //! # Bundle layout (version 1)
 //! All integers little-endian.
@@ -25,13 +25,18 @@
 //! | `L` | a gradwire frame (`FORMAT.md`) |
 //!
 //! A bundle costs 28 bytes plus 12 per entry on top of its frames. Shapes, names, the method
-//! and the bucketing never travel: the receiver's [`Manifest`] holds them, and decoding checks
+//! and the bucketing are not in a bundle: the receiver's [`Manifest`] holds them, and decoding checks
 //! the bundle against it: the header (magic, version, reserved fields, checksum, rank, step),
 //! the entry count, every entry's id (same tensors, same order) and every frame's element count
 //! and parameters (same method). Anything else is an error naming the tensor (or bucket) and
 //! the rank. Nothing is allocated from lengths read off the wire: the output is sized by the
 //! manifest, and a valid bundle is never longer than [`Manifest::max_bundle_len`] (the limit
-//! to give [`crate::comm::Communicator::all_gather`]).
+//! to give [`crate::comm::Communicator::all_gather`] for bundles alone).
+//!
+//! On a communicator, [`crate::allreduce::CompressedAllReduce`] sends each bundle followed by
+//! the 8-byte [`Manifest::layout_fingerprint`] (a hash of the names and shapes; its all-gather
+//! limit is `max_bundle_len() + 8`), because equal element counts in other shapes pass every
+//! check above.
 //!
 //! # Flat layout
 //! Decoders and aggregators write into one flat `Vec<f32>` of [`Manifest::flat_len`] elements:

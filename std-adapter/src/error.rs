@@ -271,8 +271,8 @@ pub enum Error {
         /// The rank whose layout differs.
         rank: usize,
     },
-    /// Finite contributions aggregate (sum, or mean) beyond the f32 range: the result would be
-    /// infinite.
+    /// The f32 sum of finite contributions overflows (also under the mean, which divides the
+    /// sum once at the end): the result would be infinite.
     #[error("the aggregate of tensor {tensor:?} overflows f32 at element {index}")]
     Overflow {
         /// The tensor holding the first element that overflows.
