@@ -200,11 +200,15 @@ impl BundleHeader {
     /// Reads and checks a bundle's header and checksum (not its entries).
     ///
     /// # Errors
-    /// [`Error::Bundle`] with [`BundleFault::Truncated`], [`BundleFault::BadMagic`],
+    /// [`Error::Bundle`] with [`BundleFault::Empty`], [`BundleFault::Truncated`],
+    /// [`BundleFault::BadMagic`],
     /// [`BundleFault::UnsupportedVersion`], [`BundleFault::Reserved`] or
     /// [`BundleFault::Checksum`].
     pub fn read(bundle: &[u8]) -> Result<Self> {
         let fault = |fault| Error::Bundle { rank: None, fault };
+        if bundle.is_empty() {
+            return Err(fault(BundleFault::Empty));
+        }
         if bundle.len() < HEADER_LEN + TRAILER_LEN {
             return Err(fault(BundleFault::Truncated {
                 needed: HEADER_LEN + TRAILER_LEN,

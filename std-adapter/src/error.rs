@@ -43,6 +43,9 @@ impl fmt::Display for Named<'_> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BundleFault {
+    /// The bundle is empty: on a communicator, what a rank sends when its own compression
+    /// failed in this step (that rank reports the cause).
+    Empty,
     /// The bundle is shorter than its header, an entry or its trailer needs.
     Truncated {
         /// Bytes needed.
@@ -107,6 +110,11 @@ pub enum BundleFault {
 impl fmt::Display for BundleFault {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
+            BundleFault::Empty => write!(
+                f,
+                "is empty (from a peer: its compression failed in this step, and its own error \
+                 says why)"
+            ),
             BundleFault::Truncated { needed, got } => {
                 write!(f, "truncated: needs {needed} bytes, got {got}")
             }
