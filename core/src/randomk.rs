@@ -23,8 +23,8 @@
 //!
 //! Measured (N = 2.5e7, k = 1%, best of 7, one core): the specification's loop 76-82 ms (3.1-3.3
 //! ns per index); [`for_each`] 64-69 ms in the default build (scalar chains, whose minimum is
-//! compared with the limit: the multiplications bound it) and 59 ms with AVX2 (`-C target-cpu=native`: four lanes per vector, each 64-bit
-//! multiply from three 32-bit ones). The draws are compute-bound, 7-14 read passes of the tensor
+//! compared with the limit: the multiplications bound it) and 59 ms with AVX2 (`-C
+//! target-cpu=native`: four lanes per vector, each 64-bit multiply from three 32-bit ones). The draws are compute-bound, 7-14 read passes of the tensor
 //! depending on the machine's read speed: what random-k really gains from is more cores (the
 //! std crate draws chunks in parallel) and, on the receiver, drawing once for every rank's
 //! frame (BENCHMARKS.md, round 5).

@@ -22,6 +22,11 @@ fn frames() -> Vec<(Golden, Vec<u8>)> {
         .collect()
 }
 
+/// The golden case called `name` and its frame.
+fn frame_named(name: &str) -> (Golden, Vec<u8>) {
+    frames().into_iter().find(|(c, _)| c.name == name).unwrap()
+}
+
 const SENTINEL: u32 = 0x7fc0_beef;
 
 /// Decodes `frame` and checks the decoder's promises: no panic (the caller would see it); on
@@ -161,10 +166,7 @@ fn every_single_byte_change_with_a_valid_crc_is_safe() {
 /// nothing: a regression for peers checked before the local state changes.
 #[test]
 fn validate_checks_the_body_as_decode_does() {
-    let (case, frame) = frames()
-        .into_iter()
-        .find(|(c, _)| c.name == "dense_f32")
-        .unwrap();
+    let (case, frame) = frame_named("dense_f32");
     let n = case.grad.len();
     let info = validate(&frame, &case.params, n).unwrap();
     assert_eq!(info.n, n as u64);
@@ -392,10 +394,7 @@ fn every_changed_parameter_is_an_error() {
 /// Other method ids, flags, reserved bytes and versions in a valid-CRC frame are refused.
 #[test]
 fn reserved_values_are_refused() {
-    let (case, frame) = frames()
-        .into_iter()
-        .find(|(c, _)| c.name == "topk_delta_f32")
-        .unwrap();
+    let (case, frame) = frame_named("topk_delta_f32");
     let n = case.grad.len();
     for (at, v, want) in [
         (4usize, 0u8, Error::UnsupportedVersion { version: 0 }),

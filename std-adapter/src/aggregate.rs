@@ -105,9 +105,9 @@ fn check_no_buckets(manifest: &Manifest) -> Result<()> {
     Ok(())
 }
 
-/// Applies the reduction to the sum in `out`; `false` when the result is not finite (finite
-/// contributions whose f32 sum overflows; a majority vote never does).
-fn finish(out: &mut [f32], reduction: Reduction, count: usize) -> bool {
+/// Applies the reduction to the sum in `out`; the index of the first element that is not
+/// finite (finite contributions whose f32 sum overflows; a majority vote never has one).
+fn finish(out: &mut [f32], reduction: Reduction, count: usize) -> Option<usize> {
     match reduction {
         Reduction::Sum => {}
         Reduction::Mean => {
@@ -118,10 +118,10 @@ fn finish(out: &mut [f32], reduction: Reduction, count: usize) -> bool {
         }
         Reduction::MajorityVote => {
             sign::majority(out);
-            return true;
+            return None;
         }
     }
-    first_non_finite(out).is_none()
+    first_non_finite(out)
 }
 
 /// [`finish`] on the whole flat result `out`: on overflow, `out` zeroed and
@@ -132,10 +132,9 @@ fn finish_flat(
     reduction: Reduction,
     count: usize,
 ) -> Result<()> {
-    if finish(out, reduction, count) {
+    let Some(at) = finish(out, reduction, count) else {
         return Ok(());
-    }
-    let at = first_non_finite(out).unwrap_or(0);
+    };
     out.fill(0.0);
     // Bucket entries hold several tensors: the one whose range holds the element.
     let (tensor, index) = manifest
@@ -359,7 +358,7 @@ impl Aggregator {
             let (a, b) = frames[rank * ne + e];
             bundles[rank].as_ref().get(a..b).unwrap_or(&[])
         };
-        let finish = |acc: &mut [f32]| finish(acc, reduction, count);
+        let finish = |acc: &mut [f32]| finish(acc, reduction, count).is_none();
         let pool = &self.lists;
         out.resize(manifest.flat_len(), 0.0);
         // One task per entry, ranks in order; a large entry's task cuts its output into chunks

@@ -263,29 +263,18 @@ fn local_group_majority_vote_and_world_size_one() {
 #[test]
 fn ranks_that_disagree_fail_on_every_rank() {
     // Rank 1 has another model: every rank gets an error naming the tensor and rank 1.
-    let w = 2;
     let per_rank = [
         grads(&[("w", &[4], vec![1.0, 2.0, 3.0, 4.0])]),
         grads(&[("w", &[5], vec![1.0, 2.0, 3.0, 4.0, 5.0])]),
     ];
-    let comms = LocalGroup::new(w).into_communicators();
-    let handles: Vec<_> = comms
-        .into_iter()
-        .map(|comm| {
-            let g = per_rank[comm.rank()].clone();
-            std::thread::spawn(move || {
-                let mut ar = CompressedAllReduce::with_communicator(
-                    CompressionMethod::TopK { k: 2 },
-                    Box::new(comm),
-                );
-                ar.all_reduce(&g).map(|_| ()).map_err(|e| e.to_string())
-            })
-        })
-        .collect();
-    let errors: Vec<String> = handles
-        .into_iter()
-        .map(|h| h.join().unwrap().unwrap_err())
-        .collect();
+    let errors: Vec<String> = all_reduce_errors(
+        CompressionMethod::TopK { k: 2 },
+        BucketConfig::none(),
+        per_rank.to_vec(),
+    )
+    .into_iter()
+    .map(Option::unwrap)
+    .collect();
     assert!(
         errors[0].contains("`w`") && errors[0].contains("rank 1"),
         "{}",
