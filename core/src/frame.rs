@@ -8,7 +8,7 @@
 
 use crate::error::{Error, Param};
 use crate::index::{self, IndexSizer, IndexWriter};
-use crate::lanes::{AHEAD, LANES, One, Source, load, prefetch};
+use crate::lanes::{LANES, One, Source, prefetch};
 use crate::method::{K, Method, Params, Rounding, SignScale, Values};
 use crate::scalar::{self, Selection, magnitude_key};
 use crate::select::{Kept, OutOfLimit};
@@ -1712,25 +1712,13 @@ pub(crate) fn add_into(r: &mut [f32], g: &[f32]) {
     add_range(r, g, 0, r.len());
 }
 
-/// `r[i] += g[i]` for `i` in `start..end` (cut to both lengths), eight lanes at a time,
-/// prefetching [`AHEAD`] elements on in the whole buffers (so that a caller walking them
-/// stretch by stretch still asks for lines ahead of the stretch).
+/// `r[i] += g[i]` for `i` in `start..end` (cut to both lengths). A plain loop that the
+/// compiler vectorizes, without software prefetch: for this two-buffer read-modify-write pass a
+/// prefetch was slower in the native build (docs/prefetch.md).
 pub(crate) fn add_range(r: &mut [f32], g: &[f32], start: usize, end: usize) {
     let end = end.min(r.len()).min(g.len());
     let start = start.min(end);
-    let full = start + (end - start) / (2 * LANES) * (2 * LANES);
-    let mut i = start;
-    while i < full {
-        // One line of each buffer.
-        prefetch(g, i + AHEAD);
-        prefetch(r, i + AHEAD);
-        let v0 = load(&r[i..]) + load(&g[i..]);
-        let v1 = load(&r[i + LANES..]) + load(&g[i + LANES..]);
-        r[i..i + LANES].copy_from_slice(v0.as_array());
-        r[i + LANES..i + 2 * LANES].copy_from_slice(v1.as_array());
-        i += 2 * LANES;
-    }
-    for (a, &b) in r[full..end].iter_mut().zip(&g[full..end]) {
+    for (a, &b) in r[start..end].iter_mut().zip(&g[start..end]) {
         *a += b;
     }
 }
