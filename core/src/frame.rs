@@ -1623,15 +1623,28 @@ fn apply(h: &Header, body: &Body<'_>, out: &mut [f32], weight: Option<f32>) {
                     out[i] = x;
                 }
             }),
-            Some(w) => sparse_batches(h, body, |ib, vb| {
-                // The batch's lines are asked for together, so that their misses overlap.
-                for &i in ib {
-                    prefetch(out, i);
-                }
-                for (&i, &x) in ib.iter().zip(vb) {
+            Some(w) => {
+                // Software pipeline: a batch's lines are asked for together when it is decoded,
+                // and it is added one batch later, while the next batch's lines are on their
+                // way, so that the misses overlap the decoding.
+                let mut held_i = [0usize; index::BATCH];
+                let mut held_x = [0.0f32; index::BATCH];
+                let mut held = 0usize;
+                sparse_batches(h, body, |ib, vb| {
+                    for &i in ib {
+                        prefetch(out, i);
+                    }
+                    for (&i, &x) in held_i[..held].iter().zip(&held_x[..held]) {
+                        out[i] += w * x;
+                    }
+                    held = ib.len();
+                    held_i[..held].copy_from_slice(ib);
+                    held_x[..held].copy_from_slice(vb);
+                });
+                for (&i, &x) in held_i[..held].iter().zip(&held_x[..held]) {
                     out[i] += w * x;
                 }
-            }),
+            }
         },
     }
 }
