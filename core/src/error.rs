@@ -78,9 +78,11 @@ pub enum Error {
         /// The offending parameter.
         param: Param,
     },
-    /// The frame is shorter than its header or sections require.
+    /// The frame is shorter than its header or sections require (also when its checksum fails
+    /// because it was cut short: a truncated frame is reported as such).
     Truncated {
-        /// Bytes needed.
+        /// Bytes needed (at least this many when the cut falls among delta index blocks, whose
+        /// lengths are read one block at a time).
         needed: usize,
         /// Bytes available.
         got: usize,

@@ -1137,6 +1137,11 @@ fn parse_with(frame: &[u8], verify: bool) -> Result<(Header, Body<'_>), Error> {
         stored
     };
     if stored != computed {
+        // A frame cut short (a partial transfer) fails its checksum too; when its own header
+        // says it needs more bytes than it has, that is the clearer error.
+        if let Err(e @ Error::Truncated { .. }) = parse_with(frame, false) {
+            return Err(e);
+        }
         return Err(Error::Checksum { stored, computed });
     }
     let mut r = Get {
@@ -1205,7 +1210,8 @@ fn parse_with(frame: &[u8], verify: bool) -> Result<(Header, Body<'_>), Error> {
                 },
             };
             let idx_off = r.pos;
-            let idx_len = index::section_len(codec, n, count, &r.buf[idx_off..])
+            // A section that runs past the frame is reported by `section` as truncated.
+            let idx_len = index::section_extent(codec, n, count, &r.buf[idx_off..])
                 .map_err(|_| Error::BadIndex { offset: idx_off })?;
             let (idx, _) = r.section(idx_len)?;
             let count_usize = usize::try_from(count).map_err(|_| too_large)?;

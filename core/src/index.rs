@@ -261,40 +261,45 @@ pub struct InvalidSection;
 /// Length in bytes of an index section that starts at `bytes[0]`, without decoding it.
 /// `Err(InvalidSection)` when the section runs past `bytes` or a width byte is invalid.
 pub fn section_len(codec: u8, n: u64, count: u64, bytes: &[u8]) -> Result<usize, InvalidSection> {
+    match section_extent(codec, n, count, bytes)? {
+        len if len <= bytes.len() => Ok(len),
+        _ => Err(InvalidSection),
+    }
+}
+
+/// The length in bytes an index section starting at `bytes[0]` declares, which may run past
+/// `bytes` (a frame cut short): for delta blocks, the walk stops at the first width byte that
+/// is missing and the length returned is at least one past what is present.
+/// `Err(InvalidSection)` only for content that is invalid whatever follows (a width byte over
+/// 64, an unknown codec, a length that overflows).
+pub(crate) fn section_extent(
+    codec: u8,
+    n: u64,
+    count: u64,
+    bytes: &[u8],
+) -> Result<usize, InvalidSection> {
     match codec {
-        BITMAP => {
-            let len = usize::try_from(n.div_ceil(8)).map_err(|_| InvalidSection)?;
-            if len > bytes.len() {
-                Err(InvalidSection)
-            } else {
-                Ok(len)
-            }
-        }
-        RAW => {
-            let len = usize::try_from(count)
-                .ok()
-                .and_then(|c| c.checked_mul(raw_width(n)))
-                .ok_or(InvalidSection)?;
-            if len > bytes.len() {
-                Err(InvalidSection)
-            } else {
-                Ok(len)
-            }
-        }
+        BITMAP => usize::try_from(n.div_ceil(8)).map_err(|_| InvalidSection),
+        RAW => usize::try_from(count)
+            .ok()
+            .and_then(|c| c.checked_mul(raw_width(n)))
+            .ok_or(InvalidSection),
         DELTA => {
             let mut pos = 0usize;
             let mut left = count;
             while left > 0 {
                 let len = left.min(DELTA_BLOCK as u64) as usize;
-                let w = *bytes.get(pos).ok_or(InvalidSection)? as usize;
+                let Some(&w) = bytes.get(pos) else {
+                    return Ok(pos + 1);
+                };
                 if w > 64 {
                     return Err(InvalidSection);
                 }
                 pos = pos
-                    .checked_add(1 + (len * w).div_ceil(8))
+                    .checked_add(1 + (len * w as usize).div_ceil(8))
                     .ok_or(InvalidSection)?;
                 if pos > bytes.len() {
-                    return Err(InvalidSection);
+                    return Ok(pos);
                 }
                 left -= len as u64;
             }

@@ -233,6 +233,14 @@ impl BundleHeader {
         let stored = u32::from_le_bytes(le(&bundle[body..]));
         let computed = crc32fast::hash(&bundle[..body]);
         if stored != computed {
+            // A bundle cut short (a partial transfer or copy) fails its checksum too; when its
+            // own entry headers say it needs more bytes than it has, that is the clearer error.
+            if let Some(needed) = declared_len(bundle).filter(|&l| l > bundle.len()) {
+                return Err(fault(BundleFault::Truncated {
+                    needed,
+                    got: bundle.len(),
+                }));
+            }
             return Err(fault(BundleFault::Checksum { stored, computed }));
         }
         Ok(BundleHeader {
@@ -242,6 +250,25 @@ impl BundleHeader {
             step: u64::from_le_bytes(le(&bundle[16..24])),
         })
     }
+}
+
+/// The length in bytes that a bundle's own headers declare (header, entries as their lengths
+/// say, trailer), walking the entries only until one reaches past the bytes present (so at
+/// most `bundle.len() / 12` steps); `None` when a length overflows.
+fn declared_len(bundle: &[u8]) -> Option<usize> {
+    let entries = u32::from_le_bytes(le(bundle.get(12..16)?));
+    let mut pos = HEADER_LEN;
+    for _ in 0..entries {
+        let Some(head) = bundle.get(pos..pos + ENTRY_HEADER_LEN) else {
+            return Some(pos + ENTRY_HEADER_LEN + TRAILER_LEN);
+        };
+        let len = u32::from_le_bytes(le(&head[8..])) as usize;
+        pos = pos.checked_add(ENTRY_HEADER_LEN)?.checked_add(len)?;
+        if pos.checked_add(TRAILER_LEN)? > bundle.len() {
+            break;
+        }
+    }
+    pos.checked_add(TRAILER_LEN)
 }
 
 /// The first `N` bytes of `b` as an array (zeros where `b` is shorter; callers check lengths).

@@ -46,9 +46,10 @@ pub enum BundleFault {
     /// The bundle is empty: on a communicator, what a rank sends when its own compression
     /// failed in this step (that rank reports the cause).
     Empty,
-    /// The bundle is shorter than its header, an entry or its trailer needs.
+    /// The bundle is shorter than its header, an entry or its trailer needs (also when its
+    /// checksum fails because it was cut short: a truncated bundle is reported as such).
     Truncated {
-        /// Bytes needed.
+        /// Bytes needed (at least this many when the cut falls inside an entry's header).
         needed: usize,
         /// Bytes available.
         got: usize,

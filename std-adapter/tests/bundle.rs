@@ -191,6 +191,25 @@ fn every_truncation_and_bit_flip_is_an_error() {
             "prefix {len}"
         );
         assert_eq!(out, vec![7.0f32; 3], "output touched by prefix {len}");
+        // A bundle cut short is reported as truncated, not as a checksum mismatch.
+        let e = BundleHeader::read(&bundle[..len]);
+        let want_empty = len == 0;
+        assert!(
+            matches!(
+                e,
+                Err(Error::Bundle {
+                    fault: BundleFault::Empty,
+                    ..
+                }) if want_empty
+            ) || matches!(
+                e,
+                Err(Error::Bundle {
+                    fault: BundleFault::Truncated { .. },
+                    ..
+                }) if !want_empty
+            ),
+            "prefix {len}: {e:?}"
+        );
     }
     for i in 0..bundle.len() {
         for bit in [0, 3, 7] {
