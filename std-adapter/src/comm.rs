@@ -10,7 +10,8 @@
 //! Every rank passes a `max_len` to [`Communicator::all_gather`]. The transports exchange the
 //! lengths (and the limits) first, so every rank takes the same decision: when any rank's buffer
 //! is longer than the smallest `max_len` of the group, every rank's call fails with the same
-//! [`CommError::TooLarge`] naming the first such rank, `out` is left as it was, and no rank
+//! [`CommError::TooLarge`] naming the first such rank ([`CommError::LimitsDiffer`] when the
+//! ranks passed different limits, which names the rank that passed the smallest), `out` is left as it was, and no rank
 //! allocates or copies more than its own `max_len` for any buffer. The group stays usable for
 //! the next call.
 //!
@@ -60,6 +61,23 @@ pub enum CommError {
         /// The receiver's limit in bytes.
         limit: usize,
     },
+    /// A rank offered more bytes than the group's smallest limit, and the ranks passed
+    /// different limits. Callers derive the limit from their configuration (for a compressed
+    /// all-reduce, from the method, the model and the bucketing), so ranks whose limits differ
+    /// are configured differently: the buffer is likely valid for its sender's configuration.
+    #[error(
+        "rank {rank} sent {len} bytes, more than the limit of {limit} bytes that rank {limit_rank} passed; the ranks passed different limits, so their configurations differ (method, ratio, model or bucketing must be the same on every rank)"
+    )]
+    LimitsDiffer {
+        /// The first rank whose buffer was longer than the smallest limit.
+        rank: usize,
+        /// Its length in bytes.
+        len: usize,
+        /// The smallest limit in bytes.
+        limit: usize,
+        /// The first rank that passed the smallest limit.
+        limit_rank: usize,
+    },
     /// The transport failed (a peer disappeared, MPI reported an error, ...).
     #[error("transport failure: {0}")]
     Transport(String),
@@ -82,7 +100,8 @@ pub trait Communicator: Send {
     /// # Errors
     /// [`CommError::TooLarge`] when any rank's buffer is longer than `max_len` bytes (checked
     /// before anything of that size is allocated; every rank gets the same error and `out` is
-    /// left as it was); [`CommError::Transport`] when the transport fails.
+    /// left as it was); [`CommError::LimitsDiffer`] instead when the ranks passed different
+    /// limits; [`CommError::Transport`] when the transport fails.
     fn all_gather(
         &mut self,
         local: &[u8],
@@ -129,10 +148,27 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
     }
 }
 
-/// The first rank whose length exceeds `limit`, as the error every rank reports.
-fn check_lengths(lens: impl IntoIterator<Item = usize>, limit: usize) -> Result<(), CommError> {
-    match lens.into_iter().enumerate().find(|&(_, len)| len > limit) {
-        Some((rank, len)) => Err(CommError::TooLarge { rank, len, limit }),
+/// Every rank's `(length, limit)` checked against the smallest limit: the first rank whose
+/// length exceeds it, as the error every rank reports ([`CommError::LimitsDiffer`] when the
+/// limits differ, naming the rank that passed the smallest).
+fn check_lengths(posted: impl Iterator<Item = (usize, usize)> + Clone) -> Result<(), CommError> {
+    let Some((limit_rank, limit)) = posted
+        .clone()
+        .map(|(_, limit)| limit)
+        .enumerate()
+        .min_by_key(|&(_, limit)| limit)
+    else {
+        return Ok(());
+    };
+    let differ = posted.clone().any(|(_, l)| l != limit);
+    match posted.enumerate().find(|&(_, (len, _))| len > limit) {
+        Some((rank, (len, _))) if differ => Err(CommError::LimitsDiffer {
+            rank,
+            len,
+            limit,
+            limit_rank,
+        }),
+        Some((rank, (len, _))) => Err(CommError::TooLarge { rank, len, limit }),
         None => Ok(()),
     }
 }

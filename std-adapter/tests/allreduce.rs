@@ -294,12 +294,22 @@ fn all_reduce_errors(
     bucketing: BucketConfig,
     per_rank: Vec<HashMap<String, Tensor>>,
 ) -> Vec<Option<String>> {
+    let methods = vec![method; per_rank.len()];
+    all_reduce_errors_per_rank(&methods, bucketing, per_rank)
+}
+
+/// [`all_reduce_errors`] with rank `r` compressing with `methods[r]`.
+fn all_reduce_errors_per_rank(
+    methods: &[CompressionMethod],
+    bucketing: BucketConfig,
+    per_rank: Vec<HashMap<String, Tensor>>,
+) -> Vec<Option<String>> {
     let comms = LocalGroup::new(per_rank.len()).into_communicators();
     let handles: Vec<_> = comms
         .into_iter()
         .map(|comm| {
             let g = per_rank[comm.rank()].clone();
-            let method = method.clone();
+            let method = methods[comm.rank()].clone();
             std::thread::spawn(move || {
                 let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
                     .with_bucketing(bucketing);
@@ -308,6 +318,30 @@ fn all_reduce_errors(
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn ranks_with_other_methods_are_told_their_configurations_differ() {
+    // Rank 0 keeps 1%, rank 1 keeps 2%: rank 1's bundle is over rank 0's limit. The error used
+    // to read "rank 1 sent N bytes, more than the limit", as if rank 1's bundle were bad.
+    let data: Vec<f32> = (0..4096).map(|i| (i % 89) as f32 - 44.0).collect();
+    let g = grads(&[("w", &[4096], data)]);
+    let ratio = |ratio| CompressionMethod::TopKRatio {
+        ratio,
+        values: gradwire::core::Values::F32,
+    };
+    let errors = all_reduce_errors_per_rank(
+        &[ratio(0.01), ratio(0.02)],
+        BucketConfig::none(),
+        vec![g.clone(), g],
+    );
+    for (r, e) in errors.iter().enumerate() {
+        let e = e.as_deref().unwrap_or_else(|| panic!("rank {r} succeeded"));
+        assert!(
+            e.contains("rank 1 sent") && e.contains("rank 0 passed") && e.contains("differ"),
+            "rank {r}: {e}"
+        );
+    }
 }
 
 #[test]

@@ -167,7 +167,7 @@ fn too_large_fails_every_rank_and_the_group_recovers() {
 }
 
 #[test]
-fn too_large_names_the_first_rank_and_uses_the_smallest_limit() {
+fn limits_that_differ_name_the_first_rank_and_the_smallest_limit() {
     let results = run_ranks(LocalGroup::new(3).into_communicators(), |mut comm| {
         // Rank 0 allows only 5 bytes; ranks 1 and 2 send 6 and 7.
         let max_len = if comm.rank() == 0 { 5 } else { 100 };
@@ -177,10 +177,18 @@ fn too_large_names_the_first_rank_and_uses_the_smallest_limit() {
     });
     for result in results {
         match result {
-            Err(CommError::TooLarge { rank, len, limit }) => {
-                assert_eq!((rank, len, limit), (1, 6, 5));
+            Err(
+                e @ CommError::LimitsDiffer {
+                    rank,
+                    len,
+                    limit,
+                    limit_rank,
+                },
+            ) => {
+                assert_eq!((rank, len, limit, limit_rank), (1, 6, 5, 0));
+                assert!(e.to_string().contains("configurations differ"), "{e}");
             }
-            other => panic!("expected TooLarge, got {other:?}"),
+            other => panic!("expected LimitsDiffer, got {other:?}"),
         }
     }
 }

@@ -228,8 +228,7 @@ impl Communicator for LocalCommunicator {
         let mut state =
             shared.wait_while(state, deadline, "contribute", |s| s.arrived < world_size)?;
 
-        let limit = state.limits.iter().copied().min().unwrap_or(max_len);
-        let result = check_lengths(state.lens.iter().copied(), limit);
+        let result = check_lengths(state.lens.iter().copied().zip(state.limits.iter().copied()));
         if result.is_ok() {
             reset_out(out, world_size);
             for (dst, src) in out.iter_mut().zip(&state.slots) {

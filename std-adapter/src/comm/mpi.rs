@@ -22,7 +22,7 @@ use ::mpi::environment::Universe;
 use ::mpi::traits::{Communicator as _, CommunicatorCollectives as _};
 
 use super::rounds::Rounds;
-use super::{CommError, Communicator, reset_out};
+use super::{CommError, Communicator, check_lengths, reset_out};
 
 /// A [`Communicator`] over MPI's world communicator (feature `mpi`).
 ///
@@ -234,26 +234,17 @@ impl Communicator for MpiCommunicator {
         world.all_gather_into(&mine[..], &mut self.header[..]);
 
         // 2. The same decision on every rank, from the exchanged values only.
-        let mut limit = u64::MAX;
         let mut budget = to_u64(Self::MAX_ROUND_BYTES);
         for peer in self.header.chunks_exact(3) {
-            limit = limit.min(peer[1]);
             budget = budget.min(peer[2]);
         }
-        let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
-        if let Some((rank, peer)) = self
-            .header
-            .chunks_exact(3)
-            .enumerate()
-            .find(|(_, peer)| peer[0] > limit)
-        {
-            return Err(CommError::TooLarge {
-                rank,
-                len: usize::try_from(peer[0]).unwrap_or(usize::MAX),
-                limit: limit_usize,
-            });
-        }
-        // Every length is now at most `limit`, which came from some rank's usize.
+        let as_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        check_lengths(
+            self.header
+                .chunks_exact(3)
+                .map(|peer| (as_usize(peer[0]), as_usize(peer[1]))),
+        )?;
+        // Every length is now at most the smallest limit, which came from some rank's usize.
         self.lens.clear();
         self.lens.extend(
             self.header
