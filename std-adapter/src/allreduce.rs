@@ -182,8 +182,8 @@ impl CompressedAllReduce {
     /// by the world size is not a sum across workers).
     ///
     /// # Errors
-    /// [`Error::NoCommunicator`] when the world size is not 1 and no communicator is
-    /// configured; [`Error::Comm`] when the transport fails; any error of
+    /// [`Error::Config`] for world size 0; [`Error::NoCommunicator`] when the world size is
+    /// not 1 and no communicator is configured; [`Error::Comm`] when the transport fails; any error of
     /// [`GradientCompressor::compress_bundle`] and [`Aggregator::aggregate_into`] (naming tensor and rank);
     /// [`Error::LayoutMismatch`] naming the first rank whose layout fingerprint differs.
     /// A rank whose local compression fails still takes part in the all-gather (with an empty
@@ -209,6 +209,9 @@ impl CompressedAllReduce {
         gradients: &HashMap<String, Tensor>,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
+        if self.world_size == 0 {
+            return Err(Error::config("world size 0: a group has at least one rank"));
+        }
         if self.comm.is_none() {
             if self.world_size != 1 {
                 return Err(Error::NoCommunicator {

@@ -489,7 +489,9 @@ impl CompressedGradient {
     }
 
     /// Fraction of the dense bytes that goes on the wire: `payload_bytes / dense_bytes`
-    /// (1.0 for an empty tensor).
+    /// (1.0 for an empty tensor), as the original module defines it. This is the inverse of
+    /// the "Nx" ratio that the README, the `gradwire` tool and the demo print (dense /
+    /// compressed): 0.0066 here is 150x there.
     pub fn compression_ratio(&self) -> f32 {
         let dense = self.dense_bytes();
         if dense == 0 {
@@ -606,7 +608,8 @@ impl GradientCompressor {
     }
 
     /// Fraction of the dense bytes the last compression put on the wire, over all tensors
-    /// (0 before the first).
+    /// (0 before the first), as the original module defines it: the inverse of the "Nx" ratio
+    /// (dense / compressed) that the README, the `gradwire` tool and the demo print.
     pub fn get_compression_ratio(&self) -> f32 {
         self.compression_ratio
     }
@@ -865,7 +868,15 @@ impl GradientCompressor {
     }
 
     /// Restores an error-feedback checkpoint: residuals, step and seed. The run continues
-    /// bit-identically to one that was never interrupted.
+    /// bit-identically to one that was never interrupted; for that the checkpoint's seed
+    /// replaces the compressor's own (one set with [`GradientCompressor::with_seed`]).
+    ///
+    /// Residuals are matched to gradients by name when the next compression meets them: one
+    /// whose length differs from its gradient's is [`Error::LengthChanged`] then. The model is
+    /// not known here, so a residual whose name never comes (a checkpoint of another model) is
+    /// kept and saved again; to check a checkpoint against a model first, load it with
+    /// [`ErrorFeedback::load`] and compare [`ErrorFeedback::residuals`] with the model's
+    /// parameter names, as the `gradwire` tool does.
     ///
     /// # Errors
     /// As [`ErrorFeedback::load`]; [`Error::Checkpoint`] when the checkpoint was made with

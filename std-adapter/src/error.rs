@@ -322,7 +322,7 @@ pub enum Error {
         source: std::io::Error,
     },
     /// A safetensors file could not be written or read.
-    #[error("safetensors: {source}")]
+    #[error("safetensors: {}", crate::safetensors_checked::describe(.source))]
     Safetensors {
         /// The safetensors error.
         #[from]

@@ -255,7 +255,7 @@ pub enum ReferenceError {
 
 impl From<safetensors::SafeTensorError> for ReferenceError {
     fn from(e: safetensors::SafeTensorError) -> Self {
-        ReferenceError::Safetensors(e.to_string())
+        ReferenceError::Safetensors(crate::safetensors_checked::describe(&e))
     }
 }
 

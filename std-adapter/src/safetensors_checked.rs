@@ -14,6 +14,22 @@ use safetensors::tensor::{Metadata, SafeTensors};
 /// The largest header safetensors 0.8 accepts (its `MAX_HEADER_SIZE`), in bytes.
 pub const MAX_HEADER_LEN: usize = 100_000_000;
 
+/// `e`'s message, with a hint when the bytes are likely not a safetensors file at all (the
+/// errors of its 8-byte header length and JSON header: "header too large" alone reads as if a
+/// real file were damaged).
+pub fn describe(e: &SafeTensorError) -> String {
+    match e {
+        SafeTensorError::HeaderTooSmall
+        | SafeTensorError::HeaderTooLarge
+        | SafeTensorError::InvalidHeaderLength
+        | SafeTensorError::InvalidHeader(_) => format!(
+            "{e} (not a safetensors file? one starts with the 8-byte little-endian length of \
+             the JSON header that follows)"
+        ),
+        _ => e.to_string(),
+    }
+}
+
 /// Parses the header of safetensors `bytes` (8-byte little-endian header length, UTF-8 JSON
 /// header; every tensor's dtype, shape and offsets validated by safetensors' [`Metadata`]) and
 /// checks that the data section is exactly as long as the offsets say. Returns the header and

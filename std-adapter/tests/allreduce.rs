@@ -25,6 +25,13 @@ fn test_compressed_all_reduce() {
         matches!(err, Error::NoCommunicator { world_size: 4 }),
         "{err}"
     );
+    // World size 0 is a configuration error of its own, not a missing communicator.
+    let mut none = CompressedAllReduce::new(CompressionMethod::TopK { k: 2 }, 0);
+    let err = none.all_reduce(&gradients).unwrap_err();
+    assert!(
+        matches!(err, Error::Config { .. }) && err.to_string().contains("world size 0"),
+        "{err}"
+    );
 }
 
 #[test]

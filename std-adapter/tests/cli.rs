@@ -964,6 +964,13 @@ fn corrupt_and_truncated_containers_are_refused() {
         fails(&["decompress", s(&bad), "-o", s(&out)], want);
         fails(&["inspect", s(&bad), "--json"], want);
     }
+    // A file that is not safetensors at all, given as a residual state or to inspect.
+    fs::write(&bad, b"these are not the bytes of a safetensors file").unwrap();
+    fails(
+        &["compress", s(&g), "-o", s(&c), "--residual", s(&bad)],
+        "not a safetensors file?",
+    );
+    fails(&["inspect", s(&bad)], "not a safetensors file?");
     // Trailing garbage after the bundle.
     let mut b = bytes.clone();
     b.extend_from_slice(b"xx");
