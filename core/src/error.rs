@@ -78,13 +78,22 @@ pub enum Error {
         /// The offending parameter.
         param: Param,
     },
-    /// The frame is shorter than its header or sections require (also when its checksum fails
-    /// because it was cut short: a truncated frame is reported as such).
+    /// The frame is shorter than its header or sections require.
     Truncated {
-        /// Bytes needed (at least this many when the cut falls among delta index blocks, whose
-        /// lengths are read one block at a time).
+        /// Bytes needed (at least: parsing stops at the first field or section that runs past
+        /// the end, so later sections are not counted).
         needed: usize,
         /// Bytes available.
+        got: usize,
+    },
+    /// The checksum does not match, and the frame's own header declares more bytes than the
+    /// frame has: most likely it was cut short (a partial transfer or copy); a corrupted header
+    /// field (a length, a count, the method) reads the same. Reported instead of
+    /// [`Error::Checksum`] so that a truncated frame is named as such.
+    Incomplete {
+        /// Bytes the header declares (at least, as for [`Error::Truncated`]).
+        declared: usize,
+        /// Bytes the frame has.
         got: usize,
     },
     /// The frame does not start with the magic bytes.
@@ -203,6 +212,11 @@ impl fmt::Display for Error {
             Error::Truncated { needed, got } => {
                 write!(f, "truncated frame: need {needed} bytes, got {got}")
             }
+            Error::Incomplete { declared, got } => write!(
+                f,
+                "frame cut short or corrupted: its header declares at least {declared} bytes, it \
+                 has {got} (checksum mismatch)"
+            ),
             Error::BadMagic => write!(f, "not a gradwire frame (bad magic)"),
             Error::UnsupportedVersion { version } => {
                 write!(f, "unsupported frame format version {version}")

@@ -1139,8 +1139,11 @@ fn parse_with(frame: &[u8], verify: bool) -> Result<(Header, Body<'_>), Error> {
     if stored != computed {
         // A frame cut short (a partial transfer) fails its checksum too; when its own header
         // says it needs more bytes than it has, that is the clearer error.
-        if let Err(e @ Error::Truncated { .. }) = parse_with(frame, false) {
-            return Err(e);
+        if let Err(Error::Truncated { needed, got }) = parse_with(frame, false) {
+            return Err(Error::Incomplete {
+                declared: needed,
+                got,
+            });
         }
         return Err(Error::Checksum { stored, computed });
     }
@@ -1353,7 +1356,7 @@ fn parse_with(frame: &[u8], verify: bool) -> Result<(Header, Body<'_>), Error> {
 ///
 /// # Errors
 /// [`Error::Truncated`], [`Error::BadMagic`], [`Error::UnsupportedVersion`],
-/// [`Error::Checksum`], [`Error::Malformed`], [`Error::BadIndex`], [`Error::TrailingBytes`],
+/// [`Error::Checksum`], [`Error::Incomplete`], [`Error::Malformed`], [`Error::BadIndex`], [`Error::TrailingBytes`],
 /// [`Error::TooLarge`].
 pub fn peek(frame: &[u8]) -> Result<Header, Error> {
     parse(frame).map(|(h, _)| h)
@@ -1630,18 +1633,21 @@ fn apply(h: &Header, body: &Body<'_>, out: &mut [f32], weight: Option<f32>) {
                 }
             }),
             Some(w) => {
-                // Software pipeline: a batch's lines are asked for together when it is decoded,
-                // and it is added one batch later, while the next batch's lines are on their
-                // way, so that the misses overlap the decoding.
+                // Software pipeline: a batch's lines are asked for when it is decoded, and it is
+                // added one batch later, so that its misses overlap the decoding of the next
+                // batch. The asks of one batch alternate with the adds of the one before (asked
+                // all at once, they wait for free miss buffers; BENCHMARKS.md, round 7).
                 let mut held_i = [0usize; index::BATCH];
                 let mut held_x = [0.0f32; index::BATCH];
                 let mut held = 0usize;
                 sparse_batches(h, body, |ib, vb| {
-                    for &i in ib {
-                        prefetch(out, i);
-                    }
-                    for (&i, &x) in held_i[..held].iter().zip(&held_x[..held]) {
-                        out[i] += w * x;
+                    for t in 0..ib.len().max(held) {
+                        if let Some(&i) = ib.get(t) {
+                            prefetch(out, i);
+                        }
+                        if t < held {
+                            out[held_i[t]] += w * held_x[t];
+                        }
                     }
                     held = ib.len();
                     held_i[..held].copy_from_slice(ib);
@@ -1726,7 +1732,7 @@ pub(crate) fn feedback_update(frame: &[u8], g: &[f32], r: &mut [f32]) -> Result<
 /// Elements per tile of the dense error-feedback update (rounded to whole blocks).
 const FEEDBACK_TILE: usize = 4096;
 
-/// `r[i] += g[i]` (same lengths), eight lanes at a time.
+/// `r[i] += g[i]` (same lengths).
 pub(crate) fn add_into(r: &mut [f32], g: &[f32]) {
     add_range(r, g, 0, r.len());
 }

@@ -92,6 +92,15 @@ impl fmt::Debug for CompressedAllReduce {
 }
 
 impl CompressedAllReduce {
+    /// [`Error::Config`] for world size 0 (before it reads as a missing communicator or a
+    /// peer count that cannot match).
+    fn check_world_size(&self) -> Result<()> {
+        if self.world_size == 0 {
+            return Err(Error::config("world size 0: a group has at least one rank"));
+        }
+        Ok(())
+    }
+
     /// An all-reduce over `world_size` ranks without a communicator (see the module docs).
     pub fn new(compression_method: CompressionMethod, world_size: usize) -> Self {
         CompressedAllReduce {
@@ -183,8 +192,9 @@ impl CompressedAllReduce {
     ///
     /// # Errors
     /// [`Error::Config`] for world size 0; [`Error::NoCommunicator`] when the world size is
-    /// not 1 and no communicator is configured; [`Error::Comm`] when the transport fails; any error of
-    /// [`GradientCompressor::compress_bundle`] and [`Aggregator::aggregate_into`] (naming tensor and rank);
+    /// not 1 and no communicator is configured; [`Error::Comm`] when the transport fails; any
+    /// error of [`GradientCompressor::compress_bundle`] and [`Aggregator::aggregate_into`]
+    /// (naming tensor and rank);
     /// [`Error::LayoutMismatch`] naming the first rank whose layout fingerprint differs.
     /// A rank whose local compression fails still takes part in the all-gather (with an empty
     /// bundle) and returns its own error; its peers then fail naming that rank, so no rank
@@ -209,9 +219,7 @@ impl CompressedAllReduce {
         gradients: &HashMap<String, Tensor>,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
-        if self.world_size == 0 {
-            return Err(Error::config("world size 0: a group has at least one rank"));
-        }
+        self.check_world_size()?;
         if self.comm.is_none() {
             if self.world_size != 1 {
                 return Err(Error::NoCommunicator {
@@ -313,7 +321,7 @@ impl CompressedAllReduce {
     ///
     /// # Errors
     /// [`Error::WorldSize`] when `peers.len() + 1` is not the world size; [`Error::Config`] for
-    /// a rank outside the group or an invalid method; naming the tensor and the rank, when a
+    /// world size 0, a rank outside the group or an invalid method; naming the tensor and the rank, when a
     /// peer's gradients differ in names, shapes, step, method or seed
     /// ([`crate::aggregate::check_contribution`]), or a peer's frame body is invalid
     /// ([`Error::Core`], the error of [`gradwire_core::validate`]); any error of
@@ -328,6 +336,7 @@ impl CompressedAllReduce {
         rank: usize,
         peers: &[HashMap<String, CompressedGradient>],
     ) -> Result<HashMap<String, Tensor>> {
+        self.check_world_size()?;
         if peers.len() + 1 != self.world_size {
             return Err(Error::WorldSize {
                 expected: self.world_size,

@@ -201,9 +201,8 @@ impl BundleHeader {
     ///
     /// # Errors
     /// [`Error::Bundle`] with [`BundleFault::Empty`], [`BundleFault::Truncated`],
-    /// [`BundleFault::BadMagic`],
-    /// [`BundleFault::UnsupportedVersion`], [`BundleFault::Reserved`] or
-    /// [`BundleFault::Checksum`].
+    /// [`BundleFault::BadMagic`], [`BundleFault::UnsupportedVersion`],
+    /// [`BundleFault::Reserved`], [`BundleFault::Incomplete`] or [`BundleFault::Checksum`].
     pub fn read(bundle: &[u8]) -> Result<Self> {
         let fault = |fault| Error::Bundle { rank: None, fault };
         if bundle.is_empty() {
@@ -235,9 +234,9 @@ impl BundleHeader {
         if stored != computed {
             // A bundle cut short (a partial transfer or copy) fails its checksum too; when its
             // own entry headers say it needs more bytes than it has, that is the clearer error.
-            if let Some(needed) = declared_len(bundle).filter(|&l| l > bundle.len()) {
-                return Err(fault(BundleFault::Truncated {
-                    needed,
+            if let Some(declared) = declared_len(bundle).filter(|&l| l > bundle.len()) {
+                return Err(fault(BundleFault::Incomplete {
+                    declared,
                     got: bundle.len(),
                 }));
             }

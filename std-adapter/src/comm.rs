@@ -10,10 +10,10 @@
 //! Every rank passes a `max_len` to [`Communicator::all_gather`]. The transports exchange the
 //! lengths (and the limits) first, so every rank takes the same decision: when any rank's buffer
 //! is longer than the smallest `max_len` of the group, every rank's call fails with the same
-//! [`CommError::TooLarge`] naming the first such rank ([`CommError::LimitsDiffer`] when the
-//! ranks passed different limits, which names the rank that passed the smallest), `out` is left as it was, and no rank
-//! allocates or copies more than its own `max_len` for any buffer. The group stays usable for
-//! the next call.
+//! [`CommError::TooLarge`] naming the first such rank ([`CommError::LimitsDiffer`] when that
+//! buffer is within its sender's own, larger limit: the ranks are configured differently),
+//! `out` is left as it was, and no rank allocates or copies more than its own `max_len` for
+//! any buffer. The group stays usable for the next call.
 //!
 //! # Example
 //! ```
@@ -61,10 +61,10 @@ pub enum CommError {
         /// The receiver's limit in bytes.
         limit: usize,
     },
-    /// A rank offered more bytes than the group's smallest limit, and the ranks passed
-    /// different limits. Callers derive the limit from their configuration (for a compressed
+    /// A rank offered more bytes than the group's smallest limit but no more than its own,
+    /// larger limit. Callers derive the limit from their configuration (for a compressed
     /// all-reduce, from the method, the model and the bucketing), so ranks whose limits differ
-    /// are configured differently: the buffer is likely valid for its sender's configuration.
+    /// are configured differently: the buffer is valid for its sender's configuration.
     #[error(
         "rank {rank} sent {len} bytes, more than the limit of {limit} bytes that rank {limit_rank} passed; the ranks passed different limits, so their configurations differ (method, ratio, model or bucketing must be the same on every rank)"
     )]
@@ -149,8 +149,9 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
 }
 
 /// Every rank's `(length, limit)` checked against the smallest limit: the first rank whose
-/// length exceeds it, as the error every rank reports ([`CommError::LimitsDiffer`] when the
-/// limits differ, naming the rank that passed the smallest).
+/// length exceeds it, as the error every rank reports ([`CommError::LimitsDiffer`] when that
+/// buffer is within its sender's own, larger limit, naming the rank that passed the smallest;
+/// [`CommError::TooLarge`] otherwise).
 fn check_lengths(posted: impl Iterator<Item = (usize, usize)> + Clone) -> Result<(), CommError> {
     let Some((limit_rank, limit)) = posted
         .clone()
@@ -162,7 +163,8 @@ fn check_lengths(posted: impl Iterator<Item = (usize, usize)> + Clone) -> Result
     };
     let differ = posted.clone().any(|(_, l)| l != limit);
     match posted.enumerate().find(|&(_, (len, _))| len > limit) {
-        Some((rank, (len, _))) if differ => Err(CommError::LimitsDiffer {
+        // Within its sender's own limit: valid for the sender's configuration, not the group's.
+        Some((rank, (len, own))) if differ && len <= own => Err(CommError::LimitsDiffer {
             rank,
             len,
             limit,

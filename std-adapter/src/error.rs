@@ -46,10 +46,10 @@ pub enum BundleFault {
     /// The bundle is empty: on a communicator, what a rank sends when its own compression
     /// failed in this step (that rank reports the cause).
     Empty,
-    /// The bundle is shorter than its header, an entry or its trailer needs (also when its
-    /// checksum fails because it was cut short: a truncated bundle is reported as such).
+    /// The bundle is shorter than its header, an entry or its trailer needs.
     Truncated {
-        /// Bytes needed (at least this many when the cut falls inside an entry's header).
+        /// Bytes needed (at least: the entries after the first one that runs past the end are
+        /// not counted).
         needed: usize,
         /// Bytes available.
         got: usize,
@@ -65,6 +65,17 @@ pub enum BundleFault {
     Reserved {
         /// Byte offset of the field.
         offset: usize,
+    },
+    /// The checksum does not match, and the bundle's own headers (entry count and lengths)
+    /// declare more bytes than it has: most likely it was cut short (a partial transfer or
+    /// copy); a corrupted count or length reads the same. Reported instead of
+    /// [`BundleFault::Checksum`] so that a truncated bundle is named as such.
+    Incomplete {
+        /// Bytes the headers declare (at least: entries after the first one that runs past the
+        /// end are not counted).
+        declared: usize,
+        /// Bytes the bundle has.
+        got: usize,
     },
     /// The CRC-32 trailer does not match the bundle's bytes.
     Checksum {
@@ -126,6 +137,11 @@ impl fmt::Display for BundleFault {
             BundleFault::Reserved { offset } => {
                 write!(f, "reserved header field at byte {offset} is not zero")
             }
+            BundleFault::Incomplete { declared, got } => write!(
+                f,
+                "cut short or corrupted: its headers declare at least {declared} bytes, it has \
+                 {got} (checksum mismatch)"
+            ),
             BundleFault::Checksum { stored, computed } => write!(
                 f,
                 "checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"

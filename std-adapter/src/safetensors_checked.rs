@@ -14,18 +14,19 @@ use safetensors::tensor::{Metadata, SafeTensors};
 /// The largest header safetensors 0.8 accepts (its `MAX_HEADER_SIZE`), in bytes.
 pub const MAX_HEADER_LEN: usize = 100_000_000;
 
-/// `e`'s message, with a hint when the bytes are likely not a safetensors file at all (the
-/// errors of its 8-byte header length and JSON header: "header too large" alone reads as if a
-/// real file were damaged).
+/// `e`'s message, with a hint for the errors of the first bytes (the 8-byte header length and
+/// the UTF-8 header it frames), which are what a file of another kind gives: "header too
+/// large" alone reads as if a real safetensors file were damaged.
 pub fn describe(e: &SafeTensorError) -> String {
+    const FRAMING: &str = "a safetensors file starts with the 8-byte little-endian length of \
+                           the JSON header that follows";
     match e {
         SafeTensorError::HeaderTooSmall
         | SafeTensorError::HeaderTooLarge
-        | SafeTensorError::InvalidHeaderLength
-        | SafeTensorError::InvalidHeader(_) => format!(
-            "{e} (not a safetensors file? one starts with the 8-byte little-endian length of \
-             the JSON header that follows)"
-        ),
+        | SafeTensorError::InvalidHeader(_) => format!("{e} (not a safetensors file? {FRAMING})"),
+        SafeTensorError::InvalidHeaderLength => {
+            format!("{e} (not a safetensors file, or one cut short? {FRAMING})")
+        }
         _ => e.to_string(),
     }
 }

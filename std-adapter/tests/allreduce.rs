@@ -32,6 +32,11 @@ fn test_compressed_all_reduce() {
         matches!(err, Error::Config { .. }) && err.to_string().contains("world size 0"),
         "{err}"
     );
+    let err = none.all_reduce_with_peers(&gradients, &[]).unwrap_err();
+    assert!(
+        matches!(err, Error::Config { .. }) && err.to_string().contains("world size 0"),
+        "{err}"
+    );
 }
 
 #[test]

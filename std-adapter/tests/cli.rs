@@ -951,7 +951,10 @@ fn corrupt_and_truncated_containers_are_refused() {
     }
     // A truncated bundle is named as such.
     fs::write(&bad, &bytes[..bytes.len() - 100]).unwrap();
-    fails(&["decompress", s(&bad), "-o", s(&out)], "bundle truncated");
+    fails(
+        &["decompress", s(&bad), "-o", s(&out)],
+        "bundle cut short or corrupted",
+    );
     // Flipped bytes: in the manifest (its checksum), in the bundle (the bundle's checksum).
     for (pos, want) in [
         (20, "manifest checksum mismatch"),

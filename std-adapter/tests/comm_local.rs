@@ -194,6 +194,24 @@ fn limits_that_differ_name_the_first_rank_and_the_smallest_limit() {
 }
 
 #[test]
+fn a_buffer_over_its_own_limit_is_too_large_even_when_limits_differ() {
+    // Rank 0 passes 5 and sends 6: over its own limit, so not a configuration difference.
+    let results = run_ranks(LocalGroup::new(2).into_communicators(), |mut comm| {
+        let (max_len, len) = if comm.rank() == 0 { (5, 6) } else { (100, 1) };
+        let mut out = Vec::new();
+        comm.all_gather(&vec![0u8; len], max_len, &mut out)
+    });
+    for result in results {
+        match result {
+            Err(CommError::TooLarge { rank, len, limit }) => {
+                assert_eq!((rank, len, limit), (0, 6, 5));
+            }
+            other => panic!("expected TooLarge, got {other:?}"),
+        }
+    }
+}
+
+#[test]
 fn a_dropped_peer_is_an_error_not_a_hang() {
     let mut comms = LocalGroup::new(3).into_communicators();
     drop(comms.pop()); // rank 2 never takes part

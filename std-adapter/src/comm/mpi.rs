@@ -3,7 +3,8 @@
 //! One call is:
 //! 1. `MPI_Allgather` of three `u64` per rank: buffer length, `max_len`, round budget;
 //! 2. the same decision on every rank: any length above the group's smallest `max_len` fails
-//!    every rank with the same [`CommError::TooLarge`], before anything is allocated;
+//!    every rank with the same [`CommError::TooLarge`] (or [`CommError::LimitsDiffer`]), before
+//!    anything is allocated;
 //! 3. one `MPI_Allgatherv` per round into a reused staging buffer, then a copy into each
 //!    rank's `out` entry. MPI counts and displacements are `i32`, so a round moves at most
 //!    `i32::MAX` bytes in all (or the group's smallest [`MpiCommunicator::round_limit`]); a
