@@ -1356,8 +1356,8 @@ fn parse_with(frame: &[u8], verify: bool) -> Result<(Header, Body<'_>), Error> {
 ///
 /// # Errors
 /// [`Error::Truncated`], [`Error::BadMagic`], [`Error::UnsupportedVersion`],
-/// [`Error::Checksum`], [`Error::Incomplete`], [`Error::Malformed`], [`Error::BadIndex`], [`Error::TrailingBytes`],
-/// [`Error::TooLarge`].
+/// [`Error::Checksum`], [`Error::Incomplete`], [`Error::Malformed`], [`Error::BadIndex`],
+/// [`Error::TrailingBytes`], [`Error::TooLarge`].
 pub fn peek(frame: &[u8]) -> Result<Header, Error> {
     parse(frame).map(|(h, _)| h)
 }

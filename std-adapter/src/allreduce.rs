@@ -321,8 +321,8 @@ impl CompressedAllReduce {
     ///
     /// # Errors
     /// [`Error::WorldSize`] when `peers.len() + 1` is not the world size; [`Error::Config`] for
-    /// world size 0, a rank outside the group or an invalid method; naming the tensor and the rank, when a
-    /// peer's gradients differ in names, shapes, step, method or seed
+    /// world size 0, a rank outside the group or an invalid method; naming the tensor and the
+    /// rank, when a peer's gradients differ in names, shapes, step, method or seed
     /// ([`crate::aggregate::check_contribution`]), or a peer's frame body is invalid
     /// ([`Error::Core`], the error of [`gradwire_core::validate`]); any error of
     /// [`GradientCompressor::compress`]. The peers, frame bodies included, are checked before

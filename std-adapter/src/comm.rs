@@ -100,8 +100,8 @@ pub trait Communicator: Send {
     /// # Errors
     /// [`CommError::TooLarge`] when any rank's buffer is longer than `max_len` bytes (checked
     /// before anything of that size is allocated; every rank gets the same error and `out` is
-    /// left as it was); [`CommError::LimitsDiffer`] instead when the ranks passed different
-    /// limits; [`CommError::Transport`] when the transport fails.
+    /// left as it was); [`CommError::LimitsDiffer`] instead when that buffer is within its
+    /// sender's own, larger limit; [`CommError::Transport`] when the transport fails.
     fn all_gather(
         &mut self,
         local: &[u8],
