@@ -786,7 +786,7 @@ fn bad_command_lines_are_one_line_errors() {
         ),
         (
             vec!["compress", gs, "-o", o, "--residual", o],
-            "different files",
+            "is the --residual state",
         ),
         (vec!["compress", gs, "-o", o, "--layout", "zip"], "zip"),
         (vec!["decompress", gs, "-o", o], "--shapes"),
@@ -817,6 +817,25 @@ fn bad_command_lines_are_one_line_errors() {
         run(&["compress", gs, "-o", o, "--bits", "4"]).status.code(),
         Some(2)
     );
+}
+
+#[test]
+fn an_output_that_names_an_input_is_refused() {
+    let dir = scratch("same_file");
+    let g = dir.join("g.safetensors");
+    fs::copy(grads_path(), &g).unwrap();
+    let before = fs::read(&g).unwrap();
+    let c = dir.join("c.gw");
+    // The same file under another spelling.
+    let also_g = dir.join(".").join("g.safetensors");
+    fails(&["compress", s(&g), "-o", s(&also_g)], "is the input");
+    ok(&["compress", s(&g), "-o", s(&c), "--values", "int8"]);
+    fails(&["decompress", s(&c), "-o", s(&c)], "is the input");
+    fails(
+        &["decompress", s(&c), "-o", s(&g), "--shapes", s(&g)],
+        "is the --shapes model",
+    );
+    assert_eq!(fs::read(&g).unwrap(), before, "the input was replaced");
 }
 
 fn safetensors_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
@@ -944,7 +963,11 @@ fn corrupt_and_truncated_containers_are_refused() {
         bytes.len() - 1,
     ] {
         fs::write(&bad, &bytes[..len]).unwrap();
-        let want = if len < 4 { "--shapes" } else { "bad.gw" };
+        let want = if len < 4 {
+            "bad.gw: neither a gradwire container nor a valid safetensors file"
+        } else {
+            "bad.gw"
+        };
         fails(&["decompress", s(&bad), "-o", s(&out)], want);
         fails(&["inspect", s(&bad)], "bad.gw");
         assert!(!out.exists(), "truncated at {len}");
@@ -967,8 +990,13 @@ fn corrupt_and_truncated_containers_are_refused() {
         fails(&["decompress", s(&bad), "-o", s(&out)], want);
         fails(&["inspect", s(&bad), "--json"], want);
     }
-    // A file that is not safetensors at all, given as a residual state or to inspect.
+    // A file that is not safetensors at all, given as a residual state, to inspect or to
+    // decompress (which used to ask for --shapes, as if it were a reference payload).
     fs::write(&bad, b"these are not the bytes of a safetensors file").unwrap();
+    fails(
+        &["decompress", s(&bad), "-o", s(&out)],
+        "neither a gradwire container nor a valid safetensors file",
+    );
     fails(
         &["compress", s(&g), "-o", s(&c), "--residual", s(&bad)],
         "not a safetensors file?",
@@ -1012,7 +1040,7 @@ fn corrupt_and_truncated_containers_are_refused() {
     fs::write(&bad, &rb).unwrap();
     fails(
         &["decompress", s(&bad), "-o", s(&out), "--shapes", s(&g)],
-        "invalid safetensors payload",
+        "neither a gradwire container nor a valid safetensors file",
     );
     assert!(!out.exists());
     assert!(

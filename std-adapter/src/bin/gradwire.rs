@@ -517,9 +517,9 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
             Plan::Reference(mode, ratio)
         }
     };
-    if a.residual.as_deref() == Some(a.output.as_path()) {
-        return Err(CliError::usage("--residual and -o must be different files"));
-    }
+    let mut inputs = vec![("input", a.input.as_path())];
+    inputs.extend(a.residual.as_deref().map(|r| ("--residual state", r)));
+    check_output(&a.output, &inputs)?;
     let bytes = io::read(&a.input)?;
     let model = io::parse_model(&a.input, &bytes)?;
     let inputs: Vec<reference::Input<'_>> = model
@@ -568,20 +568,55 @@ enum Plan {
     Reference(Mode, f64),
 }
 
-/// The layout of `bytes`: given, or detected from the container magic.
+/// The layout of `bytes`: given, or detected from the container magic. A reference payload
+/// must at least be a safetensors file: anything else is named as neither (before a missing
+/// `--shapes` or the payload's own checks would speak for it).
 fn layout_of(path: &Path, bytes: &[u8], given: Option<Layout>) -> Result<Layout, CliError> {
     let detected = if container::is_container(bytes) {
         Layout::Gradwire
     } else {
         Layout::Reference
     };
-    match given {
-        Some(Layout::Gradwire) if detected != Layout::Gradwire => Err(CliError::new(format!(
-            "{}: not a gradwire container (bad magic)",
-            path.display()
+    let layout = match given {
+        Some(Layout::Gradwire) if detected != Layout::Gradwire => {
+            return Err(CliError::new(format!(
+                "{}: not a gradwire container (bad magic)",
+                path.display()
+            )));
+        }
+        Some(l) => l,
+        None => detected,
+    };
+    if layout == Layout::Reference
+        && let Err(e) = gradwire::safetensors_checked::read_header(bytes)
+    {
+        return Err(CliError::new(format!(
+            "{}: neither a gradwire container nor a valid safetensors file: {}",
+            path.display(),
+            gradwire::safetensors_checked::describe(&e)
+        )));
+    }
+    Ok(layout)
+}
+
+/// Whether `a` and `b` name the same existing file (links and `..` resolved).
+fn same_file(a: &Path, b: &Path) -> bool {
+    a == b
+        || matches!(
+            (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+            (Ok(x), Ok(y)) if x == y
+        )
+}
+
+/// Refuses an output path that names one of the command's input files: writing it would
+/// replace that input.
+fn check_output(output: &Path, inputs: &[(&str, &Path)]) -> Result<(), CliError> {
+    match inputs.iter().find(|(_, p)| same_file(output, p)) {
+        Some((what, _)) => Err(CliError::usage(format!(
+            "-o {} is the {what}: writing it would replace that file",
+            output.display()
         ))),
-        Some(l) => Ok(l),
-        None => Ok(detected),
+        None => Ok(()),
     }
 }
 
@@ -594,6 +629,9 @@ fn specs_from(path: &Path) -> Result<Vec<TensorSpec>, CliError> {
 }
 
 fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
+    let mut inputs = vec![("input", a.input.as_path())];
+    inputs.extend(a.shapes.as_deref().map(|s| ("--shapes model", s)));
+    check_output(&a.output, &inputs)?;
     let bytes = io::read(&a.input)?;
     let layout = layout_of(&a.input, &bytes, a.layout)?;
     if layout == Layout::Gradwire && a.mode.is_some() {

@@ -23,8 +23,9 @@ pub type Model = Vec<(String, Tensor)>;
 pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
     let st = gradwire::safetensors_checked::deserialize(bytes).map_err(|e| {
         CliError::new(format!(
-            "{}: not a valid safetensors file ({e})",
-            path.display()
+            "{}: not a valid safetensors file: {}",
+            path.display(),
+            gradwire::safetensors_checked::describe(&e)
         ))
     })?;
     let mut model = Vec::with_capacity(st.len());
@@ -54,8 +55,9 @@ pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
 pub fn parse_shapes(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>)>, CliError> {
     let st = gradwire::safetensors_checked::deserialize(bytes).map_err(|e| {
         CliError::new(format!(
-            "{}: not a valid safetensors file ({e})",
-            path.display()
+            "{}: not a valid safetensors file: {}",
+            path.display(),
+            gradwire::safetensors_checked::describe(&e)
         ))
     })?;
     let mut shapes: Vec<(String, Vec<usize>)> = st
