@@ -48,7 +48,7 @@ use gradwire_core::values::first_non_finite;
 use gradwire_core::{Method, SignScale, accumulate_into, sign};
 use rayon::prelude::*;
 
-use crate::bundle::{ENTRY_HEADER_LEN, Entry, EntryKind, HEADER_LEN, Manifest, check_frame};
+use crate::bundle::{ENTRY_HEADER_LEN, Entry, EntryKind, HEADER_LEN, Manifest, check_frame_of};
 use crate::compressor::CompressedGradient;
 use crate::error::{Error, Result};
 use crate::parallel::{CHUNK, Parallelism, SparseList, Split, splits_sparse};
@@ -502,8 +502,9 @@ pub fn aggregate<B: AsRef<[u8]>>(
 /// [`Error::WorldSize`] for no contribution; [`Error::Config`] for a manifest with buckets or a
 /// majority vote over frames that are not unscaled sign; naming the tensor and the rank:
 /// [`Error::MissingTensor`], [`Error::UnexpectedTensor`], [`Error::ShapeMismatch`],
-/// [`Error::Disagreement`] (another step), [`Error::Core`] (a frame that fails
-/// [`check_frame`]: another method, seed, element count...). All checks run before anything is
+/// [`Error::Disagreement`] (another step), [`Error::ParamsDiffer`] (a frame made with another
+/// method, k, seed, ...: both configurations), [`Error::Core`] (a frame that fails
+/// [`check_frame`] otherwise: element count, checksum...). All checks run before anything is
 /// accumulated; a frame body found invalid while accumulating leaves `out` zeroed.
 /// [`Error::Overflow`] when the result is not finite, as for [`aggregate_into`] (`out` zeroed).
 pub fn aggregate_compressed_into(
@@ -540,8 +541,9 @@ pub fn aggregate_compressed_into(
 ///
 /// # Errors
 /// Naming the tensor and the rank: [`Error::MissingTensor`], [`Error::UnexpectedTensor`],
-/// [`Error::ShapeMismatch`], [`Error::Disagreement`] (another step), [`Error::Core`] (a frame
-/// that fails [`check_frame`]); [`Error::Config`] for a manifest with buckets.
+/// [`Error::ShapeMismatch`], [`Error::Disagreement`] (another step), [`Error::ParamsDiffer`]
+/// (a frame made with other parameters), [`Error::Core`] (a frame that fails [`check_frame`]
+/// otherwise); [`Error::Config`] for a manifest with buckets.
 pub fn check_contribution(
     manifest: &Manifest,
     map: &HashMap<String, CompressedGradient>,
@@ -577,8 +579,13 @@ pub fn check_contribution(
                 reason: format!("made at step {}, expected step {step}", cg.step()),
             });
         }
-        check_frame(cg.frame(), &manifest.params(e, step), info.numel)
-            .map_err(|err| Error::core(&info.name, rank_ctx, err))?;
+        check_frame_of(
+            &info.name,
+            rank_ctx,
+            cg.frame(),
+            &manifest.params(e, step),
+            info.numel,
+        )?;
     }
     if map.len() != manifest.tensors().len() {
         let mut extra: Vec<&String> = map

@@ -321,6 +321,65 @@ pub fn check_frame(
     Ok(h)
 }
 
+/// [`check_frame`] with the error naming `tensor` (and `rank`, for another rank's frame): a
+/// parameter mismatch is [`Error::ParamsDiffer`] with both configurations, any other error
+/// [`Error::Core`].
+///
+/// # Errors
+/// As [`check_frame`], wrapped as above.
+pub(crate) fn check_frame_of(
+    tensor: &str,
+    rank: Option<usize>,
+    frame: &[u8],
+    expected: &Params,
+    n: usize,
+) -> Result<Header> {
+    check_frame(frame, expected, n)
+        .map_err(|err| frame_error(tensor, rank, frame, expected, n, err))
+}
+
+/// The error `err` of a check or decode of `frame` (of tensor `tensor`, `n` elements, expected
+/// with `expected`): [`Error::ParamsDiffer`] with both configurations for a parameter
+/// mismatch, [`Error::Core`] otherwise.
+pub(crate) fn frame_error(
+    tensor: &str,
+    rank: Option<usize>,
+    frame: &[u8],
+    expected: &Params,
+    n: usize,
+    err: gradwire_core::Error,
+) -> Error {
+    match (err, peek(frame)) {
+        (gradwire_core::Error::ParamMismatch { param }, Ok(h)) => Error::ParamsDiffer {
+            tensor: tensor.to_owned(),
+            rank,
+            param,
+            frame: describe_params(&h.params, n),
+            expected: describe_params(expected, n),
+        },
+        (err, _) => Error::core(tensor, rank, err),
+    }
+}
+
+/// A frame's parameters for messages: the method (a ratio's `k` followed by the count it
+/// gives for `n` elements) and, for random-k, the seed, step and tensor id its indices come
+/// from.
+fn describe_params(p: &Params, n: usize) -> String {
+    let mut s = crate::compressor::format_method(&p.method);
+    if let Method::TopK { k, .. } | Method::RandomK { k, .. } = p.method
+        && let K::Ratio(_) = k
+    {
+        s.push_str(&format!(" (k = {} of {n})", k.resolve(n as u64)));
+    }
+    if let Method::RandomK { .. } = p.method {
+        s.push_str(&format!(
+            " seed={} step={} tensor_id={:#x}",
+            p.seed, p.step, p.tensor_id
+        ));
+    }
+    s
+}
+
 impl Manifest {
     /// A manifest for `tensors` (in this order), compressed with `method` (error feedback, a
     /// sender-side matter, is ignored), `seed`, and `bucketing`.
@@ -635,8 +694,9 @@ impl Manifest {
     ///
     /// # Errors
     /// [`Error::Bundle`] for the framing; [`Error::UnexpectedEntry`] when an entry belongs to
-    /// another tensor; [`Error::Core`] naming the tensor (or bucket) and the rank for a frame
-    /// that fails [`check_frame`]; any error `f` returns.
+    /// another tensor; naming the tensor (or bucket) and the rank for a frame that fails
+    /// [`check_frame`]: [`Error::ParamsDiffer`] (made with other parameters, both
+    /// configurations given) or [`Error::Core`]; any error `f` returns.
     pub fn check_bundle_with(
         &self,
         bundle: &[u8],
@@ -687,8 +747,13 @@ impl Manifest {
         let mut pos = HEADER_LEN;
         for (e, entry) in self.entries.iter().enumerate() {
             let frame = self.entry_at(bundle, body_end, &mut pos, e, entry, rank)?;
-            check_frame(frame, &self.params(e, header.step), entry.len)
-                .map_err(|err| Error::core(&entry.label, rank, err))?;
+            check_frame_of(
+                &entry.label,
+                rank,
+                frame,
+                &self.params(e, header.step),
+                entry.len,
+            )?;
         }
         if pos != body_end {
             return Err(fault(rank, BundleFault::TrailingBytes { offset: pos }));

@@ -821,8 +821,9 @@ impl GradientCompressor {
     /// compressor's method and seed and the gradient's step and shape.
     ///
     /// # Errors
-    /// [`Error::Config`] for an invalid method; [`Error::Core`] naming the tensor when the frame
-    /// is invalid or was made with other parameters.
+    /// [`Error::Config`] for an invalid method; [`Error::ParamsDiffer`] naming the tensor and
+    /// both configurations when the frame was made with other parameters; [`Error::Core`]
+    /// naming the tensor when the frame is invalid.
     pub fn decompress_one(&self, name: &str, compressed: &CompressedGradient) -> Result<Tensor> {
         let mut t = Tensor::zeros(&compressed.shape).map_err(|e| match e {
             Error::ShapeOverflow { shape, .. } => Error::ShapeOverflow {
@@ -832,8 +833,10 @@ impl GradientCompressor {
             other => other,
         })?;
         let params = self.params(name, compressed.step)?;
-        gradwire_core::decode_into(&compressed.frame, &params, t.data_mut())
-            .map_err(|e| Error::core(name, None, e))?;
+        let n = t.data().len();
+        gradwire_core::decode_into(&compressed.frame, &params, t.data_mut()).map_err(|e| {
+            crate::bundle::frame_error(name, None, &compressed.frame, &params, n, e)
+        })?;
         Ok(t)
     }
 

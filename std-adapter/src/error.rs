@@ -276,6 +276,26 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A frame was made with other parameters than the receiver expects (another method, k,
+    /// value type, seed, step, ...): both configurations, in the text of
+    /// [`crate::compressor::format_method`].
+    #[error(
+        "{}{}: the frame was made with `{frame}`, this side expects `{expected}` ({param:?} differs)",
+        Named(.tensor),
+        RankCtx(*.rank)
+    )]
+    ParamsDiffer {
+        /// The tensor, or the bucket (`bucket[a, b, ...]`), the frame belongs to.
+        tensor: String,
+        /// The rank the frame came from, when it came from another rank.
+        rank: Option<usize>,
+        /// The first parameter that differs.
+        param: gradwire_core::Param,
+        /// The frame's configuration (with `k` as the count it carries).
+        frame: String,
+        /// The expected configuration, with `k` resolved for the tensor when it is a ratio.
+        expected: String,
+    },
     /// Contributions disagree on how they were made (method, seed, step, number of ranks).
     #[error("tensor `{tensor}`{rank}: {reason}", rank = RankCtx(*.rank))]
     Disagreement {

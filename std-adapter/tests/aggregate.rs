@@ -185,7 +185,7 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
     c.compress_bundle(&other, &g, 2, &mut b[2]).unwrap();
     let err = aggregate_into(&manifest, &b, 0, Reduction::Mean, &mut out).unwrap_err();
     assert!(
-        matches!(&err, Error::Core { tensor, rank: Some(2), .. } if tensor == "a"),
+        matches!(&err, Error::ParamsDiffer { tensor, rank: Some(2), .. } if tensor == "a"),
         "{err}"
     );
     assert_eq!(out, vec![42.0; 2], "untouched");

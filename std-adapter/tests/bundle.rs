@@ -287,16 +287,16 @@ fn manifest_mismatches_name_tensor_and_rank() {
     .unwrap();
     let err = other.check_bundle(&bundle, Some(3), Some(0)).unwrap_err();
     match &err {
-        Error::Core {
+        Error::ParamsDiffer {
             tensor,
             rank,
-            source,
+            param,
+            frame,
+            expected,
         } => {
-            assert_eq!((tensor.as_str(), *rank), ("a", Some(3)));
-            assert_eq!(
-                *source,
-                gradwire::core::Error::ParamMismatch { param: Param::K }
-            );
+            assert_eq!((tensor.as_str(), *rank, *param), ("a", Some(3), Param::K));
+            assert!(frame.contains("k=count:") && expected.contains("k=count:1"));
+            assert!(err.to_string().contains("from rank 3"), "{err}");
         }
         other => panic!("{other}"),
     }

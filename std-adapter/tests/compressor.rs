@@ -10,7 +10,7 @@ use gradwire::compressor::{
     CompressedGradient, CompressionMethod, DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK,
     GradientCompressor, format_method, parse_method,
 };
-use gradwire::core::{K, Method, Rounding, SignScale, Values};
+use gradwire::core::{K, Method, Param, Rounding, SignScale, Values};
 use gradwire::error::Error;
 use gradwire::tensor::Tensor;
 
@@ -360,7 +360,7 @@ fn decompress_checks_the_receivers_method() {
     let receiver = GradientCompressor::new(CompressionMethod::TopK { k: 1 });
     let err = receiver.decompress(&compressed).unwrap_err();
     assert!(
-        matches!(&err, Error::Core { tensor, source: gradwire::core::Error::ParamMismatch { .. }, .. } if tensor == "w"),
+        matches!(&err, Error::ParamsDiffer { tensor, param: Param::K, .. } if tensor == "w"),
         "{err}"
     );
     // The frame is bound to its tensor for random-k (tensor id) and to the seed.
