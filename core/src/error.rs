@@ -178,8 +178,8 @@ impl fmt::Display for Error {
             Error::ValueOutOfRange { index } => {
                 write!(
                     f,
-                    "value at index {index} is out of range for the value type \
-                     (or, with unbiased random-k, times n/k)"
+                    "value at index {index} is out of range for the value type (f16 holds \
+                     |x| <= 65504; with unbiased random-k, the value times n/k must be finite)"
                 )
             }
             Error::InvalidParams { param } => {

@@ -648,7 +648,7 @@ fn bad_command_lines_are_one_line_errors() {
         ),
         (
             vec!["compress", gs, "-o", o, "--method", "quant", "--bits", "9"],
-            "Bits",
+            "invalid --bits 9: quantization takes 2..=8 bits",
         ),
         (
             vec![
@@ -881,10 +881,14 @@ fn bad_inputs_fail_without_touching_outputs() {
             ),
         ],
     );
-    fails(&["compress", s(&nan), "-o", o], "`b`");
+    // The message names the file, then the tensor.
+    fails(
+        &["compress", s(&nan), "-o", o],
+        "nan.safetensors: tensor `b`",
+    );
     fails(
         &["compress", s(&nan), "-o", o, "--layout", "reference"],
-        "\"b\": value at position 2 is NaN",
+        "nan.safetensors: key \"b\": value at position 2 is NaN",
     );
     let state = dir.join("state.st");
     fails(

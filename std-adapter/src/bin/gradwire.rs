@@ -74,6 +74,16 @@ impl CliError {
         &self.message
     }
 
+    /// The same error about the contents of `path`: the message starts with it (unless it
+    /// already names that file first).
+    pub fn in_file(mut self, path: &Path) -> Self {
+        let prefix = format!("{}: ", path.display());
+        if !self.message.starts_with(&prefix) {
+            self.message.insert_str(0, &prefix);
+        }
+        self
+    }
+
     /// An I/O failure on `path`.
     pub fn io(what: &str, path: &Path, e: &std::io::Error) -> Self {
         let reason = match e.kind() {
@@ -345,6 +355,13 @@ fn method_of(a: &CompressArgs) -> Result<Method, CliError> {
     if a.block == Some(0) {
         return Err(usage("--block must be at least 1"));
     }
+    if let Some(b) = a.bits
+        && !(2..=8).contains(&b)
+    {
+        return Err(CliError::usage(format!(
+            "invalid --bits {b}: quantization takes 2..=8 bits per element"
+        )));
+    }
     if let Some(r) = a.ratio
         && !(r.is_finite() && r > 0.0 && r <= 1.0)
     {
@@ -526,9 +543,16 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
         .iter()
         .map(|(n, t)| (n.as_str(), t.shape(), t.data()))
         .collect();
+    // Errors of the compression itself (a NaN, a value out of range) are about the input file.
+    let in_input = |e: CliError| e.in_file(&a.input);
     let (out, state) = match plan {
         Plan::Reference(mode, ratio) => match &a.residual {
-            None => (reference::compress(&inputs, mode, ratio)?, None),
+            None => (
+                reference::compress(&inputs, mode, ratio)
+                    .map_err(CliError::from)
+                    .map_err(in_input)?,
+                None,
+            ),
             Some(path) => {
                 let method = reference::feedback_method(mode, ratio);
                 let mut fb = load_state(path, method, a.seed)?;
@@ -536,13 +560,16 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
                 check_state_step(path, &fb, a.step)?;
                 check_state_names(path, &fb, &model)?;
                 let payload =
-                    reference::compress_with_error_feedback(&inputs, &mut fb, mode, ratio)?;
+                    reference::compress_with_error_feedback(&inputs, &mut fb, mode, ratio)
+                        .map_err(CliError::from)
+                        .map_err(in_input)?;
                 (payload, Some(fb.to_bytes()?))
             }
         },
         Plan::Gradwire(method) => match &a.residual {
             None => (
-                container::compress(&model, method, a.seed.unwrap_or(0), a.step.unwrap_or(0))?,
+                container::compress(&model, method, a.seed.unwrap_or(0), a.step.unwrap_or(0))
+                    .map_err(in_input)?,
                 None,
             ),
             Some(path) => {
@@ -550,7 +577,7 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
                 check_state_method(path, &fb, &method)?;
                 check_state_step(path, &fb, a.step)?;
                 check_state_names(path, &fb, &model)?;
-                let out = container::compress_with_feedback(&model, &mut fb)?;
+                let out = container::compress_with_feedback(&model, &mut fb).map_err(in_input)?;
                 (out, Some(fb.to_bytes()?))
             }
         },
