@@ -836,6 +836,66 @@ fn an_output_that_names_an_input_is_refused() {
         "is the --shapes model",
     );
     assert_eq!(fs::read(&g).unwrap(), before, "the input was replaced");
+    // A state file that does not exist yet, named twice under two spellings.
+    let st = dir.join("st.bin");
+    let also_st = dir.join("sub").join("..").join("st.bin");
+    fs::create_dir(dir.join("sub")).unwrap();
+    fails(
+        &[
+            "compress",
+            s(&g),
+            "-o",
+            s(&also_st),
+            "--values",
+            "int8",
+            "--residual",
+            s(&st),
+        ],
+        "is the --residual state",
+    );
+    assert!(!st.exists());
+    // A container given as a reference payload.
+    fails(
+        &[
+            "decompress",
+            s(&c),
+            "-o",
+            s(&dir.join("d.st")),
+            "--layout",
+            "reference",
+        ],
+        "is a gradwire container: --layout reference does not apply",
+    );
+}
+
+#[test]
+fn a_stale_residual_state_is_named() {
+    let dir = scratch("stale_state");
+    let (g4, g3) = (dir.join("g4.st"), dir.join("g3.st"));
+    let a = |v: &[f32]| vec![("a", Dtype::F32, vec![v.len()], f32_bytes(v))];
+    safetensors_file(&g4, &a(&[1.0, -2.0, 3.0, -4.0]));
+    safetensors_file(&g3, &a(&[1.0, -2.0, 3.0]));
+    let (st, out) = (dir.join("st.bin"), dir.join("out.gw"));
+    let step = |g: &Path| {
+        vec![
+            "compress".to_owned(),
+            s(g).to_owned(),
+            "-o".to_owned(),
+            s(&out).to_owned(),
+            "--k".to_owned(),
+            "1".to_owned(),
+            "--residual".to_owned(),
+            s(&st).to_owned(),
+        ]
+    };
+    let args = step(&g4);
+    ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    // The tensor changed shape: the message names the state, not the gradients file.
+    let args = step(&g3);
+    fails(
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        "st.bin: residual state holds 4 elements for tensor `a`, the gradients file 3",
+    );
 }
 
 fn safetensors_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {

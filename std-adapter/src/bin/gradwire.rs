@@ -509,18 +509,27 @@ fn check_state_step(path: &Path, fb: &ErrorFeedback, step: Option<u64>) -> Resul
 }
 
 /// The state must be one of this model's: a residual whose tensor the gradients file lacks is
-/// a state of another model (its residuals would be carried along and saved again unseen).
+/// a state of another model (its residuals would be carried along and saved again unseen), and
+/// one whose length differs from its tensor's is stale (named here, before the compression
+/// would report it against the gradients file).
 fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Result<(), CliError> {
-    if let Some((name, _)) = fb.residuals().find(|(name, _)| {
-        model
-            .binary_search_by(|(n, _)| n.as_str().cmp(name))
-            .is_err()
-    }) {
-        return Err(CliError::new(format!(
-            "{}: residual state holds tensor `{name}`, which the gradients file does not have \
-             (a state of another model?)",
-            path.display()
-        )));
+    for (name, residual) in fb.residuals() {
+        let Ok(at) = model.binary_search_by(|(n, _)| n.as_str().cmp(name)) else {
+            return Err(CliError::new(format!(
+                "{}: residual state holds tensor `{name}`, which the gradients file does not \
+                 have (a state of another model?)",
+                path.display()
+            )));
+        };
+        let numel = model[at].1.data().len();
+        if residual.len() != numel {
+            return Err(CliError::new(format!(
+                "{}: residual state holds {} elements for tensor `{name}`, the gradients file \
+                 {numel} (a state of another model, or the tensor changed shape?)",
+                path.display(),
+                residual.len()
+            )));
+        }
     }
     Ok(())
 }
@@ -604,35 +613,52 @@ fn layout_of(path: &Path, bytes: &[u8], given: Option<Layout>) -> Result<Layout,
     } else {
         Layout::Reference
     };
-    let layout = match given {
-        Some(Layout::Gradwire) if detected != Layout::Gradwire => {
+    match (given, detected) {
+        (Some(Layout::Gradwire), Layout::Reference) => {
             return Err(CliError::new(format!(
                 "{}: not a gradwire container (bad magic)",
                 path.display()
             )));
         }
-        Some(l) => l,
-        None => detected,
-    };
-    if layout == Layout::Reference
+        (Some(Layout::Reference), Layout::Gradwire) => {
+            return Err(CliError::usage(format!(
+                "{} is a gradwire container: --layout reference does not apply",
+                path.display()
+            )));
+        }
+        _ => {}
+    }
+    if detected == Layout::Reference
         && let Err(e) = gradwire::safetensors_checked::read_header(bytes)
     {
+        let what = if given.is_some() {
+            "not a valid reference payload (safetensors)"
+        } else {
+            "neither a gradwire container nor a valid safetensors file"
+        };
         return Err(CliError::new(format!(
-            "{}: neither a gradwire container nor a valid safetensors file: {}",
+            "{}: {what}: {}",
             path.display(),
             gradwire::safetensors_checked::describe(&e)
         )));
     }
-    Ok(layout)
+    Ok(detected)
 }
 
-/// Whether `a` and `b` name the same existing file (links and `..` resolved).
+/// Whether `a` and `b` name the same file (links and `..` resolved; a file that does not exist
+/// yet by its resolved directory and name).
 fn same_file(a: &Path, b: &Path) -> bool {
-    a == b
-        || matches!(
-            (std::fs::canonicalize(a), std::fs::canonicalize(b)),
-            (Ok(x), Ok(y)) if x == y
-        )
+    fn resolved(p: &Path) -> Option<PathBuf> {
+        if let Ok(c) = std::fs::canonicalize(p) {
+            return Some(c);
+        }
+        let dir = match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        Some(std::fs::canonicalize(dir).ok()?.join(p.file_name()?))
+    }
+    a == b || matches!((resolved(a), resolved(b)), (Some(x), Some(y)) if x == y)
 }
 
 /// Refuses an output path that names one of the command's input files: writing it would
