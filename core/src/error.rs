@@ -36,6 +36,29 @@ pub enum Param {
     IndexCodec,
 }
 
+/// The parameter's name in messages: lower case, as a user would write it ("k", "value type",
+/// "tensor id").
+impl fmt::Display for Param {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Param::Method => "method",
+            Param::Values => "value type",
+            Param::K => "k",
+            Param::Threshold => "threshold",
+            Param::Bits => "bits",
+            Param::Block => "block",
+            Param::Rounding => "rounding",
+            Param::SignScale => "sign scale",
+            Param::Seed => "seed",
+            Param::Step => "step",
+            Param::TensorId => "tensor id",
+            Param::Unbiased => "unbiased",
+            Param::Flags => "flags",
+            Param::IndexCodec => "index codec",
+        })
+    }
+}
+
 /// Everything that can go wrong in the core. Integer fields only, so the type is `Copy`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -183,7 +206,7 @@ impl fmt::Display for Error {
                 )
             }
             Error::InvalidParams { param } => {
-                write!(f, "invalid parameter: {param:?}")?;
+                write!(f, "invalid parameter: {param}")?;
                 match param {
                     Param::Bits => write!(f, " (quantization takes 2..=8 bits)"),
                     Param::Block => write!(f, " (a block holds at least 1 element)"),
@@ -231,7 +254,7 @@ impl fmt::Display for Error {
             Error::ParamMismatch { param } => {
                 write!(
                     f,
-                    "frame parameter {param:?} differs from what the receiver expects"
+                    "frame parameter `{param}` differs from what the receiver expects"
                 )
             }
             Error::ElementCount { expected, got } => {

@@ -758,7 +758,7 @@ fn invalid_parameters_say_what_is_valid() {
     let message = |m: Method| m.validate().unwrap_err().to_string();
     assert_eq!(
         message(quant(9, 512)),
-        "invalid parameter: Bits (quantization takes 2..=8 bits)"
+        "invalid parameter: bits (quantization takes 2..=8 bits)"
     );
     assert!(message(quant(1, 512)).contains("2..=8"));
     assert!(message(quant(4, 0)).contains("at least 1 element"));

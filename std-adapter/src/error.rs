@@ -280,7 +280,7 @@ pub enum Error {
     /// value type, seed, step, ...): both configurations, in the text of
     /// [`crate::compressor::format_method`].
     #[error(
-        "{}{}: the frame was made with `{frame}`, this side expects `{expected}` ({param:?} differs)",
+        "{}{}: the frame was made with `{frame}`, this side expects `{expected}` ({param} differs)",
         Named(.tensor),
         RankCtx(*.rank)
     )]

@@ -836,6 +836,12 @@ fn an_output_that_names_an_input_is_refused() {
         "is the --shapes model",
     );
     assert_eq!(fs::read(&g).unwrap(), before, "the input was replaced");
+    // A missing input is reported as missing, even when -o names it too.
+    let missing = dir.join("missing.st");
+    fails(
+        &["compress", s(&missing), "-o", s(&missing)],
+        "missing.st: no such file",
+    );
     // A state file that does not exist yet, named twice under two spellings.
     let st = dir.join("st.bin");
     let also_st = dir.join("sub").join("..").join("st.bin");

@@ -543,7 +543,9 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
             Plan::Reference(mode, ratio)
         }
     };
-    let mut inputs = vec![("input", a.input.as_path())];
+    // A missing input is for the read below to report; the state may not exist yet.
+    let mut inputs: Vec<(&str, &Path)> = Vec::new();
+    inputs.extend(Some(("input", a.input.as_path())).filter(|(_, p)| p.exists()));
     inputs.extend(a.residual.as_deref().map(|r| ("--residual state", r)));
     check_output(&a.output, &inputs)?;
     let bytes = io::read(&a.input)?;
@@ -682,8 +684,12 @@ fn specs_from(path: &Path) -> Result<Vec<TensorSpec>, CliError> {
 }
 
 fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
-    let mut inputs = vec![("input", a.input.as_path())];
-    inputs.extend(a.shapes.as_deref().map(|s| ("--shapes model", s)));
+    // A missing input or model is for the reads below to report.
+    let inputs: Vec<(&str, &Path)> = [("input", a.input.as_path())]
+        .into_iter()
+        .chain(a.shapes.as_deref().map(|s| ("--shapes model", s)))
+        .filter(|(_, p)| p.exists())
+        .collect();
     check_output(&a.output, &inputs)?;
     let bytes = io::read(&a.input)?;
     let layout = layout_of(&a.input, &bytes, a.layout)?;
