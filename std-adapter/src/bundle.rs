@@ -349,15 +349,20 @@ pub(crate) fn frame_error(
     n: usize,
     err: gradwire_core::Error,
 ) -> Error {
-    match (err, peek(frame)) {
-        (gradwire_core::Error::ParamMismatch { param }, Ok(h)) => Error::ParamsDiffer {
+    // Only a parameter mismatch reads the frame's header again (it parsed, or the check
+    // would have failed earlier).
+    let gradwire_core::Error::ParamMismatch { param } = err else {
+        return Error::core(tensor, rank, err);
+    };
+    match peek(frame) {
+        Ok(h) => Error::ParamsDiffer {
             tensor: tensor.to_owned(),
             rank,
             param,
             frame: describe_params(&h.params, n),
             expected: describe_params(expected, n),
         },
-        (err, _) => Error::core(tensor, rank, err),
+        Err(_) => Error::core(tensor, rank, err),
     }
 }
 

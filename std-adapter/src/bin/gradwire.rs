@@ -638,11 +638,7 @@ fn layout_of(path: &Path, bytes: &[u8], given: Option<Layout>) -> Result<Layout,
         } else {
             "neither a gradwire container nor a valid safetensors file"
         };
-        return Err(CliError::new(format!(
-            "{}: {what}: {}",
-            path.display(),
-            gradwire::safetensors_checked::describe(&e)
-        )));
+        return Err(io::safetensors_error(path, what, &e));
     }
     Ok(detected)
 }

@@ -19,15 +19,20 @@ pub fn read(path: &Path) -> Result<Vec<u8>, CliError> {
 /// A model's tensors: `(name, tensor)` sorted by name.
 pub type Model = Vec<(String, Tensor)>;
 
+/// `path: what: ` followed by the safetensors error with its hint
+/// ([`gradwire::safetensors_checked::describe`]).
+pub fn safetensors_error(path: &Path, what: &str, e: &safetensors::SafeTensorError) -> CliError {
+    CliError::new(format!(
+        "{}: {what}: {}",
+        path.display(),
+        gradwire::safetensors_checked::describe(e)
+    ))
+}
+
 /// Parses a safetensors file of float32 tensors (a gradient or a model), sorted by name.
 pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
-    let st = gradwire::safetensors_checked::deserialize(bytes).map_err(|e| {
-        CliError::new(format!(
-            "{}: not a valid safetensors file: {}",
-            path.display(),
-            gradwire::safetensors_checked::describe(&e)
-        ))
-    })?;
+    let st = gradwire::safetensors_checked::deserialize(bytes)
+        .map_err(|e| safetensors_error(path, "not a valid safetensors file", &e))?;
     let mut model = Vec::with_capacity(st.len());
     for (name, view) in st.iter() {
         if view.dtype() != Dtype::F32 {
@@ -53,13 +58,8 @@ pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
 /// Names and shapes of every tensor of a safetensors file (any dtype), sorted by name: what a
 /// receiver knows about its model.
 pub fn parse_shapes(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>)>, CliError> {
-    let st = gradwire::safetensors_checked::deserialize(bytes).map_err(|e| {
-        CliError::new(format!(
-            "{}: not a valid safetensors file: {}",
-            path.display(),
-            gradwire::safetensors_checked::describe(&e)
-        ))
-    })?;
+    let st = gradwire::safetensors_checked::deserialize(bytes)
+        .map_err(|e| safetensors_error(path, "not a valid safetensors file", &e))?;
     let mut shapes: Vec<(String, Vec<usize>)> = st
         .iter()
         .map(|(name, view)| (name.to_owned(), view.shape().to_vec()))
