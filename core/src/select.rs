@@ -27,6 +27,10 @@ pub const SAMPLED_MIN: usize = 1 << 16;
 
 const KEY_MASK: u32 = 0x7fff_ffff;
 
+/// How many groups of `4 * LANES` elements [`scan`] compares before it looks again at the
+/// lanes they flagged (2,048 elements: the block's lines are still in the L1 cache then).
+const PENDING: usize = 64;
+
 /// Scratch words [`topk_cut`] needs for a tensor of `n` elements.
 pub const fn topk_scratch_len(_n: usize) -> usize {
     TOPK_HIST
@@ -554,23 +558,40 @@ fn scan<S: Source>(
     let either = f32x8::splat(f32::from_bits(lo_key.min(lim_key)));
     let mut bad = false;
     let mut count = 0usize;
-    let full = n / (4 * LANES) * (4 * LANES);
-    let mut base = 0usize;
-    let mut pairs = src.pairs(0, full);
-    while let (Some(p), Some(q)) = (pairs.next(), pairs.next()) {
-        src.prefetch(base + AHEAD);
-        src.prefetch(base + AHEAD + 2 * LANES);
-        // Bit set: |x| < min(lo, limit), the lane needs no second look.
-        let below = p[0].abs().simd_lt(either).to_bitmask()
-            | (p[1].abs().simd_lt(either).to_bitmask() << 8)
-            | (q[0].abs().simd_lt(either).to_bitmask() << 16)
-            | (q[1].abs().simd_lt(either).to_bitmask() << 24);
-        let m = !below;
-        if m != 0 {
+    let group = 4 * LANES;
+    let full = n / group * group;
+    let mut masks = [0u32; PENDING];
+    let mut starts = [0usize; PENDING];
+    for block in (0..full).step_by(PENDING * group) {
+        let len = (full - block).min(PENDING * group);
+        // First the SIMD compares of the whole block, keeping only the groups with a lane to
+        // look at (no branch: the slot is written for every group and kept for those);
+        // then the second looks. A branch per group would be taken at random for about a third
+        // of them at k = 1% (BENCHMARKS.md, round 8).
+        let mut pending = 0usize;
+        let mut base = block;
+        let mut pairs = src.pairs(block, len);
+        while let (Some(p), Some(q)) = (pairs.next(), pairs.next()) {
+            src.prefetch(base + AHEAD);
+            src.prefetch(base + AHEAD + 2 * LANES);
+            // Bit set: |x| < min(lo, limit), the lane needs no second look.
+            let below = p[0].abs().simd_lt(either).to_bitmask()
+                | (p[1].abs().simd_lt(either).to_bitmask() << 8)
+                | (q[0].abs().simd_lt(either).to_bitmask() << 16)
+                | (q[1].abs().simd_lt(either).to_bitmask() << 24);
+            let m = !below;
+            // `pending` is below PENDING here (one slot per group of the block at most): the
+            // modulo only spares a bounds check.
+            masks[pending % PENDING] = m;
+            starts[pending % PENDING] = base;
+            pending += usize::from(m != 0);
+            base += group;
+        }
+        for (&m, &start) in masks[..pending].iter().zip(&starts[..pending]) {
             push_lanes(
                 src,
                 m,
-                base,
+                start,
                 (lo_key, lim_key),
                 idx,
                 bits,
@@ -579,7 +600,6 @@ fn scan<S: Source>(
                 &mut accept,
             );
         }
-        base += 4 * LANES;
     }
     let mut i = full;
     while i < n {

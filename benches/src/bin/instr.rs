@@ -3,8 +3,11 @@
 //!
 //! ```sh
 //! valgrind --tool=callgrind --toggle-collect='instr::measured' \
-//!     target/release/instr KERNEL [--n N]
+//!     target/release/instr KERNEL [--n N] [--reps R]
 //! ```
+//!
+//! `--reps R` runs the kernel R times (default 1), for a sampling profile of the kernel alone
+//! (`perf record -e cpu-clock target/release/instr ef_step --n 2.5e7 --reps 200`).
 //!
 //! The setup (data, frames, warm-up) runs outside `measured`, so callgrind's total is the
 //! kernel's instructions alone. Kernels: `read`, `read2`, `check`, `byte_pass`, `add_pass`,
@@ -85,12 +88,13 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let kernel = args.next().unwrap_or_else(|| "read".into());
     let mut n = 1_000_000usize;
+    let mut reps = 1usize;
     while let Some(a) = args.next() {
-        if a == "--n" {
-            n = args
-                .next()
-                .and_then(|v| v.parse::<f64>().ok())
-                .expect("--n N") as usize;
+        let value = args.next().and_then(|v| v.parse::<f64>().ok());
+        match a.as_str() {
+            "--n" => n = value.expect("--n N") as usize,
+            "--reps" => reps = value.expect("--reps R") as usize,
+            other => panic!("unknown argument {other}"),
         }
     }
     let x = heavy_tailed(n, 42);
@@ -130,5 +134,7 @@ fn main() {
             c.feedback(x, r);
         }
     }
-    measured(&kernel, &mut s);
+    for _ in 0..reps {
+        measured(&kernel, &mut s);
+    }
 }
