@@ -28,7 +28,8 @@ pub const SAMPLED_MIN: usize = 1 << 16;
 const KEY_MASK: u32 = 0x7fff_ffff;
 
 /// How many groups of `4 * LANES` elements [`scan`] compares before it looks again at the
-/// lanes they flagged (2,048 elements: the block's lines are still in the L1 cache then).
+/// lanes they flagged (2,048 elements: for one buffer the block's lines are still in the L1
+/// cache then; for `g + r`, some may be in L2).
 const PENDING: usize = 64;
 
 /// Scratch words [`topk_cut`] needs for a tensor of `n` elements.

@@ -1,5 +1,5 @@
-//! One kernel, run once, for instruction counts under callgrind (where hardware counters are
-//! unavailable, as in a VM):
+//! One kernel, run once (or `--reps R` times), for instruction counts under callgrind (where
+//! hardware counters are unavailable, as in a VM):
 //!
 //! ```sh
 //! valgrind --tool=callgrind --toggle-collect='instr::measured' \
@@ -7,7 +7,9 @@
 //! ```
 //!
 //! `--reps R` runs the kernel R times (default 1), for a sampling profile of the kernel alone
-//! (`perf record -e cpu-clock target/release/instr ef_step --n 2.5e7 --reps 200`).
+//! (`perf record -e cpu-clock target/release/instr ef_step --n 2.5e7 --reps 150`). Kernels that
+//! write their input (`ef_step`, `add_pass`, `accumulate_*`) change it on every repetition;
+//! their work per call stays the same.
 //!
 //! The setup (data, frames, warm-up) runs outside `measured`, so callgrind's total is the
 //! kernel's instructions alone. Kernels: `read`, `read2`, `check`, `byte_pass`, `add_pass`,
