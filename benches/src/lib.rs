@@ -10,7 +10,7 @@ use gradwire_core::{
 use std::path::{Path, PathBuf};
 use wide::f32x8;
 
-/// The read pass of DESIGN.md: the fastest sum of |g|, `wide` f32x8 with four independent
+/// The read pass, the denominator of every ratio: the fastest sum of |g|, `wide` f32x8 with four independent
 /// accumulators. Every ratio is a kernel's time over this pass's time on the same buffer.
 pub fn read_pass(x: &[f32]) -> f32 {
     let mut acc = [f32x8::splat(0.0); 4];

@@ -1,4 +1,5 @@
-//! One test per row of DESIGN.md's "Defined results for edge cases" that concerns the core.
+//! One test per row of docs/edge-cases.md ("Defined results for edge cases") that concerns the
+//! core.
 
 mod common;
 
