@@ -383,6 +383,8 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
         black_box(&sent);
     }));
 
+    // `--list` runs with no repetitions: print the rows and stop. An `--only` name that matches
+    // no row prints them too, as an error.
     let unknown: Vec<&String> = only
         .iter()
         .filter(|o| !tasks.iter().any(|t| t.name.starts_with(o.as_str())))
