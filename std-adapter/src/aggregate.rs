@@ -112,29 +112,25 @@ const FINISH_CHUNK: usize = 4096;
 /// finite (finite contributions whose f32 sum overflows; a majority vote never has one).
 fn finish(out: &mut [f32], reduction: Reduction, count: usize) -> Option<usize> {
     match reduction {
-        Reduction::Sum => {}
+        Reduction::Sum => first_non_finite(out),
         Reduction::Mean => {
             let w = count as f32;
             // Chunk by chunk, so that the check reads each chunk while it is in the L1 cache:
             // one pass over a large result instead of two.
-            let mut start = 0;
-            for chunk in out.chunks_mut(FINISH_CHUNK) {
-                for x in chunk.iter_mut() {
-                    *x /= w;
-                }
-                if let Some(i) = first_non_finite(chunk) {
-                    return Some(start + i);
-                }
-                start += chunk.len();
-            }
-            return None;
+            out.chunks_mut(FINISH_CHUNK)
+                .enumerate()
+                .find_map(|(c, chunk)| {
+                    for x in chunk.iter_mut() {
+                        *x /= w;
+                    }
+                    first_non_finite(chunk).map(|i| c * FINISH_CHUNK + i)
+                })
         }
         Reduction::MajorityVote => {
             sign::majority(out);
-            return None;
+            None
         }
     }
-    first_non_finite(out)
 }
 
 /// [`finish`] on the whole flat result `out`: on overflow, `out` zeroed and
