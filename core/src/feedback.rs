@@ -13,6 +13,7 @@ use crate::frame::{
 };
 use crate::lanes::Sum;
 use crate::method::{Method, Params, SignScale};
+use crate::select;
 use crate::values::all_below;
 
 /// One error-feedback step on one tensor: `residual += grad`, encode `residual` into `out`,
@@ -69,7 +70,14 @@ pub fn feedback_step(
         // One pass over grad and residual encodes their sum and checks it; the residual
         // changes only after the frame is written.
         if let Ok(len) = encode_src(&Sum(grad, residual), params, limit, scratch, out) {
-            feedback_update(&out[..len], grad, residual)?;
+            let kept = match params.method {
+                Method::TopK { k, .. } => {
+                    let k = k.resolve(grad.len() as u64) as usize;
+                    select::topk_kept_idx(grad.len(), k, scratch)
+                }
+                _ => None,
+            };
+            feedback_update(&out[..len], kept, grad, residual)?;
             return Ok(len);
         }
     } else if all_below(&Sum(grad, residual), limit) {

@@ -774,6 +774,7 @@ pub(crate) fn encode_sparse_src<S: Source>(
     match params.method {
         Method::TopK { k, values } => {
             let k = k.resolve(n as u64) as usize;
+            // `feedback_step` reads the kept indices back from here (`select::topk_kept_idx`).
             let sel = &mut scratch[..select::kept_scratch_len(n, k)];
             let kept = select::topk_kept_src(src, k, limit, select::sample_len(n), sel)?;
             p = Put { buf: out, pos: 0 };
@@ -1666,7 +1667,16 @@ fn apply(h: &Header, body: &Body<'_>, out: &mut [f32], weight: Option<f32>) {
 /// [`accumulate_into`]`(frame, r, -1.0)` gives, in one streaming pass over `g` and `r` (sparse
 /// frames: the subtractions are applied while the stretch they fall in is still in cache;
 /// quantization and sign: tile by tile). `r` is untouched when the frame does not parse.
-pub(crate) fn feedback_update(frame: &[u8], g: &[f32], r: &mut [f32]) -> Result<(), Error> {
+///
+/// `kept`, when given, is the frame's index list as the encoder left it in its scratch
+/// (ascending `u32`): a sparse frame with that many entries then takes its indices from there
+/// instead of decoding its own index section (the values are still decoded from the frame).
+pub(crate) fn feedback_update(
+    frame: &[u8],
+    kept: Option<&[u32]>,
+    g: &[f32],
+    r: &mut [f32],
+) -> Result<(), Error> {
     let (h, body) = parse_trusted(frame)?;
     if h.n != g.len() as u64 || g.len() != r.len() {
         return Err(Error::ElementCount {
@@ -1675,17 +1685,21 @@ pub(crate) fn feedback_update(frame: &[u8], g: &[f32], r: &mut [f32]) -> Result<
         });
     }
     match body {
-        Body::Sparse { .. } => {
+        Body::Sparse { v, count, vals, .. } => {
             let mut done = 0usize;
-            sparse_batches(&h, &body, |ib, vb| {
-                let Some(&last) = ib.last() else { return };
-                let end = (last + 1).clamp(done, r.len());
-                add_range(r, g, done, end);
-                done = end;
-                for (&i, &x) in ib.iter().zip(vb) {
-                    r[i] += -x;
+            match kept.filter(|kept| kept.len() as u64 == count) {
+                Some(kept) => {
+                    let mut vb = [0.0f32; index::BATCH];
+                    for (j, ib) in kept.chunks(index::BATCH).enumerate() {
+                        let vb = &mut vb[..ib.len()];
+                        values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
+                        update_run(r, g, &mut done, ib.iter().map(|&i| i as usize), vb);
+                    }
                 }
-            });
+                None => sparse_batches(&h, &body, |ib, vb| {
+                    update_run(r, g, &mut done, ib.iter().copied(), vb);
+                }),
+            }
             add_range(r, g, done, r.len());
         }
         Body::Quant {
@@ -1727,6 +1741,26 @@ pub(crate) fn feedback_update(frame: &[u8], g: &[f32], r: &mut [f32]) -> Result<
         }
     }
     Ok(())
+}
+
+/// One run of sparse entries of [`feedback_update`]: `r += g` from `done` through the run's last
+/// index, then `r[i] -= x` for each entry (ascending indices below `r.len()`).
+fn update_run(
+    r: &mut [f32],
+    g: &[f32],
+    done: &mut usize,
+    idx: impl DoubleEndedIterator<Item = usize> + Clone,
+    vals: &[f32],
+) {
+    let Some(last) = idx.clone().next_back() else {
+        return;
+    };
+    let end = (last + 1).clamp(*done, r.len());
+    add_range(r, g, *done, end);
+    *done = end;
+    for (i, &x) in idx.zip(vals) {
+        r[i] += -x;
+    }
 }
 
 /// Elements per tile of the dense error-feedback update (rounded to whole blocks).

@@ -405,6 +405,14 @@ pub(crate) fn topk_kept_src<'s, S: Source>(
     })
 }
 
+/// Where [`topk_kept_src`] with [`sample_len`]`(n)` samples leaves the indices of the top `k`
+/// (`k` cut to `n`) in its `scratch`: after the histogram and the samples. `None` when scratch
+/// is too short to hold them.
+pub(crate) fn topk_kept_idx(n: usize, k: usize, scratch: &[u32]) -> Option<&[u32]> {
+    let at = TOPK_HIST + sample_len(n);
+    scratch.get(at..at.checked_add(k.min(n))?)
+}
+
 /// A magnitude key at or below the k-th largest with high probability: the r-th largest key of
 /// a stratified sample, `r = lambda + 4 sqrt(lambda) + 8` with `lambda = k * s / n`.
 fn sample_threshold<S: Source>(src: &S, k: usize, samples: &mut [u32]) -> u32 {
