@@ -359,6 +359,18 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
         add_pass(&mut r3, black_box(x));
         black_box(&r3);
     }));
+    // floor_ef's two passes alone: the selection scan over `g + r` runs above the first, the
+    // update pass at the second (BENCHMARKS.md, round 9). Filled with ones, so that every page
+    // is mapped before the first read.
+    let r4 = Rc::new(RefCell::new(vec![1.0f32; n]));
+    let r4_read = Rc::clone(&r4);
+    tasks.push(task("floor_read2", None, move || {
+        black_box(read_pass2(black_box(x), &r4_read.borrow()));
+    }));
+    tasks.push(task("floor_add", None, move || {
+        add_pass(&mut r4.borrow_mut(), black_box(x));
+        black_box(&r4);
+    }));
 
     // The whole error-feedback step, and a naive one (r += g, select_nth top-k, r -= kept).
     let mut ef = Codec::new(ef_method(), n);
