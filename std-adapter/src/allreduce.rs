@@ -198,9 +198,13 @@ impl CompressedAllReduce {
     /// [`Error::LayoutMismatch`] naming the first rank whose layout fingerprint differs.
     /// A rank whose local compression fails still takes part in the all-gather (with an empty
     /// bundle) and returns its own error; its peers then fail naming that rank, so no rank
-    /// waits forever. Every rank's step advances by one on such a failed call (the failing
-    /// rank's residuals stay as they were; the peers' frames of that step are lost), so the
-    /// group stays in step and can call again.
+    /// waits forever. Every rank's step advances by one on such a failed call, so the group
+    /// stays in step and can call again. Nothing is lost: the failing rank's residuals stay as
+    /// they were, and on every rank whose compression succeeded but whose step then failed (a
+    /// peer's error, the transport, a layout mismatch, an overflowing aggregate) the residuals
+    /// take back what the rank sent, so they hold the step's gradient (`residual + sent ==
+    /// gradient + old residual`, up to the f32 rounding of that identity) and the next step
+    /// sends it.
     pub fn all_reduce(
         &mut self,
         gradients: &HashMap<String, Tensor>,
@@ -266,38 +270,57 @@ impl CompressedAllReduce {
             }
         };
         let layout = manifest.layout_fingerprint().to_le_bytes();
+        let bundle_len = self.send.len();
         self.send.extend_from_slice(&layout);
         let max_len = manifest.max_bundle_len().saturating_add(LAYOUT_LEN);
-        comm.all_gather(&self.send, max_len, &mut self.gathered)?;
-        if self.gathered.len() != self.world_size {
-            return Err(Error::WorldSize {
-                expected: self.world_size,
-                got: self.gathered.len(),
-            });
-        }
-        let mut other_layout = None;
-        for (r, message) in self.gathered.iter_mut().enumerate() {
-            // An empty message is a rank whose compression failed: the aggregator names it.
-            if let Some(at) = message.len().checked_sub(layout.len()) {
-                if message[at..] != layout {
-                    other_layout = other_layout.or(Some(r));
+        let gathered = &mut self.gathered;
+        let result = comm
+            .all_gather(&self.send, max_len, gathered)
+            .map_err(Error::from)
+            .and_then(|()| {
+                if gathered.len() != self.world_size {
+                    return Err(Error::WorldSize {
+                        expected: self.world_size,
+                        got: gathered.len(),
+                    });
                 }
-                message.truncate(at);
-            }
+                let mut other_layout = None;
+                for (r, message) in gathered.iter_mut().enumerate() {
+                    // An empty message is a rank whose compression failed: the aggregator
+                    // names it.
+                    if let Some(at) = message.len().checked_sub(layout.len()) {
+                        if message[at..] != layout {
+                            other_layout = other_layout.or(Some(r));
+                        }
+                        message.truncate(at);
+                    }
+                }
+                // The aggregator's checks name the tensor (another element count, a missing
+                // tensor); the layout catches what they cannot see: the same counts in other
+                // shapes.
+                self.aggregator.aggregate_into(
+                    manifest,
+                    gathered,
+                    step,
+                    self.reduction,
+                    &mut self.flat,
+                )?;
+                match other_layout {
+                    Some(rank) => Err(Error::LayoutMismatch { rank }),
+                    None => manifest.to_tensors_into(&self.flat, out),
+                }
+            });
+        if result.is_err() {
+            // The residuals gave up what this rank sent; the step failed, so they take it back
+            // (the error of the step is the one to report).
+            let _ = self.compressor.give_back_bundle(
+                manifest,
+                &self.send[..bundle_len],
+                step,
+                &mut self.flat,
+            );
         }
-        // The aggregator's checks name the tensor (another element count, a missing tensor);
-        // the layout catches what they cannot see: the same counts in other shapes.
-        self.aggregator.aggregate_into(
-            manifest,
-            &self.gathered,
-            step,
-            self.reduction,
-            &mut self.flat,
-        )?;
-        if let Some(rank) = other_layout {
-            return Err(Error::LayoutMismatch { rank });
-        }
-        manifest.to_tensors_into(&self.flat, out)
+        result
     }
 
     /// Aggregates the local gradients with the peers' compressed gradients, the local rank
@@ -329,7 +352,8 @@ impl CompressedAllReduce {
     /// the local gradients are compressed: on those errors nothing changes.
     /// [`Error::Overflow`] when the aggregate overflows f32 (see
     /// [`crate::aggregate::aggregate_compressed_into`]); that is known only after the local
-    /// compression, so the step and the residuals have advanced.
+    /// compression, so the step has advanced, and the residuals take back what was sent (as
+    /// for [`CompressedAllReduce::all_reduce`]).
     pub fn all_reduce_with_peers_at(
         &mut self,
         gradients: &HashMap<String, Tensor>,
@@ -385,13 +409,18 @@ impl CompressedAllReduce {
         let local = self.compressor.compress(gradients)?;
         let mut contributions: Vec<&HashMap<String, CompressedGradient>> = peers.iter().collect();
         contributions.insert(rank, &local);
-        aggregate_compressed_into(
+        let result = aggregate_compressed_into(
             manifest,
             &contributions,
             step,
             self.reduction,
             &mut self.flat,
-        )?;
+        );
+        if let Err(e) = result {
+            // As in `all_reduce_into`: the residuals take back what the failed step sent.
+            let _ = self.compressor.give_back_frames(&local);
+            return Err(e);
+        }
         manifest.to_tensors(&self.flat)
     }
 

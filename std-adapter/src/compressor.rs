@@ -858,6 +858,51 @@ impl GradientCompressor {
         Ok(out)
     }
 
+    /// Puts what this compressor's own `bundle` of `step` (made by
+    /// [`GradientCompressor::compress_bundle`] with `manifest`) sent back into the residuals,
+    /// after a collective that failed once the residuals had given those values up: the step's
+    /// gradient is then delayed, not lost (`residual + sent` is `gradient + old residual`, up
+    /// to the f32 rounding of the error-feedback identity). Nothing to do without error
+    /// feedback; `flat` is scratch.
+    pub(crate) fn give_back_bundle(
+        &mut self,
+        manifest: &Manifest,
+        bundle: &[u8],
+        step: u64,
+        flat: &mut Vec<f32>,
+    ) -> Result<()> {
+        if !self.method.uses_error_feedback() {
+            return Ok(());
+        }
+        let Some(fb) = self.feedback.as_mut() else {
+            return Ok(());
+        };
+        manifest.decode_bundle(bundle, None, Some(step), flat)?;
+        for t in manifest.tensors() {
+            let sent = &flat[t.offset..t.offset + t.numel];
+            add_into(fb.residual_for(&t.name, t.numel)?, sent);
+        }
+        Ok(())
+    }
+
+    /// [`GradientCompressor::give_back_bundle`] for the frames of one
+    /// [`GradientCompressor::compress`] call.
+    pub(crate) fn give_back_frames(
+        &mut self,
+        sent: &HashMap<String, CompressedGradient>,
+    ) -> Result<()> {
+        if !self.method.uses_error_feedback() {
+            return Ok(());
+        }
+        for (name, cg) in sent {
+            let decoded = self.decompress_one(name, cg)?;
+            if let Some(fb) = self.feedback.as_mut() {
+                add_into(fb.residual_for(name, decoded.data().len())?, decoded.data());
+            }
+        }
+        Ok(())
+    }
+
     /// Writes the error-feedback checkpoint (residuals, step, seed, method) to `path`.
     ///
     /// # Errors
@@ -912,5 +957,12 @@ impl GradientCompressor {
         self.step = feedback.step();
         self.feedback = Some(feedback);
         Ok(())
+    }
+}
+
+/// `r[i] += x[i]` (same lengths).
+fn add_into(r: &mut [f32], x: &[f32]) {
+    for (r, &x) in r.iter_mut().zip(x) {
+        *r += x;
     }
 }

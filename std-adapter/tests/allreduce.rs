@@ -466,6 +466,62 @@ fn a_rank_that_fails_locally_does_not_hang_its_peers() {
     }
 }
 
+/// A step that fails in the collective (here: rank 1's gradient holds a NaN) loses nothing on the
+/// ranks whose compression succeeded: their residuals take back what they sent, so they hold
+/// the whole gradient of the failed step (bit for bit, for top-k with int8 values), and the
+/// next step sends it.
+#[test]
+fn a_failed_step_gives_the_sent_values_back_to_the_residuals() {
+    let w = 3;
+    let data = |r: usize| -> Vec<f32> {
+        (0..4096)
+            .map(|i| ((i * 37 + r * 11) % 101) as f32 - 50.0 + 0.001 * i as f32)
+            .collect()
+    };
+    let per_rank: Vec<HashMap<String, Tensor>> = (0..w)
+        .map(|r| {
+            let mut d = data(r);
+            if r == 1 {
+                d[7] = f32::NAN;
+            }
+            grads(&[("w", &[4096], d)])
+        })
+        .collect();
+    let comms = LocalGroup::new(w).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|comm| {
+            let g = per_rank[comm.rank()].clone();
+            std::thread::spawn(move || {
+                let method = CompressionMethod::top_k_int8(0.01).with_error_feedback();
+                let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm));
+                let failed = ar.all_reduce(&g).is_err();
+                let residual = ar
+                    .compressor()
+                    .feedback()
+                    .and_then(|f| f.residual("w"))
+                    .map(<[f32]>::to_vec);
+                (failed, residual, ar.compressor().step())
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (r, (failed, residual, step)) in results.iter().enumerate() {
+        assert!(failed, "rank {r}");
+        assert_eq!(*step, 1, "rank {r}: the group stays in step");
+        let residual = residual.as_deref().unwrap_or(&[]);
+        if r == 1 {
+            // The rank with the NaN changed nothing.
+            assert!(residual.iter().all(|&x| x == 0.0), "rank 1");
+        } else {
+            assert!(
+                same_bits(residual, &data(r)),
+                "rank {r}: the residual is the gradient"
+            );
+        }
+    }
+}
+
 /// A peer frame whose header is valid but whose body is not (a NaN value, CRC recomputed) fails
 /// before the local compression: the step and the residuals do not change.
 #[test]
