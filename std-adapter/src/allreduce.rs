@@ -58,9 +58,6 @@ use crate::error::{Error, Result};
 use crate::parallel::Parallelism;
 use crate::tensor::Tensor;
 
-/// Bytes of the layout fingerprint that follows a bundle on a communicator.
-const LAYOUT_LEN: usize = 8;
-
 /// Distributed gradient aggregation with compression (see the module docs).
 pub struct CompressedAllReduce {
     compressor: GradientCompressor,
@@ -183,10 +180,9 @@ impl CompressedAllReduce {
 
     /// Compresses, aggregates and averages gradients across the group.
     ///
-    /// With a communicator: compress into a bundle, all-gather it followed by the 8-byte
-    /// [`Manifest::layout_fingerprint`] (so that ranks whose tensors have the same element
-    /// counts but other shapes or names are an error, not a silent element-wise mean),
-    /// aggregate. Without one: with
+    /// With a communicator: compress into a bundle, all-gather it, aggregate (a peer whose
+    /// tensor has the same element count in another shape is an error naming the tensor: the
+    /// bundle's entry ids hash the shapes). Without one: with
     /// world size 1, a compression round trip; otherwise an error (scaling the local gradient
     /// by the world size is not a sum across workers).
     ///
@@ -194,14 +190,13 @@ impl CompressedAllReduce {
     /// [`Error::Config`] for world size 0; [`Error::NoCommunicator`] when the world size is
     /// not 1 and no communicator is configured; [`Error::Comm`] when the transport fails; any
     /// error of [`GradientCompressor::compress_bundle`] and [`Aggregator::aggregate_into`]
-    /// (naming tensor and rank);
-    /// [`Error::LayoutMismatch`] naming the first rank whose layout fingerprint differs.
+    /// (naming tensor and rank).
     /// A rank whose local compression fails still takes part in the all-gather (with an empty
     /// bundle) and returns its own error; its peers then fail naming that rank, so no rank
     /// waits forever. Every rank's step advances by one on such a failed call, so the group
     /// stays in step and can call again. Nothing is lost: the failing rank's residuals stay as
     /// they were, and on every rank whose compression succeeded but whose step then failed (a
-    /// peer's error, the transport, a layout mismatch, an overflowing aggregate) the residuals
+    /// peer's error, the transport, another model layout, an overflowing aggregate) the residuals
     /// take back what the rank sent, so they hold the step's gradient (`residual + sent ==
     /// gradient + old residual`, up to the f32 rounding of that identity) and the next step
     /// sends it.
@@ -264,16 +259,16 @@ impl CompressedAllReduce {
                 let step = self.compressor.step();
                 self.compressor.set_step(step.wrapping_add(1));
                 self.send.clear();
-                let max_len = manifest.max_bundle_len().saturating_add(LAYOUT_LEN);
+                let max_len = manifest.max_bundle_len();
                 let _ = comm.all_gather(&self.send, max_len, &mut self.gathered);
                 return Err(e);
             }
         };
-        let layout = manifest.layout_fingerprint().to_le_bytes();
-        let bundle_len = self.send.len();
-        self.send.extend_from_slice(&layout);
-        let max_len = manifest.max_bundle_len().saturating_add(LAYOUT_LEN);
+        let max_len = manifest.max_bundle_len();
         let gathered = &mut self.gathered;
+        // The aggregator's checks name the tensor and the rank: another element count or
+        // shape (the entry ids hash the shapes), a missing tensor, an empty bundle from a rank
+        // whose compression failed.
         let result = comm
             .all_gather(&self.send, max_len, gathered)
             .map_err(Error::from)
@@ -284,20 +279,6 @@ impl CompressedAllReduce {
                         got: gathered.len(),
                     });
                 }
-                let mut other_layout = None;
-                for (r, message) in gathered.iter_mut().enumerate() {
-                    // An empty message is a rank whose compression failed: the aggregator
-                    // names it.
-                    if let Some(at) = message.len().checked_sub(layout.len()) {
-                        if message[at..] != layout {
-                            other_layout = other_layout.or(Some(r));
-                        }
-                        message.truncate(at);
-                    }
-                }
-                // The aggregator's checks name the tensor (another element count, a missing
-                // tensor); the layout catches what they cannot see: the same counts in other
-                // shapes.
                 self.aggregator.aggregate_into(
                     manifest,
                     gathered,
@@ -305,20 +286,14 @@ impl CompressedAllReduce {
                     self.reduction,
                     &mut self.flat,
                 )?;
-                match other_layout {
-                    Some(rank) => Err(Error::LayoutMismatch { rank }),
-                    None => manifest.to_tensors_into(&self.flat, out),
-                }
+                manifest.to_tensors_into(&self.flat, out)
             });
         if result.is_err() {
             // The residuals gave up what this rank sent; the step failed, so they take it back
             // (the error of the step is the one to report).
-            let _ = self.compressor.give_back_bundle(
-                manifest,
-                &self.send[..bundle_len],
-                step,
-                &mut self.flat,
-            );
+            let _ = self
+                .compressor
+                .give_back_bundle(manifest, &self.send, step, &mut self.flat);
         }
         result
     }

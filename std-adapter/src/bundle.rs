@@ -1,13 +1,13 @@
-//! Bundles: everything one rank sends in one step, in one message (on a communicator, with
-//! an 8-byte layout fingerprint after it), and the [`Manifest`] a receiver decodes it against.
+//! Bundles: everything one rank sends in one step, in one message, and the [`Manifest`] a
+//! receiver decodes it against.
 //!
-//! # Bundle layout (version 1)
+//! # Bundle layout (version 2)
 //! All integers little-endian.
 //!
 //! | offset | size | field |
 //! |---|---|---|
 //! | 0 | 4 | magic `GWBN` (`47 57 42 4E`) |
-//! | 4 | 1 | version, `1` |
+//! | 4 | 1 | version, `2` |
 //! | 5 | 1 | flags, `0` (reserved) |
 //! | 6 | 2 | reserved, `0` |
 //! | 8 | 4 | rank of the sender (u32) |
@@ -20,23 +20,20 @@
 //!
 //! | size | field |
 //! |---|---|
-//! | 8 | id (u64): [`gradwire_core::tensor_id`] of the tensor's name, or of the bucket's label |
+//! | 8 | id (u64): FNV-1a (the hash of [`gradwire_core::tensor_id`]) over the tensor's name, or the bucket's label, then a 0 byte, then for each of its tensors the dimension count and every dimension (u64 little-endian) |
 //! | 4 | frame length `L` (u32) |
 //! | `L` | a gradwire frame (`FORMAT.md`) |
 //!
-//! A bundle costs 28 bytes plus 12 per entry on top of its frames. Shapes, names, the method
+//! A bundle costs 28 bytes plus 12 per entry on top of its frames. Names, shapes, the method
 //! and the bucketing are not in a bundle: the receiver's [`Manifest`] holds them, and decoding checks
 //! the bundle against it: the header (magic, version, reserved fields, checksum, rank, step),
-//! the entry count, every entry's id (same tensors, same order) and every frame's element count
-//! and parameters (same method). Anything else is an error naming the tensor (or bucket) and
-//! the rank. Nothing is allocated from lengths read off the wire: the output is sized by the
+//! the entry count, every entry's id (same tensors in the same shapes, same order) and every
+//! frame's element count and parameters (same method). Anything else is an error naming the
+//! tensor (or bucket) and the rank. Version 1 ids hashed the name alone, so a tensor with the
+//! same name and element count in another shape (a transposed weight) was averaged element by
+//! element with the receiver's. Nothing is allocated from lengths read off the wire: the output is sized by the
 //! manifest, and a valid bundle is never longer than [`Manifest::max_bundle_len`] (the limit
 //! to give [`crate::comm::Communicator::all_gather`] for bundles alone).
-//!
-//! On a communicator, [`crate::allreduce::CompressedAllReduce`] sends each bundle followed by
-//! the 8-byte [`Manifest::layout_fingerprint`] (a hash of the names and shapes; its all-gather
-//! limit is `max_bundle_len() + 8`), because equal element counts in other shapes pass every
-//! check above.
 //!
 //! # Flat layout
 //! Decoders and aggregators write into one flat `Vec<f32>` of [`Manifest::flat_len`] elements:
@@ -85,7 +82,7 @@ use crate::tensor::{Tensor, checked_numel};
 /// The first four bytes of every bundle.
 pub const BUNDLE_MAGIC: [u8; 4] = *b"GWBN";
 /// The bundle format version this crate writes and reads.
-pub const BUNDLE_VERSION: u8 = 1;
+pub const BUNDLE_VERSION: u8 = 2;
 /// Bytes of the bundle header.
 pub const HEADER_LEN: usize = 24;
 /// Bytes of an entry's id and length.
@@ -142,8 +139,12 @@ pub enum EntryKind {
 /// An entry of a bundle: one frame carrying one tensor or a bucket.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Entry {
-    /// Id on the wire: [`tensor_id`] of the label.
+    /// Id on the wire: a hash of the label and of its tensors' shapes (FNV-1a, the bundle
+    /// layout in the module docs).
     pub id: u64,
+    /// The tensor id of the entry's frames ([`tensor_id`] of the label: the key of random-k's
+    /// and stochastic rounding's draws, the same as for the tensor alone).
+    pub tensor_id: u64,
     /// The tensor's name, or `bucket[a, b, ...]` for a bucket.
     pub label: String,
     /// The tensors it carries (indices into [`Manifest::tensors`]), in flat order.
@@ -494,7 +495,8 @@ impl Manifest {
                 .checked_add(ENTRY_HEADER_LEN.saturating_add(frame))
                 .ok_or_else(too_large)?;
             entries.push(Entry {
-                id: tensor_id(&label),
+                id: entry_id(&label, p.members.iter().map(|&t| infos[t].shape.as_slice())),
+                tensor_id: tensor_id(&label),
                 label,
                 members: p.members,
                 offset: start,
@@ -602,7 +604,7 @@ impl Manifest {
                 method: e.method,
                 seed: self.seed,
                 step,
-                tensor_id: e.id,
+                tensor_id: e.tensor_id,
             },
             None => Params::new(self.method),
         }
@@ -751,7 +753,8 @@ impl Manifest {
         // Pass 1: framing and frame headers of every entry.
         let mut pos = HEADER_LEN;
         for (e, entry) in self.entries.iter().enumerate() {
-            let frame = self.entry_at(bundle, body_end, &mut pos, e, entry, rank)?;
+            let (id, frame) = self.entry_at(bundle, body_end, &mut pos, rank)?;
+            check_id(e, entry, id, frame, rank)?;
             check_frame_of(
                 &entry.label,
                 rank,
@@ -791,22 +794,21 @@ impl Manifest {
         let body_end = bundle.len().saturating_sub(TRAILER_LEN);
         let mut pos = HEADER_LEN;
         for (e, entry) in self.entries.iter().enumerate() {
-            let frame = self.entry_at(bundle, body_end, &mut pos, e, entry, rank)?;
+            let (id, frame) = self.entry_at(bundle, body_end, &mut pos, rank)?;
+            check_id(e, entry, id, frame, rank)?;
             f(e, frame)?;
         }
         Ok(())
     }
 
-    /// Reads entry `e` at `pos` and advances `pos`.
+    /// Reads the entry at `pos` (its id and frame) and advances `pos`.
     fn entry_at<'b>(
         &self,
         bundle: &'b [u8],
         body_end: usize,
         pos: &mut usize,
-        e: usize,
-        entry: &Entry,
         rank: Option<usize>,
-    ) -> Result<&'b [u8]> {
+    ) -> Result<(u64, &'b [u8])> {
         let truncated = |needed: usize| Error::Bundle {
             rank,
             fault: BundleFault::Truncated {
@@ -820,15 +822,6 @@ impl Manifest {
             .filter(|_| head_end <= body_end)
             .ok_or_else(|| truncated(head_end))?;
         let id = u64::from_le_bytes(le(&head[..8]));
-        if id != entry.id {
-            return Err(Error::UnexpectedEntry {
-                rank,
-                index: e,
-                expected: entry.label.clone(),
-                expected_id: entry.id,
-                got_id: id,
-            });
-        }
         let len = u32::from_le_bytes(le(&head[8..12])) as usize;
         let end = head_end.saturating_add(len);
         let frame = bundle
@@ -836,7 +829,7 @@ impl Manifest {
             .filter(|_| end <= body_end)
             .ok_or_else(|| truncated(end))?;
         *pos = end;
-        Ok(frame)
+        Ok((id, frame))
     }
 
     /// Checks a bundle against the manifest (see [`Manifest::check_bundle_with`]).
@@ -894,27 +887,77 @@ impl Manifest {
     }
 }
 
+/// [`Error::UnexpectedEntry`] unless `id` is entry `e`'s (with the element count of `frame`,
+/// when its header reads: for the same tensor in another shape, that is what differs).
+fn check_id(e: usize, entry: &Entry, id: u64, frame: &[u8], rank: Option<usize>) -> Result<()> {
+    if id == entry.id {
+        return Ok(());
+    }
+    Err(Error::UnexpectedEntry {
+        rank,
+        index: e,
+        expected: entry.label.clone(),
+        expected_elements: entry.len as u64,
+        got_elements: peek(frame).ok().map(|h| h.n),
+        expected_id: entry.id,
+        got_id: id,
+    })
+}
+
 /// FNV-1a (as [`gradwire_core::tensor_id`]) over every tensor's name and shape, then every
 /// entry's label; names end with a 0 byte, dimensions are u64 little-endian after their count.
 fn layout_fingerprint(tensors: &[ManifestTensor], entries: &[Entry]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for &b in bytes {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    };
+    let mut h = Fnv::new();
     for t in tensors {
-        eat(t.name.as_bytes());
-        eat(&[0]);
-        eat(&(t.shape.len() as u64).to_le_bytes());
-        for &d in &t.shape {
-            eat(&(d as u64).to_le_bytes());
-        }
+        h.name(&t.name);
+        h.shape(&t.shape);
     }
     for e in entries {
-        eat(e.label.as_bytes());
-        eat(&[0]);
+        h.name(&e.label);
     }
-    h
+    h.0
+}
+
+/// An entry's id on the wire: FNV-1a (as [`gradwire_core::tensor_id`]) over its label, then
+/// the shape of each of its tensors, encoded as in [`layout_fingerprint`]. So a peer whose
+/// tensor has the same name and element count but another shape (a transposed weight) sends
+/// another id, and its bundle is an error naming the tensor, not an element-wise mean of two
+/// layouts.
+fn entry_id<'a>(label: &str, shapes: impl Iterator<Item = &'a [usize]>) -> u64 {
+    let mut h = Fnv::new();
+    h.name(label);
+    for shape in shapes {
+        h.shape(shape);
+    }
+    h.0
+}
+
+/// FNV-1a, 64 bits.
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn eat(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    /// A name and a 0 byte.
+    fn name(&mut self, name: &str) {
+        self.eat(name.as_bytes());
+        self.eat(&[0]);
+    }
+
+    /// The dimension count, then each dimension (u64 little-endian).
+    fn shape(&mut self, shape: &[usize]) {
+        self.eat(&(shape.len() as u64).to_le_bytes());
+        for &d in shape {
+            self.eat(&(d as u64).to_le_bytes());
+        }
+    }
 }

@@ -248,8 +248,9 @@ pub enum Error {
         /// The tensor.
         tensor: String,
     },
-    /// A bundle entry belongs to another tensor or bucket than the manifest says.
-    #[error("bundle{rank}: entry {index} should be `{expected}` (id {expected_id:#018x}), got id {got_id:#018x}", rank = RankCtx(*.rank))]
+    /// A bundle entry belongs to another tensor or bucket than the manifest says, or to the
+    /// same one in another shape (entry ids hash the shapes).
+    #[error("bundle{rank}: entry {index} is not `{expected}` as the manifest has it (another tensor or bucket, or another shape{counts}; id {expected_id:#018x}, got id {got_id:#018x})", rank = RankCtx(*.rank), counts = ElementCounts(*.got_elements, *.expected_elements))]
     UnexpectedEntry {
         /// The rank whose bundle it is.
         rank: Option<usize>,
@@ -257,6 +258,10 @@ pub enum Error {
         index: usize,
         /// The tensor or bucket the manifest has at that position.
         expected: String,
+        /// Its element count in the manifest.
+        expected_elements: u64,
+        /// The element count of the entry's frame, when its header reads.
+        got_elements: Option<u64>,
         /// The id the manifest has there.
         expected_id: u64,
         /// The id in the bundle.
@@ -305,16 +310,6 @@ pub enum Error {
         rank: Option<usize>,
         /// What differs.
         reason: String,
-    },
-    /// Another rank's tensors differ from this rank's in names, shapes or bucketing (detected
-    /// through the layout fingerprint that travels with every bundle on a communicator; equal
-    /// element counts with other shapes would otherwise be averaged element by element).
-    #[error(
-        "rank {rank} has another model layout (tensor names, shapes or bucketing) than this rank"
-    )]
-    LayoutMismatch {
-        /// The rank whose layout differs.
-        rank: usize,
     },
     /// The f32 sum of finite contributions overflows (also under the mean, which divides the
     /// sum once at the end): the result would be infinite.
@@ -400,3 +395,17 @@ impl Error {
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `: the frame has G elements, the manifest E` when both are known and differ.
+struct ElementCounts(Option<u64>, u64);
+
+impl fmt::Display for ElementCounts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(got) if got != self.1 => {
+                write!(f, ": the frame has {got} elements, the manifest {}", self.1)
+            }
+            _ => Ok(()),
+        }
+    }
+}

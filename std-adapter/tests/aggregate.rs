@@ -167,6 +167,29 @@ fn majority_vote_ties_go_to_plus() {
     ));
 }
 
+/// A peer whose tensor has the same name and element count in another shape (a transposed
+/// weight) is an error naming the tensor and the rank, on any transport: the entry ids of a
+/// bundle hash the shapes. (Found by a new user's trial: bundle version 1 averaged the two
+/// layouts element by element.)
+#[test]
+fn a_transposed_peer_tensor_is_an_error() {
+    let method = CompressionMethod::top_k_int8(0.5);
+    let data: Vec<f32> = (0..24).map(|i| i as f32 - 12.5).collect();
+    let g0 = grads(&[("w", &[4, 6], data.clone())]);
+    let g1 = grads(&[("w", &[6, 4], data)]);
+    let m0 = Manifest::for_gradients(&g0, &method, 0, BucketConfig::none()).unwrap();
+    let m1 = Manifest::for_gradients(&g1, &method, 0, BucketConfig::none()).unwrap();
+    let mut b = bundles(&m0, &method, &[g0.clone(), g0]);
+    GradientCompressor::new(method)
+        .compress_bundle(&m1, &g1, 1, &mut b[1])
+        .unwrap();
+    let err = aggregate(&m0, &b, 0, Reduction::Mean).unwrap_err();
+    assert!(
+        matches!(&err, Error::UnexpectedEntry { rank: Some(1), expected, expected_elements: 24, got_elements: Some(24), .. } if expected == "w"),
+        "{err}"
+    );
+}
+
 #[test]
 fn contributions_are_checked_first_naming_tensor_and_rank() {
     let method = CompressionMethod::TopK { k: 2 };
@@ -198,7 +221,7 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
     c.compress_bundle(&long, &g_long, 1, &mut b[1]).unwrap();
     let err = aggregate_into(&manifest, &b, 0, Reduction::Sum, &mut out).unwrap_err();
     assert!(
-        matches!(&err, Error::Core { tensor, rank: Some(1), source: gradwire::core::Error::ElementCount { expected: 3, got: 5 } } if tensor == "b"),
+        matches!(&err, Error::UnexpectedEntry { rank: Some(1), index: 1, expected, expected_elements: 3, got_elements: Some(5), .. } if expected == "b"),
         "{err}"
     );
     let text = err.to_string();

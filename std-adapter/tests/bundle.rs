@@ -106,7 +106,7 @@ fn layout_is_as_documented() {
     let (manifest, bundle, step) = bundle_of(&method, &g, BucketConfig::none(), 7);
     assert_eq!(step, 0);
     assert_eq!(&bundle[..4], &BUNDLE_MAGIC);
-    assert_eq!(bundle[4], 1);
+    assert_eq!(bundle[4], 2);
     assert_eq!(&bundle[5..8], &[0, 0, 0]);
     assert_eq!(u32::from_le_bytes(bundle[8..12].try_into().unwrap()), 7);
     assert_eq!(u32::from_le_bytes(bundle[12..16].try_into().unwrap()), 2);
@@ -114,8 +114,21 @@ fn layout_is_as_documented() {
     let mut pos = HEADER_LEN;
     for (i, name) in ["a", "b"].into_iter().enumerate() {
         let id = u64::from_le_bytes(bundle[pos..pos + 8].try_into().unwrap());
-        assert_eq!(id, gradwire::core::tensor_id(name));
+        // FNV-1a over the name, a 0 byte, then the shape: [3] for `a`, [] for `b`.
+        let shape: &[u64] = if name == "a" { &[3] } else { &[] };
+        let mut hashed = name.as_bytes().to_vec();
+        hashed.push(0);
+        hashed.extend_from_slice(&(shape.len() as u64).to_le_bytes());
+        for d in shape {
+            hashed.extend_from_slice(&d.to_le_bytes());
+        }
+        assert_eq!(id, fnv1a(&hashed));
         assert_eq!(manifest.entries()[i].id, id);
+        // The frames' tensor id (the key of random draws) is the name's alone.
+        assert_eq!(
+            manifest.params(i, 0).tensor_id,
+            gradwire::core::tensor_id(name)
+        );
         let len = u32::from_le_bytes(bundle[pos + 8..pos + 12].try_into().unwrap()) as usize;
         let frame = &bundle[pos + ENTRY_HEADER_LEN..pos + ENTRY_HEADER_LEN + len];
         assert_eq!(&frame[..4], b"GWRF");
@@ -125,7 +138,14 @@ fn layout_is_as_documented() {
     let crc = crc32(&bundle[..pos]);
     assert_eq!(u32::from_le_bytes(bundle[pos..].try_into().unwrap()), crc);
     let h = BundleHeader::read(&bundle).unwrap();
-    assert_eq!((h.version, h.rank, h.entries, h.step), (1, 7, 2, 0));
+    assert_eq!((h.version, h.rank, h.entries, h.step), (2, 7, 2, 0));
+}
+
+/// FNV-1a, 64 bits, independent of the crate's.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// Bitwise CRC-32 (IEEE), independent of the crate's.
@@ -306,8 +326,14 @@ fn manifest_mismatches_name_tensor_and_rank() {
     let specs = vec![TensorSpec::new("a", [5]), TensorSpec::new("b", [3])];
     let other = Manifest::new(specs, &method, 0, BucketConfig::none()).unwrap();
     let err = other.check_bundle(&bundle, Some(3), Some(0)).unwrap_err();
+    // The entry id hashes the shape: another entry, with both element counts in the message.
     assert!(
-        matches!(&err, Error::Core { tensor, source: gradwire::core::Error::ElementCount { expected: 5, got: 4 }, .. } if tensor == "a"),
+        matches!(&err, Error::UnexpectedEntry { rank: Some(3), index: 0, expected, expected_elements: 5, got_elements: Some(4), .. } if expected == "a"),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("from rank 3: entry 0 is not `a` as the manifest has it (another tensor or bucket, or another shape: the frame has 4 elements, the manifest 5;"),
         "{err}"
     );
 
