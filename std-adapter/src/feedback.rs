@@ -23,10 +23,14 @@
 //! | key | value |
 //! |---|---|
 //! | `format` | `gradwire-error-feedback` |
-//! | `version` | `1` |
+//! | `version` | `2` |
 //! | `method` | [`crate::compressor::format_method`] of the method |
 //! | `seed` | the seed, decimal |
 //! | `step` | the next step to run, decimal |
+//! | `crc32` | CRC-32 (IEEE, as in frames), decimal, of: for each residual in name order, its name, a 0 byte and its values (f32 little-endian); then the `method`, `seed` and `step` texts, each followed by a 0 byte |
+//!
+//! The checksum makes a flipped bit in a stored residual or step an error, as it is in frames
+//! and bundles. Version 1 files (no `crc32`) still load.
 //!
 //! ```
 //! use gradwire::core::{K, Method, Values};
@@ -59,7 +63,7 @@ use crate::tensor::Tensor;
 /// Value of the `format` metadata entry of a checkpoint.
 pub const CHECKPOINT_FORMAT: &str = "gradwire-error-feedback";
 /// Value of the `version` metadata entry of a checkpoint.
-pub const CHECKPOINT_VERSION: &str = "1";
+pub const CHECKPOINT_VERSION: &str = "2";
 
 /// Residuals keyed by parameter name, the method, the seed and the step counter of an
 /// error-feedback run.
@@ -417,9 +421,13 @@ impl ErrorFeedback {
         let mut meta = HashMap::new();
         meta.insert("format".to_owned(), CHECKPOINT_FORMAT.to_owned());
         meta.insert("version".to_owned(), CHECKPOINT_VERSION.to_owned());
-        meta.insert("method".to_owned(), format_method(&self.method));
-        meta.insert("seed".to_owned(), self.seed.to_string());
-        meta.insert("step".to_owned(), self.step.to_string());
+        let method = format_method(&self.method);
+        let (seed, step) = (self.seed.to_string(), self.step.to_string());
+        let crc = checkpoint_crc(&self.residuals, [&method, &seed, &step]);
+        meta.insert("crc32".to_owned(), crc.to_string());
+        meta.insert("method".to_owned(), method);
+        meta.insert("seed".to_owned(), seed);
+        meta.insert("step".to_owned(), step);
         Ok(safetensors::serialize(views, Some(meta))?)
     }
 
@@ -445,11 +453,24 @@ impl ErrorFeedback {
             )));
         }
         let version = get("version")?;
-        if version != CHECKPOINT_VERSION {
+        if version != CHECKPOINT_VERSION && version != "1" {
             return Err(Error::checkpoint(format!(
-                "version `{version}` is not supported (this build reads `{CHECKPOINT_VERSION}`)"
+                "version `{version}` is not supported (this build reads `1` and \
+                 `{CHECKPOINT_VERSION}`)"
             )));
         }
+        let stored_crc = if version == "1" {
+            None
+        } else {
+            let text = meta.get("crc32").ok_or_else(|| {
+                Error::checkpoint(format!(
+                    "metadata entry `crc32` is missing (version {version} checkpoints carry one)"
+                ))
+            })?;
+            Some(text.parse::<u32>().map_err(|_| {
+                Error::checkpoint(format!("metadata `crc32` = `{text}` is not a u32"))
+            })?)
+        };
         let method = parse_method(get("method")?)
             .map_err(|e| Error::checkpoint(format!("metadata `method`: {e}")))?;
         let number = |key: &str| -> Result<u64> {
@@ -487,6 +508,16 @@ impl ErrorFeedback {
             }
             fb.residuals.insert(name, r);
         }
+        if let Some(stored) = stored_crc {
+            let computed =
+                checkpoint_crc(&fb.residuals, [get("method")?, get("seed")?, get("step")?]);
+            if stored != computed {
+                return Err(Error::checkpoint(format!(
+                    "checksum mismatch (stored {stored}, computed {computed}): the file is \
+                     corrupted"
+                )));
+            }
+        }
         Ok(fb)
     }
 
@@ -516,4 +547,25 @@ impl ErrorFeedback {
         })?;
         Self::from_bytes(&bytes)
     }
+}
+
+/// The `crc32` of a checkpoint (layout in the module docs).
+fn checkpoint_crc(residuals: &BTreeMap<String, Vec<f32>>, texts: [&str; 3]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = [0u8; 4096];
+    for (name, r) in residuals {
+        h.update(name.as_bytes());
+        h.update(&[0]);
+        for run in r.chunks(buf.len() / 4) {
+            for (b, x) in buf.chunks_exact_mut(4).zip(run) {
+                b.copy_from_slice(&x.to_le_bytes());
+            }
+            h.update(&buf[..4 * run.len()]);
+        }
+    }
+    for t in texts {
+        h.update(t.as_bytes());
+        h.update(&[0]);
+    }
+    h.finalize()
 }

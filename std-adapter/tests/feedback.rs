@@ -277,6 +277,39 @@ fn checkpoint(meta: &[(&str, &str)], tensors: &[(&str, Dtype, Vec<usize>, Vec<u8
     safetensors::serialize(views, Some(meta)).unwrap()
 }
 
+/// A flipped bit anywhere in a stored residual, or in the step, is an error (found by a new
+/// user's trial: version 1 checkpoints had no checksum and loaded a corrupted residual).
+#[test]
+fn a_corrupted_checkpoint_is_an_error() {
+    let method = Method::TopK {
+        k: K::Count(1),
+        values: Values::F32,
+    };
+    let mut fb = ErrorFeedback::new(method, 7).unwrap();
+    let grad: Vec<f32> = (0..64).map(|i| i as f32 * 0.25 - 3.0).collect();
+    fb.step_with([("w", &grad[..])], |_, _| {}).unwrap();
+    let bytes = fb.to_bytes().unwrap();
+    assert_eq!(ErrorFeedback::from_bytes(&bytes).unwrap(), fb);
+    // The last residual value: the data section ends the file.
+    let mut flipped = bytes.clone();
+    let at = flipped.len() - 2;
+    flipped[at] ^= 0x10;
+    let err = ErrorFeedback::from_bytes(&flipped).unwrap_err();
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+    // The step, in the header's metadata: `"step":"1"` becomes `"step":"3"`.
+    let key = b"\"step\":\"1\"";
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("step entry")
+        + key.len()
+        - 2;
+    let mut edited = bytes.clone();
+    edited[at] = b'3';
+    let err = ErrorFeedback::from_bytes(&edited).unwrap_err();
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+}
+
 #[test]
 fn checkpoints_are_checked() {
     let good_meta = [

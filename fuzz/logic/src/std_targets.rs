@@ -579,13 +579,16 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
     }
 }
 
-/// `b` (a checkpoint) with its `step` metadata set to `step` (header rewritten, data kept).
+/// `b` (a checkpoint) with its `step` metadata set to `step` (header rewritten, data kept), as
+/// a version 1 checkpoint: its `crc32` covers the step, and version 1 files carry no checksum
+/// (an extra metadata entry is ignored).
 fn with_step(b: &[u8], step: u64) -> Option<Vec<u8>> {
     let n = usize::try_from(u64::from_le_bytes(b.get(..8)?.try_into().ok()?)).ok()?;
     let header = std::str::from_utf8(b.get(8..8usize.checked_add(n)?)?).ok()?;
     let at = header.find("\"step\":\"")? + 8;
     let end = at + header[at..].find('"')?;
     let new = format!("{}{step}{}", &header[..at], &header[end..]);
+    let new = new.replacen("\"version\":\"2\"", "\"version\":\"1\"", 1);
     let mut out = (new.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(new.as_bytes());
     out.extend_from_slice(&b[8 + n..]);
