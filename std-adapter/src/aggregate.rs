@@ -68,10 +68,9 @@ pub enum Reduction {
 
 fn check_reduction(manifest: &Manifest, reduction: Reduction, count: usize) -> Result<()> {
     if count == 0 {
-        return Err(Error::WorldSize {
-            expected: 1,
-            got: 0,
-        });
+        return Err(Error::config(
+            "nothing to aggregate: no contributions were given (one per rank, at least one)",
+        ));
     }
     if reduction == Reduction::MajorityVote
         && let Some(entry) = manifest.entries().iter().find(|e| {
@@ -163,8 +162,8 @@ fn finish_flat(
 /// core.
 ///
 /// # Errors
-/// [`Error::WorldSize`] for no bundle; [`Error::Config`] for a majority vote over frames that
-/// are not unscaled sign; every error of [`Manifest::check_bundle`], naming the rank (and the
+/// [`Error::Config`] for no bundle, or a majority vote over frames that are not unscaled
+/// sign; every error of [`Manifest::check_bundle`], naming the rank (and the
 /// tensor or bucket where an entry is at fault). Checks run on every bundle before anything is
 /// accumulated, so `out` is untouched on those errors; a frame whose body turns out invalid
 /// while accumulating is an [`Error::Core`] naming tensor and rank, and leaves `out` zeroed.
@@ -508,8 +507,8 @@ pub fn aggregate<B: AsRef<[u8]>>(
 /// at `step`, against a manifest without buckets, into `out` (flat layout of the manifest).
 ///
 /// # Errors
-/// [`Error::WorldSize`] for no contribution; [`Error::Config`] for a manifest with buckets or a
-/// majority vote over frames that are not unscaled sign; naming the tensor and the rank:
+/// [`Error::Config`] for no contribution, a manifest with buckets or a majority vote over
+/// frames that are not unscaled sign; naming the tensor and the rank:
 /// [`Error::MissingTensor`], [`Error::UnexpectedTensor`], [`Error::ShapeMismatch`],
 /// [`Error::Disagreement`] (another step), [`Error::ParamsDiffer`] (a frame made with another
 /// method, k, seed, ...: both configurations), [`Error::Core`] (a frame that fails

@@ -746,6 +746,7 @@ impl Manifest {
                 BundleFault::EntryCount {
                     expected: self.entries.len(),
                     got: u64::from(header.entries),
+                    first_difference: self.first_difference(bundle, header.entries as usize),
                 },
             ));
         }
@@ -799,6 +800,34 @@ impl Manifest {
             f(e, frame)?;
         }
         Ok(())
+    }
+
+    /// For a bundle of `declared` entries where the manifest has another number: the first
+    /// entry where the two differ, named by the manifest's label there (a tensor missing on one
+    /// side shows there). `None` when the bundle's entries cannot be read that far.
+    fn first_difference(&self, bundle: &[u8], declared: usize) -> Option<String> {
+        let body_end = bundle.len().checked_sub(TRAILER_LEN)?;
+        let mut pos = HEADER_LEN;
+        let common = declared.min(self.entries.len());
+        for (e, entry) in self.entries[..common].iter().enumerate() {
+            let (id, _) = self.entry_at(bundle, body_end, &mut pos, None).ok()?;
+            if id != entry.id {
+                return Some(format!(
+                    "the first that differs is entry {e}, where the manifest has `{}`",
+                    entry.label
+                ));
+            }
+        }
+        Some(match self.entries.get(common) {
+            Some(entry) => format!(
+                "the bundle ends before entry {common}, where the manifest has `{}`",
+                entry.label
+            ),
+            None => format!(
+                "the bundle has more entries after entry {}",
+                common.saturating_sub(1)
+            ),
+        })
     }
 
     /// Reads the entry at `pos` (its id and frame) and advances `pos`.

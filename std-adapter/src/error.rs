@@ -40,7 +40,7 @@ impl fmt::Display for Named<'_> {
 }
 
 /// What is wrong with the framing of a bundle (see [`crate::bundle`] for the layout).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BundleFault {
     /// The bundle is empty: on a communicator, what a rank sends when its own compression
@@ -104,6 +104,9 @@ pub enum BundleFault {
         expected: usize,
         /// Entries the bundle declares.
         got: u64,
+        /// Where the two first differ, naming the manifest's tensor (or bucket) there, when the
+        /// bundle's entries can be read that far.
+        first_difference: Option<String>,
     },
     /// Bytes remain after the last entry.
     TrailingBytes {
@@ -121,7 +124,7 @@ pub enum BundleFault {
 
 impl fmt::Display for BundleFault {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match *self {
+        match self {
             BundleFault::Empty => write!(
                 f,
                 "is empty (from a peer: its compression failed in this step, and its own error \
@@ -152,8 +155,16 @@ impl fmt::Display for BundleFault {
             BundleFault::Step { expected, got } => {
                 write!(f, "made at step {got}, expected step {expected}")
             }
-            BundleFault::EntryCount { expected, got } => {
-                write!(f, "holds {got} entries, the manifest has {expected}")
+            BundleFault::EntryCount {
+                expected,
+                got,
+                first_difference,
+            } => {
+                write!(f, "holds {got} entries, the manifest has {expected}")?;
+                match first_difference {
+                    Some(d) => write!(f, " ({d})"),
+                    None => Ok(()),
+                }
             }
             BundleFault::TrailingBytes { offset } => {
                 write!(f, "unexpected bytes after byte {offset}")

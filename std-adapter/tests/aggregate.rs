@@ -276,15 +276,23 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
                 rank: Some(1),
                 fault: BundleFault::EntryCount {
                     expected: 2,
-                    got: 1
+                    got: 1,
+                    ..
                 }
             }
         ),
         "{err}"
     );
+    // The message names the tensor that rank 1 lacks.
+    assert_eq!(
+        err.to_string(),
+        "bundle from rank 1 holds 1 entries, the manifest has 2 (the bundle ends before entry \
+         1, where the manifest has `b`)"
+    );
     // No contribution.
     let none: [Vec<u8>; 0] = [];
-    assert!(aggregate_into(&manifest, &none, 0, Reduction::Sum, &mut out).is_err());
+    let err = aggregate_into(&manifest, &none, 0, Reduction::Sum, &mut out).unwrap_err();
+    assert!(err.to_string().contains("no contributions"), "{err}");
     assert_eq!(out, vec![42.0; 2], "untouched by every failed check");
 }
 

@@ -357,9 +357,30 @@ fn manifest_mismatches_name_tensor_and_rank() {
                 rank: Some(3),
                 fault: BundleFault::EntryCount {
                     expected: 1,
-                    got: 2
+                    got: 2,
+                    ..
                 },
             }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .ends_with("(the bundle has more entries after entry 0)"),
+        "{err}"
+    );
+    // A tensor missing in the middle: the first entry that differs names it.
+    let specs = vec![
+        TensorSpec::new("a", [4]),
+        TensorSpec::new("a2", [2]),
+        TensorSpec::new("b", [3]),
+    ];
+    let other = Manifest::new(specs, &method, 0, BucketConfig::none()).unwrap();
+    let err = other.check_bundle(&bundle, Some(3), Some(0)).unwrap_err();
+    assert!(
+        err.to_string().ends_with(
+            "holds 2 entries, the manifest has 3 (the first that differs is entry 1, where the \
+             manifest has `a2`)"
         ),
         "{err}"
     );
@@ -394,7 +415,8 @@ fn bounded_by_the_manifest() {
             Error::Bundle {
                 fault: BundleFault::EntryCount {
                     expected: 1,
-                    got: 4_294_967_295
+                    got: 4_294_967_295,
+                    ..
                 },
                 ..
             }
