@@ -71,7 +71,8 @@ pub enum CompressionMethod {
     /// Top-k with `k = floor(n * ratio)` clamped to `[1, n]` per tensor (as the reference
     /// Python layout computes it) and a value codec (f32, f16, bf16 or int8).
     TopKRatio {
-        /// Fraction of the entries kept, in `[0, 1]` (>= 1 keeps everything).
+        /// Fraction of the entries kept, in `[0, 1]` (>= 1 keeps everything; 0 still keeps
+        /// one entry per tensor, by the clamp: for none, use `TopK { k: 0 }`).
         ratio: f64,
         /// Value codec of the kept entries.
         values: Values,
@@ -88,7 +89,8 @@ pub enum CompressionMethod {
     /// [`CompressionMethod::TopKRatio`]) and a value codec; no n/k scaling (for the unbiased
     /// estimate use [`CompressionMethod::Core`] with `unbiased: true`, without error feedback).
     RandomKRatio {
-        /// Fraction of the entries kept, in `[0, 1]` (>= 1 keeps everything).
+        /// Fraction of the entries kept, in `[0, 1]` (>= 1 keeps everything; 0 still keeps
+        /// one entry per tensor, by the clamp: for none, use `TopK { k: 0 }`).
         ratio: f64,
         /// Value codec of the kept entries.
         values: Values,
@@ -125,7 +127,8 @@ pub enum CompressionMethod {
 }
 
 impl CompressionMethod {
-    /// Top-k by ratio with int8 values in blocks of [`DEFAULT_INT8_BLOCK`].
+    /// Top-k by ratio with int8 values in blocks of [`DEFAULT_INT8_BLOCK`]: `k = floor(n *
+    /// ratio)` clamped to `[1, n]` per tensor, as for [`CompressionMethod::TopKRatio`].
     pub fn top_k_int8(ratio: f64) -> Self {
         CompressionMethod::TopKRatio {
             ratio,

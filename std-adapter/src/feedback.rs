@@ -1,9 +1,15 @@
 //! [`ErrorFeedback`]: residuals keyed by parameter name over [`gradwire_core::feedback_step`],
 //! with checkpoints.
 //!
-//! Each step encodes `gradient + residual` for every tensor and keeps in the residual exactly
-//! what the frame does not deliver (dropped entries, rounding and quantization error), so for
-//! every coordinate `sent + residual_new == gradient + residual_old`. The frames of step `s` are
+//! Each step encodes `gradient + residual` for every tensor and keeps in the residual what the
+//! frame does not deliver (dropped entries, rounding and quantization error), so for every
+//! coordinate `sent + residual_new == gradient + residual_old`, in f32 arithmetic: bit for bit
+//! where values travel as f32, and for top-k with int8 values and nearest-even quantization,
+//! whose sent value is within a factor of two of the input, so that the residual's subtraction
+//! is exact (Sterbenz). Where the sent value can be far larger than the coordinate (sign's
+//! block scale against a tiny gradient, stochastic rounding), the identity holds up to one f32
+//! rounding of the sum: sign sends 0.5 for a coordinate of 1e-9 in a block whose scale is
+//! 0.5, and the residual `1e-9 - 0.5` rounds to -0.5. The frames of step `s` are
 //! made with `Params { method, seed, step: s, tensor_id: tensor_id(name) }`.
 //!
 //! Rules:
