@@ -512,7 +512,7 @@ pub fn aggregate<B: AsRef<[u8]>>(
 /// [`Error::MissingTensor`], [`Error::UnexpectedTensor`], [`Error::ShapeMismatch`],
 /// [`Error::Disagreement`] (another step), [`Error::ParamsDiffer`] (a frame made with another
 /// method, k, seed, ...: both configurations), [`Error::Core`] (a frame that fails
-/// [`check_frame`] otherwise: element count, checksum...). All checks run before anything is
+/// [`crate::bundle::check_frame`] otherwise: element count, checksum...). All checks run before anything is
 /// accumulated; a frame body found invalid while accumulating leaves `out` zeroed.
 /// [`Error::Overflow`] when the result is not finite, as for [`aggregate_into`] (`out` zeroed).
 pub fn aggregate_compressed_into(
@@ -550,7 +550,7 @@ pub fn aggregate_compressed_into(
 /// # Errors
 /// Naming the tensor and the rank: [`Error::MissingTensor`], [`Error::UnexpectedTensor`],
 /// [`Error::ShapeMismatch`], [`Error::Disagreement`] (another step), [`Error::ParamsDiffer`]
-/// (a frame made with other parameters), [`Error::Core`] (a frame that fails [`check_frame`]
+/// (a frame made with other parameters), [`Error::Core`] (a frame that fails [`crate::bundle::check_frame`]
 /// otherwise); [`Error::Config`] for a manifest with buckets.
 pub fn check_contribution(
     manifest: &Manifest,
