@@ -363,6 +363,14 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A tensor of a safetensors file is not float32.
+    #[error("tensor `{tensor}` has dtype {dtype}; gradwire reads float32 tensors")]
+    Dtype {
+        /// The tensor.
+        tensor: String,
+        /// Its dtype, as safetensors names it.
+        dtype: String,
+    },
     /// A safetensors file could not be written or read.
     #[error("safetensors: {}", crate::safetensors_checked::describe(.source))]
     Safetensors {

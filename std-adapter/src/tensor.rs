@@ -14,6 +14,8 @@
 //! # Ok::<(), gradwire::error::Error>(())
 //! ```
 
+use safetensors::tensor::{Dtype, TensorView};
+
 use crate::error::{Error, Result};
 
 /// A dense row-major f32 tensor: a shape and `product(shape)` elements.
@@ -146,4 +148,82 @@ impl Tensor {
         self.data.extend_from_slice(data);
         Ok(())
     }
+}
+
+/// The tensors of a safetensors file of float32 tensors (a model's gradients, as
+/// `safetensors.torch.save_file` writes them), sorted by name. The bytes are treated as
+/// untrusted (read through [`crate::safetensors_checked::deserialize`]).
+///
+/// ```
+/// use std::collections::HashMap;
+/// use gradwire::tensor::{Tensor, read_safetensors, write_safetensors};
+///
+/// let grads = vec![("w".to_string(), Tensor::new(vec![2, 2], vec![1.0, -2.0, 0.5, 4.0])?)];
+/// let bytes = write_safetensors(&grads)?;
+/// // What `GradientCompressor::compress` takes:
+/// let by_name: HashMap<String, Tensor> = read_safetensors(&bytes)?.into_iter().collect();
+/// assert_eq!(by_name["w"].shape(), &[2, 2]);
+/// # Ok::<(), gradwire::error::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::Safetensors`] for bytes that are not a valid safetensors file;
+/// [`Error::Dtype`] naming the first tensor (in file order) that is not float32.
+pub fn read_safetensors(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
+    let st = crate::safetensors_checked::deserialize(bytes)?;
+    let mut tensors = Vec::with_capacity(st.len());
+    for (name, view) in st.iter() {
+        if view.dtype() != Dtype::F32 {
+            return Err(Error::Dtype {
+                tensor: name.to_owned(),
+                dtype: format!("{:?}", view.dtype()),
+            });
+        }
+        let data = view
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let tensor = Tensor::new(view.shape().to_vec(), data).map_err(|e| match e {
+            Error::Shape {
+                shape,
+                expected,
+                got,
+                ..
+            } => Error::Shape {
+                tensor: name.to_owned(),
+                shape,
+                expected,
+                got,
+            },
+            Error::ShapeOverflow { shape, .. } => Error::ShapeOverflow {
+                tensor: name.to_owned(),
+                shape,
+            },
+            other => other,
+        })?;
+        tensors.push((name.to_owned(), tensor));
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(tensors)
+}
+
+/// A safetensors file of `tensors` (float32, little-endian), which [`read_safetensors`] reads
+/// back bit for bit.
+///
+/// # Errors
+/// [`Error::Safetensors`] when safetensors refuses to serialize them.
+pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let mut views = Vec::with_capacity(tensors.len());
+    for ((name, t), data) in tensors.iter().zip(&bytes) {
+        views.push((
+            name.as_str(),
+            TensorView::new(Dtype::F32, t.shape().to_vec(), data)?,
+        ));
+    }
+    Ok(safetensors::serialize(views, None)?)
 }

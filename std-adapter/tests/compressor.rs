@@ -497,3 +497,39 @@ fn resuming_at_a_step_without_error_feedback() {
     ef.restore_feedback(state).unwrap();
     assert_eq!(ef.step(), 1);
 }
+
+/// The library reads a model's gradients from safetensors (a new user had to unpack them by
+/// hand): the MiniLM file, bit for bit as the tests' own reader does, and a float16 tensor is
+/// an error naming it.
+#[test]
+fn read_safetensors_reads_a_models_gradients() {
+    use gradwire::tensor::{read_safetensors, write_safetensors};
+    let bytes = std::fs::read(common::MINILM).unwrap();
+    let read = read_safetensors(&bytes).unwrap();
+    let expected = common::minilm();
+    assert_eq!(read.len(), expected.len());
+    assert!(read.windows(2).all(|w| w[0].0 < w[1].0), "sorted by name");
+    for (name, t) in &read {
+        assert_eq!(t.shape(), expected[name].shape(), "{name}");
+        assert!(same_bits(t.data(), expected[name].data()), "{name}");
+    }
+    assert_eq!(
+        read_safetensors(&write_safetensors(&read).unwrap()).unwrap(),
+        read
+    );
+
+    let half = [0u8; 4];
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::tensor::Dtype::F16, vec![2], &half)
+            .unwrap();
+    let bytes = safetensors::serialize([("h", view)], None).unwrap();
+    let err = read_safetensors(&bytes).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "tensor `h` has dtype F16; gradwire reads float32 tensors"
+    );
+    assert!(matches!(
+        read_safetensors(b"not safetensors"),
+        Err(Error::Safetensors { .. })
+    ));
+}

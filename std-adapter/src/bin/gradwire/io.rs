@@ -7,7 +7,6 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use gradwire::tensor::Tensor;
-use safetensors::tensor::{Dtype, TensorView};
 
 use crate::CliError;
 
@@ -29,30 +28,15 @@ pub fn safetensors_error(path: &Path, what: &str, e: &safetensors::SafeTensorErr
     ))
 }
 
-/// Parses a safetensors file of float32 tensors (a gradient or a model), sorted by name.
+/// Parses a safetensors file of float32 tensors (a gradient or a model), sorted by name
+/// ([`gradwire::tensor::read_safetensors`]).
 pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
-    let st = gradwire::safetensors_checked::deserialize(bytes)
-        .map_err(|e| safetensors_error(path, "not a valid safetensors file", &e))?;
-    let mut model = Vec::with_capacity(st.len());
-    for (name, view) in st.iter() {
-        if view.dtype() != Dtype::F32 {
-            return Err(CliError::new(format!(
-                "{}: tensor `{name}` has dtype {:?}; gradwire reads float32 tensors",
-                path.display(),
-                view.dtype()
-            )));
+    gradwire::tensor::read_safetensors(bytes).map_err(|e| match e {
+        gradwire::Error::Safetensors { source } => {
+            safetensors_error(path, "not a valid safetensors file", &source)
         }
-        let data = view
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        let tensor = Tensor::new(view.shape().to_vec(), data)
-            .map_err(|e| CliError::new(format!("{}: tensor `{name}`: {e}", path.display())))?;
-        model.push((name.to_owned(), tensor));
-    }
-    model.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(model)
+        other => CliError::new(format!("{}: {other}", path.display())),
+    })
 }
 
 /// Names and shapes of every tensor of a safetensors file (any dtype), sorted by name: what a
@@ -68,19 +52,10 @@ pub fn parse_shapes(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>
     Ok(shapes)
 }
 
-/// Serializes tensors as a float32 safetensors file.
+/// Serializes tensors as a float32 safetensors file
+/// ([`gradwire::tensor::write_safetensors`]).
 pub fn model_bytes(model: &[(String, Tensor)]) -> Result<Vec<u8>, CliError> {
-    let bytes: Vec<Vec<u8>> = model
-        .iter()
-        .map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()).collect())
-        .collect();
-    let mut views = Vec::with_capacity(model.len());
-    for ((name, t), data) in model.iter().zip(&bytes) {
-        let view = TensorView::new(Dtype::F32, t.shape().to_vec(), data)
-            .map_err(|e| CliError::new(format!("tensor `{name}`: {e}")))?;
-        views.push((name.as_str(), view));
-    }
-    safetensors::serialize(views, None)
+    gradwire::tensor::write_safetensors(model)
         .map_err(|e| CliError::new(format!("cannot serialize safetensors: {e}")))
 }
 
