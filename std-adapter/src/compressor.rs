@@ -1,5 +1,9 @@
 //! The API of the original `compression` module: [`CompressionMethod`], [`GradientCompressor`]
-//! and [`CompressedGradient`], now backed by real wire frames of `gradwire-core`.
+//! and [`CompressedGradient`], now backed by real wire frames of `gradwire-core`. (The original
+//! module is the Rust `compression` module gradwire grew from; code written against it keeps
+//! compiling. New code can name any method of the core directly:
+//! `CompressionMethod::Core(gradwire::core::Method::...)`, the same type the frames, manifests
+//! and checkpoints use.)
 //!
 //! What changed for users of the original module:
 //! - a [`CompressedGradient`] holds the frame bytes that go on the wire (and the shape), so

@@ -6,6 +6,13 @@
 //! reference Python safetensors layout, collective transports ([`comm`]) and the `gradwire`
 //! command-line tool.
 //!
+//! Where to start: [`tensor::read_safetensors`] for a model's gradients,
+//! [`GradientCompressor`] (one rank: compress with error feedback, bundles, checkpoints),
+//! [`Manifest`] and [`aggregate`] (decode and reduce the ranks' bundles over any transport),
+//! [`CompressedAllReduce`] (all of it over a [`comm::Communicator`]). Methods are named by
+//! [`CompressionMethod`] (the original module's names, plus `Core` for every option of
+//! [`gradwire_core::Method`]).
+//!
 //! Compression and aggregation of a bundle use every core of rayon's pool by default
 //! ([`parallel::Parallelism`]), across tensors and across chunks of a large tensor, with the
 //! same bytes and bits as the serial path.
