@@ -195,11 +195,14 @@ impl CompressedAllReduce {
     /// bundle) and returns its own error; its peers then fail naming that rank, so no rank
     /// waits forever. Every rank's step advances by one on such a failed call, so the group
     /// stays in step and can call again. Nothing is lost: the failing rank's residuals stay as
-    /// they were, and on every rank whose compression succeeded but whose step then failed (a
-    /// peer's error, the transport, another model layout, an overflowing aggregate) the residuals
-    /// take back what the rank sent, so they hold the step's gradient (`residual + sent ==
-    /// gradient + old residual`, up to the f32 rounding of that identity) and the next step
-    /// sends it.
+    /// they were, and on every rank whose compression succeeded but whose step then failed
+    /// after the all-gather (a peer's error, another model layout, an overflowing aggregate:
+    /// every rank sees the same messages and fails alike) the residuals take back what the
+    /// rank sent, so they hold the step's gradient (`residual + sent == gradient + old
+    /// residual`, up to the f32 rounding of that identity) and the next step sends it. On a
+    /// transport error ([`Error::Comm`]) the residuals stay as the compression left them: a
+    /// transport may fail on some ranks only, and peers that completed the step have used this
+    /// rank's values.
     pub fn all_reduce(
         &mut self,
         gradients: &HashMap<String, Tensor>,
@@ -288,12 +291,16 @@ impl CompressedAllReduce {
                 )?;
                 manifest.to_tensors_into(&self.flat, out)
             });
-        if result.is_err() {
-            // The residuals gave up what this rank sent; the step failed, so they take it back
-            // (the error of the step is the one to report).
-            let _ = self
-                .compressor
-                .give_back_bundle(manifest, &self.send, step, &mut self.flat);
+        // The residuals gave up what this rank sent. When the step failed after the
+        // all-gather, every rank saw the same messages and failed alike, so they take it back
+        // (the error of the step is the one to report; the own bundle always decodes). After a
+        // transport error, peers may have completed the step with this rank's values: they
+        // stay sent.
+        if matches!(&result, Err(e) if !matches!(e, Error::Comm { .. })) {
+            let given_back =
+                self.compressor
+                    .give_back_bundle(manifest, &self.send, step, &mut self.flat);
+            debug_assert!(given_back.is_ok(), "{given_back:?}");
         }
         result
     }
@@ -393,7 +400,8 @@ impl CompressedAllReduce {
         );
         if let Err(e) = result {
             // As in `all_reduce_into`: the residuals take back what the failed step sent.
-            let _ = self.compressor.give_back_frames(&local);
+            let given_back = self.compressor.give_back_frames(&local);
+            debug_assert!(given_back.is_ok(), "{given_back:?}");
             return Err(e);
         }
         manifest.to_tensors(&self.flat)

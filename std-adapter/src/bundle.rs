@@ -20,7 +20,7 @@
 //!
 //! | size | field |
 //! |---|---|
-//! | 8 | id (u64): FNV-1a (the hash of [`gradwire_core::tensor_id`]) over the tensor's name, or the bucket's label, then a 0 byte, then for each of its tensors the dimension count and every dimension (u64 little-endian) |
+//! | 8 | id (u64): FNV-1a (the hash of [`gradwire_core::tensor_id`]) over the tensor's name, or the bucket's label, and a 0 byte; then for each of its tensors its name, a 0 byte, the dimension count and every dimension (u64 little-endian) |
 //! | 4 | frame length `L` (u32) |
 //! | `L` | a gradwire frame (`FORMAT.md`) |
 //!
@@ -495,7 +495,7 @@ impl Manifest {
                 .checked_add(ENTRY_HEADER_LEN.saturating_add(frame))
                 .ok_or_else(too_large)?;
             entries.push(Entry {
-                id: entry_id(&label, p.members.iter().map(|&t| infos[t].shape.as_slice())),
+                id: entry_id(&label, p.members.iter().map(|&t| &infos[t])),
                 tensor_id: tensor_id(&label),
                 label,
                 members: p.members,
@@ -580,9 +580,10 @@ impl Manifest {
     }
 
     /// A stable 64-bit fingerprint of the layout: every tensor's name and shape in manifest
-    /// order, and every entry's label (so the bucketing). Bundles carry entry ids and element
-    /// counts, not shapes; ranks compare this to catch tensors with the same element count but
-    /// another shape (a `[256, 64]` against a `[64, 256]`).
+    /// order, and every entry's label (so the bucketing). Two ranks with the same fingerprint
+    /// decode each other's bundles; a bundle checks the same by itself (its entry ids hash the
+    /// names and shapes), so this is for a transport that wants to compare layouts once, up
+    /// front.
     pub fn layout_fingerprint(&self) -> u64 {
         self.layout
     }
@@ -818,15 +819,13 @@ impl Manifest {
                 ));
             }
         }
-        Some(match self.entries.get(common) {
-            Some(entry) => format!(
+        Some(match (self.entries.get(common), common) {
+            (Some(entry), _) => format!(
                 "the bundle ends before entry {common}, where the manifest has `{}`",
                 entry.label
             ),
-            None => format!(
-                "the bundle has more entries after entry {}",
-                common.saturating_sub(1)
-            ),
+            (None, 0) => "the manifest has no entries".to_owned(),
+            (None, _) => format!("the bundle has more entries after entry {}", common - 1),
         })
     }
 
@@ -948,15 +947,18 @@ fn layout_fingerprint(tensors: &[ManifestTensor], entries: &[Entry]) -> u64 {
 }
 
 /// An entry's id on the wire: FNV-1a (as [`gradwire_core::tensor_id`]) over its label, then
-/// the shape of each of its tensors, encoded as in [`layout_fingerprint`]. So a peer whose
-/// tensor has the same name and element count but another shape (a transposed weight) sends
-/// another id, and its bundle is an error naming the tensor, not an element-wise mean of two
-/// layouts.
-fn entry_id<'a>(label: &str, shapes: impl Iterator<Item = &'a [usize]>) -> u64 {
+/// the name and shape of each of its tensors, encoded as in [`layout_fingerprint`]. So a peer
+/// whose tensor has the same name and element count but another shape (a transposed weight)
+/// sends another id, and its bundle is an error naming the tensor, not an element-wise mean of
+/// two layouts. (The names are hashed one by one, not only through the bucket's label, which
+/// joins them with `", "`: tensors named `a, b` and `c` would otherwise bucket like `a` and
+/// `b, c`.)
+fn entry_id<'a>(label: &str, members: impl Iterator<Item = &'a ManifestTensor>) -> u64 {
     let mut h = Fnv::new();
     h.name(label);
-    for shape in shapes {
-        h.shape(shape);
+    for t in members {
+        h.name(&t.name);
+        h.shape(&t.shape);
     }
     h.0
 }

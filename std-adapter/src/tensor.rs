@@ -212,8 +212,22 @@ pub fn read_safetensors(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
 /// back bit for bit.
 ///
 /// # Errors
-/// [`Error::Safetensors`] when safetensors refuses to serialize them.
+/// [`Error::DuplicateTensor`] for a name given twice; [`Error::Config`] for a tensor named
+/// `__metadata__` (safetensors reserves it); [`Error::Safetensors`] when safetensors refuses
+/// to serialize them.
 pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let mut names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::DuplicateTensor {
+            tensor: w[0].to_owned(),
+        });
+    }
+    if names.contains(&"__metadata__") {
+        return Err(Error::config(
+            "a tensor named `__metadata__` cannot be stored in safetensors",
+        ));
+    }
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
         .map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()).collect())

@@ -556,3 +556,37 @@ fn a_peer_with_an_invalid_body_changes_no_local_state() {
         assert_eq!(ar.compressor().step(), step + 1);
     }
 }
+
+/// A transport that fails every all-gather, as a lost peer would.
+struct BrokenTransport;
+
+impl Communicator for BrokenTransport {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        2
+    }
+    fn all_gather(
+        &mut self,
+        _local: &[u8],
+        _max_len: usize,
+        _out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), gradwire::comm::CommError> {
+        Err(gradwire::comm::CommError::Transport("peer lost".into()))
+    }
+}
+
+/// After a transport error the sent values stay sent: peers may have completed the step with
+/// them, and giving them back would send them twice.
+#[test]
+fn after_a_transport_error_the_sent_values_stay_sent() {
+    let g = grads(&[("w", &[4], vec![1.0, -3.0, 0.5, 2.0])]);
+    let method = CompressionMethod::TopK { k: 1 }.with_error_feedback();
+    let mut ar = CompressedAllReduce::with_communicator(method, Box::new(BrokenTransport));
+    let err = ar.all_reduce(&g).unwrap_err();
+    assert!(matches!(err, Error::Comm { .. }), "{err}");
+    let residual = ar.compressor().feedback().and_then(|f| f.residual("w"));
+    assert_eq!(residual, Some(&[1.0, 0.0, 0.5, 2.0][..]));
+    assert_eq!(ar.compressor().step(), 1);
+}

@@ -114,10 +114,14 @@ fn layout_is_as_documented() {
     let mut pos = HEADER_LEN;
     for (i, name) in ["a", "b"].into_iter().enumerate() {
         let id = u64::from_le_bytes(bundle[pos..pos + 8].try_into().unwrap());
-        // FNV-1a over the name, a 0 byte, then the shape: [3] for `a`, [] for `b`.
+        // FNV-1a over the label (here the name) and a 0 byte, then the tensor's name, a 0 byte
+        // and its shape: [3] for `a`, [] for `b`.
         let shape: &[u64] = if name == "a" { &[3] } else { &[] };
-        let mut hashed = name.as_bytes().to_vec();
-        hashed.push(0);
+        let mut hashed = Vec::new();
+        for _ in 0..2 {
+            hashed.extend_from_slice(name.as_bytes());
+            hashed.push(0);
+        }
         hashed.extend_from_slice(&(shape.len() as u64).to_le_bytes());
         for d in shape {
             hashed.extend_from_slice(&d.to_le_bytes());

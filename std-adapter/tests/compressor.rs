@@ -533,3 +533,21 @@ fn read_safetensors_reads_a_models_gradients() {
         Err(Error::Safetensors { .. })
     ));
 }
+
+/// `write_safetensors` refuses what safetensors cannot store or read back (a cold review found
+/// that a name given twice panicked inside safetensors).
+#[test]
+fn write_safetensors_refuses_duplicate_and_reserved_names() {
+    use gradwire::tensor::write_safetensors;
+    let t = |n: usize| Tensor::vector(vec![1.0; n]);
+    let twice = vec![("w".to_string(), t(2)), ("w".to_string(), t(3))];
+    assert!(matches!(
+        write_safetensors(&twice),
+        Err(Error::DuplicateTensor { tensor }) if tensor == "w"
+    ));
+    let reserved = vec![("__metadata__".to_string(), t(1))];
+    assert!(matches!(
+        write_safetensors(&reserved),
+        Err(Error::Config { .. })
+    ));
+}
