@@ -623,11 +623,16 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
         }
         _ => meta.push(("format".into(), "gradwire-error-feedback".into())),
     }
+    let mut version2 = false;
     match inp.u8() % 8 {
         0 => content_ok = false,
         1 => {
-            meta.push(("version".into(), "2".into()));
+            meta.push(("version".into(), "3".into()));
             content_ok = false;
+        }
+        2 | 3 => {
+            meta.push(("version".into(), "2".into()));
+            version2 = true;
         }
         _ => meta.push(("version".into(), "1".into())),
     }
@@ -669,11 +674,11 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
     if seed.is_none() || step.is_none() {
         content_ok = false;
     }
-    if let Some(s) = seed_text {
-        meta.push(("seed".into(), s));
+    if let Some(s) = &seed_text {
+        meta.push(("seed".into(), s.clone()));
     }
-    if let Some(s) = step_text {
-        meta.push(("step".into(), s));
+    if let Some(s) = &step_text {
+        meta.push(("step".into(), s.clone()));
     }
     if inp.u8().is_multiple_of(8) {
         meta.push(("note".into(), "extra entries are ignored".into()));
@@ -756,6 +761,27 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
             declared: declared.unwrap_or(u64::MAX),
             data,
         });
+    }
+    // Version 2: the checksum, computed here from the layout's definition (feedback module
+    // docs), right, wrong, malformed or missing.
+    if version2 {
+        let texts = [&method_text, &seed_text, &step_text].map(|t| t.clone().unwrap_or_default());
+        let crc = checkpoint_crc_spec(&residuals, &texts);
+        match inp.u8() % 8 {
+            0 => content_ok = false,
+            1 => {
+                meta.push(("crc32".into(), (crc ^ 1).to_string()));
+                content_ok = false;
+            }
+            2 => {
+                let bad = ["4294967296", "-1", "", "0x10"][inp.u8() as usize % 4];
+                meta.push(("crc32".into(), bad.into()));
+                content_ok = false;
+            }
+            // Rust's u32 parsing takes a leading `+`.
+            3 => meta.push(("crc32".into(), format!("+{crc}"))),
+            _ => meta.push(("crc32".into(), crc.to_string())),
+        }
     }
     // Data section, in listed or reversed order.
     let reversed = inp.bool();
@@ -853,6 +879,27 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
         Some(Err(()))
     };
     (out, expect)
+}
+
+/// The `crc32` of a version 2 checkpoint as the feedback module's docs define it: for each
+/// residual in name order its name, a 0 byte and its values (little-endian), then the method,
+/// seed and step texts, each followed by a 0 byte.
+fn checkpoint_crc_spec(residuals: &[(String, Vec<u32>)], texts: &[String; 3]) -> u32 {
+    let mut sorted: Vec<&(String, Vec<u32>)> = residuals.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut h = crc32fast::Hasher::new();
+    for (name, bits) in sorted {
+        h.update(name.as_bytes());
+        h.update(&[0]);
+        for b in bits {
+            h.update(&b.to_le_bytes());
+        }
+    }
+    for t in texts {
+        h.update(t.as_bytes());
+        h.update(&[0]);
+    }
+    h.finalize()
 }
 
 /// Bit-exact equality of two error-feedback states: method (compared as text and by `==`),
