@@ -94,7 +94,7 @@ pub enum CompressionMethod {
     /// estimate use [`CompressionMethod::Core`] with `unbiased: true`, without error feedback).
     RandomKRatio {
         /// Fraction of the entries kept, in `[0, 1]` (>= 1 keeps everything; 0 still keeps
-        /// one entry per tensor, by the clamp: for none, use `TopK { k: 0 }`).
+        /// one entry per tensor, by the clamp: a count of 0 (`K::Count(0)`) keeps none).
         ratio: f64,
         /// Value codec of the kept entries.
         values: Values,
