@@ -31,9 +31,10 @@
 //! frame's element count and parameters (same method). Anything else is an error naming the
 //! tensor (or bucket) and the rank. Version 1 ids hashed the name alone, so a tensor with the
 //! same name and element count in another shape (a transposed weight) was averaged element by
-//! element with the receiver's. Nothing is allocated from lengths read off the wire: the output is sized by the
-//! manifest, and a valid bundle is never longer than [`Manifest::max_bundle_len`] (the limit
-//! to give [`crate::comm::Communicator::all_gather`] for bundles alone).
+//! element with the receiver's. Nothing is allocated from lengths read off the wire: the
+//! output is sized by the manifest, and a valid bundle is never longer than
+//! [`Manifest::max_bundle_len`] (the limit to give [`crate::comm::Communicator::all_gather`]
+//! for bundles alone).
 //!
 //! # Flat layout
 //! Decoders and aggregators write into one flat `Vec<f32>` of [`Manifest::flat_len`] elements:
@@ -139,8 +140,8 @@ pub enum EntryKind {
 /// An entry of a bundle: one frame carrying one tensor or a bucket.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Entry {
-    /// Id on the wire: a hash of the label and of its tensors' shapes (FNV-1a, the bundle
-    /// layout in the module docs).
+    /// Id on the wire: a hash of the label and of its tensors' names and shapes (FNV-1a, the
+    /// bundle layout in the module docs).
     pub id: u64,
     /// The tensor id of the entry's frames ([`tensor_id`] of the label: the key of random-k's
     /// and stochastic rounding's draws, the same as for the tensor alone).
