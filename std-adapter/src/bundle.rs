@@ -182,7 +182,6 @@ pub struct Manifest {
     flat_len: usize,
     max_bundle_len: usize,
     sizes: Sizes,
-    layout: u64,
 }
 
 /// What a bundle's header declares.
@@ -509,7 +508,6 @@ impl Manifest {
         if u32::try_from(entries.len()).is_err() {
             return Err(too_large());
         }
-        let layout = layout_fingerprint(&infos, &entries);
         Ok(Manifest {
             tensors: infos,
             entries,
@@ -520,7 +518,6 @@ impl Manifest {
             flat_len: offset,
             max_bundle_len: max_bundle,
             sizes,
-            layout,
         })
     }
 
@@ -586,7 +583,7 @@ impl Manifest {
     /// names and shapes), so this is for a transport that wants to compare layouts once, up
     /// front.
     pub fn layout_fingerprint(&self) -> u64 {
-        self.layout
+        layout_fingerprint(&self.tensors, &self.entries)
     }
 
     /// The largest bundle this manifest allows, in bytes (pass it as `max_len` to

@@ -60,7 +60,7 @@ use gradwire_core::{
     Method, Params, SignScale, Values, feedback_step, max_frame_len, scalar, scratch_len,
     tensor_id, values,
 };
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 
 use crate::compressor::{format_method, parse_method};
 use crate::error::{Error, Result};
@@ -412,18 +412,6 @@ impl ErrorFeedback {
                 "a tensor named `__metadata__` cannot be stored in safetensors",
             ));
         }
-        let bytes: Vec<(&str, Vec<u8>)> = self
-            .residuals
-            .iter()
-            .map(|(n, r)| (n.as_str(), r.iter().flat_map(|x| x.to_le_bytes()).collect()))
-            .collect();
-        let mut views = Vec::with_capacity(bytes.len());
-        for (name, data) in &bytes {
-            views.push((
-                *name,
-                TensorView::new(Dtype::F32, vec![data.len() / 4], data)?,
-            ));
-        }
         let mut meta = HashMap::new();
         meta.insert("format".to_owned(), CHECKPOINT_FORMAT.to_owned());
         meta.insert("version".to_owned(), CHECKPOINT_VERSION.to_owned());
@@ -434,7 +422,12 @@ impl ErrorFeedback {
         meta.insert("method".to_owned(), method);
         meta.insert("seed".to_owned(), seed);
         meta.insert("step".to_owned(), step);
-        Ok(safetensors::serialize(views, Some(meta))?)
+        crate::tensor::serialize_f32(
+            self.residuals
+                .iter()
+                .map(|(n, r)| (n.as_str(), vec![r.len()], r.as_slice())),
+            Some(meta),
+        )
     }
 
     /// Restores a checkpoint from the bytes [`ErrorFeedback::to_bytes`] wrote.

@@ -184,24 +184,8 @@ pub fn read_safetensors(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
-        let tensor = Tensor::new(view.shape().to_vec(), data).map_err(|e| match e {
-            Error::Shape {
-                shape,
-                expected,
-                got,
-                ..
-            } => Error::Shape {
-                tensor: name.to_owned(),
-                shape,
-                expected,
-                got,
-            },
-            Error::ShapeOverflow { shape, .. } => Error::ShapeOverflow {
-                tensor: name.to_owned(),
-                shape,
-            },
-            other => other,
-        })?;
+        // Cannot fail: safetensors checked that the data holds the shape's elements.
+        let tensor = Tensor::new(view.shape().to_vec(), data)?;
         tensors.push((name.to_owned(), tensor));
     }
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
@@ -228,16 +212,26 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
             "a tensor named `__metadata__` cannot be stored in safetensors",
         ));
     }
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()).collect())
+    serialize_f32(
+        tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.shape().to_vec(), t.data())),
+        None,
+    )
+}
+
+/// Safetensors bytes of `(name, shape, values)` float32 tensors and `meta` (the checks of
+/// names are the callers'): for [`write_safetensors`] and residual checkpoints.
+pub(crate) fn serialize_f32<'a>(
+    tensors: impl Iterator<Item = (&'a str, Vec<usize>, &'a [f32])>,
+    meta: Option<std::collections::HashMap<String, String>>,
+) -> Result<Vec<u8>> {
+    let items: Vec<(&str, Vec<usize>, Vec<u8>)> = tensors
+        .map(|(n, shape, x)| (n, shape, x.iter().flat_map(|v| v.to_le_bytes()).collect()))
         .collect();
-    let mut views = Vec::with_capacity(tensors.len());
-    for ((name, t), data) in tensors.iter().zip(&bytes) {
-        views.push((
-            name.as_str(),
-            TensorView::new(Dtype::F32, t.shape().to_vec(), data)?,
-        ));
+    let mut views = Vec::with_capacity(items.len());
+    for (name, shape, data) in &items {
+        views.push((*name, TensorView::new(Dtype::F32, shape.clone(), data)?));
     }
-    Ok(safetensors::serialize(views, None)?)
+    Ok(safetensors::serialize(views, meta)?)
 }

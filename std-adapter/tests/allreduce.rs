@@ -10,7 +10,7 @@ use gradwire::aggregate::{Reduction, aggregate};
 use gradwire::allreduce::CompressedAllReduce;
 use gradwire::bucket::BucketConfig;
 use gradwire::bundle::Manifest;
-use gradwire::comm::{Communicator, LocalGroup};
+use gradwire::comm::{Communicator, LocalCommunicator, LocalGroup};
 use gradwire::compressor::{CompressedGradient, CompressionMethod, GradientCompressor};
 use gradwire::error::Error;
 use gradwire::tensor::Tensor;
@@ -144,6 +144,24 @@ fn told_the_local_rank_every_rank_gets_the_same_bits() {
     }
 }
 
+/// Runs `f` on `w` threads, one per rank of a `LocalGroup`, with that rank's communicator;
+/// returns each rank's result in rank order.
+fn on_every_rank<T: Send + 'static>(
+    w: usize,
+    f: impl Fn(LocalCommunicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = std::sync::Arc::new(f);
+    let handles: Vec<_> = LocalGroup::new(w)
+        .into_communicators()
+        .into_iter()
+        .map(|comm| {
+            let f = std::sync::Arc::clone(&f);
+            std::thread::spawn(move || f(comm))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 fn run_group(
     w: usize,
     method: &CompressionMethod,
@@ -151,28 +169,21 @@ fn run_group(
     reduction: Reduction,
     per_rank: &[Vec<HashMap<String, Tensor>>],
 ) -> Vec<Vec<HashMap<String, Tensor>>> {
-    let comms = LocalGroup::new(w).into_communicators();
-    let handles: Vec<_> = comms
-        .into_iter()
-        .map(|comm| {
-            let steps = per_rank[comm.rank()].clone();
-            let method = method.clone();
-            std::thread::spawn(move || {
-                let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
-                    .with_seed(9)
-                    .with_bucketing(bucketing)
-                    .with_reduction(reduction);
-                let mut outs = Vec::new();
-                let mut out = HashMap::new();
-                for g in &steps {
-                    ar.all_reduce_into(g, &mut out).unwrap();
-                    outs.push(out.clone());
-                }
-                outs
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let (method, per_rank) = (method.clone(), per_rank.to_vec());
+    on_every_rank(w, move |comm| {
+        let steps = &per_rank[comm.rank()];
+        let mut ar = CompressedAllReduce::with_communicator(method.clone(), Box::new(comm))
+            .with_seed(9)
+            .with_bucketing(bucketing)
+            .with_reduction(reduction);
+        let mut outs = Vec::new();
+        let mut out = HashMap::new();
+        for g in steps {
+            ar.all_reduce_into(g, &mut out).unwrap();
+            outs.push(out.clone());
+        }
+        outs
+    })
 }
 
 /// Four ranks as threads: every rank gets bit-identical results, equal to aggregating the
@@ -316,20 +327,13 @@ fn all_reduce_errors_per_rank(
     bucketing: BucketConfig,
     per_rank: Vec<HashMap<String, Tensor>>,
 ) -> Vec<Option<String>> {
-    let comms = LocalGroup::new(per_rank.len()).into_communicators();
-    let handles: Vec<_> = comms
-        .into_iter()
-        .map(|comm| {
-            let g = per_rank[comm.rank()].clone();
-            let method = methods[comm.rank()].clone();
-            std::thread::spawn(move || {
-                let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
-                    .with_bucketing(bucketing);
-                ar.all_reduce(&g).err().map(|e| e.to_string())
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let methods = methods.to_vec();
+    on_every_rank(per_rank.len(), move |comm| {
+        let r = comm.rank();
+        let mut ar = CompressedAllReduce::with_communicator(methods[r].clone(), Box::new(comm))
+            .with_bucketing(bucketing);
+        ar.all_reduce(&per_rank[r]).err().map(|e| e.to_string())
+    })
 }
 
 #[test]
@@ -428,25 +432,18 @@ fn a_rank_that_fails_locally_does_not_hang_its_peers() {
             grads(&[("w", &[3], vec![1.0, x, 2.0])])
         })
         .collect();
-    let comms = LocalGroup::new(w).into_communicators();
-    let handles: Vec<_> = comms
-        .into_iter()
-        .map(|comm| {
-            let g = per_rank[comm.rank()].clone();
-            let good = grads(&[("w", &[3], vec![1.0, 2.0, 3.0])]);
-            std::thread::spawn(move || {
-                let mut ar = CompressedAllReduce::with_communicator(
-                    CompressionMethod::TopK { k: 1 },
-                    Box::new(comm),
-                );
-                let first = ar.all_reduce(&g).map(|_| ()).map_err(|e| e.to_string());
-                // The group stays usable.
-                let second = ar.all_reduce(&good).unwrap();
-                (first, second)
-            })
-        })
-        .collect();
-    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let results = on_every_rank(w, move |comm| {
+        let g = per_rank[comm.rank()].clone();
+        let good = grads(&[("w", &[3], vec![1.0, 2.0, 3.0])]);
+        let mut ar = CompressedAllReduce::with_communicator(
+            CompressionMethod::TopK { k: 1 },
+            Box::new(comm),
+        );
+        let first = ar.all_reduce(&g).map(|_| ()).map_err(|e| e.to_string());
+        // The group stays usable.
+        let second = ar.all_reduce(&good).unwrap();
+        (first, second)
+    });
     let err1 = results[1].0.as_ref().unwrap_err();
     assert!(err1.contains("`w`") && err1.contains("NaN"), "{err1}");
     for r in [0, 2] {
@@ -483,25 +480,18 @@ fn a_failed_step_gives_the_sent_values_back_to_the_residuals() {
             grads(&[("w", &[4096], d)])
         })
         .collect();
-    let comms = LocalGroup::new(w).into_communicators();
-    let handles: Vec<_> = comms
-        .into_iter()
-        .map(|comm| {
-            let g = per_rank[comm.rank()].clone();
-            std::thread::spawn(move || {
-                let method = CompressionMethod::top_k_int8(0.01).with_error_feedback();
-                let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm));
-                let failed = ar.all_reduce(&g).is_err();
-                let residual = ar
-                    .compressor()
-                    .feedback()
-                    .and_then(|f| f.residual("w"))
-                    .map(<[f32]>::to_vec);
-                (failed, residual, ar.compressor().step())
-            })
-        })
-        .collect();
-    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let results = on_every_rank(w, move |comm| {
+        let g = &per_rank[comm.rank()];
+        let method = CompressionMethod::top_k_int8(0.01).with_error_feedback();
+        let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm));
+        let failed = ar.all_reduce(g).is_err();
+        let residual = ar
+            .compressor()
+            .feedback()
+            .and_then(|f| f.residual("w"))
+            .map(<[f32]>::to_vec);
+        (failed, residual, ar.compressor().step())
+    });
     for (r, (failed, residual, step)) in results.iter().enumerate() {
         assert!(failed, "rank {r}");
         assert_eq!(*step, 1, "rank {r}: the group stays in step");
