@@ -8,8 +8,8 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use gradwire_benches::{
-    Codec, ef_method, heavy_tailed, int8_plain, methods, read_pass, sign_bitvec, topk_full_sort,
-    topk_select_nth,
+    Codec, ef_method, heavy_tailed, int8_plain, methods, read_pass, read_pass_prefetch,
+    sign_bitvec, topk_full_sort, topk_select_nth,
 };
 use gradwire_core::scalar::{self, Selection};
 use gradwire_core::{Values, k_from_ratio, quant, select, sign, values};
@@ -35,6 +35,9 @@ fn kernels(c: &mut Criterion) {
         g.throughput(bytes.clone());
         g.bench_with_input(BenchmarkId::new("read_pass", n), &x, |b, x| {
             b.iter(|| read_pass(black_box(x)))
+        });
+        g.bench_with_input(BenchmarkId::new("read_pass_prefetch", n), &x, |b, x| {
+            b.iter(|| read_pass_prefetch(black_box(x)))
         });
         g.finish();
 

@@ -10,12 +10,33 @@ use gradwire_core::{
 use std::path::{Path, PathBuf};
 use wide::f32x8;
 
-/// The read pass, the denominator of every ratio: the fastest sum of |g|, `wide` f32x8 with four independent
-/// accumulators. Every ratio is a kernel's time over this pass's time on the same buffer.
+/// The read pass, the denominator of every ratio: the fastest sum of |g|, `wide` f32x8 with four
+/// independent accumulators. Every ratio is a kernel's time over the faster of this pass and
+/// [`read_pass_prefetch`] on the same buffer.
 pub fn read_pass(x: &[f32]) -> f32 {
+    read_pass_ahead::<0>(x)
+}
+
+/// How far ahead of its reads a `_prefetch` pass asks for each cache line, in f32 elements
+/// (8 KiB; on the Xeon of BENCHMARKS.md round 10, 1024 to 4096 elements are within 2% of each
+/// other).
+pub const PREFETCH_AHEAD: usize = 2048;
+
+/// [`read_pass`] with a software prefetch of each cache line [`PREFETCH_AHEAD`] elements before
+/// it is read (`safe_arch::prefetch_t0`; nothing on targets without one). On some machines one
+/// core's hardware prefetcher keeps too few lines in flight and this is the faster sum of |g|
+/// (the Xeon of round 10: 0.72-0.79 of the plain pass); on others it is slower (the EPYC of
+/// docs/prefetch.md). The ratio report measures both and divides by the faster, so that the
+/// denominator is the fastest read pass of the machine it runs on.
+pub fn read_pass_prefetch(x: &[f32]) -> f32 {
+    read_pass_ahead::<PREFETCH_AHEAD>(x)
+}
+
+fn read_pass_ahead<const AHEAD: usize>(x: &[f32]) -> f32 {
     let mut acc = [f32x8::splat(0.0); 4];
     let mut chunks = x.chunks_exact(32);
-    for c in &mut chunks {
+    for (j, c) in (&mut chunks).enumerate() {
+        prefetch_line_pair::<AHEAD>(x, 32 * j);
         for (t, a) in acc.iter_mut().enumerate() {
             let mut l = [0.0f32; 8];
             l.copy_from_slice(&c[8 * t..8 * t + 8]);
@@ -30,13 +51,46 @@ pub fn read_pass(x: &[f32]) -> f32 {
     s
 }
 
+/// With `AHEAD > 0`, asks for the two cache lines of `x[i + AHEAD..i + AHEAD + 32]`. With
+/// `AHEAD == 0`, nothing: the plain passes compile without it.
+#[inline(always)]
+fn prefetch_line_pair<const AHEAD: usize>(x: &[f32], i: usize) {
+    if AHEAD > 0 {
+        prefetch(x, i + AHEAD);
+        prefetch(x, i + AHEAD + 16);
+    }
+}
+
+/// Asks for the cache line of `x[i]` (a hint: nothing past the end, nor on targets without a
+/// prefetch instruction).
+#[inline(always)]
+fn prefetch(x: &[f32], i: usize) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse"))]
+    if let Some(v) = x.get(i) {
+        safe_arch::prefetch_t0(v);
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse")))]
+    let _ = (x, i);
+}
+
 /// The read pass over two buffers at once: the sum of |g + r| (`wide` f32x8, four independent
 /// accumulators). The traffic an error-feedback step needs before it may touch `r`.
 pub fn read_pass2(g: &[f32], r: &[f32]) -> f32 {
+    read_pass2_ahead::<0>(g, r)
+}
+
+/// [`read_pass2`] with a software prefetch of both buffers (as [`read_pass_prefetch`]).
+pub fn read_pass2_prefetch(g: &[f32], r: &[f32]) -> f32 {
+    read_pass2_ahead::<PREFETCH_AHEAD>(g, r)
+}
+
+fn read_pass2_ahead<const AHEAD: usize>(g: &[f32], r: &[f32]) -> f32 {
     let mut acc = [f32x8::splat(0.0); 4];
     let mut gc = g.chunks_exact(32);
     let mut rc = r.chunks_exact(32);
-    for (a, b) in (&mut gc).zip(&mut rc) {
+    for (j, (a, b)) in (&mut gc).zip(&mut rc).enumerate() {
+        prefetch_line_pair::<AHEAD>(g, 32 * j);
+        prefetch_line_pair::<AHEAD>(r, 32 * j);
         for (t, s) in acc.iter_mut().enumerate() {
             let mut x = [0.0f32; 8];
             let mut y = [0.0f32; 8];
@@ -65,11 +119,54 @@ pub fn add_pass(r: &mut [f32], g: &[f32]) {
     }
 }
 
+/// [`add_pass`] with a software prefetch of both buffers (as [`read_pass_prefetch`]).
+pub fn add_pass_prefetch(r: &mut [f32], g: &[f32]) {
+    let n = r.len().min(g.len());
+    let whole = n - n % 32;
+    for j in (0..whole).step_by(32) {
+        prefetch_line_pair::<PREFETCH_AHEAD>(g, j);
+        prefetch_line_pair::<PREFETCH_AHEAD>(r, j);
+        let a: &mut [f32; 32] = (&mut r[j..j + 32]).try_into().expect("32 elements");
+        let b: &[f32; 32] = g[j..j + 32].try_into().expect("32 elements");
+        for (a, &b) in a.iter_mut().zip(b) {
+            *a += b;
+        }
+    }
+    add_pass(&mut r[whole..n], &g[whole..n]);
+}
+
+/// `out[i] += v` for every pair of an index/value list already decoded, with a software prefetch
+/// of the line of the entry 32 places ahead: the floor of accumulating a sparse frame on machines
+/// where the prefetch helps (BENCHMARKS.md, round 10); `ratios` also measures the plain loop.
+/// Pairs whose index is out of bounds are skipped.
+pub fn scatter_add_prefetch(out: &mut [f32], idx: &[usize], vals: &[f32]) {
+    const AHEAD: usize = 32;
+    for (j, (&i, &v)) in idx.iter().zip(vals).enumerate() {
+        if let Some(&ahead) = idx.get(j + AHEAD) {
+            prefetch(out, ahead);
+        }
+        if let Some(o) = out.get_mut(i) {
+            *o += v;
+        }
+    }
+}
+
 /// Read `x`, write one byte per element (the traffic of int8 quantization, no arithmetic).
 pub fn byte_pass(x: &[f32], out: &mut [u8]) {
     for (o, &v) in out.iter_mut().zip(x) {
         *o = (v.to_bits() >> 24) as u8;
     }
+}
+
+/// [`byte_pass`] with a software prefetch of `x` (as [`read_pass_prefetch`]).
+pub fn byte_pass_prefetch(x: &[f32], out: &mut [u8]) {
+    let mut xc = x.chunks_exact(32);
+    let mut oc = out.chunks_exact_mut(32);
+    for (j, (v, o)) in (&mut xc).zip(&mut oc).enumerate() {
+        prefetch_line_pair::<PREFETCH_AHEAD>(x, 32 * j);
+        byte_pass(v, o);
+    }
+    byte_pass(xc.remainder(), oc.into_remainder());
 }
 
 /// A uniform f64 in (0, 1) from draw `i` of a fixed stream.

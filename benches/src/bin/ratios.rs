@@ -1,7 +1,7 @@
-//! The ratio report: every kernel's median time over the read pass's, and over its baseline's,
-//! measured in one process with the runs interleaved (repetition r runs every kernel once before
-//! repetition r + 1 starts, beginning at kernel r so that no kernel always follows the same
-//! one), on a heavy-tailed buffer from a fixed seed and on the real MiniLM gradients.
+//! The ratio report: every kernel's median time over the read pass's (the faster of the plain
+//! sum of |g| and the same sum with a software prefetch), and over its baseline's, measured in
+//! one process with the runs interleaved (repetition r runs every kernel once before repetition
+//! r + 1 starts, beginning at kernel r so that no kernel always follows the same one), on a heavy-tailed buffer from a fixed seed and on the real MiniLM gradients.
 //!
 //! `cargo run --release -p gradwire-benches --bin ratios -- [--n N] [--reps R] [--json]
 //! [--only NAME,NAME,..] [--clock cpu|wall] [--data both|synthetic|minilm] [--list]`
@@ -15,8 +15,9 @@
 //! at a smaller N the read pass runs from cache and the "met / MISSED" column means little.
 
 use gradwire_benches::{
-    Codec, add_pass, build_name, byte_pass, ef_method, heavy_tailed, int8_plain, methods, minilm,
-    read_pass, read_pass2, sign_bitvec, topk_select_nth,
+    Codec, add_pass, add_pass_prefetch, build_name, byte_pass, byte_pass_prefetch, ef_method,
+    heavy_tailed, int8_plain, methods, minilm, read_pass, read_pass_prefetch, read_pass2,
+    read_pass2_prefetch, scatter_add_prefetch, sign_bitvec, topk_select_nth,
 };
 use gradwire_core::scalar::{self, Selection};
 use gradwire_core::{Method, Values, k_from_ratio, values};
@@ -40,6 +41,9 @@ fn task<'a>(name: &str, baseline: Option<&'static str>, run: impl FnMut() + 'a) 
         times: Vec::new(),
     }
 }
+
+/// The read passes; every ratio is over the faster one's median.
+const READS: [&str; 2] = ["read", "read_prefetch"];
 
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
@@ -172,6 +176,12 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
     tasks.push(task("read", None, move || {
         black_box(read_pass(black_box(x)));
     }));
+    // The same sum with a software prefetch 8 KiB ahead: faster on machines whose hardware
+    // prefetcher keeps too few lines in flight for one core (BENCHMARKS.md, round 10), slower on
+    // others; the denominator is the faster of the two.
+    tasks.push(task("read_prefetch", None, move || {
+        black_box(read_pass_prefetch(black_box(x)));
+    }));
 
     for (name, method) in methods(x) {
         let codec = Rc::new(RefCell::new(Codec::new(method, n)));
@@ -220,6 +230,7 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
                     scalar::for_each_kept(x, Selection::TopK(cut), |i| idx.push(i));
                     let vals: Vec<f32> = idx.iter().map(|&i| x[i]).collect();
                     let a = Rc::clone(&acc);
+                    let (idx2, vals2, a2) = (idx.clone(), vals.clone(), Rc::clone(&a));
                     tasks.push(task(
                         "accumulate_topk_1pct:scatter_add_plain",
                         None,
@@ -230,6 +241,9 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
                             }
                         },
                     ));
+                    tasks.push(task("floor_scatter_prefetch", None, move || {
+                        scatter_add_prefetch(&mut a2.borrow_mut(), &idx2, &vals2);
+                    }));
                 }
             }
             "threshold" => {
@@ -353,24 +367,44 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
     tasks.push(task("floor_crc_n_bytes", None, move || {
         black_box(crc32fast::hash(black_box(&frame_bytes)));
     }));
-    let mut r3 = vec![0.0f32; n];
-    tasks.push(task("floor_ef", None, move || {
-        black_box(read_pass2(black_box(x), &r3));
-        add_pass(&mut r3, black_box(x));
-        black_box(&r3);
+    // Every floor twice, plain and with a software prefetch (`_prefetch`): like the read pass,
+    // a floor is the faster of the two on the machine at hand (BENCHMARKS.md, round 10).
+    let mut bytes = vec![0u8; n];
+    tasks.push(task("floor_byte_pass_prefetch", None, move || {
+        byte_pass_prefetch(black_box(x), &mut bytes);
+        black_box(&bytes);
     }));
-    // floor_ef's two passes alone: the selection scan over `g + r` runs above the first, the
-    // update pass at the second (BENCHMARKS.md, round 9). Filled with ones, so that every page
-    // is mapped before the first read.
-    let r4 = Rc::new(RefCell::new(vec![1.0f32; n]));
-    let r4_read = Rc::clone(&r4);
-    tasks.push(task("floor_read2", None, move || {
-        black_box(read_pass2(black_box(x), &r4_read.borrow()));
-    }));
-    tasks.push(task("floor_add", None, move || {
-        add_pass(&mut r4.borrow_mut(), black_box(x));
-        black_box(&r4);
-    }));
+    for prefetch in [false, true] {
+        let suffix = if prefetch { "_prefetch" } else { "" };
+        let read2: fn(&[f32], &[f32]) -> f32 = if prefetch {
+            read_pass2_prefetch
+        } else {
+            read_pass2
+        };
+        let add: fn(&mut [f32], &[f32]) = if prefetch {
+            add_pass_prefetch
+        } else {
+            add_pass
+        };
+        let mut r3 = vec![0.0f32; n];
+        tasks.push(task(&format!("floor_ef{suffix}"), None, move || {
+            black_box(read2(black_box(x), &r3));
+            add(&mut r3, black_box(x));
+            black_box(&r3);
+        }));
+        // floor_ef's two passes alone: the selection scan over `g + r` runs above the first,
+        // the update pass at the second (BENCHMARKS.md, round 9). Filled with ones, so that
+        // every page is mapped before the first read.
+        let r4 = Rc::new(RefCell::new(vec![1.0f32; n]));
+        let r4_read = Rc::clone(&r4);
+        tasks.push(task(&format!("floor_read2{suffix}"), None, move || {
+            black_box(read2(black_box(x), &r4_read.borrow()));
+        }));
+        tasks.push(task(&format!("floor_add{suffix}"), None, move || {
+            add(&mut r4.borrow_mut(), black_box(x));
+            black_box(&r4);
+        }));
+    }
 
     // The whole error-feedback step, and a naive one (r += g, select_nth top-k, r -= kept).
     let mut ef = Codec::new(ef_method(), n);
@@ -414,7 +448,9 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
         return;
     }
     if !only.is_empty() {
-        tasks.retain(|t| t.name == "read" || only.iter().any(|o| t.name.starts_with(o.as_str())));
+        tasks.retain(|t| {
+            READS.contains(&t.name.as_str()) || only.iter().any(|o| t.name.starts_with(o.as_str()))
+        });
     }
     // Repetition r starts at task r (mod the count), so no kernel always follows the same one
     // (a task right after a long one is preempted more often on a shared machine).
@@ -428,7 +464,8 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
         }
     }
 
-    let read = median(&tasks[0].times);
+    // The denominator: the faster of the two read passes (both are the first two tasks).
+    let read = median(&tasks[0].times).min(median(&tasks[1].times));
     let med = |name: &str| {
         tasks
             .iter()
@@ -438,7 +475,7 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
     let build = build_name();
     if !json {
         println!(
-            "\n{data}: n = {n}, build = {build}, {reps} interleaved repetitions, medians, {} clock; read pass = {:.3} ms ({:.1} GB/s)",
+            "\n{data}: n = {n}, build = {build}, {reps} interleaved repetitions, medians, {} clock; read pass (the faster of read and read_prefetch) = {:.3} ms ({:.1} GB/s)",
             clock.name(),
             read * 1e3,
             (n * 4) as f64 / read / 1e9
