@@ -5,7 +5,7 @@
 
 use gradwire_core::{
     K, Method, Params, Rounding, SignScale, Values, accumulate_into, decode_into, encode_into,
-    feedback_step, max_frame_len, scratch_len,
+    feedback_step, max_frame_len, scratch_len, validate,
 };
 use std::path::{Path, PathBuf};
 use wide::f32x8;
@@ -334,6 +334,15 @@ impl Codec {
     /// When decoding fails.
     pub fn decode(&self, out: &mut [f32]) {
         decode_into(&self.frame[..self.len], &self.params, out).unwrap();
+    }
+
+    /// Validates the last frame for `n` output elements with [`validate`], writing nothing (the
+    /// checks that [`accumulate_into`] makes before its first write).
+    ///
+    /// # Panics
+    /// When the frame does not validate.
+    pub fn validate(&self, n: usize) {
+        validate(&self.frame[..self.len], &self.params, n).unwrap();
     }
 
     /// Adds the last frame into `acc` with `accumulate_into`.

@@ -211,6 +211,10 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
         tasks.push(task(&format!("accumulate_{name}"), base, move || {
             c.borrow().accumulate(&mut a.borrow_mut());
         }));
+        let c2 = Rc::clone(&codec);
+        tasks.push(task(&format!("validate_{name}"), None, move || {
+            c2.borrow().validate(n);
+        }));
         // Baselines.
         match name {
             "topk_1pct" | "topk_0.1pct" => {
