@@ -34,6 +34,8 @@ pub enum Param {
     Flags,
     /// Index codec id.
     IndexCodec,
+    /// The weight of [`crate::accumulate_into`].
+    Weight,
 }
 
 /// The parameter's name in messages: lower case, as a user would write it ("k", "value type",
@@ -55,6 +57,7 @@ impl fmt::Display for Param {
             Param::Unbiased => "unbiased",
             Param::Flags => "flags",
             Param::IndexCodec => "index codec",
+            Param::Weight => "weight",
         })
     }
 }
@@ -202,7 +205,8 @@ impl fmt::Display for Error {
                 write!(
                     f,
                     "value at index {index} is out of range for the value type (f16 holds \
-                     |x| <= 65504; with unbiased random-k, the value times n/k must be finite)"
+                     |x| < 65520, bf16 |x| < 3.3961776e38; with unbiased random-k, the value \
+                     times n/k must be finite)"
                 )
             }
             Error::InvalidParams { param } => {
@@ -217,6 +221,7 @@ impl fmt::Display for Error {
                     Param::Threshold => {
                         write!(f, " (finite and >= 0; every given kept entry is above it)")
                     }
+                    Param::Weight => write!(f, " (a finite number)"),
                     Param::Values => write!(
                         f,
                         " (int8 values need a block of at least 1 and a sparse method)"

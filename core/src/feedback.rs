@@ -22,7 +22,7 @@ use crate::values::all_below;
 /// `residual` has the same length as `grad` (all zeros before the first step); `scratch` and
 /// `out` are sized as for [`crate::encode_into`]. The residual changes only after the frame is
 /// complete, so on error the residual is untouched (and, as for [`crate::encode_into`], `out`
-/// holds no valid frame).
+/// holds no valid frame: its magic is cleared).
 ///
 /// Traffic: top-k, threshold and the SIMD quantization and sign kernels read `grad` and
 /// `residual` once to encode their sum (checking it on the way), then once more to write
@@ -37,6 +37,16 @@ use crate::values::all_below;
 /// # Panics
 /// Never.
 pub fn feedback_step(
+    grad: &[f32],
+    residual: &mut [f32],
+    params: &Params,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    crate::frame::no_frame_on_error(out, |out| step(grad, residual, params, scratch, out))
+}
+
+fn step(
     grad: &[f32],
     residual: &mut [f32],
     params: &Params,
@@ -86,10 +96,9 @@ pub fn feedback_step(
         subtract_sent(&out[..len], params, scratch, residual)?;
         return Ok(len);
     }
-    // Something is out of limit: find the first offender in the specified order.
-    if let Some(index) = crate::scalar::first_non_finite(grad) {
-        return Err(Error::NonFinite { index });
-    }
+    // Something is out of limit: find the first offender in the specified order. A NaN or an
+    // infinity in `grad` makes its sum non-finite too, so one walk over the sums names the
+    // first index of either kind.
     if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
         return Err(Error::NonFinite { index });
     }

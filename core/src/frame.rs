@@ -95,7 +95,13 @@ pub const fn max_frame_len(n: usize, method: &Method) -> usize {
 ///
 /// Top-k holds its candidates ([`select::kept_scratch_len`]), threshold the entries that pass
 /// ([`select::threshold_scratch_len`]; more go a slower two-pass way), random-k its drawn
-/// indices; int8 values add one word per block of kept values.
+/// indices; int8 values add one word per block of kept values. Top-k's part starts with a
+/// fixed radix histogram of 2,048 words (8 KiB), whatever `n` and `k`: even `n = 1` needs
+/// 2,050 words. On a small stack, size a `static` or a `const` array with this function (it
+/// is a `const fn`), as the crate docs' example does.
+///
+/// `out` must be [`max_frame_len`] bytes even when the frame written is shorter: the encoders
+/// check the worst case before they start.
 pub const fn scratch_len(n: usize, method: &Method) -> usize {
     match *method {
         Method::TopK { k, values } => {
@@ -154,12 +160,29 @@ pub(crate) fn check_input(x: &[f32], method: &Method) -> Result<(), Error> {
     Ok(())
 }
 
+/// Runs an encoder and, when it fails, clears the magic of `out` (its first four bytes, or as
+/// many as it has), so that `out` holds no valid frame: neither the part of one that the
+/// kernels wrote before they met a bad element, nor a frame of an earlier call that a caller
+/// might send by mistake.
+pub(crate) fn no_frame_on_error(
+    out: &mut [u8],
+    encode: impl FnOnce(&mut [u8]) -> Result<usize, Error>,
+) -> Result<usize, Error> {
+    let result = encode(out);
+    if result.is_err() {
+        let m = out.len().min(MAGIC.len());
+        out[..m].fill(0);
+    }
+    result
+}
+
 /// Encodes `grad` (n elements) with `params` into `out` and returns the frame length in bytes.
 ///
 /// `scratch` must hold [`scratch_len`]`(n, &params.method)` words and `out`
 /// [`max_frame_len`]`(n, &params.method)` bytes. The input checks run inside the kernels (one
-/// pass over the input), so on error `out` holds no valid frame: its contents are unspecified
-/// (it may hold part of one).
+/// pass over the input). On error `out` holds no valid frame: its first four bytes (the magic)
+/// are cleared, so neither part of this frame nor one left there by an earlier call decodes;
+/// the rest is unspecified.
 ///
 /// # Errors
 /// [`Error::InvalidParams`], [`Error::ScratchTooSmall`], [`Error::BufferTooSmall`];
@@ -170,6 +193,15 @@ pub(crate) fn check_input(x: &[f32], method: &Method) -> Result<(), Error> {
 /// # Panics
 /// Never.
 pub fn encode_into(
+    grad: &[f32],
+    params: &Params,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    crate::frame::no_frame_on_error(out, |out| encode_frame(grad, params, scratch, out))
+}
+
+fn encode_frame(
     grad: &[f32],
     params: &Params,
     scratch: &mut [u32],
@@ -390,7 +422,7 @@ fn sign_params(p: &mut Put<'_>, scale: SignScale) -> Option<usize> {
 /// fused tensors). Decode it with `Method::TopK { k: K::Count(kept.len() as u64), values }`.
 ///
 /// `scratch` and `out` are sized by [`scratch_len`] and [`max_frame_len`] for that method. As
-/// for [`encode_into`], on error `out` holds no valid frame (its contents are unspecified).
+/// for [`encode_into`], on error `out` holds no valid frame (its magic is cleared).
 ///
 /// # Errors
 /// [`Error::UnsortedIndices`] when `kept` is not strictly ascending or holds an index `>= n`;
@@ -399,6 +431,16 @@ fn sign_params(p: &mut Put<'_>, scale: SignScale) -> Option<usize> {
 /// # Panics
 /// Never.
 pub fn encode_selected_into(
+    grad: &[f32],
+    kept: &[u32],
+    values: Values,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    crate::frame::no_frame_on_error(out, |out| encode_selected(grad, kept, values, scratch, out))
+}
+
+fn encode_selected(
     grad: &[f32],
     kept: &[u32],
     values: Values,
@@ -467,7 +509,8 @@ pub fn encode_selected_into(
 /// [`Error::LengthMismatch`] when `idx` and `bits` differ in length;
 /// [`Error::UnsortedIndices`]; [`Error::NonFinite`] and [`Error::ValueOutOfRange`] naming the
 /// tensor index of a bad value (unbiased random-k: also of a value whose n/k multiple
-/// overflows). On error `out` holds no valid frame.
+/// overflows). On error `out` holds no valid frame (its magic is cleared, as for
+/// [`encode_into`]).
 ///
 /// # Panics
 /// Never.
@@ -477,6 +520,10 @@ pub fn encode_kept_into(
     kept: Kept<'_>,
     out: &mut [u8],
 ) -> Result<usize, Error> {
+    crate::frame::no_frame_on_error(out, |out| encode_kept(n, params, kept, out))
+}
+
+fn encode_kept(n: usize, params: &Params, kept: Kept<'_>, out: &mut [u8]) -> Result<usize, Error> {
     params.method.validate()?;
     let need = max_frame_len(n, &params.method);
     if out.len() < need {
@@ -1852,8 +1899,12 @@ pub fn decode_into(frame: &[u8], expected: &Params, out: &mut [f32]) -> Result<F
 /// sparse frame does not carry are left as they are). Same checks as [`decode_into`]; on error
 /// `acc` is untouched.
 ///
+/// Every value of a valid frame is finite, but the sums are not checked: adding frames into
+/// an accumulator can overflow to ±inf (the std crate's aggregation checks its result).
+///
 /// # Errors
-/// As [`decode_into`].
+/// [`Error::InvalidParams`] with [`Param::Weight`] when `weight` is NaN or infinite; otherwise
+/// as [`decode_into`].
 ///
 /// # Panics
 /// Never.
@@ -1863,6 +1914,11 @@ pub fn accumulate_into(
     acc: &mut [f32],
     weight: f32,
 ) -> Result<FrameInfo, Error> {
+    if !weight.is_finite() {
+        return Err(Error::InvalidParams {
+            param: Param::Weight,
+        });
+    }
     let (h, body) = decode_checked(frame, expected, acc.len())?;
     apply(&h, &body, acc, Some(weight));
     Ok(info(&h))

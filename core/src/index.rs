@@ -137,6 +137,10 @@ pub fn choose_for(n: u64, idx: &[u32]) -> (u8, usize) {
 /// Writes a strictly ascending list of indices below `n` in `codec` into `section` (exactly the
 /// length [`choose_for`] gives for that codec): the same bytes as [`IndexWriter`], with delta
 /// gaps packed 32 bits at a time.
+///
+/// # Panics
+/// When `section` is shorter than that length, or when `idx` breaks its contract so that a
+/// bitmap bit falls past the section. The frame encoders size the section themselves.
 pub fn write_u32(codec: u8, n: u64, idx: &[u32], section: &mut [u8]) {
     match codec {
         BITMAP => {

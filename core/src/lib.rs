@@ -34,6 +34,26 @@
 //! assert_eq!(out, [0.0, -2.0, 0.0, 4.0, 0.0, 0.0]);
 //! ```
 //!
+//! Without an allocator: [`max_frame_len`] and [`scratch_len`] are `const fn`, so the buffers
+//! can be arrays sized at compile time (on the stack, as here, or in a struct the caller owns).
+//! ```
+//! use gradwire_core::{Error, K, Method, Params, Values, encode_into, max_frame_len, scratch_len};
+//!
+//! const N: usize = 1024;
+//! const METHOD: Method = Method::TopK { k: K::Count(10), values: Values::Int8 { block: 256 } };
+//! const FRAME_BYTES: usize = max_frame_len(N, &METHOD);
+//! const SCRATCH_WORDS: usize = scratch_len(N, &METHOD); // 2,225 words: 8.7 KiB
+//!
+//! fn compress(grad: &[f32; N], frame: &mut [u8; FRAME_BYTES]) -> Result<usize, Error> {
+//!     let mut scratch = [0u32; SCRATCH_WORDS];
+//!     encode_into(grad, &Params::new(METHOD), &mut scratch, frame)
+//! }
+//!
+//! let mut frame = [0u8; FRAME_BYTES];
+//! let len = compress(&[0.5; N], &mut frame).unwrap();
+//! assert!(len <= FRAME_BYTES);
+//! ```
+//!
 //! ## Features
 //! - `std`: enables `std` in `half` and `crc32fast` (faster paths only). It never changes bytes
 //!   on the wire.

@@ -392,6 +392,11 @@ pub fn validate(n: usize, scales: &[u8], signs: &[u8]) -> Result<(), usize> {
 }
 
 /// Decodes validated sections, calling `f(i, value)`: `±scale` of the element's block, or ±1.
+///
+/// # Panics
+/// When the sections were not checked for this `n` and `block`: `scales` or `signs` shorter
+/// than they require, or `block == Some(0)`. Untrusted frames go through
+/// [`crate::decode_into`] or [`crate::accumulate_into`], which check them first.
 pub fn decode(
     n: usize,
     block: Option<usize>,

@@ -374,6 +374,9 @@ fn any_all_ones_u32(bytes: &[u8], mask: u32) -> bool {
 
 /// Decodes a validated plain section into `out` (one value per element; `out.len()` values):
 /// overwriting (`weight = None`) or adding `weight * value`.
+///
+/// # Panics
+/// When `bytes` holds fewer than `out.len()` values (a section that was not validated).
 pub fn decode_plain(values: Values, bytes: &[u8], out: &mut [f32], weight: Option<f32>) {
     let vb = values.value_bytes();
     let bytes = &bytes[..out.len() * vb];

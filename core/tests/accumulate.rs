@@ -6,8 +6,8 @@
 
 use gradwire_core::index::{self, choose_for};
 use gradwire_core::{
-    K, Method, Params, Values, accumulate_into, decode_into, encode_into, encode_selected_into,
-    max_frame_len, rng, scratch_len,
+    Error, K, Method, Param, Params, Values, accumulate_into, decode_into, encode_into,
+    encode_selected_into, max_frame_len, rng, scratch_len,
 };
 
 /// Nonzero values from a fixed stream (so that `acc + w * 0.0` keeps `acc`'s bits).
@@ -118,4 +118,30 @@ fn random_k_frames_accumulate_entry_by_entry_across_batch_boundaries() {
             }
         }
     }
+}
+
+#[test]
+fn a_non_finite_weight_is_an_error_and_adds_nothing() {
+    let g = values(100, 3);
+    let p = Params::new(Method::TopK {
+        k: K::Count(10),
+        values: Values::F32,
+    });
+    let mut frame = vec![0u8; max_frame_len(g.len(), &p.method)];
+    let mut scratch = vec![0u32; scratch_len(g.len(), &p.method)];
+    let len = encode_into(&g, &p, &mut scratch, &mut frame).unwrap();
+    for w in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut acc = vec![1.0f32; g.len()];
+        let e = accumulate_into(&frame[..len], &p, &mut acc, w).unwrap_err();
+        assert_eq!(
+            e,
+            Error::InvalidParams {
+                param: Param::Weight
+            },
+            "weight {w}"
+        );
+        assert!(acc.iter().all(|&x| x == 1.0), "weight {w}: acc changed");
+    }
+    let mut acc = vec![0.0f32; g.len()];
+    accumulate_into(&frame[..len], &p, &mut acc, f32::MAX).unwrap();
 }

@@ -206,10 +206,13 @@ fn non_finite_names_the_first_bad_index() {
                 f32::from_bits(0xffc0_0001),
             ] {
                 let mut g: Vec<f32> = (0..n).map(|i| 0.25 + (i % 7) as f32 * 0.125).collect();
+                let clean = g.clone();
                 g[first] = bad;
                 g[second] = f32::NAN;
                 let mut out = vec![0xeeu8; max_frame_len(n, &method)];
                 let mut scratch = vec![0u32; scratch_len(n, &method)];
+                // A valid frame of an earlier call in the buffer must not survive the error.
+                encode_into(&clean, &p, &mut scratch, &mut out).unwrap();
                 let e = encode_into(&g, &p, &mut scratch, &mut out).unwrap_err();
                 assert_eq!(e, Error::NonFinite { index: first }, "{name}");
                 assert!(peek(&out).is_err(), "{name}: a valid frame on error");
@@ -218,6 +221,7 @@ fn non_finite_names_the_first_bad_index() {
                 }
                 let mut r: Vec<f32> = (0..n).map(|i| i as f32 * 0.125).collect();
                 let before = r.clone();
+                encode_into(&clean, &p, &mut scratch, &mut out).unwrap();
                 let e = feedback_step(&g, &mut r, &p, &mut scratch, &mut out).unwrap_err();
                 assert_eq!(e, Error::NonFinite { index: first }, "{name}");
                 assert!(same_bits(&r, &before), "{name}: residual changed");
@@ -237,6 +241,15 @@ fn non_finite_names_the_first_bad_index() {
         let mut scratch = vec![0u32; scratch_len(10, &method)];
         let e = feedback_step(&g, &mut r, &p, &mut scratch, &mut out).unwrap_err();
         assert_eq!(e, Error::NonFinite { index: 6 }, "{name}");
+        assert!(same_bits(&r, &before), "{name}");
+        // The first bad index of either kind: an overflowing sum before a NaN gradient.
+        g[8] = f32::NAN;
+        let e = feedback_step(&g, &mut r, &p, &mut scratch, &mut out).unwrap_err();
+        assert_eq!(
+            e,
+            Error::NonFinite { index: 6 },
+            "{name}: overflow before a NaN"
+        );
         assert!(same_bits(&r, &before), "{name}");
     }
 }

@@ -166,6 +166,28 @@ fn params_come_from_seed_step_and_name() {
 }
 
 #[test]
+fn the_first_bad_index_of_either_kind_is_named() {
+    // An overflowing gradient + residual at index 0 comes before a NaN gradient at index 2.
+    let method = Method::TopK {
+        k: K::Count(1),
+        values: Values::F32,
+    };
+    let mut fb = ErrorFeedback::new(method, 0).unwrap();
+    let big = f32::MAX * 0.75;
+    fb.step_with([("w", &[big, f32::MAX, 1.0][..])], |_, _| {})
+        .unwrap();
+    let before = fb.clone();
+    let err = fb
+        .step_with([("w", &[big, 1.0, f32::NAN][..])], |_, _| {})
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Core { tensor, source: gradwire::core::Error::NonFinite { index: 0 }, .. } if tensor == "w"),
+        "{err}"
+    );
+    assert_eq!(fb, before);
+}
+
+#[test]
 fn a_step_is_all_or_nothing() {
     let method = Method::TopK {
         k: K::Count(1),
