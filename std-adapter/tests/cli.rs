@@ -552,6 +552,38 @@ fn residual_state_is_created_then_reused_like_the_library() {
     fails(&args, "which the gradients file does not have");
     assert_eq!(fs::read(&state).unwrap(), before);
     assert!(!o3.exists());
+    // A state of another model: the gradients file has a tensor the state lacks.
+    let mut tensors: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = model
+        .iter()
+        .map(|(n, t)| {
+            (
+                n.as_str(),
+                Dtype::F32,
+                t.shape().to_vec(),
+                f32_bytes(t.data()),
+            )
+        })
+        .collect();
+    tensors.push(("zz.extra", Dtype::F32, vec![2], f32_bytes(&[1.0, 2.0])));
+    let bigger = dir.join("bigger_model.safetensors");
+    safetensors_file(&bigger, &tensors);
+    let mut args = vec![
+        "compress",
+        s(&bigger),
+        "-o",
+        s(&o3),
+        "--residual",
+        s(&state),
+    ];
+    args.extend(flags);
+    fails(&args, "holds no residual for tensor `zz.extra`");
+    assert_eq!(fs::read(&state).unwrap(), before);
+    assert!(!o3.exists());
+    // A gradients file given as the state.
+    let mut args = vec!["compress", s(&g), "-o", s(&o3), "--residual", s(&other)];
+    args.extend(flags);
+    fails(&args, "not a residual state");
+    assert!(!o3.exists());
     // A corrupt state file.
     let bad = dir.join("bad.safetensors");
     fs::write(&bad, b"garbage").unwrap();
@@ -684,6 +716,10 @@ fn bad_command_lines_are_one_line_errors() {
         ),
         (
             vec!["compress", gs, "-o", o, "--ratio=-0.5"],
+            "invalid --ratio -0.5",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--ratio", "-0.5"],
             "invalid --ratio -0.5",
         ),
         (
@@ -871,6 +907,11 @@ fn an_output_that_names_an_input_is_refused() {
             "reference",
         ],
         "is a gradwire container: --layout reference does not apply",
+    );
+    // A container given as the gradients to compress.
+    fails(
+        &["compress", s(&c), "-o", s(&dir.join("again.gw"))],
+        "a gradwire container, not a safetensors file",
     );
 }
 

@@ -20,8 +20,10 @@
 //!   not travel, so `decompress` needs the receiver's model (`--shapes`).
 //!
 //! With `--residual STATE`, `compress` runs one error-feedback step: it reads the state when the
-//! file exists (an [`gradwire::feedback::ErrorFeedback`] checkpoint of this model: each of its
-//! residuals must name a tensor of the gradients file, with the same method, seed and step), compresses
+//! file exists (an [`gradwire::feedback::ErrorFeedback`] checkpoint of this model: its
+//! residuals and the gradients file's tensors must match one to one by name and length, with
+//! the same method, seed and step; shapes are not stored, so a reshape to the same length is
+//! not detected), compresses
 //! `gradient + residual`, and rewrites the state. Outputs and state files are written to a
 //! temporary file in the same directory and renamed, so a failure never leaves a half-written
 //! file. A failure prints one line, `gradwire: error: ...`, on stderr and exits with status 1
@@ -178,13 +180,13 @@ struct CompressArgs {
     method: MethodArg,
     /// Fraction of entries kept per tensor (topk, randomk), 0 < R <= 1: k = max(1, floor(n * R));
     /// default 0.01.
-    #[arg(long, value_name = "R")]
+    #[arg(long, allow_negative_numbers = true, value_name = "R")]
     ratio: Option<f64>,
     /// Entries kept per tensor (topk, randomk; gradwire layout).
     #[arg(long, value_name = "K")]
     k: Option<u64>,
     /// Keep entries with |g| > T (threshold).
-    #[arg(long, value_name = "T")]
+    #[arg(long, allow_negative_numbers = true, value_name = "T")]
     threshold: Option<f32>,
     /// Bits per element, 2..=8 (quant; default 8).
     #[arg(long, value_name = "B")]
@@ -465,8 +467,12 @@ fn reference_mode_of(a: &CompressArgs) -> Result<(Mode, f64), CliError> {
 fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<ErrorFeedback, CliError> {
     match std::fs::read(path) {
         Ok(bytes) => {
-            let fb = ErrorFeedback::from_bytes(&bytes)
-                .map_err(|e| CliError::new(format!("{}: {e}", path.display())))?;
+            let fb = ErrorFeedback::from_bytes(&bytes).map_err(|e| {
+                CliError::new(format!(
+                    "{}: not a residual state that `gradwire compress --residual` can load: {e}",
+                    path.display()
+                ))
+            })?;
             if let Some(seed) = seed
                 && fb.seed() != seed
             {
@@ -509,10 +515,21 @@ fn check_state_step(path: &Path, fb: &ErrorFeedback, step: Option<u64>) -> Resul
 }
 
 /// The state must be one of this model's: a residual whose tensor the gradients file lacks is
-/// a state of another model (its residuals would be carried along and saved again unseen), and
-/// one whose length differs from its tensor's is stale (named here, before the compression
-/// would report it against the gradients file).
+/// a state of another model (its residuals would be carried along and saved again unseen), one
+/// whose length differs from its tensor's is stale (named here, before the compression would
+/// report it against the gradients file), and a state that holds residuals but none for one of
+/// the file's tensors is another model's too. The state keeps names and lengths, not shapes: a
+/// tensor reshaped to the same length is not detected.
 fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Result<(), CliError> {
+    if fb.residuals().next().is_some()
+        && let Some((name, _)) = model.iter().find(|(name, _)| fb.residual(name).is_none())
+    {
+        return Err(CliError::new(format!(
+            "{}: residual state holds no residual for tensor `{name}` of the gradients file (a \
+             state of another model?)",
+            path.display()
+        )));
+    }
     for (name, residual) in fb.residuals() {
         let Ok(at) = model.binary_search_by(|(n, _)| n.as_str().cmp(name)) else {
             return Err(CliError::new(format!(

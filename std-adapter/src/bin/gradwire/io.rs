@@ -31,6 +31,13 @@ pub fn safetensors_error(path: &Path, what: &str, e: &safetensors::SafeTensorErr
 /// Parses a safetensors file of float32 tensors (a gradient or a model), sorted by name
 /// ([`gradwire::tensor::read_safetensors`]).
 pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
+    if super::container::is_container(bytes) {
+        return Err(CliError::new(format!(
+            "{}: a gradwire container, not a safetensors file of float32 tensors (decompress it \
+             first)",
+            path.display()
+        )));
+    }
     gradwire::tensor::read_safetensors(bytes).map_err(|e| match e {
         gradwire::Error::Safetensors { source } => {
             safetensors_error(path, "not a valid safetensors file", &source)
