@@ -723,6 +723,32 @@ fn bad_command_lines_are_one_line_errors() {
             "invalid --ratio -0.5",
         ),
         (
+            vec![
+                "compress",
+                gs,
+                "-o",
+                o,
+                "--method",
+                "threshold",
+                "--threshold",
+                "-1",
+            ],
+            "invalid --threshold -1",
+        ),
+        (
+            vec![
+                "compress",
+                gs,
+                "-o",
+                o,
+                "--method",
+                "threshold",
+                "--threshold",
+                "NaN",
+            ],
+            "invalid --threshold NaN",
+        ),
+        (
             vec!["compress", gs, "-o", o, "--ratio", "2"],
             "must be > 0 and <= 1",
         ),

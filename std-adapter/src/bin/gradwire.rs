@@ -364,6 +364,13 @@ fn method_of(a: &CompressArgs) -> Result<Method, CliError> {
             "invalid --bits {b}: quantization takes 2..=8 bits per element"
         )));
     }
+    if let Some(t) = a.threshold
+        && !(t.is_finite() && t >= 0.0)
+    {
+        return Err(CliError::usage(format!(
+            "invalid --threshold {t}: entries with |g| > T are kept, T must be finite and >= 0"
+        )));
+    }
     if let Some(r) = a.ratio
         && !(r.is_finite() && r > 0.0 && r <= 1.0)
     {
