@@ -25,7 +25,7 @@ pub const PREFETCH_AHEAD: usize = 2048;
 /// [`read_pass`] with a software prefetch of each cache line [`PREFETCH_AHEAD`] elements before
 /// it is read (`safe_arch::prefetch_t0`; nothing on targets without one). On some machines one
 /// core's hardware prefetcher keeps too few lines in flight and this is the faster sum of |g|
-/// (the Xeon of round 10: 0.72-0.79 of the plain pass); on others it is slower (the EPYC of
+/// (the Xeon of round 10: 0.68-0.80 of the plain pass's time); on others it is slower (the EPYC of
 /// docs/prefetch.md). The ratio report measures both and divides by the faster, so that the
 /// denominator is the fastest read pass of the machine it runs on.
 pub fn read_pass_prefetch(x: &[f32]) -> f32 {

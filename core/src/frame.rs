@@ -1690,20 +1690,21 @@ fn apply(h: &Header, body: &Body<'_>, out: &mut [f32], weight: Option<f32>) {
                 let mut held = 0usize;
                 // Validated indices are < out.len(): `get_mut` skips nothing, it only spares
                 // the panic path (fewer instructions per entry than indexing).
+                let add_one = |out: &mut [f32], i: usize, x: f32| {
+                    if let Some(o) = out.get_mut(i) {
+                        *o += w * x;
+                    }
+                };
                 let add = |out: &mut [f32], i: &[usize], x: &[f32]| {
                     for (&i, &x) in i.iter().zip(x) {
-                        if let Some(o) = out.get_mut(i) {
-                            *o += w * x;
-                        }
+                        add_one(out, i, x);
                     }
                 };
                 sparse_batches(h, body, |ib, vb| {
                     let both = ib.len().min(held);
                     for ((&next, &i), &x) in ib[..both].iter().zip(&held_i[..both]).zip(&held_x) {
                         prefetch(out, next);
-                        if let Some(o) = out.get_mut(i) {
-                            *o += w * x;
-                        }
+                        add_one(out, i, x);
                     }
                     for &next in &ib[both..] {
                         prefetch(out, next);
@@ -1926,7 +1927,8 @@ pub fn accumulate_into(
 
 /// Checks `frame` as [`decode_into`] does for an output of `n` elements, writing nothing: the
 /// header, the parameters against `expected`, and every index and value of the body. A frame
-/// that passes decodes with [`decode_into`] and [`accumulate_into`] without error.
+/// that passes decodes with [`decode_into`], and with [`accumulate_into`] at a finite weight,
+/// without error.
 ///
 /// # Errors
 /// As [`decode_into`] (with `n` in place of `out.len()`): the same error for the same frame.

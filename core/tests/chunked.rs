@@ -7,8 +7,8 @@ mod common;
 use common::{Data, Floats, encode, qc};
 use gradwire_core::select::{self, Kept};
 use gradwire_core::{
-    Error, K, Method, Param, Params, Values, encode_kept_into, feedback_step, max_frame_len,
-    scratch_len, values,
+    Error, K, Method, Param, Params, Values, encode_into, encode_kept_into, encode_selected_into,
+    feedback_step, max_frame_len, peek, scratch_len, values,
 };
 
 /// Chunk boundaries of `n` elements cut at positions drawn from `data` (some empty chunks).
@@ -597,4 +597,37 @@ fn randomk_kept_lists_are_checked_like_the_others() {
         encode_kept_into(n, &unbiased, kept, &mut out),
         Err(Error::ValueOutOfRange { index: 5 })
     );
+}
+
+/// The frame writers from a given list clear the output's magic on error, as `encode_into`
+/// does: a frame of an earlier call in the buffer does not survive.
+#[test]
+fn writers_from_a_list_leave_no_valid_frame_on_error() {
+    let x = [1.0f32, -2.0, 3.0, 0.5];
+    let p = Params::new(Method::TopK {
+        k: K::Count(2),
+        values: Values::F32,
+    });
+    let mut out = vec![0u8; max_frame_len(x.len(), &p.method)];
+    let mut scratch = vec![0u32; scratch_len(x.len(), &p.method)];
+    let fresh = |out: &mut [u8], scratch: &mut [u32]| {
+        encode_into(&x, &p, scratch, out).unwrap();
+        assert!(peek(out).is_ok());
+    };
+    fresh(&mut out, &mut scratch);
+    let unsorted = [2u32, 1];
+    let e = encode_selected_into(&x, &unsorted, Values::F32, &mut scratch, &mut out).unwrap_err();
+    assert_eq!(e, Error::UnsortedIndices { position: 1 });
+    assert!(
+        peek(&out).is_err(),
+        "encode_selected_into left a valid frame"
+    );
+    fresh(&mut out, &mut scratch);
+    let bits: Vec<u32> = [f32::NAN, 3.0].iter().map(|v| v.to_bits()).collect();
+    let kept = Kept {
+        idx: &[1, 2],
+        bits: &bits,
+    };
+    assert!(encode_kept_into(x.len(), &p, kept, &mut out).is_err());
+    assert!(peek(&out).is_err(), "encode_kept_into left a valid frame");
 }

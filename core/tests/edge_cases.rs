@@ -192,8 +192,8 @@ fn ties_go_to_the_lower_index() {
 }
 
 /// Row: NaN or Inf in a gradient: an error naming the first bad index, the residual untouched.
-/// The input checks run inside the kernels, so on error `out` holds no valid frame (its
-/// contents are unspecified: blocks before the bad one may have been written).
+/// On error `out` holds no valid frame: the encoder clears its magic, so neither the blocks
+/// written before the bad one nor a frame of an earlier call decodes.
 #[test]
 fn non_finite_names_the_first_bad_index() {
     for (name, method) in all_methods() {

@@ -483,7 +483,8 @@ fn check_step(
             got: residual.len(),
         });
     }
-    first_non_finite(name, grad)?;
+    // A NaN or infinite gradient makes its sum non-finite too: one walk names the first bad
+    // position of either kind, as the core's feedback_step does.
     match grad
         .iter()
         .zip(residual)
@@ -532,7 +533,9 @@ fn reserved_name(name: &str) -> bool {
     name.contains("::") || name == "__metadata__"
 }
 
-fn check_inputs(tensors: &[Input<'_>]) -> Result<(), ReferenceError> {
+/// Names and lengths of every tensor and, with `finite`, that every value is finite (error
+/// feedback checks values itself, tensor by tensor, on `gradient + residual`).
+fn check_inputs(tensors: &[Input<'_>], finite: bool) -> Result<(), ReferenceError> {
     let mut seen = BTreeSet::new();
     for &(name, shape, data) in tensors {
         if reserved_name(name) || !seen.insert(name) {
@@ -546,7 +549,9 @@ fn check_inputs(tensors: &[Input<'_>]) -> Result<(), ReferenceError> {
                 got: data.len(),
             });
         }
-        first_non_finite(name, data)?;
+        if finite {
+            first_non_finite(name, data)?;
+        }
     }
     Ok(())
 }
@@ -561,7 +566,7 @@ fn check_inputs(tensors: &[Input<'_>]) -> Result<(), ReferenceError> {
 /// [`ReferenceError::InvalidRatio`]; [`ReferenceError::Safetensors`] if serialization fails.
 pub fn compress(tensors: &[Input<'_>], mode: Mode, ratio: f64) -> Result<Vec<u8>, ReferenceError> {
     check_ratio(ratio)?;
-    check_inputs(tensors)?;
+    check_inputs(tensors, true)?;
     let entries: Vec<(&str, &[usize], Entry)> = tensors
         .iter()
         .map(|&(name, shape, data)| (name, shape, compress_checked(data, mode, ratio)))
@@ -583,7 +588,7 @@ pub fn compress_with_residuals(
     ratio: f64,
 ) -> Result<Vec<u8>, ReferenceError> {
     check_ratio(ratio)?;
-    check_inputs(tensors)?;
+    check_inputs(tensors, false)?;
     if residuals.len() != tensors.len() {
         return Err(ReferenceError::ElementCount {
             name: "(residuals)".to_owned(),
@@ -647,7 +652,7 @@ pub fn compress_with_error_feedback(
             step: crate::compressor::format_method(&method),
         });
     }
-    check_inputs(tensors)?;
+    check_inputs(tensors, false)?;
     for &(name, _, data) in tensors {
         match feedback.residual(name) {
             Some(r) if r.len() != data.len() => {
@@ -658,7 +663,7 @@ pub fn compress_with_error_feedback(
                 });
             }
             Some(r) => check_step(name, data, r, ratio)?,
-            None => {}
+            None => first_non_finite(name, data)?,
         }
     }
     let mut entries: Vec<(&str, &[usize], Entry)> = Vec::with_capacity(tensors.len());

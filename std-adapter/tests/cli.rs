@@ -582,7 +582,7 @@ fn residual_state_is_created_then_reused_like_the_library() {
     // A gradients file given as the state.
     let mut args = vec!["compress", s(&g), "-o", s(&o3), "--residual", s(&other)];
     args.extend(flags);
-    fails(&args, "not a residual state");
+    fails(&args, "cannot load it as a residual state");
     assert!(!o3.exists());
     // A corrupt state file.
     let bad = dir.join("bad.safetensors");
@@ -721,6 +721,23 @@ fn bad_command_lines_are_one_line_errors() {
         (
             vec!["compress", gs, "-o", o, "--ratio", "-0.5"],
             "invalid --ratio -0.5",
+        ),
+        (
+            vec!["compress", gs, "-o", o, "--k", "-5"],
+            "invalid value '-5' for '--k <K>'",
+        ),
+        (
+            vec![
+                "compress",
+                gs,
+                "-o",
+                o,
+                "--layout",
+                "reference",
+                "--threshold",
+                "1",
+            ],
+            "--threshold, --bits and --stochastic are not available",
         ),
         (
             vec![

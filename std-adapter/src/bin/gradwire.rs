@@ -183,7 +183,7 @@ struct CompressArgs {
     #[arg(long, allow_negative_numbers = true, value_name = "R")]
     ratio: Option<f64>,
     /// Entries kept per tensor (topk, randomk; gradwire layout).
-    #[arg(long, value_name = "K")]
+    #[arg(long, allow_negative_numbers = true, value_name = "K")]
     k: Option<u64>,
     /// Keep entries with |g| > T (threshold).
     #[arg(long, allow_negative_numbers = true, value_name = "T")]
@@ -443,6 +443,12 @@ fn reference_mode_of(a: &CompressArgs) -> Result<(Mode, f64), CliError> {
     if a.seed.is_some() {
         return Err(usage("--seed does not apply to the reference layout"));
     }
+    if a.threshold.is_some() || a.bits.is_some() || a.stochastic {
+        return Err(usage(
+            "the reference layout sends top-k or dense f32: --threshold, --bits and \
+             --stochastic are not available",
+        ));
+    }
     let ratio = a.ratio.unwrap_or(0.01);
     if !(ratio.is_finite() && ratio >= 0.0) {
         return Err(CliError::usage(format!(
@@ -476,7 +482,8 @@ fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<ErrorFee
         Ok(bytes) => {
             let fb = ErrorFeedback::from_bytes(&bytes).map_err(|e| {
                 CliError::new(format!(
-                    "{}: not a residual state that `gradwire compress --residual` can load: {e}",
+                    "{}: cannot load it as a residual state (`--residual` takes a file that \
+                     an earlier `gradwire compress --residual` wrote, or a new path): {e}",
                     path.display()
                 ))
             })?;
