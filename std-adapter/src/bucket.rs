@@ -264,7 +264,7 @@ fn take_members(
     }
     for (i, &t) in members.iter().enumerate() {
         let info = &manifest.tensors()[t];
-        if let Err(e) = fb.take_residual(&info.name, info.numel, &mut res[i]) {
+        if let Err(e) = fb.take_residual(&info.name, &info.shape, info.numel, &mut res[i]) {
             put_members(fb, manifest, &members[..i], res);
             return Err(e);
         }
@@ -516,6 +516,17 @@ fn encode_slots(
         let fb = feedback.as_deref();
         for_each_slot(slots, parallel, |e, slot| {
             slot.selected = false;
+            // A residual restored or kept in another shape (a transposed weight) first.
+            if let Some(fb) = fb {
+                let shapes = entries[e].members.iter().map(|&t| &manifest.tensors()[t]);
+                if let Some(err) = shapes
+                    .map(|info| fb.check_shape(&info.name, &info.shape))
+                    .find_map(Result::err)
+                {
+                    slot.err = Some(err);
+                    return;
+                }
+            }
             if select_in_chunks(manifest, e, grads, step, fb, slot, parallel) {
                 return;
             }

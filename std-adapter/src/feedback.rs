@@ -15,28 +15,39 @@
 //! Rules:
 //! - a tensor seen for the first time starts from a zero residual; a tensor whose element count
 //!   changes is an error ([`Error::LengthChanged`]), never truncated or padded;
+//! - a residual remembers its tensor's shape once a step gave one ([`ErrorFeedback::step_tensors`],
+//!   [`ErrorFeedback::step_with_shapes`], and the bundle and compressor paths, which know their
+//!   tensors' shapes): a tensor that comes back with the same element count in another shape (a
+//!   transposed weight) is an error ([`Error::ShapeMismatch`]), since its old residual would be
+//!   added to the wrong coordinates. [`ErrorFeedback::step_with`] gives no shapes: it checks
+//!   element counts only, and a residual it creates has no shape until a shaped step gives one;
 //! - a step is all or nothing: every tensor is checked (lengths, NaN/Inf in the gradient and in
 //!   `gradient + residual`, the value type's range) before any residual changes, so a NaN in one
 //!   tensor leaves every residual, and the step counter, unchanged;
-//! - [`ErrorFeedback::save`] writes a safetensors file holding every residual (f32, exact bits)
-//!   and, in its `__metadata__`, the step, the seed and the method; a run restored with
-//!   [`ErrorFeedback::load`] continues bit-identically to one that was never interrupted.
+//! - [`ErrorFeedback::save`] writes a safetensors file holding every residual (f32, exact bits,
+//!   in its tensor's shape) and, in its `__metadata__`, the step, the seed and the method; a run
+//!   restored with [`ErrorFeedback::load`] continues bit-identically to one that was never
+//!   interrupted, shape checks included.
 //!
 //! # Checkpoint layout
-//! A safetensors file with one F32 tensor of shape `[n]` per residual, keyed by the parameter
-//! name, and these `__metadata__` entries:
+//! A safetensors file with one F32 tensor per residual, keyed by the parameter name, in the
+//! shape the residual remembers (`[n]` for one without a shape), and these `__metadata__`
+//! entries:
 //!
 //! | key | value |
 //! |---|---|
 //! | `format` | `gradwire-error-feedback` |
-//! | `version` | `2` |
+//! | `version` | `3` |
 //! | `method` | [`crate::compressor::format_method`] of the method |
 //! | `seed` | the seed, decimal |
 //! | `step` | the next step to run, decimal |
-//! | `crc32` | CRC-32 (IEEE, as in frames), decimal, of: for each residual in name order, its name, a 0 byte and its values (f32 little-endian); then the `method`, `seed` and `step` texts, each followed by a 0 byte |
+//! | `unshaped` | a JSON array of the names whose residual has no shape (stored as `[n]`), in name order; usually `[]` |
+//! | `crc32` | CRC-32 (IEEE, as in frames), decimal, of: for each residual in name order, its name, a 0 byte, its stored shape (the number of dimensions as u32, then each dimension as u64, little-endian) and its values (f32 little-endian); then the `method`, `seed`, `step` and `unshaped` texts, each followed by a 0 byte |
 //!
-//! The checksum makes a flipped bit in a stored residual or step an error, as it is in frames
-//! and bundles. Version 1 files (no `crc32`) still load.
+//! The checksum makes a flipped bit in a stored residual, shape or step an error, as it is in
+//! frames and bundles. Version 2 files (the same without shapes: every residual `[n]`, no
+//! `unshaped`, and a checksum without the shape and `unshaped` parts) and version 1 files (no
+//! `crc32`) still load; their residuals have no shape until a shaped step gives one.
 //!
 //! ```
 //! use gradwire::core::{K, Method, Values};
@@ -53,7 +64,7 @@
 //! # Ok::<(), gradwire::error::Error>(())
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
 use gradwire_core::{
@@ -69,7 +80,7 @@ use crate::tensor::Tensor;
 /// Value of the `format` metadata entry of a checkpoint.
 pub const CHECKPOINT_FORMAT: &str = "gradwire-error-feedback";
 /// Value of the `version` metadata entry of a checkpoint.
-pub const CHECKPOINT_VERSION: &str = "2";
+pub const CHECKPOINT_VERSION: &str = "3";
 
 /// Residuals keyed by parameter name, the method, the seed and the step counter of an
 /// error-feedback run.
@@ -79,17 +90,21 @@ pub struct ErrorFeedback {
     seed: u64,
     step: u64,
     residuals: BTreeMap<String, Vec<f32>>,
+    /// The shape of each residual whose step gave one (element count = the residual's length).
+    shapes: BTreeMap<String, Vec<usize>>,
     scratch: Vec<u32>,
     frame: Vec<u8>,
     ids: Vec<u64>,
 }
 
 impl PartialEq for ErrorFeedback {
-    /// Equal when method, seed, step and every residual (bit for bit) are equal.
+    /// Equal when method, seed, step, every residual (bit for bit) and every residual's shape
+    /// are equal.
     fn eq(&self, other: &Self) -> bool {
         self.method == other.method
             && self.seed == other.seed
             && self.step == other.step
+            && self.shapes == other.shapes
             && self.residuals.len() == other.residuals.len()
             && self
                 .residuals
@@ -209,6 +224,7 @@ impl ErrorFeedback {
             seed,
             step: 0,
             residuals: BTreeMap::new(),
+            shapes: BTreeMap::new(),
             scratch: Vec::new(),
             frame: Vec::new(),
             ids: Vec::new(),
@@ -245,6 +261,11 @@ impl ErrorFeedback {
         self.residuals.get(name).map(Vec::as_slice)
     }
 
+    /// The shape `name`'s residual remembers (see the module docs), if it has one.
+    pub fn residual_shape(&self, name: &str) -> Option<&[usize]> {
+        self.shapes.get(name).map(Vec::as_slice)
+    }
+
     /// Every residual, in name order.
     pub fn residuals(&self) -> impl Iterator<Item = (&str, &[f32])> {
         self.residuals
@@ -262,12 +283,14 @@ impl ErrorFeedback {
         self.residuals.is_empty()
     }
 
-    /// Drops every residual (the step counter, seed and method stay).
+    /// Drops every residual and its shape (the step counter, seed and method stay).
     pub fn clear(&mut self) {
         self.residuals.clear();
+        self.shapes.clear();
     }
 
-    /// Sets `name`'s residual (for example to restore state kept elsewhere).
+    /// Sets `name`'s residual (for example to restore state kept elsewhere). The residual has
+    /// no shape until a shaped step gives one (a shape `name` had before is forgotten).
     ///
     /// # Errors
     /// [`Error::Core`] with [`gradwire_core::Error::NonFinite`] when a value is NaN or
@@ -281,7 +304,41 @@ impl ErrorFeedback {
             ));
         }
         self.residuals.insert(name.to_owned(), residual);
+        self.shapes.remove(name);
         Ok(())
+    }
+
+    /// Checks `shape`, the shape of `name`'s gradient, against the shape its residual
+    /// remembers: [`Error::ShapeMismatch`] when they differ in the same element count. Another
+    /// element count, and a residual without a shape, pass here: the element count is checked
+    /// with the gradient's values ([`Error::LengthChanged`]).
+    pub(crate) fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()> {
+        let count = |s: &[usize]| s.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        match self.shapes.get(name) {
+            Some(known) if known.as_slice() != shape && count(known) == count(shape) => {
+                Err(Error::ShapeMismatch {
+                    tensor: name.to_owned(),
+                    rank: None,
+                    expected: known.clone(),
+                    got: shape.to_vec(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Remembers `shape` for `name`'s residual (after a step that checked it).
+    pub(crate) fn remember_shape(&mut self, name: &str, shape: &[usize]) {
+        match self.shapes.get_mut(name) {
+            Some(known) if known.as_slice() == shape => {}
+            Some(known) => {
+                known.clear();
+                known.extend_from_slice(shape);
+            }
+            None => {
+                self.shapes.insert(name.to_owned(), shape.to_vec());
+            }
+        }
     }
 
     /// The residual of `name` for a tensor of `n` elements, created as zeros when missing.
@@ -291,15 +348,18 @@ impl ErrorFeedback {
 
     /// Moves `name`'s residual (created as zeros of `n` elements when missing) into `into`,
     /// leaving an empty vector in the map until [`ErrorFeedback::put_residual`] gives it back:
-    /// so that tasks on several threads can each own the residuals of their tensors. Allocates
-    /// only when the residual is new.
+    /// so that tasks on several threads can each own the residuals of their tensors; the
+    /// residual remembers `shape` (of `n` elements, checked with
+    /// [`ErrorFeedback::check_shape`] before). Allocates only when the residual is new.
     pub(crate) fn take_residual(
         &mut self,
         name: &str,
+        shape: &[usize],
         n: usize,
         into: &mut Vec<f32>,
     ) -> Result<()> {
         std::mem::swap(residual_slot(&mut self.residuals, name, n)?, into);
+        self.remember_shape(name, shape);
         Ok(())
     }
 
@@ -325,6 +385,9 @@ impl ErrorFeedback {
     /// `gradient + residual` with [`ErrorFeedback::params`]`(name)`, updates the residual and
     /// hands the frame to `sink(name, frame)`. Then the step counter advances.
     ///
+    /// No shapes: element counts are checked, shapes are not (see the module docs); prefer
+    /// [`ErrorFeedback::step_with_shapes`] when the tensors have them.
+    ///
     /// `grads` is iterated twice (checks, then work), so its iterator must be `Clone` (slices,
     /// arrays and map iterators are). Buffers are reused: a steady-state step allocates nothing.
     ///
@@ -335,17 +398,54 @@ impl ErrorFeedback {
     /// for NaN/Inf in the gradient or in `gradient + residual`
     /// ([`gradwire_core::Error::NonFinite`], with the first bad index) or a value beyond the
     /// range of f16/bf16 values ([`gradwire_core::Error::ValueOutOfRange`]).
-    pub fn step_with<'a, I>(&mut self, grads: I, mut sink: impl FnMut(&str, &[u8])) -> Result<()>
+    pub fn step_with<'a, I>(&mut self, grads: I, sink: impl FnMut(&str, &[u8])) -> Result<()>
     where
         I: IntoIterator<Item = (&'a str, &'a [f32])>,
         I::IntoIter: Clone,
     {
-        let iter = grads.into_iter();
+        self.step_items(grads.into_iter().map(|(n, g)| (n, None, g)), sink)
+    }
+
+    /// [`ErrorFeedback::step_with`] for tensors with shapes: `grads` yields `(name, shape,
+    /// gradient)` with `gradient.len()` the product of `shape` (row-major, as safetensors and
+    /// [`Tensor`] keep it; `[]` for a 0-d tensor). A residual remembers its tensor's shape, and a
+    /// tensor that comes back in another shape is an error, as is one whose residual was
+    /// restored from a checkpoint in another shape.
+    ///
+    /// # Errors
+    /// As [`ErrorFeedback::step_with`]; [`Error::ShapeMismatch`] (nothing changes) when a
+    /// tensor comes in another shape of the same element count than the one its residual
+    /// remembers (`expected`; another count is [`Error::LengthChanged`]), or when
+    /// `gradient.len()` is not the product of `shape` (`got` is then `[gradient.len()]`).
+    pub fn step_with_shapes<'a, I>(&mut self, grads: I, sink: impl FnMut(&str, &[u8])) -> Result<()>
+    where
+        I: IntoIterator<Item = (&'a str, &'a [usize], &'a [f32])>,
+        I::IntoIter: Clone,
+    {
+        self.step_items(grads.into_iter().map(|(n, s, g)| (n, Some(s), g)), sink)
+    }
+
+    /// The step of [`ErrorFeedback::step_with`] and [`ErrorFeedback::step_with_shapes`].
+    fn step_items<'a, I>(&mut self, iter: I, mut sink: impl FnMut(&str, &[u8])) -> Result<()>
+    where
+        I: Iterator<Item = (&'a str, Option<&'a [usize]>, &'a [f32])> + Clone,
+    {
         let values = self.method.values();
         // Pass 1: every check, and the buffer sizes.
         self.ids.clear();
         let (mut frame_len, mut scratch) = (0usize, 0usize);
-        for (name, g) in iter.clone() {
+        for (name, shape, g) in iter.clone() {
+            if let Some(shape) = shape {
+                if shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(g.len()) {
+                    return Err(Error::ShapeMismatch {
+                        tensor: name.to_owned(),
+                        rank: None,
+                        expected: shape.to_vec(),
+                        got: vec![g.len()],
+                    });
+                }
+                self.check_shape(name, shape)?;
+            }
             check_step_input(name, g, self.residual(name), values)?;
             self.ids.push(tensor_id(name));
             frame_len = frame_len.max(max_frame_len(g.len(), &self.method));
@@ -354,7 +454,7 @@ impl ErrorFeedback {
         self.ids.sort_unstable();
         if self.ids.windows(2).any(|w| w[0] == w[1]) {
             // Same hash: confirm with the names (rare, so this may allocate).
-            let mut names: Vec<&str> = iter.clone().map(|(n, _)| n).collect();
+            let mut names: Vec<&str> = iter.clone().map(|(n, _, _)| n).collect();
             names.sort_unstable();
             if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
                 return Err(Error::DuplicateTensor {
@@ -369,31 +469,36 @@ impl ErrorFeedback {
             self.scratch.resize(scratch, 0);
         }
         // Pass 2: cannot fail after the checks above.
-        for (name, g) in iter {
+        for (name, shape, g) in iter {
             let params = self.params(name);
             let residual = residual_slot(&mut self.residuals, name, g.len())?;
             let len = feedback_step(g, residual, &params, &mut self.scratch, &mut self.frame)
                 .map_err(|e| Error::core(name, None, e))?;
+            if let Some(shape) = shape {
+                self.remember_shape(name, shape);
+            }
             sink(name, &self.frame[..len]);
         }
         self.advance();
         Ok(())
     }
 
-    /// One step over named tensors in sorted name order (see [`ErrorFeedback::step_with`]),
-    /// returning each tensor's frame.
+    /// One step over named tensors in sorted name order (see
+    /// [`ErrorFeedback::step_with_shapes`]), returning each tensor's frame.
     ///
     /// # Errors
-    /// As [`ErrorFeedback::step_with`].
+    /// As [`ErrorFeedback::step_with_shapes`].
     pub fn step_tensors(
         &mut self,
         grads: &HashMap<String, Tensor>,
     ) -> Result<BTreeMap<String, Vec<u8>>> {
-        let mut sorted: Vec<(&str, &[f32])> =
-            grads.iter().map(|(n, t)| (n.as_str(), t.data())).collect();
+        let mut sorted: Vec<(&str, &[usize], &[f32])> = grads
+            .iter()
+            .map(|(n, t)| (n.as_str(), t.shape(), t.data()))
+            .collect();
         sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
         let mut out = BTreeMap::new();
-        self.step_with(sorted.iter().copied(), |name, frame| {
+        self.step_with_shapes(sorted.iter().copied(), |name, frame| {
             out.insert(name.to_owned(), frame.to_vec());
         })?;
         Ok(out)
@@ -415,25 +520,50 @@ impl ErrorFeedback {
         meta.insert("version".to_owned(), CHECKPOINT_VERSION.to_owned());
         let method = format_method(&self.method);
         let (seed, step) = (self.seed.to_string(), self.step.to_string());
-        let crc = checkpoint_crc(&self.residuals, [&method, &seed, &step]);
+        let unshaped: Vec<&str> = self
+            .residuals
+            .keys()
+            .filter(|n| !self.shapes.contains_key(*n))
+            .map(String::as_str)
+            .collect();
+        let unshaped = serde_json::to_string(&unshaped)
+            .map_err(|e| Error::checkpoint(format!("cannot write `unshaped`: {e}")))?;
+        let stored = self.stored_shapes();
+        let crc = checkpoint_crc(
+            &self.residuals,
+            Some(&stored),
+            &[&method, &seed, &step, &unshaped],
+        );
         meta.insert("crc32".to_owned(), crc.to_string());
         meta.insert("method".to_owned(), method);
         meta.insert("seed".to_owned(), seed);
         meta.insert("step".to_owned(), step);
+        meta.insert("unshaped".to_owned(), unshaped);
         crate::tensor::serialize_f32(
             self.residuals
                 .iter()
-                .map(|(n, r)| (n.as_str(), vec![r.len()], r.as_slice())),
+                .zip(stored)
+                .map(|((n, r), shape)| (n.as_str(), shape, r.as_slice())),
             Some(meta),
         )
+    }
+
+    /// The shape each residual is stored in, in name order: the one it remembers, else `[n]`.
+    fn stored_shapes(&self) -> Vec<Vec<usize>> {
+        self.residuals
+            .iter()
+            .map(|(n, r)| self.shapes.get(n).cloned().unwrap_or_else(|| vec![r.len()]))
+            .collect()
     }
 
     /// Restores a checkpoint from the bytes [`ErrorFeedback::to_bytes`] wrote.
     ///
     /// # Errors
     /// [`Error::Safetensors`] for bytes that are not safetensors; [`Error::Checkpoint`] naming
-    /// what is wrong: a missing or unknown `format`, `version`, `method`, `seed` or `step`, a
-    /// tensor that is not 1-d F32, a NaN or infinite residual value.
+    /// what is wrong: a missing or unknown `format`, `version`, `method`, `seed`, `step` or
+    /// (version 3) `unshaped`, a tensor that is not F32 (or, in versions 1 and 2, not 1-d), an
+    /// `unshaped` residual that is not 1-d, a NaN or infinite residual value, a checksum that
+    /// does not match.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let (header, data) = crate::safetensors_checked::read_header(bytes)?;
         let empty = HashMap::new();
@@ -450,12 +580,25 @@ impl ErrorFeedback {
             )));
         }
         let version = get("version")?;
-        if version != CHECKPOINT_VERSION && version != "1" {
+        if !["1", "2", CHECKPOINT_VERSION].contains(&version) {
             return Err(Error::checkpoint(format!(
-                "version `{version}` is not supported (this build reads `1` and \
+                "version `{version}` is not supported (this build reads `1`, `2` and \
                  `{CHECKPOINT_VERSION}`)"
             )));
         }
+        let shaped = version == CHECKPOINT_VERSION;
+        // Version 3: the names whose residual has no shape (stored as `[n]`).
+        let unshaped: Option<(&str, BTreeSet<String>)> = if shaped {
+            let text = get("unshaped")?;
+            let names = serde_json::from_str(text).map_err(|_| {
+                Error::checkpoint(format!(
+                    "metadata `unshaped` = `{text}` is not a JSON array of names"
+                ))
+            })?;
+            Some((text, names))
+        } else {
+            None
+        };
         let stored_crc = if version == "1" {
             None
         } else {
@@ -483,11 +626,19 @@ impl ErrorFeedback {
         let mut tensors: Vec<_> = header.tensors().into_iter().collect();
         tensors.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         for (name, info) in tensors {
-            if info.dtype != Dtype::F32 || info.shape.len() != 1 {
+            let flat = match &unshaped {
+                None => true,
+                Some((_, names)) => names.contains(&name),
+            };
+            if info.dtype != Dtype::F32 || (flat && info.shape.len() != 1) {
+                let expected = if flat { " with shape [n]" } else { "" };
                 return Err(Error::checkpoint(format!(
-                    "residual `{name}` is {:?} with shape {:?}, expected F32 with shape [n]",
+                    "residual `{name}` is {:?} with shape {:?}, expected F32{expected}",
                     info.dtype, info.shape
                 )));
+            }
+            if !flat {
+                fb.shapes.insert(name.clone(), info.shape.clone());
             }
             // In range: `read_header` checked every offset against the data section.
             let (start, end) = info.data_offsets;
@@ -505,9 +656,30 @@ impl ErrorFeedback {
             }
             fb.residuals.insert(name, r);
         }
+        if let Some(name) = unshaped
+            .iter()
+            .flat_map(|(_, names)| names)
+            .find(|n| !fb.residuals.contains_key(*n))
+        {
+            return Err(Error::checkpoint(format!(
+                "metadata `unshaped` names `{name}`, which the file holds no residual for"
+            )));
+        }
         if let Some(stored) = stored_crc {
-            let computed =
-                checkpoint_crc(&fb.residuals, [get("method")?, get("seed")?, get("step")?]);
+            let texts = [get("method")?, get("seed")?, get("step")?];
+            let computed = match &unshaped {
+                // Version 2: no shapes.
+                None => checkpoint_crc(&fb.residuals, None, &texts),
+                Some((text, _)) => {
+                    let [method, seed, step] = texts;
+                    let stored_shapes = fb.stored_shapes();
+                    checkpoint_crc(
+                        &fb.residuals,
+                        Some(&stored_shapes),
+                        &[method, seed, step, text],
+                    )
+                }
+            };
             if stored != computed {
                 return Err(Error::checkpoint(format!(
                     "checksum mismatch (stored {stored}, computed {computed}): the file is \
@@ -546,13 +718,25 @@ impl ErrorFeedback {
     }
 }
 
-/// The `crc32` of a checkpoint (layout in the module docs).
-fn checkpoint_crc(residuals: &BTreeMap<String, Vec<f32>>, texts: [&str; 3]) -> u32 {
+/// The `crc32` of a checkpoint (layout in the module docs): with `shapes` (one per residual, in
+/// name order) as version 3 computes it, without as version 2 did.
+fn checkpoint_crc(
+    residuals: &BTreeMap<String, Vec<f32>>,
+    shapes: Option<&[Vec<usize>]>,
+    texts: &[&str],
+) -> u32 {
     let mut h = crc32fast::Hasher::new();
     let mut buf = [0u8; 4096];
-    for (name, r) in residuals {
+    for (i, (name, r)) in residuals.iter().enumerate() {
         h.update(name.as_bytes());
         h.update(&[0]);
+        if let Some(shape) = shapes.and_then(|s| s.get(i)) {
+            // Ranks and dimensions are far below u32 / u64 (safetensors checked the shape).
+            h.update(&(shape.len() as u32).to_le_bytes());
+            for &d in shape {
+                h.update(&(d as u64).to_le_bytes());
+            }
+        }
         for run in r.chunks(buf.len() / 4) {
             for (b, x) in buf.chunks_exact_mut(4).zip(run) {
                 b.copy_from_slice(&x.to_le_bytes());

@@ -637,7 +637,9 @@ pub const fn feedback_method(mode: Mode, ratio: f64) -> Method {
 /// # Errors
 /// As [`compress`]; [`ReferenceError::FeedbackMethod`] when `feedback` was made for another
 /// mode or ratio; [`ReferenceError::ElementCount`] when a tensor's element count differs from
-/// its stored residual's; [`ReferenceError::NonFinite`] where `grad + residual` is not finite.
+/// its stored residual's; [`ReferenceError::WrongShape`] when a tensor's shape differs from the
+/// one its residual remembers (a transposed weight; see [`crate::feedback`]);
+/// [`ReferenceError::NonFinite`] where `grad + residual` is not finite.
 pub fn compress_with_error_feedback(
     tensors: &[Input<'_>],
     feedback: &mut ErrorFeedback,
@@ -653,7 +655,16 @@ pub fn compress_with_error_feedback(
         });
     }
     check_inputs(tensors, false)?;
-    for &(name, _, data) in tensors {
+    for &(name, shape, data) in tensors {
+        if let Some(known) = feedback.residual_shape(name)
+            && known != shape
+        {
+            return Err(ReferenceError::WrongShape {
+                key: name.to_owned(),
+                expected: format!("{known:?}, the shape its residual was kept in"),
+                got: shape.to_vec(),
+            });
+        }
         match feedback.residual(name) {
             Some(r) if r.len() != data.len() => {
                 return Err(ReferenceError::ElementCount {
@@ -678,6 +689,7 @@ pub fn compress_with_error_feedback(
                     got: 0,
                 })?;
         entries.push((name, shape, feedback_checked(data, r, mode, ratio)));
+        feedback.remember_shape(name, shape);
     }
     feedback.advance();
     to_bytes(entries.iter().map(|(n, s, e)| (*n, *s, e)))

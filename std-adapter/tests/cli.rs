@@ -663,211 +663,68 @@ fn bad_command_lines_are_one_line_errors() {
     let out = dir.join("out");
     let o = s(&out);
     let gs = s(&g);
-    let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec![], "gradwire --help"),
-        (vec!["frobnicate"], "unrecognized subcommand"),
-        (vec!["compress", gs], "-o"),
-        (vec!["compress", gs, "-o", o, "--bogus"], "--bogus"),
+    // Flags after `compress GRADS -o OUT`, and what the one-line error must say.
+    let compress_flags: [(&str, &str); 30] = [
+        ("--bogus", "--bogus"),
+        ("--ratio 0.1 --k 5", "cannot be used with"),
+        ("--method lz4", "lz4"),
+        ("--ratio abc", "abc"),
+        ("--bits 4", "--bits applies to --method quant"),
         (
-            vec!["compress", gs, "-o", o, "--ratio", "0.1", "--k", "5"],
-            "cannot be used with",
-        ),
-        (vec!["compress", gs, "-o", o, "--method", "lz4"], "lz4"),
-        (vec!["compress", gs, "-o", o, "--ratio", "abc"], "abc"),
-        (
-            vec!["compress", gs, "-o", o, "--bits", "4"],
-            "--bits applies to --method quant",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--method", "quant", "--bits", "9"],
+            "--method quant --bits 9",
             "invalid --bits 9: quantization takes 2..=8 bits",
         ),
+        ("--method quant --values int8", "--values applies"),
+        ("--method threshold", "needs --threshold"),
+        ("--threshold 0.1", "--threshold applies"),
+        ("--method sign --ratio 0.1", "--ratio and --k apply"),
+        ("--block 16", "--block applies"),
+        ("--method sign --block 0", "at least 1"),
+        ("--ratio NaN", "invalid --ratio NaN"),
+        ("--ratio=-0.5", "invalid --ratio -0.5"),
+        ("--ratio -0.5", "invalid --ratio -0.5"),
+        ("--k -5", "invalid value '-5' for '--k <K>'"),
         (
-            vec![
-                "compress", gs, "-o", o, "--method", "quant", "--values", "int8",
-            ],
-            "--values applies",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--method", "threshold"],
-            "needs --threshold",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--threshold", "0.1"],
-            "--threshold applies",
-        ),
-        (
-            vec![
-                "compress", gs, "-o", o, "--method", "sign", "--ratio", "0.1",
-            ],
-            "--ratio and --k apply",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--block", "16"],
-            "--block applies",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--method", "sign", "--block", "0"],
-            "at least 1",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--ratio", "NaN"],
-            "invalid --ratio NaN",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--ratio=-0.5"],
-            "invalid --ratio -0.5",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--ratio", "-0.5"],
-            "invalid --ratio -0.5",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--k", "-5"],
-            "invalid value '-5' for '--k <K>'",
-        ),
-        (
-            vec![
-                "compress",
-                gs,
-                "-o",
-                o,
-                "--layout",
-                "reference",
-                "--threshold",
-                "1",
-            ],
+            "--layout reference --threshold 1",
             "--threshold, --bits and --stochastic are not available",
         ),
         (
-            vec![
-                "compress",
-                gs,
-                "-o",
-                o,
-                "--method",
-                "threshold",
-                "--threshold",
-                "-1",
-            ],
+            "--method threshold --threshold -1",
             "invalid --threshold -1",
         ),
         (
-            vec![
-                "compress",
-                gs,
-                "-o",
-                o,
-                "--method",
-                "threshold",
-                "--threshold",
-                "NaN",
-            ],
+            "--method threshold --threshold NaN",
             "invalid --threshold NaN",
         ),
+        ("--ratio 2", "must be > 0 and <= 1"),
+        ("--ratio 0", "must be > 0 and <= 1"),
+        ("--stochastic", "--stochastic applies"),
         (
-            vec!["compress", gs, "-o", o, "--ratio", "2"],
-            "must be > 0 and <= 1",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--ratio", "0"],
-            "must be > 0 and <= 1",
-        ),
-        (
-            vec!["compress", gs, "-o", o, "--stochastic"],
-            "--stochastic applies",
-        ),
-        (
-            vec![
-                "compress",
-                gs,
-                "-o",
-                o,
-                "--layout",
-                "reference",
-                "--method",
-                "quant",
-            ],
+            "--layout reference --method quant",
             "reference layout supports",
         ),
+        ("--layout reference --k 5", "--k is not available"),
+        ("--layout reference --values f16", "f32 or int8"),
         (
-            vec!["compress", gs, "-o", o, "--layout", "reference", "--k", "5"],
-            "--k is not available",
-        ),
-        (
-            vec![
-                "compress",
-                gs,
-                "-o",
-                o,
-                "--layout",
-                "reference",
-                "--values",
-                "f16",
-            ],
-            "f32 or int8",
-        ),
-        (
-            vec![
-                "compress",
-                gs,
-                "-o",
-                o,
-                "--layout",
-                "reference",
-                "--values",
-                "int8",
-                "--block",
-                "8",
-            ],
+            "--layout reference --values int8 --block 8",
             "one int8 scale",
         ),
+        ("--layout reference --seed 1", "--seed does not apply"),
+        ("--layout reference --ratio inf", "invalid ratio"),
         (
-            vec![
-                "compress",
-                gs,
-                "-o",
-                o,
-                "--layout",
-                "reference",
-                "--seed",
-                "1",
-            ],
-            "--seed does not apply",
-        ),
-        (
-            vec![
-                "compress",
-                gs,
-                "-o",
-                o,
-                "--layout",
-                "reference",
-                "--ratio",
-                "inf",
-            ],
-            "invalid ratio",
-        ),
-        (
-            vec![
-                "compress",
-                gs,
-                "-o",
-                o,
-                "--layout",
-                "reference",
-                "--method",
-                "f32",
-                "--ratio",
-                "0.1",
-            ],
+            "--layout reference --method f32 --ratio 0.1",
             "--ratio applies",
         ),
+        ("--layout zip", "zip"),
+    ];
+    let mut cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec![], "gradwire --help"),
+        (vec!["frobnicate"], "unrecognized subcommand"),
+        (vec!["compress", gs], "-o"),
         (
             vec!["compress", gs, "-o", o, "--residual", o],
             "is the --residual state",
         ),
-        (vec!["compress", gs, "-o", o, "--layout", "zip"], "zip"),
         (vec!["decompress", gs, "-o", o], "--shapes"),
         (
             vec!["decompress", gs, "-o", o, "--layout", "gradwire"],
@@ -879,6 +736,12 @@ fn bad_command_lines_are_one_line_errors() {
         ),
         (vec!["inspect"], "IN"),
     ];
+    for (flags, want) in compress_flags {
+        let args = ["compress", gs, "-o", o]
+            .into_iter()
+            .chain(flags.split(' '));
+        cases.push((args.collect(), want));
+    }
     for (args, want) in cases {
         fails(&args, want);
         assert!(
@@ -986,6 +849,68 @@ fn a_stale_residual_state_is_named() {
         &args.iter().map(String::as_str).collect::<Vec<_>>(),
         "st.bin: residual state holds 4 elements for tensor `a`, the gradients file 3",
     );
+}
+
+/// A transposed weight has its old element count: the state remembers shapes (checkpoint
+/// version 3) and names the change, in both layouts. A version 2 state (no shapes) from the
+/// previous build still works, and is rewritten with shapes.
+#[test]
+fn a_transposed_tensor_is_refused_by_its_residual_state() {
+    let dir = scratch("transposed_state");
+    let w = [1.0f32, -3.0, 0.25, 4.5, -0.75, 2.5];
+    let (g23, g32) = (dir.join("g23.st"), dir.join("g32.st"));
+    safetensors_file(&g23, &[("w", Dtype::F32, vec![2, 3], f32_bytes(&w))]);
+    safetensors_file(&g32, &[("w", Dtype::F32, vec![3, 2], f32_bytes(&w))]);
+    let out = dir.join("out.st");
+    for layout in ["gradwire", "reference"] {
+        let st = dir.join(format!("{layout}.state"));
+        let step = |g: &Path| {
+            let mut args = vec!["compress", s(g), "-o", s(&out), "--residual", s(&st)];
+            args.extend(["--layout", layout, "--method", "topk", "--ratio", "0.2"]);
+            args.iter().map(|a| (*a).to_owned()).collect::<Vec<_>>()
+        };
+        let args = step(&g23);
+        ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let args = step(&g32);
+        fails(
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+            "state: residual state keeps tensor `w` in shape [2, 3], the gradients file has \
+             shape [3, 2]",
+        );
+    }
+
+    // The previous build's state (version 2, flat residuals) of testdata/checkpoint_v2.
+    let st = dir.join("v2.state");
+    fs::copy(testdata("checkpoint_v2/state.safetensors"), &st).unwrap();
+    let g = testdata("checkpoint_v2/grads.safetensors");
+    let step = [
+        "--method",
+        "topk",
+        "--k",
+        "1",
+        "--values",
+        "f32",
+        "--residual",
+        s(&st),
+    ];
+    let args = [&["compress", s(&g), "-o", s(&out)][..], &step[..]].concat();
+    ok(&args);
+    let fb = ErrorFeedback::load(&st).unwrap();
+    assert_eq!(
+        (fb.step(), fb.residual_shape("w")),
+        (2, Some(&[2usize, 3][..]))
+    );
+    let b = f32_bytes(&[0.5, -1.25, 2.0]);
+    let gt = dir.join("gt.st");
+    safetensors_file(
+        &gt,
+        &[
+            ("b", Dtype::F32, vec![3], b),
+            ("w", Dtype::F32, vec![3, 2], f32_bytes(&w)),
+        ],
+    );
+    let args = [&["compress", s(&gt), "-o", s(&out)][..], &step[..]].concat();
+    fails(&args, "keeps tensor `w` in shape [2, 3]");
 }
 
 fn safetensors_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {

@@ -23,6 +23,14 @@ fn temp(name: &str) -> PathBuf {
     ))
 }
 
+/// Top-k of `k` elements with `values`.
+fn topk(k: u64, values: Values) -> Method {
+    Method::TopK {
+        k: K::Count(k),
+        values,
+    }
+}
+
 fn topk_int8() -> Method {
     Method::TopK {
         k: K::Ratio(0.01),
@@ -128,10 +136,7 @@ fn compressor_resume_with_buckets_and_stochastic_rounding() {
 #[test]
 fn nothing_lost_per_coordinate() {
     // sent + residual_new == gradient + residual_old, bit-exact for f32 values.
-    let method = Method::TopK {
-        k: K::Count(3),
-        values: Values::F32,
-    };
+    let method = topk(3, Values::F32);
     let mut fb = ErrorFeedback::new(method, 0).unwrap();
     let mut rng = Rng(9);
     for _ in 0..5 {
@@ -168,10 +173,7 @@ fn params_come_from_seed_step_and_name() {
 #[test]
 fn the_first_bad_index_of_either_kind_is_named() {
     // An overflowing gradient + residual at index 0 comes before a NaN gradient at index 2.
-    let method = Method::TopK {
-        k: K::Count(1),
-        values: Values::F32,
-    };
+    let method = topk(1, Values::F32);
     let mut fb = ErrorFeedback::new(method, 0).unwrap();
     let big = f32::MAX * 0.75;
     fb.step_with([("w", &[big, f32::MAX, 1.0][..])], |_, _| {})
@@ -189,10 +191,7 @@ fn the_first_bad_index_of_either_kind_is_named() {
 
 #[test]
 fn a_step_is_all_or_nothing() {
-    let method = Method::TopK {
-        k: K::Count(1),
-        values: Values::F16,
-    };
+    let method = topk(1, Values::F16);
     let mut fb = ErrorFeedback::new(method, 0).unwrap();
     let a = [1.0f32, 2.0, 3.0];
     let b = [3.0f32, 2.0, 1.0];
@@ -242,10 +241,7 @@ fn a_step_is_all_or_nothing() {
 
 #[test]
 fn new_tensors_and_absent_tensors() {
-    let method = Method::TopK {
-        k: K::Count(1),
-        values: Values::F32,
-    };
+    let method = topk(1, Values::F32);
     let mut fb = ErrorFeedback::new(method, 0).unwrap();
     fb.step_with([("a", &[1.0f32, 2.0][..])], |_, _| {})
         .unwrap();
@@ -303,10 +299,7 @@ fn checkpoint(meta: &[(&str, &str)], tensors: &[(&str, Dtype, Vec<usize>, Vec<u8
 /// user's trial: version 1 checkpoints had no checksum and loaded a corrupted residual).
 #[test]
 fn a_corrupted_checkpoint_is_an_error() {
-    let method = Method::TopK {
-        k: K::Count(1),
-        values: Values::F32,
-    };
+    let method = topk(1, Values::F32);
     let mut fb = ErrorFeedback::new(method, 7).unwrap();
     let grad: Vec<f32> = (0..64).map(|i| i as f32 * 0.25 - 3.0).collect();
     fb.step_with([("w", &grad[..])], |_, _| {}).unwrap();
@@ -353,7 +346,7 @@ fn checkpoints_are_checked() {
 
     for (key, value) in [
         ("format", "something-else"),
-        ("version", "2"),
+        ("version", "4"),
         ("method", "topk"),
         ("method", "sign scale=none"),
         ("seed", "-1"),
@@ -433,4 +426,175 @@ fn compressor_refuses_a_checkpoint_of_another_method() {
         &ok.decompress(&a).unwrap()["w"].data()[..2],
         &[0.0, 0.0]
     ));
+}
+
+fn testdata(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata")
+        .join(rel)
+}
+
+/// A weight transposed between steps keeps its element count, so a residual kept by name and
+/// length would be added to the wrong coordinates, silently. A residual remembers its shape
+/// (in memory and in checkpoints); another shape is an error and changes nothing.
+#[test]
+fn a_transposed_tensor_is_refused_not_fed_its_old_residual() {
+    let w = vec![1.0f32, -3.0, 0.25, 4.5, -0.75, 2.5];
+    let mut fb = ErrorFeedback::new(topk(1, Values::F32), 5).unwrap();
+    fb.step_tensors(&grads(&[("w", &[2, 3], w.clone())]))
+        .unwrap();
+    assert_eq!(fb.residual_shape("w"), Some(&[2usize, 3][..]));
+    let before = fb.clone();
+    let err = fb
+        .step_tensors(&grads(&[("w", &[3, 2], w.clone())]))
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::ShapeMismatch { tensor, expected, got, .. }
+            if tensor == "w" && expected == &[2, 3] && got == &[3, 2]),
+        "{err}"
+    );
+    assert_eq!(fb, before, "nothing changes on error");
+    // A shape that does not hold the gradient's values is refused as such.
+    let err = fb
+        .step_with_shapes([("w", &[2usize, 2][..], &w[..])], |_, _| {})
+        .unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    assert_eq!(fb, before);
+
+    // The shape survives a checkpoint (version 3), and so does the check.
+    let bytes = fb.to_bytes().unwrap();
+    let mut restored = ErrorFeedback::from_bytes(&bytes).unwrap();
+    assert_eq!(restored, fb);
+    assert_eq!(restored.residual_shape("w"), Some(&[2usize, 3][..]));
+    assert!(matches!(
+        restored.step_tensors(&grads(&[("w", &[3, 2], w.clone())])),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    restored
+        .step_tensors(&grads(&[("w", &[2, 3], w.clone())]))
+        .unwrap();
+
+    // The same through the compressor (its bundle path knows every tensor's shape).
+    let mut c = GradientCompressor::new(CompressionMethod::TopK { k: 1 }.with_error_feedback());
+    c.restore_feedback(ErrorFeedback::from_bytes(&bytes).unwrap())
+        .unwrap();
+    let err = c
+        .compress(&grads(&[("w", &[3, 2], w.clone())]))
+        .unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    assert_eq!(
+        c.feedback(),
+        Some(&ErrorFeedback::from_bytes(&bytes).unwrap())
+    );
+    c.compress(&grads(&[("w", &[2, 3], w)])).unwrap();
+}
+
+/// `step_with` has no shapes: its residuals have none until a shaped step gives one, and
+/// checkpoints list them in `unshaped`.
+#[test]
+fn residuals_without_a_shape_take_the_first_one_given() {
+    let w = [1.0f32, -3.0, 0.25, 4.5, -0.75, 2.5];
+    let mut fb = ErrorFeedback::new(topk(1, Values::F32), 5).unwrap();
+    fb.step_with([("a", &w[..]), ("w", &w[..])], |_, _| {})
+        .unwrap();
+    assert_eq!(fb.residual_shape("w"), None);
+    let bytes = fb.to_bytes().unwrap();
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(text.contains(r#""unshaped":"[\"a\",\"w\"]""#), "{text}");
+    assert_eq!(ErrorFeedback::from_bytes(&bytes).unwrap(), fb);
+    fb.step_with_shapes([("w", &[3usize, 2][..], &w[..])], |_, _| {})
+        .unwrap();
+    assert_eq!(fb.residual_shape("w"), Some(&[3usize, 2][..]));
+    let restored = ErrorFeedback::from_bytes(&fb.to_bytes().unwrap()).unwrap();
+    assert_eq!(restored.residual_shape("w"), Some(&[3usize, 2][..]));
+    assert_eq!(restored.residual_shape("a"), None);
+    // A flat step checks the element count only; set_residual forgets the shape.
+    fb.step_with([("w", &w[..])], |_, _| {}).unwrap();
+    assert_eq!(fb.residual_shape("w"), Some(&[3usize, 2][..]));
+    fb.set_residual("w", vec![0.0; 6]).unwrap();
+    assert_eq!(fb.residual_shape("w"), None);
+    fb.clear();
+    assert_eq!((fb.len(), fb.residual_shape("w")), (0, None));
+}
+
+/// A checkpoint that the previous version (2, flat residuals) wrote still loads: its residuals
+/// have no shape, so the next shaped step adopts the tensors' shapes and the checkpoint after it
+/// is version 3 with shapes.
+#[test]
+fn a_version_2_checkpoint_still_loads() {
+    let bytes = std::fs::read(testdata("checkpoint_v2/state.safetensors")).unwrap();
+    let mut fb = ErrorFeedback::from_bytes(&bytes).unwrap();
+    assert_eq!(
+        (fb.seed(), fb.step(), *fb.method()),
+        (5, 1, topk(1, Values::F32))
+    );
+    // Step 1 of top-1 sent 4.5 (`w`'s largest magnitude) and 2.0 (`b`'s); the rest is kept.
+    assert!(same_bits(
+        fb.residual("w").unwrap(),
+        &[1.0, -3.0, 0.25, 0.0, -0.75, 2.5]
+    ));
+    assert!(same_bits(fb.residual("b").unwrap(), &[0.5, -1.25, 0.0]));
+    assert_eq!(fb.residual_shape("w"), None);
+    let g = grads(&[("b", &[3], vec![0.0; 3]), ("w", &[2, 3], vec![0.0; 6])]);
+    fb.step_tensors(&g).unwrap();
+    assert_eq!(fb.residual_shape("w"), Some(&[2usize, 3][..]));
+    let v3 = fb.to_bytes().unwrap();
+    assert!(String::from_utf8_lossy(&v3).contains(r#""version":"3""#));
+    assert_eq!(ErrorFeedback::from_bytes(&v3).unwrap(), fb);
+}
+
+/// Version 3 metadata and shapes are checked: a shape edited in the header (`[2,3]` to
+/// `[3,2]`: the same byte count, so safetensors cannot tell) is a checksum mismatch, and a
+/// missing, malformed or inconsistent `unshaped` entry is named.
+#[test]
+fn version_3_shapes_and_unshaped_are_checked() {
+    let w = vec![1.0f32, -3.0, 0.25, 4.5, -0.75, 2.5];
+    let mut fb = ErrorFeedback::new(topk(1, Values::F32), 5).unwrap();
+    fb.step_tensors(&grads(&[("w", &[2, 3], w)])).unwrap();
+    let bytes = fb.to_bytes().unwrap();
+    let edit = |from: &[u8], to: &[u8]| {
+        let at = bytes
+            .windows(from.len())
+            .position(|x| x == from)
+            .unwrap_or_else(|| panic!("{} in the header", String::from_utf8_lossy(from)));
+        let mut b = bytes.clone();
+        b[at..at + from.len()].copy_from_slice(to);
+        ErrorFeedback::from_bytes(&b).unwrap_err().to_string()
+    };
+    assert!(edit(b"[2,3]", b"[3,2]").contains("checksum mismatch"));
+    let err = edit(br#""unshaped":"[]""#, br#""unshaped":"{}""#);
+    assert!(err.contains("`unshaped`"), "{err}");
+    let err = edit(br#""unshaped":"[]""#, br#""unshapex":"[]""#);
+    assert!(err.contains("`unshaped` is missing"), "{err}");
+
+    let meta = |unshaped: &'static str| {
+        vec![
+            ("format", "gradwire-error-feedback"),
+            ("version", "3"),
+            ("method", "topk k=count:1 values=f32"),
+            ("seed", "5"),
+            ("step", "1"),
+            ("unshaped", unshaped),
+            ("crc32", "0"),
+        ]
+    };
+    let one = f32_bytes(&[1.5, 2.5]);
+    let err = ErrorFeedback::from_bytes(&checkpoint(
+        &meta(r#"["v"]"#),
+        &[("w", Dtype::F32, vec![2], one.clone())],
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("names `v`"), "{err}");
+    let err = ErrorFeedback::from_bytes(&checkpoint(
+        &meta(r#"["w"]"#),
+        &[("w", Dtype::F32, vec![1, 2], one)],
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("expected F32 with shape [n]"), "{err}");
+}
+
+fn f32_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.to_le_bytes()).collect()
 }

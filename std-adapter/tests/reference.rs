@@ -721,3 +721,24 @@ fn truncated_and_corrupted_payloads_never_panic() {
         let _ = reference::summarize(&b);
     }
 }
+
+/// The reference layout's error feedback keeps residuals in an `ErrorFeedback`, so a residual
+/// remembers its tensor's shape there too: a transposed weight is refused, nothing changes.
+#[test]
+fn a_transposed_tensor_is_refused_by_reference_feedback() {
+    let x = [1.0f32, -3.0, 0.25, 4.5, -0.75, 2.5];
+    let mut fb = ErrorFeedback::new(reference::feedback_method(Mode::TopK, 0.5), 0).unwrap();
+    let t: Vec<(&str, &[usize], &[f32])> = vec![("w", &[2, 3], &x)];
+    reference::compress_with_error_feedback(&t, &mut fb, Mode::TopK, 0.5).unwrap();
+    assert_eq!(fb.residual_shape("w"), Some(&[2usize, 3][..]));
+    let before = fb.clone();
+    let t: Vec<(&str, &[usize], &[f32])> = vec![("w", &[3, 2], &x)];
+    let err = reference::compress_with_error_feedback(&t, &mut fb, Mode::TopK, 0.5).unwrap_err();
+    assert!(
+        matches!(&err, reference::ReferenceError::WrongShape { key, got, .. }
+            if key == "w" && got == &[3, 2]),
+        "{err}"
+    );
+    assert!(err.to_string().contains("[2, 3]"), "{err}");
+    assert_eq!(fb, before);
+}

@@ -306,8 +306,20 @@ pub fn checkpoint_seeds() -> Vec<(&'static str, Vec<u8>)> {
         }
         let empty: [f32; 0] = [];
         for _ in 0..=i {
-            let grads = [("layer.0.weight", &g[..]), ("b", &g[..3]), ("", &empty[..])];
-            if fb.step_with(grads, |_, _| {}).is_err() {
+            // The first state's residuals have no shape; the others' remember theirs (stored
+            // 2-d and 1-d in a version 3 checkpoint).
+            let stepped = if i == 0 {
+                let grads = [("layer.0.weight", &g[..]), ("b", &g[..3]), ("", &empty[..])];
+                fb.step_with(grads, |_, _| {})
+            } else {
+                let grads: [(&str, &[usize], &[f32]); 3] = [
+                    ("layer.0.weight", &[3, 4], &g[..]),
+                    ("b", &[3], &g[..3]),
+                    ("", &[0], &empty[..]),
+                ];
+                fb.step_with_shapes(grads, |_, _| {})
+            };
+            if stepped.is_err() {
                 break;
             }
         }

@@ -12,7 +12,7 @@ use gradwire::bucket::{BucketConfig, TopKScope};
 use gradwire::bundle::{Manifest, TensorSpec};
 use gradwire::compressor::{CompressionMethod, GradientCompressor, format_method, parse_method};
 use gradwire::error::Error;
-use gradwire::feedback::ErrorFeedback;
+use gradwire::feedback::{CHECKPOINT_VERSION, ErrorFeedback};
 use gradwire::reference::{self, Mode, ReferenceError};
 use gradwire::tensor::Tensor;
 use gradwire_core::{K, Method, Values};
@@ -581,14 +581,16 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
 
 /// `b` (a checkpoint) with its `step` metadata set to `step` (header rewritten, data kept), as
 /// a version 1 checkpoint: its `crc32` covers the step, and version 1 files carry no checksum
-/// (an extra metadata entry is ignored).
+/// (extra metadata entries, `crc32` and `unshaped`, are ignored; every residual of `b` must be
+/// stored `[n]`, as version 1 keeps them).
 fn with_step(b: &[u8], step: u64) -> Option<Vec<u8>> {
     let n = usize::try_from(u64::from_le_bytes(b.get(..8)?.try_into().ok()?)).ok()?;
     let header = std::str::from_utf8(b.get(8..8usize.checked_add(n)?)?).ok()?;
     let at = header.find("\"step\":\"")? + 8;
     let end = at + header[at..].find('"')?;
     let new = format!("{}{step}{}", &header[..at], &header[end..]);
-    let new = new.replacen("\"version\":\"2\"", "\"version\":\"1\"", 1);
+    let version = format!("\"version\":\"{CHECKPOINT_VERSION}\"");
+    let new = new.replacen(&version, "\"version\":\"1\"", 1);
     let mut out = (new.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(new.as_bytes());
     out.extend_from_slice(&b[8 + n..]);
@@ -597,14 +599,24 @@ fn with_step(b: &[u8], step: u64) -> Option<Vec<u8>> {
 
 /// What a hand-built checkpoint must load as: `Some(Ok(state))` when it is valid,
 /// `Some(Err(()))` when its structure is valid safetensors but its content is not a
-/// checkpoint (a metadata entry wrong, a residual not 1-d F32, a NaN or infinite value), `None`
-/// when the safetensors structure itself may be broken (offsets or lengths edited, names
-/// repeated), so anything but a panic goes.
-type Expect = Option<Result<(String, u64, u64, Vec<(String, Vec<u32>)>), ()>>;
+/// checkpoint (a metadata entry wrong, a residual not F32 or of a shape its version does not
+/// allow, a NaN or infinite value), `None` when the safetensors structure itself may be broken
+/// (offsets or lengths edited, names repeated), so anything but a panic goes. A residual is
+/// its name, its values' bits and the shape it must remember (none for versions 1 and 2 and
+/// for the names version 3 lists in `unshaped`).
+type Expect = Option<Result<(String, u64, u64, Vec<Residual>), ()>>;
+
+/// A residual of a hand-built checkpoint: name, values' bits, the shape it must remember.
+type Residual = (String, Vec<u32>, Option<Vec<u64>>);
+
+/// A residual as [`gen_checkpoint_file`] builds it: name, values' bits, the shape it is stored
+/// in, the shape it must remember.
+type Built = (String, Vec<u32>, Vec<u64>, Option<Vec<u64>>);
 
 /// A safetensors file built from fuzzer choices around the checkpoint layout, with what it must
 /// load as: metadata entries right, missing or wrong (unknown format or version, methods
-/// valid, invalid or not error-feedback methods, seeds and steps beyond u64 or signed), up to 9
+/// valid, invalid or not error-feedback methods, seeds and steps beyond u64 or signed; in
+/// version 3 an `unshaped` list right, naming a missing tensor, malformed or missing), up to 9
 /// tensors (names as [`gen_residual_name`]) of F32 or another dtype, shapes `[n]`, 0-d, 2-d,
 /// huge or the largest a dtype allows, values as raw bits (NaN, infinities, subnormals), data
 /// in listed or reversed order, offsets consistent, accumulated from the declared sizes (so
@@ -623,16 +635,21 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
         }
         _ => meta.push(("format".into(), "gradwire-error-feedback".into())),
     }
-    let mut version2 = false;
+    // The version whose checksum and shape rules the file follows (1: no checksum).
+    let mut version = 1;
     match inp.u8() % 8 {
         0 => content_ok = false,
         1 => {
-            meta.push(("version".into(), "3".into()));
+            meta.push(("version".into(), "4".into()));
             content_ok = false;
         }
         2 | 3 => {
             meta.push(("version".into(), "2".into()));
-            version2 = true;
+            version = 2;
+        }
+        4 | 5 => {
+            meta.push(("version".into(), "3".into()));
+            version = 3;
         }
         _ => meta.push(("version".into(), "1".into())),
     }
@@ -693,9 +710,15 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
     }
     let count = inp.range(0, 9) as usize;
     let mut tensors: Vec<T> = Vec::new();
-    let mut residuals: Vec<(String, Vec<u32>)> = Vec::new();
+    let mut residuals: Vec<Built> = Vec::new();
+    let mut unshaped: Vec<String> = Vec::new();
     for i in 0..count {
         let name = gen_residual_name(inp, i);
+        // Version 3 stores a residual in its shape unless `unshaped` names it.
+        let flat = version < 3 || inp.bool();
+        if version == 3 && flat {
+            unshaped.push(name.clone());
+        }
         let (dtype, size) = if inp.u8().is_multiple_of(8) {
             DTYPES[inp.range(0, 7) as usize]
         } else {
@@ -743,17 +766,18 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
                 data.resize(inp.range(0, 16) as usize, 0);
             }
         }
-        if dtype != "F32" || shape.len() != 1 || !finite {
+        if dtype != "F32" || (flat && shape.len() != 1) || !finite {
             content_ok = false;
         }
-        if name == "__metadata__" || residuals.iter().any(|(n, _)| *n == name) {
+        if name == "__metadata__" || residuals.iter().any(|r| r.0 == name) {
             structure_ok = false;
         }
         let bits = data
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect();
-        residuals.push((name.clone(), bits));
+        let remembered = (!flat).then(|| shape.clone());
+        residuals.push((name.clone(), bits, shape.clone(), remembered));
         tensors.push(T {
             name,
             dtype,
@@ -762,11 +786,41 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
             data,
         });
     }
-    // Version 2: the checksum, computed here from the layout's definition (feedback module
-    // docs), right, wrong, malformed or missing.
-    if version2 {
-        let texts = [&method_text, &seed_text, &step_text].map(|t| t.clone().unwrap_or_default());
-        let crc = checkpoint_crc_spec(&residuals, &texts);
+    // Version 3: the names stored `[n]` without a shape, right, naming a tensor the file lacks,
+    // malformed or missing.
+    let mut unshaped_text = String::new();
+    if version == 3 {
+        let names: Vec<String> = unshaped.iter().map(|n| json_str(n)).collect();
+        unshaped_text = format!("[{}]", names.join(","));
+        match inp.u8() % 16 {
+            0 => content_ok = false,
+            1 => {
+                unshaped_text = ["{}", "[1]", "x", "[\"a\"", ""][inp.u8() as usize % 5].to_owned();
+                content_ok = false;
+                meta.push(("unshaped".into(), unshaped_text.clone()));
+            }
+            2 if !residuals.iter().any(|r| r.0 == "absent") => {
+                unshaped_text = format!(
+                    "[{}]",
+                    [&names[..], &["\"absent\"".to_owned()]].concat().join(",")
+                );
+                content_ok = false;
+                meta.push(("unshaped".into(), unshaped_text.clone()));
+            }
+            _ => meta.push(("unshaped".into(), unshaped_text.clone())),
+        }
+    }
+    // Versions 2 and 3: the checksum, computed here from the layout's definition (feedback
+    // module docs), right, wrong, malformed or missing.
+    if version >= 2 {
+        let mut texts: Vec<String> = [&method_text, &seed_text, &step_text]
+            .iter()
+            .map(|t| (*t).clone().unwrap_or_default())
+            .collect();
+        if version == 3 {
+            texts.push(unshaped_text);
+        }
+        let crc = checkpoint_crc_spec(&residuals, version == 3, &texts);
         match inp.u8() % 8 {
             0 => content_ok = false,
             1 => {
@@ -874,6 +928,10 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
         None
     } else if let (true, Some(m), Some(seed), Some(step)) = (content_ok, method, seed, step) {
         residuals.sort_by(|a, b| a.0.cmp(&b.0));
+        let residuals = residuals
+            .into_iter()
+            .map(|(n, b, _, s)| (n, b, s))
+            .collect();
         Some(Ok((format_method(&m), seed, step, residuals)))
     } else {
         Some(Err(()))
@@ -881,16 +939,23 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
     (out, expect)
 }
 
-/// The `crc32` of a version 2 checkpoint as the feedback module's docs define it: for each
-/// residual in name order its name, a 0 byte and its values (little-endian), then the method,
-/// seed and step texts, each followed by a 0 byte.
-fn checkpoint_crc_spec(residuals: &[(String, Vec<u32>)], texts: &[String; 3]) -> u32 {
-    let mut sorted: Vec<&(String, Vec<u32>)> = residuals.iter().collect();
+/// The `crc32` of a version 2 or (`shapes`) 3 checkpoint as the feedback module's docs define
+/// it: for each residual in name order its name, a 0 byte, in version 3 its stored shape (rank
+/// as u32, dimensions as u64, little-endian), and its values (little-endian); then the texts
+/// (method, seed, step and, in version 3, unshaped), each followed by a 0 byte.
+fn checkpoint_crc_spec(residuals: &[Built], shapes: bool, texts: &[String]) -> u32 {
+    let mut sorted: Vec<_> = residuals.iter().collect();
     sorted.sort_by(|a, b| a.0.cmp(&b.0));
     let mut h = crc32fast::Hasher::new();
-    for (name, bits) in sorted {
+    for (name, bits, shape, _) in sorted {
         h.update(name.as_bytes());
         h.update(&[0]);
+        if shapes {
+            h.update(&(shape.len() as u32).to_le_bytes());
+            for d in shape {
+                h.update(&d.to_le_bytes());
+            }
+        }
         for b in bits {
             h.update(&b.to_le_bytes());
         }
@@ -903,7 +968,7 @@ fn checkpoint_crc_spec(residuals: &[(String, Vec<u32>)], texts: &[String; 3]) ->
 }
 
 /// Bit-exact equality of two error-feedback states: method (compared as text and by `==`),
-/// seed, step, names, lengths and every residual's bits.
+/// seed, step, names, lengths, shapes and every residual's bits.
 fn assert_same_state(a: &ErrorFeedback, b: &ErrorFeedback, what: &str) {
     assert_eq!(
         format!("{:?}", a.method()),
@@ -917,6 +982,11 @@ fn assert_same_state(a: &ErrorFeedback, b: &ErrorFeedback, what: &str) {
     assert_eq!(names_a, names_b, "{what}: residual names");
     for ((n, x), (_, y)) in a.residuals().zip(b.residuals()) {
         assert!(same_bits(x, y), "{what}: residual `{n}` differs");
+        assert_eq!(
+            a.residual_shape(n),
+            b.residual_shape(n),
+            "{what}: residual `{n}`'s shape"
+        );
     }
     assert!(
         a == b,
@@ -1079,9 +1149,14 @@ pub fn checkpoint(data: &[u8]) {
                 (false, Some(Ok((method, seed, step, residuals))), Some(fb)) => {
                     assert_eq!(format_method(fb.method()), method);
                     assert_eq!((fb.seed(), fb.step()), (seed, step));
-                    let got: Vec<(String, Vec<u32>)> = fb
+                    let got: Vec<Residual> = fb
                         .residuals()
-                        .map(|(n, r)| (n.to_owned(), r.iter().map(|v| v.to_bits()).collect()))
+                        .map(|(n, r)| {
+                            let shape = fb
+                                .residual_shape(n)
+                                .map(|s| s.iter().map(|&d| d as u64).collect());
+                            (n.to_owned(), r.iter().map(|v| v.to_bits()).collect(), shape)
+                        })
                         .collect();
                     assert!(got == residuals, "a valid checkpoint loads other residuals");
                 }

@@ -21,9 +21,9 @@
 //!
 //! With `--residual STATE`, `compress` runs one error-feedback step: it reads the state when the
 //! file exists (an [`gradwire::feedback::ErrorFeedback`] checkpoint of this model: its
-//! residuals and the gradients file's tensors must match one to one by name and length, with
-//! the same method, seed and step; shapes are not stored, so a reshape to the same length is
-//! not detected), compresses
+//! residuals and the gradients file's tensors must match one to one by name and shape, with
+//! the same method, seed and step; a state written before checkpoint version 3 holds no shapes
+//! and is matched by length until this step stores them), compresses
 //! `gradient + residual`, and rewrites the state. Outputs and state files are written to a
 //! temporary file in the same directory and renamed, so a failure never leaves a half-written
 //! file. A failure prints one line, `gradwire: error: ...`, on stderr and exits with status 1
@@ -532,8 +532,9 @@ fn check_state_step(path: &Path, fb: &ErrorFeedback, step: Option<u64>) -> Resul
 /// a state of another model (its residuals would be carried along and saved again unseen), one
 /// whose length differs from its tensor's is stale (named here, before the compression would
 /// report it against the gradients file), and a state that holds residuals but none for one of
-/// the file's tensors is another model's too. The state keeps names and lengths, not shapes: a
-/// tensor reshaped to the same length is not detected.
+/// the file's tensors is another model's too. A residual that remembers its tensor's shape must
+/// have it still (a transposed weight has the same length; its residual would be added to the
+/// wrong coordinates).
 fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Result<(), CliError> {
     if fb.residuals().next().is_some()
         && let Some((name, _)) = model.iter().find(|(name, _)| fb.residual(name).is_none())
@@ -559,6 +560,17 @@ fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Resu
                  {numel} (a state of another model, or the tensor changed shape?)",
                 path.display(),
                 residual.len()
+            )));
+        }
+        let shape = model[at].1.shape();
+        if let Some(known) = fb.residual_shape(name)
+            && known != shape
+        {
+            return Err(CliError::new(format!(
+                "{}: residual state keeps tensor `{name}` in shape {known:?}, the gradients \
+                 file has shape {shape:?} (a state of another model, or the tensor changed \
+                 shape?)",
+                path.display()
             )));
         }
     }
