@@ -9,9 +9,9 @@ cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 command -v mpirun >/dev/null || { echo "mpi-demo: mpirun not found (run .ci/install-mpi.sh)"; exit 1; }
 mkdir -p out
-# As the README builds it. The first build with the mpi feature compiles candle and its
-# dependencies once more (bindgen, which mpi-sys needs, turns on a feature of `syn`): about
-# 3.5 minutes on 2 cores.
+# As the README builds it. In CI the mpi-tests stage built it already, with the same features;
+# on its own this compiles the mpi crates, gradwire and the demo (candle and the rest are the
+# ones the tests built: demo/Cargo.toml asks for the `syn` feature that bindgen turns on).
 cargo build --release --example data_parallel --features gradwire-demo/mpi
 bin="${CARGO_TARGET_DIR:-target}/release/examples/data_parallel"
 args=(--steps 60 --seeds 1 --quiet)
