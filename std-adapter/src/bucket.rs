@@ -264,7 +264,7 @@ fn take_members(
     }
     for (i, &t) in members.iter().enumerate() {
         let info = &manifest.tensors()[t];
-        if let Err(e) = fb.take_residual(&info.name, &info.shape, info.numel, &mut res[i]) {
+        if let Err(e) = fb.take_residual(&info.name, info.numel, &mut res[i]) {
             put_members(fb, manifest, &members[..i], res);
             return Err(e);
         }
@@ -479,6 +479,10 @@ impl Engine {
             sink(e, &slot.frame[..slot.len]);
         }
         if let Some(fb) = feedback {
+            // The step succeeded: each residual remembers its tensor's shape from now on.
+            for info in manifest.tensors() {
+                fb.remember_shape(&info.name, &info.shape);
+            }
             fb.advance();
         }
         Ok(())

@@ -41,11 +41,11 @@
 //! | `method` | [`crate::compressor::format_method`] of the method |
 //! | `seed` | the seed, decimal |
 //! | `step` | the next step to run, decimal |
-//! | `unshaped` | a JSON array of the names whose residual has no shape (stored as `[n]`), in name order; usually `[]` |
+//! | `unshaped` | a JSON array of the names whose residual has no shape (stored as `[n]`), in name order (strictly increasing, as Rust orders strings); usually `[]` |
 //! | `crc32` | CRC-32 (IEEE, as in frames), decimal, of: for each residual in name order, its name, a 0 byte, its stored shape (the number of dimensions as u32, then each dimension as u64, little-endian) and its values (f32 little-endian); then the `method`, `seed`, `step` and `unshaped` texts, each followed by a 0 byte |
 //!
-//! The checksum makes a flipped bit in a stored residual, shape or step an error, as it is in
-//! frames and bundles. Version 2 files (the same without shapes: every residual `[n]`, no
+//! A residual has at most [`crate::safetensors_checked::MAX_DIMS`] dimensions. The checksum makes
+//! a flipped bit in a stored residual, shape or step an error, as it is in frames and bundles. Version 2 files (the same without shapes: every residual `[n]`, no
 //! `unshaped`, and a checksum without the shape and `unshaped` parts) and version 1 files (no
 //! `crc32`) still load; their residuals have no shape until a shaped step gives one.
 //!
@@ -64,7 +64,7 @@
 //! # Ok::<(), gradwire::error::Error>(())
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use gradwire_core::{
@@ -261,6 +261,31 @@ impl ErrorFeedback {
         self.residuals.get(name).map(Vec::as_slice)
     }
 
+    /// Sets `name`'s residual and the shape it remembers (for example to restore state kept
+    /// elsewhere, with [`ErrorFeedback::residual_shape`]).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `residual.len()` is not the product of `shape` (`got` is
+    /// `[residual.len()]`); as [`ErrorFeedback::set_residual`]. Nothing changes then.
+    pub fn set_residual_with_shape(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        residual: Vec<f32>,
+    ) -> Result<()> {
+        if shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(residual.len()) {
+            return Err(Error::ShapeMismatch {
+                tensor: name.to_owned(),
+                rank: None,
+                expected: shape.to_vec(),
+                got: vec![residual.len()],
+            });
+        }
+        self.set_residual(name, residual)?;
+        self.remember_shape(name, shape);
+        Ok(())
+    }
+
     /// The shape `name`'s residual remembers (see the module docs), if it has one.
     pub fn residual_shape(&self, name: &str) -> Option<&[usize]> {
         self.shapes.get(name).map(Vec::as_slice)
@@ -327,7 +352,7 @@ impl ErrorFeedback {
         }
     }
 
-    /// Remembers `shape` for `name`'s residual (after a step that checked it).
+    /// Remembers `shape` for `name`'s residual (after a step that checked it succeeded).
     pub(crate) fn remember_shape(&mut self, name: &str, shape: &[usize]) {
         match self.shapes.get_mut(name) {
             Some(known) if known.as_slice() == shape => {}
@@ -348,18 +373,15 @@ impl ErrorFeedback {
 
     /// Moves `name`'s residual (created as zeros of `n` elements when missing) into `into`,
     /// leaving an empty vector in the map until [`ErrorFeedback::put_residual`] gives it back:
-    /// so that tasks on several threads can each own the residuals of their tensors; the
-    /// residual remembers `shape` (of `n` elements, checked with
-    /// [`ErrorFeedback::check_shape`] before). Allocates only when the residual is new.
+    /// so that tasks on several threads can each own the residuals of their tensors. Allocates
+    /// only when the residual is new.
     pub(crate) fn take_residual(
         &mut self,
         name: &str,
-        shape: &[usize],
         n: usize,
         into: &mut Vec<f32>,
     ) -> Result<()> {
         std::mem::swap(residual_slot(&mut self.residuals, name, n)?, into);
-        self.remember_shape(name, shape);
         Ok(())
     }
 
@@ -528,10 +550,9 @@ impl ErrorFeedback {
             .collect();
         let unshaped = serde_json::to_string(&unshaped)
             .map_err(|e| Error::checkpoint(format!("cannot write `unshaped`: {e}")))?;
-        let stored = self.stored_shapes();
         let crc = checkpoint_crc(
             &self.residuals,
-            Some(&stored),
+            Some(&self.shapes),
             &[&method, &seed, &step, &unshaped],
         );
         meta.insert("crc32".to_owned(), crc.to_string());
@@ -539,21 +560,14 @@ impl ErrorFeedback {
         meta.insert("seed".to_owned(), seed);
         meta.insert("step".to_owned(), step);
         meta.insert("unshaped".to_owned(), unshaped);
+        // Each residual in the shape it remembers, else `[n]`.
         crate::tensor::serialize_f32(
-            self.residuals
-                .iter()
-                .zip(stored)
-                .map(|((n, r), shape)| (n.as_str(), shape, r.as_slice())),
+            self.residuals.iter().map(|(n, r)| {
+                let shape = self.shapes.get(n).cloned().unwrap_or_else(|| vec![r.len()]);
+                (n.as_str(), shape, r.as_slice())
+            }),
             Some(meta),
         )
-    }
-
-    /// The shape each residual is stored in, in name order: the one it remembers, else `[n]`.
-    fn stored_shapes(&self) -> Vec<Vec<usize>> {
-        self.residuals
-            .iter()
-            .map(|(n, r)| self.shapes.get(n).cloned().unwrap_or_else(|| vec![r.len()]))
-            .collect()
     }
 
     /// Restores a checkpoint from the bytes [`ErrorFeedback::to_bytes`] wrote.
@@ -586,19 +600,48 @@ impl ErrorFeedback {
                  `{CHECKPOINT_VERSION}`)"
             )));
         }
-        let shaped = version == CHECKPOINT_VERSION;
-        // Version 3: the names whose residual has no shape (stored as `[n]`).
-        let unshaped: Option<(&str, BTreeSet<String>)> = if shaped {
+        // Sorted, so that the error for a checkpoint with several bad residuals is always the
+        // same one (the header's map has no order).
+        let mut tensors: Vec<_> = header.tensors().into_iter().collect();
+        tensors.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        // Version 3: the names whose residual has no shape (stored as `[n]`), in name order.
+        let unshaped: Option<(&str, Vec<String>)> = if version == CHECKPOINT_VERSION {
             let text = get("unshaped")?;
-            let names = serde_json::from_str(text).map_err(|_| {
-                Error::checkpoint(format!(
-                    "metadata `unshaped` = `{text}` is not a JSON array of names"
-                ))
-            })?;
+            // At most every name of the file, each escaped as JSON may (6 bytes a character),
+            // so that a hostile list costs no more than the names it could hold.
+            let most: usize = 2 + tensors.iter().map(|(n, _)| 6 * n.len() + 3).sum::<usize>();
+            let names: Vec<String> = (text.len() <= most)
+                .then(|| serde_json::from_str(text).ok())
+                .flatten()
+                .filter(|names: &Vec<String>| names.windows(2).all(|w| w[0] < w[1]))
+                .ok_or_else(|| {
+                    Error::checkpoint(format!(
+                        "metadata `unshaped` = `{text}` is not a JSON array of the file's \
+                         residual names in name order"
+                    ))
+                })?;
+            if let Some(name) = names
+                .iter()
+                .find(|n| tensors.binary_search_by(|(t, _)| t.cmp(n)).is_err())
+            {
+                return Err(Error::checkpoint(format!(
+                    "metadata `unshaped` names `{name}`, which the file holds no residual for"
+                )));
+            }
             Some((text, names))
         } else {
             None
         };
+        // An entry of a later version in an earlier one is a damaged version number (one bit
+        // turns `3` into `1` or `2`), not a file to read without its checksum or shapes.
+        for (key, older) in [("crc32", &["1"][..]), ("unshaped", &["1", "2"][..])] {
+            if older.contains(&version) && meta.contains_key(key) {
+                return Err(Error::checkpoint(format!(
+                    "metadata entry `{key}` in a version {version} checkpoint (a damaged version \
+                     number?)"
+                )));
+            }
+        }
         let stored_crc = if version == "1" {
             None
         } else {
@@ -621,14 +664,10 @@ impl ErrorFeedback {
         let mut fb = ErrorFeedback::new(method, number("seed")?)
             .map_err(|e| Error::checkpoint(format!("metadata `method`: {e}")))?;
         fb.step = number("step")?;
-        // Sorted, so that the error for a checkpoint with several bad residuals is always the
-        // same one (the header's map has no order).
-        let mut tensors: Vec<_> = header.tensors().into_iter().collect();
-        tensors.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         for (name, info) in tensors {
             let flat = match &unshaped {
                 None => true,
-                Some((_, names)) => names.contains(&name),
+                Some((_, names)) => names.binary_search(&name).is_ok(),
             };
             if info.dtype != Dtype::F32 || (flat && info.shape.len() != 1) {
                 let expected = if flat { " with shape [n]" } else { "" };
@@ -656,15 +695,6 @@ impl ErrorFeedback {
             }
             fb.residuals.insert(name, r);
         }
-        if let Some(name) = unshaped
-            .iter()
-            .flat_map(|(_, names)| names)
-            .find(|n| !fb.residuals.contains_key(*n))
-        {
-            return Err(Error::checkpoint(format!(
-                "metadata `unshaped` names `{name}`, which the file holds no residual for"
-            )));
-        }
         if let Some(stored) = stored_crc {
             let texts = [get("method")?, get("seed")?, get("step")?];
             let computed = match &unshaped {
@@ -672,12 +702,8 @@ impl ErrorFeedback {
                 None => checkpoint_crc(&fb.residuals, None, &texts),
                 Some((text, _)) => {
                     let [method, seed, step] = texts;
-                    let stored_shapes = fb.stored_shapes();
-                    checkpoint_crc(
-                        &fb.residuals,
-                        Some(&stored_shapes),
-                        &[method, seed, step, text],
-                    )
+                    let texts = [method, seed, step, text];
+                    checkpoint_crc(&fb.residuals, Some(&fb.shapes), &texts)
                 }
             };
             if stored != computed {
@@ -718,19 +744,21 @@ impl ErrorFeedback {
     }
 }
 
-/// The `crc32` of a checkpoint (layout in the module docs): with `shapes` (one per residual, in
-/// name order) as version 3 computes it, without as version 2 did.
+/// The `crc32` of a checkpoint (layout in the module docs): with `shapes` (the remembered ones;
+/// `[n]` for the others) as version 3 computes it, without as version 2 did.
 fn checkpoint_crc(
     residuals: &BTreeMap<String, Vec<f32>>,
-    shapes: Option<&[Vec<usize>]>,
+    shapes: Option<&BTreeMap<String, Vec<usize>>>,
     texts: &[&str],
 ) -> u32 {
     let mut h = crc32fast::Hasher::new();
     let mut buf = [0u8; 4096];
-    for (i, (name, r)) in residuals.iter().enumerate() {
+    for (name, r) in residuals {
         h.update(name.as_bytes());
         h.update(&[0]);
-        if let Some(shape) = shapes.and_then(|s| s.get(i)) {
+        if let Some(shapes) = shapes {
+            let flat = [r.len()];
+            let shape = shapes.get(name).map_or(&flat[..], Vec::as_slice);
             // Ranks and dimensions are far below u32 / u64 (safetensors checked the shape).
             h.update(&(shape.len() as u32).to_le_bytes());
             for &d in shape {

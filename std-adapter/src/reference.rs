@@ -637,8 +637,9 @@ pub const fn feedback_method(mode: Mode, ratio: f64) -> Method {
 /// # Errors
 /// As [`compress`]; [`ReferenceError::FeedbackMethod`] when `feedback` was made for another
 /// mode or ratio; [`ReferenceError::ElementCount`] when a tensor's element count differs from
-/// its stored residual's; [`ReferenceError::WrongShape`] when a tensor's shape differs from the
-/// one its residual remembers (a transposed weight; see [`crate::feedback`]);
+/// its stored residual's; [`ReferenceError::WrongShape`] when a tensor comes with its residual's
+/// element count in another shape than the one the residual remembers (a transposed weight; see
+/// [`crate::feedback`]);
 /// [`ReferenceError::NonFinite`] where `grad + residual` is not finite.
 pub fn compress_with_error_feedback(
     tensors: &[Input<'_>],
@@ -656,15 +657,6 @@ pub fn compress_with_error_feedback(
     }
     check_inputs(tensors, false)?;
     for &(name, shape, data) in tensors {
-        if let Some(known) = feedback.residual_shape(name)
-            && known != shape
-        {
-            return Err(ReferenceError::WrongShape {
-                key: name.to_owned(),
-                expected: format!("{known:?}, the shape its residual was kept in"),
-                got: shape.to_vec(),
-            });
-        }
         match feedback.residual(name) {
             Some(r) if r.len() != data.len() => {
                 return Err(ReferenceError::ElementCount {
@@ -675,6 +667,16 @@ pub fn compress_with_error_feedback(
             }
             Some(r) => check_step(name, data, r, ratio)?,
             None => first_non_finite(name, data)?,
+        }
+        // The same element count in another shape (a transposed weight).
+        if let Some(known) = feedback.residual_shape(name)
+            && known != shape
+        {
+            return Err(ReferenceError::WrongShape {
+                key: name.to_owned(),
+                expected: format!("{known:?}, the shape its residual was kept in"),
+                got: shape.to_vec(),
+            });
         }
     }
     let mut entries: Vec<(&str, &[usize], Entry)> = Vec::with_capacity(tensors.len());

@@ -7,12 +7,52 @@
 //! checkpoints, reference-layout payloads, the CLI's input files) goes through [`deserialize`],
 //! which validates the header first with nothing added and nothing allocated beyond the parsed
 //! header, whose size the input bounds. Found by the `checkpoint` fuzz target (FUZZING.md).
+//!
+//! A shape of more than [`MAX_DIMS`] dimensions is refused before safetensors parses the header:
+//! parsing a shape of 100,000 dimensions (`[1,1,...]`, 200 KB) allocated 5 MB, 25 bytes per
+//! input byte (`tests/alloc_bound.rs`).
 
 use safetensors::SafeTensorError;
 use safetensors::tensor::{Metadata, SafeTensors};
 
 /// The largest header safetensors 0.8 accepts (its `MAX_HEADER_SIZE`), in bytes.
 pub const MAX_HEADER_LEN: usize = 100_000_000;
+
+/// The most dimensions a tensor's shape may have (PyTorch's limit is 64 too).
+pub const MAX_DIMS: usize = 64;
+
+/// The most elements of any JSON array in `header` outside strings (commas + 1 of each
+/// outermost array; a safetensors header's arrays, shapes and offsets, do not nest). One pass,
+/// nothing allocated.
+fn longest_array(header: &[u8]) -> usize {
+    let (mut in_string, mut escaped) = (false, false);
+    let (mut depth, mut count, mut longest) = (0usize, 0usize, 0usize);
+    for &b in header {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' => {
+                if depth == 0 {
+                    count = 1;
+                }
+                depth += 1;
+            }
+            b']' => depth = depth.saturating_sub(1),
+            b',' if depth > 0 => count += 1,
+            _ => {}
+        }
+        longest = longest.max(count);
+    }
+    longest
+}
 
 /// `e`'s message, with a hint for the errors of the first bytes (the 8-byte header length and
 /// the UTF-8 header it frames), which are what a file of another kind gives: "header too
@@ -39,8 +79,8 @@ pub fn describe(e: &SafeTensorError) -> String {
 /// # Errors
 /// The [`SafeTensorError`] that `SafeTensors::deserialize` gives for the same defect:
 /// `HeaderTooSmall`, `HeaderTooLarge`, `InvalidHeaderLength`, `InvalidHeader`,
-/// `InvalidHeaderDeserialization` (which includes bad offsets, shapes and dtypes) and
-/// `MetadataIncompleteBuffer`.
+/// `InvalidHeaderDeserialization` (which includes bad offsets, shapes and dtypes, and a shape
+/// of more than [`MAX_DIMS`] dimensions) and `MetadataIncompleteBuffer`.
 ///
 /// # Panics
 /// Never.
@@ -57,6 +97,14 @@ pub fn read_header(bytes: &[u8]) -> Result<(Metadata, &[u8]), SafeTensorError> {
         .split_at_checked(n)
         .ok_or(SafeTensorError::InvalidHeaderLength)?;
     let header = std::str::from_utf8(header).map_err(SafeTensorError::InvalidHeader)?;
+    let longest = longest_array(header.as_bytes());
+    if longest > MAX_DIMS {
+        return Err(SafeTensorError::InvalidHeaderDeserialization(
+            serde::de::Error::custom(format!(
+                "an array of {longest} elements: a shape has at most {MAX_DIMS} dimensions"
+            )),
+        ));
+    }
     let meta: Metadata =
         serde_json::from_str(header).map_err(SafeTensorError::InvalidHeaderDeserialization)?;
     if meta.data_len() != data.len() {
@@ -77,4 +125,24 @@ pub fn read_header(bytes: &[u8]) -> Result<(Metadata, &[u8]), SafeTensorError> {
 pub fn deserialize(bytes: &[u8]) -> Result<SafeTensors<'_>, SafeTensorError> {
     read_header(bytes)?;
     SafeTensors::deserialize(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn longest_array_counts_outside_strings() {
+        let h = br#"{"a\"[1,2,3,4]":{"shape":[2,3],"data_offsets":[0,24]},"__metadata__":{"k":"[,,,,]"}}"#;
+        assert_eq!(longest_array(h), 2);
+        assert_eq!(longest_array(br#"{"w":{"shape":[1,1,1,1,1]}}"#), 5);
+        assert_eq!(longest_array(br#"{"w":{"shape":[]}}"#), 1);
+        assert_eq!(longest_array(br#"{"w\\":{"shape":[1,1,1]}}"#), 3);
+        let wide = format!("{{\"w\":{{\"shape\":[{}]}}}}", vec!["1"; 65].join(","));
+        assert_eq!(longest_array(wide.as_bytes()), 65);
+        let mut file = (wide.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(wide.as_bytes());
+        let err = read_header(&file).unwrap_err().to_string();
+        assert!(err.contains("at most 64 dimensions"), "{err}");
+    }
 }

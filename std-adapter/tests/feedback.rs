@@ -513,6 +513,15 @@ fn residuals_without_a_shape_take_the_first_one_given() {
     assert_eq!(fb.residual_shape("w"), Some(&[3usize, 2][..]));
     fb.set_residual("w", vec![0.0; 6]).unwrap();
     assert_eq!(fb.residual_shape("w"), None);
+    fb.set_residual_with_shape("w", &[2, 3], vec![0.0; 6])
+        .unwrap();
+    assert_eq!(fb.residual_shape("w"), Some(&[2usize, 3][..]));
+    let before = fb.clone();
+    assert!(matches!(
+        fb.set_residual_with_shape("w", &[4], vec![0.0; 6]),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    assert_eq!(fb, before);
     fb.clear();
     assert_eq!((fb.len(), fb.residual_shape("w")), (0, None));
 }
@@ -566,6 +575,14 @@ fn version_3_shapes_and_unshaped_are_checked() {
     assert!(err.contains("`unshaped`"), "{err}");
     let err = edit(br#""unshaped":"[]""#, br#""unshapex":"[]""#);
     assert!(err.contains("`unshaped` is missing"), "{err}");
+    // One flipped bit turns version 3 into 1 or 2: refused, not read without checksum or shapes.
+    let err = edit(br#""version":"3""#, br#""version":"1""#);
+    assert!(err.contains("`crc32` in a version 1 checkpoint"), "{err}");
+    let err = edit(br#""version":"3""#, br#""version":"2""#);
+    assert!(
+        err.contains("`unshaped` in a version 2 checkpoint"),
+        "{err}"
+    );
 
     let meta = |unshaped: &'static str| {
         vec![

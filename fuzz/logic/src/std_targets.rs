@@ -591,10 +591,32 @@ fn with_step(b: &[u8], step: u64) -> Option<Vec<u8>> {
     let new = format!("{}{step}{}", &header[..at], &header[end..]);
     let version = format!("\"version\":\"{CHECKPOINT_VERSION}\"");
     let new = new.replacen(&version, "\"version\":\"1\"", 1);
+    // Version 1 has neither entry (and refuses them, as the sign of a damaged version).
+    let new = drop_entry(&drop_entry(&new, "crc32")?, "unshaped")?;
     let mut out = (new.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(new.as_bytes());
     out.extend_from_slice(&b[8 + n..]);
     Some(out)
+}
+
+/// `header` (safetensors JSON) without its string entry `key` (and one comma next to it); `None`
+/// when it has none.
+fn drop_entry(header: &str, key: &str) -> Option<String> {
+    let start = header.find(&format!("\"{key}\":\""))?;
+    let value = start + key.len() + 4;
+    let mut escaped = false;
+    let close = header[value..].char_indices().find_map(|(i, c)| {
+        let end = !escaped && c == '"';
+        escaped = !escaped && c == '\\';
+        end.then_some(value + i)
+    })?;
+    let (mut from, mut to) = (start, close + 1);
+    if header[to..].starts_with(',') {
+        to += 1;
+    } else if header[..from].ends_with(',') {
+        from -= 1;
+    }
+    Some(format!("{}{}", &header[..from], &header[to..]))
 }
 
 /// What a hand-built checkpoint must load as: `Some(Ok(state))` when it is valid,
@@ -790,6 +812,15 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
     // malformed or missing.
     let mut unshaped_text = String::new();
     if version == 3 {
+        // Written in name order (strictly increasing), as the reader requires; sometimes not.
+        unshaped.sort();
+        if unshaped.windows(2).any(|w| w[0] == w[1]) {
+            content_ok = false;
+        }
+        if unshaped.len() > 1 && inp.u8().is_multiple_of(16) {
+            unshaped.reverse();
+            content_ok = false;
+        }
         let names: Vec<String> = unshaped.iter().map(|n| json_str(n)).collect();
         unshaped_text = format!("[{}]", names.join(","));
         match inp.u8() % 16 {
