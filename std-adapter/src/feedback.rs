@@ -41,7 +41,7 @@
 //! | `method` | [`crate::compressor::format_method`] of the method |
 //! | `seed` | the seed, decimal |
 //! | `step` | the next step to run, decimal |
-//! | `unshaped` | a JSON array of the names whose residual has no shape (stored as `[n]`), in name order (strictly increasing, as Rust orders strings); usually `[]` |
+//! | `unshaped` | a compact JSON array (no whitespace needed; at most 6 bytes per byte of each name, as JSON escapes) of the names whose residual has no shape (stored as `[n]`), in strictly increasing byte-wise (UTF-8, code point) order; usually `[]` |
 //! | `crc32` | CRC-32 (IEEE, as in frames), decimal, of: for each residual in name order, its name, a 0 byte, its stored shape (the number of dimensions as u32, then each dimension as u64, little-endian) and its values (f32 little-endian); then the `method`, `seed`, `step` and `unshaped` texts, each followed by a 0 byte |
 //!
 //! A residual has at most [`crate::safetensors_checked::MAX_DIMS`] dimensions. The checksum makes
@@ -529,7 +529,8 @@ impl ErrorFeedback {
     /// The checkpoint as safetensors bytes (layout in the module docs).
     ///
     /// # Errors
-    /// [`Error::Checkpoint`] for a residual named `__metadata__` (reserved by safetensors);
+    /// [`Error::Checkpoint`] for a residual named `__metadata__` (reserved by safetensors) or one
+    /// whose shape has more than [`crate::safetensors_checked::MAX_DIMS`] dimensions;
     /// [`Error::Safetensors`] when serialization fails.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         if self.residuals.contains_key("__metadata__") {
@@ -560,6 +561,17 @@ impl ErrorFeedback {
         meta.insert("seed".to_owned(), seed);
         meta.insert("step".to_owned(), step);
         meta.insert("unshaped".to_owned(), unshaped);
+        if let Some((name, shape)) = self
+            .shapes
+            .iter()
+            .find(|(_, s)| s.len() > crate::safetensors_checked::MAX_DIMS)
+        {
+            return Err(Error::checkpoint(format!(
+                "residual `{name}` has {} dimensions; a checkpoint holds at most {}",
+                shape.len(),
+                crate::safetensors_checked::MAX_DIMS
+            )));
+        }
         // Each residual in the shape it remembers, else `[n]`.
         crate::tensor::serialize_f32(
             self.residuals.iter().map(|(n, r)| {
@@ -575,9 +587,11 @@ impl ErrorFeedback {
     /// # Errors
     /// [`Error::Safetensors`] for bytes that are not safetensors; [`Error::Checkpoint`] naming
     /// what is wrong: a missing or unknown `format`, `version`, `method`, `seed`, `step` or
-    /// (version 3) `unshaped`, a tensor that is not F32 (or, in versions 1 and 2, not 1-d), an
-    /// `unshaped` residual that is not 1-d, a NaN or infinite residual value, a checksum that
-    /// does not match.
+    /// (version 3) `unshaped` (not a compact JSON array of the file's residual names in strictly
+    /// increasing order, or naming one the file lacks), a `crc32` entry in a version 1 file or an
+    /// `unshaped` entry in a version 1 or 2 file (a damaged version number), a tensor that is
+    /// not F32 (or, in versions 1 and 2, not 1-d), an `unshaped` residual that is not 1-d, a NaN
+    /// or infinite residual value, a checksum that does not match.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let (header, data) = crate::safetensors_checked::read_header(bytes)?;
         let empty = HashMap::new();
@@ -609,15 +623,18 @@ impl ErrorFeedback {
             let text = get("unshaped")?;
             // At most every name of the file, each escaped as JSON may (6 bytes a character),
             // so that a hostile list costs no more than the names it could hold.
+            // Counted before parsing too: no more entries than the file has residuals.
             let most: usize = 2 + tensors.iter().map(|(n, _)| 6 * n.len() + 3).sum::<usize>();
-            let names: Vec<String> = (text.len() <= most)
+            let entries = crate::safetensors_checked::longest_array(text.as_bytes());
+            let names: Vec<String> = (text.len() <= most && entries <= tensors.len().max(1))
                 .then(|| serde_json::from_str(text).ok())
                 .flatten()
                 .filter(|names: &Vec<String>| names.windows(2).all(|w| w[0] < w[1]))
                 .ok_or_else(|| {
                     Error::checkpoint(format!(
-                        "metadata `unshaped` = `{text}` is not a JSON array of the file's \
-                         residual names in name order"
+                        "metadata `unshaped` = `{}` is not a JSON array of the file's residual \
+                         names in name order",
+                        text.chars().take(100).collect::<String>()
                     ))
                 })?;
             if let Some(name) = names

@@ -18,13 +18,16 @@ use safetensors::tensor::{Metadata, SafeTensors};
 /// The largest header safetensors 0.8 accepts (its `MAX_HEADER_SIZE`), in bytes.
 pub const MAX_HEADER_LEN: usize = 100_000_000;
 
-/// The most dimensions a tensor's shape may have (PyTorch's limit is 64 too).
+/// The most dimensions a tensor's shape may have (NumPy 2's `NPY_MAXDIMS` is 64 too). Any array
+/// of a header longer than this is refused: a safetensors header has no other arrays than
+/// shapes and offsets, although safetensors itself would accept one in an unknown field.
 pub const MAX_DIMS: usize = 64;
 
 /// The most elements of any JSON array in `header` outside strings (commas + 1 of each
-/// outermost array; a safetensors header's arrays, shapes and offsets, do not nest). One pass,
-/// nothing allocated.
-fn longest_array(header: &[u8]) -> usize {
+/// outermost array: what a nested array or an object inside holds counts toward the outer one;
+/// a safetensors header's arrays, shapes and offsets, do not nest). One pass, nothing
+/// allocated.
+pub(crate) fn longest_array(header: &[u8]) -> usize {
     let (mut in_string, mut escaped) = (false, false);
     let (mut depth, mut count, mut longest) = (0usize, 0usize, 0usize);
     for &b in header {
@@ -79,8 +82,10 @@ pub fn describe(e: &SafeTensorError) -> String {
 /// # Errors
 /// The [`SafeTensorError`] that `SafeTensors::deserialize` gives for the same defect:
 /// `HeaderTooSmall`, `HeaderTooLarge`, `InvalidHeaderLength`, `InvalidHeader`,
-/// `InvalidHeaderDeserialization` (which includes bad offsets, shapes and dtypes, and a shape
-/// of more than [`MAX_DIMS`] dimensions) and `MetadataIncompleteBuffer`.
+/// `InvalidHeaderDeserialization` (which includes bad offsets, shapes and dtypes) and
+/// `MetadataIncompleteBuffer`; and one safetensors does not give: `InvalidHeaderDeserialization`
+/// for an array of more than [`MAX_DIMS`] elements (its message starts "invalid JSON in
+/// header", safetensors' wording, although the JSON may be valid).
 ///
 /// # Panics
 /// Never.

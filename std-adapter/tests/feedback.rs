@@ -522,6 +522,12 @@ fn residuals_without_a_shape_take_the_first_one_given() {
         Err(Error::ShapeMismatch { .. })
     ));
     assert_eq!(fb, before);
+    // A checkpoint holds shapes of at most 64 dimensions (what every reader accepts).
+    let mut deep = fb.clone();
+    deep.set_residual_with_shape("deep", &[1; 65], vec![0.5])
+        .unwrap();
+    let err = deep.to_bytes().unwrap_err().to_string();
+    assert!(err.contains("65 dimensions"), "{err}");
     fb.clear();
     assert_eq!((fb.len(), fb.residual_shape("w")), (0, None));
 }

@@ -581,8 +581,9 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
 
 /// `b` (a checkpoint) with its `step` metadata set to `step` (header rewritten, data kept), as
 /// a version 1 checkpoint: its `crc32` covers the step, and version 1 files carry no checksum
-/// (extra metadata entries, `crc32` and `unshaped`, are ignored; every residual of `b` must be
-/// stored `[n]`, as version 1 keeps them).
+/// (its `crc32` and `unshaped` entries are dropped: version 1 refuses them; every residual of
+/// `b` must be stored `[n]`, as version 1 keeps them). `None` when `b` lacks one of the
+/// entries.
 fn with_step(b: &[u8], step: u64) -> Option<Vec<u8>> {
     let n = usize::try_from(u64::from_le_bytes(b.get(..8)?.try_into().ok()?)).ok()?;
     let header = std::str::from_utf8(b.get(8..8usize.checked_add(n)?)?).ok()?;
