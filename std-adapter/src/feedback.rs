@@ -188,6 +188,24 @@ pub(crate) fn check_step_input(
     Ok(())
 }
 
+/// The element count of `shape` (`None` when it overflows `usize`).
+fn element_count(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
+/// [`Error::ShapeMismatch`] (`got` is `[len]`) unless `shape` holds `len` elements.
+fn check_holds(name: &str, shape: &[usize], len: usize) -> Result<()> {
+    if element_count(shape) == Some(len) {
+        return Ok(());
+    }
+    Err(Error::ShapeMismatch {
+        tensor: name.to_owned(),
+        rank: None,
+        expected: shape.to_vec(),
+        got: vec![len],
+    })
+}
+
 /// The residual of `name` for a tensor of `n` elements, created as zeros when missing.
 fn residual_slot<'m>(
     residuals: &'m mut BTreeMap<String, Vec<f32>>,
@@ -273,14 +291,7 @@ impl ErrorFeedback {
         shape: &[usize],
         residual: Vec<f32>,
     ) -> Result<()> {
-        if shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(residual.len()) {
-            return Err(Error::ShapeMismatch {
-                tensor: name.to_owned(),
-                rank: None,
-                expected: shape.to_vec(),
-                got: vec![residual.len()],
-            });
-        }
+        check_holds(name, shape, residual.len())?;
         self.set_residual(name, residual)?;
         self.remember_shape(name, shape);
         Ok(())
@@ -338,9 +349,10 @@ impl ErrorFeedback {
     /// element count, and a residual without a shape, pass here: the element count is checked
     /// with the gradient's values ([`Error::LengthChanged`]).
     pub(crate) fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()> {
-        let count = |s: &[usize]| s.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
         match self.shapes.get(name) {
-            Some(known) if known.as_slice() != shape && count(known) == count(shape) => {
+            Some(known)
+                if known.as_slice() != shape && element_count(known) == element_count(shape) =>
+            {
                 Err(Error::ShapeMismatch {
                     tensor: name.to_owned(),
                     rank: None,
@@ -458,14 +470,7 @@ impl ErrorFeedback {
         let (mut frame_len, mut scratch) = (0usize, 0usize);
         for (name, shape, g) in iter.clone() {
             if let Some(shape) = shape {
-                if shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(g.len()) {
-                    return Err(Error::ShapeMismatch {
-                        tensor: name.to_owned(),
-                        rank: None,
-                        expected: shape.to_vec(),
-                        got: vec![g.len()],
-                    });
-                }
+                check_holds(name, shape, g.len())?;
                 self.check_shape(name, shape)?;
             }
             check_step_input(name, g, self.residual(name), values)?;
