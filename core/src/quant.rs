@@ -11,6 +11,7 @@ use crate::method::Rounding;
 use crate::rng;
 use crate::scalar::{dequant, quant_inv, quant_levels};
 use crate::select::OutOfLimit;
+use wide::bytemuck::cast;
 use wide::{f32x8, i16x8, i32x8, u8x16};
 
 /// Bytes of the scales section: 4 per block.
@@ -142,12 +143,16 @@ pub(crate) fn encode_fast<S: Source>(
         let next_len = block.min(n - next);
         let coder = Coder::new(m, l);
         m = match coder {
-            Some(c) if next_len == block && block.is_multiple_of(2 * LANES) => if bits == 8 {
-                code_pipelined::<S, 16>(src, start, block, &c, out)
-            } else {
-                code_pipelined::<S, 8>(src, start, block, &c, out)
+            // A block whose reciprocal overflows (absmax below about 1e-36) takes the loop
+            // below: the pipelined loop has no branch on it.
+            Some(c) if !c.exact && next_len == block && block.is_multiple_of(2 * LANES) => {
+                if bits == 8 {
+                    code_pipelined::<S, 16>(src, start, block, &c, out)
+                } else {
+                    code_pipelined::<S, 8>(src, start, block, &c, out)
+                }
+                .ok_or(OutOfLimit)?
             }
-            .ok_or(OutOfLimit)?,
             _ => {
                 match coder {
                     Some(c) if bits == 8 => codes8(src, start, len, &c, out),
@@ -182,9 +187,13 @@ fn zero_block(bits: u8, l: u32, len: usize, out: &mut [u8]) {
     }
 }
 
-/// Codes the full block at `start` (`block` a multiple of 16) into `out` while taking the
-/// absmax of the full block that follows it; `None` when that block is not finite. `STEP` is
-/// the bytes of 16 codes: 16 for 8 bits, 8 for 4 bits.
+/// Codes the full block at `start` (`block` a multiple of 16, `coder` not exact) into `out`
+/// while taking the absmax of the full block that follows it; `None` when that block is not
+/// finite. `STEP` is the bytes of 16 codes: 16 for 8 bits, 8 for 4 bits.
+///
+/// Written for few instructions per element (the default x86-64 build splits every `f32x8`
+/// operation in two and retires about 4 instructions per element at memory speed): one max
+/// accumulator, no branch in the loop, codes by [`Coder::code_scaled`].
 #[inline]
 fn code_pipelined<S: Source, const STEP: usize>(
     src: &S,
@@ -193,11 +202,12 @@ fn code_pipelined<S: Source, const STEP: usize>(
     coder: &Coder,
     out: &mut [u8],
 ) -> Option<f32> {
-    let mut acc = [f32x8::splat(0.0); 2];
+    let mut acc = f32x8::splat(0.0);
     // A NaN or an infinity makes this sum non-finite (one addition per vector, where a compare
-    // and a mask would take two); so may finite values that overflow it, which the exact check
-    // below then clears.
+    // and a mask would take two, and unlike a max the same on every target); so may finite
+    // values that overflow it, which the exact check below then clears.
     let mut sum = f32x8::splat(0.0);
+    let inv = f32x8::splat(coder.inv);
     let now = src.pairs(start, block);
     let ahead = src.pairs(start + block, block);
     for (t, ((p, q), o)) in now.zip(ahead).zip(out.chunks_exact_mut(STEP)).enumerate() {
@@ -205,9 +215,8 @@ fn code_pipelined<S: Source, const STEP: usize>(
         src.prefetch(start + block + 2 * LANES * t + AHEAD);
         let (u, v) = (q[0].abs(), q[1].abs());
         sum += u + v;
-        acc[0] = acc[0].fast_max(u);
-        acc[1] = acc[1].fast_max(v);
-        let c = coder.bytes16(p[0], p[1]);
+        acc = acc.fast_max(u.fast_max(v));
+        let c = coder.bytes16_scaled(p[0] * inv, p[1] * inv);
         if STEP == 16 {
             o.copy_from_slice(&c[..STEP]);
         } else {
@@ -217,7 +226,7 @@ fn code_pipelined<S: Source, const STEP: usize>(
     if !sum.is_finite().all() {
         return block_absmax_src(src, start + block, block);
     }
-    Some(lane_max(acc[0].fast_max(acc[1])))
+    Some(lane_max(acc))
 }
 
 /// The largest lane of a vector of finite, non-negative lanes.
@@ -228,11 +237,10 @@ fn lane_max(m: f32x8) -> f32 {
 
 /// Code lanes of one block: `c = clamp(round(y), -l, l) + l` with `y` the scaled position.
 struct Coder {
-    m: f32x8,
-    inv: f32x8,
-    lf: f32x8,
-    /// `1.5 * 2^23 - l`.
-    bias: f32x8,
+    m: f32,
+    /// `l / m`.
+    inv: f32,
+    l: u32,
     /// `inv` overflowed: divide by `m`, then multiply by `l`.
     exact: bool,
 }
@@ -249,29 +257,37 @@ impl Coder {
         }
         let inv = quant_inv(m, l);
         Some(Coder {
-            m: f32x8::splat(m),
-            inv: f32x8::splat(inv),
-            lf: f32x8::splat(l as f32),
-            bias: f32x8::splat(MAGIC - l as f32),
+            m,
+            inv,
+            l,
             exact: !inv.is_finite(),
         })
     }
 
     /// The codes `q + l` of eight elements of the block.
-    ///
-    /// `t = y + 1.5 * 2^23` is the rounding step of [`crate::scalar::round_ties_even`]: it holds
-    /// `1.5 * 2^23 + round(y)` exactly, so `t - (1.5 * 2^23 - l)` is `round(y) + l`, an exact
-    /// integer that converts exactly in every build. The specification's clamp to `[-l, l]`
-    /// never binds: every element has `|x| <= m`, so `|x * fl(l / m)| <= l * (1 + 2^-24)`
-    /// rounded, and `|fl(x / m)| <= 1`, both far below `l + 1/2`.
     #[inline]
     fn code(&self, v: f32x8) -> i32x8 {
         let y = if self.exact {
-            (v / self.m) * self.lf
+            (v / f32x8::splat(self.m)) * f32x8::splat(self.l as f32)
         } else {
-            v * self.inv
+            v * f32x8::splat(self.inv)
         };
-        ((y + f32x8::splat(MAGIC)) - self.bias).fast_trunc_int()
+        self.code_scaled(y)
+    }
+
+    /// The codes `q + l` of eight scaled positions `y` (`x * inv`, or `(x / m) * l`).
+    ///
+    /// `t = y + 1.5 * 2^23` is the rounding step of [`crate::scalar::round_ties_even`]: it holds
+    /// `1.5 * 2^23 + round(y)` exactly, a float in `[2^23, 2^24)` whose unit in the last place
+    /// is 1, so its bits are those of `1.5 * 2^23` plus `round(y)`, and one integer subtraction
+    /// gives `round(y) + l` (where a float subtraction and a conversion took two operations).
+    /// The specification's clamp to `[-l, l]` never binds: every element has `|x| <= m`, so
+    /// `|x * fl(l / m)| <= l * (1 + 2^-24)` rounded, and `|fl(x / m)| <= 1`, both far below
+    /// `l + 1/2`.
+    #[inline]
+    fn code_scaled(&self, y: f32x8) -> i32x8 {
+        let t: i32x8 = cast(y + f32x8::splat(MAGIC));
+        t - i32x8::splat(MAGIC.to_bits() as i32 - self.l as i32)
     }
 
     /// The codes of elements `i..end` (`end - i < 16`), zero-padded, as bytes.
@@ -289,10 +305,24 @@ impl Coder {
     /// Sixteen codes (each 0..=254) as bytes.
     #[inline]
     fn bytes16(&self, a: f32x8, b: f32x8) -> [u8; 16] {
-        let lo = i16x8::from_i32x8_saturate(self.code(a));
-        let hi = i16x8::from_i32x8_saturate(self.code(b));
-        u8x16::narrow_i16x8(lo, hi).to_array()
+        code_bytes(self.code(a), self.code(b))
     }
+
+    /// [`Coder::bytes16`] of sixteen scaled positions.
+    #[inline]
+    fn bytes16_scaled(&self, a: f32x8, b: f32x8) -> [u8; 16] {
+        code_bytes(self.code_scaled(a), self.code_scaled(b))
+    }
+}
+
+/// Sixteen codes in `0..=254` narrowed to bytes by saturating packs.
+#[inline]
+fn code_bytes(lo: i32x8, hi: i32x8) -> [u8; 16] {
+    u8x16::narrow_i16x8(
+        i16x8::from_i32x8_saturate(lo),
+        i16x8::from_i32x8_saturate(hi),
+    )
+    .to_array()
 }
 
 /// 8-bit codes of elements `start..start + len` into `out` (`len` bytes).
