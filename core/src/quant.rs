@@ -107,15 +107,16 @@ pub fn try_encode(
 /// The SIMD kernel over any element source (one slice, or the sum `g + r` of an
 /// error-feedback step), for configurations where [`is_fast`] holds. Per block: the absmax
 /// (SIMD max of |x|, which also checks that the block is finite), one division `inv = l / m`,
-/// then `x * inv` (or `(x / m) * l` when `inv` overflows) rounded by the same add-and-subtract
-/// of 1.5 * 2^23 as [`crate::scalar::round_ties_even`], clamped, converted, and narrowed to
-/// bytes by saturating packs (8 bits) or packed two codes per byte (4 bits).
+/// then `x * inv` (or `(x / m) * l` when `inv` overflows) rounded by the same addition of
+/// 1.5 * 2^23 as [`crate::scalar::round_ties_even`], the code read from the sum's bits (see
+/// `Coder::code_scaled`), and narrowed to bytes by saturating packs (8 bits) or packed two
+/// codes per byte (4 bits).
 ///
 /// The two passes are software-pipelined: while block `b` is coded (from the L1 cache), the
 /// absmax of block `b + 1` is taken (from memory), so the arithmetic overlaps the loads. On a
 /// NaN or infinity the blocks before the bad one may already be written.
 ///
-/// `written` is called with the code bytes, in order and in runs of whole blocks (about 4 KiB),
+/// `written` is called with the code bytes, in order and in runs of whole blocks (about 1 KiB),
 /// right after they are written (the frame encoder folds them into its checksum while they are
 /// in cache).
 pub(crate) fn encode_fast<S: Source>(
@@ -132,8 +133,11 @@ pub(crate) fn encode_fast<S: Source>(
     let mut m = block_absmax_src(src, 0, block.min(n)).ok_or(OutOfLimit)?;
     let mut start = 0usize;
     let mut b = 0usize;
-    // Codes are handed to `written` in runs of at least this many bytes (still in L1).
-    const RUN: usize = 4096;
+    // Codes are handed to `written` in runs of at least this many bytes (still in L1). Shorter
+    // runs leave shorter gaps in the stream of loads while the checksum runs: on the Xeon of
+    // BENCHMARKS.md's round 11 the int8 codec took 1.38-1.42 read passes with 1 KiB runs,
+    // 1.43-1.45 with 4 KiB, and was unsteady with 512 bytes (1.40-1.64).
+    const RUN: usize = 1024;
     let mut flushed = 0usize;
     while start < n {
         let len = block.min(n - start);
