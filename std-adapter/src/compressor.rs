@@ -648,7 +648,7 @@ impl GradientCompressor {
     /// [`Error::Config`] for an invalid method; [`Error::Core`] naming the tensor for NaN/Inf
     /// (with the first bad index) or a value beyond the range of f16/bf16;
     /// [`Error::LengthChanged`] when a tensor with a residual changed its element count,
-    /// [`Error::ShapeMismatch`] when it kept the count in another shape (a transposed weight:
+    /// [`Error::ShapeChanged`] when it kept the count in another shape (a transposed weight:
     /// each residual remembers its tensor's shape, see [`crate::feedback`]). On error nothing
     /// changes (residuals, step).
     pub fn compress(
@@ -930,7 +930,7 @@ impl GradientCompressor {
     ///
     /// Residuals are matched to gradients by name when the next compression meets them: one
     /// whose length differs from its gradient's is [`Error::LengthChanged`] then, one kept in
-    /// another shape of the same length [`Error::ShapeMismatch`] (a version 3 checkpoint
+    /// another shape of the same length [`Error::ShapeChanged`] (a version 3 checkpoint
     /// stores shapes; the residuals of an older one take the shapes of the next step). The model is
     /// not known here, so a residual whose name never comes (a checkpoint of another model) is
     /// kept and saved again; to check a checkpoint against a model first, load it with

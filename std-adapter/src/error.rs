@@ -227,6 +227,22 @@ pub enum Error {
         /// The shape it got.
         got: Vec<usize>,
     },
+    /// A tensor came back in another shape of the same element count than the one its
+    /// error-feedback residual was kept in (a transposed or reshaped weight): adding the old
+    /// residual would put it on the wrong coordinates. [`crate::ErrorFeedback::set_residual`] or
+    /// [`crate::ErrorFeedback::clear`] starts the residual over.
+    #[error(
+        "tensor `{tensor}`: its residual is kept in shape {expected:?}, the gradient has shape \
+         {got:?} (ErrorFeedback::set_residual or clear starts the residual over)"
+    )]
+    ShapeChanged {
+        /// The tensor.
+        tensor: String,
+        /// The shape the residual remembers.
+        expected: Vec<usize>,
+        /// The gradient's shape.
+        got: Vec<usize>,
+    },
     /// A tensor changed its element count between steps of error feedback.
     #[error("tensor `{tensor}`: residual has {expected} elements, gradient has {got}")]
     LengthChanged {

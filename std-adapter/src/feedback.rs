@@ -18,7 +18,7 @@
 //! - a residual remembers its tensor's shape once a step gave one ([`ErrorFeedback::step_tensors`],
 //!   [`ErrorFeedback::step_with_shapes`], and the bundle and compressor paths, which know their
 //!   tensors' shapes): a tensor that comes back with the same element count in another shape (a
-//!   transposed weight) is an error ([`Error::ShapeMismatch`]), since its old residual would be
+//!   transposed weight) is an error ([`Error::ShapeChanged`]), since its old residual would be
 //!   added to the wrong coordinates. [`ErrorFeedback::step_with`] gives no shapes: it checks
 //!   element counts only, and a residual it creates has no shape until a shaped step gives one;
 //! - a step is all or nothing: every tensor is checked (lengths, NaN/Inf in the gradient and in
@@ -345,7 +345,7 @@ impl ErrorFeedback {
     }
 
     /// Checks `shape`, the shape of `name`'s gradient, against the shape its residual
-    /// remembers: [`Error::ShapeMismatch`] when they differ in the same element count. Another
+    /// remembers: [`Error::ShapeChanged`] when they differ in the same element count. Another
     /// element count, and a residual without a shape, pass here: the element count is checked
     /// with the gradient's values ([`Error::LengthChanged`]).
     pub(crate) fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()> {
@@ -353,9 +353,8 @@ impl ErrorFeedback {
             Some(known)
                 if known.as_slice() != shape && element_count(known) == element_count(shape) =>
             {
-                Err(Error::ShapeMismatch {
+                Err(Error::ShapeChanged {
                     tensor: name.to_owned(),
-                    rank: None,
                     expected: known.clone(),
                     got: shape.to_vec(),
                 })
@@ -447,9 +446,9 @@ impl ErrorFeedback {
     /// restored from a checkpoint in another shape.
     ///
     /// # Errors
-    /// As [`ErrorFeedback::step_with`]; [`Error::ShapeMismatch`] (nothing changes) when a
+    /// As [`ErrorFeedback::step_with`]; [`Error::ShapeChanged`] (nothing changes) when a
     /// tensor comes in another shape of the same element count than the one its residual
-    /// remembers (`expected`; another count is [`Error::LengthChanged`]), or when
+    /// remembers (another count is [`Error::LengthChanged`]); [`Error::ShapeMismatch`] when
     /// `gradient.len()` is not the product of `shape` (`got` is then `[gradient.len()]`).
     pub fn step_with_shapes<'a, I>(&mut self, grads: I, sink: impl FnMut(&str, &[u8])) -> Result<()>
     where

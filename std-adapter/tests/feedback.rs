@@ -449,9 +449,14 @@ fn a_transposed_tensor_is_refused_not_fed_its_old_residual() {
         .step_tensors(&grads(&[("w", &[3, 2], w.clone())]))
         .unwrap_err();
     assert!(
-        matches!(&err, Error::ShapeMismatch { tensor, expected, got, .. }
+        matches!(&err, Error::ShapeChanged { tensor, expected, got }
             if tensor == "w" && expected == &[2, 3] && got == &[3, 2]),
         "{err}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "tensor `w`: its residual is kept in shape [2, 3], the gradient has shape [3, 2] \
+         (ErrorFeedback::set_residual or clear starts the residual over)"
     );
     assert_eq!(fb, before, "nothing changes on error");
     // A shape that does not hold the gradient's values is refused as such.
@@ -468,7 +473,7 @@ fn a_transposed_tensor_is_refused_not_fed_its_old_residual() {
     assert_eq!(restored.residual_shape("w"), Some(&[2usize, 3][..]));
     assert!(matches!(
         restored.step_tensors(&grads(&[("w", &[3, 2], w.clone())])),
-        Err(Error::ShapeMismatch { .. })
+        Err(Error::ShapeChanged { .. })
     ));
     restored
         .step_tensors(&grads(&[("w", &[2, 3], w.clone())]))
@@ -481,7 +486,7 @@ fn a_transposed_tensor_is_refused_not_fed_its_old_residual() {
     let err = c
         .compress(&grads(&[("w", &[3, 2], w.clone())]))
         .unwrap_err();
-    assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    assert!(matches!(err, Error::ShapeChanged { .. }), "{err}");
     assert_eq!(
         c.feedback(),
         Some(&ErrorFeedback::from_bytes(&bytes).unwrap())
