@@ -526,10 +526,28 @@ fn gen_residual(inp: &mut Input<'_>) -> Vec<f32> {
     }
 }
 
+/// A shape for a residual of `len` values from fuzzer choices: `[len]`, `[1, len]`, `[len, 1]`,
+/// `[2, len / 2]`, `[]` (0-d) or `[len, 0]`, and whether it holds `len` values.
+fn gen_residual_shape(inp: &mut Input<'_>, len: usize) -> (Vec<usize>, bool) {
+    let shape = match inp.u8() % 6 {
+        0 => vec![len],
+        1 => vec![1, len],
+        2 => vec![len, 1],
+        3 => vec![2, len / 2],
+        4 => Vec::new(),
+        _ => vec![len, 0],
+    };
+    let holds = shape.iter().product::<usize>() == len;
+    (shape, holds)
+}
+
 /// An error-feedback state from fuzzer choices: a method (an invalid one is replaced by
-/// top-1), a seed, a step and residuals (non-finite ones are refused by `set_residual`,
-/// checked). `None` when `to_bytes` refuses the state (a residual named `__metadata__`, checked
-/// to be the reason).
+/// top-1), a seed, a step and residuals, some set with a shape (non-finite residuals are
+/// refused by `set_residual`, shapes that do not hold the values by `set_residual_with_shape`,
+/// checked, and nothing changes then). A state without shapes goes through a checkpoint with
+/// the fuzzer's step (rewritten as version 1, which has no checksum); one with shapes through
+/// its own version 3 checkpoint, step 0. `None` when `to_bytes` refuses the state (a residual
+/// named `__metadata__`, checked to be the reason).
 pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
     let method = gen_method(inp, 64, &[]);
     let (seed, step) = match inp.u8() % 3 {
@@ -550,16 +568,49 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
         let name = gen_residual_name(inp, i);
         let r = gen_residual(inp);
         let finite = r.iter().all(|v| v.is_finite());
+        if inp.u8().is_multiple_of(2) {
+            let (shape, holds) = gen_residual_shape(inp, r.len());
+            let before = fb.clone();
+            match fb.set_residual_with_shape(&name, &shape, r) {
+                Ok(()) => {
+                    assert!(
+                        finite && holds,
+                        "set_residual_with_shape accepted {shape:?}"
+                    );
+                    assert_eq!(fb.residual_shape(&name), Some(&shape[..]));
+                    reserved |= name == "__metadata__";
+                }
+                Err(e) => {
+                    assert!(!finite || !holds, "set_residual_with_shape refused: {e}");
+                    assert_same_state(&fb, &before, "a refused set_residual_with_shape");
+                }
+            }
+            continue;
+        }
         match fb.set_residual(&name, r) {
             Ok(()) => {
                 assert!(finite, "set_residual accepted a non-finite residual");
+                assert_eq!(
+                    fb.residual_shape(&name),
+                    None,
+                    "set_residual forgets shapes"
+                );
                 reserved |= name == "__metadata__";
             }
             Err(e) => assert!(!finite, "set_residual refused a finite residual: {e}"),
         }
     }
+    let shaped = fb.residuals().any(|(n, _)| fb.residual_shape(n).is_some());
     match fb.to_bytes() {
         Ok(_) if reserved => panic!("to_bytes stored a residual named __metadata__"),
+        Ok(b) if shaped => {
+            // Version 3 keeps the shapes; rewriting its step would mean recomputing its
+            // checksum here, so the state loads back as saved.
+            let back = ErrorFeedback::from_bytes(&b)
+                .unwrap_or_else(|e| panic!("a checkpoint from to_bytes does not load: {e}"));
+            assert_same_state(&back, &fb, "a shaped state through its checkpoint");
+            Some(back)
+        }
         Ok(b) => {
             // `ErrorFeedback` has no public step setter and running `step` steps is out of
             // reach: the step goes into the checkpoint text, which must then load.
