@@ -223,4 +223,61 @@ mod tests {
         let err = read_header(&file).unwrap_err().to_string();
         assert!(err.contains("at most 64 dimensions"), "{err}");
     }
+
+    fn file(header: &str, data: usize) -> Vec<u8> {
+        let mut f = (header.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(header.as_bytes());
+        f.resize(f.len() + data, 0);
+        f
+    }
+
+    /// The header parser of this module against safetensors' own, on valid and invalid headers.
+    #[test]
+    fn headers_parse_as_safetensors_parses_them() {
+        // Header, data bytes. Tensors listed out of offset order load as safetensors sorts them.
+        let valid = [
+            (
+                r#"{"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]},"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}"#,
+                12,
+            ),
+            (
+                r#"{"__metadata__":{"k":"v"},"w":{"dtype":"U8","shape":[2,0],"data_offsets":[0,0]}}"#,
+                0,
+            ),
+            (r#"{"__metadata__":null}"#, 0),
+            (r#"{}"#, 0),
+        ];
+        for (h, data) in valid {
+            let f = file(h, data);
+            let (meta, _) = read_header(&f).unwrap_or_else(|e| panic!("{h}: {e}"));
+            let theirs = SafeTensors::read_metadata(&f).unwrap().1;
+            assert_eq!(meta.offset_keys(), theirs.offset_keys(), "{h}");
+            assert_eq!(meta.metadata(), theirs.metadata(), "{h}");
+            for (name, info) in theirs.tensors() {
+                let ours = meta.info(&name).map(|i| format!("{i:?}"));
+                assert_eq!(ours, Some(format!("{info:?}")), "{h}: {name}");
+            }
+            assert_eq!(meta.tensors().len(), theirs.tensors().len(), "{h}");
+        }
+        let invalid = [
+            // Offsets with a gap, a shape that does not fill them, an unknown dtype, a bad entry.
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+            r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+            r#"{"a":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}}"#,
+            r#"{"a":{"dtype":"F32","shape":[2]}}"#,
+            r#"{"__metadata__":{"k":1}}"#,
+            r#"[]"#,
+        ];
+        for h in invalid {
+            let f = file(h, 8);
+            assert!(read_header(&f).is_err(), "{h}");
+            assert!(SafeTensors::deserialize(&f).is_err(), "{h}");
+        }
+        // A tensor named twice: safetensors keeps the last entry, this module refuses the file.
+        let twice = r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        let err = read_header(&file(twice, 8)).unwrap_err().to_string();
+        assert!(err.contains("names tensor `a` twice"), "{err}");
+        let twice_meta = r#"{"__metadata__":{},"__metadata__":{}}"#;
+        assert!(read_header(&file(twice_meta, 0)).is_err());
+    }
 }
