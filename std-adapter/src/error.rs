@@ -227,13 +227,16 @@ pub enum Error {
         /// The shape it got.
         got: Vec<usize>,
     },
-    /// A tensor came back in another shape of the same element count than the one its
+    /// A tensor came back in another shape of the same element count as the one its
     /// error-feedback residual was kept in (a transposed or reshaped weight): adding the old
-    /// residual would put it on the wrong coordinates. [`crate::ErrorFeedback::set_residual`] or
-    /// [`crate::ErrorFeedback::clear`] starts the residual over.
+    /// residual would put it on the wrong coordinates. To go on, drop or re-set that residual:
+    /// [`crate::ErrorFeedback::set_residual_with_shape`] (the residual laid out in the new
+    /// shape), [`crate::ErrorFeedback::clear`], or, through a compressor,
+    /// [`crate::GradientCompressor::reset_error_buffer`] (every residual) or
+    /// `take_feedback` / `restore_feedback`.
     #[error(
         "tensor `{tensor}`: its residual is kept in shape {expected:?}, the gradient has shape \
-         {got:?} (ErrorFeedback::set_residual or clear starts the residual over)"
+         {got:?} (drop or re-set that residual to go on)"
     )]
     ShapeChanged {
         /// The tensor.

@@ -447,7 +447,7 @@ impl ErrorFeedback {
     ///
     /// # Errors
     /// As [`ErrorFeedback::step_with`]; [`Error::ShapeChanged`] (nothing changes) when a
-    /// tensor comes in another shape of the same element count than the one its residual
+    /// tensor comes in another shape of the same element count as the one its residual
     /// remembers (another count is [`Error::LengthChanged`]); [`Error::ShapeMismatch`] when
     /// `gradient.len()` is not the product of `shape` (`got` is then `[gradient.len()]`).
     pub fn step_with_shapes<'a, I>(&mut self, grads: I, sink: impl FnMut(&str, &[u8])) -> Result<()>

@@ -456,7 +456,7 @@ fn a_transposed_tensor_is_refused_not_fed_its_old_residual() {
     assert_eq!(
         err.to_string(),
         "tensor `w`: its residual is kept in shape [2, 3], the gradient has shape [3, 2] \
-         (ErrorFeedback::set_residual or clear starts the residual over)"
+         (drop or re-set that residual to go on)"
     );
     assert_eq!(fb, before, "nothing changes on error");
     // A shape that does not hold the gradient's values is refused as such.
