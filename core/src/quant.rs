@@ -135,8 +135,9 @@ pub(crate) fn encode_fast<S: Source>(
     let mut b = 0usize;
     // Codes are handed to `written` in runs of at least this many bytes (still in L1). Shorter
     // runs leave shorter gaps in the stream of loads while the checksum runs: on the Xeon of
-    // BENCHMARKS.md's round 11 the int8 codec took 1.38-1.42 read passes with 1 KiB runs,
-    // 1.43-1.45 with 4 KiB, and was unsteady with 512 bytes (1.40-1.64).
+    // BENCHMARKS.md's round 11 the int8 codec took 1.38-1.42 read passes with 1 KiB runs
+    // (six runs), 1.41-1.52 with 4 KiB (six runs, five of them 1.43 or more), and was unsteady
+    // with 512 bytes (1.40-1.64).
     const RUN: usize = 1024;
     let mut flushed = 0usize;
     while start < n {

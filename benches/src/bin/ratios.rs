@@ -371,11 +371,12 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
     tasks.push(task("floor_crc_n_bytes", None, move || {
         black_box(crc32fast::hash(black_box(&frame_bytes)));
     }));
-    // The same n bytes' CRC-32 from the L1 cache, 4 KiB at a time: what the int8 and sign
-    // kernels pay, since they fold each 4 KiB run of codes into the checksum right after
-    // writing it. `floor_crc_n_bytes` reads its bytes from memory, so it counts the traffic of
-    // a byte pass a second time.
-    let run: Vec<u8> = (0..4096usize).map(|i| (i as u8).wrapping_mul(37)).collect();
+    // The same n bytes' CRC-32 from the L1 cache, 1 KiB at a time: what the int8 and sign
+    // kernels pay, since they fold each run of codes into the checksum right after writing it
+    // (quantization in runs of at least 1 KiB, sign in runs of four blocks' bits).
+    // `floor_crc_n_bytes` reads its bytes from memory, so it counts the traffic of a byte pass
+    // a second time.
+    let run: Vec<u8> = (0..1024usize).map(|i| (i as u8).wrapping_mul(37)).collect();
     tasks.push(task("floor_crc_n_bytes_l1", None, move || {
         let mut h = crc32fast::Hasher::new();
         let mut left = n;
