@@ -546,7 +546,8 @@ fn gen_residual_shape(inp: &mut Input<'_>, len: usize) -> (Vec<usize>, bool) {
 /// refused by `set_residual`, shapes that do not hold the values by `set_residual_with_shape`,
 /// checked, and nothing changes then). A state without shapes goes through a checkpoint with
 /// the fuzzer's step (rewritten as version 1, which has no checksum); one with shapes through
-/// its own version 3 checkpoint, step 0. `None` when `to_bytes` refuses the state (a residual
+/// its own version 3 checkpoint, with the fuzzer's step and a recomputed checksum when every
+/// residual has a shape, else with step 0. `None` when `to_bytes` refuses the state (a residual
 /// named `__metadata__`, checked to be the reason).
 pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
     let method = gen_method(inp, 64, &[]);
@@ -601,14 +602,30 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
         }
     }
     let shaped = fb.residuals().any(|(n, _)| fb.residual_shape(n).is_some());
+    let all_shaped = fb.residuals().all(|(n, _)| fb.residual_shape(n).is_some());
     match fb.to_bytes() {
         Ok(_) if reserved => panic!("to_bytes stored a residual named __metadata__"),
         Ok(b) if shaped => {
-            // Version 3 keeps the shapes; rewriting its step would mean recomputing its
-            // checksum here, so the state loads back as saved.
+            // Version 3 keeps the shapes. With every residual shaped its `unshaped` text is
+            // `[]`, so the step can be rewritten and the checksum recomputed here; otherwise the
+            // state loads back as saved (step 0).
+            let (b, want) = match all_shaped {
+                true => (
+                    with_step_v3(&b, &fb, step).expect("to_bytes wrote v3 entries"),
+                    step,
+                ),
+                false => (b, fb.step()),
+            };
             let back = ErrorFeedback::from_bytes(&b)
                 .unwrap_or_else(|e| panic!("a checkpoint from to_bytes does not load: {e}"));
-            assert_same_state(&back, &fb, "a shaped state through its checkpoint");
+            assert_eq!(back.step(), want);
+            let again =
+                ErrorFeedback::from_bytes(&back.to_bytes().expect("it saves")).expect("and loads");
+            assert_same_state(&again, &back, "a shaped state through its checkpoint");
+            for (n, r) in fb.residuals() {
+                assert!(same_bits(r, back.residual(n).expect("kept")), "`{n}`");
+                assert_eq!(back.residual_shape(n), fb.residual_shape(n), "`{n}`");
+            }
             Some(back)
         }
         Ok(b) => {
@@ -628,6 +645,43 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
             None
         }
     }
+}
+
+/// `b`, the version 3 checkpoint of `fb` (every residual shaped, so `unshaped` is `[]`), with its
+/// `step` metadata set to `step` and its `crc32` recomputed from the layout's definition
+/// ([`checkpoint_crc_spec`]; header rewritten, data kept). `None` when `b` lacks an entry.
+fn with_step_v3(b: &[u8], fb: &ErrorFeedback, step: u64) -> Option<Vec<u8>> {
+    let n = usize::try_from(u64::from_le_bytes(b.get(..8)?.try_into().ok()?)).ok()?;
+    let header = std::str::from_utf8(b.get(8..8usize.checked_add(n)?)?).ok()?;
+    // The text of a string entry (method and seed texts hold no quote or backslash).
+    let text = |key: &str| -> Option<(usize, usize)> {
+        let at = header.find(&format!("\"{key}\":\""))? + key.len() + 4;
+        Some((at, at + header[at..].find('"')?))
+    };
+    let method = &header[text("method")?.0..text("method")?.1];
+    let seed = &header[text("seed")?.0..text("seed")?.1];
+    let built: Vec<Built> = fb
+        .residuals()
+        .map(|(name, r)| {
+            let shape: Vec<u64> = fb.residual_shape(name)?.iter().map(|&d| d as u64).collect();
+            let bits = r.iter().map(|v| v.to_bits()).collect();
+            Some((name.to_owned(), bits, shape.clone(), Some(shape)))
+        })
+        .collect::<Option<_>>()?;
+    let texts = [method, seed, &step.to_string(), "[]"].map(str::to_owned);
+    let crc = checkpoint_crc_spec(&built, true, &texts);
+    let mut new = header.to_owned();
+    for (key, value) in [("step", step.to_string()), ("crc32", crc.to_string())] {
+        let (at, end) = {
+            let at = new.find(&format!("\"{key}\":\""))? + key.len() + 4;
+            (at, at + new[at..].find('"')?)
+        };
+        new.replace_range(at..end, &value);
+    }
+    let mut out = (new.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(new.as_bytes());
+    out.extend_from_slice(&b[8 + n..]);
+    Some(out)
 }
 
 /// `b` (a checkpoint) with its `step` metadata set to `step` (header rewritten, data kept), as
