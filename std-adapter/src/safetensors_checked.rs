@@ -17,7 +17,7 @@
 //! last one).
 
 use safetensors::SafeTensorError;
-use safetensors::tensor::{Metadata, SafeTensors, TensorInfo};
+use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 use serde::de::{self, Deserialize, Deserializer, MapAccess, Visitor};
 use std::collections::HashMap;
 use std::fmt;
@@ -87,12 +87,14 @@ pub fn describe(e: &SafeTensorError) -> String {
 /// the data section.
 ///
 /// # Errors
-/// The [`SafeTensorError`] that `SafeTensors::deserialize` gives for the same defect:
-/// `HeaderTooSmall`, `HeaderTooLarge`, `InvalidHeaderLength`, `InvalidHeader`,
-/// `InvalidHeaderDeserialization` (which includes bad offsets, shapes and dtypes) and
-/// `MetadataIncompleteBuffer`; and one safetensors does not give: `InvalidHeaderDeserialization`
-/// for an array of more than [`MAX_DIMS`] elements (its message starts "invalid JSON in
-/// header", safetensors' wording, although the JSON may be valid).
+/// `HeaderTooSmall`, `HeaderTooLarge`, `InvalidHeaderLength`, `InvalidHeader` and
+/// `MetadataIncompleteBuffer` for the framing defects `SafeTensors::deserialize` names so;
+/// `InvalidHeaderDeserialization` for everything wrong inside the header (its message starts
+/// "invalid JSON in header", safetensors' wording, although the JSON may be valid): JSON that
+/// does not parse, bad offsets, shapes or dtypes (for which `SafeTensors::deserialize` gives
+/// `Metadata::new`'s own error variant), and what this module refuses and safetensors accepts:
+/// an array of more than [`MAX_DIMS`] elements, a tensor named twice, a field other than
+/// `dtype`, `shape` and `data_offsets` in a tensor's entry.
 ///
 /// # Panics
 /// Never.
@@ -133,7 +135,7 @@ pub fn read_header(bytes: &[u8]) -> Result<(Metadata, &[u8]), SafeTensorError> {
 /// which makes serde buffer every value of the header before it is typed: a header of 500
 /// tensors of 64 zero dimensions each (91 KB) allocated 1.59 MB that way, 17 bytes per header
 /// byte (`tests/alloc_bound.rs`). This visitor types each entry as it comes, so the header costs
-/// what its names and shapes hold.
+/// its names and shapes plus a fixed amount per tensor.
 struct Header {
     metadata: Option<HashMap<String, String>>,
     tensors: Vec<(String, TensorInfo)>,
@@ -159,7 +161,16 @@ impl<'de> Deserialize<'de> for Header {
                         seen_metadata = true;
                         metadata = map.next_value()?;
                     } else {
-                        let info: TensorInfo = map.next_value()?;
+                        let Entry {
+                            dtype,
+                            shape,
+                            data_offsets,
+                        } = map.next_value()?;
+                        let info = TensorInfo {
+                            dtype,
+                            shape,
+                            data_offsets,
+                        };
                         tensors.push((name, info));
                     }
                 }
@@ -170,10 +181,22 @@ impl<'de> Deserialize<'de> for Header {
     }
 }
 
+/// A tensor's entry in a header: safetensors' `TensorInfo` with no other field allowed. An
+/// unknown field's value would be skipped by serde_json without the checks a value gets when it
+/// is read (numbers in range, valid escapes, nesting depth), where safetensors' own parse reads
+/// and checks it; refusing such fields keeps every accepted header one that safetensors accepts.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
+}
+
 /// safetensors' [`Metadata`] of a parsed header: tensors sorted by their offsets (as safetensors
 /// does: files may list them in any order), then checked by `Metadata::new` (offsets contiguous
 /// from 0, each tensor's byte length its shape times its dtype's size; its error is wrapped as
-/// safetensors' own parse wraps it). A name given twice is an error (safetensors' own parse kept
+/// `impl Deserialize for Metadata` wraps it). A name given twice is an error (safetensors' own parse kept
 /// the last one).
 fn metadata_of(
     metadata: Option<HashMap<String, String>>,
@@ -259,20 +282,54 @@ mod tests {
             }
             assert_eq!(meta.tensors().len(), theirs.tensors().len(), "{h}");
         }
+        // Header, data bytes (what the header would need, so that only the header is wrong).
+        let deep = format!(
+            r#"{{"a":{{"dtype":"F32","shape":[0],"data_offsets":[0,0],"x":{}1{}}}}}"#,
+            "[".repeat(130),
+            "]".repeat(130)
+        );
         let invalid = [
             // Offsets with a gap, a shape that does not fill them, an unknown dtype, a bad entry.
-            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
-            r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
-            r#"{"a":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}}"#,
-            r#"{"a":{"dtype":"F32","shape":[2]}}"#,
-            r#"{"__metadata__":{"k":1}}"#,
-            r#"[]"#,
+            (
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                8,
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            (
+                r#"{"a":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}}"#,
+                8,
+            ),
+            (r#"{"a":{"dtype":"F32","shape":[2]}}"#, 8),
+            (r#"{"__metadata__":{"k":1}}"#, 0),
+            (r#"[]"#, 0),
+            // Values that safetensors checks as it reads them, in a field it ignores.
+            (
+                r#"{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0],"x":1e400}}"#,
+                0,
+            ),
+            (
+                r#"{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0],"x":"\udc00"}}"#,
+                0,
+            ),
+            (&deep, 0),
         ];
-        for h in invalid {
-            let f = file(h, 8);
-            assert!(read_header(&f).is_err(), "{h}");
+        for (h, data) in invalid {
+            let f = file(h, data);
+            let err = read_header(&f).unwrap_err();
+            assert!(
+                matches!(err, SafeTensorError::InvalidHeaderDeserialization(_)),
+                "{h}: {err}"
+            );
             assert!(SafeTensors::deserialize(&f).is_err(), "{h}");
         }
+        // A field safetensors ignores is refused here, whatever its value.
+        let extra = r#"{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0],"x":1}}"#;
+        assert!(SafeTensors::deserialize(&file(extra, 0)).is_ok());
+        let err = read_header(&file(extra, 0)).unwrap_err().to_string();
+        assert!(err.contains("unknown field `x`"), "{err}");
         // A tensor named twice: safetensors keeps the last entry, this module refuses the file.
         let twice = r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
         let err = read_header(&file(twice, 8)).unwrap_err().to_string();
