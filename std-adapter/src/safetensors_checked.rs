@@ -14,7 +14,8 @@
 //! header type, whose `#[serde(flatten)]` buffers every value first (17 bytes per header byte
 //! for a header of many 64-dimension shapes, 7.6 now); safetensors' `Metadata::new` still checks
 //! the offsets, shapes and dtypes. A tensor named twice is an error (safetensors' parse keeps the
-//! last one).
+//! last one), and so is a field other than `dtype`, `shape` and `data_offsets` in a tensor's
+//! entry (safetensors ignores it).
 
 use safetensors::SafeTensorError;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
