@@ -45,9 +45,10 @@
 //! | `crc32` | CRC-32 (IEEE, as in frames), decimal, of: for each residual in name order, its name, a 0 byte, its stored shape (the number of dimensions as u32, then each dimension as u64, little-endian) and its values (f32 little-endian); then the `method`, `seed`, `step` and `unshaped` texts, each followed by a 0 byte |
 //!
 //! A residual has at most [`crate::safetensors_checked::MAX_DIMS`] dimensions. The checksum makes
-//! a flipped bit in a stored residual, shape or step an error, as it is in frames and bundles. Version 2 files (the same without shapes: every residual `[n]`, no
-//! `unshaped`, and a checksum without the shape and `unshaped` parts) and version 1 files (no
-//! `crc32`) still load; their residuals have no shape until a shaped step gives one.
+//! a flipped bit in a stored residual, shape or step an error, as it is in frames and bundles.
+//! Version 2 files (the same without shapes: every residual `[n]`, no `unshaped`, and a checksum
+//! without the shape and `unshaped` parts) and version 1 files (no `crc32`) still load; their
+//! residuals have no shape until a shaped step gives one.
 //!
 //! ```
 //! use gradwire::core::{K, Method, Values};
@@ -542,6 +543,17 @@ impl ErrorFeedback {
                 "a tensor named `__metadata__` cannot be stored in safetensors",
             ));
         }
+        if let Some((name, shape)) = self
+            .shapes
+            .iter()
+            .find(|(_, s)| s.len() > crate::safetensors_checked::MAX_DIMS)
+        {
+            return Err(Error::checkpoint(format!(
+                "residual `{name}` has {} dimensions; a checkpoint holds at most {}",
+                shape.len(),
+                crate::safetensors_checked::MAX_DIMS
+            )));
+        }
         let mut meta = HashMap::new();
         meta.insert("format".to_owned(), CHECKPOINT_FORMAT.to_owned());
         meta.insert("version".to_owned(), CHECKPOINT_VERSION.to_owned());
@@ -565,17 +577,6 @@ impl ErrorFeedback {
         meta.insert("seed".to_owned(), seed);
         meta.insert("step".to_owned(), step);
         meta.insert("unshaped".to_owned(), unshaped);
-        if let Some((name, shape)) = self
-            .shapes
-            .iter()
-            .find(|(_, s)| s.len() > crate::safetensors_checked::MAX_DIMS)
-        {
-            return Err(Error::checkpoint(format!(
-                "residual `{name}` has {} dimensions; a checkpoint holds at most {}",
-                shape.len(),
-                crate::safetensors_checked::MAX_DIMS
-            )));
-        }
         // Each residual in the shape it remembers, else `[n]`.
         crate::tensor::serialize_f32(
             self.residuals.iter().map(|(n, r)| {

@@ -668,14 +668,15 @@ pub fn compress_with_error_feedback(
             Some(r) => check_step(name, data, r, ratio)?,
             None => first_non_finite(name, data)?,
         }
-        // The same element count in another shape (a transposed weight).
-        if let Some(known) = feedback.residual_shape(name)
-            && known != shape
+        // The same element count in another shape (a transposed weight): the feedback
+        // module's rule, reported in this layout's terms.
+        if let Err(crate::error::Error::ShapeChanged { expected, got, .. }) =
+            feedback.check_shape(name, shape)
         {
             return Err(ReferenceError::WrongShape {
                 key: name.to_owned(),
-                expected: format!("{known:?}, the shape its residual was kept in"),
-                got: shape.to_vec(),
+                expected: format!("{expected:?}, the shape its residual was kept in"),
+                got,
             });
         }
     }

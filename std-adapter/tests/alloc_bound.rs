@@ -341,6 +341,22 @@ fn checkpoint_file_with(
     out
 }
 
+/// `ErrorFeedback::from_bytes` of a checkpoint `h` whose checksum is wrong: refused, with a peak
+/// of at most `per_byte` bytes per input byte plus [`SLACK`] (printed, for the known gaps).
+fn refused_within(h: &[u8], per_byte: usize, what: &str) {
+    let (r, p) = peak(|| gradwire::feedback::ErrorFeedback::from_bytes(h));
+    assert!(r.is_err(), "{what}: its checksum is wrong");
+    assert!(
+        p <= per_byte * h.len() + SLACK,
+        "from_bytes of a {}-byte header of {what} allocated {p} bytes",
+        h.len()
+    );
+    eprintln!(
+        "checkpoints: {p} bytes for the {}-byte header of {what}",
+        h.len()
+    );
+}
+
 /// `ErrorFeedback::from_bytes` allocates in proportion to its input, whatever the header
 /// declares: huge shapes and offsets over a short file, offsets that add up past `usize::MAX`,
 /// huge header lengths, truncations, random mutations and random bytes. Bound: 4 bytes per
@@ -463,17 +479,7 @@ fn hostile_checkpoints_allocate_within_the_input_bound() {
         .map(|n| (n.as_str(), "F32", zeros.as_str(), [0, 0]))
         .collect();
     let h = checkpoint_file_with(&v3("[]"), &zero_dim, 0);
-    let (r, p) = peak(|| ErrorFeedback::from_bytes(&h));
-    assert!(r.is_err(), "its checksum is wrong");
-    assert!(
-        p <= 9 * h.len() + SLACK,
-        "from_bytes of a {}-byte header of 64-dimension shapes allocated {p} bytes",
-        h.len()
-    );
-    eprintln!(
-        "checkpoints: {p} bytes for the {}-byte header of 64-dimension shapes",
-        h.len()
-    );
+    refused_within(&h, 9, "64-dimension shapes");
 
     // Known gap: many tiny tensors, in the shortest entry form serde accepts (a sequence, 23
     // bytes per tensor here). The cost is per tensor, about 440 bytes: its slot in the parsed
@@ -492,17 +498,7 @@ fn hostile_checkpoints_allocate_within_the_input_bound() {
     );
     let mut h = (header.len() as u64).to_le_bytes().to_vec();
     h.extend_from_slice(header.as_bytes());
-    let (r, p) = peak(|| ErrorFeedback::from_bytes(&h));
-    assert!(r.is_err(), "its checksum is wrong");
-    assert!(
-        p <= 20 * h.len() + SLACK,
-        "from_bytes of a {}-byte header of tiny tensors allocated {p} bytes",
-        h.len()
-    );
-    eprintln!(
-        "checkpoints: {p} bytes for the {}-byte header of 5,000 tiny tensors",
-        h.len()
-    );
+    refused_within(&h, 20, "5,000 tiny tensors");
     eprintln!(
         "checkpoints: worst peak {} bytes for a {}-byte input, {rejected} of {} rejected",
         worst.0,
