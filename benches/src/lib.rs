@@ -4,8 +4,8 @@
 //! API.
 
 use gradwire_core::{
-    K, Method, Params, Rounding, SignScale, Values, accumulate_into, decode_into, encode_into,
-    feedback_step, max_frame_len, scratch_len, validate,
+    K, Method, Params, ResidualBound, Rounding, SignScale, Values, accumulate_into, decode_into,
+    encode_into, feedback_step, feedback_step_bounded, max_frame_len, scratch_len, validate,
 };
 use std::path::{Path, PathBuf};
 use wide::f32x8;
@@ -351,6 +351,29 @@ impl Codec {
     /// When decoding fails.
     pub fn accumulate(&self, acc: &mut [f32]) {
         accumulate_into(&self.frame[..self.len], &self.params, acc, 1.0).unwrap();
+    }
+
+    /// One error-feedback step of `g` on `residual` with `feedback_step_bounded`, keeping the
+    /// residual's bound in `bound` (start with `ResidualBound::ZERO` for a residual of zeros).
+    ///
+    /// # Panics
+    /// When the step fails.
+    pub fn feedback_bounded(
+        &mut self,
+        g: &[f32],
+        residual: &mut [f32],
+        bound: &mut ResidualBound,
+    ) -> usize {
+        self.len = feedback_step_bounded(
+            g,
+            residual,
+            bound,
+            &self.params,
+            &mut self.scratch,
+            &mut self.frame,
+        )
+        .unwrap();
+        self.len
     }
 
     /// One error-feedback step of `g` on `residual` with `feedback_step`.

@@ -9,9 +9,9 @@
 use crate::error::{Error, Param};
 use crate::frame::{
     accumulate_into, add_into, check_encode, check_input, encode_checked, encode_src,
-    feedback_update, is_fused,
+    feedback_update, is_fused, subtract_kept, topk_frame,
 };
-use crate::lanes::Sum;
+use crate::lanes::{One, Sum};
 use crate::method::{Method, Params, SignScale};
 use crate::select;
 use crate::values::all_below;
@@ -44,6 +44,163 @@ pub fn feedback_step(
     out: &mut [u8],
 ) -> Result<usize, Error> {
     crate::frame::no_frame_on_error(out, |out| step(grad, residual, params, scratch, out))
+}
+
+/// An upper bound on the magnitudes of a residual, `|residual[i]| <= max_abs()` for every
+/// element, kept by the caller next to the residual between steps of
+/// [`feedback_step_bounded`].
+///
+/// Why: a step may change the residual only once every `gradient + residual` is known to be in
+/// range, and [`feedback_step`] reads both buffers once to check that and once more to update
+/// (20 bytes per element). With a bound below half the value type's limit, a gradient below
+/// the other half proves every sum in range (see [`feedback_step_bounded`]), so the step reads the
+/// gradient once to check it and then reads both and writes the residual in one pass
+/// (16 bytes per element; BENCHMARKS.md, round 12).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ResidualBound {
+    max_abs: f32,
+}
+
+impl ResidualBound {
+    /// No bound known: the next step takes [`feedback_step`]'s path (and leaves a bound).
+    pub const UNKNOWN: Self = Self {
+        max_abs: f32::INFINITY,
+    };
+
+    /// The bound of a residual of zeros (a new one).
+    pub const ZERO: Self = Self { max_abs: 0.0 };
+
+    /// The bound of `residual` (any length), by one read pass: its largest magnitude, or
+    /// [`ResidualBound::UNKNOWN`] when an element is NaN or infinite.
+    pub fn of(residual: &[f32]) -> Self {
+        let mut max = 0.0f32;
+        let mut finite = true;
+        for &x in residual {
+            finite &= x.is_finite();
+            max = max.max(x.abs());
+        }
+        if finite {
+            Self { max_abs: max }
+        } else {
+            Self::UNKNOWN
+        }
+    }
+
+    /// The bound in the residual's units: every `|residual[i]|` is at most this (infinite when
+    /// unknown).
+    pub fn max_abs(self) -> f32 {
+        self.max_abs
+    }
+}
+
+/// Half of a magnitude limit: two f32 values below it in magnitude sum (in f32) to a value
+/// below the limit. For a finite limit `L`, `L / 2` (exact); two floats below it sum to at most
+/// the float before `L`. For no limit (infinity), 2^127: two floats below it sum to at most
+/// `f32::MAX`, so the sum is finite.
+fn half_limit(limit: f32) -> f32 {
+    if limit.is_finite() {
+        limit * 0.5
+    } else {
+        f32::from_bits(0x7f00_0000) // 2^127
+    }
+}
+
+/// [`feedback_step`] with a [`ResidualBound`] kept between steps: same frame, same residual,
+/// same errors; on success `bound` holds for the new residual.
+///
+/// For top-k (tensors of at least [`crate::select::SAMPLED_MIN`] elements, `0 < k < n`) with
+/// `bound` below half the value type's magnitude limit, the step checks that every `|grad[i]|`
+/// is below the other half (one read of `grad`), then one pass reads `grad` and `residual`,
+/// stores their sum in `residual` and collects the top-k candidates; the kept entries are fixed
+/// up afterwards (`residual[i] += -decoded[i]`), and the new bound is the larger of the smallest
+/// kept magnitude (no element left unsent is larger) and the largest fixed-up residual. In every
+/// other case (another method, a small tensor, an unknown bound, a gradient at or above half the
+/// limit) the step is [`feedback_step`]'s; for top-k it then measures the bound with
+/// [`ResidualBound::of`] (one more read of the residual), for other methods it leaves
+/// [`ResidualBound::UNKNOWN`].
+///
+/// `bound` must hold for `residual` as passed: [`ResidualBound::ZERO`] for a new residual of
+/// zeros, [`ResidualBound::of`], or what the last successful step on this residual left, with the
+/// residual unchanged since. Use [`ResidualBound::UNKNOWN`] when unsure.
+///
+/// # Errors
+/// As [`feedback_step`]; on error the residual and `bound` are untouched. If `bound` did not
+/// hold, a sum out of range is still reported ([`Error::NonFinite`] or
+/// [`Error::ValueOutOfRange`] with its index) but only after the residual took the sums.
+///
+/// # Panics
+/// Never.
+pub fn feedback_step_bounded(
+    grad: &[f32],
+    residual: &mut [f32],
+    bound: &mut ResidualBound,
+    params: &Params,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    crate::frame::no_frame_on_error(out, |out| {
+        if let Some(len) = topk_one_pass(grad, residual, bound, params, scratch, out)? {
+            return Ok(len);
+        }
+        let len = step(grad, residual, params, scratch, out)?;
+        *bound = match params.method {
+            Method::TopK { .. } => ResidualBound::of(residual),
+            _ => ResidualBound::UNKNOWN,
+        };
+        Ok(len)
+    })
+}
+
+/// The one-pass top-k step of [`feedback_step_bounded`]; `Ok(None)` (nothing read or written
+/// but `grad`) where it does not apply.
+fn topk_one_pass(
+    grad: &[f32],
+    residual: &mut [f32],
+    bound: &mut ResidualBound,
+    params: &Params,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<Option<usize>, Error> {
+    let Method::TopK { k, values } = params.method else {
+        return Ok(None);
+    };
+    let n = grad.len();
+    if n != residual.len() || n < select::SAMPLED_MIN || u32::try_from(n).is_err() {
+        return Ok(None);
+    }
+    let k = k.resolve(n as u64) as usize;
+    if k == 0 || k >= n {
+        return Ok(None);
+    }
+    check_encode(n, params, scratch.len(), out.len())?;
+    let limit = crate::values::magnitude_limit(Some(values));
+    let half = half_limit(limit);
+    // |r| <= bound < half and |g| < half: every g + r is below the limit (see `half_limit`).
+    let residual_below_half = bound.max_abs < half;
+    if !residual_below_half || !all_below(&One(grad), half) {
+        return Ok(None);
+    }
+    let sel = &mut scratch[..select::kept_scratch_len(n, k)];
+    let Ok(kept) = select::topk_kept_update(grad, residual, k, limit, sel) else {
+        // Only when `bound` did not hold; the residual holds the sums now.
+        let index = crate::values::first_at_or_above(residual, limit).unwrap_or(0);
+        return Err(match residual.get(index) {
+            Some(x) if x.is_finite() => Error::ValueOutOfRange { index },
+            _ => Error::NonFinite { index },
+        });
+    };
+    let len = topk_frame(n, &kept, values, out);
+    // Every element left unsent is at most the smallest kept magnitude.
+    let smallest_kept = kept
+        .bits
+        .iter()
+        .map(|&b| f32::from_bits(b & 0x7fff_ffff))
+        .fold(f32::INFINITY, f32::min);
+    let largest_fixed = subtract_kept(&out[..len], kept.idx, residual)?;
+    *bound = ResidualBound {
+        max_abs: smallest_kept.max(largest_fixed),
+    };
+    Ok(Some(len))
 }
 
 fn step(

@@ -824,10 +824,7 @@ pub(crate) fn encode_sparse_src<S: Source>(
             // `feedback_step` reads the kept indices back from here (`select::topk_kept_idx`).
             let sel = &mut scratch[..select::kept_scratch_len(n, k)];
             let kept = select::topk_kept_src(src, k, limit, select::sample_len(n), sel)?;
-            p = Put { buf: out, pos: 0 };
-            write_fixed(&mut p, M_TOPK, 0, n);
-            p.values(values);
-            kept_body(n, &kept, values, &mut p);
+            return Ok(topk_frame(n, &kept, values, out));
         }
         Method::Threshold { threshold, values } => {
             let (sel, int8_scratch) = scratch.split_at_mut(select::threshold_scratch_len(n));
@@ -849,6 +846,18 @@ pub(crate) fn encode_sparse_src<S: Source>(
     let crc = crc32fast::hash(&p.buf[..p.pos]);
     p.u32(crc);
     Ok(p.pos)
+}
+
+/// The top-k frame of a tensor of `n` elements whose kept entries are `kept` (`out` sized by
+/// [`check_encode`]). Returns the frame length.
+pub(crate) fn topk_frame(n: usize, kept: &Kept<'_>, values: Values, out: &mut [u8]) -> usize {
+    let mut p = Put { buf: out, pos: 0 };
+    write_fixed(&mut p, M_TOPK, 0, n);
+    p.values(values);
+    kept_body(n, kept, values, &mut p);
+    let crc = crc32fast::hash(&p.buf[..p.pos]);
+    p.u32(crc);
+    p.pos
 }
 
 /// Top-k or threshold frame by the streaming specification (tensors beyond `u32` indices).
@@ -1803,6 +1812,47 @@ pub(crate) fn feedback_update(
 
 /// One run of sparse entries of [`feedback_update`]: `r += g` from `done` through the run's last
 /// index, then `r[i] -= x` for each entry (ascending indices below `r.len()`).
+/// `r[i] += -decoded` at the kept indices `kept` of a sparse frame just written (trusted, with
+/// `kept.len()` entries): the fix-up of an error-feedback step whose residual already holds
+/// `g + r` everywhere. Returns the largest `|r[i]|` it leaves at those indices (0 for none).
+pub(crate) fn subtract_kept(frame: &[u8], kept: &[u32], r: &mut [f32]) -> Result<f32, Error> {
+    let (h, body) = parse_trusted(frame)?;
+    // The frame was just written from these lists: a mismatch here is a bug, reported as the
+    // frame's element count.
+    let (Body::Sparse { v, count, vals, .. }, true) = (body, h.n == r.len() as u64) else {
+        return Err(Error::ElementCount {
+            expected: r.len() as u64,
+            got: h.n,
+        });
+    };
+    if count != kept.len() as u64 {
+        return Err(Error::ElementCount {
+            expected: r.len() as u64,
+            got: h.n,
+        });
+    }
+    // The kept entries are about 1% of the tensor, far apart and no longer in cache: ask for
+    // the line of the entry 32 places ahead, so that the misses overlap.
+    const AHEAD_KEPT: usize = 32;
+    let mut max = 0.0f32;
+    let mut vb = [0.0f32; index::BATCH];
+    for (j, ib) in kept.chunks(index::BATCH).enumerate() {
+        let vb = &mut vb[..ib.len()];
+        values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
+        let ahead = kept.get(j * index::BATCH + AHEAD_KEPT..).unwrap_or(&[]);
+        for (t, (&i, &x)) in ib.iter().zip(vb.iter()).enumerate() {
+            if let Some(&a) = ahead.get(t) {
+                crate::lanes::prefetch(r, a as usize);
+            }
+            if let Some(r) = r.get_mut(i as usize) {
+                *r += -x;
+                max = max.max(r.abs());
+            }
+        }
+    }
+    Ok(max)
+}
+
 fn update_run(
     r: &mut [f32],
     g: &[f32],

@@ -85,7 +85,7 @@ pub mod sign;
 pub mod values;
 
 pub use error::{Error, Param};
-pub use feedback::feedback_step;
+pub use feedback::{ResidualBound, feedback_step, feedback_step_bounded};
 pub use frame::{
     FORMAT_VERSION, FrameInfo, Header, MAGIC, accumulate_into, decode_into, encode_into,
     encode_kept_into, encode_selected_into, max_frame_len, peek, scratch_len, validate,

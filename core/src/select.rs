@@ -12,7 +12,7 @@
 //! radix select of [`crate::scalar::topk_cut`]. Either way the result is the exact top-k, ties to
 //! the lower index: the sample only decides how fast it gets there.
 
-use crate::lanes::{AHEAD, LANES, One, Source, Sum};
+use crate::lanes::{AHEAD, LANES, One, Source, Sum, load, prefetch};
 use crate::rng;
 pub use crate::scalar::{Cut, Selection};
 use crate::scalar::{TOPK_HIST, magnitude_key};
@@ -381,7 +381,20 @@ pub(crate) fn topk_kept_src<'s, S: Source>(
             });
         }
     }
-    // Full radix select, then one collecting pass.
+    kept_by_radix(src, k, limit, hist, idx, bits)
+}
+
+/// Exact top-k of `src` (`0 < k < n`) by a full radix select, then one collecting pass, into
+/// the lists `idx` and `bits` (at least `k` long).
+fn kept_by_radix<'s, S: Source>(
+    src: &S,
+    k: usize,
+    limit: f32,
+    hist: &mut [u32],
+    idx: &'s mut [u32],
+    bits: &'s mut [u32],
+) -> Result<Kept<'s>, OutOfLimit> {
+    let n = src.len();
     let cut = radix_cut((0..n).map(|i| magnitude_key(src.at(i))), k, hist);
     let mut ties = cut.take_ties;
     let lo = f32::from_bits(cut.key);
@@ -403,6 +416,48 @@ pub(crate) fn topk_kept_src<'s, S: Source>(
         idx: &idx[..count],
         bits: &bits[..count],
     })
+}
+
+/// [`topk_kept_src`] of `g + r` for an error-feedback step that has already checked that no
+/// sum can be out of limit: the pass that collects the candidates also stores each sum in `r`
+/// (`r[i] = g[i] + r[i]`, the f32 addition of [`Sum`]), so the step reads `g` and `r` once and
+/// writes `r` once. Requires `SAMPLED_MIN <= n`, `0 < k < n`, `n` within `u32` and a `scratch`
+/// of [`kept_scratch_len`] words; the kept lists sit where [`topk_kept_idx`] finds them. When
+/// the sample misses, the exact selection runs on `r`, which holds the sums by then.
+///
+/// On [`OutOfLimit`] (a sum NaN or at or above `limit`: impossible after the step's check)
+/// `r` holds the sums.
+pub(crate) fn topk_kept_update<'s>(
+    g: &[f32],
+    r: &mut [f32],
+    k: usize,
+    limit: f32,
+    scratch: &'s mut [u32],
+) -> Result<Kept<'s>, OutOfLimit> {
+    let n = r.len();
+    debug_assert!(n >= SAMPLED_MIN && 0 < k && k < n && g.len() == n);
+    let cap = candidate_capacity(n, k);
+    let (hist, rest) = scratch.split_at_mut(TOPK_HIST);
+    let (samples, rest) = rest.split_at_mut(sample_len(n));
+    let (idx, rest) = rest.split_at_mut(cap);
+    let bits = &mut rest[..cap];
+    let t = sample_threshold(&Sum(g, r), k, samples);
+    let (count, ok) = scan_update(g, r, f32::from_bits(t), limit, idx, bits);
+    if !ok {
+        return Err(OutOfLimit);
+    }
+    if count >= k && count <= cap {
+        // As in `topk_kept_src`: at least k candidates hold the k-th largest key and its ties.
+        let (cand, spare) = idx.split_at_mut(count);
+        let cut = candidate_cut(&bits[..count], k, hist, spare);
+        let kept = keep_cut(cand, &mut bits[..count], cut);
+        debug_assert_eq!(kept, k);
+        return Ok(Kept {
+            idx: &idx[..k],
+            bits: &bits[..k],
+        });
+    }
+    kept_by_radix(&One(r), k, limit, hist, idx, bits)
 }
 
 /// Where [`topk_kept_src`] with [`sample_len`]`(n)` samples leaves the indices of the top `k`
@@ -630,6 +685,84 @@ fn scan<S: Source>(
                 &mut count,
                 &mut bad,
                 &mut accept,
+            );
+        }
+        i += LANES;
+    }
+    (count, !bad)
+}
+
+/// [`scan`] of `g + r` that also stores each sum in `r` (`r[i] = g[i] + r[i]`, every element,
+/// whatever the limit check finds). The second look at a flagged lane reads the stored sum.
+fn scan_update(
+    g: &[f32],
+    r: &mut [f32],
+    lo: f32,
+    limit: f32,
+    idx: &mut [u32],
+    bits: &mut [u32],
+) -> (usize, bool) {
+    let n = r.len().min(g.len());
+    let lo_key = lo.to_bits() & KEY_MASK;
+    let lim_key = limit.to_bits() & KEY_MASK;
+    let either = f32x8::splat(f32::from_bits(lo_key.min(lim_key)));
+    let mut bad = false;
+    let mut count = 0usize;
+    let group = 4 * LANES;
+    let full = n / group * group;
+    let mut masks = [0u32; PENDING];
+    let mut starts = [0usize; PENDING];
+    let mut take = |_| true;
+    for block in (0..full).step_by(PENDING * group) {
+        let len = (full - block).min(PENDING * group);
+        let mut pending = 0usize;
+        for (j, gs) in g[block..block + len].chunks_exact(group).enumerate() {
+            let base = block + j * group;
+            prefetch(g, base + AHEAD);
+            prefetch(g, base + AHEAD + 2 * LANES);
+            prefetch(r, base + AHEAD);
+            prefetch(r, base + AHEAD + 2 * LANES);
+            let rs = &mut r[base..base + group];
+            let mut x = [f32x8::splat(0.0); 4];
+            for (l, x) in x.iter_mut().enumerate() {
+                let at = l * LANES..(l + 1) * LANES;
+                *x = load(&gs[at.clone()]) + load(&rs[at.clone()]);
+                rs[at].copy_from_slice(&x.to_array());
+            }
+            let below = x[0].abs().simd_lt(either).to_bitmask()
+                | (x[1].abs().simd_lt(either).to_bitmask() << 8)
+                | (x[2].abs().simd_lt(either).to_bitmask() << 16)
+                | (x[3].abs().simd_lt(either).to_bitmask() << 24);
+            let m = !below;
+            masks[pending % PENDING] = m;
+            starts[pending % PENDING] = base;
+            pending += usize::from(m != 0);
+        }
+        let stored = One(&*r);
+        for (&m, &start) in masks[..pending].iter().zip(&starts[..pending]) {
+            let keys = (lo_key, lim_key);
+            push_lanes(
+                &stored, m, start, keys, idx, bits, &mut count, &mut bad, &mut take,
+            );
+        }
+    }
+    for (r, &g) in r[full..n].iter_mut().zip(&g[full..n]) {
+        *r += g;
+    }
+    let stored = One(&*r);
+    let mut i = full;
+    while i < n {
+        let live = (n - i).min(LANES);
+        let x = if live == LANES {
+            stored.chunk(i)
+        } else {
+            stored.tail(i)
+        };
+        let m = !x.abs().simd_lt(either).to_bitmask() & ((1u32 << live) - 1);
+        if m != 0 {
+            let keys = (lo_key, lim_key);
+            push_lanes(
+                &stored, m, i, keys, idx, bits, &mut count, &mut bad, &mut take,
             );
         }
         i += LANES;

@@ -14,13 +14,14 @@
 //! The setup (data, frames, warm-up) runs outside `measured`, so callgrind's total is the
 //! kernel's instructions alone. Kernels: `read`, `read2`, `check`, `byte_pass`, `add_pass`,
 //! `sign`, `quant_int8`, `kernel_sign`, `kernel_quant_int8`, `topk_1pct`, `threshold`,
-//! `accumulate_topk_1pct`, `scatter_add_plain`, `ef_step`, `floor_ef`.
+//! `accumulate_topk_1pct`, `scatter_add_plain`, `ef_step` (with the residual bound, as
+//! `ErrorFeedback` runs it), `ef_step_two_pass` (`feedback_step`), `floor_ef`.
 
 use gradwire_benches::{
     Codec, add_pass, byte_pass, ef_method, heavy_tailed, methods, read_pass, read_pass2,
 };
 use gradwire_core::scalar::{self, Selection};
-use gradwire_core::{k_from_ratio, values};
+use gradwire_core::{ResidualBound, k_from_ratio, values};
 use std::hint::black_box;
 
 /// Everything a kernel may need, built before the measured call.
@@ -32,6 +33,7 @@ struct Setup {
     codec: Option<Codec>,
     idx: Vec<usize>,
     vals: Vec<f32>,
+    bound: ResidualBound,
 }
 
 #[inline(never)]
@@ -76,6 +78,11 @@ fn measured(kernel: &str, s: &mut Setup) {
         }
         "ef_step" => {
             if let Some(c) = s.codec.as_mut() {
+                black_box(c.feedback_bounded(black_box(x), &mut s.r, &mut s.bound));
+            }
+        }
+        "ef_step_two_pass" => {
+            if let Some(c) = s.codec.as_mut() {
                 black_box(c.feedback(black_box(x), &mut s.r));
             }
         }
@@ -108,7 +115,7 @@ fn main() {
         .into_iter()
         .find(|(name, _)| *name == codec_name)
         .map(|(_, m)| Codec::new(m, n));
-    if kernel == "ef_step" {
+    if kernel.starts_with("ef_step") {
         codec = Some(Codec::new(ef_method(), n));
     }
     let k = k_from_ratio(n as u64, 0.01) as usize;
@@ -125,15 +132,16 @@ fn main() {
         idx,
         vals,
         x,
+        bound: ResidualBound::UNKNOWN,
     };
     if let Some(c) = s.codec.as_mut() {
         c.encode(&s.x);
     }
-    if kernel == "ef_step" {
+    if kernel.starts_with("ef_step") {
         // A residual from earlier steps, as in a training run.
         let (x, r) = (&s.x, &mut s.r);
         if let Some(c) = s.codec.as_mut() {
-            c.feedback(x, r);
+            c.feedback_bounded(x, r, &mut s.bound);
         }
     }
     for _ in 0..reps {

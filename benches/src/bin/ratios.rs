@@ -20,7 +20,7 @@ use gradwire_benches::{
     read_pass2_prefetch, scatter_add_prefetch, sign_bitvec, topk_select_nth,
 };
 use gradwire_core::scalar::{self, Selection};
-use gradwire_core::{Method, Values, k_from_ratio, values};
+use gradwire_core::{Method, ResidualBound, Values, k_from_ratio, values};
 use std::cell::RefCell;
 use std::hint::black_box;
 use std::rc::Rc;
@@ -427,10 +427,18 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
     }
 
     // The whole error-feedback step, and a naive one (r += g, select_nth top-k, r -= kept).
+    // The step as `ErrorFeedback` runs it (with the residual's bound: one pass after the
+    // gradient's check), and the two-pass `feedback_step` without one.
     let mut ef = Codec::new(ef_method(), n);
     let mut residual = vec![0.0f32; n];
+    let mut bound = ResidualBound::ZERO;
     tasks.push(task("ef_step", Some("ef_naive"), move || {
-        black_box(ef.feedback(black_box(x), &mut residual));
+        black_box(ef.feedback_bounded(black_box(x), &mut residual, &mut bound));
+    }));
+    let mut ef2 = Codec::new(ef_method(), n);
+    let mut residual2 = vec![0.0f32; n];
+    tasks.push(task("ef_step_two_pass", None, move || {
+        black_box(ef2.feedback(black_box(x), &mut residual2));
     }));
     let k = k_from_ratio(n as u64, 0.01) as usize;
     let mut r2 = vec![0.0f32; n];
