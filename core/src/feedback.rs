@@ -12,7 +12,7 @@ use crate::frame::{
     feedback_update, is_fused, subtract_kept, topk_frame,
 };
 use crate::lanes::{One, Sum};
-use crate::method::{Method, Params, SignScale};
+use crate::method::{Method, Params, SignScale, Values};
 use crate::select;
 use crate::values::all_below;
 
@@ -90,6 +90,17 @@ impl ResidualBound {
     /// unknown).
     pub fn max_abs(self) -> f32 {
         self.max_abs
+    }
+
+    /// Whether this bound and `grad` prove every `grad[i] + residual[i]` (f32 addition) of the
+    /// residual it holds for below the magnitude limit of `values`
+    /// ([`crate::values::magnitude_limit`]; finite for f32 and int8 values): the bound is below
+    /// half the limit and every `|grad[i]|` below the other half. One read of `grad`; `false`
+    /// says nothing (the sums may still be in range).
+    pub fn proves_in_range(self, grad: &[f32], values: Option<Values>) -> bool {
+        let half = half_limit(crate::values::magnitude_limit(values));
+        let residual_below_half = self.max_abs < half;
+        residual_below_half && all_below(&One(grad), half)
     }
 }
 
@@ -173,13 +184,10 @@ fn topk_one_pass(
         return Ok(None);
     }
     check_encode(n, params, scratch.len(), out.len())?;
-    let limit = crate::values::magnitude_limit(Some(values));
-    let half = half_limit(limit);
-    // |r| <= bound < half and |g| < half: every g + r is below the limit (see `half_limit`).
-    let residual_below_half = bound.max_abs < half;
-    if !residual_below_half || !all_below(&One(grad), half) {
+    if !bound.proves_in_range(grad, Some(values)) {
         return Ok(None);
     }
+    let limit = crate::values::magnitude_limit(Some(values));
     let sel = &mut scratch[..select::kept_scratch_len(n, k)];
     let Ok(kept) = select::topk_kept_update(grad, residual, k, limit, sel) else {
         // Only when `bound` did not hold; the residual holds the sums now.

@@ -1,5 +1,5 @@
-//! [`ErrorFeedback`]: residuals keyed by parameter name over [`gradwire_core::feedback_step`],
-//! with checkpoints.
+//! [`ErrorFeedback`]: residuals keyed by parameter name over
+//! [`gradwire_core::feedback_step_bounded`], with checkpoints.
 //!
 //! Each step encodes `gradient + residual` for every tensor and keeps in the residual what the
 //! frame does not deliver (dropped entries, rounding and quantization error), so for every
@@ -23,7 +23,10 @@
 //!   element counts only, and a residual it creates has no shape until a shaped step gives one;
 //! - a step is all or nothing: every tensor is checked (lengths, NaN/Inf in the gradient and in
 //!   `gradient + residual`, the value type's range) before any residual changes, so a NaN in one
-//!   tensor leaves every residual, and the step counter, unchanged;
+//!   tensor leaves every residual, and the step counter, unchanged. Each residual keeps the
+//!   bound its last step left ([`gradwire_core::ResidualBound`]), so that for top-k a gradient
+//!   below half the value type's range is checked alone (one read), where the sums would be
+//!   read; a residual set, restored or loaded starts with an unknown bound or its measured one;
 //! - [`ErrorFeedback::save`] writes a safetensors file holding every residual (f32, exact bits,
 //!   in its tensor's shape) and, in its `__metadata__`, the step, the seed and the method; a run
 //!   restored with [`ErrorFeedback::load`] continues bit-identically to one that was never
@@ -69,8 +72,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use gradwire_core::{
-    Method, Params, SignScale, Values, feedback_step, max_frame_len, scalar, scratch_len,
-    tensor_id, values,
+    Method, Params, ResidualBound, SignScale, Values, feedback_step_bounded, max_frame_len, scalar,
+    scratch_len, tensor_id, values,
 };
 use safetensors::tensor::Dtype;
 
@@ -93,6 +96,10 @@ pub struct ErrorFeedback {
     residuals: BTreeMap<String, Vec<f32>>,
     /// The shape of each residual whose step gave one (element count = the residual's length).
     shapes: BTreeMap<String, Vec<usize>>,
+    /// A bound on each residual's magnitudes, left by its last step (see
+    /// [`gradwire_core::ResidualBound`]); a residual without one has an unknown bound. Dropped
+    /// wherever a residual changes outside a step.
+    bounds: BTreeMap<String, ResidualBound>,
     scratch: Vec<u32>,
     frame: Vec<u8>,
     ids: Vec<u64>,
@@ -244,6 +251,7 @@ impl ErrorFeedback {
             step: 0,
             residuals: BTreeMap::new(),
             shapes: BTreeMap::new(),
+            bounds: BTreeMap::new(),
             scratch: Vec::new(),
             frame: Vec::new(),
             ids: Vec::new(),
@@ -324,6 +332,7 @@ impl ErrorFeedback {
     pub fn clear(&mut self) {
         self.residuals.clear();
         self.shapes.clear();
+        self.bounds.clear();
     }
 
     /// Sets `name`'s residual (for example to restore state kept elsewhere). The residual has
@@ -340,9 +349,19 @@ impl ErrorFeedback {
                 gradwire_core::Error::NonFinite { index },
             ));
         }
+        self.bounds
+            .insert(name.to_owned(), ResidualBound::of(&residual));
         self.residuals.insert(name.to_owned(), residual);
         self.shapes.remove(name);
         Ok(())
+    }
+
+    /// The bound `name`'s residual's last step left ([`ResidualBound::UNKNOWN`] when none).
+    fn bound(&self, name: &str) -> ResidualBound {
+        self.bounds
+            .get(name)
+            .copied()
+            .unwrap_or(ResidualBound::UNKNOWN)
     }
 
     /// Checks `shape`, the shape of `name`'s gradient, against the shape its residual
@@ -380,6 +399,7 @@ impl ErrorFeedback {
 
     /// The residual of `name` for a tensor of `n` elements, created as zeros when missing.
     pub(crate) fn residual_for(&mut self, name: &str, n: usize) -> Result<&mut Vec<f32>> {
+        self.bounds.remove(name);
         residual_slot(&mut self.residuals, name, n)
     }
 
@@ -393,6 +413,7 @@ impl ErrorFeedback {
         n: usize,
         into: &mut Vec<f32>,
     ) -> Result<()> {
+        self.bounds.remove(name);
         std::mem::swap(residual_slot(&mut self.residuals, name, n)?, into);
         Ok(())
     }
@@ -473,7 +494,13 @@ impl ErrorFeedback {
                 check_holds(name, shape, g.len())?;
                 self.check_shape(name, shape)?;
             }
-            check_step_input(name, g, self.residual(name), values)?;
+            // A residual's bound and a gradient below half the range prove every sum in range
+            // with one read of the gradient; otherwise the sums are checked.
+            let residual = self.residual(name);
+            let same_len = residual.is_some_and(|r| r.len() == g.len());
+            if !(same_len && self.bound(name).proves_in_range(g, values)) {
+                check_step_input(name, g, residual, values)?;
+            }
             self.ids.push(tensor_id(name));
             frame_len = frame_len.max(max_frame_len(g.len(), &self.method));
             scratch = scratch.max(scratch_len(g.len(), &self.method));
@@ -498,9 +525,26 @@ impl ErrorFeedback {
         // Pass 2: cannot fail after the checks above.
         for (name, shape, g) in iter {
             let params = self.params(name);
+            let mut bound = match self.residuals.contains_key(name) {
+                true => self.bound(name),
+                false => ResidualBound::ZERO, // created as zeros below
+            };
             let residual = residual_slot(&mut self.residuals, name, g.len())?;
-            let len = feedback_step(g, residual, &params, &mut self.scratch, &mut self.frame)
-                .map_err(|e| Error::core(name, None, e))?;
+            let len = feedback_step_bounded(
+                g,
+                residual,
+                &mut bound,
+                &params,
+                &mut self.scratch,
+                &mut self.frame,
+            )
+            .map_err(|e| Error::core(name, None, e))?;
+            match self.bounds.get_mut(name) {
+                Some(b) => *b = bound,
+                None => {
+                    self.bounds.insert(name.to_owned(), bound);
+                }
+            }
             if let Some(shape) = shape {
                 self.remember_shape(name, shape);
             }

@@ -10,7 +10,7 @@ use common::{Rng, Stepper, grads, minilm, same_bits};
 use gradwire::bucket::BucketConfig;
 use gradwire::bundle::Manifest;
 use gradwire::compressor::{CompressionMethod, DEFAULT_INT8_BLOCK, GradientCompressor};
-use gradwire::core::{K, Method, Rounding, SignScale, Values, tensor_id};
+use gradwire::core::{K, Method, Params, Rounding, SignScale, Values, tensor_id};
 use gradwire::error::Error;
 use gradwire::feedback::ErrorFeedback;
 use gradwire::tensor::Tensor;
@@ -625,4 +625,63 @@ fn version_3_shapes_and_unshaped_are_checked() {
 
 fn f32_bytes(x: &[f32]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Large top-k tensors take the core's one-pass step with the bound each residual keeps: the
+/// frames and residuals are those of the plain `feedback_step` on the same residual, across a
+/// `set_residual`, a clone and a checkpoint round trip (each restarts from a measured or unknown
+/// bound), and a NaN in another tensor still changes nothing.
+#[test]
+fn steps_with_residual_bounds_equal_plain_steps() {
+    use gradwire::core::{feedback_step, max_frame_len, scratch_len};
+    let method = topk_int8();
+    let n = 70_000; // above the core's sampling minimum (65,536)
+    let mut rng = Rng(0xb0);
+    let mut fb = ErrorFeedback::new(method, 3).unwrap();
+    let mut plain = [vec![0.0f32; n], vec![0.0f32; n]];
+    let mut scratch = vec![0u32; scratch_len(n, &method)];
+    let mut out = vec![0u8; max_frame_len(n, &method)];
+    let names = ["a", "b"];
+    for step in 0..8 {
+        let g: Vec<Vec<f32>> = (0..2)
+            .map(|_| (0..n).map(|_| rng.unit() * (1 + step) as f32).collect())
+            .collect();
+        let mut frames = Vec::new();
+        fb.step_with(names.iter().zip(&g).map(|(n, g)| (*n, &g[..])), |_, f| {
+            frames.push(f.to_vec())
+        })
+        .unwrap();
+        for (t, name) in names.iter().enumerate() {
+            let params = Params::new(method)
+                .with_seed(3)
+                .at_step(step)
+                .for_tensor(tensor_id(name));
+            let len = feedback_step(&g[t], &mut plain[t], &params, &mut scratch, &mut out).unwrap();
+            assert_eq!(frames[t], out[..len], "step {step} `{name}`: frame");
+            assert!(
+                same_bits(fb.residual(name).unwrap(), &plain[t]),
+                "step {step} `{name}`: residual"
+            );
+        }
+        match step {
+            2 => fb.set_residual("a", plain[0].clone()).unwrap(),
+            4 => fb = ErrorFeedback::from_bytes(&fb.to_bytes().unwrap()).unwrap(),
+            5 => fb = fb.clone(),
+            _ => {}
+        }
+    }
+    // All or nothing: "a" passes the bound's check, "b" has a NaN.
+    let before = fb.clone();
+    let a: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
+    let mut b = a.clone();
+    b[n - 1] = f32::NAN;
+    let mut calls = 0;
+    let err = fb
+        .step_with([("a", &a[..]), ("b", &b[..])], |_, _| calls += 1)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Core { tensor, source: gradwire::core::Error::NonFinite { index }, .. } if tensor == "b" && *index == n - 1),
+        "{err}"
+    );
+    assert_eq!((calls, &fb), (0, &before));
 }
