@@ -692,6 +692,9 @@ fn scan<S: Source>(
     (count, !bad)
 }
 
+// `scan_update` prefetches r past the block it writes.
+const _: () = assert!(AHEAD >= PENDING * 4 * LANES);
+
 /// [`scan`] of `g + r` that also stores each sum in `r` (`r[i] = g[i] + r[i]`, every element,
 /// whatever the limit check finds). The second look at a flagged lane reads the stored sum.
 fn scan_update(
@@ -716,13 +719,17 @@ fn scan_update(
     for block in (0..full).step_by(PENDING * group) {
         let len = (full - block).min(PENDING * group);
         let mut pending = 0usize;
-        for (j, gs) in g[block..block + len].chunks_exact(group).enumerate() {
+        // The block is written through `cur`; the prefetches of r (AHEAD past the block's
+        // groups, beyond the block's end) read `ahead`.
+        let (cur, ahead) = r[block..].split_at_mut(len);
+        let ahead: &[f32] = ahead;
+        let groups = g[block..block + len].chunks_exact(group);
+        for (j, (gs, rs)) in groups.zip(cur.chunks_exact_mut(group)).enumerate() {
             let base = block + j * group;
             prefetch(g, base + AHEAD);
             prefetch(g, base + AHEAD + 2 * LANES);
-            prefetch(r, base + AHEAD);
-            prefetch(r, base + AHEAD + 2 * LANES);
-            let rs = &mut r[base..base + group];
+            prefetch(ahead, j * group + AHEAD - len);
+            prefetch(ahead, j * group + AHEAD - len + 2 * LANES);
             let mut x = [f32x8::splat(0.0); 4];
             for (l, x) in x.iter_mut().enumerate() {
                 let at = l * LANES..(l + 1) * LANES;
