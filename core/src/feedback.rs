@@ -70,6 +70,16 @@ impl ResidualBound {
     /// The bound of a residual of zeros (a new one).
     pub const ZERO: Self = Self { max_abs: 0.0 };
 
+    /// A bound of `max_abs` that the caller vouches for (every `|residual[i]| <= max_abs`, as a
+    /// step computed it); NaN or a negative value gives [`ResidualBound::UNKNOWN`].
+    pub fn at_most(max_abs: f32) -> Self {
+        if max_abs >= 0.0 {
+            Self { max_abs }
+        } else {
+            Self::UNKNOWN
+        }
+    }
+
     /// The bound of `residual` (any length), by one read pass: its largest magnitude, or
     /// [`ResidualBound::UNKNOWN`] when an element is NaN or infinite.
     pub fn of(residual: &[f32]) -> Self {

@@ -273,6 +273,49 @@ pub fn candidates(
     Ok(count)
 }
 
+/// Chunked selection, step 2 of an error-feedback step that has proved every sum in range
+/// ([`crate::ResidualBound::proves_in_range`]): [`candidates`] of `x = g + residual` that also
+/// stores each sum in `residual` (`residual[i] = g[i] + residual[i]`, the f32 addition, for every
+/// element), so that the chunk's `g` and residual are read once and the residual written once.
+/// The floor must be taken ([`topk_floor`]) before the first chunk changes.
+///
+/// Returns the count as [`candidates`] does; when the lists were too short, collect again with
+/// [`candidates`] on `residual` alone, which holds the sums by then.
+///
+/// # Errors
+/// [`OutOfLimit`] when some sum is NaN or at or above `limit` (impossible after the proof); the
+/// residual holds the sums then.
+///
+/// # Panics
+/// When `residual` has another length than `g`, or `offset + g.len()` exceeds `u32::MAX + 1`.
+pub fn candidates_update(
+    g: &[f32],
+    residual: &mut [f32],
+    offset: usize,
+    floor: f32,
+    limit: f32,
+    idx: &mut [u32],
+    bits: &mut [u32],
+) -> Result<usize, OutOfLimit> {
+    let end = offset.checked_add(g.len());
+    assert!(
+        end.is_some_and(|e| e as u64 <= 1 << 32),
+        "indices beyond u32"
+    );
+    assert_eq!(residual.len(), g.len(), "residual length");
+    let m = idx.len().min(bits.len());
+    let (idx, bits) = (&mut idx[..m], &mut bits[..m]);
+    let (count, ok) = scan_update(g, residual, floor, limit, idx, bits);
+    if !ok {
+        return Err(OutOfLimit);
+    }
+    let base = offset as u32;
+    for i in &mut idx[..count.min(m)] {
+        *i += base;
+    }
+    Ok(count)
+}
+
 /// Chunked selection, step 3 for top-k: the exact top-k (ties to the lower index) among
 /// candidates `idx`/`bits` (as [`candidates`] writes them, the chunks' lists concatenated in
 /// order) that include every element of the tensor with `|x| >=` the floor of [`topk_floor`].
@@ -692,8 +735,10 @@ fn scan<S: Source>(
     (count, !bad)
 }
 
+/// How far ahead `scan_update` prefetches g and r, in elements.
+const UPDATE_AHEAD: usize = 2048;
 // `scan_update` prefetches r past the block it writes.
-const _: () = assert!(AHEAD >= PENDING * 4 * LANES);
+const _: () = assert!(UPDATE_AHEAD >= PENDING * 4 * LANES);
 
 /// [`scan`] of `g + r` that also stores each sum in `r` (`r[i] = g[i] + r[i]`, every element,
 /// whatever the limit check finds). The second look at a flagged lane reads the stored sum.
@@ -726,10 +771,10 @@ fn scan_update(
         let groups = g[block..block + len].chunks_exact(group);
         for (j, (gs, rs)) in groups.zip(cur.chunks_exact_mut(group)).enumerate() {
             let base = block + j * group;
-            prefetch(g, base + AHEAD);
-            prefetch(g, base + AHEAD + 2 * LANES);
-            prefetch(ahead, j * group + AHEAD - len);
-            prefetch(ahead, j * group + AHEAD - len + 2 * LANES);
+            prefetch(g, base + UPDATE_AHEAD);
+            prefetch(g, base + UPDATE_AHEAD + 2 * LANES);
+            prefetch(ahead, j * group + UPDATE_AHEAD - len);
+            prefetch(ahead, j * group + UPDATE_AHEAD - len + 2 * LANES);
             let mut x = [f32x8::splat(0.0); 4];
             for (l, x) in x.iter_mut().enumerate() {
                 let at = l * LANES..(l + 1) * LANES;

@@ -33,8 +33,8 @@ use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
 use gradwire_core::{
-    Method, Values, accumulate_into, encode_into, encode_selected_into, feedback_step,
-    max_frame_len, select,
+    Method, ResidualBound, Values, accumulate_into, encode_into, encode_selected_into,
+    feedback_step, max_frame_len, select,
 };
 use rayon::prelude::*;
 
@@ -210,6 +210,11 @@ struct Slot {
     err: Option<Error>,
     split: SparseSplit,
     selected: bool,
+    /// A large top-k tensor whose residual bound proved its sums in range in pass 1: encoded
+    /// in one pass over g and r in pass 2 ([`SparseSplit::encode_one_pass`]).
+    one_pass: bool,
+    /// The residual bound that step left, kept by the error feedback afterwards.
+    bound_after: Option<ResidualBound>,
 }
 
 /// [`Bufs`] taken from the engine's pool for one rayon task, given back when dropped.
@@ -520,6 +525,8 @@ fn encode_slots(
         let fb = feedback.as_deref();
         for_each_slot(slots, parallel, |e, slot| {
             slot.selected = false;
+            slot.one_pass = false;
+            slot.bound_after = None;
             // A residual restored or kept in another shape (a transposed weight) first.
             if let Some(fb) = fb {
                 let shapes = entries[e].members.iter().map(|&t| &manifest.tensors()[t]);
@@ -530,6 +537,12 @@ fn encode_slots(
                     slot.err = Some(err);
                     return;
                 }
+            }
+            if let Some(fb) = fb
+                && proved_by_bound(manifest, &entries[e], grads, fb, parallel)
+            {
+                slot.one_pass = true;
+                return;
             }
             if select_in_chunks(manifest, e, grads, step, fb, slot, parallel) {
                 return;
@@ -560,13 +573,35 @@ fn encode_slots(
             if let Some(r) = slot.res.first_mut().filter(|_| ef) {
                 let t = entry.members.first().copied().unwrap_or(0);
                 let g = grad_of(manifest, grads, t);
-                slot.split.update_residual(g, r, parallel);
+                slot.bound_after = Some(slot.split.update_residual(g, r, parallel));
             }
             return;
         }
         let need = max_frame_len(entry.len, &entry.method);
         grow(&mut slot.frame, need);
         let frame = &mut slot.frame[..need];
+        if slot.one_pass {
+            let t = entry.members.first().copied().unwrap_or(0);
+            let g = grad_of(manifest, grads, t);
+            let params = manifest.params(e, step);
+            let done = match slot.res.first_mut().filter(|_| ef) {
+                Some(r) => slot.split.encode_one_pass(&params, g, r, frame, parallel),
+                None => None,
+            };
+            match done {
+                Some((len, bound)) => {
+                    slot.len = len;
+                    slot.bound_after = Some(bound);
+                }
+                None => {
+                    slot.err = Some(Error::config(format!(
+                        "`{}`: a sum out of range after its residual bound's check",
+                        entry.label
+                    )));
+                }
+            }
+            return;
+        }
         let res = if ef {
             Some(&mut slot.res[..entry.members.len()])
         } else {
@@ -610,9 +645,47 @@ fn encode_slots(
     if let Some(fb) = feedback {
         for (slot, entry) in slots.iter_mut().zip(entries) {
             put_members(fb, manifest, &entry.members, &mut slot.res);
+            if let (Some(bound), Some(&t)) = (slot.bound_after, entry.members.first()) {
+                fb.keep_bound(&manifest.tensors()[t].name, bound);
+            }
         }
     }
     first_error(slots)
+}
+
+/// Whether entry `entry` is one large top-k tensor whose residual's bound and gradient prove
+/// every `g + r` in range ([`ResidualBound::proves_in_range`]; a residual not made yet is zeros),
+/// so that pass 2 encodes it in one pass ([`SparseSplit::encode_one_pass`]). The gradient is
+/// read in chunks on rayon's pool with `parallel`.
+fn proved_by_bound(
+    manifest: &Manifest,
+    entry: &Entry,
+    grads: &HashMap<String, Tensor>,
+    fb: &ErrorFeedback,
+    parallel: bool,
+) -> bool {
+    let (EntryKind::Tensor, Some(Rule::TopK(_)), Some(&t)) = (
+        &entry.kind,
+        Rule::of(entry.len, &entry.method),
+        entry.members.first(),
+    ) else {
+        return false;
+    };
+    let name = &manifest.tensors()[t].name;
+    let g = grad_of(manifest, grads, t);
+    let bound = match fb.residual(name) {
+        None => ResidualBound::ZERO,
+        Some(r) if r.len() == g.len() => fb.bound(name),
+        Some(_) => return false,
+    };
+    let values = entry.method.values();
+    g.len() == entry.len
+        && match parallel {
+            true => g
+                .par_chunks(CHUNK)
+                .all(|c| bound.proves_in_range(c, values)),
+            false => bound.proves_in_range(g, values),
+        }
 }
 
 /// Pass 1 for entry `e` when it is one large top-k, threshold or random-k tensor: selects in

@@ -357,11 +357,28 @@ impl ErrorFeedback {
     }
 
     /// The bound `name`'s residual's last step left ([`ResidualBound::UNKNOWN`] when none).
-    fn bound(&self, name: &str) -> ResidualBound {
+    pub(crate) fn bound(&self, name: &str) -> ResidualBound {
         self.bounds
             .get(name)
             .copied()
             .unwrap_or(ResidualBound::UNKNOWN)
+    }
+
+    /// Makes `name`'s residual's bound unknown (its residual is about to change outside a
+    /// step of this type). The entry stays, so that the bound a later step keeps is written in
+    /// place: a steady-state step allocates nothing.
+    fn forget_bound(&mut self, name: &str) {
+        self.keep_bound(name, ResidualBound::UNKNOWN);
+    }
+
+    /// Keeps `bound` for `name`'s residual (after a step that computed it).
+    pub(crate) fn keep_bound(&mut self, name: &str, bound: ResidualBound) {
+        match self.bounds.get_mut(name) {
+            Some(b) => *b = bound,
+            None => {
+                self.bounds.insert(name.to_owned(), bound);
+            }
+        }
     }
 
     /// Checks `shape`, the shape of `name`'s gradient, against the shape its residual
@@ -399,7 +416,7 @@ impl ErrorFeedback {
 
     /// The residual of `name` for a tensor of `n` elements, created as zeros when missing.
     pub(crate) fn residual_for(&mut self, name: &str, n: usize) -> Result<&mut Vec<f32>> {
-        self.bounds.remove(name);
+        self.forget_bound(name);
         residual_slot(&mut self.residuals, name, n)
     }
 
@@ -413,7 +430,7 @@ impl ErrorFeedback {
         n: usize,
         into: &mut Vec<f32>,
     ) -> Result<()> {
-        self.bounds.remove(name);
+        self.forget_bound(name);
         std::mem::swap(residual_slot(&mut self.residuals, name, n)?, into);
         Ok(())
     }
@@ -539,12 +556,7 @@ impl ErrorFeedback {
                 &mut self.frame,
             )
             .map_err(|e| Error::core(name, None, e))?;
-            match self.bounds.get_mut(name) {
-                Some(b) => *b = bound,
-                None => {
-                    self.bounds.insert(name.to_owned(), bound);
-                }
-            }
+            self.keep_bound(name, bound);
             if let Some(shape) = shape {
                 self.remember_shape(name, shape);
             }

@@ -65,6 +65,15 @@ pub fn frames_selected_in_chunks() -> u64 {
     crate::parallel_select::frames_selected_in_chunks()
 }
 
+/// How many error-feedback frames of large top-k tensors this process has written in one pass
+/// over the gradient and the residual (the residual's bound proved every sum in range; see
+/// [`gradwire_core::feedback_step_bounded`]). For tests and diagnostics; the bytes are the same
+/// either way.
+#[doc(hidden)]
+pub fn frames_in_one_pass() -> u64 {
+    crate::parallel_select::frames_in_one_pass()
+}
+
 /// How many cores compression and aggregation use.
 ///
 /// The parallel path runs on rayon's pool: the global one, or the pool of
@@ -601,6 +610,22 @@ impl SparseList {
     pub(crate) fn reserve(&mut self, count: usize) {
         self.idx.reserve(count.saturating_sub(self.idx.len()));
         self.val.reserve(count.saturating_sub(self.val.len()));
+    }
+
+    /// `acc[i - start] += -1 * value` for the entries with index in `start..start + acc.len()`
+    /// (an error-feedback step's fix-up of its kept entries, as [`SparseList::add_range`] with
+    /// weight -1); returns the largest `|acc[i - start]|` it leaves (0 for none).
+    pub(crate) fn subtract_range(&self, start: usize, acc: &mut [f32]) -> f32 {
+        let end = start + acc.len();
+        let lo = self.idx.partition_point(|&i| (i as usize) < start);
+        let hi = self.idx.partition_point(|&i| (i as usize) < end);
+        let mut max = 0.0f32;
+        for (&i, &v) in self.idx[lo..hi].iter().zip(&self.val[lo..hi]) {
+            let a = &mut acc[i as usize - start];
+            *a += -v; // -1 * v, exactly
+            max = max.max(a.abs());
+        }
+        max
     }
 
     /// Adds `weight * value` of the entries with index in `start..start + acc.len()` into

@@ -23,6 +23,16 @@
 //! `r = r + g`, then `r[i] += -decoded[i]` at the kept indices, chunk by chunk: per element
 //! the operations of the core's `feedback_step`.
 //!
+//! **One pass with a residual bound.** When the error feedback knows a bound on the residual's
+//! magnitudes (`gradwire_core::ResidualBound`, left by the tensor's last step; zero for a new
+//! residual) and the step's check pass finds every `|g|` below the other half of the value
+//! type's range, no `g + r` can be out of range, so the residual may change while the tensor
+//! is scanned: [`SparseSplit::encode_one_pass`] stores `r = g + r` as each chunk collects its
+//! candidates ([`select::candidates_update`]), writes the frame, then fixes up the kept
+//! entries. g and r are read once after the check (16 bytes per element against 20), as in the
+//! core's `feedback_step_bounded`, with the same frame, residual and bound. The update above
+//! measures the bound when a step could not take this path.
+//!
 //! Random-k takes the same path with another selection: its indices are drawn in chunks
 //! (`parallel_randomk.rs`), each chunk's task checking the chunk first, and the frame is written
 //! from them and the values at them.
@@ -35,7 +45,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use gradwire_core::select::{self, Kept};
-use gradwire_core::{Method, Params, encode_kept_into, values};
+use gradwire_core::{Method, Params, ResidualBound, encode_kept_into, values};
 use rayon::prelude::*;
 
 use crate::bucket::grow;
@@ -49,6 +59,14 @@ static FRAMES: AtomicU64 = AtomicU64::new(0);
 /// Frames written by the chunked selection in this process so far.
 pub(crate) fn frames_selected_in_chunks() -> u64 {
     FRAMES.load(Ordering::Relaxed)
+}
+
+/// Error-feedback frames written by [`SparseSplit::encode_one_pass`] in this process.
+static ONE_PASS: AtomicU64 = AtomicU64::new(0);
+
+/// Error-feedback frames written in one pass over the gradient and the residual so far.
+pub(crate) fn frames_in_one_pass() -> u64 {
+    ONE_PASS.load(Ordering::Relaxed)
 }
 
 /// What [`SparseSplit::encode`] did.
@@ -136,6 +154,8 @@ pub(crate) struct SparseSplit {
     samples: Vec<u32>,
     sent: SparseList,
     draw: RandomKDraw,
+    /// Scratch of the core's `topk_kept` for a one-pass step whose sample missed (rare).
+    fallback: Vec<u32>,
 }
 
 impl SparseSplit {
@@ -217,6 +237,98 @@ impl SparseSplit {
         }
         FRAMES.fetch_add(1, Ordering::Relaxed);
         Selected::Frame(len)
+    }
+
+    /// Top-k of `x = g + r` for an error-feedback step whose residual bound proved every sum in
+    /// range (`ResidualBound::proves_in_range`, in the step's check pass): each chunk is read
+    /// once, storing `r = g + r` as it collects its candidates ([`select::candidates_update`]);
+    /// the exact top-k among them (when the sample missed, among all of `r`, which holds the sums
+    /// by then) is written as the frame into `frame`, and the kept entries are fixed up
+    /// (`r[i] += -decoded[i]`). Chunks on rayon's pool with `parallel`. Returns the frame length
+    /// and the residual's new bound: the frame, residual and bound of the core's
+    /// `feedback_step_bounded`. `None` only when the proof did not hold (a sum out of range; `r`
+    /// holds the sums then) or the method is not top-k on a tensor this large.
+    pub(crate) fn encode_one_pass(
+        &mut self,
+        params: &Params,
+        g: &[f32],
+        r: &mut [f32],
+        frame: &mut [u8],
+        parallel: bool,
+    ) -> Option<(usize, ResidualBound)> {
+        let n = g.len();
+        let (Some(Rule::TopK(k)), Some(v)) = (Rule::of(n, &params.method), params.method.values())
+        else {
+            return None;
+        };
+        if r.len() != n {
+            return None;
+        }
+        let rule = Rule::TopK(k);
+        let limit = values::magnitude_limit(Some(v));
+        self.reserve(n, rule, parallel);
+        // The floor samples `g + r` before any chunk changes.
+        let floor = select::topk_floor(g, Some(&*r), k, &mut self.samples)?;
+        let count = if parallel {
+            self.collect_updating_in_parallel(g, r, floor, limit, rule)
+                .ok()?
+        } else {
+            let c = select::candidates_update(g, r, 0, floor, limit, &mut self.idx, &mut self.bits)
+                .ok()?;
+            if c <= self.idx.len() {
+                Some(c)
+            } else if c <= rule.bound(n) {
+                grow(&mut self.idx, c);
+                grow(&mut self.bits, c);
+                select::candidates(r, None, 0, floor, limit, &mut self.idx, &mut self.bits)
+                    .ok()
+                    .filter(|&again| again == c)
+            } else {
+                None
+            }
+        };
+        let chunked = count.filter(|&c| c >= k);
+        let kept = match chunked {
+            Some(c) => select::topk_of_candidates(
+                &mut self.idx[..c],
+                &mut self.bits[..c],
+                k,
+                &mut self.hist,
+            ),
+            None => {
+                // The sample missed or overshot: the exact top-k of `r`, the sums.
+                grow(&mut self.fallback, select::kept_scratch_len(n, k));
+                select::topk_kept(r, k, limit, &mut self.fallback).ok()?
+            }
+        };
+        // No element left unsent is larger than the smallest kept.
+        let smallest_kept = kept
+            .bits
+            .iter()
+            .map(|&b| f32::from_bits(b & 0x7fff_ffff))
+            .fold(f32::INFINITY, f32::min);
+        let len = encode_kept_into(n, params, kept, frame).ok()?;
+        if !self.sent.decode(&frame[..len], n, &params.method) {
+            return None;
+        }
+        let sent = &self.sent;
+        let fix = |(j, r): (usize, &mut [f32])| sent.subtract_range(j * CHUNK, r);
+        let largest_fixed = if parallel {
+            r.par_chunks_mut(CHUNK)
+                .enumerate()
+                .map(fix)
+                .reduce(|| 0.0, f32::max)
+        } else {
+            r.chunks_mut(CHUNK).enumerate().map(fix).fold(0.0, f32::max)
+        };
+        if chunked.is_some() {
+            FRAMES.fetch_add(1, Ordering::Relaxed);
+        }
+        ONE_PASS.fetch_add(1, Ordering::Relaxed);
+        Some((
+            len,
+            ResidualBound::at_most(smallest_kept.max(largest_fixed)),
+        ))
     }
 
     /// Random-k: the indices drawn in chunks (each chunk's task checks the chunk first, as the
@@ -345,6 +457,81 @@ impl SparseSplit {
                 }
                 list.count = count;
             });
+        self.finish_lists(n, rule, &bad, &over)
+    }
+
+    /// [`SparseSplit::collect_in_parallel`] of `g + r` that stores the sums in `r` on the way
+    /// ([`select::candidates_update`]); a chunk collected again reads its sums from `r`.
+    fn collect_updating_in_parallel(
+        &mut self,
+        g: &[f32],
+        r: &mut [f32],
+        floor: f32,
+        limit: f32,
+        rule: Rule,
+    ) -> Result<Option<usize>, select::OutOfLimit> {
+        let n = g.len();
+        let bound = rule.bound(n);
+        let chunks = n.div_ceil(CHUNK);
+        let total = AtomicUsize::new(0);
+        let bad = AtomicBool::new(false);
+        let over = AtomicBool::new(false);
+        self.chunks[..chunks]
+            .par_iter_mut()
+            .zip(r.par_chunks_mut(CHUNK))
+            .zip(g.par_chunks(CHUNK))
+            .enumerate()
+            .for_each(|(j, ((list, rc), gc))| {
+                let start = j * CHUNK;
+                list.count = 0;
+                let first = select::candidates_update(
+                    gc,
+                    rc,
+                    start,
+                    floor,
+                    limit,
+                    &mut list.idx,
+                    &mut list.bits,
+                );
+                let Ok(count) = first else {
+                    bad.store(true, Ordering::Relaxed);
+                    return;
+                };
+                if total.fetch_add(count, Ordering::Relaxed) + count > bound {
+                    over.store(true, Ordering::Relaxed);
+                    return;
+                }
+                if count > list.idx.len() {
+                    grow(&mut list.idx, count);
+                    grow(&mut list.bits, count);
+                    let again = select::candidates(
+                        rc,
+                        None,
+                        start,
+                        floor,
+                        limit,
+                        &mut list.idx,
+                        &mut list.bits,
+                    );
+                    if again != Ok(count) {
+                        bad.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                }
+                list.count = count;
+            });
+        self.finish_lists(n, rule, &bad, &over)
+    }
+
+    /// After the chunks' scans: the error or overflow they flagged, else the lists in chunk
+    /// order in `self.idx`/`self.bits` and their count.
+    fn finish_lists(
+        &mut self,
+        n: usize,
+        rule: Rule,
+        bad: &AtomicBool,
+        over: &AtomicBool,
+    ) -> Result<Option<usize>, select::OutOfLimit> {
         if bad.load(Ordering::Relaxed) || over.load(Ordering::Relaxed) {
             self.trim_lists(n, rule);
             return match bad.load(Ordering::Relaxed) {
@@ -354,7 +541,7 @@ impl SparseSplit {
         }
         self.idx.clear();
         self.bits.clear();
-        for list in &self.chunks[..chunks] {
+        for list in &self.chunks[..n.div_ceil(CHUNK)] {
             self.idx.extend_from_slice(&list.idx[..list.count]);
             self.bits.extend_from_slice(&list.bits[..list.count]);
         }
@@ -382,25 +569,36 @@ impl SparseSplit {
     /// The residual update of an error-feedback step whose frame [`SparseSplit::encode`] wrote
     /// from `g` and `r` (with `r` given, so that it decoded the sent values): `r = r + g`, then
     /// `r[i] += -decoded[i]` at the kept indices, chunks on rayon's pool with `parallel`.
-    pub(crate) fn update_residual(&self, g: &[f32], r: &mut [f32], parallel: bool) {
+    /// Returns the new residual's bound, measured chunk by chunk while each is in cache (so
+    /// that the next step can take [`SparseSplit::encode_one_pass`]).
+    pub(crate) fn update_residual(
+        &self,
+        g: &[f32],
+        r: &mut [f32],
+        parallel: bool,
+    ) -> ResidualBound {
         debug_assert_eq!(g.len(), r.len());
         let sent = &self.sent;
-        let update = |j: usize, (r, g): (&mut [f32], &[f32])| {
+        let update = |(j, (r, g)): (usize, (&mut [f32], &[f32]))| {
             for (r, g) in r.iter_mut().zip(g) {
                 *r += *g;
             }
             sent.add_range(j * CHUNK, r, -1.0);
+            ResidualBound::of(r).max_abs()
         };
-        if parallel {
+        let max = if parallel {
             r.par_chunks_mut(CHUNK)
                 .zip(g.par_chunks(CHUNK))
                 .enumerate()
-                .for_each(|(j, c)| update(j, c));
+                .map(update)
+                .reduce(|| 0.0, f32::max)
         } else {
             r.chunks_mut(CHUNK)
                 .zip(g.chunks(CHUNK))
                 .enumerate()
-                .for_each(|(j, c)| update(j, c));
-        }
+                .map(update)
+                .fold(0.0, f32::max)
+        };
+        ResidualBound::at_most(max)
     }
 }

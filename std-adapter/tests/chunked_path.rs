@@ -11,7 +11,8 @@ use common::Rng;
 use gradwire::bucket::BucketConfig;
 use gradwire::bundle::Manifest;
 use gradwire::compressor::{CompressionMethod, GradientCompressor};
-use gradwire::parallel::{Parallelism, frames_selected_in_chunks};
+use gradwire::core::{K, Method, Values};
+use gradwire::parallel::{Parallelism, frames_in_one_pass, frames_selected_in_chunks};
 use gradwire::tensor::Tensor;
 
 /// Frames selected in chunks during `steps` compressions of `grads`.
@@ -21,14 +22,28 @@ fn chunked_frames(
     parallelism: Parallelism,
     steps: usize,
 ) -> u64 {
+    counted(grads, method, parallelism, steps).0
+}
+
+/// Frames selected in chunks, and error-feedback frames written in one pass, during `steps`
+/// compressions of `grads`.
+fn counted(
+    grads: &HashMap<String, Tensor>,
+    method: &CompressionMethod,
+    parallelism: Parallelism,
+    steps: usize,
+) -> (u64, u64) {
     let manifest = Manifest::for_gradients(grads, method, 0, BucketConfig::none()).unwrap();
     let mut c = GradientCompressor::new(method.clone()).with_parallelism(parallelism);
     let mut bundle = Vec::new();
-    let before = frames_selected_in_chunks();
+    let before = (frames_selected_in_chunks(), frames_in_one_pass());
     for _ in 0..steps {
         c.compress_bundle(&manifest, grads, 0, &mut bundle).unwrap();
     }
-    frames_selected_in_chunks() - before
+    (
+        frames_selected_in_chunks() - before.0,
+        frames_in_one_pass() - before.1,
+    )
 }
 
 #[test]
@@ -41,16 +56,46 @@ fn large_sparse_tensors_are_selected_in_chunks_unless_the_sample_cannot_serve() 
     let topk = CompressionMethod::top_k_int8(0.01);
     let threshold = CompressionMethod::Threshold { threshold: 0.99 };
     for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
-        // Without error feedback every step; with it, every step after the first (the residual
-        // does not exist before). The small tensor never.
-        assert_eq!(chunked_frames(&large, &topk, parallelism, 3), 3);
-        assert_eq!(chunked_frames(&large, &threshold, parallelism, 3), 3);
+        // Every step, with or without error feedback; top-k with error feedback in one pass
+        // over g and r, from the first step (a new residual is zeros, its bound 0). The small
+        // tensor never.
+        assert_eq!(counted(&large, &topk, parallelism, 3), (3, 0));
+        assert_eq!(counted(&large, &threshold, parallelism, 3), (3, 0));
         let ef = topk.clone().with_error_feedback();
-        assert_eq!(chunked_frames(&large, &ef, parallelism, 3), 2);
+        assert_eq!(counted(&large, &ef, parallelism, 3), (3, 3));
         // A constant tensor: every element is a candidate, more than the selection holds, so
-        // the core's selection runs (same frame).
+        // the core's selection runs (same frame); with error feedback, on the residual's sums.
         let flat = HashMap::from([("w".to_owned(), Tensor::vector(vec![0.5; 300_000]))]);
-        assert_eq!(chunked_frames(&flat, &topk, parallelism, 2), 0);
+        assert_eq!(counted(&flat, &topk, parallelism, 2), (0, 0));
+        let flat_ef = topk.clone().with_error_feedback();
+        assert_eq!(counted(&flat, &flat_ef, parallelism, 2), (0, 2));
+        // f16 values and a gradient at or above half their range (32,760): the bound proves
+        // nothing. The first step has no residual yet, so the core's step runs; the second
+        // reads the sums and selects in chunks, and its update measures the residual's bound;
+        // from the third, one pass.
+        let mut big = rng.vec(300_000, 1.0);
+        big[7] = 40_000.0;
+        let big = HashMap::from([("w".to_owned(), Tensor::vector(big))]);
+        let small = HashMap::from([("w".to_owned(), Tensor::vector(rng.vec(300_000, 1.0)))]);
+        let f16 = CompressionMethod::Core(Method::TopK {
+            k: K::Ratio(0.01),
+            values: Values::F16,
+        })
+        .with_error_feedback();
+        let manifest = Manifest::for_gradients(&big, &f16, 0, BucketConfig::none()).unwrap();
+        let mut c = GradientCompressor::new(f16.clone()).with_parallelism(parallelism);
+        let mut bundle = Vec::new();
+        let mut step = |grads: &HashMap<String, Tensor>| {
+            let before = (frames_selected_in_chunks(), frames_in_one_pass());
+            c.compress_bundle(&manifest, grads, 0, &mut bundle).unwrap();
+            (
+                frames_selected_in_chunks() - before.0,
+                frames_in_one_pass() - before.1,
+            )
+        };
+        assert_eq!(step(&big), (0, 0));
+        assert_eq!(step(&small), (1, 0));
+        assert_eq!(step(&small), (1, 1));
         // Threshold keeping more than the lists hold: the core's streaming writer.
         let low = CompressionMethod::Threshold { threshold: 0.0 };
         assert_eq!(chunked_frames(&large, &low, parallelism, 1), 0);

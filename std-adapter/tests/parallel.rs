@@ -584,6 +584,34 @@ fn large_sparse_frames_equal_the_core_step() {
 }
 
 #[test]
+fn one_pass_frames_equal_the_core_step() {
+    // Top-k with error feedback takes one pass over g and r once the residual's bound proves
+    // the sums in range. A constant tensor (the sample overshoots: the exact top-k of the
+    // stored sums), and f16 values with a gradient above half their range at step 0 (checked
+    // and selected as before; the update measures the bound, and the next steps take one
+    // pass): frames and residuals must be the core's.
+    let mut rng = Rng(15);
+    let flat = HashMap::from([("w".to_owned(), Tensor::vector(vec![0.5; 300_001]))]);
+    let mut big = rng.vec(300_001, 1.0);
+    big[11] = 40_000.0;
+    let big = HashMap::from([("w".to_owned(), Tensor::vector(big))]);
+    let small = HashMap::from([("w".to_owned(), Tensor::vector(rng.vec(300_001, 2.0)))]);
+    let f16 = CompressionMethod::Core(Method::TopK {
+        k: K::Ratio(0.01),
+        values: Values::F16,
+    })
+    .with_error_feedback();
+    for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+        let int8 = CompressionMethod::top_k_int8(0.01).with_error_feedback();
+        check_against_the_core_step(&int8, parallelism, "w", 3, |_| flat.clone());
+        check_against_the_core_step(&f16, parallelism, "w", 3, |step| match step {
+            0 => big.clone(),
+            _ => small.clone(),
+        });
+    }
+}
+
+#[test]
 fn large_randomk_frames_equal_the_core_step() {
     // Both paths draw a large random-k tensor's indices in chunks (on one thread: the core's
     // draw) and write the frame from them; frames and residuals must be the core's.
