@@ -104,8 +104,9 @@ impl ResidualBound {
 
     /// Whether this bound and `grad` prove every `grad[i] + residual[i]` (f32 addition) of the
     /// residual it holds for below the magnitude limit of `values`
-    /// ([`crate::values::magnitude_limit`]; finite for f32 and int8 values): the bound is below
-    /// half the limit and every `|grad[i]|` below the other half. One read of `grad`; `false`
+    /// ([`crate::values::magnitude_limit`]; no limit but finiteness for f32 and int8 values,
+    /// where half means 2^127): the bound is below half the limit and every `|grad[i]|` below
+    /// the other half. One read of `grad`; `false`
     /// says nothing (the sums may still be in range).
     pub fn proves_in_range(self, grad: &[f32], values: Option<Values>) -> bool {
         let half = half_limit(crate::values::magnitude_limit(values));
@@ -214,6 +215,8 @@ fn topk_one_pass(
         .iter()
         .map(|&b| f32::from_bits(b & 0x7fff_ffff))
         .fold(f32::INFINITY, f32::min);
+    // Parses the frame just written from `kept`: it cannot fail (an error here would be a bug,
+    // and would leave the residual holding the sums).
     let largest_fixed = subtract_kept(&out[..len], kept.idx, residual)?;
     *bound = ResidualBound {
         max_abs: smallest_kept.max(largest_fixed),

@@ -1810,8 +1810,6 @@ pub(crate) fn feedback_update(
     Ok(())
 }
 
-/// One run of sparse entries of [`feedback_update`]: `r += g` from `done` through the run's last
-/// index, then `r[i] -= x` for each entry (ascending indices below `r.len()`).
 /// `r[i] += -decoded` at the kept indices `kept` of a sparse frame just written (trusted, with
 /// `kept.len()` entries): the fix-up of an error-feedback step whose residual already holds
 /// `g + r` everywhere. Returns the largest `|r[i]|` it leaves at those indices (0 for none).
@@ -1853,6 +1851,8 @@ pub(crate) fn subtract_kept(frame: &[u8], kept: &[u32], r: &mut [f32]) -> Result
     Ok(max)
 }
 
+/// One run of sparse entries of [`feedback_update`]: `r += g` from `done` through the run's last
+/// index, then `r[i] -= x` for each entry (ascending indices below `r.len()`).
 fn update_run(
     r: &mut [f32],
     g: &[f32],

@@ -85,12 +85,24 @@ fn one_pass_topk_equals_the_two_pass_step() {
         for step in 0..6u64 {
             let params = Params::new(*method).at_step(step);
             let mut g = grads(&mut d, n, 1.0 + step as f32);
-            if step == 3 {
-                // Ties everywhere: more candidates than the lists hold (the exact fallback).
+            if step == 0 {
+                // With the residual zero, ties everywhere: more candidates than the lists
+                // hold, so the exact selection runs on the stored sums.
                 g.fill(0.25);
             }
             pair.step(&g, &params, &format!("method {m} step {step}"))
                 .unwrap_or_else(|e| panic!("method {m} step {step}: {e}"));
+            // The one pass leaves the smallest kept magnitude as the bound, above every
+            // residual here; the two-pass path would have measured the residual's maximum.
+            // (Not for method 3, which keeps all but one: its largest rounding error, not a
+            // kept magnitude, is the bound.)
+            if step > 0 && m != 3 {
+                let measured = ResidualBound::of(&pair.bounded).max_abs();
+                assert!(
+                    pair.bound.max_abs() > measured,
+                    "method {m} step {step}: the one-pass step did not run"
+                );
+            }
         }
     }
 }

@@ -594,8 +594,10 @@ fn encode_slots(
                     slot.bound_after = Some(bound);
                 }
                 None => {
+                    // Unreachable after pass 1's proof (a bug if it happens).
                     slot.err = Some(Error::config(format!(
-                        "`{}`: a sum out of range after its residual bound's check",
+                        "`{}`: the one-pass error-feedback step failed after pass 1 proved its \
+                         input in range (a bug in gradwire)",
                         entry.label
                     )));
                 }

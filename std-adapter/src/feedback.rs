@@ -356,6 +356,15 @@ impl ErrorFeedback {
         Ok(())
     }
 
+    /// The bound on the magnitudes of `name`'s residual that this error feedback keeps
+    /// ([`ResidualBound::UNKNOWN`] when it keeps none: no residual, a residual loaded from a
+    /// checkpoint and not stepped yet, or one a step could not bound). A top-k step whose
+    /// gradient and bound prove every sum in range reads the gradient and the residual once
+    /// after its check (see [`gradwire_core::feedback_step_bounded`]).
+    pub fn residual_bound(&self, name: &str) -> ResidualBound {
+        self.bound(name)
+    }
+
     /// The bound `name`'s residual's last step left ([`ResidualBound::UNKNOWN`] when none).
     pub(crate) fn bound(&self, name: &str) -> ResidualBound {
         self.bounds

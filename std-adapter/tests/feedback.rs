@@ -10,7 +10,7 @@ use common::{Rng, Stepper, grads, minilm, same_bits};
 use gradwire::bucket::BucketConfig;
 use gradwire::bundle::Manifest;
 use gradwire::compressor::{CompressionMethod, DEFAULT_INT8_BLOCK, GradientCompressor};
-use gradwire::core::{K, Method, Params, Rounding, SignScale, Values, tensor_id};
+use gradwire::core::{K, Method, Params, ResidualBound, Rounding, SignScale, Values, tensor_id};
 use gradwire::error::Error;
 use gradwire::feedback::ErrorFeedback;
 use gradwire::tensor::Tensor;
@@ -663,9 +663,23 @@ fn steps_with_residual_bounds_equal_plain_steps() {
                 "step {step} `{name}`: residual"
             );
         }
+        // Each step leaves a bound that holds: the first after a load measures the residual
+        // (two passes); the others are one pass, whose bound (the smallest kept magnitude) is
+        // above the residual's largest here.
+        for name in names {
+            let measured = ResidualBound::of(fb.residual(name).unwrap()).max_abs();
+            let bound = fb.residual_bound(name).max_abs();
+            match step {
+                5 => assert_eq!(bound, measured, "step {step} `{name}`"),
+                _ => assert!(bound > measured, "step {step} `{name}`"),
+            }
+        }
         match step {
             2 => fb.set_residual("a", plain[0].clone()).unwrap(),
-            4 => fb = ErrorFeedback::from_bytes(&fb.to_bytes().unwrap()).unwrap(),
+            4 => {
+                fb = ErrorFeedback::from_bytes(&fb.to_bytes().unwrap()).unwrap();
+                assert_eq!(fb.residual_bound("a"), ResidualBound::UNKNOWN);
+            }
             5 => fb = fb.clone(),
             _ => {}
         }
