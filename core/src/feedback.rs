@@ -62,7 +62,8 @@ pub struct ResidualBound {
 }
 
 impl ResidualBound {
-    /// No bound known: the next step takes [`feedback_step`]'s path (and leaves a bound).
+    /// No bound known: the next step takes [`feedback_step`]'s path (for top-k it then
+    /// measures a bound).
     pub const UNKNOWN: Self = Self {
         max_abs: f32::INFINITY,
     };

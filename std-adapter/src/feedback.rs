@@ -97,8 +97,8 @@ pub struct ErrorFeedback {
     /// The shape of each residual whose step gave one (element count = the residual's length).
     shapes: BTreeMap<String, Vec<usize>>,
     /// A bound on each residual's magnitudes, left by its last step (see
-    /// [`gradwire_core::ResidualBound`]); a residual without one has an unknown bound. Dropped
-    /// wherever a residual changes outside a step.
+    /// [`gradwire_core::ResidualBound`]); a residual without one has an unknown bound. Made
+    /// unknown wherever a residual changes outside a step of this type.
     bounds: BTreeMap<String, ResidualBound>,
     scratch: Vec<u32>,
     frame: Vec<u8>,
