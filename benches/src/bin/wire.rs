@@ -13,14 +13,20 @@
 //! - **compression ratio**: the dense f32 payload (4 bytes per element) over the bundle bytes.
 //!
 //! DESIGN.md's targets are checked where it sets one (top-k 1% with int8 values <= 2.3 bytes
-//! per kept element, with f16 values <= 3.3; sign <= 1.05 bits per element; 4-bit <= 4.1). The
-//! reference Python layout (safetensors with `NAME::idx` / `::val` / `::scale`,
-//! `gradwire::reference`) is measured on the same gradients as the baseline. The process exits
-//! 1 when a target is missed. Byte counts are deterministic: no timing is involved.
+//! per kept element, with f16 values <= 3.3; sign <= 1.05 bits per element; 4-bit <= 4.1 bits
+//! per element). The reference Python layout (safetensors with `NAME::idx` int64, `NAME::val`,
+//! and in int8 mode one `NAME::scale` per tensor; `gradwire::reference`) is measured on the
+//! same gradients as the baseline, its kept entries counted from the `::idx` tensors of the
+//! payload. Byte counts are deterministic: no timing is involved.
 //!
-//! With `--json`, one object per line: `name`, `method` (gradwire's method string), `bytes`,
-//! `n`, `kept`, `bytes_per_kept`, `bits_per_element`, `compression_ratio`, `target` (`null`
-//! or an object with `unit` and `max`) and `met` (`null` where there is no target).
+//! Exit status: 0 when every target is met, 1 when one is missed, 2 for a usage error, a file
+//! that cannot be read, or a method that cannot compress the gradients (for example a value
+//! beyond f16's range in a `--data` file).
+//!
+//! With `--json`, one object per line: `name`, `method` (gradwire's method string),
+//! `bucketing` (`none`, or the bucket size in bytes), `bytes`, `n`, `kept`, `bytes_per_kept`
+//! (`null` when nothing is kept), `bits_per_element`, `compression_ratio`, `target` (`null` or
+//! an object with `unit` and `max`) and `met` (`null` where there is no target).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -55,6 +61,8 @@ enum How {
 struct Row {
     name: &'static str,
     method: String,
+    /// `none`, or the bucket size in bytes.
+    bucketing: String,
     bytes: usize,
     kept: u64,
     target: Option<Target>,
@@ -75,8 +83,8 @@ const INT8: Values = Values::Int8 {
     block: DEFAULT_INT8_BLOCK,
 };
 
-/// The methods of the table, with DESIGN.md's targets. `threshold` is the |g| that keeps about
-/// 1% of the model's elements (measured on the gradients themselves).
+/// The methods of the table, with DESIGN.md's targets. `threshold` is the |g| that keeps 1% of
+/// the model's elements ([`one_percent_threshold`]).
 fn methods(threshold: f32) -> Vec<(&'static str, How, Option<Target>)> {
     let none = BucketConfig::none;
     let bundle = |m: CompressionMethod| How::Bundle(m, none());
@@ -182,6 +190,18 @@ fn methods(threshold: f32) -> Vec<(&'static str, How, Option<Target>)> {
     ]
 }
 
+/// The |g| above which exactly `k_from_ratio(n, 0.01)` elements of `x` lie when magnitudes do
+/// not tie: the magnitude of the (k + 1)-th largest, one threshold for the whole model.
+fn one_percent_threshold(x: &[f32]) -> f32 {
+    let k = gradwire::core::k_from_ratio(x.len() as u64, 0.01) as usize;
+    let mut m: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+    if k >= m.len() {
+        return 0.0;
+    }
+    let (_, t, _) = m.select_nth_unstable_by(k, |a, b| b.total_cmp(a));
+    *t
+}
+
 /// One rank's bundle for step 0, and the entries its frames carry (checked and counted by
 /// `Manifest::check_bundle_with` and `gradwire_core::validate`, as a receiver would).
 fn measure_bundle(
@@ -219,32 +239,42 @@ fn measure_reference(
         .map(|(name, t)| (name.as_str(), t.shape(), t.data()))
         .collect();
     let payload = reference::compress(&inputs, mode, ratio).map_err(|e| e.to_string())?;
-    let kept = tensors
+    let st = safetensors::SafeTensors::deserialize(&payload).map_err(|e| e.to_string())?;
+    let kept = st
         .iter()
-        .map(|(_, t)| gradwire::core::k_from_ratio(t.numel() as u64, ratio))
+        .filter(|(name, _)| name.ends_with("::idx"))
+        .map(|(_, view)| view.shape().iter().product::<usize>() as u64)
         .sum();
     Ok((payload.len(), kept))
 }
 
 fn main() -> ExitCode {
+    const USAGE: &str = "usage: wire [--json] [--data PATH]";
     let mut json = false;
     let mut data: Option<PathBuf> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--json" => json = true,
-            "--data" => data = args.next().map(PathBuf::from),
-            _ => {
-                eprintln!("usage: wire [--json] [--data PATH]");
+            "--data" => match args.next() {
+                Some(p) => data = Some(PathBuf::from(p)),
+                None => {
+                    eprintln!("wire: --data needs a path\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                return ExitCode::SUCCESS;
+            }
+            other => {
+                eprintln!("wire: unknown argument {other:?}\n{USAGE}");
                 return ExitCode::from(2);
             }
         }
     }
     let path = data.unwrap_or_else(|| {
-        PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../testdata/minilm_small_grads.safetensors"
-        ))
+        gradwire_benches::repo_root().join("testdata/minilm_small_grads.safetensors")
     });
     let tensors = match std::fs::read(&path)
         .map_err(|e| e.to_string())
@@ -261,20 +291,26 @@ fn main() -> ExitCode {
         .iter()
         .flat_map(|(_, t)| t.data().iter().copied())
         .collect();
-    let threshold = gradwire_benches::threshold_for_one_percent(&flat);
+    let threshold = one_percent_threshold(&flat);
     let grads: HashMap<String, Tensor> = tensors.iter().cloned().collect();
 
     let mut rows = Vec::new();
     for (name, how, target) in methods(threshold) {
-        let (method, measured) = match &how {
+        let (method, bucketing, measured) = match &how {
             How::Bundle(m, b) => (
                 m.core_method()
                     .map(|c| format_method(&c))
                     .unwrap_or_default(),
+                if b.bucket_bytes == 0 {
+                    "none".to_owned()
+                } else {
+                    b.bucket_bytes.to_string()
+                },
                 measure_bundle(m, *b, &grads),
             ),
             How::Reference(mode, ratio) => (
                 format!("reference {} ratio {ratio}", mode.as_str()),
+                "none".to_owned(),
                 measure_reference(*mode, *ratio, &tensors),
             ),
         };
@@ -282,13 +318,14 @@ fn main() -> ExitCode {
             Ok((bytes, kept)) => rows.push(Row {
                 name,
                 method,
+                bucketing,
                 bytes,
                 kept,
                 target,
             }),
             Err(e) => {
                 eprintln!("wire: {name}: {e}");
-                return ExitCode::FAILURE;
+                return ExitCode::from(2);
             }
         }
     }
@@ -307,11 +344,11 @@ fn main() -> ExitCode {
     }
     let mut missed = 0;
     for r in &rows {
-        let per_kept = r.bytes as f64 / r.kept.max(1) as f64;
+        let per_kept = (r.kept > 0).then(|| r.bytes as f64 / r.kept as f64);
         let bits = r.bytes as f64 * 8.0 / n.max(1) as f64;
         let ratio = (4 * n) as f64 / r.bytes as f64;
         let met = r.target.map(|t| match t {
-            Target::BytesPerKept(max) => per_kept <= max,
+            Target::BytesPerKept(max) => per_kept.is_some_and(|b| b <= max),
             Target::BitsPerElement(max) => bits <= max,
         });
         if met == Some(false) {
@@ -328,12 +365,15 @@ fn main() -> ExitCode {
                 None => "null".into(),
             };
             let met = met.map_or("null".into(), |m| m.to_string());
+            let per_kept = per_kept.map_or("null".into(), |b| format!("{b:.4}"));
             println!(
-                "{{\"name\":\"{}\",\"method\":\"{}\",\"bytes\":{},\"n\":{n},\"kept\":{},\
-                 \"bytes_per_kept\":{per_kept:.4},\"bits_per_element\":{bits:.4},\
-                 \"compression_ratio\":{ratio:.2},\"target\":{target},\"met\":{met}}}",
+                "{{\"name\":\"{}\",\"method\":\"{}\",\"bucketing\":\"{}\",\"bytes\":{},\
+                 \"n\":{n},\"kept\":{},\"bytes_per_kept\":{per_kept},\
+                 \"bits_per_element\":{bits:.4},\"compression_ratio\":{ratio:.2},\
+                 \"target\":{target},\"met\":{met}}}",
                 r.name,
                 r.method.replace('"', "'"),
+                r.bucketing,
                 r.bytes,
                 r.kept
             );
@@ -347,8 +387,9 @@ fn main() -> ExitCode {
                 }
                 _ => String::new(),
             };
+            let per_kept = per_kept.map_or("-".into(), |b| format!("{b:.3}"));
             println!(
-                "{:<28} {:>9} {:>8} {:>10.3} {:>9.3} {:>7.1}x   {t}",
+                "{:<28} {:>9} {:>8} {:>10} {:>9.3} {:>7.1}x   {t}",
                 r.name, r.bytes, r.kept, per_kept, bits, ratio
             );
         }
