@@ -5,27 +5,13 @@
 //! README's test command build `target/release/ratios`, which CI's ratios stage then runs
 //! without building it again.
 
-use std::process::Command;
+mod common;
 
-/// The text after `"key":` up to the next `,` or `}` of a flat JSON object line.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    let at = line.find(&format!("\"{key}\":"))? + key.len() + 3;
-    let rest = &line[at..];
-    Some(&rest[..rest.find([',', '}'])?])
-}
+use common::{field, run_json};
 
 #[test]
 fn ratios_json_has_every_kernel_and_field() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ratios"))
-        .args(["--n", "100000", "--json"])
-        .output()
-        .expect("run ratios");
-    assert!(
-        out.status.success(),
-        "ratios failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).expect("UTF-8");
+    let text = run_json(env!("CARGO_BIN_EXE_ratios"), &["--n", "100000", "--json"]);
     let mut names = Vec::new();
     for line in text.lines() {
         assert!(line.starts_with('{') && line.ends_with('}'), "{line}");

@@ -5,7 +5,9 @@
 //! deterministic, so the targets are asserted; std-adapter's `tests/bundle.rs` checks the same
 //! targets against the library directly.
 
-use std::process::Command;
+mod common;
+
+use common::{field, run_json};
 
 use gradwire::core::k_from_ratio;
 use gradwire::tensor::read_safetensors;
@@ -19,14 +21,7 @@ const DESIGN_TARGETS: [(&str, &str, f64); 5] = [
     ("quant_4bit", "bits_per_element", 4.1),
 ];
 
-/// The text after `"key":` up to the next `,` or `}` of a flat JSON object line (the `target`
-/// object's fields are looked up by their own keys).
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    let at = line.find(&format!("\"{key}\":"))? + key.len() + 3;
-    let rest = &line[at..];
-    Some(&rest[..rest.find([',', '}'])?])
-}
-
+/// The number in field `key` of a JSON line.
 fn number(line: &str, key: &str) -> f64 {
     field(line, key)
         .unwrap_or_else(|| panic!("{key} in {line}"))
@@ -36,16 +31,7 @@ fn number(line: &str, key: &str) -> f64 {
 
 #[test]
 fn wire_json_meets_every_bytes_target() {
-    let out = Command::new(env!("CARGO_BIN_EXE_wire"))
-        .arg("--json")
-        .output()
-        .expect("run wire");
-    assert!(
-        out.status.success(),
-        "wire failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).expect("UTF-8");
+    let text = run_json(env!("CARGO_BIN_EXE_wire"), &["--json"]);
     let mut rows = Vec::new();
     for line in text.lines() {
         assert!(line.starts_with('{') && line.ends_with('}'), "{line}");
