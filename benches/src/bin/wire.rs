@@ -50,6 +50,25 @@ enum Target {
     BitsPerElement(f64),
 }
 
+impl Target {
+    /// The JSON unit name and the limit.
+    fn unit_and_max(self) -> (&'static str, f64) {
+        match self {
+            Target::BytesPerKept(m) => ("bytes_per_kept", m),
+            Target::BitsPerElement(m) => ("bits_per_element", m),
+        }
+    }
+
+    /// Whether a row with these bytes per kept element (`None`: nothing kept) and bits per
+    /// element meets it.
+    fn met(self, per_kept: Option<f64>, bits: f64) -> bool {
+        match self {
+            Target::BytesPerKept(max) => per_kept.is_some_and(|b| b <= max),
+            Target::BitsPerElement(max) => bits <= max,
+        }
+    }
+}
+
 /// One method of the table: how its bundle is made.
 enum How {
     /// A gradwire bundle.
@@ -190,8 +209,19 @@ fn methods(threshold: f32) -> Vec<(&'static str, How, Option<Target>)> {
     ]
 }
 
+/// `none`, or the bucket size in bytes, as the JSON's `bucketing` field.
+fn bucketing_name(b: &BucketConfig) -> String {
+    if b.bucket_bytes == 0 {
+        "none".to_owned()
+    } else {
+        b.bucket_bytes.to_string()
+    }
+}
+
 /// The |g| above which exactly `k_from_ratio(n, 0.01)` elements of `x` lie when magnitudes do
-/// not tie: the magnitude of the (k + 1)-th largest, one threshold for the whole model.
+/// not tie: the magnitude of the (k + 1)-th largest, one threshold for the whole model. Exact,
+/// unlike `gradwire_benches::threshold_for_one_percent`, which samples every 7th element to
+/// set up `ratios`' 2.5e7-element buffer quickly: here the kept count is part of the table.
 fn one_percent_threshold(x: &[f32]) -> f32 {
     let k = gradwire::core::k_from_ratio(x.len() as u64, 0.01) as usize;
     let mut m: Vec<f32> = x.iter().map(|v| v.abs()).collect();
@@ -301,11 +331,7 @@ fn main() -> ExitCode {
                 m.core_method()
                     .map(|c| format_method(&c))
                     .unwrap_or_default(),
-                if b.bucket_bytes == 0 {
-                    "none".to_owned()
-                } else {
-                    b.bucket_bytes.to_string()
-                },
+                bucketing_name(b),
                 measure_bundle(m, *b, &grads),
             ),
             How::Reference(mode, ratio) => (
@@ -347,23 +373,15 @@ fn main() -> ExitCode {
         let per_kept = (r.kept > 0).then(|| r.bytes as f64 / r.kept as f64);
         let bits = r.bytes as f64 * 8.0 / n.max(1) as f64;
         let ratio = (4 * n) as f64 / r.bytes as f64;
-        let met = r.target.map(|t| match t {
-            Target::BytesPerKept(max) => per_kept.is_some_and(|b| b <= max),
-            Target::BitsPerElement(max) => bits <= max,
-        });
+        let met = r.target.map(|t| t.met(per_kept, bits));
         if met == Some(false) {
             missed += 1;
         }
-        let (unit, max) = match r.target {
-            Some(Target::BytesPerKept(m)) => ("bytes_per_kept", m),
-            Some(Target::BitsPerElement(m)) => ("bits_per_element", m),
-            None => ("", 0.0),
-        };
         if json {
-            let target = match r.target {
-                Some(_) => format!("{{\"unit\":\"{unit}\",\"max\":{max}}}"),
-                None => "null".into(),
-            };
+            let target = r.target.map_or("null".into(), |t| {
+                let (unit, max) = t.unit_and_max();
+                format!("{{\"unit\":\"{unit}\",\"max\":{max}}}")
+            });
             let met = met.map_or("null".into(), |m| m.to_string());
             let per_kept = per_kept.map_or("null".into(), |b| format!("{b:.4}"));
             println!(
@@ -379,11 +397,13 @@ fn main() -> ExitCode {
             );
         } else {
             let t = match (r.target, met) {
-                (Some(Target::BytesPerKept(m)), Some(ok)) => {
-                    format!("<= {m} B/kept {}", if ok { "met" } else { "MISSED" })
-                }
-                (Some(Target::BitsPerElement(m)), Some(ok)) => {
-                    format!("<= {m} bits/el {}", if ok { "met" } else { "MISSED" })
+                (Some(t), Some(ok)) => {
+                    let unit = match t {
+                        Target::BytesPerKept(_) => "B/kept",
+                        Target::BitsPerElement(_) => "bits/el",
+                    };
+                    let max = t.unit_and_max().1;
+                    format!("<= {max} {unit} {}", if ok { "met" } else { "MISSED" })
                 }
                 _ => String::new(),
             };
