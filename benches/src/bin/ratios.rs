@@ -105,13 +105,17 @@ fn main() {
                 }
             }
             _ => {
-                eprintln!(
-                    "usage: ratios [--n N] [--reps R] [--json] [--only NAME,NAME,..] \
+                let usage = "usage: ratios [--n N] [--reps R] [--json] [--only NAME,NAME,..] \
                      [--clock cpu|wall] [--data both|synthetic|minilm] [--list]\n\
                      defaults: --n 2.5e7 --reps 11 (at least 9) --clock cpu --data both; \
-                     --list prints the row names, --only keeps the rows starting with a name"
-                );
-                std::process::exit(if a == "--help" || a == "-h" { 0 } else { 2 });
+                     --list prints the row names, --only keeps the rows starting with a name";
+                // Asked for, the usage is the output (stdout, as `wire --help`); otherwise an error.
+                if a == "--help" || a == "-h" {
+                    println!("{usage}");
+                    std::process::exit(0);
+                }
+                eprintln!("{usage}");
+                std::process::exit(2);
             }
         }
     }
