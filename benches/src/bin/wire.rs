@@ -51,11 +51,11 @@ enum Target {
 }
 
 impl Target {
-    /// The JSON unit name and the limit.
-    fn unit_and_max(self) -> (&'static str, f64) {
+    /// The JSON unit name, the table's unit name and the limit.
+    fn unit_and_max(self) -> (&'static str, &'static str, f64) {
         match self {
-            Target::BytesPerKept(m) => ("bytes_per_kept", m),
-            Target::BitsPerElement(m) => ("bits_per_element", m),
+            Target::BytesPerKept(m) => ("bytes_per_kept", "B/kept", m),
+            Target::BitsPerElement(m) => ("bits_per_element", "bits/el", m),
         }
     }
 
@@ -258,7 +258,8 @@ fn measure_bundle(
     Ok((bundle.len(), kept))
 }
 
-/// The reference layout's payload of every tensor, and the entries it carries.
+/// The reference layout's payload of every tensor, and the entries it carries (its `::idx`
+/// lengths, as `reference::summarize` reads them).
 fn measure_reference(
     mode: Mode,
     ratio: f64,
@@ -269,12 +270,8 @@ fn measure_reference(
         .map(|(name, t)| (name.as_str(), t.shape(), t.data()))
         .collect();
     let payload = reference::compress(&inputs, mode, ratio).map_err(|e| e.to_string())?;
-    let st = safetensors::SafeTensors::deserialize(&payload).map_err(|e| e.to_string())?;
-    let kept = st
-        .iter()
-        .filter(|(name, _)| name.ends_with("::idx"))
-        .map(|(_, view)| view.shape().iter().product::<usize>() as u64)
-        .sum();
+    let (_, tensors) = reference::summarize(&payload).map_err(|e| e.to_string())?;
+    let kept = tensors.iter().map(|t| t.kept as u64).sum();
     Ok((payload.len(), kept))
 }
 
@@ -379,7 +376,7 @@ fn main() -> ExitCode {
         }
         if json {
             let target = r.target.map_or("null".into(), |t| {
-                let (unit, max) = t.unit_and_max();
+                let (unit, _, max) = t.unit_and_max();
                 format!("{{\"unit\":\"{unit}\",\"max\":{max}}}")
             });
             let met = met.map_or("null".into(), |m| m.to_string());
@@ -396,17 +393,10 @@ fn main() -> ExitCode {
                 r.kept
             );
         } else {
-            let t = match (r.target, met) {
-                (Some(t), Some(ok)) => {
-                    let unit = match t {
-                        Target::BytesPerKept(_) => "B/kept",
-                        Target::BitsPerElement(_) => "bits/el",
-                    };
-                    let max = t.unit_and_max().1;
-                    format!("<= {max} {unit} {}", if ok { "met" } else { "MISSED" })
-                }
-                _ => String::new(),
-            };
+            let t = r.target.zip(met).map_or(String::new(), |(t, ok)| {
+                let (_, unit, max) = t.unit_and_max();
+                format!("<= {max} {unit} {}", if ok { "met" } else { "MISSED" })
+            });
             let per_kept = per_kept.map_or("-".into(), |b| format!("{b:.3}"));
             println!(
                 "{:<28} {:>9} {:>8} {:>10} {:>9.3} {:>7.1}x   {t}",
