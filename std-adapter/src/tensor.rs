@@ -233,5 +233,36 @@ pub(crate) fn serialize_f32<'a>(
     for (name, shape, data) in &items {
         views.push((*name, TensorView::new(Dtype::F32, shape.clone(), data)?));
     }
-    Ok(safetensors::serialize(views, meta)?)
+    // The metadata as safetensors writes it (a `HashMap`'s order) and sorted by key.
+    let texts = meta.as_ref().and_then(|m| {
+        let sorted: std::collections::BTreeMap<&String, &String> = m.iter().collect();
+        Some((
+            serde_json::to_string(m).ok()?,
+            serde_json::to_string(&sorted).ok()?,
+        ))
+    });
+    let bytes = safetensors::serialize(views, meta)?;
+    Ok(match texts {
+        Some((unsorted, sorted)) => with_sorted_metadata(bytes, &unsorted, &sorted),
+        None => bytes,
+    })
+}
+
+/// `bytes` (a safetensors file whose header starts with the `__metadata__` object serialized
+/// as `unsorted`) with that object written as `sorted`, its entries in key order. safetensors
+/// writes them in the order of a `HashMap`, which changes from process to process; sorted, a
+/// checkpoint's bytes depend on its contents alone. The object keeps its length, so nothing
+/// else moves. Bytes of another layout are returned unchanged (the golden checkpoint test
+/// catches such a change).
+fn with_sorted_metadata(mut bytes: Vec<u8>, unsorted: &str, sorted: &str) -> Vec<u8> {
+    let prefix = b"{\"__metadata__\":";
+    let start = 8 + prefix.len();
+    let end = start + unsorted.len();
+    let in_place = sorted.len() == unsorted.len()
+        && bytes.get(8..start) == Some(&prefix[..])
+        && bytes.get(start..end) == Some(unsorted.as_bytes());
+    if in_place {
+        bytes[start..end].copy_from_slice(sorted.as_bytes());
+    }
+    bytes
 }
