@@ -14,12 +14,12 @@
 use std::collections::HashMap;
 use std::fmt;
 
+use gradwire::BucketConfig;
+use gradwire::Parallelism;
 use gradwire::aggregate::{Aggregator, Reduction};
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::{Manifest, TensorSpec};
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
-use gradwire::parallel::Parallelism;
 use gradwire::tensor::Tensor;
+use gradwire::{CompressionMethod, GradientCompressor};
+use gradwire::{Manifest, TensorSpec};
 
 use crate::DemoError;
 use crate::model::ParamSpec;

@@ -17,10 +17,8 @@
 //!
 //! ```
 //! use std::collections::HashMap;
-//! use gradwire::allreduce::CompressedAllReduce;
 //! use gradwire::comm::{Communicator, LocalGroup};
-//! use gradwire::compressor::CompressionMethod;
-//! use gradwire::tensor::Tensor;
+//! use gradwire::{CompressedAllReduce, CompressionMethod, Tensor};
 //!
 //! let comms = LocalGroup::new(2).into_communicators();
 //! let handles: Vec<_> = comms
@@ -49,13 +47,14 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::aggregate::{Aggregator, Reduction, aggregate_compressed_into, check_contribution};
-use crate::bucket::BucketConfig;
-use crate::bundle::Manifest;
+use crate::aggregate::{Aggregator, Reduction, check_contribution};
+use crate::collective;
 use crate::comm::Communicator;
-use crate::compressor::{CompressedGradient, CompressionMethod, GradientCompressor};
+use crate::compressor::GradientCompressor;
+use crate::engine::Parallelism;
 use crate::error::{Error, Result};
-use crate::parallel::Parallelism;
+use crate::layout::{BucketConfig, CompressedGradient, Manifest};
+use crate::method::CompressionMethod;
 use crate::tensor::Tensor;
 
 /// Distributed gradient aggregation with compression (see the module docs).
@@ -233,21 +232,13 @@ impl CompressedAllReduce {
             return Ok(());
         }
         let method = self.compressor.method().core_method()?;
-        let fits = self.bundles.as_ref().is_some_and(|m| {
-            *m.method() == method
-                && m.seed() == self.compressor.seed()
-                && m.check_gradients(gradients).is_ok()
-        });
-        if !fits {
-            self.bundles = Some(Manifest::for_gradients(
-                gradients,
-                &CompressionMethod::Core(method),
-                self.compressor.seed(),
-                self.bucketing,
-            )?);
-        }
-        let (Some(manifest), Some(comm)) = (self.bundles.as_ref(), self.comm.as_mut()) else {
-            return Err(Error::config("no manifest or communicator"));
+        let seed = self.compressor.seed();
+        let manifest =
+            Manifest::cached(&mut self.bundles, gradients, method, seed, self.bucketing)?;
+        let Some(comm) = self.comm.as_deref_mut() else {
+            return Err(Error::NoCommunicator {
+                world_size: self.world_size,
+            });
         };
         let rank = comm.rank();
         let step = match self
@@ -256,41 +247,30 @@ impl CompressedAllReduce {
         {
             Ok(step) => step,
             Err(e) => {
-                // Still take part in the collective, with an empty bundle, so that the peers do
-                // not wait forever: they fail on it, naming this rank. The step advances as on
+                // Still take part in the collective, so that the peers do not wait forever:
+                // they fail on this rank's empty bundle, naming it. The step advances as on
                 // the peers, so the group stays in step for the next call.
                 let step = self.compressor.step();
                 self.compressor.set_step(step.wrapping_add(1));
-                self.send.clear();
-                let max_len = manifest.max_bundle_len();
-                let _ = comm.all_gather(&self.send, max_len, &mut self.gathered);
+                collective::all_gather_failed(comm, manifest, &mut self.gathered);
                 return Err(e);
             }
         };
-        let max_len = manifest.max_bundle_len();
-        let gathered = &mut self.gathered;
         // The aggregator's checks name the tensor and the rank: another element count or
         // shape (the entry ids hash the shapes), a missing tensor, an empty bundle from a rank
         // whose compression failed.
-        let result = comm
-            .all_gather(&self.send, max_len, gathered)
-            .map_err(Error::from)
-            .and_then(|()| {
-                if gathered.len() != self.world_size {
-                    return Err(Error::WorldSize {
-                        expected: self.world_size,
-                        got: gathered.len(),
-                    });
-                }
-                self.aggregator.aggregate_into(
-                    manifest,
-                    gathered,
-                    step,
-                    self.reduction,
-                    &mut self.flat,
-                )?;
-                manifest.to_tensors_into(&self.flat, out)
-            });
+        let result = collective::all_gather(
+            comm,
+            self.world_size,
+            manifest,
+            &self.send,
+            step,
+            self.reduction,
+            &mut self.aggregator,
+            &mut self.gathered,
+            &mut self.flat,
+        )
+        .and_then(|()| manifest.to_tensors_into(&self.flat, out));
         // The residuals gave up what this rank sent. When the step failed after the
         // all-gather, every rank saw the same messages and failed alike, so they take it back
         // (the error of the step is the one to report; the own bundle always decodes). After a
@@ -328,12 +308,12 @@ impl CompressedAllReduce {
     /// [`Error::WorldSize`] when `peers.len() + 1` is not the world size; [`Error::Config`] for
     /// world size 0, a rank outside the group or an invalid method; naming the tensor and the
     /// rank, when a peer's gradients differ in names, shapes, step, method or seed
-    /// ([`crate::aggregate::check_contribution`]), or a peer's frame body is invalid
+    /// ([`check_contribution`]), or a peer's frame body is invalid
     /// ([`Error::Core`], the error of [`gradwire_core::validate`]); any error of
     /// [`GradientCompressor::compress`]. The peers, frame bodies included, are checked before
     /// the local gradients are compressed: on those errors nothing changes.
     /// [`Error::Overflow`] when the aggregate overflows f32 (see
-    /// [`crate::aggregate::aggregate_compressed_into`]); that is known only after the local
+    /// [`Aggregator::aggregate_compressed_into`]); that is known only after the local
     /// compression, so the step has advanced, and the residuals take back what was sent (as
     /// for [`CompressedAllReduce::all_reduce`]).
     pub fn all_reduce_with_peers_at(
@@ -356,22 +336,14 @@ impl CompressedAllReduce {
             )));
         }
         let method = self.compressor.method().core_method()?;
-        let fits = self.tensors.as_ref().is_some_and(|m| {
-            *m.method() == method
-                && m.seed() == self.compressor.seed()
-                && m.check_gradients(gradients).is_ok()
-        });
-        if !fits {
-            self.tensors = Some(Manifest::for_gradients(
-                gradients,
-                &CompressionMethod::Core(method),
-                self.compressor.seed(),
-                BucketConfig::none(),
-            )?);
-        }
-        let Some(manifest) = self.tensors.as_ref() else {
-            return Err(Error::config("no manifest"));
-        };
+        let seed = self.compressor.seed();
+        let manifest = Manifest::cached(
+            &mut self.tensors,
+            gradients,
+            method,
+            seed,
+            BucketConfig::none(),
+        )?;
         let step = self.compressor.step();
         let peer_rank = |i: usize| if i < rank { i } else { i + 1 };
         for (i, peer) in peers.iter().enumerate() {
@@ -381,9 +353,10 @@ impl CompressedAllReduce {
         // fails before the local compression changes the residuals and the step; after every
         // peer's headers, so that a missing tensor or another shape is reported first.
         for (i, peer) in peers.iter().enumerate() {
-            for (e, entry) in manifest.entries().iter().enumerate() {
+            for entry in manifest.entries() {
                 if let Some(cg) = peer.get(&entry.label) {
-                    gradwire_core::validate(cg.frame(), &manifest.params(e, step), entry.len)
+                    let params = manifest.entry_params(entry, step);
+                    gradwire_core::validate(cg.frame(), &params, entry.len)
                         .map_err(|err| Error::core(&entry.label, Some(peer_rank(i)), err))?;
                 }
             }
@@ -391,7 +364,7 @@ impl CompressedAllReduce {
         let local = self.compressor.compress(gradients)?;
         let mut contributions: Vec<&HashMap<String, CompressedGradient>> = peers.iter().collect();
         contributions.insert(rank, &local);
-        let result = aggregate_compressed_into(
+        let result = self.aggregator.aggregate_compressed_into(
             manifest,
             &contributions,
             step,

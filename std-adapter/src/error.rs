@@ -11,7 +11,7 @@ use crate::comm::CommError;
 
 /// Which rank a contribution came from, for error messages: empty when unknown or local.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RankCtx(pub Option<usize>);
+struct RankCtx(Option<usize>);
 
 impl fmt::Display for RankCtx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -25,7 +25,7 @@ impl fmt::Display for RankCtx {
 /// "tensor `name`" for error messages; "tensor" when the tensor has no name (yet), and the
 /// label itself for a bucket (`bucket[a, b]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Named<'a>(pub &'a str);
+struct Named<'a>(&'a str);
 
 impl fmt::Display for Named<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -39,7 +39,7 @@ impl fmt::Display for Named<'_> {
     }
 }
 
-/// What is wrong with the framing of a bundle (see [`crate::bundle`] for the layout).
+/// What is wrong with the framing of a bundle (see [`crate::layout::bundle`] for the layout).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BundleFault {
@@ -313,7 +313,7 @@ pub enum Error {
     },
     /// A frame was made with other parameters than the receiver expects (another method, k,
     /// value type, seed, step, ...): both configurations, in the text of
-    /// [`crate::compressor::format_method`].
+    /// [`crate::method::format`].
     #[error(
         "{}{}: the frame was made with `{frame}`, this side expects `{expected}` ({param} differs)",
         Named(.tensor),
@@ -391,11 +391,23 @@ pub enum Error {
         dtype: String,
     },
     /// A safetensors file could not be written or read.
-    #[error("safetensors: {}", crate::safetensors_checked::describe(.source))]
+    #[error("safetensors: {}", describe_safetensors(.source))]
     Safetensors {
         /// The safetensors error.
         #[from]
         source: safetensors::SafeTensorError,
+    },
+    /// A container file is invalid or describes another model (see [`crate::container`]).
+    #[error("{reason}")]
+    Container {
+        /// What is wrong.
+        reason: String,
+    },
+    /// A state gradwire's own checks rule out was reached: a bug in gradwire, not in the input.
+    #[error("internal error in gradwire (please report it): {what}")]
+    Internal {
+        /// What went wrong.
+        what: String,
     },
     /// The collective transport failed.
     #[error("communication: {source}")]
@@ -423,6 +435,18 @@ impl Error {
         }
     }
 
+    /// A container error with its reason.
+    pub(crate) fn container(reason: impl Into<String>) -> Self {
+        Error::Container {
+            reason: reason.into(),
+        }
+    }
+
+    /// An internal error (a bug in gradwire) saying what went wrong.
+    pub(crate) fn internal(what: impl Into<String>) -> Self {
+        Error::Internal { what: what.into() }
+    }
+
     /// A checkpoint error with its reason.
     pub fn checkpoint(reason: impl Into<String>) -> Self {
         Error::Checkpoint {
@@ -445,5 +469,24 @@ impl fmt::Display for ElementCounts {
             }
             _ => Ok(()),
         }
+    }
+}
+
+/// `e`'s message, with a hint for the errors of the first bytes (the 8-byte header length and
+/// the UTF-8 header it frames), which are what a file of another kind gives: "header too
+/// large" alone reads as if a real safetensors file were damaged.
+pub(crate) fn describe_safetensors(e: &safetensors::SafeTensorError) -> String {
+    const FRAMING: &str = "a safetensors file starts with the 8-byte little-endian length of \
+                           the JSON header that follows";
+    match e {
+        safetensors::SafeTensorError::HeaderTooSmall
+        | safetensors::SafeTensorError::HeaderTooLarge
+        | safetensors::SafeTensorError::InvalidHeader(_) => {
+            format!("{e} (not a safetensors file? {FRAMING})")
+        }
+        safetensors::SafeTensorError::InvalidHeaderLength => {
+            format!("{e} (not a safetensors file, or one cut short? {FRAMING})")
+        }
+        _ => e.to_string(),
     }
 }

@@ -53,7 +53,7 @@
 //!
 //! # Example
 //! ```
-//! use gradwire::bundle::TensorSpec;
+//! use gradwire::TensorSpec;
 //! use gradwire::reference::{self, Mode};
 //!
 //! let grad = [0.5_f32, -3.0, 0.25, 2.0];
@@ -69,8 +69,8 @@ use std::str::FromStr;
 
 use gradwire_core::{K, Method, Values, select};
 
-use crate::bundle::TensorSpec;
 use crate::feedback::ErrorFeedback;
+use crate::layout::TensorSpec;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 /// Key suffix of the flat indices.
@@ -246,7 +246,7 @@ pub enum ReferenceError {
          state file, or the same mode and ratio)"
     )]
     FeedbackMethod {
-        /// The state's method ([`crate::compressor::format_method`]).
+        /// The state's method ([`crate::method::format`]).
         state: String,
         /// The method of this step.
         step: String,
@@ -255,7 +255,7 @@ pub enum ReferenceError {
 
 impl From<safetensors::SafeTensorError> for ReferenceError {
     fn from(e: safetensors::SafeTensorError) -> Self {
-        ReferenceError::Safetensors(crate::safetensors_checked::describe(&e))
+        ReferenceError::Safetensors(crate::safetensors_reader::describe(&e))
     }
 }
 
@@ -651,8 +651,8 @@ pub fn compress_with_error_feedback(
     let method = feedback_method(mode, ratio);
     if *feedback.method() != method {
         return Err(ReferenceError::FeedbackMethod {
-            state: crate::compressor::format_method(feedback.method()),
-            step: crate::compressor::format_method(&method),
+            state: crate::method::format(feedback.method()),
+            step: crate::method::format(&method),
         });
     }
     check_inputs(tensors, false)?;
@@ -909,7 +909,7 @@ pub fn parse(
     mode: Mode,
     specs: &[TensorSpec],
 ) -> Result<Vec<Entry>, ReferenceError> {
-    let st = crate::safetensors_checked::deserialize(payload)?;
+    let st = crate::safetensors_reader::deserialize(payload)?;
     let ns = check_specs(specs)?;
     let expected: BTreeSet<String> = specs.iter().flat_map(|s| keys(&s.name, mode)).collect();
     let mut names = st.names();
@@ -1063,7 +1063,7 @@ pub struct Summary {
 /// F32 nor I8; [`ReferenceError::MissingKey`] when a tensor lacks its `::idx` or `::val` key;
 /// [`ReferenceError::UnexpectedKey`] for a key that fits no mode.
 pub fn summarize(payload: &[u8]) -> Result<(Mode, Vec<Summary>), ReferenceError> {
-    let st = crate::safetensors_checked::deserialize(payload)?;
+    let st = crate::safetensors_reader::deserialize(payload)?;
     let mut names = st.names();
     names.sort_unstable();
     let sparse = names.iter().any(|k| k.contains("::"));

@@ -152,7 +152,7 @@ impl Tensor {
 
 /// The tensors of a safetensors file of float32 tensors (a model's gradients, as
 /// `safetensors.torch.save_file` writes them), sorted by name. The bytes are treated as
-/// untrusted (read through [`crate::safetensors_checked::deserialize`]).
+/// untrusted (read through [`crate::safetensors_reader::deserialize`]).
 ///
 /// ```
 /// use std::collections::HashMap;
@@ -170,7 +170,7 @@ impl Tensor {
 /// [`Error::Safetensors`] for bytes that are not a valid safetensors file;
 /// [`Error::Dtype`] naming the first tensor (in file order) that is not float32.
 pub fn read_safetensors(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
-    let st = crate::safetensors_checked::deserialize(bytes)?;
+    let st = crate::safetensors_reader::deserialize(bytes)?;
     let mut tensors = Vec::with_capacity(st.len());
     for (name, view) in st.iter() {
         if view.dtype() != Dtype::F32 {

@@ -5,13 +5,14 @@ mod common;
 use std::collections::HashMap;
 
 use common::{Rng, grads, minilm, noisy, same_bits};
-use gradwire::aggregate::{Reduction, aggregate, aggregate_compressed_into, aggregate_into};
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::{Manifest, TensorSpec};
-use gradwire::compressor::{CompressedGradient, CompressionMethod, GradientCompressor};
+use gradwire::Aggregator;
+use gradwire::BucketConfig;
+use gradwire::aggregate::{Reduction, aggregate};
 use gradwire::core::{Method, Values};
 use gradwire::error::{BundleFault, Error};
 use gradwire::tensor::Tensor;
+use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor};
+use gradwire::{Manifest, TensorSpec};
 
 fn bundles(
     manifest: &Manifest,
@@ -99,9 +100,9 @@ fn large_randomk_entries_sum_as_the_core_decodes_them() {
     // Tensors past the split size: the indices are drawn once for all ranks, serially and in
     // parallel; the sum must be the core decoder's frame by frame, with every value codec and
     // the unbiased scaling.
+    use gradwire::Parallelism;
     use gradwire::aggregate::Aggregator;
     use gradwire::core::K;
-    use gradwire::parallel::Parallelism;
     let mut rng = Rng(21);
     let base = HashMap::from([
         ("w".to_owned(), Tensor::vector(rng.vec(300_001, 1.0))),
@@ -206,7 +207,9 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
     let other = Manifest::for_gradients(&g, &other_method, 0, BucketConfig::none()).unwrap();
     let mut c = GradientCompressor::new(other_method);
     c.compress_bundle(&other, &g, 2, &mut b[2]).unwrap();
-    let err = aggregate_into(&manifest, &b, 0, Reduction::Mean, &mut out).unwrap_err();
+    let err = Aggregator::serial()
+        .aggregate_into(&manifest, &b, 0, Reduction::Mean, &mut out)
+        .unwrap_err();
     assert!(
         matches!(&err, Error::ParamsDiffer { tensor, rank: Some(2), .. } if tensor == "a"),
         "{err}"
@@ -219,7 +222,9 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
     let mut b = bundles(&manifest, &method, &[g.clone(), g.clone()]);
     let mut c = GradientCompressor::new(method.clone());
     c.compress_bundle(&long, &g_long, 1, &mut b[1]).unwrap();
-    let err = aggregate_into(&manifest, &b, 0, Reduction::Sum, &mut out).unwrap_err();
+    let err = Aggregator::serial()
+        .aggregate_into(&manifest, &b, 0, Reduction::Sum, &mut out)
+        .unwrap_err();
     assert!(
         matches!(&err, Error::UnexpectedEntry { rank: Some(1), index: 1, expected, expected_elements: 3, got_elements: Some(5), .. } if expected == "b"),
         "{err}"
@@ -230,7 +235,9 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
     // Bundles out of rank order.
     let b = bundles(&manifest, &method, &[g.clone(), g.clone()]);
     let swapped = vec![b[1].clone(), b[0].clone()];
-    let err = aggregate_into(&manifest, &swapped, 0, Reduction::Sum, &mut out).unwrap_err();
+    let err = Aggregator::serial()
+        .aggregate_into(&manifest, &swapped, 0, Reduction::Sum, &mut out)
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -245,7 +252,9 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
         "{err}"
     );
     // Another step.
-    let err = aggregate_into(&manifest, &b, 3, Reduction::Sum, &mut out).unwrap_err();
+    let err = Aggregator::serial()
+        .aggregate_into(&manifest, &b, 3, Reduction::Sum, &mut out)
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -268,7 +277,9 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
     let mut b = bundles(&manifest, &method, &[g.clone(), g.clone()]);
     let mut c = GradientCompressor::new(method.clone());
     c.compress_bundle(&m_a, &only_a, 1, &mut b[1]).unwrap();
-    let err = aggregate_into(&manifest, &b, 0, Reduction::Sum, &mut out).unwrap_err();
+    let err = Aggregator::serial()
+        .aggregate_into(&manifest, &b, 0, Reduction::Sum, &mut out)
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -291,7 +302,9 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
     );
     // No contribution.
     let none: [Vec<u8>; 0] = [];
-    let err = aggregate_into(&manifest, &none, 0, Reduction::Sum, &mut out).unwrap_err();
+    let err = Aggregator::serial()
+        .aggregate_into(&manifest, &none, 0, Reduction::Sum, &mut out)
+        .unwrap_err();
     assert!(err.to_string().contains("no contributions"), "{err}");
     assert_eq!(out, vec![42.0; 2], "untouched by every failed check");
 }
@@ -301,8 +314,8 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
 /// entries, a dense entry cut into chunks, a large top-k entry, a bucket), `out` zeroed.
 #[test]
 fn an_aggregate_that_overflows_f32_is_an_error() {
+    use gradwire::Parallelism;
     use gradwire::aggregate::Aggregator;
-    use gradwire::parallel::Parallelism;
     let dense = CompressionMethod::Core(Method::Dense {
         values: Values::F32,
     });
@@ -331,7 +344,9 @@ fn an_aggregate_that_overflows_f32_is_an_error() {
         for reduction in [Reduction::Sum, Reduction::Mean] {
             let what = format!("{method:?} {cfg:?} {reduction:?}");
             let mut out = vec![42.0; 3];
-            let err = aggregate_into(&manifest, &b, 0, reduction, &mut out).unwrap_err();
+            let err = Aggregator::serial()
+                .aggregate_into(&manifest, &b, 0, reduction, &mut out)
+                .unwrap_err();
             assert!(is_overflow(&err, name, at), "{what}: {err}");
             assert_eq!(out, vec![0.0; manifest.flat_len()], "{what}");
             let mut par = vec![f32::NAN; 3];
@@ -346,9 +361,9 @@ fn an_aggregate_that_overflows_f32_is_an_error() {
                 let c: Vec<_> = (0..2)
                     .map(|_| GradientCompressor::new(method.clone()).compress_once(g))
                     .collect();
-                let err =
-                    aggregate_compressed_into(&manifest, &[&c[0], &c[1]], 0, reduction, &mut out)
-                        .unwrap_err();
+                let err = Aggregator::serial()
+                    .aggregate_compressed_into(&manifest, &[&c[0], &c[1]], 0, reduction, &mut out)
+                    .unwrap_err();
                 assert!(is_overflow(&err, name, at), "{what} per tensor: {err}");
                 assert_eq!(out, vec![0.0; manifest.flat_len()], "{what}");
             }
@@ -365,12 +380,15 @@ fn compressed_gradient_maps() {
     let c0 = GradientCompressor::new(method.clone()).compress_once(&g0);
     let c1 = GradientCompressor::new(method.clone()).compress_once(&g1);
     let mut out = Vec::new();
-    aggregate_compressed_into(&manifest, &[&c0, &c1], 0, Reduction::Mean, &mut out).unwrap();
+    Aggregator::serial()
+        .aggregate_compressed_into(&manifest, &[&c0, &c1], 0, Reduction::Mean, &mut out)
+        .unwrap();
     assert_eq!(out, vec![2.0, 1.5, 1.5, 2.0]);
     // A peer with another shape.
     let g_bad = grads(&[("w", &[4], vec![1.0; 4])]);
     let c_bad = GradientCompressor::new(method.clone()).compress_once(&g_bad);
-    let err = aggregate_compressed_into(&manifest, &[&c0, &c_bad], 0, Reduction::Mean, &mut out)
+    let err = Aggregator::serial()
+        .aggregate_compressed_into(&manifest, &[&c0, &c_bad], 0, Reduction::Mean, &mut out)
         .unwrap_err();
     assert!(
         matches!(&err, Error::ShapeMismatch { tensor, rank: Some(1), .. } if tensor == "w"),
@@ -380,7 +398,8 @@ fn compressed_gradient_maps() {
     let mut late = GradientCompressor::new(method.clone());
     late.compress_once(&g1);
     let c_late = late.compress_once(&g1);
-    let err = aggregate_compressed_into(&manifest, &[&c0, &c_late], 0, Reduction::Mean, &mut out)
+    let err = Aggregator::serial()
+        .aggregate_compressed_into(&manifest, &[&c0, &c_late], 0, Reduction::Mean, &mut out)
         .unwrap_err();
     assert!(
         matches!(&err, Error::Disagreement { rank: Some(1), .. }),
@@ -389,15 +408,17 @@ fn compressed_gradient_maps() {
     // A peer with an extra tensor.
     let mut extra = c1.clone();
     extra.insert("z".to_owned(), c1["w"].clone());
-    let err = aggregate_compressed_into(&manifest, &[&c0, &extra], 0, Reduction::Sum, &mut out)
+    let err = Aggregator::serial()
+        .aggregate_compressed_into(&manifest, &[&c0, &extra], 0, Reduction::Sum, &mut out)
         .unwrap_err();
     assert!(
         matches!(&err, Error::UnexpectedTensor { tensor, rank: Some(1) } if tensor == "z"),
         "{err}"
     );
     let empty: HashMap<String, CompressedGradient> = HashMap::new();
-    let err =
-        aggregate_compressed_into(&manifest, &[&empty], 0, Reduction::Sum, &mut out).unwrap_err();
+    let err = Aggregator::serial()
+        .aggregate_compressed_into(&manifest, &[&empty], 0, Reduction::Sum, &mut out)
+        .unwrap_err();
     assert!(
         matches!(&err, Error::MissingTensor { tensor, rank: Some(0) } if tensor == "w"),
         "{err}"

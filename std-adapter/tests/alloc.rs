@@ -8,12 +8,12 @@ mod common;
 use std::collections::HashMap;
 
 use common::{Rng, minilm, noisy};
-use gradwire::aggregate::{Reduction, aggregate_into};
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::Manifest;
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
-use gradwire::parallel::Parallelism;
+use gradwire::BucketConfig;
+use gradwire::Manifest;
+use gradwire::Parallelism;
 use gradwire::tensor::Tensor;
+use gradwire::{Aggregator, Reduction};
+use gradwire::{CompressionMethod, GradientCompressor};
 
 #[path = "common/counting.rs"]
 mod counting;
@@ -77,6 +77,7 @@ fn steady_state_bundles_decode_and_aggregate_allocate_nothing() {
         let mut flat = Vec::new();
         let mut decoded = Vec::new();
         let mut tensors = HashMap::new();
+        let mut agg = Aggregator::serial();
         for step in 0..3u64 {
             let mut run = || {
                 for (r, sender) in senders.iter_mut().enumerate() {
@@ -87,7 +88,8 @@ fn steady_state_bundles_decode_and_aggregate_allocate_nothing() {
                 manifest
                     .decode_bundle(&bundles[1], Some(1), Some(step), &mut decoded)
                     .unwrap();
-                aggregate_into(&manifest, &bundles, step, Reduction::Mean, &mut flat).unwrap();
+                agg.aggregate_into(&manifest, &bundles, step, Reduction::Mean, &mut flat)
+                    .unwrap();
                 manifest.to_tensors_into(&flat, &mut tensors).unwrap();
             };
             let n = allocations(&mut run);

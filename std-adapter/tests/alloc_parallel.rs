@@ -16,12 +16,12 @@ mod common;
 use std::collections::HashMap;
 
 use common::{Rng, minilm, noisy};
+use gradwire::BucketConfig;
+use gradwire::Manifest;
+use gradwire::Parallelism;
 use gradwire::aggregate::{Aggregator, Reduction};
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::Manifest;
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
-use gradwire::parallel::Parallelism;
 use gradwire::tensor::Tensor;
+use gradwire::{CompressionMethod, GradientCompressor};
 
 #[path = "common/counting.rs"]
 mod counting;

@@ -6,14 +6,14 @@ mod common;
 use std::collections::HashMap;
 
 use common::{Rng, grads, minilm, noisy, same_bits};
+use gradwire::BucketConfig;
+use gradwire::CompressedAllReduce;
+use gradwire::Manifest;
 use gradwire::aggregate::{Reduction, aggregate};
-use gradwire::allreduce::CompressedAllReduce;
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::Manifest;
 use gradwire::comm::{Communicator, LocalCommunicator, LocalGroup};
-use gradwire::compressor::{CompressedGradient, CompressionMethod, GradientCompressor};
 use gradwire::error::Error;
 use gradwire::tensor::Tensor;
+use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor};
 
 #[test]
 fn test_compressed_all_reduce() {

@@ -6,11 +6,11 @@ mod common;
 use std::collections::HashMap;
 
 use common::{Rng, grads, minilm, same_bits};
-use gradwire::bucket::{BucketConfig, TopKScope};
-use gradwire::bundle::{EntryKind, Manifest, TensorSpec};
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
 use gradwire::core::{Method, Values};
+use gradwire::layout::{EntryKind, Manifest, TensorSpec};
 use gradwire::tensor::Tensor;
+use gradwire::{BucketConfig, TopKScope};
+use gradwire::{CompressionMethod, GradientCompressor};
 
 fn specs(sizes: &[(&str, usize)]) -> Vec<TensorSpec> {
     sizes

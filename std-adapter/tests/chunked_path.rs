@@ -1,19 +1,18 @@
-//! The chunked selection of large top-k, threshold and random-k tensors runs where it should, and gives
-//! way where it should: one test in its own binary, so that the process-wide count of frames
-//! selected in chunks moves only with it. (Its bytes are checked against the core's in
-//! `tests/parallel.rs`.)
+//! The chunked selection of large top-k, threshold and random-k tensors runs where it should,
+//! and gives way where it should, counted by the compressor's [`gradwire::EncodeStats`]. (Its
+//! bytes are checked against the core's in `tests/parallel.rs`.)
 
 mod common;
 
 use std::collections::HashMap;
 
 use common::Rng;
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::Manifest;
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::BucketConfig;
+use gradwire::Manifest;
+use gradwire::Parallelism;
 use gradwire::core::{K, Method, Values};
-use gradwire::parallel::{Parallelism, frames_in_one_pass, frames_selected_in_chunks};
 use gradwire::tensor::Tensor;
+use gradwire::{CompressionMethod, GradientCompressor};
 
 /// Frames selected in chunks during `steps` compressions of `grads`.
 fn chunked_frames(
@@ -36,14 +35,11 @@ fn counted(
     let manifest = Manifest::for_gradients(grads, method, 0, BucketConfig::none()).unwrap();
     let mut c = GradientCompressor::new(method.clone()).with_parallelism(parallelism);
     let mut bundle = Vec::new();
-    let before = (frames_selected_in_chunks(), frames_in_one_pass());
     for _ in 0..steps {
         c.compress_bundle(&manifest, grads, 0, &mut bundle).unwrap();
     }
-    (
-        frames_selected_in_chunks() - before.0,
-        frames_in_one_pass() - before.1,
-    )
+    let stats = c.encode_stats();
+    (stats.selected_in_chunks, stats.one_pass)
 }
 
 #[test]
@@ -70,9 +66,8 @@ fn large_sparse_tensors_are_selected_in_chunks_unless_the_sample_cannot_serve() 
         let flat_ef = topk.clone().with_error_feedback();
         assert_eq!(counted(&flat, &flat_ef, parallelism, 2), (0, 2));
         // f16 values and a gradient at or above half their range (32,760): the bound proves
-        // nothing. The first step has no residual yet, so the core's step runs; the second
-        // reads the sums and selects in chunks, and its update measures the residual's bound;
-        // from the third, one pass.
+        // nothing. The first step has no residual yet, so the core's step runs, and measures
+        // the residual's bound; from the second, one pass (selected in chunks).
         let mut big = rng.vec(300_000, 1.0);
         big[7] = 40_000.0;
         let big = HashMap::from([("w".to_owned(), Tensor::vector(big))]);
@@ -86,15 +81,16 @@ fn large_sparse_tensors_are_selected_in_chunks_unless_the_sample_cannot_serve() 
         let mut c = GradientCompressor::new(f16.clone()).with_parallelism(parallelism);
         let mut bundle = Vec::new();
         let mut step = |grads: &HashMap<String, Tensor>| {
-            let before = (frames_selected_in_chunks(), frames_in_one_pass());
+            let before = c.encode_stats();
             c.compress_bundle(&manifest, grads, 0, &mut bundle).unwrap();
+            let after = c.encode_stats();
             (
-                frames_selected_in_chunks() - before.0,
-                frames_in_one_pass() - before.1,
+                after.selected_in_chunks - before.selected_in_chunks,
+                after.one_pass - before.one_pass,
             )
         };
         assert_eq!(step(&big), (0, 0));
-        assert_eq!(step(&small), (1, 0));
+        assert_eq!(step(&small), (1, 1));
         assert_eq!(step(&small), (1, 1));
         // Threshold keeping more than the lists hold: the core's streaming writer.
         let low = CompressionMethod::Threshold { threshold: 0.0 };

@@ -7,15 +7,13 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use gradwire::bundle::TensorSpec;
-use gradwire::compressor::{
-    CompressionMethod, DEFAULT_INT8_BLOCK, DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK,
-    GradientCompressor,
-};
+use gradwire::TensorSpec;
 use gradwire::core::{K, Method, Rounding, SignScale, Values};
 use gradwire::feedback::ErrorFeedback;
+use gradwire::method::{DEFAULT_INT8_BLOCK, DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK};
 use gradwire::reference::{self, Mode};
 use gradwire::tensor::Tensor;
+use gradwire::{CompressionMethod, GradientCompressor};
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 

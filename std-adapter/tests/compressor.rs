@@ -6,13 +6,13 @@ mod common;
 use std::collections::HashMap;
 
 use common::{Rng, grads, same_bits};
-use gradwire::compressor::{
-    CompressedGradient, CompressionMethod, DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK,
-    GradientCompressor, format_method, parse_method,
-};
 use gradwire::core::{K, Method, Param, Rounding, SignScale, Values};
 use gradwire::error::Error;
+use gradwire::method::{
+    DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK, format as format_method, parse as parse_method,
+};
 use gradwire::tensor::Tensor;
+use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor};
 
 /// Frame bytes before the method parameters (magic, version, method, flags, reserved, n) and
 /// the CRC trailer.

@@ -7,13 +7,14 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use common::{Rng, Stepper, grads, minilm, same_bits};
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::Manifest;
-use gradwire::compressor::{CompressionMethod, DEFAULT_INT8_BLOCK, GradientCompressor};
+use gradwire::BucketConfig;
+use gradwire::Manifest;
 use gradwire::core::{K, Method, Params, ResidualBound, Rounding, SignScale, Values, tensor_id};
 use gradwire::error::Error;
 use gradwire::feedback::ErrorFeedback;
+use gradwire::method::DEFAULT_INT8_BLOCK;
 use gradwire::tensor::Tensor;
+use gradwire::{CompressionMethod, GradientCompressor};
 use safetensors::tensor::{Dtype, TensorView};
 
 fn temp(name: &str) -> PathBuf {

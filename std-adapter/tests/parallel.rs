@@ -8,13 +8,13 @@ mod common;
 use std::collections::HashMap;
 
 use common::{MINILM, Rng, minilm, same_bits};
-use gradwire::aggregate::{Aggregator, Reduction, aggregate_into};
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::Manifest;
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::BucketConfig;
+use gradwire::Manifest;
 use gradwire::core::{K, Method, Rounding, SignScale, Values};
-use gradwire::parallel::{AUTO_MIN_ELEMENTS, Parallelism};
+use gradwire::engine::{AUTO_MIN_ELEMENTS, Parallelism};
 use gradwire::tensor::Tensor;
+use gradwire::{Aggregator, Reduction};
+use gradwire::{CompressionMethod, GradientCompressor};
 
 /// Elements of the large tensor of the synthetic model (not a multiple of any block or chunk).
 const LARGE: usize = 4_000_037;
@@ -141,7 +141,9 @@ fn check_same(
             &[Reduction::Mean]
         };
         for &reduction in reductions {
-            aggregate_into(&manifest, &bundles_s, step, reduction, &mut flat_s).unwrap();
+            Aggregator::serial()
+                .aggregate_into(&manifest, &bundles_s, step, reduction, &mut flat_s)
+                .unwrap();
             // Garbage in the output buffer must not leak into the result.
             flat_p.clear();
             flat_p.resize(manifest.flat_len(), f32::NAN);
@@ -299,7 +301,7 @@ fn a_wider_pool_gives_the_same_bits() {
     let base = synthetic(&mut Rng(7));
     let method = CompressionMethod::SignSGD.with_error_feedback();
     pool.install(|| {
-        assert!(Parallelism::Auto.is_parallel());
+        assert!(Parallelism::Auto.is_parallel_for(usize::MAX));
         assert_eq!(Parallelism::Auto.threads(), 5);
         assert!(Parallelism::Auto.is_parallel_for(AUTO_MIN_ELEMENTS));
         assert!(!Parallelism::Auto.is_parallel_for(AUTO_MIN_ELEMENTS - 1));
@@ -312,9 +314,9 @@ fn a_wider_pool_gives_the_same_bits() {
         .build()
         .unwrap();
     one.install(|| {
-        assert!(!Parallelism::Auto.is_parallel());
+        assert!(!Parallelism::Auto.is_parallel_for(usize::MAX));
         assert_eq!(Parallelism::Auto.threads(), 1);
-        assert!(Parallelism::Parallel.is_parallel());
+        assert!(Parallelism::Parallel.is_parallel_for(usize::MAX));
         check_same(&base, &method, BucketConfig::none(), 2, 1, false);
     });
     assert_eq!(Parallelism::Serial.threads(), 1);
@@ -497,7 +499,9 @@ fn invalid_frame_bodies_give_the_serial_errors() {
         }
         reseal(bundle, frame_start, frame_len);
         let mut serial = vec![1.0f32; 5];
-        let es = aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut serial).unwrap_err();
+        let es = Aggregator::serial()
+            .aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut serial)
+            .unwrap_err();
         let mut parallel = vec![1.0f32; 5];
         let ep = Aggregator::new()
             .with_parallelism(Parallelism::Parallel)
@@ -511,7 +515,9 @@ fn invalid_frame_bodies_give_the_serial_errors() {
         );
         // Framing errors (found before anything is added) as well.
         bundles[2][30] ^= 1;
-        let es = aggregate_into(&manifest, &bundles, 0, Reduction::Sum, &mut serial).unwrap_err();
+        let es = Aggregator::serial()
+            .aggregate_into(&manifest, &bundles, 0, Reduction::Sum, &mut serial)
+            .unwrap_err();
         let ep = Aggregator::new()
             .with_parallelism(Parallelism::Parallel)
             .aggregate_into(&manifest, &bundles, 0, Reduction::Sum, &mut parallel)

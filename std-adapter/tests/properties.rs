@@ -13,12 +13,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use gradwire::BucketConfig;
 use gradwire::aggregate::{Reduction, aggregate};
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::{Manifest, TensorSpec};
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
 use gradwire::feedback::ErrorFeedback;
 use gradwire::tensor::Tensor;
+use gradwire::{CompressionMethod, GradientCompressor};
+use gradwire::{Manifest, TensorSpec};
 use gradwire_core::{K, Method, Rounding, SignScale, Values, decode_into};
 use quickcheck::{QuickCheck, TestResult};
 

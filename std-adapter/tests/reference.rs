@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use gradwire::bundle::TensorSpec;
+use gradwire::TensorSpec;
 use gradwire::feedback::ErrorFeedback;
 use gradwire::reference::{self, Entry, Mode, ReferenceError as Error};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};

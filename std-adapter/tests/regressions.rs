@@ -2,7 +2,7 @@
 //! them). Each runs on stable; the inputs are inline.
 
 mod common;
-use gradwire::bundle::TensorSpec;
+use gradwire::TensorSpec;
 use gradwire::reference::{self, Entry, Mode, ReferenceError};
 
 /// Found by the `reference` target's finiteness check: a `topk-int8` payload whose scale is
@@ -59,7 +59,7 @@ fn checkpoint_with_data_offsets_near_usize_max_is_an_error() {
 /// fails in release builds too if a reader skips the checked header parse).
 #[test]
 fn reference_payload_with_offsets_near_usize_max_is_an_error() {
-    use gradwire::bundle::TensorSpec;
+    use gradwire::TensorSpec;
     use gradwire::reference::{Mode, decode, parse, summarize};
     let bytes = common::safetensors_with_offsets_near_usize_max("");
     let specs = [TensorSpec::new("t0", vec![4])];
@@ -68,5 +68,5 @@ fn reference_payload_with_offsets_near_usize_max_is_an_error() {
         assert!(decode(&bytes, mode, &specs).is_err(), "{mode:?}");
     }
     assert!(summarize(&bytes).is_err());
-    assert!(gradwire::safetensors_checked::deserialize(&bytes).is_err());
+    assert!(gradwire::safetensors_reader::deserialize(&bytes).is_err());
 }

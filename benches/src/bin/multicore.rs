@@ -1,5 +1,5 @@
 //! Serial vs parallel: `GradientCompressor::compress_bundle` and aggregation of W = 8 bundles
-//! (`aggregate_into`, the serial path, vs `Aggregator` on rayon's pool), on a model of one large
+//! (`Aggregator` on one thread vs on rayon's pool), on a model of one large
 //! tensor plus 50 small ones (2.5e7 elements in all) and on the real MiniLM gradients, for top-k
 //! 1% int8, sign, 4-bit, threshold (|g| > 0.01) and random-k 1% (f32 values), each with error
 //! feedback, and QSGD (4-bit stochastic rounding, no error feedback). Serial and parallel runs alternate (which
@@ -22,13 +22,13 @@ use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::Instant;
 
-use gradwire::aggregate::{Aggregator, Reduction, aggregate_into};
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::Manifest;
-use gradwire::compressor::{CompressionMethod, GradientCompressor};
+use gradwire::BucketConfig;
+use gradwire::Manifest;
+use gradwire::Parallelism;
 use gradwire::core::{K, Method, Rounding, Values};
-use gradwire::parallel::Parallelism;
 use gradwire::tensor::Tensor;
+use gradwire::{Aggregator, Reduction};
+use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire_benches::{build_name, heavy_tailed, repo_root};
 use safetensors::SafeTensors;
 
@@ -313,14 +313,21 @@ fn bench_model(
             })
             .collect();
         let mut agg = Aggregator::new().with_parallelism(Parallelism::Parallel);
+        let mut serial = Aggregator::serial();
         let (mut fs, mut fp) = (Vec::new(), Vec::new());
-        aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut fs).unwrap();
+        serial
+            .aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut fs)
+            .unwrap();
         agg.aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut fp)
             .unwrap();
         let stats = measure(reps, gate, |serial_first| {
             let t = pair(
                 serial_first,
-                || aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut fs).unwrap(),
+                || {
+                    serial
+                        .aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut fs)
+                        .unwrap()
+                },
                 || {
                     agg.aggregate_into(&manifest, &bundles, 0, Reduction::Mean, &mut fp)
                         .unwrap();

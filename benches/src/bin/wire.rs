@@ -32,14 +32,13 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use gradwire::bucket::BucketConfig;
-use gradwire::bundle::Manifest;
-use gradwire::compressor::{
-    CompressionMethod, DEFAULT_INT8_BLOCK, DEFAULT_QUANT_BLOCK, GradientCompressor, format_method,
-};
+use gradwire::BucketConfig;
+use gradwire::Manifest;
 use gradwire::core::{K, Method, Rounding, SignScale, Values};
+use gradwire::method::{DEFAULT_INT8_BLOCK, DEFAULT_QUANT_BLOCK, format as format_method};
 use gradwire::reference::{self, Mode};
 use gradwire::tensor::{Tensor, read_safetensors};
+use gradwire::{CompressionMethod, GradientCompressor};
 
 /// What DESIGN.md bounds for a row.
 #[derive(Clone, Copy)]

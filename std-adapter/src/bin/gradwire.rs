@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Two layouts:
-//! - `gradwire` (default): a gradwire container (see the `container` module: a checksummed
+//! - `gradwire` (default): a gradwire container ([`gradwire::container`]: a checksummed
 //!   manifest with names, shapes and method, followed by a gradwire bundle);
 //! - `reference`: the reference Python safetensors payload ([`gradwire::reference`]); shapes do
 //!   not travel, so `decompress` needs the receiver's model (`--shapes`).
@@ -30,8 +30,6 @@
 //! (2 for invalid command lines).
 #![forbid(unsafe_code)]
 
-#[path = "gradwire/container.rs"]
-mod container;
 #[path = "gradwire/io.rs"]
 mod io;
 #[path = "gradwire/report.rs"]
@@ -41,10 +39,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
-use gradwire::bundle::TensorSpec;
-use gradwire::compressor::{DEFAULT_INT8_BLOCK, DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK};
+use gradwire::TensorSpec;
+use gradwire::container;
 use gradwire::core::{K, Method, Rounding, SignScale, Values};
 use gradwire::feedback::ErrorFeedback;
+use gradwire::method::{DEFAULT_INT8_BLOCK, DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK};
 use gradwire::reference::{self, Mode};
 
 /// A failure: one line for stderr and the exit status.
@@ -510,8 +509,8 @@ fn check_state_method(path: &Path, fb: &ErrorFeedback, method: &Method) -> Resul
         return Err(CliError::new(format!(
             "{}: residual state was made with method `{}`, this step uses `{}`",
             path.display(),
-            gradwire::compressor::format_method(fb.method()),
-            gradwire::compressor::format_method(method)
+            gradwire::method::format(fb.method()),
+            gradwire::method::format(method)
         )));
     }
     Ok(())
@@ -623,6 +622,7 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
         Plan::Gradwire(method) => match &a.residual {
             None => (
                 container::compress(&model, method, a.seed.unwrap_or(0), a.step.unwrap_or(0))
+                    .map_err(CliError::from)
                     .map_err(in_input)?,
                 None,
             ),
@@ -631,7 +631,9 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
                 check_state_method(path, &fb, &method)?;
                 check_state_step(path, &fb, a.step)?;
                 check_state_names(path, &fb, &model)?;
-                let out = container::compress_with_feedback(&model, &mut fb).map_err(in_input)?;
+                let out = container::compress_with_feedback(&model, &mut fb)
+                    .map_err(CliError::from)
+                    .map_err(in_input)?;
                 (out, Some(fb.to_bytes()?))
             }
         },
@@ -674,7 +676,7 @@ fn layout_of(path: &Path, bytes: &[u8], given: Option<Layout>) -> Result<Layout,
         _ => {}
     }
     if detected == Layout::Reference
-        && let Err(e) = gradwire::safetensors_checked::read_header(bytes)
+        && let Err(e) = gradwire::safetensors_reader::read_header(bytes)
     {
         let what = if given.is_some() {
             "not a valid reference payload (safetensors)"
@@ -746,7 +748,8 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
             } else {
                 a.max_elements
             };
-            container::decompress(&a.input, &bytes, specs.as_deref(), max)?
+            container::decompress(&bytes, specs.as_deref(), max)
+                .map_err(|e| CliError::from(e).in_file(&a.input))?
         }
         Layout::Reference => {
             let Some(shapes) = &a.shapes else {
@@ -787,7 +790,7 @@ fn inspect(a: &InspectArgs) -> Result<(), CliError> {
                     "--shapes applies to reference payloads (a container carries its shapes)",
                 ));
             }
-            container::inspect(&a.input, &bytes, a.max_elements)?
+            report::container(&a.input, &bytes, a.max_elements)?
         }
         Layout::Reference => {
             let specs = a.shapes.as_deref().map(specs_from).transpose()?;

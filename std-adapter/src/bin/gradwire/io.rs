@@ -19,12 +19,12 @@ pub fn read(path: &Path) -> Result<Vec<u8>, CliError> {
 pub type Model = Vec<(String, Tensor)>;
 
 /// `path: what: ` followed by the safetensors error with its hint
-/// ([`gradwire::safetensors_checked::describe`]).
+/// ([`gradwire::safetensors_reader::describe`]).
 pub fn safetensors_error(path: &Path, what: &str, e: &safetensors::SafeTensorError) -> CliError {
     CliError::new(format!(
         "{}: {what}: {}",
         path.display(),
-        gradwire::safetensors_checked::describe(e)
+        gradwire::safetensors_reader::describe(e)
     ))
 }
 
@@ -49,7 +49,7 @@ pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
 /// Names and shapes of every tensor of a safetensors file (any dtype), sorted by name: what a
 /// receiver knows about its model.
 pub fn parse_shapes(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>)>, CliError> {
-    let st = gradwire::safetensors_checked::deserialize(bytes)
+    let st = gradwire::safetensors_reader::deserialize(bytes)
         .map_err(|e| safetensors_error(path, "not a valid safetensors file", &e))?;
     let mut shapes: Vec<(String, Vec<usize>)> = st
         .iter()

@@ -3,7 +3,10 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use gradwire::bundle::TensorSpec;
+use gradwire::TensorSpec;
+use gradwire::container::{CONTAINER_VERSION, ContainerHeader};
+use gradwire::core::peek;
+use gradwire::layout::bundle::ENTRY_HEADER_LEN;
 use gradwire::reference;
 
 use crate::CliError;
@@ -278,6 +281,48 @@ pub fn reference(
     Ok(Report {
         layout: "reference",
         facts: vec![("mode", mode.as_str().to_owned())],
+        rows,
+        file_bytes: bytes.len() as u64,
+    })
+}
+
+/// The `inspect` report of a container: every frame is checked (headers, checksums, element
+/// counts, parameters) but not decoded.
+pub fn container(path: &Path, bytes: &[u8], max_elements: u64) -> Result<Report, CliError> {
+    let at = |e: gradwire::Error| CliError::from(e).in_file(path);
+    let header = ContainerHeader::read(bytes, max_elements).map_err(at)?;
+    let manifest = header.manifest().map_err(at)?;
+    let bundle = &bytes[header.bundle_offset..];
+    let mut rows = Vec::with_capacity(manifest.entries().len());
+    let bh = manifest
+        .check_bundle_with(bundle, None, None, |e, frame, _| {
+            let entry = &manifest.entries()[e];
+            let h = peek(frame).map_err(|err| gradwire::Error::core(&entry.label, None, err))?;
+            for &m in &entry.members {
+                let t = &manifest.tensors()[m];
+                rows.push(Row {
+                    name: t.name.clone(),
+                    shape: Some(t.shape.clone()),
+                    method: gradwire::method::format(&h.params.method),
+                    n: Some(t.numel as u64),
+                    kept: h.kept,
+                    bytes: (frame.len() + ENTRY_HEADER_LEN) as u64,
+                });
+            }
+            Ok(())
+        })
+        .map_err(at)?;
+    Ok(Report {
+        layout: "gradwire",
+        facts: vec![
+            ("method", gradwire::method::format(&header.method)),
+            ("seed", header.seed.to_string()),
+            ("step", bh.step.to_string()),
+            ("container_version", CONTAINER_VERSION.to_string()),
+            ("bundle_version", bh.version.to_string()),
+            ("manifest_bytes", header.bundle_offset.to_string()),
+            ("bundle_bytes", bundle.len().to_string()),
+        ],
         rows,
         file_bytes: bytes.len() as u64,
     })

@@ -1,21 +1,16 @@
-//! Reading untrusted safetensors bytes without the overflow of safetensors 0.8.
+//! The checked safetensors reader: untrusted safetensors bytes (residual checkpoints,
+//! reference-layout payloads, the CLI's input files) are parsed here, never by
+//! `safetensors::SafeTensors::deserialize` alone.
 //!
-//! `safetensors::SafeTensors::deserialize` (0.8) adds the data length its header declares to
-//! the header length without an overflow check: a crafted header whose offsets end near
-//! `usize::MAX` panics where overflow checks are on (debug builds, fuzzing) and relies on
-//! wrapping arithmetic elsewhere. Every reader of bytes that come from outside (residual
-//! checkpoints, reference-layout payloads, the CLI's input files) goes through [`deserialize`],
-//! which validates the header first with nothing added and nothing allocated beyond the parsed
-//! header, whose size the input bounds. Found by the `checkpoint` fuzz target (FUZZING.md).
-//!
-//! A shape of more than [`MAX_DIMS`] dimensions is refused before the header is parsed:
-//! parsing a shape of 100,000 dimensions (`[1,1,...]`, 200 KB) allocated 5 MB, 25 bytes per
-//! input byte (`tests/alloc_bound.rs`). The header is parsed here, not by safetensors' own
-//! header type, whose `#[serde(flatten)]` buffers every value first (17 bytes per header byte
-//! for a header of many 64-dimension shapes, 7.6 now); safetensors' `Metadata::new` still checks
-//! the offsets, shapes and dtypes. A tensor named twice is an error (safetensors' parse keeps the
-//! last one), and so is a field other than `dtype`, `shape` and `data_offsets` in a tensor's
-//! entry (safetensors ignores it).
+//! safetensors 0.8 adds the data length its header declares to the header length without an
+//! overflow check (a crafted header whose offsets end near `usize::MAX` panics where overflow
+//! checks are on), and its header type buffers every value before typing it. [`read_header`]
+//! validates the header first, with nothing added unchecked, typing each entry as it comes, so
+//! that what it allocates is bounded by the header's own bytes; safetensors' `Metadata::new`
+//! still checks the offsets, shapes and dtypes. It refuses what safetensors accepts silently: a
+//! shape of more than [`MAX_DIMS`] dimensions (before parsing), a tensor named twice (safetensors
+//! keeps the last) and a field other than `dtype`, `shape` and `data_offsets` in a tensor's
+//! entry.
 
 use safetensors::SafeTensorError;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
@@ -66,20 +61,9 @@ pub(crate) fn longest_array(header: &[u8]) -> usize {
 }
 
 /// `e`'s message, with a hint for the errors of the first bytes (the 8-byte header length and
-/// the UTF-8 header it frames), which are what a file of another kind gives: "header too
-/// large" alone reads as if a real safetensors file were damaged.
+/// the UTF-8 header it frames), which are what a file of another kind gives.
 pub fn describe(e: &SafeTensorError) -> String {
-    const FRAMING: &str = "a safetensors file starts with the 8-byte little-endian length of \
-                           the JSON header that follows";
-    match e {
-        SafeTensorError::HeaderTooSmall
-        | SafeTensorError::HeaderTooLarge
-        | SafeTensorError::InvalidHeader(_) => format!("{e} (not a safetensors file? {FRAMING})"),
-        SafeTensorError::InvalidHeaderLength => {
-            format!("{e} (not a safetensors file, or one cut short? {FRAMING})")
-        }
-        _ => e.to_string(),
-    }
+    crate::error::describe_safetensors(e)
 }
 
 /// Parses the header of safetensors `bytes` (8-byte little-endian header length, UTF-8 JSON

@@ -1,4 +1,5 @@
-//! Random-k's indices of one large tensor, drawn in chunks on rayon's pool.
+//! Random-k's indices of one large tensor, drawn in chunks (on rayon's pool, or the core's serial
+//! draw on one thread).
 //!
 //! Random-k keeps the indices of Knuth's selection sampling (Algorithm S, FORMAT.md 6.2): index
 //! `i` is kept when its scaled draw `h_i` is below the count still needed, which depends on
@@ -16,13 +17,12 @@
 //!    is scanned again there with the exact count. The indices are those of the serial draw, by
 //!    construction, whatever the bounds.
 
-use rayon::prelude::*;
-
 use gradwire_core::randomk::{self, Candidate};
 use gradwire_core::{Method, Params, rng};
 
-use crate::bucket::grow;
-use crate::parallel::CHUNK;
+use super::buffers::grow;
+use super::exec::Exec;
+use crate::layout::plan::CHUNK;
 
 /// One chunk's candidates: `buf[..count]`, scanned with `bound`.
 #[derive(Debug, Default)]
@@ -74,11 +74,11 @@ fn first_capacity(n: usize, bound: u64, start: usize, end: usize) -> usize {
 impl RandomKDraw {
     /// Sizes the buffers for drawing `k` of `n` (so that a later draw allocates nothing, unless
     /// a chunk's candidates exceed twice their expected count).
-    pub(crate) fn reserve(&mut self, n: usize, k: u64, parallel: bool) {
+    pub(crate) fn reserve(&mut self, n: usize, k: u64, exec: Exec) {
         let k = k.min(n as u64);
         self.idx
             .reserve((k as usize).saturating_sub(self.idx.len()));
-        if !parallel {
+        if exec == Exec::Serial {
             return;
         }
         let chunks = n.div_ceil(CHUNK);
@@ -103,19 +103,19 @@ impl RandomKDraw {
         &mut self,
         params: &Params,
         n: usize,
-        parallel: bool,
+        exec: Exec,
         check: impl Fn(usize, usize) -> bool + Sync,
     ) -> bool {
         let Method::RandomK { k, .. } = params.method else {
             return false;
         };
         let key = rng::key(params.seed, params.step, params.tensor_id);
-        self.draw(n, k.resolve(n as u64), key, parallel, check)
+        self.draw(n, k.resolve(n as u64), key, exec, check)
     }
 
     /// Draws the `min(k, n)` indices random-k keeps of `n` elements (`n <= u32::MAX + 1`) in
     /// stream `key` ([`gradwire_core::rng::key`]) into [`RandomKDraw::indices`]: chunks on
-    /// rayon's pool with `parallel`, else the core's serial draw. `check(start, end)` runs for
+    /// rayon's pool, else the core's serial draw. `check(start, end)` runs for
     /// every chunk of the tensor first (in the chunk's task): when one returns `false`, so does
     /// this, and the indices are not drawn.
     pub(crate) fn draw(
@@ -123,13 +123,13 @@ impl RandomKDraw {
         n: usize,
         k: u64,
         key: u64,
-        parallel: bool,
+        exec: Exec,
         check: impl Fn(usize, usize) -> bool + Sync,
     ) -> bool {
         let (n64, k) = (n as u64, k.min(n as u64));
         self.idx.clear();
         let chunks = n.div_ceil(CHUNK);
-        if !parallel {
+        if exec == Exec::Serial {
             if !(0..chunks).all(|j| check(j * CHUNK, ((j + 1) * CHUNK).min(n))) {
                 return false;
             }
@@ -142,37 +142,34 @@ impl RandomKDraw {
             self.lists.resize_with(chunks, DrawList::default);
         }
         // Step 1: every chunk's check and candidates.
-        let ok = self.lists[..chunks]
-            .par_iter_mut()
-            .enumerate()
-            .all(|(j, list)| {
-                let (start, end) = (j * CHUNK, ((j + 1) * CHUNK).min(n));
-                list.count = 0;
-                if !check(start, end) {
-                    return false;
+        let ok = exec.all_mut(&mut self.lists[..chunks], |j, list| {
+            let (start, end) = (j * CHUNK, ((j + 1) * CHUNK).min(n));
+            list.count = 0;
+            if !check(start, end) {
+                return false;
+            }
+            list.bound = bound_at(n64, k, start as u64);
+            let len = end - start;
+            grow(&mut list.buf, first_capacity(n, list.bound, start, end));
+            let mut at = start as u64;
+            loop {
+                let (c, next) = randomk::candidates(
+                    key,
+                    n64,
+                    at,
+                    end as u64,
+                    list.bound,
+                    &mut list.buf[list.count..],
+                );
+                list.count += c;
+                at = next;
+                if at >= end as u64 {
+                    return true;
                 }
-                list.bound = bound_at(n64, k, start as u64);
-                let len = end - start;
-                grow(&mut list.buf, first_capacity(n, list.bound, start, end));
-                let mut at = start as u64;
-                loop {
-                    let (c, next) = randomk::candidates(
-                        key,
-                        n64,
-                        at,
-                        end as u64,
-                        list.bound,
-                        &mut list.buf[list.count..],
-                    );
-                    list.count += c;
-                    at = next;
-                    if at >= end as u64 {
-                        return true;
-                    }
-                    let more = (2 * list.buf.len()).min(len);
-                    grow(&mut list.buf, more);
-                }
-            });
+                let more = (2 * list.buf.len()).min(len);
+                grow(&mut list.buf, more);
+            }
+        });
         if !ok {
             return false;
         }
@@ -234,9 +231,9 @@ mod tests {
         ] {
             for seed in 0..3 {
                 let key = rng::key(seed, n as u64, k);
-                for parallel in [true, false] {
-                    assert!(draw.draw(n, k, key, parallel, |_, _| true));
-                    assert_eq!(draw.indices(), spec(n, k, key), "n {n} k {k} {parallel}");
+                for exec in [Exec::Pool, Exec::Serial] {
+                    assert!(draw.draw(n, k, key, exec, |_, _| true));
+                    assert_eq!(draw.indices(), spec(n, k, key), "n {n} k {k} {exec:?}");
                 }
             }
         }
@@ -249,7 +246,7 @@ mod tests {
         let (n, k) = (6 * CHUNK, 6 * CHUNK as u64 / 10);
         let key = rng::key(1, 2, 3);
         let mut draw = RandomKDraw::default();
-        assert!(draw.draw(n, k, key, true, |_, _| true));
+        assert!(draw.draw(n, k, key, Exec::Pool, |_, _| true));
         for (j, list) in draw.lists.iter_mut().enumerate() {
             let (start, end) = (j * CHUNK, ((j + 1) * CHUNK).min(n));
             grow(&mut list.buf, end - start);
@@ -265,9 +262,9 @@ mod tests {
     #[test]
     fn a_failed_check_stops_the_draw() {
         let mut draw = RandomKDraw::default();
-        for parallel in [true, false] {
+        for exec in [Exec::Pool, Exec::Serial] {
             let fails = |start: usize, _| start != CHUNK;
-            assert!(!draw.draw(3 * CHUNK, 10, 5, parallel, fails));
+            assert!(!draw.draw(3 * CHUNK, 10, 5, exec, fails));
         }
     }
 

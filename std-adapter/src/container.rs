@@ -1,0 +1,521 @@
+//! The gradwire container: a bundle on disk, as `gradwire compress` writes it. `FORMAT.md` is
+//! the normative specification.
+//!
+//! A bundle ([`crate::layout::bundle`]) carries frames only: names, shapes and the method never
+//! travel, the receiver's [`Manifest`] holds them. A file on disk has no receiver, so the
+//! container puts a small manifest section in front of the bundle. The reader builds a
+//! [`Manifest`] from that section (and, given the receiver's model, checks it against it) and
+//! then decodes the bundle against it, with every check of [`Manifest::decode_bundle`].
+//!
+//! # Layout (version 1)
+//! All integers little-endian.
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | magic `GWCT` (`47 57 43 54`) |
+//! | 4 | 1 | container version, `1` |
+//! | 5 | 3 | reserved, `0` |
+//! | 8 | 4 | manifest section length `M` (u32) |
+//! | 12 | `M` | manifest section (below) |
+//! | 12 + `M` | 4 | CRC-32 (IEEE) of bytes `0 .. 12 + M` |
+//! | 16 + `M` | rest | the bundle (its own header, entries and CRC-32) |
+//!
+//! Manifest section:
+//!
+//! | size | field |
+//! |---|---|
+//! | 2 | method text length `L` (u16) |
+//! | `L` | method text, UTF-8 ([`crate::method::format`]) |
+//! | 8 | seed (u64) |
+//! | 4 | tensor count `T` (u32) |
+//! | per tensor: 2 | name length (u16) |
+//! | per tensor: ... | name, UTF-8 |
+//! | per tensor: 1 | rank `R` (u8) |
+//! | per tensor: `8 R` | dimensions (u64 each) |
+//!
+//! Tensors are listed in bundle order (sorted by name); each is its own bundle entry (no
+//! buckets). The step is the bundle's. A reader refuses: another magic or version, non-zero
+//! reserved bytes, a wrong CRC, a section that does not end exactly at `12 + M`, invalid UTF-8,
+//! a method it cannot parse, duplicate names, and a model larger than the reader's element
+//! bound (so that a small hostile file cannot make it allocate without bound).
+
+use std::collections::HashMap;
+
+use gradwire_core::Method;
+
+use crate::compressor::GradientCompressor;
+use crate::error::{Error, Result};
+use crate::feedback::ErrorFeedback;
+use crate::layout::{BucketConfig, Manifest, TensorSpec};
+use crate::method::{self, CompressionMethod};
+use crate::tensor::Tensor;
+
+/// The first four bytes of a container.
+pub const CONTAINER_MAGIC: [u8; 4] = *b"GWCT";
+/// The container version this crate writes and reads.
+pub const CONTAINER_VERSION: u8 = 1;
+const PREFIX_LEN: usize = 12;
+const CRC_LEN: usize = 4;
+
+/// True when `bytes` starts with the container magic.
+pub fn is_container(bytes: &[u8]) -> bool {
+    bytes.starts_with(&CONTAINER_MAGIC)
+}
+
+/// What a container's manifest section declares.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ContainerHeader {
+    /// The method of every frame.
+    pub method: Method,
+    /// The run's seed.
+    pub seed: u64,
+    /// Tensors in bundle order.
+    pub tensors: Vec<TensorSpec>,
+    /// Byte offset of the bundle in the container.
+    pub bundle_offset: usize,
+}
+
+/// [`Error::Container`] for an invalid container.
+fn invalid(what: impl std::fmt::Display) -> Error {
+    Error::Container {
+        reason: format!("not a valid gradwire container: {what}"),
+    }
+}
+
+/// The manifest of a container's tensors: one entry each, in the given order.
+fn manifest_of(specs: Vec<TensorSpec>, method: Method, seed: u64) -> Result<Manifest> {
+    Manifest::new(
+        specs,
+        &CompressionMethod::Core(method),
+        seed,
+        BucketConfig::none(),
+    )
+}
+
+fn specs_of(model: &[(String, Tensor)]) -> Vec<TensorSpec> {
+    model
+        .iter()
+        .map(|(n, t)| TensorSpec::new(n.clone(), t.shape()))
+        .collect()
+}
+
+fn grads_of(model: &[(String, Tensor)]) -> HashMap<String, Tensor> {
+    model.iter().map(|(n, t)| (n.clone(), t.clone())).collect()
+}
+
+/// The container of `bundle`: the prefix and manifest section for `specs` (in bundle order),
+/// `method` and `seed`, followed by the bundle.
+///
+/// # Errors
+/// [`Error::Container`] when the method text, a name, a shape's rank or the tensor list is
+/// too long for the layout's length fields.
+pub fn write(specs: &[TensorSpec], method: &Method, seed: u64, bundle: &[u8]) -> Result<Vec<u8>> {
+    let too_long = |what: &str| Error::Container {
+        reason: format!("{what} is too long for the container"),
+    };
+    let mut section = Vec::new();
+    let text = method::format(method);
+    let len = u16::try_from(text.len()).map_err(|_| too_long("the method text"))?;
+    section.extend_from_slice(&len.to_le_bytes());
+    section.extend_from_slice(text.as_bytes());
+    section.extend_from_slice(&seed.to_le_bytes());
+    let count = u32::try_from(specs.len()).map_err(|_| too_long("the tensor list"))?;
+    section.extend_from_slice(&count.to_le_bytes());
+    for s in specs {
+        let len = u16::try_from(s.name.len())
+            .map_err(|_| too_long(&format!("tensor name `{}`", s.name)))?;
+        section.extend_from_slice(&len.to_le_bytes());
+        section.extend_from_slice(s.name.as_bytes());
+        let rank = u8::try_from(s.shape.len())
+            .map_err(|_| too_long(&format!("the shape of tensor `{}`", s.name)))?;
+        section.push(rank);
+        for &d in &s.shape {
+            section.extend_from_slice(&(d as u64).to_le_bytes());
+        }
+    }
+    let m = u32::try_from(section.len()).map_err(|_| too_long("the manifest"))?;
+    let mut out = Vec::with_capacity(PREFIX_LEN + section.len() + CRC_LEN + bundle.len());
+    out.extend_from_slice(&CONTAINER_MAGIC);
+    out.extend_from_slice(&[CONTAINER_VERSION, 0, 0, 0]);
+    out.extend_from_slice(&m.to_le_bytes());
+    out.extend_from_slice(&section);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(bundle);
+    Ok(out)
+}
+
+/// Compresses `model` (tensors in bundle order) without error feedback at `step` into a
+/// container (rank 0's bundle).
+///
+/// # Errors
+/// As [`GradientCompressor::compress_bundle`] and [`write`].
+pub fn compress(
+    model: &[(String, Tensor)],
+    method: Method,
+    seed: u64,
+    step: u64,
+) -> Result<Vec<u8>> {
+    let specs = specs_of(model);
+    let manifest = manifest_of(specs.clone(), method, seed)?;
+    let mut c = GradientCompressor::new(CompressionMethod::Core(method))
+        .with_seed(seed)
+        .with_step(step);
+    let mut bundle = Vec::new();
+    c.compress_bundle(&manifest, &grads_of(model), 0, &mut bundle)?;
+    write(&specs, &method, seed, &bundle)
+}
+
+/// One error-feedback step of `model` into a container; `feedback` (its method, seed, step and
+/// residuals) is updated only when the step succeeds.
+///
+/// # Errors
+/// As [`compress`]; as [`GradientCompressor::restore_feedback`].
+pub fn compress_with_feedback(
+    model: &[(String, Tensor)],
+    feedback: &mut ErrorFeedback,
+) -> Result<Vec<u8>> {
+    let method = *feedback.method();
+    let seed = feedback.seed();
+    let specs = specs_of(model);
+    let manifest = manifest_of(specs.clone(), method, seed)?;
+    let mut c = GradientCompressor::new(CompressionMethod::Core(method).with_error_feedback());
+    c.restore_feedback(feedback.clone())?;
+    let mut bundle = Vec::new();
+    c.compress_bundle(&manifest, &grads_of(model), 0, &mut bundle)?;
+    let out = write(&specs, &method, seed, &bundle)?;
+    if let Some(fb) = c.take_feedback() {
+        *feedback = fb;
+    }
+    Ok(out)
+}
+
+/// A little-endian reader over the manifest section.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.bytes.len())
+            .ok_or_else(|| {
+                invalid(format!(
+                    "manifest is truncated at byte {}",
+                    PREFIX_LEN + self.pos
+                ))
+            })?;
+        let s = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let s = self.take(N)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+
+    fn text(&mut self, n: usize, what: &str) -> Result<&'a str> {
+        let at = PREFIX_LEN + self.pos;
+        std::str::from_utf8(self.take(n)?)
+            .map_err(|_| invalid(format!("manifest: {what} at byte {at} is not UTF-8")))
+    }
+}
+
+impl ContainerHeader {
+    /// Reads and checks the container prefix and manifest section. `max_elements` bounds the
+    /// model's total element count.
+    ///
+    /// # Errors
+    /// [`Error::Container`] naming what is wrong (see the module docs).
+    pub fn read(bytes: &[u8], max_elements: u64) -> Result<Self> {
+        let bad = invalid;
+        if bytes.len() < PREFIX_LEN + CRC_LEN {
+            return Err(bad(format!("truncated ({} bytes)", bytes.len())));
+        }
+        if !is_container(bytes) {
+            return Err(bad("bad magic".to_owned()));
+        }
+        if bytes[4] != CONTAINER_VERSION {
+            return Err(bad(format!("unsupported container version {}", bytes[4])));
+        }
+        if bytes[5..8] != [0, 0, 0] {
+            return Err(bad("reserved bytes are not zero".to_owned()));
+        }
+        let m = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
+        let section_end = PREFIX_LEN
+            .checked_add(m)
+            .filter(|&e| e.checked_add(CRC_LEN).is_some_and(|c| c <= bytes.len()))
+            .ok_or_else(|| {
+                bad(format!(
+                    "truncated: manifest of {m} bytes, file of {}",
+                    bytes.len()
+                ))
+            })?;
+        let stored = u32::from_le_bytes([
+            bytes[section_end],
+            bytes[section_end + 1],
+            bytes[section_end + 2],
+            bytes[section_end + 3],
+        ]);
+        let computed = crc32fast::hash(&bytes[..section_end]);
+        if stored != computed {
+            return Err(bad(format!(
+                "manifest checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"
+            )));
+        }
+        let mut r = Reader {
+            bytes: &bytes[PREFIX_LEN..section_end],
+            pos: 0,
+        };
+        let len = u16::from_le_bytes(r.array()?) as usize;
+        let text = r.text(len, "method text")?;
+        let method = method::parse(text).map_err(|e| bad(format!("manifest method: {e}")))?;
+        let seed = u64::from_le_bytes(r.array()?);
+        let count = u32::from_le_bytes(r.array()?) as usize;
+        // Each tensor takes at least 3 bytes: the count is bounded by the section.
+        if count > m / 3 {
+            return Err(bad(format!(
+                "manifest declares {count} tensors in {m} bytes"
+            )));
+        }
+        let mut tensors = Vec::with_capacity(count);
+        let mut total: u64 = 0;
+        for _ in 0..count {
+            let len = u16::from_le_bytes(r.array()?) as usize;
+            let name = r.text(len, "tensor name")?.to_owned();
+            let rank = r.array::<1>()?[0] as usize;
+            let mut shape = Vec::with_capacity(rank);
+            let mut numel: u64 = 1;
+            for _ in 0..rank {
+                let d = u64::from_le_bytes(r.array()?);
+                numel = numel.saturating_mul(d);
+                shape.push(usize::try_from(d).map_err(|_| {
+                    bad(format!(
+                        "tensor `{name}`: dimension {d} is too large for this platform"
+                    ))
+                })?);
+            }
+            total = total.saturating_add(numel);
+            if total > max_elements {
+                return Err(bad(format!(
+                    "the model has more than {max_elements} elements (see --max-elements)"
+                )));
+            }
+            tensors.push(TensorSpec::new(name, shape));
+        }
+        if r.pos != r.bytes.len() {
+            return Err(bad(format!(
+                "{} unexpected bytes at the end of the manifest",
+                r.bytes.len() - r.pos
+            )));
+        }
+        Ok(ContainerHeader {
+            method,
+            seed,
+            tensors,
+            bundle_offset: section_end + CRC_LEN,
+        })
+    }
+
+    /// The manifest the bundle is decoded against.
+    ///
+    /// # Errors
+    /// As [`Manifest::new`] (a name given twice, a model too large for one bundle).
+    pub fn manifest(&self) -> Result<Manifest> {
+        manifest_of(self.tensors.clone(), self.method, self.seed)
+    }
+
+    /// Checks the container's tensors against the receiver's model `specs` (names and shapes, in
+    /// sorted name order).
+    ///
+    /// # Errors
+    /// [`Error::Container`] naming the first tensor that is missing, has another shape, or that
+    /// the model does not have.
+    pub fn check_against(&self, specs: &[TensorSpec]) -> Result<()> {
+        let header = self;
+        let mut theirs: Vec<(&str, &[usize])> = header
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.shape.as_slice()))
+            .collect();
+        theirs.sort();
+        let mut ours: Vec<(&str, &[usize])> = specs
+            .iter()
+            .map(|s| (s.name.as_str(), s.shape.as_slice()))
+            .collect();
+        ours.sort();
+        for &(name, shape) in &ours {
+            match theirs.iter().find(|(n, _)| *n == name) {
+                None => {
+                    return Err(Error::container(format!(
+                        "tensor `{name}` is missing from the container"
+                    )));
+                }
+                Some((_, s)) if *s != shape => {
+                    return Err(Error::container(format!(
+                        "tensor `{name}`: the model has shape {shape:?}, the container {s:?}"
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some((name, _)) = theirs
+            .iter()
+            .find(|(n, _)| !ours.iter().any(|(o, _)| o == n))
+        {
+            return Err(Error::container(format!(
+                "the container holds tensor `{name}`, which the model does not have"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Decodes a container into dense tensors (sorted by name). With `specs` (the receiver's
+/// model), the container must describe exactly that model; `max_elements` bounds the model the
+/// container may declare.
+///
+/// # Errors
+/// [`Error::Container`] for an invalid container or one of another model; every error of
+/// [`Manifest::decode_bundle`] for its bundle (checked whole before the output is allocated).
+pub fn decompress(
+    bytes: &[u8],
+    specs: Option<&[TensorSpec]>,
+    max_elements: u64,
+) -> Result<Vec<(String, Tensor)>> {
+    let header = ContainerHeader::read(bytes, max_elements)?;
+    if let Some(specs) = specs {
+        header.check_against(specs)?;
+    }
+    let manifest = header.manifest()?;
+    let bundle = &bytes[header.bundle_offset..];
+    // Check the whole bundle before allocating the output.
+    manifest.check_bundle(bundle, None, None)?;
+    let mut flat = Vec::new();
+    flat.try_reserve_exact(manifest.flat_len()).map_err(|_| {
+        Error::container(format!("cannot allocate {} elements", manifest.flat_len()))
+    })?;
+    manifest.decode_bundle(bundle, None, None, &mut flat)?;
+    let mut out = Vec::with_capacity(manifest.tensors().len());
+    for t in manifest.tensors() {
+        let data = flat[t.offset..t.offset + t.numel].to_vec();
+        out.push((t.name.clone(), Tensor::new(t.shape.clone(), data)?));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gradwire_core::{K, Values};
+
+    fn model() -> Vec<(String, Tensor)> {
+        vec![
+            (
+                "a".to_owned(),
+                Tensor::new(vec![2, 3], vec![0.5, -3.0, 0.25, 2.0, 0.0, -1.0]).unwrap(),
+            ),
+            ("b".to_owned(), Tensor::scalar(4.0)),
+            ("c".to_owned(), Tensor::new(vec![0], vec![]).unwrap()),
+        ]
+    }
+
+    /// The container's bundle is the compressor's, at any step (random-k and stochastic
+    /// rounding draw from it), and decodes at that step.
+    #[test]
+    fn bundles_are_the_compressors_at_every_step() {
+        let m = model();
+        for method in [
+            Method::TopK {
+                k: K::Ratio(0.5),
+                values: Values::F32,
+            },
+            Method::RandomK {
+                k: K::Count(2),
+                values: Values::F16,
+                unbiased: false,
+            },
+            Method::Quant {
+                bits: 4,
+                block: 2,
+                rounding: gradwire_core::Rounding::Stochastic,
+            },
+        ] {
+            let manifest = manifest_of(specs_of(&m), method, 7).unwrap();
+            for step in [0, 5] {
+                let bytes = compress(&m, method, 7, step).unwrap();
+                let h = ContainerHeader::read(&bytes, u64::MAX).unwrap();
+                assert_eq!(h.manifest().unwrap(), manifest);
+                let mut c = GradientCompressor::new(CompressionMethod::Core(method))
+                    .with_seed(7)
+                    .with_step(step);
+                let mut lib = Vec::new();
+                c.compress_bundle(&manifest, &grads_of(&m), 0, &mut lib)
+                    .unwrap();
+                assert_eq!(&bytes[h.bundle_offset..], lib);
+                let mut flat = Vec::new();
+                let header = manifest.decode_bundle(&lib, Some(0), Some(step), &mut flat);
+                assert_eq!(header.unwrap().step, step);
+            }
+        }
+    }
+
+    /// Fields longer than the layout's length fields are refused, not truncated.
+    #[test]
+    fn over_long_fields_are_refused() {
+        let method = Method::Dense {
+            values: Values::F32,
+        };
+        let long_name = TensorSpec::new("n".repeat(1 << 16), vec![1]);
+        let many_dims = TensorSpec::new("w", vec![1; 256]);
+        for spec in [long_name, many_dims] {
+            let err = write(&[spec], &method, 0, &[]).unwrap_err();
+            assert!(matches!(err, Error::Container { .. }), "{err}");
+            assert!(
+                err.to_string().contains("too long for the container"),
+                "{err}"
+            );
+        }
+        let fits = TensorSpec::new("n".repeat(u16::MAX as usize), vec![1; 255]);
+        assert!(write(&[fits], &method, 0, &[]).is_ok());
+    }
+
+    #[test]
+    fn header_round_trips_and_every_prefix_is_refused() {
+        let m = model();
+        let method = Method::TopK {
+            k: K::Count(1),
+            values: Values::Int8 { block: 4 },
+        };
+        let bytes = compress(&m, method, 3, 0).unwrap();
+        let h = ContainerHeader::read(&bytes, u64::MAX).unwrap();
+        assert_eq!(h.method, method);
+        assert_eq!(h.seed, 3);
+        assert_eq!(h.tensors, specs_of(&m));
+        for len in 0..bytes.len() {
+            assert!(
+                decompress(&bytes[..len], None, u64::MAX).is_err(),
+                "prefix {len}"
+            );
+        }
+        // Any flipped bit is refused (a checksum covers every byte), never a panic.
+        for pos in 0..bytes.len() {
+            for bit in [0x01u8, 0x80] {
+                let mut b = bytes.clone();
+                b[pos] ^= bit;
+                assert!(decompress(&b, None, u64::MAX).is_err(), "byte {pos}");
+            }
+        }
+        let out = decompress(&bytes, None, u64::MAX).unwrap();
+        assert_eq!(out[1].1, Tensor::scalar(4.0));
+        assert!(ContainerHeader::read(&bytes, 6).is_err());
+        assert!(ContainerHeader::read(&bytes, 7).is_ok());
+    }
+}

@@ -1,0 +1,286 @@
+//! Where work runs: [`Parallelism`], the user's setting, resolves once per call into an
+//! [`Exec`], the one value every encode and aggregation path takes. `Exec` is the only user of
+//! rayon in the crate: each of its methods runs the same closure over the same pieces either one
+//! after the other on the calling thread (`Serial`) or on rayon's pool (`Pool`), so the two give
+//! the same bytes and bits by construction (no piece's result depends on another's timing).
+
+use rayon::prelude::*;
+
+/// How many cores compression and aggregation use.
+///
+/// The pooled path runs on rayon's pool: the global one, or the pool of
+/// [`rayon::ThreadPool::install`] when called inside it. Ranks simulated in one process
+/// ([`crate::comm::LocalGroup`]) should run on their own threads, as they do there: a rank run
+/// as a rayon task that blocks in an all-gather could be picked up by a worker waiting inside
+/// another rank's pooled call, and the two would wait for each other. Use
+/// [`Parallelism::Serial`] inside such tasks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Parallelism {
+    /// On rayon's pool when it has more than one thread, else serial; also serial for a model of
+    /// fewer than [`AUTO_MIN_ELEMENTS`] elements, where handing work to other threads costs more
+    /// than it saves.
+    #[default]
+    Auto,
+    /// On the calling thread only.
+    Serial,
+    /// On rayon's pool, even with one thread.
+    Parallel,
+}
+
+/// Elements below which [`Parallelism::Auto`] runs a model serially.
+pub const AUTO_MIN_ELEMENTS: usize = 1 << 16;
+
+impl Parallelism {
+    /// Whether a call made now on a model of `elements` elements runs on rayon's pool.
+    pub fn is_parallel_for(self, elements: usize) -> bool {
+        self.exec_for(elements) == Exec::Pool
+    }
+
+    /// Threads a call made now on a large model uses: 1 for the serial path, else the size of
+    /// rayon's pool.
+    pub fn threads(self) -> usize {
+        match self.exec_for(usize::MAX) {
+            Exec::Serial => 1,
+            Exec::Pool => rayon::current_num_threads(),
+        }
+    }
+
+    /// Where a call made now on a model of `elements` elements runs.
+    pub(crate) fn exec_for(self, elements: usize) -> Exec {
+        let pooled = match self {
+            Parallelism::Auto => elements >= AUTO_MIN_ELEMENTS && rayon::current_num_threads() > 1,
+            Parallelism::Serial => false,
+            Parallelism::Parallel => true,
+        };
+        if pooled { Exec::Pool } else { Exec::Serial }
+    }
+}
+
+/// Where one call's work runs (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Exec {
+    /// On the calling thread, pieces in order.
+    Serial,
+    /// On rayon's pool.
+    Pool,
+}
+
+impl Exec {
+    /// Runs `f`: on the pool inside one `rayon::scope` (a call from outside the pool then waits
+    /// once for the whole call, not for each job it hands over), else directly.
+    pub(crate) fn install<R: Send>(self, f: impl FnOnce() -> R + Send) -> R {
+        match self {
+            Exec::Serial => f(),
+            Exec::Pool => rayon::scope(|_| f()),
+        }
+    }
+
+    /// `f(i, item)` for every item.
+    pub(crate) fn for_each<T: Send>(self, items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
+        match self {
+            Exec::Serial => items.iter_mut().enumerate().for_each(|(i, t)| f(i, t)),
+            Exec::Pool => items.par_iter_mut().enumerate().for_each(|(i, t)| f(i, t)),
+        }
+    }
+
+    /// `f(i, item i, chunk i)` for every item and chunk of `chunk` elements of `x`, in pairs
+    /// (as many as the shorter of the two).
+    pub(crate) fn for_each_zip<T: Send>(
+        self,
+        items: &mut [T],
+        x: &mut [f32],
+        chunk: usize,
+        f: impl Fn(usize, &mut T, &mut [f32]) + Sync,
+    ) {
+        match self {
+            Exec::Serial => items
+                .iter_mut()
+                .zip(x.chunks_mut(chunk))
+                .enumerate()
+                .for_each(|(i, (t, c))| f(i, t, c)),
+            Exec::Pool => items
+                .par_iter_mut()
+                .zip(x.par_chunks_mut(chunk))
+                .enumerate()
+                .for_each(|(i, (t, c))| f(i, t, c)),
+        }
+    }
+
+    /// `f(state, i, item)` for every item, with one `state` from `init` per task (one in all on
+    /// one thread).
+    pub(crate) fn for_each_with<T: Send, S>(
+        self,
+        items: &mut [T],
+        init: impl Fn() -> S + Sync + Send,
+        f: impl Fn(&mut S, usize, &mut T) + Sync + Send,
+    ) {
+        match self {
+            Exec::Serial => {
+                let mut state = init();
+                for (i, t) in items.iter_mut().enumerate() {
+                    f(&mut state, i, t);
+                }
+            }
+            Exec::Pool => items
+                .par_iter_mut()
+                .enumerate()
+                .for_each_init(init, |s, (i, t)| f(s, i, t)),
+        }
+    }
+
+    /// Whether `f(i, item)` holds for every item (stops early on the first `false` in order on
+    /// one thread; on the pool, at some `false`).
+    pub(crate) fn all_mut<T: Send>(
+        self,
+        items: &mut [T],
+        f: impl Fn(usize, &mut T) -> bool + Sync,
+    ) -> bool {
+        match self {
+            Exec::Serial => items.iter_mut().enumerate().all(|(i, t)| f(i, t)),
+            Exec::Pool => items.par_iter_mut().enumerate().all(|(i, t)| f(i, t)),
+        }
+    }
+
+    /// The first error of `f(i, item)` in item order, else `Ok`.
+    pub(crate) fn first_err<T: Sync, E: Send>(
+        self,
+        items: &[T],
+        f: impl Fn(usize, &T) -> Result<(), E> + Sync,
+    ) -> Result<(), E> {
+        match self {
+            Exec::Serial => items.iter().enumerate().try_for_each(|(i, t)| f(i, t)),
+            Exec::Pool => match items
+                .par_iter()
+                .enumerate()
+                .map(|(i, t)| f(i, t))
+                .find_first(Result::is_err)
+            {
+                Some(err) => err,
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// Whether `f(chunk)` holds for every chunk of `chunk` elements of `x`.
+    pub(crate) fn chunks_all(
+        self,
+        x: &[f32],
+        chunk: usize,
+        f: impl Fn(&[f32]) -> bool + Sync + Send,
+    ) -> bool {
+        match self {
+            Exec::Serial => x.chunks(chunk).all(f),
+            Exec::Pool => x.par_chunks(chunk).all(f),
+        }
+    }
+
+    /// Whether `f(g_chunk, r_chunk)` holds for every pair of chunks of `chunk` elements.
+    pub(crate) fn chunk_pairs_all(
+        self,
+        g: &[f32],
+        r: &[f32],
+        chunk: usize,
+        f: impl Fn(&[f32], &[f32]) -> bool + Sync,
+    ) -> bool {
+        match self {
+            Exec::Serial => g.chunks(chunk).zip(r.chunks(chunk)).all(|(g, r)| f(g, r)),
+            Exec::Pool => g
+                .par_chunks(chunk)
+                .zip(r.par_chunks(chunk))
+                .all(|(g, r)| f(g, r)),
+        }
+    }
+
+    /// The largest `f(j, chunk j)` over the chunks of `chunk` elements of `x` (0 for none).
+    pub(crate) fn chunks_mut_max(
+        self,
+        x: &mut [f32],
+        chunk: usize,
+        f: impl Fn(usize, &mut [f32]) -> f32 + Sync,
+    ) -> f32 {
+        match self {
+            Exec::Serial => x
+                .chunks_mut(chunk)
+                .enumerate()
+                .map(|(j, c)| f(j, c))
+                .fold(0.0, f32::max),
+            Exec::Pool => x
+                .par_chunks_mut(chunk)
+                .enumerate()
+                .map(|(j, c)| f(j, c))
+                .reduce(|| 0.0, f32::max),
+        }
+    }
+
+    /// The largest `f(j, r chunk j, g chunk j)` over the chunks of `chunk` elements (0 for
+    /// none).
+    pub(crate) fn chunk_pairs_mut_max(
+        self,
+        r: &mut [f32],
+        g: &[f32],
+        chunk: usize,
+        f: impl Fn(usize, &mut [f32], &[f32]) -> f32 + Sync,
+    ) -> f32 {
+        match self {
+            Exec::Serial => r
+                .chunks_mut(chunk)
+                .zip(g.chunks(chunk))
+                .enumerate()
+                .map(|(j, (r, g))| f(j, r, g))
+                .fold(0.0, f32::max),
+            Exec::Pool => r
+                .par_chunks_mut(chunk)
+                .zip(g.par_chunks(chunk))
+                .enumerate()
+                .map(|(j, (r, g))| f(j, r, g))
+                .reduce(|| 0.0, f32::max),
+        }
+    }
+
+    /// Whether `f(j, chunk j)` holds for every chunk of `chunk` elements of `x` (every chunk
+    /// runs on the pool; on one thread the first `false` stops).
+    pub(crate) fn chunks_mut_all(
+        self,
+        x: &mut [f32],
+        chunk: usize,
+        f: impl Fn(usize, &mut [f32]) -> bool + Sync,
+    ) -> bool {
+        match self {
+            Exec::Serial => x.chunks_mut(chunk).enumerate().all(|(j, c)| f(j, c)),
+            Exec::Pool => x.par_chunks_mut(chunk).enumerate().all(|(j, c)| f(j, c)),
+        }
+    }
+
+    /// `a()` and `b()`, both done when this returns.
+    pub(crate) fn join(self, a: impl FnOnce() + Send, b: impl FnOnce() + Send) {
+        match self {
+            Exec::Serial => {
+                a();
+                b();
+            }
+            Exec::Pool => {
+                rayon::join(a, b);
+            }
+        }
+    }
+
+    /// CRC-32 of `bytes` (as `crc32fast::hash`); on the pool, pieces of 1 MiB combined.
+    pub(crate) fn crc32(self, bytes: &[u8]) -> u32 {
+        const PIECE: usize = 1 << 20;
+        if self == Exec::Serial || bytes.len() < 2 * PIECE {
+            return crc32fast::hash(bytes);
+        }
+        bytes
+            .par_chunks(PIECE)
+            .map(|c| {
+                let mut h = crc32fast::Hasher::new();
+                h.update(c);
+                h
+            })
+            .reduce(crc32fast::Hasher::new, |mut a, b| {
+                a.combine(&b);
+                a
+            })
+            .finalize()
+    }
+}

@@ -1,0 +1,484 @@
+//! Top-k, threshold and random-k of one large tensor, selected in chunks: on rayon's pool, or
+//! one chunk after the other on one thread (where the gain is that the selection is the input
+//! check, so `g` and the residual are read twice per step, not three times).
+//!
+//! The frame of a top-k or threshold tensor depends on the whole tensor (the k-th largest
+//! magnitude, one index codec for all kept entries), but finding what it keeps does not have to
+//! run on one thread. The core's chunked selection ([`select::topk_floor`],
+//! [`select::candidates`], [`select::topk_of_candidates`]) splits it:
+//!
+//! 1. top-k: a magnitude floor from the same stratified sample the serial selection takes;
+//!    threshold: the next float above `t`;
+//! 2. every chunk of [`CHUNK`] elements collects its candidates (`|x| >= floor`) into its own
+//!    list, checking on the way that every `x` is finite and within the value type's range:
+//!    the one full read of the tensor;
+//! 3. the lists, concatenated in chunk order, hold every element at or above the floor; with at
+//!    least k of them, an exact radix select among them (1-2% of the tensor) keeps the top-k,
+//!    ties to the lower index: the same entries as the serial selection, so
+//!    [`encode_kept_into`] writes the same frame byte for byte.
+//!
+//! With error feedback the scanned values are `g + r` (the f32 sum the serial step encodes),
+//! read without changing the residual, so that a bad value found on the way leaves everything
+//! as it was; once every entry of the step is encoded, [`SparseSplit::update_residual`] writes
+//! `r = r + g`, then `r[i] += -decoded[i]` at the kept indices, chunk by chunk: per element
+//! the operations of the core's `feedback_step`.
+//!
+//! **One pass with a residual bound.** When the error feedback knows a bound on the residual's
+//! magnitudes ([`gradwire_core::ResidualBound`], left by the tensor's last step; zero for a new
+//! residual) and the step's check pass finds every `|g|` below the other half of the value
+//! type's range, no `g + r` can be out of range, so the residual may change while the tensor
+//! is scanned: [`SparseSplit::encode_one_pass`] stores `r = g + r` as each chunk collects its
+//! candidates ([`select::candidates_update`]), writes the frame, then fixes up the kept
+//! entries: g and r are read once after the check, as in the core's `feedback_step_bounded`,
+//! with the same frame, residual and bound.
+//!
+//! Random-k takes the same path with another selection: its indices are drawn in chunks
+//! ([`super::randomk_draw`]), each chunk's task checking the chunk first, and the frame is
+//! written from them and the values at them.
+//!
+//! When the sample misses (fewer than k candidates) or overshoots (more than four times what
+//! the core's serial selection holds: `2k + n/256 + 64` for top-k, `n/32 + 64` for threshold),
+//! the core's own selection runs; both are rare on real gradients, and the result is the same
+//! frame either way.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use gradwire_core::select::{self, Kept};
+use gradwire_core::{Params, ResidualBound, encode_kept_into, values};
+
+use super::buffers::grow;
+use super::check::check_step_input;
+use super::exec::Exec;
+use super::randomk_draw::RandomKDraw;
+use super::sparse_list::SparseList;
+use crate::layout::plan::{CHUNK, Rule};
+
+/// What [`SparseSplit::encode`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Selected {
+    /// The frame is written: its length in bytes.
+    Frame(usize),
+    /// Some value is NaN, infinite or beyond the value type's range (nothing written that
+    /// counts; the serial check names it).
+    OutOfLimit,
+    /// Not done here (the sample missed or overshot): encode with the core's selection.
+    Serial,
+}
+
+impl Rule {
+    /// Candidates the serial selection holds for `n` elements (one list on one thread).
+    fn capacity(self, n: usize) -> usize {
+        match self {
+            Rule::TopK(k) => select::candidate_capacity(n, k),
+            Rule::Threshold(_) => select::threshold_capacity(n),
+            Rule::RandomK(k) => k,
+        }
+    }
+
+    /// Candidates a chunked selection may hold in all: four times [`Rule::capacity`] (past
+    /// that, the core's selection runs; chunk lists keep what they grew to up to that much).
+    fn bound(self, n: usize) -> usize {
+        4 * self.capacity(n)
+    }
+
+    /// The first length of each chunk's list: twice its share of [`Rule::capacity`].
+    fn chunk_capacity(self, n: usize) -> usize {
+        let chunks = n.div_ceil(CHUNK).max(1);
+        (2 * self.capacity(n).div_ceil(chunks)).clamp(64, CHUNK)
+    }
+}
+
+/// One chunk's candidates: `idx[..count]`, `bits[..count]` once the chunk fitted.
+#[derive(Debug, Default)]
+struct ChunkList {
+    idx: Vec<u32>,
+    bits: Vec<u32>,
+    count: usize,
+}
+
+/// What the chunks' scans of one selection found, gathered from every chunk's task.
+#[derive(Default)]
+struct Scan {
+    total: AtomicUsize,
+    /// A value out of limit (NaN, infinite, beyond the value type's range).
+    bad: AtomicBool,
+    /// More candidates than [`Rule::bound`].
+    over: AtomicBool,
+}
+
+impl Scan {
+    /// Records a chunk's scan of `count` candidates (`Err`: a value out of limit); whether its
+    /// list may be kept (within the bound, nothing bad yet).
+    fn record(&self, count: Result<usize, select::OutOfLimit>, bound: usize) -> Option<usize> {
+        let Ok(count) = count else {
+            self.bad.store(true, Ordering::Relaxed);
+            return None;
+        };
+        if self.total.fetch_add(count, Ordering::Relaxed) + count > bound {
+            self.over.store(true, Ordering::Relaxed);
+            return None;
+        }
+        Some(count)
+    }
+
+    fn failed(&self) {
+        self.bad.store(true, Ordering::Relaxed);
+    }
+
+    /// No chunk found a bad value, and the total stayed within the bound.
+    fn clean(&self) -> bool {
+        !self.bad.load(Ordering::Relaxed) && !self.over.load(Ordering::Relaxed)
+    }
+}
+
+/// The buffers of the chunked selection of one tensor, kept between steps.
+#[derive(Debug, Default)]
+pub(crate) struct SparseSplit {
+    chunks: Vec<ChunkList>,
+    idx: Vec<u32>,
+    bits: Vec<u32>,
+    hist: Vec<u32>,
+    samples: Vec<u32>,
+    sent: SparseList,
+    draw: RandomKDraw,
+    /// Scratch of the core's `topk_kept` for a one-pass step whose sample missed (rare).
+    fallback: Vec<u32>,
+}
+
+impl SparseSplit {
+    /// Selects the entries of `x = g` (or `g + r` with a residual of the same length) that the
+    /// frame of `params` keeps by `rule`, chunks run by `exec`, and writes the frame into
+    /// `frame` (at least the method's `max_frame_len` bytes): the bytes of the core's
+    /// `encode_into` of `x`. Reads `g` and `r` only.
+    pub(crate) fn encode(
+        &mut self,
+        rule: Rule,
+        params: &Params,
+        g: &[f32],
+        r: Option<&[f32]>,
+        frame: &mut [u8],
+        exec: Exec,
+    ) -> Selected {
+        let n = g.len();
+        if r.is_some_and(|r| r.len() != n) {
+            return Selected::Serial;
+        }
+        let limit = values::magnitude_limit(params.method.values());
+        self.reserve(n, rule, exec);
+        let (floor, k) = match rule {
+            Rule::RandomK(_) => return self.encode_randomk(params, g, r, frame, exec),
+            Rule::Threshold(t) => (select::threshold_floor(t), None),
+            Rule::TopK(k) => match select::topk_floor(g, r, k, &mut self.samples) {
+                Some(floor) => (floor, Some(k)),
+                None => return Selected::Serial,
+            },
+        };
+        let count = match self.collect(g, r, floor, limit, rule, exec) {
+            Ok(Some(count)) if k.is_none_or(|k| count >= k) => count,
+            Ok(_) => return Selected::Serial,
+            Err(select::OutOfLimit) => return Selected::OutOfLimit,
+        };
+        // Step 3: the exact top-k among the candidates (threshold: all of them).
+        let (idx, bits) = (&mut self.idx[..count], &mut self.bits[..count]);
+        let kept = match k {
+            Some(k) => select::topk_of_candidates(idx, bits, k, &mut self.hist),
+            None => Kept { idx, bits },
+        };
+        let Ok(len) = encode_kept_into(n, params, kept, frame) else {
+            return Selected::Serial;
+        };
+        // With a residual, the sent values are decoded now, so that the update after every
+        // entry of the step is encoded cannot fail (no residual may change before all have).
+        if r.is_some() && !self.sent.decode(&frame[..len], n, &params.method) {
+            return Selected::Serial;
+        }
+        Selected::Frame(len)
+    }
+
+    /// Top-k (`rule`) of `x = g + r` for an error-feedback step whose residual bound proved
+    /// every sum in range (`ResidualBound::proves_in_range`, in the step's check pass): each
+    /// chunk is read once, storing `r = g + r` as it collects its candidates
+    /// ([`select::candidates_update`]); the exact top-k among them (when the sample missed,
+    /// among all of `r`, which holds the sums by then) is written as the frame into `frame`,
+    /// and the kept entries are fixed up (`r[i] += -decoded[i]`). Returns the frame length, the
+    /// residual's new bound and whether the chunked selection found the entries: the frame,
+    /// residual and bound of the core's `feedback_step_bounded`. `None` only when the proof did
+    /// not hold (a sum out of range; `r` holds the sums then) or the rule is not top-k.
+    pub(crate) fn encode_one_pass(
+        &mut self,
+        rule: Rule,
+        params: &Params,
+        g: &[f32],
+        r: &mut [f32],
+        frame: &mut [u8],
+        exec: Exec,
+    ) -> Option<(usize, ResidualBound, bool)> {
+        let (n, Rule::TopK(k)) = (g.len(), rule) else {
+            return None;
+        };
+        if r.len() != n {
+            return None;
+        }
+        let limit = values::magnitude_limit(params.method.values());
+        self.reserve(n, rule, exec);
+        // The floor samples `g + r` before any chunk changes.
+        let floor = select::topk_floor(g, Some(&*r), k, &mut self.samples)?;
+        let count = self.collect_updating(g, r, floor, limit, rule, exec).ok()?;
+        let chunked = count.filter(|&c| c >= k);
+        let kept = match chunked {
+            Some(c) => select::topk_of_candidates(
+                &mut self.idx[..c],
+                &mut self.bits[..c],
+                k,
+                &mut self.hist,
+            ),
+            None => {
+                // The sample missed or overshot: the exact top-k of `r`, the sums.
+                grow(&mut self.fallback, select::kept_scratch_len(n, k));
+                select::topk_kept(r, k, limit, &mut self.fallback).ok()?
+            }
+        };
+        // No element left unsent is larger than the smallest kept.
+        let smallest_kept = kept
+            .bits
+            .iter()
+            .map(|&b| f32::from_bits(b & 0x7fff_ffff))
+            .fold(f32::INFINITY, f32::min);
+        let len = encode_kept_into(n, params, kept, frame).ok()?;
+        if !self.sent.decode(&frame[..len], n, &params.method) {
+            return None;
+        }
+        let sent = &self.sent;
+        let largest_fixed = exec.chunks_mut_max(r, CHUNK, |j, r| sent.subtract_range(j * CHUNK, r));
+        let bound = ResidualBound::at_most(smallest_kept.max(largest_fixed));
+        Some((len, bound, chunked.is_some()))
+    }
+
+    /// Random-k: the indices drawn in chunks (each chunk's task checks the chunk first, as the
+    /// top-k scan does), the values at them gathered (`g`, or the f32 sum `g + r`), the frame
+    /// written from the list.
+    fn encode_randomk(
+        &mut self,
+        params: &Params,
+        g: &[f32],
+        r: Option<&[f32]>,
+        frame: &mut [u8],
+        exec: Exec,
+    ) -> Selected {
+        let n = g.len();
+        // The serial path's input check, chunk by chunk (a failing chunk: the serial check
+        // names the element).
+        let values = params.method.values();
+        let check = |a: usize, e: usize| {
+            check_step_input("", &g[a..e], r.map(|r| &r[a..e]), values).is_ok()
+        };
+        if !self.draw.draw_for(params, n, exec, check) {
+            return Selected::OutOfLimit;
+        }
+        let idx = self.draw.indices();
+        grow(&mut self.bits, idx.len());
+        let bits = &mut self.bits[..idx.len()];
+        for (b, &i) in bits.iter_mut().zip(idx) {
+            let i = i as usize;
+            *b = r.map_or(g[i], |r| g[i] + r[i]).to_bits();
+        }
+        let kept = Kept { idx, bits };
+        let Ok(len) = encode_kept_into(n, params, kept, frame) else {
+            // Unbiased values whose n/k multiple overflows: the serial encoder names one.
+            return Selected::Serial;
+        };
+        if r.is_some() && !self.sent.decode_randomk(&frame[..len], n, params, idx) {
+            return Selected::Serial;
+        }
+        Selected::Frame(len)
+    }
+
+    /// Sizes the buffers for a tensor of `n` elements selected by `rule` (so that a later step
+    /// allocates nothing): the sample, the radix histogram, the decoded sent entries (k, or the
+    /// threshold's capacity), one list per chunk, and the concatenation of the lists (the
+    /// serial selection's candidate capacity). A step that keeps more than that capacity
+    /// (threshold: more than `n/32 + 64` entries) grows the lists once, up to four times it.
+    pub(crate) fn reserve(&mut self, n: usize, rule: Rule, exec: Exec) {
+        let cap = rule.capacity(n);
+        grow(&mut self.bits, cap);
+        match rule {
+            Rule::TopK(k) => {
+                grow(&mut self.idx, cap);
+                grow(&mut self.samples, select::SAMPLE_LEN);
+                grow(&mut self.hist, select::candidates_hist_len(cap));
+                self.sent.reserve(k);
+            }
+            Rule::Threshold(_) => {
+                grow(&mut self.idx, cap);
+                self.sent.reserve(cap);
+            }
+            Rule::RandomK(k) => {
+                // The indices are the draw's; no chunk lists of candidates.
+                self.sent.reserve(k);
+                self.draw.reserve(n, k as u64, exec);
+                return;
+            }
+        }
+        let chunks = n.div_ceil(CHUNK);
+        if self.chunks.len() < chunks {
+            self.chunks.resize_with(chunks, ChunkList::default);
+        }
+        let first = rule.chunk_capacity(n);
+        for list in &mut self.chunks[..chunks] {
+            grow(&mut list.idx, first);
+            grow(&mut list.bits, first);
+        }
+    }
+
+    /// Every chunk's candidates (`|x| >= floor` of `x = g` or `g + r`, checked against
+    /// `limit`), then the lists in chunk order in `self.idx`/`self.bits`; returns their count.
+    /// A list too short for its chunk grows to the chunk's count and the chunk is scanned
+    /// again, once every chunk is counted and the total is known to stay within
+    /// [`Rule::bound`] (`Ok(None)` past it, with nothing grown).
+    fn collect(
+        &mut self,
+        g: &[f32],
+        r: Option<&[f32]>,
+        floor: f32,
+        limit: f32,
+        rule: Rule,
+        exec: Exec,
+    ) -> Result<Option<usize>, select::OutOfLimit> {
+        let n = g.len();
+        let bound = rule.bound(n);
+        let scan = Scan::default();
+        let candidates = |j: usize, list: &mut ChunkList| {
+            let start = j * CHUNK;
+            let end = (start + CHUNK).min(n);
+            let (gc, rc) = (&g[start..end], r.map(|r| &r[start..end]));
+            select::candidates(gc, rc, start, floor, limit, &mut list.idx, &mut list.bits)
+        };
+        let lists = &mut self.chunks[..n.div_ceil(CHUNK)];
+        exec.for_each(lists, |j, list| {
+            list.count = scan.record(candidates(j, list), bound).unwrap_or(0);
+        });
+        if scan.clean() {
+            exec.for_each(lists, |j, list| {
+                if list.count > list.idx.len() {
+                    grow(&mut list.idx, list.count);
+                    grow(&mut list.bits, list.count);
+                    if candidates(j, list) != Ok(list.count) {
+                        scan.failed();
+                    }
+                }
+            });
+        }
+        self.finish_lists(n, rule, &scan)
+    }
+
+    /// [`SparseSplit::collect`] of `g + r` that stores the sums in `r` on the way
+    /// ([`select::candidates_update`]); a chunk scanned again reads its sums from `r`.
+    fn collect_updating(
+        &mut self,
+        g: &[f32],
+        r: &mut [f32],
+        floor: f32,
+        limit: f32,
+        rule: Rule,
+        exec: Exec,
+    ) -> Result<Option<usize>, select::OutOfLimit> {
+        let n = g.len();
+        let bound = rule.bound(n);
+        let scan = Scan::default();
+        let lists = &mut self.chunks[..n.div_ceil(CHUNK)];
+        exec.for_each_zip(lists, r, CHUNK, |j, list, rc| {
+            let start = j * CHUNK;
+            let gc = &g[start..start + rc.len()];
+            let first = select::candidates_update(
+                gc,
+                rc,
+                start,
+                floor,
+                limit,
+                &mut list.idx,
+                &mut list.bits,
+            );
+            list.count = scan.record(first, bound).unwrap_or(0);
+        });
+        if scan.clean() {
+            exec.for_each_zip(lists, r, CHUNK, |j, list, rc| {
+                if list.count > list.idx.len() {
+                    grow(&mut list.idx, list.count);
+                    grow(&mut list.bits, list.count);
+                    let (idx, bits) = (&mut list.idx, &mut list.bits);
+                    if select::candidates(rc, None, j * CHUNK, floor, limit, idx, bits)
+                        != Ok(list.count)
+                    {
+                        scan.failed();
+                    }
+                }
+            });
+        }
+        self.finish_lists(n, rule, &scan)
+    }
+
+    /// After the chunks' scans: the error or overflow they flagged, else the lists in chunk
+    /// order in `self.idx`/`self.bits` and their count.
+    fn finish_lists(
+        &mut self,
+        n: usize,
+        rule: Rule,
+        scan: &Scan,
+    ) -> Result<Option<usize>, select::OutOfLimit> {
+        let (bad, over) = (
+            scan.bad.load(Ordering::Relaxed),
+            scan.over.load(Ordering::Relaxed),
+        );
+        if bad || over {
+            self.trim_lists(n, rule);
+            return if bad {
+                Err(select::OutOfLimit)
+            } else {
+                Ok(None)
+            };
+        }
+        self.idx.clear();
+        self.bits.clear();
+        for list in &self.chunks[..n.div_ceil(CHUNK)] {
+            self.idx.extend_from_slice(&list.idx[..list.count]);
+            self.bits.extend_from_slice(&list.bits[..list.count]);
+        }
+        self.trim_lists(n, rule);
+        Ok(Some(self.idx.len()))
+    }
+
+    /// Lists keep what they grew to, up to four times the serial capacity beyond their first
+    /// lengths in all; past that they go back to their first length, so that the candidates of
+    /// large values that move from chunk to chunk over the steps do not pile up.
+    fn trim_lists(&mut self, n: usize, rule: Rule) {
+        let lists = &mut self.chunks[..n.div_ceil(CHUNK)];
+        let first = rule.chunk_capacity(n);
+        let held: usize = lists.iter().map(|l| l.idx.len()).sum();
+        if held > lists.len() * first + rule.bound(n) {
+            for list in lists {
+                for v in [&mut list.idx, &mut list.bits] {
+                    v.truncate(first);
+                    v.shrink_to(first);
+                }
+            }
+        }
+    }
+
+    /// The residual update of an error-feedback step whose frame [`SparseSplit::encode`] wrote
+    /// from `g` and `r` (with `r` given, so that it decoded the sent values): `r = r + g`, then
+    /// `r[i] += -decoded[i]` at the kept indices, chunk by chunk. Returns the new residual's
+    /// bound, measured chunk by chunk while each is in cache (so that the next step can take
+    /// [`SparseSplit::encode_one_pass`]).
+    pub(crate) fn update_residual(&self, g: &[f32], r: &mut [f32], exec: Exec) -> ResidualBound {
+        debug_assert_eq!(g.len(), r.len());
+        let sent = &self.sent;
+        let max = exec.chunk_pairs_mut_max(r, g, CHUNK, |j, r, g| {
+            for (r, g) in r.iter_mut().zip(g) {
+                *r += *g;
+            }
+            sent.add_range(j * CHUNK, r, -1.0);
+            ResidualBound::of(r).max_abs()
+        });
+        ResidualBound::at_most(max)
+    }
+}

@@ -1,0 +1,361 @@
+//! [`ErrorFeedback`]: the residuals of error feedback, keyed by parameter name, with their
+//! shapes and bounds, and their checkpoints ([`checkpoint`]). The engine
+//! ([`crate::engine`]) runs the steps.
+//!
+//! Each step encodes `gradient + residual` for every tensor and keeps in the residual what the
+//! frame does not deliver (dropped entries, rounding and quantization error), so for every
+//! coordinate `sent + residual_new == gradient + residual_old`, in f32 arithmetic: bit for bit
+//! where values travel as f32, and for top-k with int8 values and nearest-even quantization,
+//! whose sent value is within a factor of two of the input, so that the residual's subtraction
+//! is exact (Sterbenz). Where the sent value can be far larger than the coordinate (sign's
+//! block scale against a tiny gradient, stochastic rounding), the identity holds up to one f32
+//! rounding of the sum: sign sends 0.5 for a coordinate of 1e-9 in a block whose scale is
+//! 0.5, and the residual `1e-9 - 0.5` rounds to -0.5. The frames of step `s` are
+//! made with `Params { method, seed, step: s, tensor_id: tensor_id(name) }`.
+//!
+//! Rules:
+//! - a tensor seen for the first time starts from a zero residual; a tensor whose element count
+//!   changes is an error ([`Error::LengthChanged`]), never truncated or padded;
+//! - a residual remembers its tensor's shape once a step gave one ([`ErrorFeedback::step_tensors`],
+//!   [`ErrorFeedback::step_with_shapes`], and the bundle and compressor paths, which know their
+//!   tensors' shapes): a tensor that comes back with the same element count in another shape (a
+//!   transposed weight) is an error ([`Error::ShapeChanged`]), since its old residual would be
+//!   added to the wrong coordinates. [`ErrorFeedback::step_with`] gives no shapes: it checks
+//!   element counts only, and a residual it creates has no shape until a shaped step gives one;
+//! - a step is all or nothing: every tensor is checked (lengths, NaN/Inf in the gradient and in
+//!   `gradient + residual`, the value type's range) before any residual changes, so a NaN in one
+//!   tensor leaves every residual, and the step counter, unchanged. Each residual keeps the
+//!   bound its last step left ([`gradwire_core::ResidualBound`]), so that for top-k a gradient
+//!   below half the value type's range is checked alone (one read), where the sums would be
+//!   read; a residual set, restored or loaded starts with an unknown bound or its measured one;
+//! - [`ErrorFeedback::save`] writes a safetensors file holding every residual (f32, exact bits,
+//!   in its tensor's shape) and, in its `__metadata__`, the step, the seed and the method; a run
+//!   restored with [`ErrorFeedback::load`] continues bit-identically to one that was never
+//!   interrupted, shape checks included (layout in `FORMAT.md` and [`checkpoint`]).
+//!
+//! ```
+//! use gradwire::core::{K, Method, Values};
+//! use gradwire::feedback::ErrorFeedback;
+//!
+//! let method = Method::TopK { k: K::Count(1), values: Values::F32 };
+//! let mut fb = ErrorFeedback::new(method, 7)?;
+//! let grad = [1.0_f32, -3.0, 0.5];
+//! let mut sent = Vec::new();
+//! fb.step_with([("w", &grad[..])], |_name, frame| sent.push(frame.len()))?;
+//! assert_eq!(fb.step(), 1);
+//! // -3.0 was sent; the rest waits in the residual.
+//! assert_eq!(fb.residual("w"), Some(&[1.0_f32, 0.0, 0.5][..]));
+//! # Ok::<(), gradwire::error::Error>(())
+//! ```
+
+pub mod checkpoint;
+
+use std::collections::BTreeMap;
+
+use gradwire_core::{Method, Params, ResidualBound, scalar, tensor_id};
+
+use crate::error::{Error, Result};
+use crate::method::check_for_feedback;
+
+pub use self::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
+
+/// Residuals keyed by parameter name, the method, the seed and the step counter of an
+/// error-feedback run.
+#[derive(Clone, Debug)]
+pub struct ErrorFeedback {
+    method: Method,
+    seed: u64,
+    step: u64,
+    residuals: BTreeMap<String, Vec<f32>>,
+    /// The shape of each residual whose step gave one (element count = the residual's length).
+    shapes: BTreeMap<String, Vec<usize>>,
+    /// A bound on each residual's magnitudes, left by its last step (see
+    /// [`gradwire_core::ResidualBound`]); a residual without one has an unknown bound. Made
+    /// unknown wherever a residual changes outside a step of this type.
+    bounds: BTreeMap<String, ResidualBound>,
+}
+
+impl PartialEq for ErrorFeedback {
+    /// Equal when method, seed, step, every residual (bit for bit) and every residual's shape
+    /// are equal.
+    fn eq(&self, other: &Self) -> bool {
+        self.method == other.method
+            && self.seed == other.seed
+            && self.step == other.step
+            && self.shapes == other.shapes
+            && self.residuals.len() == other.residuals.len()
+            && self
+                .residuals
+                .iter()
+                .zip(&other.residuals)
+                .all(|((na, a), (nb, b))| {
+                    na == nb
+                        && a.len() == b.len()
+                        && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+                })
+    }
+}
+
+/// The element count of `shape` (`None` when it overflows `usize`).
+fn element_count(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
+/// [`Error::ShapeMismatch`] (`got` is `[len]`) unless `shape` holds `len` elements.
+pub(crate) fn check_holds(name: &str, shape: &[usize], len: usize) -> Result<()> {
+    if element_count(shape) == Some(len) {
+        return Ok(());
+    }
+    Err(Error::ShapeMismatch {
+        tensor: name.to_owned(),
+        rank: None,
+        expected: shape.to_vec(),
+        got: vec![len],
+    })
+}
+
+/// The residual of `name` for a tensor of `n` elements, created as zeros when missing.
+fn residual_slot<'m>(
+    residuals: &'m mut BTreeMap<String, Vec<f32>>,
+    name: &str,
+    n: usize,
+) -> Result<&'m mut Vec<f32>> {
+    if !residuals.contains_key(name) {
+        residuals.insert(name.to_owned(), vec![0.0; n]);
+    }
+    match residuals.get_mut(name) {
+        Some(r) if r.len() == n => Ok(r),
+        Some(r) => Err(Error::LengthChanged {
+            tensor: name.to_owned(),
+            expected: r.len(),
+            got: n,
+        }),
+        None => Err(Error::MissingTensor {
+            tensor: name.to_owned(),
+            rank: None,
+        }),
+    }
+}
+
+impl ErrorFeedback {
+    /// Error feedback with `method` and `seed`, at step 0, with no residuals.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid method, unscaled sign or unbiased random-k (their
+    /// residual would grow without bound).
+    pub fn new(method: Method, seed: u64) -> Result<Self> {
+        check_for_feedback(&method)?;
+        Ok(ErrorFeedback {
+            method,
+            seed,
+            step: 0,
+            residuals: BTreeMap::new(),
+            shapes: BTreeMap::new(),
+            bounds: BTreeMap::new(),
+        })
+    }
+
+    /// The method every frame is made with.
+    pub fn method(&self) -> &Method {
+        &self.method
+    }
+
+    /// The run's seed (random-k and stochastic rounding).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The next step to run (0 before the first).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The parameters of `name`'s frame at the current step.
+    pub fn params(&self, name: &str) -> Params {
+        Params {
+            method: self.method,
+            seed: self.seed,
+            step: self.step,
+            tensor_id: tensor_id(name),
+        }
+    }
+
+    /// The residual of `name`, if it has one.
+    pub fn residual(&self, name: &str) -> Option<&[f32]> {
+        self.residuals.get(name).map(Vec::as_slice)
+    }
+
+    /// Sets `name`'s residual and the shape it remembers (for example to restore state kept
+    /// elsewhere, with [`ErrorFeedback::residual_shape`]).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `residual.len()` is not the product of `shape` (`got` is
+    /// `[residual.len()]`); as [`ErrorFeedback::set_residual`]. Nothing changes then.
+    pub fn set_residual_with_shape(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        residual: Vec<f32>,
+    ) -> Result<()> {
+        check_holds(name, shape, residual.len())?;
+        self.set_residual(name, residual)?;
+        self.remember_shape(name, shape);
+        Ok(())
+    }
+
+    /// The shape `name`'s residual remembers (see the module docs), if it has one.
+    pub fn residual_shape(&self, name: &str) -> Option<&[usize]> {
+        self.shapes.get(name).map(Vec::as_slice)
+    }
+
+    /// Every residual, in name order.
+    pub fn residuals(&self) -> impl Iterator<Item = (&str, &[f32])> {
+        self.residuals
+            .iter()
+            .map(|(n, r)| (n.as_str(), r.as_slice()))
+    }
+
+    /// Number of residuals.
+    pub fn len(&self) -> usize {
+        self.residuals.len()
+    }
+
+    /// True when no residual is kept.
+    pub fn is_empty(&self) -> bool {
+        self.residuals.is_empty()
+    }
+
+    /// Drops every residual and its shape (the step counter, seed and method stay).
+    pub fn clear(&mut self) {
+        self.residuals.clear();
+        self.shapes.clear();
+        self.bounds.clear();
+    }
+
+    /// Sets `name`'s residual (for example to restore state kept elsewhere). The residual has
+    /// no shape until a shaped step gives one (a shape `name` had before is forgotten).
+    ///
+    /// # Errors
+    /// [`Error::Core`] with [`gradwire_core::Error::NonFinite`] when a value is NaN or
+    /// infinite; nothing changes then.
+    pub fn set_residual(&mut self, name: &str, residual: Vec<f32>) -> Result<()> {
+        if let Some(index) = scalar::first_non_finite(&residual) {
+            return Err(Error::core(
+                name,
+                None,
+                gradwire_core::Error::NonFinite { index },
+            ));
+        }
+        self.bounds
+            .insert(name.to_owned(), ResidualBound::of(&residual));
+        self.residuals.insert(name.to_owned(), residual);
+        self.shapes.remove(name);
+        Ok(())
+    }
+
+    /// The bound on the magnitudes of `name`'s residual that this error feedback keeps
+    /// ([`ResidualBound::UNKNOWN`] when it keeps none: no residual, a residual loaded from a
+    /// checkpoint and not stepped yet, or one a step could not bound). A top-k step whose
+    /// gradient and bound prove every sum in range reads the gradient and the residual once
+    /// after its check (see [`gradwire_core::feedback_step_bounded`]).
+    pub fn residual_bound(&self, name: &str) -> ResidualBound {
+        self.bound(name)
+    }
+
+    /// The bound `name`'s residual's last step left ([`ResidualBound::UNKNOWN`] when none).
+    pub(crate) fn bound(&self, name: &str) -> ResidualBound {
+        self.bounds
+            .get(name)
+            .copied()
+            .unwrap_or(ResidualBound::UNKNOWN)
+    }
+
+    /// Makes `name`'s residual's bound unknown (its residual is about to change outside a
+    /// step of this type). The entry stays, so that the bound a later step keeps is written in
+    /// place: a steady-state step allocates nothing.
+    fn forget_bound(&mut self, name: &str) {
+        self.keep_bound(name, ResidualBound::UNKNOWN);
+    }
+
+    /// Keeps `bound` for `name`'s residual (after a step that computed it).
+    pub(crate) fn keep_bound(&mut self, name: &str, bound: ResidualBound) {
+        match self.bounds.get_mut(name) {
+            Some(b) => *b = bound,
+            None => {
+                self.bounds.insert(name.to_owned(), bound);
+            }
+        }
+    }
+
+    /// Checks `shape`, the shape of `name`'s gradient, against the shape its residual
+    /// remembers: [`Error::ShapeChanged`] when they differ in the same element count. Another
+    /// element count, and a residual without a shape, pass here: the element count is checked
+    /// with the gradient's values ([`Error::LengthChanged`]).
+    pub(crate) fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()> {
+        match self.shapes.get(name) {
+            Some(known)
+                if known.as_slice() != shape && element_count(known) == element_count(shape) =>
+            {
+                Err(Error::ShapeChanged {
+                    tensor: name.to_owned(),
+                    expected: known.clone(),
+                    got: shape.to_vec(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Remembers `shape` for `name`'s residual (after a step that checked it succeeded).
+    pub(crate) fn remember_shape(&mut self, name: &str, shape: &[usize]) {
+        match self.shapes.get_mut(name) {
+            Some(known) if known.as_slice() == shape => {}
+            Some(known) => {
+                known.clear();
+                known.extend_from_slice(shape);
+            }
+            None => {
+                self.shapes.insert(name.to_owned(), shape.to_vec());
+            }
+        }
+    }
+
+    /// The residual of `name` for a tensor of `n` elements, created as zeros when missing.
+    pub(crate) fn residual_for(&mut self, name: &str, n: usize) -> Result<&mut Vec<f32>> {
+        self.forget_bound(name);
+        residual_slot(&mut self.residuals, name, n)
+    }
+
+    /// Moves `name`'s residual (created as zeros of `n` elements when missing) into `into`,
+    /// leaving an empty vector in the map until [`ErrorFeedback::put_residual`] gives it back:
+    /// so that tasks on several threads can each own the residuals of their tensors. Allocates
+    /// only when the residual is new.
+    pub(crate) fn take_residual(
+        &mut self,
+        name: &str,
+        n: usize,
+        into: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.forget_bound(name);
+        std::mem::swap(residual_slot(&mut self.residuals, name, n)?, into);
+        Ok(())
+    }
+
+    /// Gives back a residual that [`ErrorFeedback::take_residual`] moved out (`from` is left
+    /// empty).
+    pub(crate) fn put_residual(&mut self, name: &str, from: &mut Vec<f32>) {
+        if let Some(slot) = self.residuals.get_mut(name) {
+            std::mem::swap(slot, from);
+        }
+    }
+
+    /// Sets the step counter (for a compressor taking over its state).
+    pub(crate) fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Ends a step that a caller ran through [`ErrorFeedback::residual_for`].
+    pub(crate) fn advance(&mut self) {
+        self.step = self.step.wrapping_add(1);
+    }
+}

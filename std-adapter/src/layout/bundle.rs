@@ -1,0 +1,466 @@
+//! Bundles: everything one rank sends in one step, in one message, checked and decoded against
+//! the receiver's [`Manifest`]. `FORMAT.md` is the normative specification.
+//!
+//! # Bundle layout (version 2)
+//! All integers little-endian.
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | magic `GWBN` (`47 57 42 4E`) |
+//! | 4 | 1 | version, `2` |
+//! | 5 | 1 | flags, `0` (reserved) |
+//! | 6 | 2 | reserved, `0` |
+//! | 8 | 4 | rank of the sender (u32) |
+//! | 12 | 4 | entry count `E` (u32) |
+//! | 16 | 8 | step (u64) |
+//! | 24 | ... | `E` entries, in manifest order |
+//! | end - 4 | 4 | CRC-32 (IEEE, as in frames) of every byte before it |
+//!
+//! Each entry:
+//!
+//! | size | field |
+//! |---|---|
+//! | 8 | id (u64): FNV-1a over the label (a name, or a bucket's label) and a 0 byte, then each tensor's name, a 0 byte, its dimension count and dimensions (u64 each) |
+//! | 4 | frame length `L` (u32) |
+//! | `L` | a gradwire frame (`FORMAT.md`) |
+//!
+//! A bundle costs 28 bytes plus 12 per entry on top of its frames. Names, shapes, the method
+//! and the bucketing are not in a bundle: the receiver's [`Manifest`] holds them, and decoding checks
+//! the bundle against it: the header (magic, version, reserved fields, checksum, rank, step),
+//! the entry count, every entry's id (same tensors in the same shapes, same order) and every
+//! frame's element count and parameters (same method). Anything else is an error naming the
+//! tensor (or bucket) and the rank. Version 1 ids hashed the name alone, so a tensor with the
+//! same name and element count in another shape (a transposed weight) was averaged element by
+//! element with the receiver's. Nothing is allocated from lengths read off the wire: the
+//! output is sized by the manifest, and a valid bundle is never longer than
+//! [`Manifest::max_bundle_len`] (the limit to give [`crate::comm::Communicator::all_gather`]
+//! for bundles alone).
+//!
+
+use gradwire_core::{Params, decode_into, peek};
+
+use super::{Entry, Manifest, ManifestTensor, check_frame_of};
+use crate::error::{BundleFault, Error, Result};
+
+/// The first four bytes of every bundle.
+pub const BUNDLE_MAGIC: [u8; 4] = *b"GWBN";
+/// The bundle format version this crate writes and reads.
+pub const BUNDLE_VERSION: u8 = 2;
+/// Bytes of the bundle header.
+pub const HEADER_LEN: usize = 24;
+/// Bytes of an entry's id and length.
+pub const ENTRY_HEADER_LEN: usize = 12;
+/// Bytes of the CRC-32 trailer.
+pub const TRAILER_LEN: usize = 4;
+
+/// What a bundle's header declares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BundleHeader {
+    /// Format version.
+    pub version: u8,
+    /// The sender's rank.
+    pub rank: u32,
+    /// Number of entries.
+    pub entries: u32,
+    /// The step the frames were made at.
+    pub step: u64,
+}
+
+impl BundleHeader {
+    /// Reads and checks a bundle's header and checksum (not its entries).
+    ///
+    /// # Errors
+    /// [`Error::Bundle`] with [`BundleFault::Empty`], [`BundleFault::Truncated`],
+    /// [`BundleFault::BadMagic`], [`BundleFault::UnsupportedVersion`],
+    /// [`BundleFault::Reserved`], [`BundleFault::Incomplete`] or [`BundleFault::Checksum`].
+    pub fn read(bundle: &[u8]) -> Result<Self> {
+        let fault = |fault| Error::Bundle { rank: None, fault };
+        if bundle.is_empty() {
+            return Err(fault(BundleFault::Empty));
+        }
+        if bundle.len() < HEADER_LEN + TRAILER_LEN {
+            return Err(fault(BundleFault::Truncated {
+                needed: HEADER_LEN + TRAILER_LEN,
+                got: bundle.len(),
+            }));
+        }
+        if bundle[..4] != BUNDLE_MAGIC {
+            return Err(fault(BundleFault::BadMagic));
+        }
+        if bundle[4] != BUNDLE_VERSION {
+            return Err(fault(BundleFault::UnsupportedVersion {
+                version: bundle[4],
+            }));
+        }
+        if bundle[5] != 0 {
+            return Err(fault(BundleFault::Reserved { offset: 5 }));
+        }
+        if bundle[6] != 0 || bundle[7] != 0 {
+            return Err(fault(BundleFault::Reserved { offset: 6 }));
+        }
+        let body = bundle.len() - TRAILER_LEN;
+        let stored = u32::from_le_bytes(le(&bundle[body..]));
+        let computed = crc32fast::hash(&bundle[..body]);
+        if stored != computed {
+            // A bundle cut short (a partial transfer or copy) fails its checksum too; when its
+            // own entry headers say it needs more bytes than it has, that is the clearer error.
+            if let Some(declared) = declared_len(bundle).filter(|&l| l > bundle.len()) {
+                return Err(fault(BundleFault::Incomplete {
+                    declared,
+                    got: bundle.len(),
+                }));
+            }
+            return Err(fault(BundleFault::Checksum { stored, computed }));
+        }
+        Ok(BundleHeader {
+            version: bundle[4],
+            rank: u32::from_le_bytes(le(&bundle[8..12])),
+            entries: u32::from_le_bytes(le(&bundle[12..16])),
+            step: u64::from_le_bytes(le(&bundle[16..24])),
+        })
+    }
+}
+
+/// The length in bytes that a bundle's own headers declare (header, entries as their lengths
+/// say, trailer), walking the entries only until one reaches past the bytes present (so at
+/// most `bundle.len() / 12` steps); `None` when a length overflows.
+fn declared_len(bundle: &[u8]) -> Option<usize> {
+    let entries = u32::from_le_bytes(le(bundle.get(12..16)?));
+    let mut pos = HEADER_LEN;
+    for _ in 0..entries {
+        let Some(head) = bundle.get(pos..pos + ENTRY_HEADER_LEN) else {
+            return Some(pos + ENTRY_HEADER_LEN + TRAILER_LEN);
+        };
+        let len = u32::from_le_bytes(le(&head[8..])) as usize;
+        pos = pos.checked_add(ENTRY_HEADER_LEN)?.checked_add(len)?;
+        if pos.checked_add(TRAILER_LEN)? > bundle.len() {
+            break;
+        }
+    }
+    pos.checked_add(TRAILER_LEN)
+}
+
+/// The first `N` bytes of `b` as an array (zeros where `b` is shorter; callers check lengths).
+fn le<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    for (d, s) in a.iter_mut().zip(b) {
+        *d = *s;
+    }
+    a
+}
+
+/// Writes a bundle into a caller's buffer: [`BundleWriter::begin`], one
+/// [`BundleWriter::push`] per entry in manifest order, then [`BundleWriter::finish`].
+pub(crate) struct BundleWriter<'o> {
+    out: &'o mut Vec<u8>,
+}
+
+impl<'o> BundleWriter<'o> {
+    /// Starts a bundle in `out` (cleared, capacity kept).
+    pub(crate) fn begin(out: &'o mut Vec<u8>, rank: u32, entries: u32, step: u64) -> Self {
+        out.clear();
+        out.extend_from_slice(&BUNDLE_MAGIC);
+        out.extend_from_slice(&[BUNDLE_VERSION, 0, 0, 0]);
+        out.extend_from_slice(&rank.to_le_bytes());
+        out.extend_from_slice(&entries.to_le_bytes());
+        out.extend_from_slice(&step.to_le_bytes());
+        BundleWriter { out }
+    }
+
+    /// Appends an entry: its id and its frame (at most `u32::MAX` bytes: a manifest refuses
+    /// larger frames).
+    pub(crate) fn push(&mut self, id: u64, frame: &[u8]) {
+        let len = u32::try_from(frame.len()).unwrap_or(u32::MAX);
+        self.out.extend_from_slice(&id.to_le_bytes());
+        self.out.extend_from_slice(&len.to_le_bytes());
+        self.out.extend_from_slice(frame);
+    }
+
+    /// Appends the checksum.
+    pub(crate) fn finish(self) {
+        let crc = crc32fast::hash(self.out);
+        self.out.extend_from_slice(&crc.to_le_bytes());
+    }
+}
+
+impl Manifest {
+    /// Checks a bundle against the manifest without decoding its frames' bodies: the header
+    /// (magic, version, reserved fields, checksum), the rank and step when given, the entry
+    /// count, every entry's id and length, and every frame's checksum, element count and
+    /// parameters. Calls `f(entry index, frame, expected parameters)` for every entry, in
+    /// order, once all checks passed. Returns the header.
+    ///
+    /// # Errors
+    /// [`Error::Bundle`] for the framing; [`Error::UnexpectedEntry`] when an entry belongs to
+    /// another tensor; naming the tensor (or bucket) and the rank for a frame whose header
+    /// fails the checks of [`gradwire_core::Header::check`]: [`Error::ParamsDiffer`] (made with
+    /// other parameters, both configurations given) or [`Error::Core`]; any error `f` returns.
+    pub fn check_bundle_with(
+        &self,
+        bundle: &[u8],
+        rank: Option<usize>,
+        step: Option<u64>,
+        mut f: impl FnMut(usize, &[u8], &Params) -> Result<()>,
+    ) -> Result<BundleHeader> {
+        let fault = |rank: Option<usize>, fault| Error::Bundle { rank, fault };
+        let header = BundleHeader::read(bundle).map_err(|e| match e {
+            Error::Bundle { fault: f, .. } => fault(rank, f),
+            other => other,
+        })?;
+        let declared = usize::try_from(header.rank).ok();
+        if let Some(r) = rank
+            && declared != Some(r)
+        {
+            return Err(fault(
+                rank,
+                BundleFault::Rank {
+                    expected: r,
+                    got: u64::from(header.rank),
+                },
+            ));
+        }
+        let rank = rank.or(declared);
+        if let Some(s) = step
+            && header.step != s
+        {
+            return Err(fault(
+                rank,
+                BundleFault::Step {
+                    expected: s,
+                    got: header.step,
+                },
+            ));
+        }
+        if header.entries as usize != self.entries.len() {
+            return Err(fault(
+                rank,
+                BundleFault::EntryCount {
+                    expected: self.entries.len(),
+                    got: u64::from(header.entries),
+                    first_difference: self.first_difference(bundle, header.entries as usize),
+                },
+            ));
+        }
+        let body_end = bundle.len() - TRAILER_LEN;
+        // Pass 1: framing and frame headers of every entry.
+        let mut pos = HEADER_LEN;
+        for (e, entry) in self.entries.iter().enumerate() {
+            let (id, frame) = self.entry_at(bundle, body_end, &mut pos, rank)?;
+            check_id(e, entry, id, frame, rank)?;
+            let params = self.entry_params(entry, header.step);
+            check_frame_of(&entry.label, rank, frame, &params, entry.len)?;
+        }
+        if pos != body_end {
+            return Err(fault(rank, BundleFault::TrailingBytes { offset: pos }));
+        }
+        // Valid frames never exceed their bound; kept as a last line of defence.
+        if bundle.len() > self.max_bundle_len {
+            return Err(fault(
+                rank,
+                BundleFault::TooLarge {
+                    limit: self.max_bundle_len,
+                    got: bundle.len(),
+                },
+            ));
+        }
+        // Pass 2: hand out the frames.
+        self.walk(bundle, rank, |e, frame| {
+            f(e, frame, &self.entry_params(&self.entries[e], header.step))
+        })?;
+        Ok(header)
+    }
+
+    /// Calls `f(entry index, frame)` for every entry of a bundle that
+    /// [`Manifest::check_bundle`] accepted.
+    pub(crate) fn walk(
+        &self,
+        bundle: &[u8],
+        rank: Option<usize>,
+        mut f: impl FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let body_end = bundle.len().saturating_sub(TRAILER_LEN);
+        let mut pos = HEADER_LEN;
+        for (e, entry) in self.entries.iter().enumerate() {
+            let (id, frame) = self.entry_at(bundle, body_end, &mut pos, rank)?;
+            check_id(e, entry, id, frame, rank)?;
+            f(e, frame)?;
+        }
+        Ok(())
+    }
+
+    /// For a bundle of `declared` entries where the manifest has another number: the first
+    /// entry where the two differ, named by the manifest's label there (a tensor missing on one
+    /// side shows there). `None` when the bundle's entries cannot be read that far.
+    fn first_difference(&self, bundle: &[u8], declared: usize) -> Option<String> {
+        let body_end = bundle.len().checked_sub(TRAILER_LEN)?;
+        let mut pos = HEADER_LEN;
+        let common = declared.min(self.entries.len());
+        for (e, entry) in self.entries[..common].iter().enumerate() {
+            let (id, _) = self.entry_at(bundle, body_end, &mut pos, None).ok()?;
+            if id != entry.id {
+                return Some(format!(
+                    "the first that differs is entry {e}, where the manifest has `{}`",
+                    entry.label
+                ));
+            }
+        }
+        Some(match (self.entries.get(common), common) {
+            (Some(entry), _) => format!(
+                "the bundle ends before entry {common}, where the manifest has `{}`",
+                entry.label
+            ),
+            (None, 0) => "the manifest has no entries".to_owned(),
+            (None, _) => format!("the bundle has more entries after entry {}", common - 1),
+        })
+    }
+
+    /// Reads the entry at `pos` (its id and frame) and advances `pos`.
+    fn entry_at<'b>(
+        &self,
+        bundle: &'b [u8],
+        body_end: usize,
+        pos: &mut usize,
+        rank: Option<usize>,
+    ) -> Result<(u64, &'b [u8])> {
+        let truncated = |needed: usize| Error::Bundle {
+            rank,
+            fault: BundleFault::Truncated {
+                needed: needed.saturating_add(TRAILER_LEN),
+                got: bundle.len(),
+            },
+        };
+        let head_end = pos.saturating_add(ENTRY_HEADER_LEN);
+        let head = bundle
+            .get(*pos..head_end)
+            .filter(|_| head_end <= body_end)
+            .ok_or_else(|| truncated(head_end))?;
+        let id = u64::from_le_bytes(le(&head[..8]));
+        let len = u32::from_le_bytes(le(&head[8..12])) as usize;
+        let end = head_end.saturating_add(len);
+        let frame = bundle
+            .get(head_end..end)
+            .filter(|_| end <= body_end)
+            .ok_or_else(|| truncated(end))?;
+        *pos = end;
+        Ok((id, frame))
+    }
+
+    /// Checks a bundle against the manifest (see [`Manifest::check_bundle_with`]).
+    ///
+    /// # Errors
+    /// As [`Manifest::check_bundle_with`].
+    pub fn check_bundle(
+        &self,
+        bundle: &[u8],
+        rank: Option<usize>,
+        step: Option<u64>,
+    ) -> Result<BundleHeader> {
+        self.check_bundle_with(bundle, rank, step, |_, _, _| Ok(()))
+    }
+
+    /// Decodes a bundle into `out`, resized to [`Manifest::flat_len`] (no allocation when it
+    /// already has the capacity). `rank` and `step`, when given, must match the bundle's.
+    /// Returns the bundle's header.
+    ///
+    /// # Errors
+    /// As [`Manifest::check_bundle_with`], and [`Error::Core`] naming the tensor (or bucket)
+    /// for a frame whose body is invalid (then `out` is zeroed). On any other error `out` is
+    /// untouched.
+    pub fn decode_bundle(
+        &self,
+        bundle: &[u8],
+        rank: Option<usize>,
+        step: Option<u64>,
+        out: &mut Vec<f32>,
+    ) -> Result<BundleHeader> {
+        let mut sized = false;
+        let result = self.check_bundle_with(bundle, rank, step, |e, frame, params| {
+            if !sized {
+                out.resize(self.flat_len, 0.0);
+                sized = true;
+            }
+            let entry = &self.entries[e];
+            let dst = &mut out[entry.offset..entry.offset + entry.len];
+            decode_into(frame, params, dst)
+                .map(|_| ())
+                .map_err(|err| Error::core(&entry.label, rank, err))
+        });
+        match result {
+            Ok(header) => {
+                out.resize(self.flat_len, 0.0);
+                Ok(header)
+            }
+            Err(e) => {
+                if sized {
+                    out.fill(0.0);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// [`Error::UnexpectedEntry`] unless `id` is entry `e`'s (with the element count of `frame`,
+/// when its header reads: for the same tensor in another shape, that is what differs).
+fn check_id(e: usize, entry: &Entry, id: u64, frame: &[u8], rank: Option<usize>) -> Result<()> {
+    if id == entry.id {
+        return Ok(());
+    }
+    Err(Error::UnexpectedEntry {
+        rank,
+        index: e,
+        expected: entry.label.clone(),
+        expected_elements: entry.len as u64,
+        got_elements: peek(frame).ok().map(|h| h.n),
+        expected_id: entry.id,
+        got_id: id,
+    })
+}
+
+/// An entry's id on the wire: FNV-1a (as [`gradwire_core::tensor_id`]) over its label, then
+/// the name and shape of each of its tensors (names end with a 0 byte; a shape is its
+/// dimension count, then each dimension, u64 little-endian). So a peer
+/// whose tensor has the same name and element count but another shape (a transposed weight)
+/// sends another id, and its bundle is an error naming the tensor, not an element-wise mean of
+/// two layouts. (The names are hashed one by one, not only through the bucket's label, which
+/// joins them with `", "`: tensors named `a, b` and `c` would otherwise bucket like `a` and
+/// `b, c`.)
+pub(crate) fn entry_id<'a>(label: &str, members: impl Iterator<Item = &'a ManifestTensor>) -> u64 {
+    let mut h = Fnv::new();
+    h.name(label);
+    for t in members {
+        h.name(&t.name);
+        h.shape(&t.shape);
+    }
+    h.0
+}
+
+/// FNV-1a, 64 bits.
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn eat(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    /// A name and a 0 byte.
+    fn name(&mut self, name: &str) {
+        self.eat(name.as_bytes());
+        self.eat(&[0]);
+    }
+
+    /// The dimension count, then each dimension (u64 little-endian).
+    fn shape(&mut self, shape: &[usize]) {
+        self.eat(&(shape.len() as u64).to_le_bytes());
+        for &d in shape {
+            self.eat(&(d as u64).to_le_bytes());
+        }
+    }
+}
