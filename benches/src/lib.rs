@@ -18,7 +18,7 @@ pub fn read_pass(x: &[f32]) -> f32 {
 }
 
 /// How far ahead of its reads a `_prefetch` pass asks for each cache line, in f32 elements
-/// (8 KiB; on the Xeon of BENCHMARKS.md round 10, 1024 to 4096 elements are within 2% of each
+/// (8 KiB; on the Xeon of docs/perf-log.md round 10, 1024 to 4096 elements are within 2% of each
 /// other).
 pub const PREFETCH_AHEAD: usize = 2048;
 
@@ -26,8 +26,8 @@ pub const PREFETCH_AHEAD: usize = 2048;
 /// it is read (`safe_arch::prefetch_t0`; nothing on targets without one). On some machines one
 /// core's hardware prefetcher keeps too few lines in flight and this is the faster sum of |g|
 /// (the Xeon of round 10: 0.68-0.80 of the plain pass's time); on others it is slower (the EPYC of
-/// docs/prefetch.md). The ratio report measures both and divides by the faster, so that the
-/// denominator is the fastest read pass of the machine it runs on.
+/// docs/perf-log.md, "Software prefetch"). The ratio report measures both and divides by the
+/// faster, so that the denominator is the fastest read pass of the machine it runs on.
 pub fn read_pass_prefetch(x: &[f32]) -> f32 {
     read_pass_ahead::<PREFETCH_AHEAD>(x)
 }
@@ -137,7 +137,7 @@ pub fn add_pass_prefetch(r: &mut [f32], g: &[f32]) {
 
 /// `out[i] += v` for every pair of an index/value list already decoded, with a software prefetch
 /// of the line of the entry 32 places ahead: the floor of accumulating a sparse frame on machines
-/// where the prefetch helps (BENCHMARKS.md, round 10); `ratios` also measures the plain loop.
+/// where the prefetch helps (docs/perf-log.md, round 10); `ratios` also measures the plain loop.
 /// Pairs whose index is out of bounds are skipped.
 pub fn scatter_add_prefetch(out: &mut [f32], idx: &[usize], vals: &[f32]) {
     const AHEAD: usize = 32;

@@ -51,7 +51,7 @@ fn median(v: &[f64]) -> f64 {
     s[s.len() / 2]
 }
 
-/// The performance targets (BENCHMARKS.md, "Targets"): (name, default, native).
+/// The performance targets (docs/perf-log.md, "Targets"): (name, default, native).
 const TARGETS: &[(&str, f64, f64)] = &[
     ("topk_1pct", 2.5, 2.0),
     ("topk_0.1pct", 2.0, 1.6),
@@ -181,7 +181,7 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
         black_box(read_pass(black_box(x)));
     }));
     // The same sum with a software prefetch 8 KiB ahead: faster on machines whose hardware
-    // prefetcher keeps too few lines in flight for one core (BENCHMARKS.md, round 10), slower on
+    // prefetcher keeps too few lines in flight for one core (docs/perf-log.md, round 10), slower on
     // others; the denominator is the faster of the two.
     tasks.push(task("read_prefetch", None, move || {
         black_box(read_pass_prefetch(black_box(x)));
@@ -392,7 +392,7 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
         black_box(h.finalize());
     }));
     // Every floor twice, plain and with a software prefetch (`_prefetch`): like the read pass,
-    // a floor is the faster of the two on the machine at hand (BENCHMARKS.md, round 10).
+    // a floor is the faster of the two on the machine at hand (docs/perf-log.md, round 10).
     let mut bytes = vec![0u8; n];
     tasks.push(task("floor_byte_pass_prefetch", None, move || {
         byte_pass_prefetch(black_box(x), &mut bytes);
@@ -417,7 +417,7 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
             black_box(&r3);
         }));
         // floor_ef's two passes alone: the selection scan over `g + r` runs above the first,
-        // the update pass at the second (BENCHMARKS.md, round 9). Filled with ones, so that
+        // the update pass at the second (docs/perf-log.md, round 9). Filled with ones, so that
         // every page is mapped before the first read.
         let r4 = Rc::new(RefCell::new(vec![1.0f32; n]));
         let r4_read = Rc::clone(&r4);
