@@ -16,8 +16,8 @@ use std::fmt;
 
 use gradwire::BucketConfig;
 use gradwire::Parallelism;
-use gradwire::aggregate::{Aggregator, Reduction};
 use gradwire::tensor::Tensor;
+use gradwire::{Aggregator, Reduction};
 use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
 

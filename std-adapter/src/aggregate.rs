@@ -217,11 +217,6 @@ impl Aggregator {
         self
     }
 
-    /// Sets how many cores the next calls use.
-    pub fn set_parallelism(&mut self, parallelism: Parallelism) {
-        self.parallelism = parallelism;
-    }
-
     /// Aggregates the bundles of W ranks (`bundles[r]` is rank `r`'s) made at `step` into
     /// `out`, resized to [`Manifest::flat_len`]. See the module docs for the checks and the
     /// reductions.
@@ -424,7 +419,7 @@ impl Job<'_> {
         }
         // Whole: every rank's frame added by the core, ranks in order.
         acc.fill(0.0);
-        let params = self.manifest.entry_params(entry, self.step);
+        let params = self.manifest.params(entry, self.step);
         for rank in 0..self.count {
             accumulate_into(frame(rank, e), &params, acc, 1.0)
                 .map_err(|err| Error::core(&entry.label, Some(rank), err))?;
@@ -461,7 +456,7 @@ impl Job<'_> {
         let decoded = if randomk {
             // Every rank's frame carries the manifest's seed, step and tensor id (checked), so
             // one draw of the indices serves them all.
-            let params = self.manifest.entry_params(entry, self.step);
+            let params = self.manifest.params(entry, self.step);
             draw.draw_for(&params, n, self.exec, |_, _| true);
             let idx = draw.indices();
             self.exec.all_mut(ranks, |r, list| {
@@ -508,7 +503,7 @@ pub fn aggregate<B: AsRef<[u8]> + Sync>(
 /// (another step), [`Error::ParamsDiffer`] (a frame made with other parameters) or
 /// [`Error::Core`] (a frame whose header fails its checks otherwise); [`Error::Config`] for a
 /// manifest with buckets.
-pub fn check_contribution(
+pub(crate) fn check_contribution(
     manifest: &Manifest,
     map: &HashMap<String, CompressedGradient>,
     rank: usize,
@@ -528,7 +523,7 @@ pub fn check_contribution(
                 reason: format!("made at step {}, expected step {step}", cg.step()),
             });
         }
-        let params = manifest.entry_params(entry, step);
+        let params = manifest.params(entry, step);
         check_frame_of(&info.name, Some(rank), cg.frame(), &params, info.numel)?;
     }
     Ok(())

@@ -153,7 +153,7 @@ impl CompressedAllReduce {
     /// results are the same bits with every setting.
     pub fn with_parallelism(mut self, parallelism: Parallelism) -> Self {
         self.compressor.set_parallelism(parallelism);
-        self.aggregator.set_parallelism(parallelism);
+        self.aggregator = Aggregator::new().with_parallelism(parallelism);
         self
     }
 
@@ -355,7 +355,7 @@ impl CompressedAllReduce {
         for (i, peer) in peers.iter().enumerate() {
             for entry in manifest.entries() {
                 if let Some(cg) = peer.get(&entry.label) {
-                    let params = manifest.entry_params(entry, step);
+                    let params = manifest.params(entry, step);
                     gradwire_core::validate(cg.frame(), &params, entry.len)
                         .map_err(|err| Error::core(&entry.label, Some(peer_rank(i)), err))?;
                 }

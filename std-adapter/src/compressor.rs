@@ -113,7 +113,7 @@ impl GradientCompressor {
     }
 
     /// Sets how many cores the next calls use (see [`GradientCompressor::with_parallelism`]).
-    pub fn set_parallelism(&mut self, parallelism: Parallelism) {
+    pub(crate) fn set_parallelism(&mut self, parallelism: Parallelism) {
         self.parallelism = parallelism;
     }
 
@@ -352,7 +352,7 @@ impl GradientCompressor {
     /// [`Error::Config`] for an invalid method; [`Error::ParamsDiffer`] naming the tensor and
     /// both configurations when the frame was made with other parameters; [`Error::Core`]
     /// naming the tensor when the frame is invalid.
-    pub fn decompress_one(
+    pub(crate) fn decompress_one(
         &self,
         name: &str,
         compressed: &layout::CompressedGradient,

@@ -51,7 +51,7 @@ use crate::method::{self, CompressionMethod};
 use crate::tensor::Tensor;
 
 /// The first four bytes of a container.
-pub const CONTAINER_MAGIC: [u8; 4] = *b"GWCT";
+pub(crate) const CONTAINER_MAGIC: [u8; 4] = *b"GWCT";
 /// The container version this crate writes and reads.
 pub const CONTAINER_VERSION: u8 = 1;
 const PREFIX_LEN: usize = 12;
@@ -337,7 +337,7 @@ impl ContainerHeader {
     /// # Errors
     /// [`Error::Container`] naming the first tensor that is missing, has another shape, or that
     /// the model does not have.
-    pub fn check_against(&self, specs: &[TensorSpec]) -> Result<()> {
+    pub(crate) fn check_against(&self, specs: &[TensorSpec]) -> Result<()> {
         let header = self;
         let mut theirs: Vec<(&str, &[usize])> = header
             .tensors

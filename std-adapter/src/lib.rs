@@ -17,15 +17,15 @@
 //! across tensors and across chunks of a large tensor, with the same bytes and bits as on one
 //! thread.
 //!
-//! The modules are layers, each using only those listed before it: [`comm`], [`error`],
-//! [`tensor`] and [`safetensors_reader`], [`method`], [`layout`], [`feedback`], [`engine`],
-//! [`aggregate`], `collective`, [`reference`], [`compressor`], [`allreduce`], [`container`]
-//! (`docs/architecture.md`; a test checks the order).
+//! The modules are layers, each using only those listed before it: [`comm`], `error`,
+//! [`safetensors_reader`], [`tensor`], [`method`], [`layout`], [`feedback`], `engine` (the one
+//! encoder), `aggregate`, `collective`, [`reference`], [`compressor`], `allreduce`,
+//! [`container`] (`docs/architecture.md`; a test checks the order).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 pub mod comm;
-pub mod error;
+mod error;
 pub mod safetensors_reader;
 pub mod tensor;
 
@@ -35,9 +35,9 @@ pub mod layout;
 
 pub mod feedback;
 
-pub mod engine;
+mod engine;
 
-pub mod aggregate;
+mod aggregate;
 
 mod collective;
 
@@ -45,17 +45,17 @@ pub mod reference;
 
 pub mod compressor;
 
-pub mod allreduce;
+mod allreduce;
 
 pub mod container;
 
 pub use gradwire_core as core;
 
-pub use aggregate::{Aggregator, Reduction};
+pub use aggregate::{Aggregator, Reduction, aggregate};
 pub use allreduce::CompressedAllReduce;
 pub use compressor::GradientCompressor;
 pub use engine::{EncodeStats, Parallelism};
-pub use error::{BundleFault, Error};
+pub use error::{BundleFault, Error, Result};
 pub use feedback::ErrorFeedback;
 pub use layout::{BucketConfig, CompressedGradient, Manifest, TensorSpec, TopKScope};
 pub use method::CompressionMethod;

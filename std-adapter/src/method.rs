@@ -401,7 +401,7 @@ impl<'t> Words<'t> {
 /// # Errors
 /// [`Error::Config`] for an invalid method, unscaled sign (majority-vote signs: the residual
 /// would grow without bound) and unbiased (n/k-scaled) random-k (likewise).
-pub fn check_for_feedback(method: &Method) -> Result<()> {
+pub(crate) fn check_for_feedback(method: &Method) -> Result<()> {
     method
         .validate()
         .map_err(|e| Error::config(format!("{} ({e})", format(method))))?;

@@ -74,11 +74,11 @@ use crate::layout::TensorSpec;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 /// Key suffix of the flat indices.
-pub const IDX: &str = "::idx";
+pub(crate) const IDX: &str = "::idx";
 /// Key suffix of the kept values.
-pub const VAL: &str = "::val";
+pub(crate) const VAL: &str = "::val";
 /// Key suffix of the int8 scale.
-pub const SCALE: &str = "::scale";
+pub(crate) const SCALE: &str = "::scale";
 
 /// Compression mode of a reference payload (the value of the HTTP header `X-Compression`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

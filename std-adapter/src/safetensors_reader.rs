@@ -19,12 +19,12 @@ use std::collections::HashMap;
 use std::fmt;
 
 /// The largest header safetensors 0.8 accepts (its `MAX_HEADER_SIZE`), in bytes.
-pub const MAX_HEADER_LEN: usize = 100_000_000;
+pub(crate) const MAX_HEADER_LEN: usize = 100_000_000;
 
 /// The most dimensions a tensor's shape may have (NumPy 2's `NPY_MAXDIMS` is 64 too). Any array
 /// of a header longer than this is refused: a safetensors header has no other arrays than
 /// shapes and offsets, although safetensors itself would accept one in an unknown field.
-pub const MAX_DIMS: usize = 64;
+pub(crate) const MAX_DIMS: usize = 64;
 
 /// The most elements of any JSON array in `header` outside strings (commas + 1 of each
 /// outermost array: what a nested array or an object inside holds counts toward the outer one;

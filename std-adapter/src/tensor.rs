@@ -11,7 +11,7 @@
 //! let s = Tensor::scalar(1.5);
 //! assert_eq!(s.shape(), &[] as &[usize]);
 //! assert_eq!(s.data(), &[1.5]);
-//! # Ok::<(), gradwire::error::Error>(())
+//! # Ok::<(), gradwire::Error>(())
 //! ```
 
 use safetensors::tensor::{Dtype, TensorView};
@@ -26,7 +26,7 @@ pub struct Tensor {
 }
 
 /// The number of elements of `shape` (1 for `[]`), or `None` on overflow.
-pub fn numel(shape: &[usize]) -> Option<usize> {
+pub(crate) fn numel(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
 }
 
@@ -117,16 +117,6 @@ impl Tensor {
         self.data.len()
     }
 
-    /// Takes the tensor apart into its shape and its elements.
-    pub fn into_parts(self) -> (Vec<usize>, Vec<f32>) {
-        (self.shape, self.data)
-    }
-
-    /// Takes the elements, dropping the shape.
-    pub fn into_data(self) -> Vec<f32> {
-        self.data
-    }
-
     /// Sets the shape and copies `data` in, reusing this tensor's buffers (no allocation when
     /// the capacities suffice).
     ///
@@ -163,7 +153,7 @@ impl Tensor {
 /// // What `GradientCompressor::compress` takes:
 /// let by_name: HashMap<String, Tensor> = read_safetensors(&bytes)?.into_iter().collect();
 /// assert_eq!(by_name["w"].shape(), &[2, 2]);
-/// # Ok::<(), gradwire::error::Error>(())
+/// # Ok::<(), gradwire::Error>(())
 /// ```
 ///
 /// # Errors

@@ -7,12 +7,12 @@ use std::collections::HashMap;
 use common::{Rng, grads, minilm, noisy, same_bits};
 use gradwire::Aggregator;
 use gradwire::BucketConfig;
-use gradwire::aggregate::{Reduction, aggregate};
 use gradwire::core::{Method, Values};
-use gradwire::error::{BundleFault, Error};
 use gradwire::tensor::Tensor;
+use gradwire::{BundleFault, Error};
 use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
+use gradwire::{Reduction, aggregate};
 
 fn bundles(
     manifest: &Manifest,
@@ -101,7 +101,6 @@ fn large_randomk_entries_sum_as_the_core_decodes_them() {
     // parallel; the sum must be the core decoder's frame by frame, with every value codec and
     // the unbiased scaling.
     use gradwire::Parallelism;
-    use gradwire::aggregate::Aggregator;
     use gradwire::core::K;
     let mut rng = Rng(21);
     let base = HashMap::from([
@@ -315,7 +314,6 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
 #[test]
 fn an_aggregate_that_overflows_f32_is_an_error() {
     use gradwire::Parallelism;
-    use gradwire::aggregate::Aggregator;
     let dense = CompressionMethod::Core(Method::Dense {
         values: Values::F32,
     });

@@ -15,10 +15,10 @@
 use std::collections::HashMap;
 
 use gradwire::BucketConfig;
-use gradwire::aggregate::{Reduction, aggregate};
 use gradwire::tensor::Tensor;
 use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
+use gradwire::{Reduction, aggregate};
 use gradwire_core::{K, Method, Rounding, SignScale, Values, decode_into, tensor_id};
 
 #[path = "common/counting.rs"]
@@ -300,7 +300,7 @@ fn core_decoders_allocate_nothing() {
     let mut rng = Rng(9);
     for c in cases() {
         let entry = &c.manifest.entries()[0];
-        let params = c.manifest.params(0, 0).unwrap();
+        let params = c.manifest.params(&c.manifest.entries()[0], 0);
         for h in hostile(&c.bundle, &mut rng) {
             let Some(&(start, end)) = frames(&h).first() else {
                 continue;

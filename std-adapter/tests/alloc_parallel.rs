@@ -19,8 +19,8 @@ use common::{Rng, minilm, noisy};
 use gradwire::BucketConfig;
 use gradwire::Manifest;
 use gradwire::Parallelism;
-use gradwire::aggregate::{Aggregator, Reduction};
 use gradwire::tensor::Tensor;
+use gradwire::{Aggregator, Reduction};
 use gradwire::{CompressionMethod, GradientCompressor};
 
 #[path = "common/counting.rs"]

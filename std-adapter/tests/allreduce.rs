@@ -8,12 +8,12 @@ use std::collections::HashMap;
 use common::{Rng, grads, minilm, noisy, same_bits};
 use gradwire::BucketConfig;
 use gradwire::CompressedAllReduce;
+use gradwire::Error;
 use gradwire::Manifest;
-use gradwire::aggregate::{Reduction, aggregate};
 use gradwire::comm::{Communicator, LocalCommunicator, LocalGroup};
-use gradwire::error::Error;
 use gradwire::tensor::Tensor;
 use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor};
+use gradwire::{Reduction, aggregate};
 
 #[test]
 fn test_compressed_all_reduce() {

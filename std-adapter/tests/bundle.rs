@@ -6,12 +6,12 @@ use std::collections::HashMap;
 
 use common::{MINILM_VALUES, grads, minilm};
 use gradwire::core::{K, Method, Param, Values};
-use gradwire::error::{BundleFault, Error};
 use gradwire::layout::bundle::{BUNDLE_MAGIC, ENTRY_HEADER_LEN, HEADER_LEN, TRAILER_LEN};
 use gradwire::layout::{BundleHeader, Manifest, TensorSpec};
 use gradwire::method::{DEFAULT_INT8_BLOCK, format as format_method};
 use gradwire::tensor::Tensor;
 use gradwire::{BucketConfig, TopKScope};
+use gradwire::{BundleFault, Error};
 use gradwire::{CompressionMethod, GradientCompressor};
 
 fn bundle_of(
@@ -128,7 +128,7 @@ fn layout_is_as_documented() {
         assert_eq!(manifest.entries()[i].id, id);
         // The frames' tensor id (the key of random draws) is the name's alone.
         assert_eq!(
-            manifest.params(i, 0).unwrap().tensor_id,
+            manifest.params(&manifest.entries()[i], 0).tensor_id,
             gradwire::core::tensor_id(name)
         );
         let len = u32::from_le_bytes(bundle[pos + 8..pos + 12].try_into().unwrap()) as usize;

@@ -6,8 +6,8 @@ mod common;
 use std::collections::HashMap;
 
 use common::{Rng, grads, same_bits};
+use gradwire::Error;
 use gradwire::core::{K, Method, Param, Rounding, SignScale, Values};
-use gradwire::error::Error;
 use gradwire::method::{
     DEFAULT_QUANT_BLOCK, DEFAULT_SIGN_BLOCK, format as format_method, parse as parse_method,
 };

@@ -8,9 +8,9 @@ use std::path::PathBuf;
 
 use common::{Rng, Stepper, grads, minilm, same_bits};
 use gradwire::BucketConfig;
+use gradwire::Error;
 use gradwire::Manifest;
 use gradwire::core::{K, Method, Params, ResidualBound, Rounding, SignScale, Values, tensor_id};
-use gradwire::error::Error;
 use gradwire::feedback::ErrorFeedback;
 use gradwire::method::DEFAULT_INT8_BLOCK;
 use gradwire::tensor::Tensor;

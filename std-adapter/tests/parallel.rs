@@ -10,8 +10,10 @@ use std::collections::HashMap;
 use common::{MINILM, Rng, minilm, same_bits};
 use gradwire::BucketConfig;
 use gradwire::Manifest;
+use gradwire::Parallelism;
 use gradwire::core::{K, Method, Rounding, SignScale, Values};
-use gradwire::engine::{AUTO_MIN_ELEMENTS, Parallelism};
+
+const AUTO_MIN_ELEMENTS: usize = Parallelism::AUTO_MIN_ELEMENTS;
 use gradwire::tensor::Tensor;
 use gradwire::{Aggregator, Reduction};
 use gradwire::{CompressionMethod, GradientCompressor};
@@ -254,8 +256,7 @@ fn majority_vote_parallel_equals_serial() {
             b
         })
         .collect();
-    let serial =
-        gradwire::aggregate::aggregate(&manifest, &bundles, 0, Reduction::MajorityVote).unwrap();
+    let serial = gradwire::aggregate(&manifest, &bundles, 0, Reduction::MajorityVote).unwrap();
     let mut parallel = Vec::new();
     Aggregator::new()
         .with_parallelism(Parallelism::Parallel)

@@ -14,11 +14,11 @@
 use std::collections::{BTreeMap, HashMap};
 
 use gradwire::BucketConfig;
-use gradwire::aggregate::{Reduction, aggregate};
 use gradwire::feedback::ErrorFeedback;
 use gradwire::tensor::Tensor;
 use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
+use gradwire::{Reduction, aggregate};
 use gradwire_core::{K, Method, Rounding, SignScale, Values, decode_into};
 use quickcheck::{QuickCheck, TestResult};
 

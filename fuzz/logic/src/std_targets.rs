@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use crate::gens::{gen_grad, gen_method, pow2};
 use crate::input::{Input, crc32, with_crc};
-use gradwire::error::Error;
+use gradwire::Error;
 use gradwire::feedback::{CHECKPOINT_VERSION, ErrorFeedback};
 use gradwire::method::{format as format_method, parse as parse_method};
 use gradwire::reference::{self, Mode, ReferenceError};

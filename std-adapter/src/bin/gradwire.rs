@@ -96,8 +96,8 @@ impl CliError {
     }
 }
 
-impl From<gradwire::error::Error> for CliError {
-    fn from(e: gradwire::error::Error) -> Self {
+impl From<gradwire::Error> for CliError {
+    fn from(e: gradwire::Error) -> Self {
         CliError::new(e.to_string())
     }
 }

@@ -17,7 +17,7 @@ use rayon::prelude::*;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Parallelism {
     /// On rayon's pool when it has more than one thread, else serial; also serial for a model of
-    /// fewer than [`AUTO_MIN_ELEMENTS`] elements, where handing work to other threads costs more
+    /// fewer than [`Parallelism::AUTO_MIN_ELEMENTS`] elements, where handing work to other threads costs more
     /// than it saves.
     #[default]
     Auto,
@@ -27,10 +27,10 @@ pub enum Parallelism {
     Parallel,
 }
 
-/// Elements below which [`Parallelism::Auto`] runs a model serially.
-pub const AUTO_MIN_ELEMENTS: usize = 1 << 16;
-
 impl Parallelism {
+    /// Elements below which [`Parallelism::Auto`] runs a model serially.
+    pub const AUTO_MIN_ELEMENTS: usize = 1 << 16;
+
     /// Whether a call made now on a model of `elements` elements runs on rayon's pool.
     pub fn is_parallel_for(self, elements: usize) -> bool {
         self.exec_for(elements) == Exec::Pool
@@ -48,7 +48,9 @@ impl Parallelism {
     /// Where a call made now on a model of `elements` elements runs.
     pub(crate) fn exec_for(self, elements: usize) -> Exec {
         let pooled = match self {
-            Parallelism::Auto => elements >= AUTO_MIN_ELEMENTS && rayon::current_num_threads() > 1,
+            Parallelism::Auto => {
+                elements >= Self::AUTO_MIN_ELEMENTS && rayon::current_num_threads() > 1
+            }
             Parallelism::Serial => false,
             Parallelism::Parallel => true,
         };

@@ -35,7 +35,7 @@ use std::collections::HashMap;
 
 use gradwire_core::{ResidualBound, max_frame_len};
 
-pub use self::exec::{AUTO_MIN_ELEMENTS, Parallelism};
+pub use self::exec::Parallelism;
 
 pub(crate) use self::buffers::{Pool, grow};
 pub(crate) use self::exec::Exec;
@@ -303,7 +303,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
             if let Some(&t) = entry.members.first() {
                 let name = &self.manifest.tensors()[t].name;
                 if fb.residual(name).is_some() {
-                    slot.bound = fb.bound(name);
+                    slot.bound = fb.residual_bound(name);
                 }
             }
         }
@@ -376,7 +376,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         };
         let need = max_frame_len(entry.len, &entry.method);
         grow(&mut slot.frame, need);
-        let params = self.manifest.entry_params(entry, self.step);
+        let params = self.manifest.params(entry, self.step);
         let frame = &mut slot.frame[..need];
         match slot.split.encode(rule, &params, g, r, frame, self.exec) {
             Selected::Frame(len) => {
@@ -414,7 +414,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         let need = max_frame_len(entry.len, &entry.method);
         grow(&mut slot.frame, need);
         let frame = &mut slot.frame[..need];
-        let params = self.manifest.entry_params(entry, self.step);
+        let params = self.manifest.params(entry, self.step);
         let residual = slot.res.first_mut().filter(|_| ef);
         let internal = |what: &str| Error::internal(format!("`{}`: {what}", entry.label));
         slot.len = match (slot.pass1, entry.encode) {

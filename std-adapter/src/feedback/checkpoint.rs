@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 use crate::method;
 
 /// Value of the `format` metadata entry of a checkpoint.
-pub const CHECKPOINT_FORMAT: &str = "gradwire-error-feedback";
+pub(crate) const CHECKPOINT_FORMAT: &str = "gradwire-error-feedback";
 /// Value of the `version` metadata entry of a checkpoint.
 pub const CHECKPOINT_VERSION: &str = "3";
 

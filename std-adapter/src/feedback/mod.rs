@@ -45,10 +45,10 @@
 //! assert_eq!(fb.step(), 1);
 //! // -3.0 was sent; the rest waits in the residual.
 //! assert_eq!(fb.residual("w"), Some(&[1.0_f32, 0.0, 0.5][..]));
-//! # Ok::<(), gradwire::error::Error>(())
+//! # Ok::<(), gradwire::Error>(())
 //! ```
 
-pub mod checkpoint;
+mod checkpoint;
 
 use std::collections::BTreeMap;
 
@@ -57,7 +57,7 @@ use gradwire_core::{Method, Params, ResidualBound, scalar, tensor_id};
 use crate::error::{Error, Result};
 use crate::method::check_for_feedback;
 
-pub use self::checkpoint::{CHECKPOINT_FORMAT, CHECKPOINT_VERSION};
+pub use self::checkpoint::CHECKPOINT_VERSION;
 
 /// Residuals keyed by parameter name, the method, the seed and the step counter of an
 /// error-feedback run.
@@ -259,11 +259,6 @@ impl ErrorFeedback {
     /// gradient and bound prove every sum in range reads the gradient and the residual once
     /// after its check (see [`gradwire_core::feedback_step_bounded`]).
     pub fn residual_bound(&self, name: &str) -> ResidualBound {
-        self.bound(name)
-    }
-
-    /// The bound `name`'s residual's last step left ([`ResidualBound::UNKNOWN`] when none).
-    pub(crate) fn bound(&self, name: &str) -> ResidualBound {
         self.bounds
             .get(name)
             .copied()

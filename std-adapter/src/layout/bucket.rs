@@ -103,7 +103,7 @@ impl BucketConfig {
     ///
     /// # Errors
     /// [`Error::Config`] when `dense_values` is int8 (dense frames carry f32, f16 or bf16).
-    pub fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if matches!(self.dense_values, Values::Int8 { .. }) {
             return Err(Error::config(
                 "dense tensors travel as f32, f16 or bf16, not int8",

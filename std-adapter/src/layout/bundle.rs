@@ -45,7 +45,7 @@ use crate::error::{BundleFault, Error, Result};
 /// The first four bytes of every bundle.
 pub const BUNDLE_MAGIC: [u8; 4] = *b"GWBN";
 /// The bundle format version this crate writes and reads.
-pub const BUNDLE_VERSION: u8 = 2;
+pub(crate) const BUNDLE_VERSION: u8 = 2;
 /// Bytes of the bundle header.
 pub const HEADER_LEN: usize = 24;
 /// Bytes of an entry's id and length.
@@ -247,7 +247,7 @@ impl Manifest {
         for (e, entry) in self.entries.iter().enumerate() {
             let (id, frame) = self.entry_at(bundle, body_end, &mut pos, rank)?;
             check_id(e, entry, id, frame, rank)?;
-            let params = self.entry_params(entry, header.step);
+            let params = self.params(entry, header.step);
             check_frame_of(&entry.label, rank, frame, &params, entry.len)?;
         }
         if pos != body_end {
@@ -265,7 +265,7 @@ impl Manifest {
         }
         // Pass 2: hand out the frames.
         self.walk(bundle, rank, |e, frame| {
-            f(e, frame, &self.entry_params(&self.entries[e], header.step))
+            f(e, frame, &self.params(&self.entries[e], header.step))
         })?;
         Ok(header)
     }

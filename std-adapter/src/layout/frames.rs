@@ -122,11 +122,6 @@ impl CompressedGradient {
         &self.frame
     }
 
-    /// Takes the frame bytes.
-    pub fn into_frame(self) -> Vec<u8> {
-        self.frame
-    }
-
     /// The tensor's shape.
     pub fn shape(&self) -> &[usize] {
         &self.shape

@@ -401,14 +401,9 @@ impl Manifest {
         self.max_bundle_len
     }
 
-    /// The parameters of entry `entry`'s frame at `step` (`None` when the manifest has no such
-    /// entry).
-    pub fn params(&self, entry: usize, step: u64) -> Option<Params> {
-        self.entries.get(entry).map(|e| self.entry_params(e, step))
-    }
-
-    /// The parameters of `entry`'s frame (an entry of this manifest) at `step`.
-    pub(crate) fn entry_params(&self, entry: &Entry, step: u64) -> Params {
+    /// The parameters of `entry`'s frame (an entry of this manifest) at `step`: what its
+    /// receiver checks the frame against.
+    pub fn params(&self, entry: &Entry, step: u64) -> Params {
         Params {
             method: entry.method,
             seed: self.seed,
@@ -465,7 +460,7 @@ impl Manifest {
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::UnexpectedTensor`] (the first in sorted order) or
     /// [`Error::ShapeMismatch`], naming the tensor.
-    pub fn check_gradients(&self, grads: &HashMap<String, Tensor>) -> Result<()> {
+    pub(crate) fn check_gradients(&self, grads: &HashMap<String, Tensor>) -> Result<()> {
         self.check_names(grads, None, Tensor::shape)
     }
 
