@@ -8,13 +8,13 @@
 
 use crate::error::{Error, Param};
 use crate::frame::{
-    accumulate_into, add_into, check_encode, check_input, encode_checked, encode_src,
-    feedback_update, is_fused, subtract_kept, topk_frame,
+    Body, accumulate_into, apply, check_encode, check_input, encode_checked, encode_src, is_fused,
+    parse_trusted, sparse_batches, topk_frame,
 };
-use crate::lanes::{One, Sum};
+use crate::lanes::{LANES, One, Sum};
 use crate::method::{Method, Params, SignScale, Values};
-use crate::select;
 use crate::values::all_below;
+use crate::{index, quant, select, sign, values};
 
 /// One error-feedback step on one tensor: `residual += grad`, encode `residual` into `out`,
 /// then `residual -= decoded(out)`. Returns the frame length in bytes.
@@ -330,4 +330,165 @@ fn subtract_sent(
         }
     }
     accumulate_into(frame, params, residual, -1.0).map(|_| ())
+}
+
+/// For a frame this crate just wrote from `g + r` (an error-feedback step whose checks all
+/// passed): `r = (g + r) - decoded(frame)`, bit for bit what `r += g` followed by
+/// [`accumulate_into`]`(frame, r, -1.0)` gives, in one streaming pass over `g` and `r` (sparse
+/// frames: the subtractions are applied while the stretch they fall in is still in cache;
+/// quantization and sign: tile by tile). `r` is untouched when the frame does not parse.
+///
+/// `kept`, when given, is the frame's index list as the encoder left it in its scratch
+/// (ascending `u32`): a sparse frame with that many entries then takes its indices from there
+/// instead of decoding its own index section (the values are still decoded from the frame).
+fn feedback_update(
+    frame: &[u8],
+    kept: Option<&[u32]>,
+    g: &[f32],
+    r: &mut [f32],
+) -> Result<(), Error> {
+    let (h, body) = parse_trusted(frame)?;
+    if h.n != g.len() as u64 || g.len() != r.len() {
+        return Err(Error::ElementCount {
+            expected: g.len() as u64,
+            got: h.n,
+        });
+    }
+    match body {
+        Body::Sparse { v, count, vals, .. } => {
+            let mut done = 0usize;
+            match kept.filter(|kept| kept.len() as u64 == count) {
+                Some(kept) => {
+                    let mut vb = [0.0f32; index::BATCH];
+                    for (j, ib) in kept.chunks(index::BATCH).enumerate() {
+                        let vb = &mut vb[..ib.len()];
+                        values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
+                        update_run(r, g, &mut done, ib.iter().map(|&i| i as usize), vb);
+                    }
+                }
+                None => sparse_batches(&h, &body, |ib, vb| {
+                    update_run(r, g, &mut done, ib.iter().copied(), vb);
+                }),
+            }
+            add_range(r, g, done, r.len());
+        }
+        Body::Quant {
+            bits,
+            block,
+            scales,
+            codes,
+            ..
+        } if (bits == 8 || bits == 4) && block.is_multiple_of(LANES) => {
+            let tile = block * (FEEDBACK_TILE / block).max(1);
+            let per_byte = 8 / bits as usize;
+            for start in (0..r.len()).step_by(tile) {
+                let end = (start + tile).min(r.len());
+                add_range(r, g, start, end);
+                let s = &scales[4 * (start / block)..];
+                let c = &codes[start / per_byte..];
+                quant::decode_slice(bits, block, s, c, &mut r[start..end], Some(-1.0));
+            }
+        }
+        Body::Sign {
+            block,
+            scales,
+            signs,
+            ..
+        } if block.is_none_or(|b| b.is_multiple_of(LANES)) => {
+            let per = block.unwrap_or(LANES);
+            let tile = per * (FEEDBACK_TILE / per).max(1);
+            for start in (0..r.len()).step_by(tile) {
+                let end = (start + tile).min(r.len());
+                add_range(r, g, start, end);
+                let s = block.map_or(&[][..], |b| &scales[4 * (start / b)..]);
+                let rs = &mut r[start..end];
+                sign::decode_slice(block, s, &signs[start / 8..], rs, Some(-1.0));
+            }
+        }
+        _ => {
+            add_into(r, g);
+            apply(&h, &body, r, Some(-1.0));
+        }
+    }
+    Ok(())
+}
+
+/// `r[i] += -decoded` at the kept indices `kept` of a sparse frame just written (trusted, with
+/// `kept.len()` entries): the fix-up of an error-feedback step whose residual already holds
+/// `g + r` everywhere. Returns the largest `|r[i]|` it leaves at those indices (0 for none).
+fn subtract_kept(frame: &[u8], kept: &[u32], r: &mut [f32]) -> Result<f32, Error> {
+    let (h, body) = parse_trusted(frame)?;
+    // The frame was just written from these lists: a mismatch here is a bug, reported as the
+    // frame's element count.
+    let (Body::Sparse { v, count, vals, .. }, true) = (body, h.n == r.len() as u64) else {
+        return Err(Error::ElementCount {
+            expected: r.len() as u64,
+            got: h.n,
+        });
+    };
+    if count != kept.len() as u64 {
+        return Err(Error::ElementCount {
+            expected: r.len() as u64,
+            got: h.n,
+        });
+    }
+    // The kept entries are about 1% of the tensor, far apart and no longer in cache: ask for
+    // the line of the entry 32 places ahead, so that the misses overlap.
+    const AHEAD_KEPT: usize = 32;
+    let mut max = 0.0f32;
+    let mut vb = [0.0f32; index::BATCH];
+    for (j, ib) in kept.chunks(index::BATCH).enumerate() {
+        let vb = &mut vb[..ib.len()];
+        values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
+        let ahead = kept.get(j * index::BATCH + AHEAD_KEPT..).unwrap_or(&[]);
+        for (t, (&i, &x)) in ib.iter().zip(vb.iter()).enumerate() {
+            if let Some(&a) = ahead.get(t) {
+                crate::lanes::prefetch(r, a as usize);
+            }
+            if let Some(r) = r.get_mut(i as usize) {
+                *r += -x;
+                max = max.max(r.abs());
+            }
+        }
+    }
+    Ok(max)
+}
+
+/// One run of sparse entries of [`feedback_update`]: `r += g` from `done` through the run's last
+/// index, then `r[i] -= x` for each entry (ascending indices below `r.len()`).
+fn update_run(
+    r: &mut [f32],
+    g: &[f32],
+    done: &mut usize,
+    idx: impl DoubleEndedIterator<Item = usize> + Clone,
+    vals: &[f32],
+) {
+    let Some(last) = idx.clone().next_back() else {
+        return;
+    };
+    let end = (last + 1).clamp(*done, r.len());
+    add_range(r, g, *done, end);
+    *done = end;
+    for (i, &x) in idx.zip(vals) {
+        r[i] += -x;
+    }
+}
+
+/// Elements per tile of the dense error-feedback update (rounded to whole blocks).
+const FEEDBACK_TILE: usize = 4096;
+
+/// `r[i] += g[i]` (same lengths).
+fn add_into(r: &mut [f32], g: &[f32]) {
+    add_range(r, g, 0, r.len());
+}
+
+/// `r[i] += g[i]` for `i` in `start..end` (cut to both lengths). A plain loop that the
+/// compiler vectorizes, without software prefetch: for this two-buffer read-modify-write pass a
+/// prefetch was slower in the native build (docs/prefetch.md).
+fn add_range(r: &mut [f32], g: &[f32], start: usize, end: usize) {
+    let end = end.min(r.len()).min(g.len());
+    let start = start.min(end);
+    for (a, &b) in r[start..end].iter_mut().zip(&g[start..end]) {
+        *a += b;
+    }
 }
