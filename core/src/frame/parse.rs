@@ -229,99 +229,75 @@ pub(crate) fn check_expected(h: &Header, expected: &Params, n: usize) -> Result<
         });
     }
     expected.method.validate()?;
-    let mismatch = |param| Err(Error::ParamMismatch { param });
-    match (h.params.method, expected.method) {
-        (Method::Dense { values: a }, Method::Dense { values: b }) => {
-            if a != b {
-                return mismatch(Param::Values);
-            }
-        }
-        (Method::TopK { k: a, values: va }, Method::TopK { k: b, values: vb }) => {
-            if va != vb {
-                return mismatch(Param::Values);
-            }
-            if a.resolve(h.n) != b.resolve(h.n) {
-                return mismatch(Param::K);
-            }
-        }
+    match first_difference(h, expected) {
+        Some(param) => Err(Error::ParamMismatch { param }),
+        None => Ok(()),
+    }
+}
+
+/// The first parameter of the frame that differs from `expected` (FORMAT.md 7.2), in the order
+/// the frame carries them.
+fn first_difference(h: &Header, expected: &Params) -> Option<Param> {
+    use Method as M;
+    let (got, n) = (&h.params, h.n);
+    let first = |checks: &[(bool, Param)]| checks.iter().find(|c| c.0).map(|c| c.1);
+    match (got.method, expected.method) {
+        (M::Dense { values: va }, M::Dense { values: vb }) => first(&[(va != vb, Param::Values)]),
+        (M::TopK { k: ka, values: va }, M::TopK { k: kb, values: vb }) => first(&[
+            (va != vb, Param::Values),
+            (ka.resolve(n) != kb.resolve(n), Param::K),
+        ]),
         (
-            Method::Threshold {
-                threshold: a,
+            M::Threshold {
+                threshold: ta,
                 values: va,
             },
-            Method::Threshold {
-                threshold: b,
+            M::Threshold {
+                threshold: tb,
                 values: vb,
             },
-        ) => {
-            if va != vb {
-                return mismatch(Param::Values);
-            }
-            if a.to_bits() != b.to_bits() {
-                return mismatch(Param::Threshold);
-            }
-        }
+        ) => first(&[
+            (va != vb, Param::Values),
+            (ta.to_bits() != tb.to_bits(), Param::Threshold),
+        ]),
         (
-            Method::RandomK {
-                k: a,
+            M::RandomK {
+                k: ka,
                 values: va,
                 unbiased: ua,
             },
-            Method::RandomK {
-                k: b,
+            M::RandomK {
+                k: kb,
                 values: vb,
                 unbiased: ub,
             },
-        ) => {
-            if va != vb {
-                return mismatch(Param::Values);
-            }
-            if a.resolve(h.n) != b.resolve(h.n) {
-                return mismatch(Param::K);
-            }
-            if ua != ub {
-                return mismatch(Param::Unbiased);
-            }
-            if h.params.seed != expected.seed {
-                return mismatch(Param::Seed);
-            }
-            if h.params.step != expected.step {
-                return mismatch(Param::Step);
-            }
-            if h.params.tensor_id != expected.tensor_id {
-                return mismatch(Param::TensorId);
-            }
-        }
+        ) => first(&[
+            (va != vb, Param::Values),
+            (ka.resolve(n) != kb.resolve(n), Param::K),
+            (ua != ub, Param::Unbiased),
+            (got.seed != expected.seed, Param::Seed),
+            (got.step != expected.step, Param::Step),
+            (got.tensor_id != expected.tensor_id, Param::TensorId),
+        ]),
         (
-            Method::Quant {
-                bits: a,
-                block: ba,
+            M::Quant {
+                bits: ba,
+                block: la,
                 rounding: ra,
             },
-            Method::Quant {
-                bits: b,
-                block: bb,
+            M::Quant {
+                bits: bb,
+                block: lb,
                 rounding: rb,
             },
-        ) => {
-            if a != b {
-                return mismatch(Param::Bits);
-            }
-            if ba != bb {
-                return mismatch(Param::Block);
-            }
-            if ra != rb {
-                return mismatch(Param::Rounding);
-            }
-        }
-        (Method::Sign { scale: a }, Method::Sign { scale: b }) => {
-            if a != b {
-                return mismatch(Param::SignScale);
-            }
-        }
-        _ => return mismatch(Param::Method),
+        ) => first(&[
+            (ba != bb, Param::Bits),
+            (la != lb, Param::Block),
+            (ra != rb, Param::Rounding),
+        ]),
+        (M::Sign { scale: sa }, M::Sign { scale: sb }) => first(&[(sa != sb, Param::SignScale)]),
+        _ => Some(Param::Method),
     }
-    Ok(())
 }
 
 /// Validates every index and value of a parsed body.
