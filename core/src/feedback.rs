@@ -8,13 +8,13 @@
 
 use crate::error::{Error, Param};
 use crate::frame::{
-    Body, accumulate_into, apply, check_encode, check_input, encode_checked, encode_src, is_fused,
-    parse_trusted, sparse_batches, topk_frame,
+    Body, Header, Shape, accumulate_into, check_encode, check_input, encode_checked, encode_src,
+    is_fused, parse_trusted, sparse_batches, topk_frame,
 };
 use crate::lanes::{LANES, One, Sum};
 use crate::method::{Method, Params, SignScale, Values};
 use crate::values::all_below;
-use crate::{index, quant, select, sign, values};
+use crate::{index, select, values};
 
 /// One error-feedback step on one tensor: `residual += grad`, encode `residual` into `out`,
 /// then `residual -= decoded(out)`. Returns the frame length in bytes.
@@ -355,62 +355,70 @@ fn feedback_update(
         });
     }
     match body {
-        Body::Sparse { v, count, vals, .. } => {
-            let mut done = 0usize;
-            match kept.filter(|kept| kept.len() as u64 == count) {
-                Some(kept) => {
-                    let mut vb = [0.0f32; index::BATCH];
-                    for (j, ib) in kept.chunks(index::BATCH).enumerate() {
-                        let vb = &mut vb[..ib.len()];
-                        values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
-                        update_run(r, g, &mut done, ib.iter().map(|&i| i as usize), vb);
-                    }
+        Body::Sparse { .. } => update_sparse(&h, &body, kept, g, r),
+        Body::Shaped {
+            shape,
+            scales,
+            body,
+            ..
+        } => match feedback_tile(shape) {
+            Some(tile) => {
+                for start in (0..r.len()).step_by(tile) {
+                    let end = (start + tile).min(r.len());
+                    add_range(r, g, start, end);
+                    let s = &scales[shape.scales_len(start)..];
+                    let b = &body[shape.body_len(start)..];
+                    shape.decode(s, b, &mut r[start..end], Some(-1.0));
                 }
-                None => sparse_batches(&h, &body, |ib, vb| {
-                    update_run(r, g, &mut done, ib.iter().copied(), vb);
-                }),
             }
-            add_range(r, g, done, r.len());
-        }
-        Body::Quant {
-            bits,
-            block,
-            scales,
-            codes,
-            ..
-        } if (bits == 8 || bits == 4) && block.is_multiple_of(LANES) => {
-            let tile = block * (FEEDBACK_TILE / block).max(1);
-            let per_byte = 8 / bits as usize;
-            for start in (0..r.len()).step_by(tile) {
-                let end = (start + tile).min(r.len());
-                add_range(r, g, start, end);
-                let s = &scales[4 * (start / block)..];
-                let c = &codes[start / per_byte..];
-                quant::decode_slice(bits, block, s, c, &mut r[start..end], Some(-1.0));
+            None => {
+                add_into(r, g);
+                shape.decode(scales, body, r, Some(-1.0));
             }
-        }
-        Body::Sign {
-            block,
-            scales,
-            signs,
-            ..
-        } if block.is_none_or(|b| b.is_multiple_of(LANES)) => {
-            let per = block.unwrap_or(LANES);
-            let tile = per * (FEEDBACK_TILE / per).max(1);
-            for start in (0..r.len()).step_by(tile) {
-                let end = (start + tile).min(r.len());
-                add_range(r, g, start, end);
-                let s = block.map_or(&[][..], |b| &scales[4 * (start / b)..]);
-                let rs = &mut r[start..end];
-                sign::decode_slice(block, s, &signs[start / 8..], rs, Some(-1.0));
-            }
-        }
-        _ => {
-            add_into(r, g);
-            apply(&h, &body, r, Some(-1.0));
-        }
+        },
     }
     Ok(())
+}
+
+/// The sparse part of [`feedback_update`]: `r += g` up to each run of entries, then
+/// `r[i] += -decoded[i]` for the run, while the stretch is in cache.
+fn update_sparse(h: &Header, body: &Body<'_>, kept: Option<&[u32]>, g: &[f32], r: &mut [f32]) {
+    let Body::Sparse { v, count, vals, .. } = *body else {
+        return;
+    };
+    let mut done = 0usize;
+    match kept.filter(|kept| kept.len() as u64 == count) {
+        Some(kept) => {
+            let mut vb = [0.0f32; index::BATCH];
+            for (j, ib) in kept.chunks(index::BATCH).enumerate() {
+                let vb = &mut vb[..ib.len()];
+                values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
+                update_run(r, g, &mut done, ib.iter().map(|&i| i as usize), vb);
+            }
+        }
+        None => sparse_batches(h, body, |ib, vb| {
+            update_run(r, g, &mut done, ib.iter().copied(), vb);
+        }),
+    }
+    add_range(r, g, done, r.len());
+}
+
+/// Elements per tile of [`feedback_update`] for a frame of `shape` that the SIMD decoders
+/// take tile by tile (whole blocks of 8-bit or 4-bit quantization or of sign, multiples of 8
+/// elements); `None` for the others, updated in two passes.
+fn feedback_tile(shape: Shape) -> Option<usize> {
+    let per = match shape {
+        Shape::Quant { bits, block, .. }
+            if (bits == 8 || bits == 4) && block.is_multiple_of(LANES) =>
+        {
+            block
+        }
+        Shape::Sign { block } if block.is_none_or(|b| b.is_multiple_of(LANES)) => {
+            block.unwrap_or(LANES)
+        }
+        _ => return None,
+    };
+    Some(per * (FEEDBACK_TILE / per).max(1))
 }
 
 /// `r[i] += -decoded` at the kept indices `kept` of a sparse frame just written (trusted, with

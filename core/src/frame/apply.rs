@@ -6,7 +6,7 @@ use super::{FrameInfo, Header};
 use crate::error::{Error, Param};
 use crate::lanes::prefetch;
 use crate::method::Params;
-use crate::{index, quant, randomk, rng, sign, values};
+use crate::{index, randomk, rng, values};
 
 /// Calls `f` with runs of entries of a validated sparse body: ascending indices and their
 /// decoded values (random-k values already multiplied by the unbiased scale). Index sections
@@ -67,20 +67,12 @@ pub(crate) fn sparse_batches(h: &Header, body: &Body<'_>, mut f: impl FnMut(&[us
 /// `weight * value` of every entry of a validated body into `out`.
 pub(crate) fn apply(h: &Header, body: &Body<'_>, out: &mut [f32], weight: Option<f32>) {
     match *body {
-        Body::Dense { v, vals, .. } => values::decode_plain(v, vals, out, weight),
-        Body::Quant {
-            bits,
-            block,
+        Body::Shaped {
+            shape,
             scales,
-            codes,
+            body,
             ..
-        } => quant::decode_slice(bits, block, scales, codes, out, weight),
-        Body::Sign {
-            block,
-            scales,
-            signs,
-            ..
-        } => sign::decode_slice(block, scales, signs, out, weight),
+        } => shape.decode(scales, body, out, weight),
         Body::Sparse { .. } => match weight {
             None => sparse_batches(h, body, |ib, vb| {
                 for (&i, &x) in ib.iter().zip(vb) {

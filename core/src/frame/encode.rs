@@ -2,11 +2,12 @@
 //! tensor's elements in order (dense, quantization, sign). Top-k, threshold and random-k are
 //! written by `sparse`.
 
+use super::shape::Shape;
 use super::wire::{Put, write_shaped_header};
 use super::{check_encode, check_input, no_frame_on_error, sparse};
 use crate::error::Error;
 use crate::lanes::{One, Source};
-use crate::method::{Method, Params, Rounding, Values};
+use crate::method::{Method, Params, Values};
 use crate::select::OutOfLimit;
 use crate::{quant, sign, values};
 
@@ -152,38 +153,15 @@ pub(crate) fn encode_checked(
 /// A dense, quantization or sign frame of checked input.
 fn encode_shaped(g: &[f32], params: &Params, out: &mut [u8]) -> usize {
     let n = g.len();
+    let Some(shape) = Shape::of(&params.method) else {
+        unreachable!("only dense, quantization and sign")
+    };
     let mut p = Put::new(out);
     write_shaped_header(&mut p, &params.method, n);
-    match params.method {
-        Method::Dense { values } => {
-            values::encode_plain(values, g, &mut p.buf[p.pos..]);
-            p.pos += n * values.value_bytes();
-        }
-        Method::Quant {
-            bits,
-            block,
-            rounding,
-        } => {
-            let block = block as usize;
-            let s_len = quant::scales_len(n, block);
-            let c_len = quant::codes_len(n, bits);
-            let (scales, rest) = p.buf[p.pos..].split_at_mut(s_len);
-            let stochastic = match rounding {
-                Rounding::Stochastic => Some((params.seed, params.step, params.tensor_id)),
-                Rounding::NearestEven => None,
-            };
-            quant::encode(g, bits, block, stochastic, scales, &mut rest[..c_len]);
-            p.pos += s_len + c_len;
-        }
-        Method::Sign { scale } => {
-            let block = super::wire::sign_block(scale);
-            let s_len = sign::scales_len(n, block);
-            let b_len = sign::bits_len(n);
-            let (scales, rest) = p.buf[p.pos..].split_at_mut(s_len);
-            sign::encode(g, block, scales, &mut rest[..b_len]);
-            p.pos += s_len + b_len;
-        }
-        _ => unreachable!("only dense, quantization and sign"),
-    }
+    let (s_len, b_len) = (shape.scales_len(n), shape.body_len(n));
+    let (scales, rest) = p.buf[p.pos..].split_at_mut(s_len);
+    let stream = (params.seed, params.step, params.tensor_id);
+    shape.encode(g, 0, stream, scales, &mut rest[..b_len]);
+    p.pos += s_len + b_len;
     p.finish()
 }

@@ -8,12 +8,14 @@
 //!
 //! Inside: `wire` writes and reads the bytes around the sections (header, parameters,
 //! trailer); `encode` writes dense, quantization and sign frames and dispatches the others to
-//! `sparse` (top-k, threshold, random-k); `parse` reads and checks a frame into its sections;
+//! `sparse` (top-k, threshold, random-k), with `shape` holding how dense, quantization and
+//! sign sections hold the elements; `parse` reads and checks a frame into its sections;
 //! `apply` decodes them.
 
 mod apply;
 mod encode;
 mod parse;
+mod shape;
 mod sparse;
 mod wire;
 
@@ -26,9 +28,10 @@ pub use apply::{accumulate_into, decode_into, validate};
 pub use encode::encode_into;
 pub use sparse::{encode_kept_into, encode_selected_into};
 
-pub(crate) use apply::{apply, sparse_batches};
+pub(crate) use apply::sparse_batches;
 pub(crate) use encode::{encode_checked, encode_src, is_fused};
 pub(crate) use parse::{Body, parse_trusted};
+pub(crate) use shape::Shape;
 pub(crate) use sparse::topk_frame;
 
 use wire::{CRC_LEN, FIXED_LEN, params_len};

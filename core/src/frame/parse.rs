@@ -3,21 +3,26 @@
 //! ([`Body`]); [`check_expected`] compares the header with the receiver's parameters (step 6);
 //! [`validate_body`] checks every index and value (steps 7-8).
 
+use super::shape::Shape;
 use super::wire::{
     self, FLAG_UNBIASED, Fixed, Get, M_DENSE, M_QUANT, M_RANDOMK, M_SIGN, M_THRESHOLD, M_TOPK,
 };
 use super::{FORMAT_VERSION, Header};
 use crate::error::{Error, Param};
 use crate::method::{K, Method, Params, Values};
-use crate::{index, quant, sign, values};
+use crate::{index, values};
 
 /// Sections of a parsed frame, each with its byte offset.
 pub(crate) enum Body<'a> {
-    Dense {
-        v: Values,
-        vals: &'a [u8],
+    /// Dense, quantization or sign: the scales section (empty for dense and unscaled sign)
+    /// at offset `off`, and right after it the values, codes or signs.
+    Shaped {
+        shape: Shape,
+        scales: &'a [u8],
+        body: &'a [u8],
         off: usize,
     },
+    /// Top-k, threshold (with an index section of codec `codec`) and random-k (none).
     Sparse {
         v: Values,
         count: u64,
@@ -26,19 +31,6 @@ pub(crate) enum Body<'a> {
         idx_off: usize,
         vals: &'a [u8],
         vals_off: usize,
-    },
-    Quant {
-        bits: u8,
-        block: usize,
-        scales: &'a [u8],
-        codes: &'a [u8],
-        off: usize,
-    },
-    Sign {
-        block: Option<usize>,
-        scales: &'a [u8],
-        signs: &'a [u8],
-        off: usize,
     },
 }
 
@@ -102,9 +94,14 @@ fn parse_dense<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
     let len =
         f.nu.checked_mul(v.value_bytes())
             .ok_or(Error::TooLarge { n: f.n })?;
-    let (vals, off) = r.section(len)?;
-    let params = Params::new(Method::Dense { values: v });
-    Ok((params, f.n, Body::Dense { v, vals, off }))
+    let (body, off) = r.section(len)?;
+    let body = Body::Shaped {
+        shape: Shape::Dense(v),
+        scales: &[],
+        body,
+        off,
+    };
+    Ok((Params::new(Method::Dense { values: v }), f.n, body))
 }
 
 /// Top-k and threshold: the value spec, the threshold (threshold only), the count and the
@@ -183,19 +180,22 @@ fn parse_quant<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
             .div_ceil(8);
     let (scales, off) = r.section(s_len)?;
     let (codes, _) = r.section(c_len)?;
-    let params = Params::new(Method::Quant {
+    let body = Body::Shaped {
+        shape: Shape::Quant {
+            bits,
+            block: block as usize,
+            rounding,
+        },
+        scales,
+        body: codes,
+        off,
+    };
+    let method = Method::Quant {
         bits,
         block,
         rounding,
-    });
-    let body = Body::Quant {
-        bits,
-        block: block as usize,
-        scales,
-        codes,
-        off,
     };
-    Ok((params, f.n, body))
+    Ok((Params::new(method), f.n, body))
 }
 
 fn parse_sign<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
@@ -211,10 +211,10 @@ fn parse_sign<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
     };
     let (scales, off) = r.section(s_len)?;
     let (signs, _) = r.section(f.nu.div_ceil(8))?;
-    let body = Body::Sign {
-        block,
+    let body = Body::Shaped {
+        shape: Shape::Sign { block },
         scales,
-        signs,
+        body: signs,
         off,
     };
     Ok((Params::new(Method::Sign { scale }), f.n, body))
@@ -303,13 +303,14 @@ fn first_difference(h: &Header, expected: &Params) -> Option<Param> {
 /// Validates every index and value of a parsed body.
 pub(crate) fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
     match *body {
-        Body::Dense { v, vals, off } => {
-            if let Some(j) = values::first_bad_plain(v, vals) {
-                return Err(Error::BadValue {
-                    offset: off + j * v.value_bytes(),
-                });
-            }
-        }
+        Body::Shaped {
+            shape,
+            scales,
+            body,
+            off,
+        } => shape
+            .validate(n as usize, scales, body)
+            .map_err(|o| Error::BadValue { offset: off + o }),
         Body::Sparse {
             v,
             count,
@@ -323,26 +324,9 @@ pub(crate) fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
                 index::validate(codec, n, count, idx)
                     .map_err(|_| Error::BadIndex { offset: idx_off })?;
             }
-            validate_values(v, count as usize, vals, vals_off)?;
-        }
-        Body::Quant {
-            bits,
-            scales,
-            codes,
-            off,
-            ..
-        } => {
-            quant::validate_fast(n as usize, bits, scales, codes)
-                .map_err(|o| Error::BadValue { offset: off + o })?;
-        }
-        Body::Sign {
-            scales, signs, off, ..
-        } => {
-            sign::validate(n as usize, scales, signs)
-                .map_err(|o| Error::BadValue { offset: off + o })?;
+            validate_values(v, count as usize, vals, vals_off)
         }
     }
-    Ok(())
 }
 
 fn validate_values(v: Values, count: usize, vals: &[u8], off: usize) -> Result<(), Error> {
