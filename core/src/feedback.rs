@@ -55,7 +55,7 @@ pub fn feedback_step(
 /// (20 bytes per element). With a bound below half the value type's limit, a gradient below
 /// the other half proves every sum in range (see [`feedback_step_bounded`]), so the step reads the
 /// gradient once to check it and then reads both and writes the residual in one pass
-/// (16 bytes per element; BENCHMARKS.md, round 12).
+/// (16 bytes per element).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ResidualBound {
     max_abs: f32,
@@ -491,8 +491,8 @@ fn add_into(r: &mut [f32], g: &[f32]) {
 }
 
 /// `r[i] += g[i]` for `i` in `start..end` (cut to both lengths). A plain loop that the
-/// compiler vectorizes, without software prefetch: for this two-buffer read-modify-write pass a
-/// prefetch was slower in the native build (docs/prefetch.md).
+/// compiler vectorizes, without software prefetch, which did not pay for this two-buffer pass
+/// that only adds.
 fn add_range(r: &mut [f32], g: &[f32], start: usize, end: usize) {
     let end = end.min(r.len()).min(g.len());
     let start = start.min(end);

@@ -162,12 +162,10 @@ pub fn decode_into(frame: &[u8], expected: &Params, out: &mut [f32]) -> Result<F
 /// Every value of a valid frame is finite, but the sums are not checked: adding frames into
 /// an accumulator can overflow to ±inf (the std crate's aggregation checks its result).
 ///
-/// Speed: a sparse frame reads and writes up to one cache line of `acc` per entry (one each at
-/// 1%, where entries fall about 400 bytes apart). For a top-k 1% frame into an accumulator past
-/// the caches, that costs about half a read pass over `acc` on the project's 2-vCPU EPYC VM
-/// (BENCHMARKS.md, rounds 13 and 14). About 0.06 of a read pass is the validation, which ends
-/// before the first write. On 4 KiB pages, page walks add a few hundredths; an accumulator on
-/// huge pages took 0.02-0.04 off.
+/// Cost: the frame is read once to validate it, before the first write. A dense-shaped frame
+/// then reads and writes `acc` once; a sparse frame reads and writes up to one cache line of
+/// `acc` per entry (one line each at 1% kept, where entries fall about 400 bytes apart), so
+/// what it costs depends on where `acc` lives (caches, page size) more than on the frame.
 ///
 /// # Errors
 /// [`Error::InvalidParams`] with [`Param::Weight`] when `weight` is NaN or infinite; otherwise
