@@ -4,7 +4,8 @@
 //! slice of [`scratch_len`] words and return the bytes written. Decoders read and check the
 //! whole frame (checksum, header, every length, every index and value) before writing any
 //! output, then overwrite ([`decode_into`]) or add into ([`accumulate_into`]) a dense f32 slice
-//! whose length must equal the frame's element count.
+//! whose length must equal the frame's element count. [`chunk`] cuts a frame into chunks for
+//! callers that encode or decode it on several threads.
 //!
 //! Inside: `wire` writes and reads the bytes around the sections (header, parameters,
 //! trailer); `encode` writes dense, quantization and sign frames and dispatches the others to
@@ -13,6 +14,7 @@
 //! `apply` decodes them.
 
 mod apply;
+pub mod chunk;
 mod encode;
 mod parse;
 mod shape;

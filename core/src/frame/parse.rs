@@ -91,16 +91,7 @@ fn check_crc(frame: &[u8]) -> Result<(), Error> {
 
 fn parse_dense<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
     let v = r.plain_values()?;
-    let len =
-        f.nu.checked_mul(v.value_bytes())
-            .ok_or(Error::TooLarge { n: f.n })?;
-    let (body, off) = r.section(len)?;
-    let body = Body::Shaped {
-        shape: Shape::Dense(v),
-        scales: &[],
-        body,
-        off,
-    };
+    let body = shaped_sections(r, f, Shape::Dense(v))?;
     Ok((Params::new(Method::Dense { values: v }), f.n, body))
 }
 
@@ -169,27 +160,12 @@ fn parse_randomk<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
 
 fn parse_quant<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
     let (bits, rounding, block) = r.quant_params()?;
-    let too_large = Error::TooLarge { n: f.n };
-    let s_len =
-        f.nu.div_ceil(block as usize)
-            .checked_mul(4)
-            .ok_or(too_large)?;
-    let c_len =
-        f.nu.checked_mul(bits as usize)
-            .ok_or(too_large)?
-            .div_ceil(8);
-    let (scales, off) = r.section(s_len)?;
-    let (codes, _) = r.section(c_len)?;
-    let body = Body::Shaped {
-        shape: Shape::Quant {
-            bits,
-            block: block as usize,
-            rounding,
-        },
-        scales,
-        body: codes,
-        off,
+    let shape = Shape::Quant {
+        bits,
+        block: block as usize,
+        rounding,
     };
+    let body = shaped_sections(r, f, shape)?;
     let method = Method::Quant {
         bits,
         block,
@@ -200,24 +176,24 @@ fn parse_quant<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
 
 fn parse_sign<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
     let scale = r.sign_scale()?;
-    let block = wire::sign_block(scale);
-    let s_len = match block {
-        Some(b) => {
-            f.nu.div_ceil(b)
-                .checked_mul(4)
-                .ok_or(Error::TooLarge { n: f.n })?
-        }
-        None => 0,
+    let shape = Shape::Sign {
+        block: wire::sign_block(scale),
     };
-    let (scales, off) = r.section(s_len)?;
-    let (signs, _) = r.section(f.nu.div_ceil(8))?;
-    let body = Body::Shaped {
-        shape: Shape::Sign { block },
-        scales,
-        body: signs,
-        off,
-    };
+    let body = shaped_sections(r, f, shape)?;
     Ok((Params::new(Method::Sign { scale }), f.n, body))
+}
+
+/// The scales and body sections of a dense, quantization or sign frame of `f.n` elements.
+fn shaped_sections<'a>(r: &mut Get<'a>, f: Fixed, shape: Shape) -> Result<Body<'a>, Error> {
+    let (s_len, b_len) = shape.section_lens(f.nu).ok_or(Error::TooLarge { n: f.n })?;
+    let (scales, off) = r.section(s_len)?;
+    let (body, _) = r.section(b_len)?;
+    Ok(Body::Shaped {
+        shape,
+        scales,
+        body,
+        off,
+    })
 }
 
 /// Checks a parsed header against what the receiver expects for `n` elements.

@@ -5,6 +5,7 @@
 
 use super::wire::sign_block;
 use crate::method::{Method, Rounding, Values};
+use crate::select::OutOfLimit;
 use crate::{quant, sign, values};
 
 /// How the sections of a dense, quantization or sign frame hold its elements.
@@ -45,6 +46,26 @@ impl Shape {
         }
     }
 
+    /// Bytes of the scales and body sections of a frame of `n` elements, or `None` when one
+    /// does not fit a `usize` (a frame the decoder refuses as too large). For `n` where this is
+    /// `Some`, [`Shape::scales_len`] and [`Shape::body_len`] of every `elems <= n` are exact.
+    pub(crate) fn section_lens(self, n: usize) -> Option<(usize, usize)> {
+        Some(match self {
+            Shape::Dense(v) => (0, n.checked_mul(v.value_bytes())?),
+            Shape::Quant { bits, block, .. } => (
+                n.div_ceil(block.max(1)).checked_mul(4)?,
+                n.checked_mul(usize::from(bits))?.div_ceil(8),
+            ),
+            Shape::Sign { block } => {
+                let scales = match block {
+                    Some(b) => n.div_ceil(b.max(1)).checked_mul(4)?,
+                    None => 0,
+                };
+                (scales, n.div_ceil(8))
+            }
+        })
+    }
+
     /// Bytes of scales of the first `elems` elements: 4 per started block.
     pub(crate) fn scales_len(self, elems: usize) -> usize {
         match self {
@@ -61,6 +82,19 @@ impl Shape {
             Shape::Quant { bits, .. } => quant::codes_len(elems, bits),
             Shape::Sign { .. } => sign::bits_len(elems),
         }
+    }
+
+    /// The elements a piece boundary is a multiple of: whole blocks, and whole bytes of codes
+    /// or sign bits (`None` when that overflows a `usize`).
+    pub(crate) fn align(self) -> Option<usize> {
+        let (block, per_byte) = match self {
+            Shape::Dense(_) => (1, 1),
+            Shape::Quant { bits, block, .. } => (block, 8 / gcd(usize::from(bits), 8)),
+            Shape::Sign { block } => (block.unwrap_or(1), 8),
+        };
+        (block / gcd(block, per_byte))
+            .checked_mul(per_byte)
+            .filter(|&a| a > 0)
     }
 
     /// The (seed, step, tensor id) of stochastic rounding, from the frame's `stream`; `None`
@@ -97,6 +131,30 @@ impl Shape {
         }
     }
 
+    /// [`Shape::encode`], checking on the way that `x` is finite and within the value type's
+    /// range; on error the pieces hold unspecified bytes.
+    pub(crate) fn try_encode(
+        self,
+        x: &[f32],
+        first: usize,
+        stream: (u64, u64, u64),
+        scales: &mut [u8],
+        body: &mut [u8],
+    ) -> Result<(), OutOfLimit> {
+        match self {
+            Shape::Dense(v) => values::try_encode_plain(v, x, body),
+            Shape::Quant { bits, block, .. } => match self.stochastic(stream) {
+                None => quant::try_encode(x, bits, block, None, scales, body),
+                Some(_) if values::first_non_finite(x).is_some() => Err(OutOfLimit),
+                Some(_) => {
+                    self.encode(x, first, stream, scales, body);
+                    Ok(())
+                }
+            },
+            Shape::Sign { block } => sign::try_encode(x, block, scales, body),
+        }
+    }
+
     /// Decodes the pieces `scales` and `body` of `out.len()` elements into `out`: overwriting
     /// (`weight = None`) or adding `weight * value`. The pieces passed [`Shape::validate`].
     pub(crate) fn decode(self, scales: &[u8], body: &[u8], out: &mut [f32], weight: Option<f32>) {
@@ -122,4 +180,11 @@ impl Shape {
             Shape::Sign { .. } => sign::validate(len, scales, body),
         }
     }
+}
+
+fn gcd(mut a: usize, mut b: usize) -> usize {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
