@@ -5,8 +5,14 @@
 //! with weight -1. So for every coordinate `sent + residual_new == gradient + residual_old`
 //! (bit-exact where values travel as f32; otherwise up to one f32 rounding), and rounding and
 //! quantization error are kept, not lost.
+//!
+//! [`feedback_step`] and [`feedback_step_bounded`] run a whole step on the calling thread.
+//! [`step_chunk`], [`sparse_update`] and [`sparse_fix_up`] run one chunk of a step on a frame
+//! cut into chunks ([`crate::frame::chunk`]), for callers that run the chunks on several
+//! threads: per element the same operations, so the same residual bits.
 
 use crate::error::{Error, Param};
+use crate::frame::chunk::{Sections, at_tensor_index};
 use crate::frame::{
     Body, Header, Shape, accumulate_into, check_encode, check_input, encode_checked, encode_src,
     is_fused, parse_trusted, sparse_batches, topk_frame,
@@ -174,6 +180,192 @@ pub fn feedback_step_bounded(
     })
 }
 
+/// One chunk of an error-feedback step on a dense, quantization or sign frame cut into chunks
+/// by [`Sections`]: `residual += grad`, encode `residual` into the chunk's pieces of the frame,
+/// then `residual += -1 * decoded(pieces)`, tile by tile while each tile is in cache.
+///
+/// `grad` and `residual` are the elements `start..start + grad.len()` of the tensor (`start`
+/// and the end chunk boundaries, see [`Sections::align`]); `scales` and `body` are the chunk's
+/// pieces of the frame's sections ([`Sections::pieces_mut`]; bytes past them are not written).
+/// Per element these are the operations of [`feedback_step`]: once every chunk is written (and
+/// the header and trailer, [`Sections::write_header`], [`Sections::finish`]), the frame holds
+/// the bytes and the residual the f32 bits that [`feedback_step`] gives for the whole tensor.
+///
+/// Every `grad[i] + residual[i]` is checked before anything changes (one read of both; the
+/// update's reads then come from the cache when the chunk fits in it): on error the residual
+/// and the pieces are untouched.
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when `grad` and `residual` differ in length;
+/// [`Error::InvalidParams`] with [`Param::Method`] when `params.method` is not the method of
+/// `sections`, with [`Param::SignScale`] for unscaled sign (as [`feedback_step`]);
+/// [`Error::BadChunk`] when the chunk is not on chunk boundaries; [`Error::BufferTooSmall`] for
+/// a short piece; [`Error::NonFinite`] naming the tensor index of the chunk's first element
+/// whose gradient or `gradient + residual` is NaN or infinite, else [`Error::ValueOutOfRange`]
+/// naming the first sum beyond the range of f16 or bf16 values.
+///
+/// # Panics
+/// Never.
+pub fn step_chunk(
+    sections: &Sections,
+    params: &Params,
+    start: usize,
+    grad: &[f32],
+    residual: &mut [f32],
+    scales: &mut [u8],
+    body: &mut [u8],
+) -> Result<(), Error> {
+    if grad.len() != residual.len() {
+        return Err(Error::LengthMismatch {
+            expected: grad.len(),
+            got: residual.len(),
+        });
+    }
+    if params.method != *sections.method() {
+        return Err(Error::InvalidParams {
+            param: Param::Method,
+        });
+    }
+    if let Method::Sign {
+        scale: SignScale::None,
+    } = params.method
+    {
+        return Err(Error::InvalidParams {
+            param: Param::SignScale,
+        });
+    }
+    let (scales, body) = sections.pieces_of(start, grad.len(), scales, body)?;
+    let limit = crate::values::magnitude_limit(params.method.values());
+    if !all_below(&Sum(grad, residual), limit)
+        && let Some(e) = first_bad_sum(grad, residual, &params.method)
+    {
+        return Err(at_tensor_index(e, start));
+    }
+    let (s0, b0) = sections.ranges(start, start + grad.len())?;
+    let shape = sections.shape();
+    let stream = (params.seed, params.step, params.tensor_id);
+    let tile = chunk_tile(sections.align());
+    for a in (0..grad.len()).step_by(tile) {
+        let e = (a + tile).min(grad.len());
+        let (s, b) = sections.ranges(start + a, start + e)?;
+        let s = &mut scales[s.start - s0.start..s.end - s0.start];
+        let b = &mut body[b.start - b0.start..b.end - b0.start];
+        add_range(residual, grad, a, e);
+        let r = &mut residual[a..e];
+        shape.encode(r, start + a, stream, s, b);
+        shape.decode(s, b, r, Some(-1.0));
+    }
+    Ok(())
+}
+
+/// Elements per tile of [`step_chunk`]: about [`FEEDBACK_TILE`], a multiple of `align`.
+fn chunk_tile(align: usize) -> usize {
+    if align >= FEEDBACK_TILE {
+        align
+    } else {
+        FEEDBACK_TILE / align * align
+    }
+}
+
+/// The fix-up of one chunk of a sparse error-feedback step whose residual already holds
+/// `gradient + residual` (the one-pass step of [`feedback_step_bounded`], run in chunks):
+/// `residual[i - start] += -value` for the sent entries whose index `i` falls in
+/// `start..start + residual.len()`. Returns the largest `|residual[i - start]|` it leaves at
+/// those entries (0 for none), as [`feedback_step_bounded`] measures it.
+///
+/// The sent entries are the frame's kept indices `idx` (ascending, as
+/// [`SparseFrame::indices`] writes them) and their decoded values `val` (as
+/// [`SparseFrame::values`] writes them); per element these are the operations of
+/// [`feedback_step_bounded`].
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when `idx` and `val` differ in length (nothing changes then).
+///
+/// # Panics
+/// Never (with indices out of order the result is unspecified, but no element outside the
+/// chunk is touched).
+///
+/// [`SparseFrame::indices`]: crate::frame::chunk::SparseFrame::indices
+/// [`SparseFrame::values`]: crate::frame::chunk::SparseFrame::values
+pub fn sparse_fix_up(
+    idx: &[u32],
+    val: &[f32],
+    start: usize,
+    residual: &mut [f32],
+) -> Result<f32, Error> {
+    let (idx, val) = entries_in(idx, val, start, residual.len())?;
+    Ok(subtract_entries(idx, val, start, residual))
+}
+
+/// One chunk of the residual update of a sparse error-feedback step (top-k, threshold,
+/// random-k) whose frame is written: `residual += grad`, then `residual[i - start] += -value`
+/// for the sent entries whose index `i` falls in `start..start + grad.len()`. Returns the
+/// chunk's largest `|residual|` afterwards (infinite when an element is NaN or infinite, as
+/// [`ResidualBound::of`]), so that chunks' results combine with `f32::max` into the new
+/// residual's bound.
+///
+/// `grad` and `residual` are elements `start..start + grad.len()` of the tensor; `idx` and
+/// `val` the sent entries as for [`sparse_fix_up`]. Per element these are the operations of
+/// [`feedback_step`]: `(residual + grad) + (-value)`.
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when `grad` and `residual`, or `idx` and `val`, differ in length
+/// (nothing changes then).
+///
+/// # Panics
+/// Never.
+pub fn sparse_update(
+    idx: &[u32],
+    val: &[f32],
+    start: usize,
+    grad: &[f32],
+    residual: &mut [f32],
+) -> Result<f32, Error> {
+    if grad.len() != residual.len() {
+        return Err(Error::LengthMismatch {
+            expected: grad.len(),
+            got: residual.len(),
+        });
+    }
+    let (idx, val) = entries_in(idx, val, start, residual.len())?;
+    add_into(residual, grad);
+    subtract_entries(idx, val, start, residual);
+    Ok(ResidualBound::of(residual).max_abs())
+}
+
+/// The sent entries (`idx` ascending, `val` their values) whose index falls in
+/// `start..start + len`.
+fn entries_in<'e>(
+    idx: &'e [u32],
+    val: &'e [f32],
+    start: usize,
+    len: usize,
+) -> Result<(&'e [u32], &'e [f32]), Error> {
+    if idx.len() != val.len() {
+        return Err(Error::LengthMismatch {
+            expected: idx.len(),
+            got: val.len(),
+        });
+    }
+    let end = start.saturating_add(len);
+    let lo = idx.partition_point(|&i| (i as usize) < start);
+    let hi = idx.partition_point(|&i| (i as usize) < end).max(lo);
+    Ok((&idx[lo..hi], &val[lo..hi]))
+}
+
+/// `r[i - start] += -v` for the entries of a chunk starting at `start`; the largest `|r|` left
+/// there (0 for none).
+fn subtract_entries(idx: &[u32], val: &[f32], start: usize, r: &mut [f32]) -> f32 {
+    let mut max = 0.0f32;
+    for (&i, &v) in idx.iter().zip(val) {
+        if let Some(r) = (i as usize).checked_sub(start).and_then(|j| r.get_mut(j)) {
+            *r += -v; // -1 * v, exactly
+            max = max.max(r.abs());
+        }
+    }
+    max
+}
+
 /// The one-pass top-k step of [`feedback_step_bounded`]; `Ok(None)` (nothing read or written
 /// but `grad`) where it does not apply.
 fn topk_one_pass(
@@ -275,26 +467,30 @@ fn step(
         subtract_sent(&out[..len], params, scratch, residual)?;
         return Ok(len);
     }
-    // Something is out of limit: find the first offender in the specified order. A NaN or an
-    // infinity in `grad` makes its sum non-finite too, so one walk over the sums names the
-    // first index of either kind.
-    if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
-        return Err(Error::NonFinite { index });
-    }
-    // Range of the value type, checked on the sums before the residual changes.
-    if let Some(v) = params.method.values()
-        && let Some(index) = grad
-            .iter()
-            .zip(residual.iter())
-            .position(|(&g, &r)| !crate::values::fits(v, g + r))
-    {
-        return Err(Error::ValueOutOfRange { index });
+    if let Some(e) = first_bad_sum(grad, residual, &params.method) {
+        return Err(e);
     }
     add_into(residual, grad);
     debug_assert!(check_input(residual, &params.method).is_ok());
     let len = encode_checked(residual, params, scratch, out);
     subtract_sent(&out[..len], params, scratch, residual)?;
     Ok(len)
+}
+
+/// The error naming the first `grad[i] + residual[i]` that `method` cannot encode, in the
+/// specified order: the first NaN or infinity (a NaN or an infinity in `grad` makes its sum
+/// non-finite too, so one walk over the sums names the first index of either kind), else the
+/// first sum out of the value type's range. `None` when every sum is fine.
+fn first_bad_sum(grad: &[f32], residual: &[f32], method: &Method) -> Option<Error> {
+    if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
+        return Some(Error::NonFinite { index });
+    }
+    let v = method.values()?;
+    let index = grad
+        .iter()
+        .zip(residual.iter())
+        .position(|(&g, &r)| !crate::values::fits(v, g + r))?;
+    Some(Error::ValueOutOfRange { index })
 }
 
 /// `residual += -1 * decoded(frame)` for a frame [`encode_checked`] just wrote from `residual`

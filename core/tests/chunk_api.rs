@@ -1,15 +1,17 @@
-//! The chunk API (`frame::chunk`) against the whole-frame API: a frame written chunk by chunk
-//! is the frame of `encode_into`; chunks accumulate and check as the whole frame does; a sparse
-//! frame's (index, value) lists add up to `accumulate_into`; and every hostile frame gets
-//! `validate`'s error.
+//! The chunk API (`frame::chunk`, `feedback::{step_chunk, sparse_update, sparse_fix_up}`)
+//! against the whole-frame API: a frame written chunk by chunk is the frame of `encode_into`;
+//! chunks accumulate and check as the whole frame does; a chunked error-feedback step leaves
+//! the frame and residual of `feedback_step`; a sparse frame's (index, value) lists add up to
+//! `accumulate_into`; and every hostile frame gets `validate`'s error.
 
 mod common;
 
 use common::{Data, Floats, fix_crc, golden, qc, same_bits, testdata};
+use gradwire_core::feedback::{self, ResidualBound};
 use gradwire_core::frame::chunk::{Sections, SparseFrame};
 use gradwire_core::{
     Error, K, Method, Param, Params, Rounding, SignScale, Values, accumulate_into, decode_into,
-    encode_into, max_frame_len, peek, scratch_len, validate,
+    encode_into, feedback_step, feedback_step_bounded, max_frame_len, peek, scratch_len, validate,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -459,6 +461,119 @@ fn chunks_check_exactly_when_validate_passes() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Error feedback in chunks.
+
+fn feedback_shaped_methods() -> Vec<Method> {
+    shaped_methods()
+        .into_iter()
+        .filter(|m| {
+            !matches!(
+                m,
+                Method::Sign {
+                    scale: SignScale::None
+                }
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn step_chunk_leaves_the_frame_and_residual_of_feedback_step() {
+    let mut d = Data(5);
+    for method in feedback_shaped_methods() {
+        let align = Sections::of(1 << 20, &method).unwrap().align();
+        for n in [0, 1, 70, 1000, 4096 + 8 * align + 5, 9001] {
+            let sec = Sections::of(n, &method).unwrap();
+            let plan = match n % 3 {
+                0 => even_cuts(n, sec.align()),
+                1 => vec![0, n],
+                _ => cuts(n, sec.align(), 4, &mut d),
+            };
+            let mut r_want = vec![0.0f32; n];
+            let mut r_got = vec![0.0f32; n];
+            for step in 0..3 {
+                let p = params(method).at_step(step);
+                let g = grads(&mut d, n);
+                let mut want = vec![0u8; max_frame_len(n, &method)];
+                let mut scratch = vec![0u32; scratch_len(n, &method)];
+                let len = feedback_step(&g, &mut r_want, &p, &mut scratch, &mut want).unwrap();
+                want.truncate(len);
+                let mut got = vec![0u8; sec.frame_len()];
+                sec.write_header(&mut got).unwrap();
+                for w in plan.windows(2) {
+                    let (s, b) = sec.pieces_mut(&mut got, w[0], w[1]).unwrap();
+                    let (g, r) = (&g[w[0]..w[1]], &mut r_got[w[0]..w[1]]);
+                    feedback::step_chunk(&sec, &p, w[0], g, r, s, b).unwrap();
+                }
+                sec.finish(&mut got, None).unwrap();
+                assert_eq!(got, want, "{method:?} n {n} step {step}");
+                assert!(same_bits(&r_got, &r_want), "{method:?} n {n} step {step}");
+            }
+        }
+    }
+}
+
+#[test]
+fn step_chunk_errors_change_nothing() {
+    let n = 200;
+    for method in feedback_shaped_methods() {
+        let p = params(method);
+        let sec = Sections::of(n, &method).unwrap();
+        // The chunk from the boundary `a` on; bad elements in it.
+        let a = sec.align() * (100 / sec.align());
+        let (s, b) = sec.ranges(a, n).unwrap();
+        for (bad, gv, rv) in [
+            (n - 1, f32::NAN, 0.0),
+            (a + 3, 3.0e38, 3.0e38),
+            (a, 7.0e4, 0.0),
+        ] {
+            let mut g = vec![0.25f32; n];
+            let mut r = vec![0.5f32; n];
+            g[bad] = gv;
+            r[bad] = rv;
+            let before = r.clone();
+            let (mut scales, mut body) = (vec![7u8; s.len()], vec![7u8; b.len()]);
+            let res =
+                feedback::step_chunk(&sec, &p, a, &g[a..], &mut r[a..], &mut scales, &mut body);
+            let mut r_whole = before.clone();
+            let mut out = vec![0u8; max_frame_len(n, &method)];
+            let whole = feedback_step(&g, &mut r_whole, &p, &mut [], &mut out);
+            assert_eq!(res, whole.map(|_| ()), "{method:?} {gv}");
+            if res.is_err() {
+                assert!(
+                    same_bits(&r, &before),
+                    "{method:?}: residual changed on error"
+                );
+                assert!(scales.iter().chain(&body).all(|&x| x == 7));
+            }
+        }
+        let mut r = vec![0.0f32; n];
+        let (s, b) = sec.ranges(0, n).unwrap();
+        let (mut scales, mut body) = (vec![0u8; s.len()], vec![0u8; b.len()]);
+        let g = vec![0.0f32; n];
+        assert_eq!(
+            feedback::step_chunk(&sec, &p, 0, &g, &mut r[1..], &mut scales, &mut body),
+            Err(Error::LengthMismatch {
+                expected: n,
+                got: n - 1
+            })
+        );
+    }
+    let unscaled = Method::Sign {
+        scale: SignScale::None,
+    };
+    let sec = Sections::of(8, &unscaled).unwrap();
+    let (g, mut r) = ([1.0f32; 8], [0.0f32; 8]);
+    let (mut s, mut b) = ([0u8; 0], [0u8; 1]);
+    assert_eq!(
+        feedback::step_chunk(&sec, &params(unscaled), 0, &g, &mut r, &mut s, &mut b),
+        Err(Error::InvalidParams {
+            param: Param::SignScale
+        })
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
 // Sparse frames.
 
 /// The indices and values of a parsed sparse frame, the values decoded in pieces.
@@ -591,4 +706,112 @@ fn hostile_sparse_frames_get_the_errors_of_validate() {
         let head = peek(&frame).unwrap();
         assert_eq!(head.n, n as u64);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sparse error feedback in chunks.
+
+fn feedback_sparse_methods() -> Vec<Method> {
+    sparse_methods()
+        .into_iter()
+        .filter(|m| !matches!(m, Method::RandomK { unbiased: true, .. }))
+        .collect()
+}
+
+/// The frame of an error-feedback step on `g` and `r` (its input `g + r` in f32).
+fn frame_of_sum(g: &[f32], r: &[f32], p: &Params) -> Vec<u8> {
+    let x: Vec<f32> = g.iter().zip(r).map(|(&g, &r)| g + r).collect();
+    whole_frame(&x, p).unwrap()
+}
+
+#[test]
+fn sparse_update_in_chunks_is_feedback_step() {
+    let mut d = Data(8);
+    for method in feedback_sparse_methods() {
+        for n in [0, 1, 300, 70_000] {
+            let mut r_want = grads(&mut d, n);
+            let mut r_got = r_want.clone();
+            for step in 0..2 {
+                let p = params(method).at_step(step);
+                let g = grads(&mut d, n);
+                let frame = frame_of_sum(&g, &r_got, &p);
+                let mut out = vec![0u8; max_frame_len(n, &method)];
+                let mut scratch = vec![0u32; scratch_len(n, &method)];
+                let len = feedback_step(&g, &mut r_want, &p, &mut scratch, &mut out).unwrap();
+                assert_eq!(out[..len], frame[..], "{method:?} n {n}");
+                let sf = SparseFrame::parse(&frame, &p, n).unwrap();
+                let (idx, val) = lists(&sf, &mut d);
+                let mut max = 0.0f32;
+                for w in cuts(n, 1, 5, &mut d).windows(2) {
+                    let (a, e) = (w[0], w[1]);
+                    let m =
+                        feedback::sparse_update(&idx, &val, a, &g[a..e], &mut r_got[a..e]).unwrap();
+                    assert_eq!(m, ResidualBound::of(&r_got[a..e]).max_abs());
+                    max = max.max(m);
+                }
+                assert!(same_bits(&r_got, &r_want), "{method:?} n {n} step {step}");
+                assert_eq!(max, ResidualBound::of(&r_want).max_abs());
+            }
+        }
+    }
+}
+
+#[test]
+fn sparse_fix_up_in_chunks_is_the_one_pass_step() {
+    let mut d = Data(9);
+    let methods =
+        [Values::F32, Values::F16, Values::Int8 { block: 64 }].map(|values| Method::TopK {
+            k: K::Ratio(0.01),
+            values,
+        });
+    for method in methods {
+        let n = 70_000;
+        let p = params(method);
+        let mut r_want = grads(&mut d, n);
+        let mut bound = ResidualBound::of(&r_want);
+        let mut r_got = r_want.clone();
+        let g = grads(&mut d, n);
+        let frame = frame_of_sum(&g, &r_got, &p);
+        let mut out = vec![0u8; max_frame_len(n, &method)];
+        let mut scratch = vec![0u32; scratch_len(n, &method)];
+        let len =
+            feedback_step_bounded(&g, &mut r_want, &mut bound, &p, &mut scratch, &mut out).unwrap();
+        assert_eq!(out[..len], frame[..]);
+        let sf = SparseFrame::parse(&frame, &p, n).unwrap();
+        let (idx, val) = lists(&sf, &mut d);
+        // The one-pass step stores the sums first, then fixes up the kept entries.
+        for (r, &g) in r_got.iter_mut().zip(&g) {
+            *r += g;
+        }
+        let mut largest_fixed = 0.0f32;
+        for w in cuts(n, 1, 7, &mut d).windows(2) {
+            let m = feedback::sparse_fix_up(&idx, &val, w[0], &mut r_got[w[0]..w[1]]).unwrap();
+            largest_fixed = largest_fixed.max(m);
+        }
+        assert!(same_bits(&r_got, &r_want), "{method:?}");
+        let kept_max = idx
+            .iter()
+            .map(|&i| r_got[i as usize].abs())
+            .fold(0.0f32, f32::max);
+        assert_eq!(largest_fixed, kept_max);
+        assert!(bound.max_abs() >= largest_fixed);
+    }
+    assert_eq!(
+        feedback::sparse_fix_up(&[1, 2], &[1.0], 0, &mut [0.0; 4]),
+        Err(Error::LengthMismatch {
+            expected: 2,
+            got: 1
+        })
+    );
+    assert_eq!(
+        feedback::sparse_update(&[1], &[1.0], 0, &[0.0; 3], &mut [0.0; 4]),
+        Err(Error::LengthMismatch {
+            expected: 3,
+            got: 4
+        })
+    );
+    // Out of order or out of the chunk: nothing outside it is touched, nothing panics.
+    let mut r = [0.0f32; 4];
+    let m = feedback::sparse_fix_up(&[9, 2, 1, 7], &[1.0; 4], 4, &mut r).unwrap();
+    assert!(m >= 0.0);
 }

@@ -4,14 +4,16 @@
 //! - [`Sections`]: a dense, quantization or sign frame keeps its sections (the scales, then the
 //!   values, codes or sign bits) in element order, so a chunk of the tensor that starts and
 //!   ends on [`Sections::align`] boundaries owns one contiguous piece of each section. Each
-//!   chunk is encoded ([`Sections::encode`]), checked ([`Sections::check`]) or accumulated
+//!   chunk is encoded ([`Sections::encode`], or with error feedback
+//!   [`crate::feedback::step_chunk`]), checked ([`Sections::check`]) or accumulated
 //!   ([`Sections::accumulate`]) on its own, on any thread, with exactly the bytes and results of
 //!   the whole frame's: a frame written chunk by chunk, its header written with
 //!   [`Sections::write_header`] and closed by [`Sections::finish`], is the frame
 //!   [`crate::encode_into`] writes.
 //! - [`SparseFrame`]: a checked top-k, threshold or random-k frame whose indices and decoded
 //!   values are read into caller buffers, for a decoder that adds them chunk by chunk of its
-//!   output.
+//!   output ([`crate::feedback::sparse_update`] and [`crate::feedback::sparse_fix_up`] do the
+//!   same for an error-feedback residual).
 //!
 //! A serial loop over the chunks gives the same bytes and the same f32 bits as any parallel
 //! schedule: every element sees the same operations in the same order.
@@ -140,7 +142,8 @@ impl Sections {
     }
 
     /// The pieces of the scales and body sections of elements `start..end` in a frame buffer,
-    /// as [`Sections::ranges`] gives them, for [`Sections::encode`]. A buffer cut into chunks for several threads is cut by
+    /// as [`Sections::ranges`] gives them, for [`Sections::encode`] or
+    /// [`crate::feedback::step_chunk`]. A buffer cut into chunks for several threads is cut by
     /// the lengths of these ranges: the pieces of `0..n` are the whole sections, and the pieces
     /// of consecutive chunks follow each other in each.
     ///
@@ -279,6 +282,16 @@ impl Sections {
         let crc = crc.unwrap_or_else(|| crc32fast::hash(&frame[..end]));
         frame[end..end + CRC_LEN].copy_from_slice(&crc.to_le_bytes());
         Ok(end + CRC_LEN)
+    }
+
+    /// The method of these sections.
+    pub(crate) fn method(&self) -> &Method {
+        &self.method
+    }
+
+    /// How the sections hold the elements.
+    pub(crate) fn shape(&self) -> Shape {
+        self.shape
     }
 
     /// The pieces of `scales` and `body` (each at least its length) that hold the `len`
