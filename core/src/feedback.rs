@@ -505,25 +505,20 @@ fn subtract_sent(
     residual: &mut [f32],
 ) -> Result<(), Error> {
     let n = residual.len();
-    if let Method::RandomK { k, values, .. } = params.method
+    if let Method::RandomK { .. } = params.method
         && u32::try_from(n).is_ok()
+        && let Ok((_, Body::Sparse { v, count, vals, .. })) = parse_trusted(frame)
+        && let Some(idx) = scratch.get(..count as usize)
     {
-        let k = k.resolve(n as u64) as usize;
-        let section = frame
-            .len()
-            .checked_sub(4 + values.section_len(k))
-            .and_then(|at| frame.get(at..frame.len() - 4));
-        if let (Some(section), Some(idx)) = (section, scratch.get(..k)) {
-            let mut buf = [0.0f32; 64];
-            for (j, idx) in idx.chunks(buf.len()).enumerate() {
-                let vals = &mut buf[..idx.len()];
-                crate::values::decode_run(values, section, k, j * 64, vals);
-                for (&i, &x) in idx.iter().zip(vals.iter()) {
-                    residual[i as usize] += -x; // -1 * x: accumulate_into with weight -1
-                }
+        let mut buf = [0.0f32; 64];
+        for (j, idx) in idx.chunks(buf.len()).enumerate() {
+            let x = &mut buf[..idx.len()];
+            values::decode_run(v, vals, count as usize, j * 64, x);
+            for (&i, &x) in idx.iter().zip(x.iter()) {
+                residual[i as usize] += -x; // -1 * x: accumulate_into with weight -1
             }
-            return Ok(());
         }
+        return Ok(());
     }
     accumulate_into(frame, params, residual, -1.0).map(|_| ())
 }
