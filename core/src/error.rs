@@ -179,6 +179,15 @@ pub enum Error {
         /// Byte offset where the unexpected bytes start.
         offset: usize,
     },
+    /// A range of elements (a chunk of a frame's sections, [`crate::frame::chunk::Sections`])
+    /// or of kept entries ([`crate::frame::chunk::SparseFrame`]) that runs past the end, ends
+    /// before it starts, or (elements) does not start and end on chunk boundaries.
+    BadChunk {
+        /// First element or entry of the range.
+        start: usize,
+        /// One past its last element or entry.
+        end: usize,
+    },
 }
 
 impl fmt::Display for Error {
@@ -275,6 +284,10 @@ impl fmt::Display for Error {
                 )
             }
             Error::TrailingBytes { offset } => write!(f, "unexpected bytes after byte {offset}"),
+            Error::BadChunk { start, end } => write!(
+                f,
+                "chunk {start}..{end} is out of range or not on chunk boundaries"
+            ),
         }
     }
 }

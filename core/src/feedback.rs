@@ -5,16 +5,22 @@
 //! with weight -1. So for every coordinate `sent + residual_new == gradient + residual_old`
 //! (bit-exact where values travel as f32; otherwise up to one f32 rounding), and rounding and
 //! quantization error are kept, not lost.
+//!
+//! [`feedback_step`] and [`feedback_step_bounded`] run a whole step on the calling thread.
+//! [`step_chunk`], [`sparse_update`] and [`sparse_fix_up`] run one chunk of a step on a frame
+//! cut into chunks ([`crate::frame::chunk`]), for callers that run the chunks on several
+//! threads: per element the same operations, so the same residual bits.
 
 use crate::error::{Error, Param};
+use crate::frame::chunk::{Sections, at_tensor_index};
 use crate::frame::{
-    accumulate_into, add_into, check_encode, check_input, encode_checked, encode_src,
-    feedback_update, is_fused, subtract_kept, topk_frame,
+    Body, Header, Shape, accumulate_into, check_encode, check_input, encode_checked, encode_src,
+    is_fused, parse_trusted, sparse_batches, topk_frame,
 };
-use crate::lanes::{One, Sum};
+use crate::lanes::{LANES, One, Sum};
 use crate::method::{Method, Params, SignScale, Values};
-use crate::select;
 use crate::values::all_below;
+use crate::{index, select, values};
 
 /// One error-feedback step on one tensor: `residual += grad`, encode `residual` into `out`,
 /// then `residual -= decoded(out)`. Returns the frame length in bytes.
@@ -55,7 +61,7 @@ pub fn feedback_step(
 /// (20 bytes per element). With a bound below half the value type's limit, a gradient below
 /// the other half proves every sum in range (see [`feedback_step_bounded`]), so the step reads the
 /// gradient once to check it and then reads both and writes the residual in one pass
-/// (16 bytes per element; BENCHMARKS.md, round 12).
+/// (16 bytes per element).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ResidualBound {
     max_abs: f32,
@@ -174,6 +180,192 @@ pub fn feedback_step_bounded(
     })
 }
 
+/// One chunk of an error-feedback step on a dense, quantization or sign frame cut into chunks
+/// by [`Sections`]: `residual += grad`, encode `residual` into the chunk's pieces of the frame,
+/// then `residual += -1 * decoded(pieces)`, tile by tile while each tile is in cache.
+///
+/// `grad` and `residual` are the elements `start..start + grad.len()` of the tensor (`start`
+/// and the end chunk boundaries, see [`Sections::align`]); `scales` and `body` are the chunk's
+/// pieces of the frame's sections ([`Sections::pieces_mut`]; bytes past them are not written).
+/// Per element these are the operations of [`feedback_step`]: once every chunk is written (and
+/// the header and trailer, [`Sections::write_header`], [`Sections::finish`]), the frame holds
+/// the bytes and the residual the f32 bits that [`feedback_step`] gives for the whole tensor.
+///
+/// Every `grad[i] + residual[i]` is checked before anything changes (one read of both; the
+/// update's reads then come from the cache when the chunk fits in it): on error the residual
+/// and the pieces are untouched.
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when `grad` and `residual` differ in length;
+/// [`Error::InvalidParams`] with [`Param::Method`] when `params.method` is not the method of
+/// `sections`, with [`Param::SignScale`] for unscaled sign (as [`feedback_step`]);
+/// [`Error::BadChunk`] when the chunk is not on chunk boundaries; [`Error::BufferTooSmall`] for
+/// a short piece; [`Error::NonFinite`] naming the tensor index of the chunk's first element
+/// whose gradient or `gradient + residual` is NaN or infinite, else [`Error::ValueOutOfRange`]
+/// naming the first sum beyond the range of f16 or bf16 values.
+///
+/// # Panics
+/// Never.
+pub fn step_chunk(
+    sections: &Sections,
+    params: &Params,
+    start: usize,
+    grad: &[f32],
+    residual: &mut [f32],
+    scales: &mut [u8],
+    body: &mut [u8],
+) -> Result<(), Error> {
+    if grad.len() != residual.len() {
+        return Err(Error::LengthMismatch {
+            expected: grad.len(),
+            got: residual.len(),
+        });
+    }
+    if params.method != *sections.method() {
+        return Err(Error::InvalidParams {
+            param: Param::Method,
+        });
+    }
+    if let Method::Sign {
+        scale: SignScale::None,
+    } = params.method
+    {
+        return Err(Error::InvalidParams {
+            param: Param::SignScale,
+        });
+    }
+    let (scales, body) = sections.pieces_of(start, grad.len(), scales, body)?;
+    let limit = crate::values::magnitude_limit(params.method.values());
+    if !all_below(&Sum(grad, residual), limit)
+        && let Some(e) = first_bad_sum(grad, residual, &params.method)
+    {
+        return Err(at_tensor_index(e, start));
+    }
+    let (s0, b0) = sections.ranges(start, start + grad.len())?;
+    let shape = sections.shape();
+    let stream = (params.seed, params.step, params.tensor_id);
+    let tile = chunk_tile(sections.align());
+    for a in (0..grad.len()).step_by(tile) {
+        let e = (a + tile).min(grad.len());
+        let (s, b) = sections.ranges(start + a, start + e)?;
+        let s = &mut scales[s.start - s0.start..s.end - s0.start];
+        let b = &mut body[b.start - b0.start..b.end - b0.start];
+        add_range(residual, grad, a, e);
+        let r = &mut residual[a..e];
+        shape.encode(r, start + a, stream, s, b);
+        shape.decode(s, b, r, Some(-1.0));
+    }
+    Ok(())
+}
+
+/// Elements per tile of [`step_chunk`]: about [`FEEDBACK_TILE`], a multiple of `align`.
+fn chunk_tile(align: usize) -> usize {
+    if align >= FEEDBACK_TILE {
+        align
+    } else {
+        FEEDBACK_TILE / align * align
+    }
+}
+
+/// The fix-up of one chunk of a sparse error-feedback step whose residual already holds
+/// `gradient + residual` (the one-pass step of [`feedback_step_bounded`], run in chunks):
+/// `residual[i - start] += -value` for the sent entries whose index `i` falls in
+/// `start..start + residual.len()`. Returns the largest `|residual[i - start]|` it leaves at
+/// those entries (0 for none), as [`feedback_step_bounded`] measures it.
+///
+/// The sent entries are the frame's kept indices `idx` (ascending, as
+/// [`SparseFrame::indices`] writes them) and their decoded values `val` (as
+/// [`SparseFrame::values`] writes them); per element these are the operations of
+/// [`feedback_step_bounded`].
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when `idx` and `val` differ in length (nothing changes then).
+///
+/// # Panics
+/// Never (with indices out of order the result is unspecified, but no element outside the
+/// chunk is touched).
+///
+/// [`SparseFrame::indices`]: crate::frame::chunk::SparseFrame::indices
+/// [`SparseFrame::values`]: crate::frame::chunk::SparseFrame::values
+pub fn sparse_fix_up(
+    idx: &[u32],
+    val: &[f32],
+    start: usize,
+    residual: &mut [f32],
+) -> Result<f32, Error> {
+    let (idx, val) = entries_in(idx, val, start, residual.len())?;
+    Ok(subtract_entries(idx, val, start, residual))
+}
+
+/// One chunk of the residual update of a sparse error-feedback step (top-k, threshold,
+/// random-k) whose frame is written: `residual += grad`, then `residual[i - start] += -value`
+/// for the sent entries whose index `i` falls in `start..start + grad.len()`. Returns the
+/// chunk's largest `|residual|` afterwards (infinite when an element is NaN or infinite, as
+/// [`ResidualBound::of`]), so that chunks' results combine with `f32::max` into the new
+/// residual's bound.
+///
+/// `grad` and `residual` are elements `start..start + grad.len()` of the tensor; `idx` and
+/// `val` the sent entries as for [`sparse_fix_up`]. Per element these are the operations of
+/// [`feedback_step`]: `(residual + grad) + (-value)`.
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when `grad` and `residual`, or `idx` and `val`, differ in length
+/// (nothing changes then).
+///
+/// # Panics
+/// Never.
+pub fn sparse_update(
+    idx: &[u32],
+    val: &[f32],
+    start: usize,
+    grad: &[f32],
+    residual: &mut [f32],
+) -> Result<f32, Error> {
+    if grad.len() != residual.len() {
+        return Err(Error::LengthMismatch {
+            expected: grad.len(),
+            got: residual.len(),
+        });
+    }
+    let (idx, val) = entries_in(idx, val, start, residual.len())?;
+    add_into(residual, grad);
+    subtract_entries(idx, val, start, residual);
+    Ok(ResidualBound::of(residual).max_abs())
+}
+
+/// The sent entries (`idx` ascending, `val` their values) whose index falls in
+/// `start..start + len`.
+fn entries_in<'e>(
+    idx: &'e [u32],
+    val: &'e [f32],
+    start: usize,
+    len: usize,
+) -> Result<(&'e [u32], &'e [f32]), Error> {
+    if idx.len() != val.len() {
+        return Err(Error::LengthMismatch {
+            expected: idx.len(),
+            got: val.len(),
+        });
+    }
+    let end = start.saturating_add(len);
+    let lo = idx.partition_point(|&i| (i as usize) < start);
+    let hi = idx.partition_point(|&i| (i as usize) < end).max(lo);
+    Ok((&idx[lo..hi], &val[lo..hi]))
+}
+
+/// `r[i - start] += -v` for the entries of a chunk starting at `start`; the largest `|r|` left
+/// there (0 for none).
+fn subtract_entries(idx: &[u32], val: &[f32], start: usize, r: &mut [f32]) -> f32 {
+    let mut max = 0.0f32;
+    for (&i, &v) in idx.iter().zip(val) {
+        if let Some(r) = (i as usize).checked_sub(start).and_then(|j| r.get_mut(j)) {
+            *r += -v; // -1 * v, exactly
+            max = max.max(r.abs());
+        }
+    }
+    max
+}
+
 /// The one-pass top-k step of [`feedback_step_bounded`]; `Ok(None)` (nothing read or written
 /// but `grad`) where it does not apply.
 fn topk_one_pass(
@@ -275,26 +467,30 @@ fn step(
         subtract_sent(&out[..len], params, scratch, residual)?;
         return Ok(len);
     }
-    // Something is out of limit: find the first offender in the specified order. A NaN or an
-    // infinity in `grad` makes its sum non-finite too, so one walk over the sums names the
-    // first index of either kind.
-    if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
-        return Err(Error::NonFinite { index });
-    }
-    // Range of the value type, checked on the sums before the residual changes.
-    if let Some(v) = params.method.values()
-        && let Some(index) = grad
-            .iter()
-            .zip(residual.iter())
-            .position(|(&g, &r)| !crate::values::fits(v, g + r))
-    {
-        return Err(Error::ValueOutOfRange { index });
+    if let Some(e) = first_bad_sum(grad, residual, &params.method) {
+        return Err(e);
     }
     add_into(residual, grad);
     debug_assert!(check_input(residual, &params.method).is_ok());
     let len = encode_checked(residual, params, scratch, out);
     subtract_sent(&out[..len], params, scratch, residual)?;
     Ok(len)
+}
+
+/// The error naming the first `grad[i] + residual[i]` that `method` cannot encode, in the
+/// specified order: the first NaN or infinity (a NaN or an infinity in `grad` makes its sum
+/// non-finite too, so one walk over the sums names the first index of either kind), else the
+/// first sum out of the value type's range. `None` when every sum is fine.
+fn first_bad_sum(grad: &[f32], residual: &[f32], method: &Method) -> Option<Error> {
+    if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
+        return Some(Error::NonFinite { index });
+    }
+    let v = method.values()?;
+    let index = grad
+        .iter()
+        .zip(residual.iter())
+        .position(|(&g, &r)| !crate::values::fits(v, g + r))?;
+    Some(Error::ValueOutOfRange { index })
 }
 
 /// `residual += -1 * decoded(frame)` for a frame [`encode_checked`] just wrote from `residual`
@@ -309,25 +505,189 @@ fn subtract_sent(
     residual: &mut [f32],
 ) -> Result<(), Error> {
     let n = residual.len();
-    if let Method::RandomK { k, values, .. } = params.method
+    if let Method::RandomK { .. } = params.method
         && u32::try_from(n).is_ok()
+        && let Ok((_, Body::Sparse { v, count, vals, .. })) = parse_trusted(frame)
+        && let Some(idx) = scratch.get(..count as usize)
     {
-        let k = k.resolve(n as u64) as usize;
-        let section = frame
-            .len()
-            .checked_sub(4 + values.section_len(k))
-            .and_then(|at| frame.get(at..frame.len() - 4));
-        if let (Some(section), Some(idx)) = (section, scratch.get(..k)) {
-            let mut buf = [0.0f32; 64];
-            for (j, idx) in idx.chunks(buf.len()).enumerate() {
-                let vals = &mut buf[..idx.len()];
-                crate::values::decode_run(values, section, k, j * 64, vals);
-                for (&i, &x) in idx.iter().zip(vals.iter()) {
-                    residual[i as usize] += -x; // -1 * x: accumulate_into with weight -1
-                }
+        let mut buf = [0.0f32; 64];
+        for (j, idx) in idx.chunks(buf.len()).enumerate() {
+            let x = &mut buf[..idx.len()];
+            values::decode_run(v, vals, count as usize, j * 64, x);
+            for (&i, &x) in idx.iter().zip(x.iter()) {
+                residual[i as usize] += -x; // -1 * x: accumulate_into with weight -1
             }
-            return Ok(());
         }
+        return Ok(());
     }
     accumulate_into(frame, params, residual, -1.0).map(|_| ())
+}
+
+/// For a frame this crate just wrote from `g + r` (an error-feedback step whose checks all
+/// passed): `r = (g + r) - decoded(frame)`, bit for bit what `r += g` followed by
+/// [`accumulate_into`]`(frame, r, -1.0)` gives, in one streaming pass over `g` and `r` (sparse
+/// frames: the subtractions are applied while the stretch they fall in is still in cache;
+/// quantization and sign: tile by tile). `r` is untouched when the frame does not parse.
+///
+/// `kept`, when given, is the frame's index list as the encoder left it in its scratch
+/// (ascending `u32`): a sparse frame with that many entries then takes its indices from there
+/// instead of decoding its own index section (the values are still decoded from the frame).
+fn feedback_update(
+    frame: &[u8],
+    kept: Option<&[u32]>,
+    g: &[f32],
+    r: &mut [f32],
+) -> Result<(), Error> {
+    let (h, body) = parse_trusted(frame)?;
+    if h.n != g.len() as u64 || g.len() != r.len() {
+        return Err(Error::ElementCount {
+            expected: g.len() as u64,
+            got: h.n,
+        });
+    }
+    match body {
+        Body::Sparse { .. } => update_sparse(&h, &body, kept, g, r),
+        Body::Shaped {
+            shape,
+            scales,
+            body,
+            ..
+        } => match feedback_tile(shape) {
+            Some(tile) => {
+                for start in (0..r.len()).step_by(tile) {
+                    let end = (start + tile).min(r.len());
+                    add_range(r, g, start, end);
+                    let s = &scales[shape.scales_len(start)..];
+                    let b = &body[shape.body_len(start)..];
+                    shape.decode(s, b, &mut r[start..end], Some(-1.0));
+                }
+            }
+            None => {
+                add_into(r, g);
+                shape.decode(scales, body, r, Some(-1.0));
+            }
+        },
+    }
+    Ok(())
+}
+
+/// The sparse part of [`feedback_update`]: `r += g` up to each run of entries, then
+/// `r[i] += -decoded[i]` for the run, while the stretch is in cache.
+fn update_sparse(h: &Header, body: &Body<'_>, kept: Option<&[u32]>, g: &[f32], r: &mut [f32]) {
+    let Body::Sparse { v, count, vals, .. } = *body else {
+        return;
+    };
+    let mut done = 0usize;
+    match kept.filter(|kept| kept.len() as u64 == count) {
+        Some(kept) => {
+            let mut vb = [0.0f32; index::BATCH];
+            for (j, ib) in kept.chunks(index::BATCH).enumerate() {
+                let vb = &mut vb[..ib.len()];
+                values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
+                update_run(r, g, &mut done, ib.iter().map(|&i| i as usize), vb);
+            }
+        }
+        None => sparse_batches(h, body, |ib, vb| {
+            update_run(r, g, &mut done, ib.iter().copied(), vb);
+        }),
+    }
+    add_range(r, g, done, r.len());
+}
+
+/// Elements per tile of [`feedback_update`] for a frame of `shape` that the SIMD decoders
+/// take tile by tile (whole blocks of 8-bit or 4-bit quantization or of sign, multiples of 8
+/// elements); `None` for the others, updated in two passes.
+fn feedback_tile(shape: Shape) -> Option<usize> {
+    let per = match shape {
+        Shape::Quant { bits, block, .. }
+            if (bits == 8 || bits == 4) && block.is_multiple_of(LANES) =>
+        {
+            block
+        }
+        Shape::Sign { block } if block.is_none_or(|b| b.is_multiple_of(LANES)) => {
+            block.unwrap_or(LANES)
+        }
+        _ => return None,
+    };
+    Some(per * (FEEDBACK_TILE / per).max(1))
+}
+
+/// `r[i] += -decoded` at the kept indices `kept` of a sparse frame just written (trusted, with
+/// `kept.len()` entries): the fix-up of an error-feedback step whose residual already holds
+/// `g + r` everywhere. Returns the largest `|r[i]|` it leaves at those indices (0 for none).
+fn subtract_kept(frame: &[u8], kept: &[u32], r: &mut [f32]) -> Result<f32, Error> {
+    let (h, body) = parse_trusted(frame)?;
+    // The frame was just written from these lists: a mismatch here is a bug, reported as the
+    // frame's element count.
+    let (Body::Sparse { v, count, vals, .. }, true) = (body, h.n == r.len() as u64) else {
+        return Err(Error::ElementCount {
+            expected: r.len() as u64,
+            got: h.n,
+        });
+    };
+    if count != kept.len() as u64 {
+        return Err(Error::ElementCount {
+            expected: r.len() as u64,
+            got: h.n,
+        });
+    }
+    // The kept entries are about 1% of the tensor, far apart and no longer in cache: ask for
+    // the line of the entry 32 places ahead, so that the misses overlap.
+    const AHEAD_KEPT: usize = 32;
+    let mut max = 0.0f32;
+    let mut vb = [0.0f32; index::BATCH];
+    for (j, ib) in kept.chunks(index::BATCH).enumerate() {
+        let vb = &mut vb[..ib.len()];
+        values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
+        let ahead = kept.get(j * index::BATCH + AHEAD_KEPT..).unwrap_or(&[]);
+        for (t, (&i, &x)) in ib.iter().zip(vb.iter()).enumerate() {
+            if let Some(&a) = ahead.get(t) {
+                crate::lanes::prefetch(r, a as usize);
+            }
+            if let Some(r) = r.get_mut(i as usize) {
+                *r += -x;
+                max = max.max(r.abs());
+            }
+        }
+    }
+    Ok(max)
+}
+
+/// One run of sparse entries of [`feedback_update`]: `r += g` from `done` through the run's last
+/// index, then `r[i] -= x` for each entry (ascending indices below `r.len()`).
+fn update_run(
+    r: &mut [f32],
+    g: &[f32],
+    done: &mut usize,
+    idx: impl DoubleEndedIterator<Item = usize> + Clone,
+    vals: &[f32],
+) {
+    let Some(last) = idx.clone().next_back() else {
+        return;
+    };
+    let end = (last + 1).clamp(*done, r.len());
+    add_range(r, g, *done, end);
+    *done = end;
+    for (i, &x) in idx.zip(vals) {
+        r[i] += -x;
+    }
+}
+
+/// Elements per tile of the dense error-feedback update (rounded to whole blocks).
+const FEEDBACK_TILE: usize = 4096;
+
+/// `r[i] += g[i]` (same lengths).
+fn add_into(r: &mut [f32], g: &[f32]) {
+    add_range(r, g, 0, r.len());
+}
+
+/// `r[i] += g[i]` for `i` in `start..end` (cut to both lengths). A plain loop that the
+/// compiler vectorizes, without software prefetch, which did not pay for this two-buffer pass
+/// that only adds.
+fn add_range(r: &mut [f32], g: &[f32], start: usize, end: usize) {
+    let end = end.min(r.len()).min(g.len());
+    let start = start.min(end);
+    for (a, &b) in r[start..end].iter_mut().zip(&g[start..end]) {
+        *a += b;
+    }
 }

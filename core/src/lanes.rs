@@ -5,9 +5,9 @@
 //! loaded into a zero-padded `[f32; 8]` and go through the same kernel as full chunks.
 //!
 //! [`prefetch`] asks for a cache line [`AHEAD`] elements before a streaming kernel reads it
-//! (through `safe_arch`, `wide`'s own backend; a hint that never changes a result). On this
-//! project's machine one core's hardware prefetcher keeps too few lines in flight for a loop
-//! that does more than add: see docs/prefetch.md for the measurements.
+//! (through `safe_arch`, `wide`'s own backend; a hint that never changes a result): a core's
+//! hardware prefetcher may keep too few lines in flight for a loop that does more per element
+//! than add.
 
 use wide::f32x8;
 
@@ -31,7 +31,7 @@ pub(crate) fn load_padded(s: &[f32]) -> f32x8 {
 }
 
 /// How far ahead of their reads the streaming kernels prefetch, in f32 elements (16 KiB per
-/// stream; measured in docs/prefetch.md).
+/// stream).
 pub(crate) const AHEAD: usize = 4096;
 
 /// Asks for the cache line that holds `x[i]` to be loaded into every cache level. Nothing

@@ -54,6 +54,22 @@
 //! assert!(len <= FRAME_BYTES);
 //! ```
 //!
+//! ## Multi-threaded encoders and decoders
+//! Every function here runs on the calling thread. A caller with threads (the `gradwire` std
+//! crate) cuts a large frame into chunks with [`frame::chunk`], and never reads or writes frame
+//! bytes itself:
+//! - dense, quantization and sign frames: [`frame::chunk::Sections`] gives the byte ranges of
+//!   each chunk's pieces of the sections, writes the header and the trailer, and encodes,
+//!   checks and accumulates one chunk; [`feedback::step_chunk`] runs one chunk of an
+//!   error-feedback step;
+//! - top-k, threshold and random-k frames: [`frame::chunk::SparseFrame`] checks a frame as
+//!   [`validate`] does and decodes its indices and values into caller buffers, for decoders
+//!   that add them chunk by chunk; [`feedback::sparse_update`] and [`feedback::sparse_fix_up`]
+//!   update one chunk of an error-feedback residual from them.
+//!
+//! Whatever the chunks and the order they run in, the bytes and f32 results are those of
+//! [`encode_into`], [`accumulate_into`] and [`feedback_step`] on the whole tensor.
+//!
 //! ## Features
 //! - `std`: enables `std` in `half` and `crc32fast` (faster paths only). It never changes bytes
 //!   on the wire.

@@ -133,11 +133,9 @@ pub(crate) fn encode_fast<S: Source>(
     let mut m = block_absmax_src(src, 0, block.min(n)).ok_or(OutOfLimit)?;
     let mut start = 0usize;
     let mut b = 0usize;
-    // Codes are handed to `written` in runs of at least this many bytes (still in L1). Shorter
-    // runs leave shorter gaps in the stream of loads while the checksum runs: on the Xeon of
-    // BENCHMARKS.md's round 11 the int8 codec took 1.38-1.42 read passes with 1 KiB runs
-    // (six runs), 1.41-1.52 with 4 KiB (six runs, five of them 1.43 or more), and was unsteady
-    // with 512 bytes (1.40-1.64).
+    // Codes are handed to `written` in runs of at least this many bytes, still in L1 when the
+    // checksum reads them. Shorter runs leave shorter gaps in the stream of loads while the
+    // checksum runs; the length is a tuning choice, not part of the format.
     const RUN: usize = 1024;
     let mut flushed = 0usize;
     while start < n {
@@ -505,8 +503,7 @@ pub fn decode_slice(
             o.copy_from_slice(&r.as_array()[..len]);
         };
         // Groups of 32 codes (16 or 32 bytes), widened in registers: building the codes in a
-        // stack array and loading it as a vector stalls on store forwarding (4-bit decode was
-        // 5.8 read passes against 8-bit's 2.2).
+        // stack array and loading it as a vector stalls on store forwarding.
         let g32 = ob.len() / GROUP * GROUP;
         let (head, ob) = ob.split_at_mut(g32);
         let (cg, cb) = cb.split_at(g32 / per_byte);

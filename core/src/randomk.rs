@@ -21,13 +21,12 @@
 //! needed at a position is hypergeometric), and step 2 on one thread over the lists in order,
 //! scanning a run again with the exact count where its bound turns out too low.
 //!
-//! Measured (N = 2.5e7, k = 1%, best of 7, one core): the specification's loop 76-82 ms (3.1-3.3
-//! ns per index); [`for_each`] 64-69 ms in the default build (scalar chains, whose minimum is
-//! compared with the limit: the multiplications bound it) and 59 ms with AVX2 (`-C
-//! target-cpu=native`: four lanes per vector, each 64-bit multiply from three 32-bit ones). The draws are compute-bound, 7-14 read passes of the tensor
-//! depending on the machine's read speed: what random-k really gains from is more cores (the
+//! In the default build [`for_each`] computes the draws in eight scalar chains (the
+//! multiplications bound it); with AVX2 (`-C target-cpu=native`) in vectors of four lanes, each
+//! 64-bit multiply made of three 32-bit ones. Either way the draws are compute-bound, a few
+//! 64-bit multiplications per index whatever `k`: what random-k gains from is more cores (the
 //! std crate draws chunks in parallel) and, on the receiver, drawing once for every rank's
-//! frame (BENCHMARKS.md, round 5).
+//! frame.
 
 use crate::rng::{self, GOLDEN};
 
@@ -65,8 +64,8 @@ pub const SPAN: u64 = 512;
 const LANES: usize = 8;
 
 /// The raw draws of the eight indices whose counters start at `z0`, and which of them are
-/// below `limit` (bit `j` for lane `j`). AVX2: two vectors of four lanes. (Two-lane SSE2
-/// vectors were 1.6x slower than the scalar chains below: N = 2.5e7, default build.)
+/// below `limit` (bit `j` for lane `j`). AVX2: two vectors of four lanes. (Without AVX2, the
+/// scalar chains below: two-lane SSE2 vectors were slower than they are.)
 #[cfg(target_feature = "avx2")]
 #[inline(always)]
 fn draws8(z0: u64, key: u64, limit: u64) -> ([u64; LANES], u32) {

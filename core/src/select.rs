@@ -674,7 +674,7 @@ fn scan<S: Source>(
         // First the SIMD compares of the whole block, keeping only the groups with a lane to
         // look at (no branch: the slot is written for every group and kept for those);
         // then the second looks. A branch per group would be taken at random for about a third
-        // of them at k = 1% (BENCHMARKS.md, round 8).
+        // of them at k = 1%.
         let mut pending = 0usize;
         let mut base = block;
         let mut pairs = src.pairs(block, len);
