@@ -463,8 +463,9 @@ impl Job<'_> {
                 list.decode_randomk(frame(r, e), n, &params, idx)
             })
         } else {
+            let params = self.manifest.params(entry, self.step);
             self.exec
-                .all_mut(ranks, |r, list| list.decode(frame(r, e), n, &entry.method))
+                .all_mut(ranks, |r, list| list.decode(frame(r, e), n, &params))
         };
         let ranks = &*ranks;
         decoded

@@ -43,6 +43,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use gradwire_core::feedback::{sparse_fix_up, sparse_update};
 use gradwire_core::select::{self, Kept};
 use gradwire_core::{Params, ResidualBound, encode_kept_into, values};
 
@@ -189,7 +190,7 @@ impl SparseSplit {
         };
         // With a residual, the sent values are decoded now, so that the update after every
         // entry of the step is encoded cannot fail (no residual may change before all have).
-        if r.is_some() && !self.sent.decode(&frame[..len], n, &params.method) {
+        if r.is_some() && !self.sent.decode(&frame[..len], n, params) {
             return Selected::Serial;
         }
         Selected::Frame(len)
@@ -245,11 +246,14 @@ impl SparseSplit {
             .map(|&b| f32::from_bits(b & 0x7fff_ffff))
             .fold(f32::INFINITY, f32::min);
         let len = encode_kept_into(n, params, kept, frame).ok()?;
-        if !self.sent.decode(&frame[..len], n, &params.method) {
+        if !self.sent.decode(&frame[..len], n, params) {
             return None;
         }
-        let sent = &self.sent;
-        let largest_fixed = exec.chunks_mut_max(r, CHUNK, |j, r| sent.subtract_range(j * CHUNK, r));
+        let (idx, val) = self.sent.entries();
+        // The lists were decoded from the frame just written: equal lengths, so no error.
+        let largest_fixed = exec.chunks_mut_max(r, CHUNK, |j, r| {
+            sparse_fix_up(idx, val, j * CHUNK, r).unwrap_or(f32::INFINITY)
+        });
         let bound = ResidualBound::at_most(smallest_kept.max(largest_fixed));
         Some((len, bound, chunked.is_some()))
     }
@@ -470,14 +474,10 @@ impl SparseSplit {
     /// bound, measured chunk by chunk while each is in cache (so that the next step can take
     /// [`SparseSplit::encode_one_pass`]).
     pub(crate) fn update_residual(&self, g: &[f32], r: &mut [f32], exec: Exec) -> ResidualBound {
-        debug_assert_eq!(g.len(), r.len());
-        let sent = &self.sent;
+        let (idx, val) = self.sent.entries();
+        // Equal lengths: the lists come from one frame, the chunks from one tensor.
         let max = exec.chunk_pairs_mut_max(r, g, CHUNK, |j, r, g| {
-            for (r, g) in r.iter_mut().zip(g) {
-                *r += *g;
-            }
-            sent.add_range(j * CHUNK, r, -1.0);
-            ResidualBound::of(r).max_abs()
+            sparse_update(idx, val, j * CHUNK, g, r).unwrap_or(f32::INFINITY)
         });
         ResidualBound::at_most(max)
     }

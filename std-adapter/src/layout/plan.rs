@@ -4,7 +4,8 @@
 //! and random-k frames). The engine and the aggregator run the plan; on one thread the chunks
 //! run one after the other, with the same bytes and bits.
 
-use gradwire_core::{Method, SignScale, Values, select};
+use gradwire_core::frame::chunk::Sections;
+use gradwire_core::{Method, select};
 
 use super::EntryKind;
 
@@ -78,31 +79,16 @@ pub(crate) enum ReducePlan {
 }
 
 /// How a dense, quantization or sign frame of `n` elements made with `method` cuts into chunks:
-/// the alignment of a cut (whole blocks and whole bytes of codes, signs or values) and the
-/// chunk length ([`CHUNK`] rounded up to it), if `n` holds two chunks at least.
+/// the alignment of a cut (whole blocks and whole bytes of codes, signs or values: the core's
+/// [`Sections::align`]) and the chunk length ([`CHUNK`] rounded up to it), if `n` holds two
+/// chunks at least.
 pub(crate) fn dense_geometry(n: usize, method: &Method) -> Option<(usize, usize)> {
-    let block = match *method {
-        Method::Dense { values } if !matches!(values, Values::Int8 { .. }) => 1,
-        Method::Quant { block, .. } => block as usize,
-        Method::Sign { scale } => match scale {
-            SignScale::MeanAbs { block } => block as usize,
-            SignScale::None => 1,
-        },
-        _ => return None,
-    };
-    if block == 0 || n < SPLIT_MIN {
+    if n < SPLIT_MIN {
         return None;
     }
-    let align = (block / gcd(block, 8)).checked_mul(8)?;
+    let align = Sections::of(n, method)?.align();
     let chunk = CHUNK.div_ceil(align).checked_mul(align)?;
     (n >= chunk.checked_mul(2)?).then_some((align, chunk))
-}
-
-fn gcd(mut a: usize, mut b: usize) -> usize {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 /// The encode plan of an entry.
