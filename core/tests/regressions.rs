@@ -108,3 +108,55 @@ fn roundtrip_sign_537() {
     data.extend_from_slice(&[0, 5, 1, 3, 0, 0, 0, 0]);
     core_targets::roundtrip(&data);
 }
+
+/// Issue "Hostile input and faults, round 2", item 1: a 21-byte dense frame whose element count
+/// makes its section end within 4 bytes of `usize::MAX` (n = 2^62 - 5 f32 values: the section
+/// ends at 2^64 - 3). Building the `Truncated` error added the trailer's 4 bytes unchecked: a
+/// panic with overflow checks on (debug and fuzz builds), and in release a wrapped `needed` of
+/// 1 byte, reported as a frame that "declares at least 1 byte" (the re-parse of the "cut short
+/// or checksum?" diagnosis reached it too, so a wrong CRC did not protect). Every reader of the
+/// frame must refuse it with a count above what the frame has.
+#[test]
+#[cfg(target_pointer_width = "64")]
+fn a_section_ending_near_usize_max_is_truncated_not_wrapped() {
+    use gradwire_core::{Error, decode_into, peek, validate};
+    for (values, width) in [(Values::F32, 4u64), (Values::F16, 2), (Values::Bf16, 2)] {
+        let method = Method::Dense { values };
+        let mut frame = vec![0u8; max_frame_len(1, &method)];
+        let len = encode_into(&[1.0], &Params::new(method), &mut [], &mut frame).unwrap();
+        frame.truncate(len);
+        // The fixed header, the value spec, one value, the CRC: drop the value, then declare
+        // element counts whose section ends at usize::MAX - 3 ..= usize::MAX.
+        frame.drain(17..17 + width as usize);
+        assert_eq!(frame.len(), 21);
+        for back in 0..4u64 {
+            // The section ends at 17 + n * width: within `width` of usize::MAX for back = 0.
+            let n = (u64::MAX - 17) / width - back;
+            for fix_crc in [false, true] {
+                let mut f = frame.clone();
+                f[8..16].copy_from_slice(&n.to_le_bytes());
+                if fix_crc {
+                    let crc = crc32fast::hash(&f[..17]);
+                    f[17..].copy_from_slice(&crc.to_le_bytes());
+                }
+                let params = Params::new(method);
+                let mut out = [0.0f32; 1];
+                for err in [
+                    peek(&f).unwrap_err(),
+                    validate(&f, &params, 1).unwrap_err(),
+                    decode_into(&f, &params, &mut out).unwrap_err(),
+                ] {
+                    match err {
+                        Error::Truncated { needed, got }
+                        | Error::Incomplete {
+                            declared: needed,
+                            got,
+                        } => assert!(needed > got, "{values:?} n {n}: {err}"),
+                        Error::ElementCount { .. } => {}
+                        other => panic!("{values:?} n {n}: unexpected {other}"),
+                    }
+                }
+            }
+        }
+    }
+}

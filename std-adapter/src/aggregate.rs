@@ -348,7 +348,8 @@ impl Job<'_> {
         frame: &(impl Fn(usize, usize) -> &'f [u8] + Sync),
         out: &mut Vec<f32>,
     ) -> Result<()> {
-        out.clear();
+        // Every entry writes all of its range (from zeros), so a reused buffer is not zeroed
+        // first: for a large model that would be one more pass over the output.
         out.resize(self.manifest.flat_len(), 0.0);
         let first: Mutex<Option<(usize, Error)>> = Mutex::new(None);
         let entries = self.manifest.entries();

@@ -357,18 +357,24 @@ impl GradientCompressor {
         name: &str,
         compressed: &layout::CompressedGradient,
     ) -> Result<Tensor> {
-        let mut t = Tensor::zeros(compressed.shape()).map_err(|e| match e {
-            Error::ShapeOverflow { shape, .. } => Error::ShapeOverflow {
-                tensor: name.to_owned(),
-                shape,
-            },
-            other => other,
-        })?;
+        let shape = compressed.shape();
+        let n = crate::tensor::checked_numel(name, shape)?;
         let params = self.params(name, compressed.step())?;
-        let n = t.data().len();
-        gradwire_core::decode_into(compressed.frame(), &params, t.data_mut())
-            .map_err(|e| frame_error(name, None, compressed.frame(), &params, n, e))?;
-        Ok(t)
+        let frame = compressed.frame();
+        // The whole frame is checked against what this side expects before the output is
+        // allocated, and the allocation is fallible: a valid frame may still declare more
+        // elements than the machine holds.
+        gradwire_core::validate(frame, &params, n)
+            .map_err(|e| frame_error(name, None, frame, &params, n, e))?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(n).map_err(|_| Error::OutOfMemory {
+            tensor: name.to_owned(),
+            elements: n,
+        })?;
+        data.resize(n, 0.0);
+        gradwire_core::decode_into(frame, &params, &mut data)
+            .map_err(|e| frame_error(name, None, frame, &params, n, e))?;
+        Tensor::new(shape.to_vec(), data)
     }
 
     /// Decodes compressed gradients (from this compressor or a peer with the same method and

@@ -397,6 +397,15 @@ pub enum Error {
         #[from]
         source: safetensors::SafeTensorError,
     },
+    /// The memory for a tensor the receiver expects could not be allocated (a valid frame may
+    /// declare more elements than the machine holds).
+    #[error("{}: cannot allocate {elements} elements", Named(.tensor))]
+    OutOfMemory {
+        /// The tensor.
+        tensor: String,
+        /// Elements asked for.
+        elements: usize,
+    },
     /// A container file is invalid or describes another model (see [`crate::container`]).
     #[error("{reason}")]
     Container {

@@ -471,7 +471,7 @@ fn hostile_checkpoints_allocate_within_the_input_bound() {
     // shape twice (safetensors' `Metadata` and the state's own), so 8 bytes per input byte is
     // what the shapes themselves cost: 696,172 bytes for 91,052 (7.6). Held to 9. Parsed by
     // safetensors' own header type (a `#[serde(flatten)]` map, every value buffered), it took
-    // 1,593,004 bytes (17.5); `safetensors_checked` parses headers itself since.
+    // 1,593,004 bytes (17.5); `safetensors_reader` parses headers itself since.
     let zeros = vec!["0"; 64].join(",");
     let names: Vec<String> = (0..500).map(|i| format!("t{i}")).collect();
     let zero_dim: Vec<(&str, &str, &str, [u64; 2])> = names

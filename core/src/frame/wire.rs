@@ -258,8 +258,10 @@ impl<'a> Get<'a> {
             needed: usize::MAX,
             got: self.buf.len(),
         })?;
+        // `end` comes from lengths a hostile header declares: it may lie within `CRC_LEN` of
+        // `usize::MAX`, so the error's arithmetic saturates too.
         let s = self.buf.get(self.pos..end).ok_or(Error::Truncated {
-            needed: end + CRC_LEN,
+            needed: end.saturating_add(CRC_LEN),
             got: self.buf.len() + CRC_LEN,
         })?;
         self.pos = end;

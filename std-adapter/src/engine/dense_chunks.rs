@@ -11,6 +11,10 @@ use gradwire_core::{Method, Params};
 use super::exec::Exec;
 use crate::layout::plan::dense_geometry;
 
+/// Elements per error-feedback tile (rounded up to chunk boundaries): its gradient and residual
+/// (64 KiB) stay in the L2 cache between the core's check of the tile and its update.
+const TILE: usize = 8192;
+
 /// A dense, quantization or sign frame of `n` elements cut into chunks of `chunk` elements.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Split {
@@ -53,7 +57,9 @@ impl Split {
             let g = &grad[start..start + self.chunk.min(n - start)];
             let done = match r {
                 None => s.encode(params, start, g, scales, body),
-                Some(r) => step_chunk(s, params, start, g, r, scales, body),
+                // Tile by tile: the core's step checks a piece before it updates it, and a
+                // tile's g and r stay in the L2 cache between the two.
+                Some(r) => self.feedback_tiles(params, start, g, r, scales, body),
             };
             if done.is_err() {
                 failed.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -66,6 +72,39 @@ impl Split {
         }
         let crc = exec.crc32(frame.get(..s.checksummed_len())?);
         s.finish(frame, Some(crc)).ok()
+    }
+
+    /// The core's error-feedback step over one chunk (elements `start..` of the tensor: `g`,
+    /// `r` and the chunk's pieces), in tiles of about [`TILE`] elements on chunk boundaries.
+    fn feedback_tiles(
+        &self,
+        params: &Params,
+        start: usize,
+        g: &[f32],
+        r: &mut [f32],
+        scales: &mut [u8],
+        body: &mut [u8],
+    ) -> Result<(), gradwire_core::Error> {
+        let s = &self.sections;
+        let tile = TILE.div_ceil(s.align()) * s.align();
+        let (s0, b0) = s.ranges(start, start)?;
+        let mut at = 0;
+        while at < g.len() {
+            let end = (at + tile).min(g.len());
+            let (ts, tb) = s.ranges(start + at, start + end)?;
+            let piece = |x: std::ops::Range<usize>, from: usize| x.start - from..x.end - from;
+            step_chunk(
+                s,
+                params,
+                start + at,
+                &g[at..end],
+                &mut r[at..end],
+                &mut scales[piece(ts, s0.start)],
+                &mut body[piece(tb, b0.start)],
+            )?;
+            at = end;
+        }
+        Ok(())
     }
 
     /// Runs `work(start, scales, body, residual)` for chunks `first..first + count` (their
