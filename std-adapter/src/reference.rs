@@ -499,28 +499,36 @@ fn check_step(
 }
 
 fn feedback_checked(grad: &[f32], residual: &mut [f32], mode: Mode, ratio: f64) -> Entry {
-    for (r, &g) in residual.iter_mut().zip(grad) {
-        *r += g;
-    }
-    let entry = compress_checked(residual, mode, ratio);
-    match &entry {
-        Entry::Dense(_) => residual.fill(0.0),
-        Entry::TopK { indices, .. } => {
-            for &i in indices {
-                residual[i as usize] = 0.0;
-            }
+    // The entry compresses `grad + residual`; the residual update is the core's
+    // (`sparse_update`: `residual + grad`, then `-value` at each sent index), per element the
+    // operations of the reference: its values are the sums (the update leaves exact zeros
+    // there), its int8 codes decode to `code * scale`.
+    let sum: Vec<f32> = grad
+        .iter()
+        .zip(residual.iter())
+        .map(|(g, r)| g + r)
+        .collect();
+    let entry = compress_checked(&sum, mode, ratio);
+    let (idx, sent): (Vec<u32>, Vec<f32>) = match &entry {
+        // Everything is sent: nothing is left.
+        Entry::Dense(_) => {
+            residual.fill(0.0);
+            return entry;
+        }
+        Entry::TopK { indices, values } => {
+            (indices.iter().map(|&i| i as u32).collect(), values.clone())
         }
         Entry::TopKInt8 {
             indices,
             codes,
             scale,
-        } => {
-            for (&i, &c) in indices.iter().zip(codes) {
-                let r = &mut residual[i as usize];
-                *r -= f32::from(c) * *scale;
-            }
-        }
-    }
+        } => (
+            indices.iter().map(|&i| i as u32).collect(),
+            codes.iter().map(|&c| f32::from(c) * *scale).collect(),
+        ),
+    };
+    // Indices come sorted from the selection; lengths match: no error.
+    let _ = gradwire_core::feedback::sparse_update(&idx, &sent, 0, grad, residual);
     entry
 }
 
