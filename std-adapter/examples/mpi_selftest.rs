@@ -39,6 +39,9 @@ fn check_round(
     Ok(())
 }
 
+#[path = "../tests/common/collectives.rs"]
+mod collectives;
+
 fn run(comm: &mut MpiCommunicator) -> Result<(), String> {
     let w = comm.world_size();
     let mut out = Vec::new();
@@ -96,7 +99,9 @@ fn run(comm: &mut MpiCommunicator) -> Result<(), String> {
     }
     case += 1;
     check_round(comm, case, 64, |r| r + 1, &mut out)?;
-    Ok(())
+    // The all-to-all, the rank-order sum and the traffic counters, as the threads' test runs
+    // them.
+    collectives::run_all(comm)
 }
 
 fn main() -> ExitCode {

@@ -48,7 +48,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use crate::aggregate::{Aggregator, Reduction, check_contribution};
-use crate::collective;
+use crate::collective::{AllGather, Config, Local};
 use crate::comm::Communicator;
 use crate::compressor::GradientCompressor;
 use crate::engine::Parallelism;
@@ -69,9 +69,35 @@ pub struct CompressedAllReduce {
     /// Bundle manifest for the communicator path.
     bundles: Option<Manifest>,
     send: Vec<u8>,
-    gathered: Vec<Vec<u8>>,
+    collective: AllGather,
     flat: Vec<f32>,
     aggregator: Aggregator,
+}
+
+/// The configuration every rank must share for a collective step of `manifest` (checked
+/// through the collective's fingerprints).
+fn group_config(
+    world_size: usize,
+    manifest: &Manifest,
+    reduction: Reduction,
+    bucketing: &BucketConfig,
+) -> Config {
+    Config::new(
+        [
+            ("world_size", world_size.to_string()),
+            ("collective", "all-gather".to_owned()),
+            ("method", crate::method::format(manifest.method())),
+            ("seed", manifest.seed().to_string()),
+            ("reduction", format!("{reduction:?}")),
+            ("bucketing", format!("{bucketing:?}")),
+            ("layout", format!("{:016x}", manifest.layout_id())),
+        ],
+        manifest
+            .tensors()
+            .iter()
+            .map(|t| format!("{}:{:?}", t.name, t.shape))
+            .collect(),
+    )
 }
 
 impl fmt::Debug for CompressedAllReduce {
@@ -108,7 +134,7 @@ impl CompressedAllReduce {
             tensors: None,
             bundles: None,
             send: Vec::new(),
-            gathered: Vec::new(),
+            collective: AllGather::default(),
             flat: Vec::new(),
             aggregator: Aggregator::new(),
         }
@@ -231,46 +257,71 @@ impl CompressedAllReduce {
             *out = result;
             return Ok(());
         }
-        let method = self.compressor.method().core_method()?;
-        let seed = self.compressor.seed();
-        let manifest =
-            Manifest::cached(&mut self.bundles, gradients, method, seed, self.bucketing)?;
         let Some(comm) = self.comm.as_deref_mut() else {
             return Err(Error::NoCommunicator {
                 world_size: self.world_size,
             });
         };
+        // Everything that can fail before the collective: the method, the manifest, the
+        // compression. A failure still takes part (with its reason), so that no peer waits for
+        // this rank; the step advances as on the peers, so the group stays in step.
         let rank = comm.rank();
-        let step = match self
-            .compressor
-            .compress_bundle(manifest, gradients, rank, &mut self.send)
-        {
-            Ok(step) => step,
-            Err(e) => {
-                // Still take part in the collective, so that the peers do not wait forever:
-                // they fail on this rank's empty bundle, naming it. The step advances as on
-                // the peers, so the group stays in step for the next call.
-                let step = self.compressor.step();
+        let step = self.compressor.step();
+        let method = self.compressor.method().core_method();
+        let seed = self.compressor.seed();
+        let manifest = method.and_then(|method| {
+            Manifest::cached(&mut self.bundles, gradients, method, seed, self.bucketing)
+        });
+        let compressed = match &manifest {
+            Ok(manifest) => self
+                .compressor
+                .compress_bundle(manifest, gradients, rank, &mut self.send)
+                .map(|_| ()),
+            Err(_) => Ok(()),
+        };
+        let local = match (manifest, compressed) {
+            (Ok(manifest), Ok(())) => Ok(manifest),
+            (Ok(manifest), Err(error)) => Err((Some(manifest), error)),
+            (Err(error), _) => Err((None, error)),
+        };
+        let manifest = match local {
+            Ok(manifest) => manifest,
+            Err((manifest, error)) => {
                 self.compressor.set_step(step.wrapping_add(1));
-                collective::all_gather_failed(comm, manifest, &mut self.gathered);
-                return Err(e);
+                let failed = Local::Failed { manifest, error };
+                let result = self.collective.run(
+                    comm,
+                    self.world_size,
+                    failed,
+                    self.reduction,
+                    &mut self.aggregator,
+                    &mut self.flat,
+                );
+                // The collective reports this rank's own error (or an earlier rank's).
+                return result;
             }
         };
-        // The aggregator's checks name the tensor and the rank: another element count or
-        // shape (the entry ids hash the shapes), a missing tensor, an empty bundle from a rank
-        // whose compression failed.
-        let result = collective::all_gather(
-            comm,
-            self.world_size,
+        let config = group_config(self.world_size, manifest, self.reduction, &self.bucketing);
+        let local = Local::Bundle {
             manifest,
-            &self.send,
+            bundle: &self.send,
             step,
-            self.reduction,
-            &mut self.aggregator,
-            &mut self.gathered,
-            &mut self.flat,
-        )
-        .and_then(|()| manifest.to_tensors_into(&self.flat, out));
+            config: &config,
+        };
+        // The collective's checks name the rank and the field or tensor at fault: a rank that
+        // failed, another configuration, another element count or shape (the entry ids hash
+        // the shapes), a corrupted bundle.
+        let result = self
+            .collective
+            .run(
+                comm,
+                self.world_size,
+                local,
+                self.reduction,
+                &mut self.aggregator,
+                &mut self.flat,
+            )
+            .and_then(|()| manifest.to_tensors_into(&self.flat, out));
         // The residuals gave up what this rank sent. When the step failed after the
         // all-gather, every rank saw the same messages and failed alike, so they take it back
         // (the error of the step is the one to report; the own bundle always decodes). After a

@@ -1,48 +1,383 @@
 //! Collectives over a [`Communicator`] for compressed bundles: today the all-gather (every
-//! rank's bundle to every rank, each aggregating all of them in rank order). Per-link bytes grow
-//! as `(W - 1) x` bundle: right for small W or tiny bundles.
+//! rank's bundle to every rank, each aggregating all of them in rank order; per-link bytes grow
+//! as `(W - 1) x` bundle: right for small W or tiny bundles).
+//!
+//! Every message of a collective travels in an envelope (`FORMAT.md` section 14): the
+//! fingerprint of the sender's configuration for this call (method, seed, reduction, bucketing,
+//! layout, world size, step), and either the payload or, when the sender's own step failed
+//! before the collective, the reason. So the ranks decide together, from the same messages:
+//! a rank whose step failed still takes part and every peer fails naming it and its reason; a
+//! rank configured differently is named with the first field that differs (after one more
+//! exchange of the configurations, which every rank makes, since every rank sees the
+//! fingerprints differ); no rank waits for a message that never comes.
 
 use crate::aggregate::{Aggregator, Reduction};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::layout::Manifest;
 
-/// Exchanges this rank's `bundle` (made with `manifest` at `step`) with every rank of `comm`
-/// into `gathered` and aggregates them into `out` (the flat layout of `manifest`).
-///
-/// # Errors
-/// [`Error::Comm`] when the transport fails; [`Error::WorldSize`] when the group has another
-/// size than `world_size`; any error of [`Aggregator::aggregate_into`] (the same on every
-/// rank, which all see the same bundles).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn all_gather(
-    comm: &mut dyn Communicator,
-    world_size: usize,
-    manifest: &Manifest,
-    bundle: &[u8],
-    step: u64,
-    reduction: Reduction,
-    aggregator: &mut Aggregator,
-    gathered: &mut Vec<Vec<u8>>,
-    out: &mut Vec<f32>,
-) -> Result<()> {
-    comm.all_gather(bundle, manifest.max_bundle_len(), gathered)?;
-    if gathered.len() != world_size {
-        return Err(Error::WorldSize {
-            expected: world_size,
-            got: gathered.len(),
-        });
-    }
-    aggregator.aggregate_into(manifest, gathered, step, reduction, out)
+/// The first four bytes of an envelope.
+const MAGIC: [u8; 4] = *b"GWCM";
+/// The envelope version.
+const VERSION: u8 = 1;
+/// Bytes of an envelope before its payload.
+pub(crate) const ENVELOPE_LEN: usize = 20;
+/// The longest reason a failure envelope carries (longer ones are cut at a character boundary).
+pub(crate) const MAX_REASON_LEN: usize = 1024;
+/// Kinds of envelope.
+const PAYLOAD: u8 = 0;
+const FAILURE: u8 = 1;
+
+/// A rank's configuration for one call, as `key=value` lines: the fingerprint is FNV-1a of the
+/// text.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Config {
+    text: String,
+    /// The tensors (`name:shape` each), sent only when the fingerprints differ, so that a
+    /// difference in the layout names the tensor.
+    tensors: Vec<String>,
 }
 
-/// Takes part in the all-gather of a step this rank could not compress (an empty bundle, which
-/// its peers' checks name as this rank's failure), so that no peer waits forever. The
-/// transport's own error, if any, is dropped: the caller reports its local one.
-pub(crate) fn all_gather_failed(
-    comm: &mut dyn Communicator,
-    manifest: &Manifest,
-    gathered: &mut Vec<Vec<u8>>,
-) {
-    let _ = comm.all_gather(&[], manifest.max_bundle_len(), gathered);
+impl Config {
+    /// A configuration of `fields` (`(key, value)`, in a fixed order) for a model of
+    /// `tensors` (`name:shape` each; their hash is one of the fields).
+    pub(crate) fn new<'a>(
+        fields: impl IntoIterator<Item = (&'a str, String)>,
+        tensors: Vec<String>,
+    ) -> Self {
+        let mut text = String::new();
+        for (k, v) in fields {
+            text.push_str(k);
+            text.push('=');
+            text.push_str(&v);
+            text.push('\n');
+        }
+        Config { text, tensors }
+    }
+
+    /// The text of the naming round: the fields, the step, and the tensors.
+    fn full_text(&self, step: u64) -> String {
+        let mut t = format!("{}step={step}\n", self.text);
+        for name in &self.tensors {
+            t.push_str("tensor=");
+            t.push_str(name);
+            t.push('\n');
+        }
+        t
+    }
+
+    /// FNV-1a (64 bits) of the text.
+    fn fingerprint(&self) -> u64 {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for &b in self.text.as_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h
+    }
+
+    /// The first field where the text `other` differs from `ours`: (key, our value, their
+    /// value); a difference in the layout is named by the first tensor that differs.
+    fn first_difference<'a>(ours: &'a str, other: &'a str) -> Option<(String, &'a str, &'a str)> {
+        let found = Self::first_line_difference(ours, other, |k| k != "tensor")?;
+        if found.0 == "layout"
+            && let Some((_, a, b)) = Self::first_line_difference(ours, other, |k| k == "tensor")
+        {
+            let name = |v: &'a str| v.rsplit_once(':').map_or(v, |(n, _)| n);
+            let tensor = if name(a).is_empty() { name(b) } else { name(a) };
+            return Some((format!("tensor `{tensor}`"), a, b));
+        }
+        Some((found.0.to_owned(), found.1, found.2))
+    }
+
+    /// The first line, among those whose key `keep` keeps, where the texts differ.
+    fn first_line_difference<'a>(
+        ours: &'a str,
+        other: &'a str,
+        keep: impl Fn(&str) -> bool,
+    ) -> Option<(&'a str, &'a str, &'a str)> {
+        let pairs = |t: &'a str| {
+            t.lines()
+                .map(|l| l.split_once('=').unwrap_or((l, "")))
+                .filter(|(k, _)| keep(k))
+                .collect::<Vec<_>>()
+        };
+        let mut ours = pairs(ours).into_iter();
+        let mut theirs = pairs(other).into_iter();
+        loop {
+            match (ours.next(), theirs.next()) {
+                (None, None) => return None,
+                (Some((k, a)), Some((k2, b))) if k == k2 && a == b => {}
+                (Some((k, a)), Some((_, b))) => return Some((k, a, b)),
+                (Some((k, a)), None) => return Some((k, a, "")),
+                (None, Some((k, b))) => return Some((k, "", b)),
+            }
+        }
+    }
+}
+
+/// Writes the envelope of `payload` (`kind` PAYLOAD) or of a failure `reason` into `out`.
+fn seal(kind: u8, fingerprint: u64, payload: &[u8], out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&[VERSION, kind, 0, 0]);
+    out.extend_from_slice(&fingerprint.to_le_bytes());
+    let crc = crc32fast::hash(out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(payload);
+}
+
+/// The failure envelope of `err`: its message, cut to [`MAX_REASON_LEN`] bytes.
+fn seal_failure(err: &Error, out: &mut Vec<u8>) {
+    let text = err.to_string();
+    let mut end = text.len().min(MAX_REASON_LEN);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    seal(FAILURE, 0, &text.as_bytes()[..end], out);
+}
+
+/// What an envelope holds.
+enum Opened {
+    Payload { fingerprint: u64 },
+    Failure(String),
+    Invalid,
+}
+
+fn open(msg: &[u8]) -> Opened {
+    let Some(head) = msg.get(..ENVELOPE_LEN) else {
+        return Opened::Invalid;
+    };
+    let crc = u32::from_le_bytes([head[16], head[17], head[18], head[19]]);
+    if head[..4] != MAGIC
+        || head[4] != VERSION
+        || head[6..8] != [0, 0]
+        || crc32fast::hash(&head[..16]) != crc
+    {
+        return Opened::Invalid;
+    }
+    let mut fp = [0u8; 8];
+    fp.copy_from_slice(&head[8..16]);
+    let body = &msg[ENVELOPE_LEN..];
+    match head[5] {
+        PAYLOAD => Opened::Payload {
+            fingerprint: u64::from_le_bytes(fp),
+        },
+        FAILURE => Opened::Failure(String::from_utf8_lossy(body).into_owned()),
+        _ => Opened::Invalid,
+    }
+}
+
+/// The bytes a collective message may have for `manifest`: an envelope and a bundle, or a
+/// failure's reason.
+fn limit_for(manifest: Option<&Manifest>) -> usize {
+    match manifest {
+        Some(m) => ENVELOPE_LEN + m.max_bundle_len().max(MAX_REASON_LEN),
+        // A rank without a manifest takes part with a failure: the group's smallest limit, a
+        // healthy peer's, applies.
+        None => usize::MAX,
+    }
+}
+
+/// One rank's part of an all-gather step: its bundle (made with `manifest` at `step`, with
+/// configuration `config`), or the error that stopped it before the collective.
+pub(crate) enum Local<'b> {
+    Bundle {
+        manifest: &'b Manifest,
+        bundle: &'b [u8],
+        step: u64,
+        config: &'b Config,
+    },
+    Failed {
+        manifest: Option<&'b Manifest>,
+        error: Error,
+    },
+}
+
+/// Buffers of the all-gather collective, kept between calls.
+#[derive(Debug, Default)]
+pub(crate) struct AllGather {
+    send: Vec<u8>,
+    gathered: Vec<Vec<u8>>,
+}
+
+impl AllGather {
+    /// Exchanges this rank's part with every rank of `comm` and, when every rank sent a
+    /// bundle made with the same configuration, aggregates them into `out` (the flat layout of
+    /// the manifest).
+    ///
+    /// # Errors
+    /// This rank's own error when its step failed; [`Error::PeerFailed`] naming the first
+    /// rank whose step failed, with its reason; [`Error::ConfigDiffers`] naming the first rank
+    /// configured otherwise than rank 0 and the field; [`Error::Comm`] when the transport
+    /// fails; [`Error::WorldSize`]; any error of [`Aggregator::aggregate_into`]. Every rank
+    /// returns the same error, except a failed rank, which returns its own.
+    pub(crate) fn run(
+        &mut self,
+        comm: &mut dyn Communicator,
+        world_size: usize,
+        local: Local<'_>,
+        reduction: Reduction,
+        aggregator: &mut Aggregator,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (limit, own_error, ours) = match local {
+            Local::Bundle {
+                manifest,
+                bundle,
+                step,
+                config,
+            } => {
+                seal(
+                    PAYLOAD,
+                    fingerprint_at(config, step),
+                    bundle,
+                    &mut self.send,
+                );
+                (
+                    limit_for(Some(manifest)),
+                    None,
+                    Some((manifest, step, config)),
+                )
+            }
+            Local::Failed { manifest, error } => {
+                seal_failure(&error, &mut self.send);
+                (limit_for(manifest), Some(error), None)
+            }
+        };
+        comm.all_gather(&self.send, limit, &mut self.gathered)?;
+        if self.gathered.len() != world_size {
+            return Err(Error::WorldSize {
+                expected: world_size,
+                got: self.gathered.len(),
+            });
+        }
+        // The verdict, from the messages every rank holds: a failed rank first, then an
+        // envelope that is not one, then fingerprints that differ.
+        let me = comm.rank();
+        let mut fingerprints = Vec::with_capacity(world_size);
+        for (rank, msg) in self.gathered.iter().enumerate() {
+            match open(msg) {
+                Opened::Failure(reason) => {
+                    return Err(match own_error {
+                        Some(error) if rank == me => error,
+                        _ => Error::PeerFailed { rank, reason },
+                    });
+                }
+                Opened::Invalid => {
+                    return Err(Error::Collective {
+                        rank,
+                        reason: "its message is not a gradwire collective envelope (version 1)"
+                            .into(),
+                    });
+                }
+                Opened::Payload { fingerprint, .. } => fingerprints.push(fingerprint),
+            }
+        }
+        let Some((manifest, step, config)) = ours else {
+            // Unreachable: this rank's own message is a failure, found above.
+            return Err(Error::internal("a failed rank's own message was not found"));
+        };
+        if let Some(rank) = fingerprints.iter().position(|&f| f != fingerprints[0]) {
+            return Err(self.name_difference(comm, config, step, rank));
+        }
+        let bundles: Vec<&[u8]> = self.gathered.iter().map(|m| &m[ENVELOPE_LEN..]).collect();
+        aggregator.aggregate_into(manifest, &bundles, step, reduction, out)
+    }
+
+    /// Every rank saw `rank`'s fingerprint differ from rank 0's: one more all-gather of the
+    /// configurations names the first field that differs.
+    fn name_difference(
+        &mut self,
+        comm: &mut dyn Communicator,
+        config: &Config,
+        step: u64,
+        rank: usize,
+    ) -> Error {
+        let text = config.full_text(step);
+        if let Err(e) = comm.all_gather(text.as_bytes(), usize::MAX, &mut self.gathered) {
+            return e.into();
+        }
+        let texts: Vec<String> = self
+            .gathered
+            .iter()
+            .map(|t| String::from_utf8_lossy(t).into_owned())
+            .collect();
+        let rank0 = texts.first().map_or("", String::as_str);
+        match texts
+            .get(rank)
+            .and_then(|t| Config::first_difference(rank0, t))
+        {
+            Some((field, expected, got)) => Error::ConfigDiffers {
+                rank,
+                field,
+                expected: expected.to_owned(),
+                got: got.to_owned(),
+            },
+            None => Error::ConfigDiffers {
+                rank,
+                field: "fingerprint".to_owned(),
+                expected: String::new(),
+                got: String::new(),
+            },
+        }
+    }
+}
+
+/// The fingerprint of `config` at `step`.
+fn fingerprint_at(config: &Config, step: u64) -> u64 {
+    Config {
+        text: format!("{}step={step}\n", config.text),
+        tensors: Vec::new(),
+    }
+    .fingerprint()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelopes_round_trip_and_refuse_damage() {
+        let mut msg = Vec::new();
+        seal(PAYLOAD, 0x1234, b"bundle", &mut msg);
+        assert!(matches!(
+            open(&msg),
+            Opened::Payload {
+                fingerprint: 0x1234
+            }
+        ));
+        assert_eq!(&msg[ENVELOPE_LEN..], b"bundle");
+        for i in 0..ENVELOPE_LEN {
+            let mut bad = msg.clone();
+            bad[i] ^= 1;
+            assert!(matches!(open(&bad), Opened::Invalid), "byte {i}");
+        }
+        seal_failure(&Error::config("x".repeat(5000)), &mut msg);
+        match open(&msg) {
+            Opened::Failure(r) => assert_eq!(r.len(), MAX_REASON_LEN),
+            _ => panic!("not a failure"),
+        }
+    }
+
+    #[test]
+    fn configurations_name_their_first_difference() {
+        let a = Config::new([("method", "topk".into()), ("seed", "1".into())], vec![]);
+        let b = Config::new([("method", "topk".into()), ("seed", "2".into())], vec![]);
+        let diff = Config::first_difference(&a.text, &b.text);
+        assert_eq!(diff, Some(("seed".to_owned(), "1", "2")));
+        assert_eq!(Config::first_difference(&a.text, &a.text), None);
+        assert_ne!(a.fingerprint(), b.fingerprint());
+        let c = Config::new(
+            [("layout", "1".into())],
+            vec!["a:[2]".into(), "w:[4]".into()],
+        );
+        let d = Config::new(
+            [("layout", "2".into())],
+            vec!["a:[2]".into(), "w:[5]".into()],
+        );
+        let (ct, dt) = (c.full_text(3), d.full_text(3));
+        let diff = Config::first_difference(&ct, &dt);
+        assert_eq!(diff, Some(("tensor `w`".to_owned(), "w:[4]", "w:[5]")));
+    }
 }

@@ -1,19 +1,29 @@
-//! Collective communication between ranks: the [`Communicator`] trait (an all-gather of
-//! variable-size byte buffers), [`LocalGroup`] (ranks as threads in one process) and, with the
-//! `mpi` feature, `MpiCommunicator` (Open MPI through the `mpi` crate).
-//!
-//! Sparse frames differ per rank, so they cannot be summed on the wire: every rank gathers every
-//! other rank's bundle and accumulates locally, always in rank order, so that all ranks compute
-//! bit-identical results.
+//! Collective communication between ranks: the [`Communicator`] trait (an all-gather and an
+//! all-to-all of variable-size byte buffers, and a rank-order dense f32 sum built on them),
+//! [`LocalGroup`] (ranks as threads in one process) and, with the `mpi` feature,
+//! `MpiCommunicator` (Open MPI through the `mpi` crate).
 //!
 //! # Size limits are collective
-//! Every rank passes a `max_len` to [`Communicator::all_gather`]. The transports exchange the
-//! lengths (and the limits) first, so every rank takes the same decision: when any rank's buffer
-//! is longer than the smallest `max_len` of the group, every rank's call fails with the same
-//! [`CommError::TooLarge`] naming the first such rank ([`CommError::LimitsDiffer`] when that
-//! buffer is within its sender's own, larger limit: the ranks are configured differently),
-//! `out` is left as it was, and no rank allocates or copies more than its own `max_len` for
-//! any buffer. The group stays usable for the next call.
+//! Every rank passes a `max_len` to [`Communicator::all_gather`] and
+//! [`Communicator::all_to_all`]. The transports exchange the lengths (and the limits) first, so
+//! every rank takes the same decision: when any buffer is longer than the smallest `max_len` of
+//! the group, every rank's call fails with the same [`CommError::TooLarge`] naming the first
+//! such sender ([`CommError::LimitsDiffer`] when that buffer is within its sender's own, larger
+//! limit: the ranks are configured differently), `out` is left as it was, and no rank
+//! allocates or copies more than its own `max_len` for any buffer. The group stays usable for
+//! the next call.
+//!
+//! # No rank waits forever
+//! Every transport has a deadline ([`DEFAULT_DEADLINE`] unless configured): a call that waits
+//! longer for its peers fails with [`CommError::Deadline`] naming the ranks that did not
+//! arrive ([`LocalGroup`]), or, where a pending collective cannot be cancelled (MPI), ends the
+//! job with a message naming them.
+//!
+//! # Bytes on the wire
+//! Every communicator counts the bytes of its calls ([`Communicator::traffic`]): logical bytes,
+//! the same on every transport: `sent` is what this rank addressed to peers (a buffer gathered
+//! by `W - 1` peers counts `W - 1` times), `received` what peers addressed to it, and each call
+//! adds its length exchange (16 bytes to and from each peer: a length and a limit).
 //!
 //! # Example
 //! ```
@@ -40,12 +50,47 @@
 mod local;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod reduce;
 #[cfg(any(test, feature = "mpi"))]
 mod rounds;
 
 pub use self::local::{LocalCommunicator, LocalGroup};
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiCommunicator;
+
+/// How long a call waits for its peers before it fails, by default: far above one dense step of
+/// a large model over a 10 Mbit/s link.
+pub const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Bytes one rank's calls moved, counted as the module docs say (the same on every transport).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Bytes this rank addressed to its peers.
+    pub sent: u64,
+    /// Bytes its peers addressed to it.
+    pub received: u64,
+}
+
+impl Traffic {
+    /// Bytes of the length exchange of one call, each way, per peer.
+    pub(crate) const LENGTHS: u64 = 16;
+
+    /// Adds one call: `sent` and `received` payload bytes, and the length exchange with
+    /// `peers` peers.
+    pub(crate) fn add(&mut self, sent: usize, received: usize, peers: usize) {
+        let header = Self::LENGTHS * peers as u64;
+        self.sent = self.sent.saturating_add(sent as u64 + header);
+        self.received = self.received.saturating_add(received as u64 + header);
+    }
+
+    /// What `self` adds to `before` (the traffic of the calls in between).
+    pub fn since(self, before: Traffic) -> Traffic {
+        Traffic {
+            sent: self.sent.saturating_sub(before.sent),
+            received: self.received.saturating_sub(before.received),
+        }
+    }
+}
 
 /// Errors of a collective operation.
 #[derive(Debug, thiserror::Error)]
@@ -78,14 +123,35 @@ pub enum CommError {
         /// The first rank that passed the smallest limit.
         limit_rank: usize,
     },
+    /// A call waited longer than the deadline for its peers: `missing` did not arrive.
+    #[error(
+        "waited {waited:?} for ranks {missing:?} in round {round} (the deadline); the group is \
+         broken"
+    )]
+    Deadline {
+        /// How long the call waited.
+        waited: std::time::Duration,
+        /// The ranks that had not arrived.
+        missing: Vec<usize>,
+        /// The number of the call (0 for the first one of the group).
+        round: u64,
+    },
+    /// Ranks called different collectives at the same round.
+    #[error("ranks called different collectives in round {round}: {detail}")]
+    Mismatch {
+        /// The number of the call.
+        round: u64,
+        /// Which rank called what.
+        detail: String,
+    },
     /// The transport failed (a peer disappeared, MPI reported an error, ...).
     #[error("transport failure: {0}")]
     Transport(String),
 }
 
-/// An all-gather of variable-size byte buffers among `world_size` ranks.
+/// Collectives of variable-size byte buffers among `world_size` ranks.
 ///
-/// Every rank calls [`Communicator::all_gather`] the same number of times, in the same order.
+/// Every rank calls the same collectives the same number of times, in the same order.
 pub trait Communicator: Send {
     /// This process's rank, in `0..world_size()`.
     fn rank(&self) -> usize;
@@ -101,13 +167,47 @@ pub trait Communicator: Send {
     /// [`CommError::TooLarge`] when any rank's buffer is longer than `max_len` bytes (checked
     /// before anything of that size is allocated; every rank gets the same error and `out` is
     /// left as it was); [`CommError::LimitsDiffer`] instead when that buffer is within its
-    /// sender's own, larger limit; [`CommError::Transport`] when the transport fails.
+    /// sender's own, larger limit; [`CommError::Deadline`] or [`CommError::Transport`] when
+    /// peers do not arrive or the transport fails.
     fn all_gather(
         &mut self,
         local: &[u8],
         max_len: usize,
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError>;
+
+    /// Sends `send[j]` to rank `j` (`send` has `world_size()` buffers; `send[self.rank()]`
+    /// stays here) and receives into `out[i]` what rank `i` sent to this rank (MPI_Alltoallv).
+    /// `out` is resized to `world_size()` and its buffers are reused.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`], for the first sender (in rank order of the receivers,
+    /// then of the senders) of a buffer longer than the group's smallest `max_len`; every rank
+    /// gets the same error. [`CommError::Mismatch`] when `send` does not hold `world_size()`
+    /// buffers (on this rank; a transport that can tell fails every rank).
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError>;
+
+    /// The bytes this communicator's calls moved so far (see the module docs).
+    fn traffic(&self) -> Traffic;
+
+    /// The sum of every rank's `x` over the group, written into `x` on every rank, bit for bit
+    /// the same everywhere and on every transport: the elements are cut into `world_size()`
+    /// contiguous shards (shard `j` is `j * n / W .. (j + 1) * n / W`), shard `j` is summed by
+    /// rank `j` in rank order (`((x_0 + x_1) + x_2) + ...`, in f32) after an all-to-all, and the
+    /// sums are all-gathered: `2 (W - 1) / W x 4n` bytes each way per rank, a ring
+    /// all-reduce's. Every rank must pass the same length.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_to_all`] and [`Communicator::all_gather`];
+    /// [`CommError::Mismatch`] when the ranks' lengths differ (every rank gets it).
+    fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
+        reduce::sum_f32(self, x)
+    }
 }
 
 impl<C: Communicator + ?Sized> Communicator for &mut C {
@@ -127,6 +227,23 @@ impl<C: Communicator + ?Sized> Communicator for &mut C {
     ) -> Result<(), CommError> {
         (**self).all_gather(local, max_len, out)
     }
+
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        (**self).all_to_all(send, max_len, out)
+    }
+
+    fn traffic(&self) -> Traffic {
+        (**self).traffic()
+    }
+
+    fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
+        (**self).all_reduce_sum_f32(x)
+    }
 }
 
 impl<C: Communicator + ?Sized> Communicator for Box<C> {
@@ -145,6 +262,23 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
         (**self).all_gather(local, max_len, out)
+    }
+
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        (**self).all_to_all(send, max_len, out)
+    }
+
+    fn traffic(&self) -> Traffic {
+        (**self).traffic()
+    }
+
+    fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
+        (**self).all_reduce_sum_f32(x)
     }
 }
 

@@ -412,6 +412,38 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A peer's step failed before the collective: it took part with its reason instead of its
+    /// bundle, so that no rank waits for it.
+    #[error("rank {rank} could not take part in this step: {reason}")]
+    PeerFailed {
+        /// The first rank (in rank order) whose step failed.
+        rank: usize,
+        /// Its error, as it reported it.
+        reason: String,
+    },
+    /// Ranks are configured differently: the first rank whose configuration differs from rank
+    /// 0's, and the first field that differs.
+    #[error(
+        "rank {rank} is configured differently from rank 0: {field} is `{got}` there, `{expected}` on rank 0"
+    )]
+    ConfigDiffers {
+        /// The first rank configured otherwise than rank 0.
+        rank: usize,
+        /// The first field that differs (`method`, `seed`, `reduction`, `layout`, `step`, ...).
+        field: String,
+        /// Rank 0's value.
+        expected: String,
+        /// That rank's value.
+        got: String,
+    },
+    /// A rank's collective message is not what the collective expects.
+    #[error("rank {rank}: {reason}")]
+    Collective {
+        /// The rank whose message it is.
+        rank: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// A state gradwire's own checks rule out was reached: a bug in gradwire, not in the input.
     #[error("internal error in gradwire (please report it): {what}")]
     Internal {

@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use gradwire::comm::{CommError, Communicator, LocalCommunicator, LocalGroup};
 
+#[path = "common/collectives.rs"]
+mod collectives;
+
 /// A test that hangs fails after this long instead of blocking the suite.
 const WATCHDOG: Duration = Duration::from_secs(120);
 
@@ -297,10 +300,84 @@ fn a_silent_peer_times_out() {
     drop(silent);
     let (first, second) = results.into_iter().next().unwrap();
     match first {
-        Err(CommError::Transport(why)) => assert!(why.contains("timed out"), "{why}"),
-        other => panic!("expected a timeout, got {other:?}"),
+        Err(CommError::Deadline { missing, round, .. }) => {
+            assert_eq!((missing, round), (vec![1], 0))
+        }
+        other => panic!("expected a deadline naming rank 1, got {other:?}"),
     }
-    assert!(matches!(second, Err(CommError::Transport(_))));
+    assert!(
+        matches!(second, Err(CommError::Deadline { .. })),
+        "{second:?}"
+    );
+}
+
+/// The deadline names every rank that did not arrive, on every rank that waits, and a group
+/// built without a timeout gets the default one.
+#[test]
+fn the_deadline_names_the_missing_ranks() {
+    let mut comms = LocalGroup::new(5)
+        .with_timeout(Some(Duration::from_millis(300)))
+        .into_communicators();
+    let silent: Vec<_> = [comms.remove(4), comms.remove(1)].into();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .map(|mut comm| {
+            thread::spawn(move || {
+                let mut out = Vec::new();
+                comm.all_gather(&[1], 16, &mut out)
+            })
+        })
+        .collect();
+    for h in handles {
+        let r = h.join().unwrap();
+        match r {
+            Err(CommError::Deadline { missing, .. }) => assert_eq!(missing, vec![1, 4]),
+            other => panic!("{other:?}"),
+        }
+    }
+    drop(silent);
+    let debug = format!("{:?}", LocalGroup::new(2).into_communicators()[0]);
+    assert!(debug.contains("300s"), "{debug}");
+}
+
+/// The all-to-all, the rank-order sum and the traffic counters, as `examples/mpi_selftest.rs`
+/// checks them under MPI (`tests/common/collectives.rs`).
+#[test]
+fn all_to_all_sum_and_traffic_on_threads() {
+    for w in 1..=5 {
+        let results = run_ranks(LocalGroup::new(w).into_communicators(), |mut comm| {
+            collectives::run_all(&mut comm)
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            assert_eq!(r, Ok(()), "world size {w}, rank {rank}");
+        }
+    }
+}
+
+/// Ranks that call different collectives, or pass another number of buffers, fail alike.
+#[test]
+fn mismatched_calls_fail_every_rank() {
+    let results = run_ranks(LocalGroup::new(3).into_communicators(), |mut comm| {
+        let mut out = Vec::new();
+        if comm.rank() == 2 {
+            comm.all_gather(&[1], 16, &mut out)
+        } else {
+            comm.all_to_all(&[vec![1], vec![2], vec![3]], 16, &mut out)
+        }
+    });
+    for r in results {
+        assert!(
+            matches!(r, Err(CommError::Mismatch { round: 0, .. })),
+            "{r:?}"
+        );
+    }
+    let results = run_ranks(LocalGroup::new(2).into_communicators(), |mut comm| {
+        let mut x = vec![1.0f32; 10 + comm.rank()];
+        comm.all_reduce_sum_f32(&mut x)
+    });
+    for r in results {
+        assert!(r.is_err(), "{r:?}");
+    }
 }
 
 /// Takes any communicator by value: `&mut C` and `Box<dyn Communicator>` qualify.

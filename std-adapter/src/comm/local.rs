@@ -1,23 +1,25 @@
 //! [`LocalGroup`]: ranks as threads of one process, synchronised with a mutex and a condition
 //! variable.
 //!
-//! Protocol of one round: each rank posts its length and limit and (when the length is within
-//! its own limit) a copy of its buffer into its slot of the shared state, then waits until all
-//! ranks have posted. Every rank then checks the lengths against the group's smallest limit and
-//! copies all slots into its `out`. The last rank to finish reading opens the next round, so a
-//! fast rank that calls again waits until every peer has read the previous round: no slot is
-//! overwritten while someone still reads it.
+//! Protocol of one round (one collective call): each rank posts which collective it calls, its
+//! limit, and its buffers (one for an all-gather, one per destination for an all-to-all) into
+//! its slot of the shared state, then waits until all ranks have posted. Every rank then checks
+//! every posted length against the group's smallest limit (the same verdict everywhere) and
+//! copies what is addressed to it into its `out`. The last rank to finish reading opens the
+//! next round, so a fast rank that calls again waits until every peer has read the previous
+//! round: no slot is overwritten while someone still reads it.
 //!
 //! A communicator that is dropped (its thread returned early or panicked) marks the group
 //! broken: every peer that waits, or calls again, gets [`CommError::Transport`] instead of
-//! waiting forever. An optional timeout ([`LocalGroup::with_timeout`]) also covers peers that
-//! are alive but never call.
+//! waiting forever. The deadline ([`LocalGroup::with_timeout`], [`super::DEFAULT_DEADLINE`] by
+//! default) covers peers that are alive but never call: the waiting ranks fail with
+//! [`CommError::Deadline`] naming them.
 
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{CommError, Communicator, check_lengths, reset_out};
+use super::{CommError, Communicator, DEFAULT_DEADLINE, Traffic, check_lengths, reset_out};
 
 /// A group of `world_size` ranks living as threads of one process.
 ///
@@ -42,20 +44,20 @@ pub struct LocalGroup {
 }
 
 impl LocalGroup {
-    /// A group of `world_size` ranks, with no timeout. A group of 0 ranks is valid and yields no
-    /// communicators.
+    /// A group of `world_size` ranks with the default deadline ([`super::DEFAULT_DEADLINE`]).
+    /// A group of 0 ranks is valid and yields no communicators.
     #[must_use]
     pub fn new(world_size: usize) -> Self {
         Self {
             world_size,
-            timeout: None,
+            timeout: Some(DEFAULT_DEADLINE),
         }
     }
 
     /// Sets how long a rank waits for its peers in one call before failing with
-    /// [`CommError::Transport`] (and marking the group broken). `None`, the default, waits for
-    /// as long as the peers live: a dropped or panicked peer is detected without a timeout, so
-    /// the timeout only matters for a peer that is alive but never calls.
+    /// [`CommError::Deadline`] (and marking the group broken); `None` waits for as long as the
+    /// peers live (a dropped or panicked peer is detected without a deadline, so it only
+    /// matters for a peer that is alive but never calls).
     #[must_use]
     pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.timeout = timeout;
@@ -72,24 +74,26 @@ impl LocalGroup {
     /// plays that rank. Dropping one breaks the group for the others.
     #[must_use]
     pub fn into_communicators(self) -> Vec<LocalCommunicator> {
+        let w = self.world_size;
         let shared = Arc::new(Shared {
-            world_size: self.world_size,
+            world_size: w,
             timeout: self.timeout,
             state: Mutex::new(State {
                 round: 0,
                 arrived: 0,
                 departed: 0,
-                lens: vec![0; self.world_size],
-                limits: vec![0; self.world_size],
-                slots: vec![Vec::new(); self.world_size],
+                posted: vec![false; w],
+                read: vec![false; w],
+                slots: (0..w).map(|_| Slot::default()).collect(),
                 broken: None,
             }),
             changed: Condvar::new(),
         });
-        (0..self.world_size)
+        (0..w)
             .map(|rank| LocalCommunicator {
                 rank,
                 shared: Arc::clone(&shared),
+                traffic: Traffic::default(),
             })
             .collect()
     }
@@ -99,6 +103,7 @@ impl LocalGroup {
 pub struct LocalCommunicator {
     rank: usize,
     shared: Arc<Shared>,
+    traffic: Traffic,
 }
 
 impl fmt::Debug for LocalCommunicator {
@@ -111,6 +116,25 @@ impl fmt::Debug for LocalCommunicator {
     }
 }
 
+/// Which collective a rank posted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Op {
+    #[default]
+    AllGather,
+    AllToAll,
+}
+
+/// What one rank posted in a round: its collective, its limit and its buffers (one for an
+/// all-gather; one per destination for an all-to-all), each copied only when within its own
+/// limit; lengths are kept either way.
+#[derive(Default)]
+struct Slot {
+    op: Op,
+    limit: usize,
+    lens: Vec<usize>,
+    bufs: Vec<Vec<u8>>,
+}
+
 struct Shared {
     world_size: usize,
     timeout: Option<Duration>,
@@ -119,57 +143,73 @@ struct Shared {
 }
 
 struct State {
-    /// Number of the round being collected or read (for diagnostics).
+    /// Number of the round being collected or read.
     round: u64,
     /// Ranks that posted in the current round; `== world_size` while it is being read.
     arrived: usize,
     /// Ranks that finished reading the current round.
     departed: usize,
-    /// Posted lengths, one per rank.
-    lens: Vec<usize>,
-    /// Posted limits (`max_len`), one per rank.
-    limits: Vec<usize>,
-    /// Posted buffers, one per rank; capacity is kept between rounds.
-    slots: Vec<Vec<u8>>,
+    /// Which ranks posted / finished reading in the current round (for the deadline's error).
+    posted: Vec<bool>,
+    read: Vec<bool>,
+    slots: Vec<Slot>,
     /// Why the group can no longer make progress.
-    broken: Option<String>,
+    broken: Option<CommError>,
+}
+
+/// A copy of an error kept in the shared state (each waiting rank returns its own).
+fn copy(e: &CommError) -> CommError {
+    match e {
+        CommError::Deadline {
+            waited,
+            missing,
+            round,
+        } => CommError::Deadline {
+            waited: *waited,
+            missing: missing.clone(),
+            round: *round,
+        },
+        other => CommError::Transport(other.to_string()),
+    }
 }
 
 impl Shared {
     fn lock(&self) -> Result<MutexGuard<'_, State>, CommError> {
         self.state
             .lock()
-            .map_err(|_| CommError::Transport("a peer panicked inside all_gather".into()))
+            .map_err(|_| CommError::Transport("a peer panicked inside a collective".into()))
     }
 
-    /// Waits while `blocked` holds, failing when the group breaks or the deadline passes.
+    /// Waits while `blocked` holds, failing when the group breaks or the deadline passes (the
+    /// error names the ranks `missing` gives, those not yet where this rank waits for them).
     fn wait_while<'a>(
         &self,
         mut guard: MutexGuard<'a, State>,
-        deadline: Option<Instant>,
-        what: &str,
+        started: Instant,
         blocked: impl Fn(&State) -> bool,
+        missing: impl Fn(&State) -> Vec<usize>,
     ) -> Result<MutexGuard<'a, State>, CommError> {
+        let deadline = self.timeout.and_then(|t| started.checked_add(t));
         loop {
             if !blocked(&guard) {
                 return Ok(guard);
             }
             if let Some(why) = &guard.broken {
-                return Err(CommError::Transport(why.clone()));
+                return Err(copy(why));
             }
             guard = match deadline {
                 None => self.changed.wait(guard).map_err(|_| ()),
                 Some(deadline) => {
                     let now = Instant::now();
                     if now >= deadline {
-                        let why = format!(
-                            "timed out after {:?} waiting for peers to {what} (round {})",
-                            self.timeout.unwrap_or_default(),
-                            guard.round
-                        );
-                        guard.broken = Some(why.clone());
+                        let err = CommError::Deadline {
+                            waited: now - started,
+                            missing: missing(&guard),
+                            round: guard.round,
+                        };
+                        guard.broken = Some(copy(&err));
                         self.changed.notify_all();
-                        return Err(CommError::Transport(why));
+                        return Err(err);
                     }
                     self.changed
                         .wait_timeout(guard, deadline - now)
@@ -177,7 +217,119 @@ impl Shared {
                         .map_err(|_| ())
                 }
             }
-            .map_err(|()| CommError::Transport("a peer panicked inside all_gather".into()))?;
+            .map_err(|()| CommError::Transport("a peer panicked inside a collective".into()))?;
+        }
+    }
+}
+
+fn unset(flags: &[bool]) -> Vec<usize> {
+    flags
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| !**f)
+        .map(|(r, _)| r)
+        .collect()
+}
+
+impl LocalCommunicator {
+    /// One round: posts `op` with `limit` and `bufs` (copying each within the limit), waits for
+    /// every rank, checks every length, and copies into `out[src]` what `pick(src, slot)`
+    /// selects of each rank's post. Returns the bytes received (payload).
+    fn round(
+        &mut self,
+        op: Op,
+        limit: usize,
+        bufs: &[&[u8]],
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<usize, CommError> {
+        let shared = &*self.shared;
+        let w = shared.world_size;
+        let me = self.rank;
+        let started = Instant::now();
+        let guard = shared.lock()?;
+        if let Some(why) = &guard.broken {
+            return Err(copy(why));
+        }
+        // The previous round is still being read by slower peers: wait until it is closed.
+        let mut state =
+            shared.wait_while(guard, started, |s| s.arrived == w, |s| unset(&s.read))?;
+
+        let slot = &mut state.slots[me];
+        slot.op = op;
+        slot.limit = limit;
+        slot.lens.clear();
+        slot.lens.extend(bufs.iter().map(|b| b.len()));
+        slot.bufs.resize_with(bufs.len(), Vec::new);
+        for (dst, src) in slot.bufs.iter_mut().zip(bufs) {
+            dst.clear();
+            if src.len() <= limit {
+                dst.extend_from_slice(src);
+            }
+        }
+        state.posted[me] = true;
+        state.arrived += 1;
+        if state.arrived == w {
+            state.read.iter_mut().for_each(|r| *r = false);
+            shared.changed.notify_all();
+        }
+
+        // The round cannot close before this rank has read it, so `arrived` stays at `w` until
+        // then.
+        let mut state =
+            shared.wait_while(state, started, |s| s.arrived < w, |s| unset(&s.posted))?;
+
+        let result = check_round(&state.slots, op, state.round).map(|()| {
+            reset_out(out, w);
+            let mut received = 0;
+            for (src, (dst, slot)) in out.iter_mut().zip(&state.slots).enumerate() {
+                let buf = match op {
+                    Op::AllGather => &slot.bufs[0],
+                    Op::AllToAll => &slot.bufs[me],
+                };
+                dst.extend_from_slice(buf);
+                if src != me {
+                    received += buf.len();
+                }
+            }
+            received
+        });
+
+        state.read[me] = true;
+        state.departed += 1;
+        if state.departed == w {
+            state.arrived = 0;
+            state.departed = 0;
+            state.posted.iter_mut().for_each(|p| *p = false);
+            state.round = state.round.wrapping_add(1);
+            shared.changed.notify_all();
+        }
+        result
+    }
+}
+
+/// The verdict of one round, the same on every rank: every rank called the same collective
+/// (with one buffer per destination for an all-to-all), and every length is within the group's
+/// smallest limit (receivers in rank order, then senders).
+fn check_round(slots: &[Slot], op: Op, round: u64) -> Result<(), CommError> {
+    let w = slots.len();
+    if let Some((r, s)) = slots
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.op != op || s.lens.len() != if op == Op::AllGather { 1 } else { w })
+    {
+        return Err(CommError::Mismatch {
+            round,
+            detail: format!(
+                "rank {r} called {:?} with {} buffers, another rank {op:?}",
+                s.op,
+                s.lens.len()
+            ),
+        });
+    }
+    match op {
+        Op::AllGather => check_lengths(slots.iter().map(|s| (s.lens[0], s.limit))),
+        Op::AllToAll => {
+            (0..w).try_for_each(|dst| check_lengths(slots.iter().map(|s| (s.lens[dst], s.limit))))
         }
     }
 }
@@ -197,53 +349,33 @@ impl Communicator for LocalCommunicator {
         max_len: usize,
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
-        let shared = &*self.shared;
-        let world_size = shared.world_size;
-        let deadline = shared.timeout.and_then(|t| Instant::now().checked_add(t));
-        let guard = shared.lock()?;
-        if let Some(why) = &guard.broken {
-            return Err(CommError::Transport(why.clone()));
-        }
-        // The previous round is still being read by slower peers: wait until it is closed.
-        let mut state = shared.wait_while(guard, deadline, "finish the previous round", |s| {
-            s.arrived == world_size
-        })?;
+        let received = self.round(Op::AllGather, max_len, &[local], out)?;
+        let peers = self.shared.world_size.saturating_sub(1);
+        self.traffic.add(local.len() * peers, received, peers);
+        Ok(())
+    }
 
-        // Post. The copy is bounded by this rank's own limit; readers check every length.
-        let me = self.rank;
-        state.lens[me] = local.len();
-        state.limits[me] = max_len;
-        if local.len() <= max_len {
-            let slot = &mut state.slots[me];
-            slot.clear();
-            slot.extend_from_slice(local);
-        }
-        state.arrived += 1;
-        if state.arrived == world_size {
-            shared.changed.notify_all();
-        }
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        let bufs: Vec<&[u8]> = send.iter().map(Vec::as_slice).collect();
+        let received = self.round(Op::AllToAll, max_len, &bufs, out)?;
+        let peers = self.shared.world_size.saturating_sub(1);
+        let sent: usize = bufs
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != self.rank)
+            .map(|(_, b)| b.len())
+            .sum();
+        self.traffic.add(sent, received, peers);
+        Ok(())
+    }
 
-        // The round cannot close before this rank has read it, so `arrived` stays at
-        // `world_size` until then.
-        let mut state =
-            shared.wait_while(state, deadline, "contribute", |s| s.arrived < world_size)?;
-
-        let result = check_lengths(state.lens.iter().copied().zip(state.limits.iter().copied()));
-        if result.is_ok() {
-            reset_out(out, world_size);
-            for (dst, src) in out.iter_mut().zip(&state.slots) {
-                dst.extend_from_slice(src);
-            }
-        }
-
-        state.departed += 1;
-        if state.departed == world_size {
-            state.arrived = 0;
-            state.departed = 0;
-            state.round = state.round.wrapping_add(1);
-            shared.changed.notify_all();
-        }
-        result
+    fn traffic(&self) -> Traffic {
+        self.traffic
     }
 }
 
@@ -254,10 +386,10 @@ impl Drop for LocalCommunicator {
             Err(poisoned) => poisoned.into_inner(),
         };
         if state.broken.is_none() {
-            state.broken = Some(format!(
+            state.broken = Some(CommError::Transport(format!(
                 "rank {} of {} left the group (its communicator was dropped) in round {}",
                 self.rank, self.shared.world_size, state.round
-            ));
+            )));
         }
         self.shared.changed.notify_all();
     }

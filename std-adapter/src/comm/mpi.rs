@@ -10,20 +10,40 @@
 //!    `i32::MAX` bytes in all (or the group's smallest [`MpiCommunicator::round_limit`]); a
 //!    larger gather is split into rounds, each a window of every rank's buffer (see `rounds`).
 //!
+//! An all-to-all is an `MPI_Alltoall` of (length, limit) pairs, an `MPI_Allgather` of each
+//! receiver's verdict on the lengths it will receive (so that every rank fails alike), then
+//! `MPI_Alltoallv`.
+//!
 //! Every step is computed from exchanged values only, so all ranks issue the same sequence of
-//! MPI calls.
+//! MPI calls. Every MPI call is nonblocking and waited for with a deadline
+//! ([`MpiCommunicator::with_deadline`], [`super::DEFAULT_DEADLINE`] by default): a pending
+//! collective cannot be cancelled, so a rank whose call outlives the deadline runs an arrival
+//! round (a message to every peer, and whatever comes back within a few seconds), prints the
+//! ranks it did not hear from and ends the job with `MPI_Abort`. So does a call on a thread
+//! MPI does not support, which one rank alone could otherwise leave its peers waiting on.
 
 use std::fmt;
 use std::thread::{self, ThreadId};
+use std::time::{Duration, Instant};
 
 use ::mpi::Count;
 use ::mpi::Threading;
-use ::mpi::datatype::PartitionMut;
+use ::mpi::datatype::{Partition, PartitionMut};
 use ::mpi::environment::Universe;
-use ::mpi::traits::{Communicator as _, CommunicatorCollectives as _};
+use ::mpi::request::{Request, Scope, StaticScope};
+use ::mpi::traits::{
+    Communicator as _, CommunicatorCollectives as _, Destination as _, Source as _,
+};
 
 use super::rounds::Rounds;
-use super::{CommError, Communicator, check_lengths, reset_out};
+use super::{CommError, Communicator, DEFAULT_DEADLINE, Traffic, check_lengths, reset_out};
+
+/// The tag of the arrival round after a deadline.
+const ARRIVAL_TAG: i32 = 0x6777;
+/// What a rank sends in the arrival round.
+static HERE: [u8; 1] = [1];
+/// How long the arrival round listens for peers.
+const ARRIVAL_GRACE: Duration = Duration::from_secs(5);
 
 /// A [`Communicator`] over MPI's world communicator (feature `mpi`).
 ///
@@ -67,6 +87,9 @@ pub struct MpiCommunicator {
     mpi_displs: Vec<Count>,
     staging: Vec<u8>,
     rounds: Rounds,
+    deadline: Duration,
+    round: u64,
+    traffic: Traffic,
 }
 
 impl fmt::Debug for MpiCommunicator {
@@ -136,6 +159,9 @@ impl MpiCommunicator {
             mpi_displs: Vec::new(),
             staging: Vec::new(),
             rounds: Rounds::default(),
+            deadline: DEFAULT_DEADLINE,
+            round: 0,
+            traffic: Traffic::default(),
         })
     }
 
@@ -147,6 +173,13 @@ impl MpiCommunicator {
     #[must_use]
     pub fn with_round_limit(mut self, bytes: usize) -> Self {
         self.round_limit = bytes.clamp(1, Self::MAX_ROUND_BYTES);
+        self
+    }
+
+    /// Sets how long a call waits for its peers before the job is ended (see the module docs).
+    #[must_use]
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
         self
     }
 
@@ -180,15 +213,113 @@ impl MpiCommunicator {
         self.universe
     }
 
-    fn check_thread(&self) -> Result<(), CommError> {
+    /// Ends the job when called on a thread MPI does not support: this rank alone failing
+    /// would leave its peers waiting in the collective.
+    fn check_thread(&self, what: &str) {
         if self.threading < Threading::Serialized && thread::current().id() != self.home {
-            return Err(CommError::Transport(format!(
-                "MPI provides only {:?} thread support: call all_gather on the thread that \
-                 built the communicator",
-                self.threading
-            )));
+            eprintln!(
+                "gradwire: rank {}: {what} called on another thread than the one that built \
+                 the communicator, and MPI provides only {:?} thread support: aborting the job \
+                 (MPI_Abort)",
+                self.rank, self.threading
+            );
+            self.universe.world().abort(2);
         }
-        Ok(())
+    }
+
+    /// The waiter of one call named `what` that started at `started`.
+    fn waiter(&self, what: &'static str, started: Instant) -> Waiter {
+        Waiter {
+            world: self.universe.world(),
+            rank: self.rank,
+            world_size: self.world_size,
+            deadline: self.deadline,
+            round: self.round,
+            what,
+            started,
+        }
+    }
+}
+
+/// Waits for one call's requests, with the call's deadline.
+struct Waiter {
+    world: ::mpi::topology::SimpleCommunicator,
+    rank: usize,
+    world_size: usize,
+    deadline: Duration,
+    round: u64,
+    what: &'static str,
+    started: Instant,
+}
+
+impl Waiter {
+    /// Waits for `req`, polling; past the deadline ends the job ([`Waiter::give_up`]).
+    fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, mut req: Request<'a, D, S>) {
+        let mut polls = 0u32;
+        loop {
+            match req.test() {
+                Ok(_) => return,
+                Err(pending) => req = pending,
+            }
+            if self.started.elapsed() >= self.deadline {
+                // A pending request cannot be dropped or cancelled: the job ends here.
+                std::mem::forget(req);
+                self.give_up();
+            }
+            polls = polls.saturating_add(1);
+            if polls < 2000 {
+                thread::yield_now();
+            } else {
+                thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+
+    /// The deadline passed: the arrival round, a message naming the ranks this rank did not
+    /// hear from, and `MPI_Abort`.
+    fn give_up(&self) -> ! {
+        let world = &self.world;
+        let (w, me) = (self.world_size, self.rank);
+        for peer in (0..w).filter(|&p| p != me) {
+            let req = world.process_at_rank(peer as i32).immediate_send_with_tag(
+                StaticScope,
+                &HERE[..],
+                ARRIVAL_TAG,
+            );
+            std::mem::forget(req);
+        }
+        let mut heard = vec![false; w];
+        heard[me] = true;
+        let until = Instant::now() + ARRIVAL_GRACE;
+        while Instant::now() < until && heard.iter().any(|h| !h) {
+            match world
+                .any_process()
+                .immediate_matched_probe_with_tag(ARRIVAL_TAG)
+            {
+                Some((msg, status)) => {
+                    let mut byte = [0u8; 1];
+                    msg.matched_receive_into(&mut byte[..]);
+                    if let Some(h) = usize::try_from(status.source_rank())
+                        .ok()
+                        .and_then(|r| heard.get_mut(r))
+                    {
+                        *h = true;
+                    }
+                }
+                None => thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        let missing: Vec<usize> = (0..w).filter(|&r| !heard[r]).collect();
+        eprintln!(
+            "gradwire: rank {me}: {} (call {}) waited {:?}, past the deadline of {:?}, for \
+             ranks {missing:?}, which did not answer the arrival round: aborting the job \
+             (MPI_Abort)",
+            self.what,
+            self.round,
+            self.started.elapsed(),
+            self.deadline
+        );
+        world.abort(3)
     }
 }
 
@@ -216,7 +347,9 @@ impl Communicator for MpiCommunicator {
         max_len: usize,
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
-        self.check_thread()?;
+        self.check_thread("all_gather");
+        self.round = self.round.wrapping_add(1);
+        let waiter = self.waiter("all_gather", Instant::now());
         let world = self.universe.world();
         let w = self.world_size;
 
@@ -232,7 +365,12 @@ impl Communicator for MpiCommunicator {
         ];
         self.header.clear();
         self.header.resize(header_len, 0);
-        world.all_gather_into(&mine[..], &mut self.header[..]);
+        {
+            let header = &mut self.header;
+            ::mpi::request::scope(|scope| {
+                waiter.wait(world.immediate_all_gather_into(scope, &mine[..], &mut header[..]));
+            });
+        }
 
         // 2. The same decision on every rank, from the exchanged values only.
         let mut budget = to_u64(Self::MAX_ROUND_BYTES);
@@ -296,7 +434,13 @@ impl Communicator for MpiCommunicator {
                     &self.mpi_counts[..],
                     &self.mpi_displs[..],
                 );
-                world.all_gather_varcount_into(send, &mut partition);
+                ::mpi::request::scope(|scope| {
+                    waiter.wait(world.immediate_all_gather_varcount_into(
+                        scope,
+                        send,
+                        &mut partition,
+                    ));
+                });
             }
             let mut at = 0usize;
             for (buf, &count) in out.iter_mut().zip(&self.counts) {
@@ -304,6 +448,150 @@ impl Communicator for MpiCommunicator {
                 at += count;
             }
         }
+        let received: usize = (0..w)
+            .filter(|&r| r != self.rank)
+            .map(|r| self.lens[r])
+            .sum();
+        self.traffic.add(local.len() * (w - 1), received, w - 1);
         Ok(())
+    }
+
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        self.check_thread("all_to_all");
+        self.round = self.round.wrapping_add(1);
+        let waiter = self.waiter("all_to_all", Instant::now());
+        let world = self.universe.world();
+        let (w, me) = (self.world_size, self.rank);
+        let pairs = w
+            .checked_mul(2)
+            .filter(|&n| Count::try_from(n).is_ok())
+            .ok_or_else(|| CommError::Transport(format!("world size {w} is too large")))?;
+        // 1. (length, limit) to every rank: a wrong number of buffers is sent as lengths of
+        // u64::MAX, which every receiver refuses, so that every rank fails alike.
+        let mut mine = vec![0u64; pairs];
+        for j in 0..w {
+            let len = if send.len() == w {
+                to_u64(send[j].len())
+            } else {
+                u64::MAX
+            };
+            mine[2 * j] = len;
+            mine[2 * j + 1] = to_u64(max_len);
+        }
+        let mut theirs = vec![0u64; pairs];
+        ::mpi::request::scope(|scope| {
+            waiter.wait(world.immediate_all_to_all_into(scope, &mine[..], &mut theirs[..]));
+        });
+        // 2. Each receiver's verdict on what it will receive, gathered, so that every rank
+        // returns the first receiver's error.
+        let as_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let column =
+            check_lengths((0..w).map(|i| (as_usize(theirs[2 * i]), as_usize(theirs[2 * i + 1]))));
+        let recv_total: u64 = (0..w).map(|i| theirs[2 * i]).fold(0, u64::saturating_add);
+        let send_total: u64 = (0..w).map(|j| mine[2 * j]).fold(0, u64::saturating_add);
+        let verdict: [u64; 5] = match &column {
+            Ok(()) if recv_total > i32::MAX as u64 || send_total > i32::MAX as u64 => {
+                [3, me as u64, recv_total.max(send_total), i32::MAX as u64, 0]
+            }
+            Ok(()) => [0; 5],
+            Err(CommError::TooLarge { rank, len, limit }) => {
+                [1, *rank as u64, *len as u64, *limit as u64, 0]
+            }
+            Err(CommError::LimitsDiffer {
+                rank,
+                len,
+                limit,
+                limit_rank,
+            }) => [
+                2,
+                *rank as u64,
+                *len as u64,
+                *limit as u64,
+                *limit_rank as u64,
+            ],
+            Err(_) => [3, me as u64, 0, 0, 0],
+        };
+        let mut verdicts = vec![0u64; 5 * w];
+        ::mpi::request::scope(|scope| {
+            waiter.wait(world.immediate_all_gather_into(scope, &verdict[..], &mut verdicts[..]));
+        });
+        if let Some(v) = verdicts.chunks_exact(5).find(|v| v[0] != 0) {
+            let u = as_usize;
+            return Err(match v[0] {
+                1 => CommError::TooLarge {
+                    rank: u(v[1]),
+                    len: u(v[2]),
+                    limit: u(v[3]),
+                },
+                2 => CommError::LimitsDiffer {
+                    rank: u(v[1]),
+                    len: u(v[2]),
+                    limit: u(v[3]),
+                    limit_rank: u(v[4]),
+                },
+                _ => CommError::Transport(format!(
+                    "all_to_all: rank {} would move {} bytes, more than one MPI_Alltoallv \
+                     (i32 counts) holds",
+                    v[1], v[2]
+                )),
+            });
+        }
+        // 3. The data.
+        let mut send_counts = Vec::with_capacity(w);
+        let mut send_displs = Vec::with_capacity(w);
+        let mut recv_counts = Vec::with_capacity(w);
+        let mut recv_displs = Vec::with_capacity(w);
+        let (mut at_s, mut at_r) = (0usize, 0usize);
+        for j in 0..w {
+            let (sl, rl) = (send[j].len(), as_usize(theirs[2 * j]));
+            send_counts.push(to_count(sl)?);
+            send_displs.push(to_count(at_s)?);
+            recv_counts.push(to_count(rl)?);
+            recv_displs.push(to_count(at_r)?);
+            at_s += sl;
+            at_r += rl;
+        }
+        let mut packed = Vec::with_capacity(at_s);
+        for buf in send {
+            packed.extend_from_slice(buf);
+        }
+        if self.staging.len() < at_r {
+            self.staging.resize(at_r, 0);
+        }
+        {
+            let partition = Partition::new(&packed[..], &send_counts[..], &send_displs[..]);
+            let mut received = PartitionMut::new(
+                &mut self.staging[..at_r],
+                &recv_counts[..],
+                &recv_displs[..],
+            );
+            ::mpi::request::scope(|scope| {
+                waiter.wait(world.immediate_all_to_all_varcount_into(
+                    scope,
+                    &partition,
+                    &mut received,
+                ));
+            });
+        }
+        reset_out(out, w);
+        let mut at = 0usize;
+        for (i, buf) in out.iter_mut().enumerate() {
+            let len = as_usize(theirs[2 * i]);
+            buf.extend_from_slice(&self.staging[at..at + len]);
+            at += len;
+        }
+        let sent = at_s - send[me].len();
+        let received = at_r - as_usize(theirs[2 * me]);
+        self.traffic.add(sent, received, w - 1);
+        Ok(())
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.traffic
     }
 }

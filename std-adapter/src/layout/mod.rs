@@ -505,6 +505,22 @@ impl Manifest {
         Ok(())
     }
 
+    /// A 64-bit id of the layout: FNV-1a over every entry's id (which hashes its tensors' names
+    /// and shapes) and the flat length, for a check that ranks share one layout.
+    pub(crate) fn layout_id(&self) -> u64 {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let ids = self
+            .entries
+            .iter()
+            .map(|e| e.id)
+            .chain([self.flat_len as u64]);
+        for b in ids.flat_map(u64::to_le_bytes) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h
+    }
+
     /// Buffer sizes the encoder needs for this manifest.
     pub(crate) fn sizes(&self) -> Sizes {
         self.sizes
