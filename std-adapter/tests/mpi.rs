@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 const RANKS: usize = 4;
 const TIME_LIMIT: Duration = Duration::from_secs(300);
 
-/// `target/<profile>/examples/mpi_selftest`, from `target/<profile>/deps/mpi-<hash>`.
-fn selftest_binary() -> PathBuf {
+/// `target/<profile>/examples/<name>`, from `target/<profile>/deps/mpi-<hash>`.
+fn example_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("path of the test binary");
     let profile_dir = exe
         .parent()
@@ -24,22 +24,37 @@ fn selftest_binary() -> PathBuf {
         .expect("the test binary lives in target/<profile>/deps");
     let bin = profile_dir
         .join("examples")
-        .join(format!("mpi_selftest{}", std::env::consts::EXE_SUFFIX));
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(
         bin.is_file(),
         "{} is missing: build it with `cargo build -p gradwire --features mpi --example \
-         mpi_selftest` (plain `cargo test --features mpi` builds it too)",
+         {name}` (plain `cargo test --features mpi` builds it too)",
         bin.display()
     );
     bin
 }
 
-#[test]
-fn four_ranks_report_ok() {
-    let bin = selftest_binary();
+/// What one `mpirun` did: its exit status (`None` when it ran past `limit` and was killed),
+/// its output and how long it ran.
+struct Run {
+    status: Option<std::process::ExitStatus>,
+    stdout: String,
+    stderr: String,
+    elapsed: Duration,
+}
+
+impl Run {
+    fn report(&self) -> String {
+        format!("--- stdout\n{}--- stderr\n{}", self.stdout, self.stderr)
+    }
+}
+
+/// Runs `bin args` under `mpirun -np RANKS`, killed after `limit`.
+fn mpirun(bin: &PathBuf, args: &[&str], limit: Duration) -> Run {
     let mut child = Command::new("mpirun")
         .args(["-np", &RANKS.to_string(), "--oversubscribe"])
-        .arg(&bin)
+        .arg(bin)
+        .args(args)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .stdin(Stdio::null())
@@ -47,7 +62,6 @@ fn four_ranks_report_ok() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("mpirun not found: install Open MPI (.ci/install-mpi.sh)");
-
     // Drain both pipes in threads so a chatty child never blocks on a full pipe.
     let mut stdout = child.stdout.take().expect("piped stdout");
     let mut stderr = child.stderr.take().expect("piped stderr");
@@ -61,30 +75,130 @@ fn four_ranks_report_ok() {
         let _ = stderr.read_to_string(&mut text);
         text
     });
-
     let start = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().expect("waiting for mpirun") {
             break Some(status);
         }
-        if start.elapsed() > TIME_LIMIT {
+        if start.elapsed() > limit {
             let _ = child.kill();
             let _ = child.wait();
             break None;
         }
         thread::sleep(Duration::from_millis(50));
     };
-    let stdout = out_reader.join().unwrap_or_default();
-    let stderr = err_reader.join().unwrap_or_default();
-    let report = format!("--- stdout\n{stdout}--- stderr\n{stderr}");
+    let elapsed = start.elapsed();
+    Run {
+        status,
+        stdout: out_reader.join().unwrap_or_default(),
+        stderr: err_reader.join().unwrap_or_default(),
+        elapsed,
+    }
+}
 
-    let status = status.unwrap_or_else(|| panic!("mpirun ran past {TIME_LIMIT:?}\n{report}"));
+#[test]
+fn four_ranks_report_ok() {
+    let run = mpirun(&example_binary("mpi_selftest"), &[], TIME_LIMIT);
+    let report = run.report();
+    let status = run
+        .status
+        .unwrap_or_else(|| panic!("mpirun ran past {TIME_LIMIT:?}\n{report}"));
     assert!(status.success(), "mpirun failed: {status}\n{report}");
     for rank in 0..RANKS {
         let line = format!("mpi_selftest rank {rank}/{RANKS} ok");
         assert!(
-            stdout.lines().any(|l| l.trim() == line),
+            run.stdout.lines().any(|l| l.trim() == line),
             "missing `{line}`\n{report}"
         );
     }
+}
+
+/// Every rank's line of `step`, without its `step S rank R: ` prefix, in rank order.
+fn step_lines(run: &Run, step: usize) -> Vec<String> {
+    (0..RANKS)
+        .map(|rank| {
+            let prefix = format!("step {step} rank {rank}: ");
+            run.stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .unwrap_or_else(|| panic!("no line `{prefix}...`\n{}", run.report()))
+                .to_owned()
+        })
+        .collect()
+}
+
+/// Issue "Hostile input and faults, round 2", acceptance: one rank with a wrong ratio, and one
+/// whose bundle arrives corrupted: every rank returns the same error at the same step, and the
+/// group goes on.
+#[test]
+fn a_misconfigured_or_corrupting_rank_fails_every_rank_alike() {
+    let bin = example_binary("mpi_faults");
+    let run = mpirun(&bin, &["wrong-ratio"], TIME_LIMIT);
+    assert!(run.status.is_some_and(|s| s.success()), "{}", run.report());
+    for step in 0..3 {
+        let lines = step_lines(&run, step);
+        assert!(
+            lines.iter().all(|l| *l == lines[0]),
+            "step {step}: {lines:?}"
+        );
+        assert!(
+            lines[0].starts_with("error: rank 2 is configured differently from rank 0: method"),
+            "{}",
+            lines[0]
+        );
+    }
+    let run = mpirun(&bin, &["corrupt"], TIME_LIMIT);
+    assert!(run.status.is_some_and(|s| s.success()), "{}", run.report());
+    let lines = step_lines(&run, 1);
+    assert!(lines.iter().all(|l| *l == lines[0]), "{lines:?}");
+    assert!(
+        lines[0].starts_with("error: bundle from rank 1"),
+        "{}",
+        lines[0]
+    );
+    for step in [0, 2] {
+        assert!(
+            step_lines(&run, step).iter().all(|l| l == "ok"),
+            "{}",
+            run.report()
+        );
+    }
+}
+
+/// No process of the job is left: `pgrep` finds none running `bin`.
+fn assert_none_left(bin: &PathBuf) {
+    let left = Command::new("pgrep")
+        .args(["-f", &bin.display().to_string()])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    assert!(left.trim().is_empty(), "processes left behind: {left}");
+}
+
+/// A rank that stops calling (alive) or dies mid-run: the job ends within the deadline (5 s)
+/// plus 10 s (plus the arrival round's 5 s for the silent rank), with a message naming it, and
+/// no process is left behind.
+#[test]
+fn a_silent_or_dead_rank_ends_the_job_naming_it() {
+    let bin = example_binary("mpi_faults");
+    let run = mpirun(&bin, &["silent"], Duration::from_secs(60));
+    assert!(run.status.is_some_and(|s| !s.success()), "{}", run.report());
+    assert!(
+        run.elapsed < Duration::from_secs(20),
+        "{:?}\n{}",
+        run.elapsed,
+        run.report()
+    );
+    assert!(run.stderr.contains("for ranks [3]"), "{}", run.report());
+    assert_none_left(&bin);
+    let run = mpirun(&bin, &["kill"], Duration::from_secs(60));
+    assert!(run.status.is_some_and(|s| !s.success()), "{}", run.report());
+    assert!(
+        run.elapsed < Duration::from_secs(15),
+        "{:?}\n{}",
+        run.elapsed,
+        run.report()
+    );
+    assert!(run.stderr.contains("process rank 3"), "{}", run.report());
+    assert_none_left(&bin);
 }

@@ -278,6 +278,7 @@ impl Waiter {
     /// The deadline passed: the arrival round, a message naming the ranks this rank did not
     /// hear from, and `MPI_Abort`.
     fn give_up(&self) -> ! {
+        let waited = self.started.elapsed();
         let world = &self.world;
         let (w, me) = (self.world_size, self.rank);
         for peer in (0..w).filter(|&p| p != me) {
@@ -314,10 +315,7 @@ impl Waiter {
             "gradwire: rank {me}: {} (call {}) waited {:?}, past the deadline of {:?}, for \
              ranks {missing:?}, which did not answer the arrival round: aborting the job \
              (MPI_Abort)",
-            self.what,
-            self.round,
-            self.started.elapsed(),
-            self.deadline
+            self.what, self.round, waited, self.deadline
         );
         world.abort(3)
     }
