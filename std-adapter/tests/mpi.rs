@@ -7,7 +7,7 @@
 #![cfg(feature = "mpi")]
 
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -50,7 +50,7 @@ impl Run {
 }
 
 /// Runs `bin args` under `mpirun -np RANKS`, killed after `limit`.
-fn mpirun(bin: &PathBuf, args: &[&str], limit: Duration) -> Run {
+fn mpirun(bin: &Path, args: &[&str], limit: Duration) -> Run {
     let mut child = Command::new("mpirun")
         .args(["-np", &RANKS.to_string(), "--oversubscribe"])
         .arg(bin)
@@ -166,7 +166,7 @@ fn a_misconfigured_or_corrupting_rank_fails_every_rank_alike() {
 }
 
 /// No process of the job is left: `pgrep` finds none running `bin`.
-fn assert_none_left(bin: &PathBuf) {
+fn assert_none_left(bin: &Path) {
     let left = Command::new("pgrep")
         .args(["-f", &bin.display().to_string()])
         .output()
