@@ -313,13 +313,13 @@ fn core_decoders_allocate_nothing() {
     }
 }
 
-/// A checkpoint header (the `__metadata__` of `ErrorFeedback::to_bytes`, version 1) followed by
+/// A checkpoint header (the `__metadata__` of `ErrorFeedback::to_bytes`, version 2, checksum 0: checked after the residuals are read) followed by
 /// `tensors` as `(name, dtype, shape, data_offsets)`, its declared length, and `data` bytes.
 fn checkpoint_file(tensors: &[(&str, &str, &str, [u64; 2])], data: usize) -> Vec<u8> {
-    checkpoint_file_with("\"version\":\"1\"", tensors, data)
+    checkpoint_file_with("\"version\":\"2\",\"crc32\":\"0\"", tensors, data)
 }
 
-/// [`checkpoint_file`] with `version` (metadata entries, JSON) in place of version 1's.
+/// [`checkpoint_file`] with `version` (metadata entries, JSON) in place of version 2's.
 fn checkpoint_file_with(
     version: &str,
     tensors: &[(&str, &str, &str, [u64; 2])],

@@ -328,12 +328,23 @@ fn a_corrupted_checkpoint_is_an_error() {
 
 #[test]
 fn checkpoints_are_checked() {
+    // Version 2 with the checksum of residual `w` = [1.5], method, seed 3 and step 9 (CRC-32 of
+    // "w\0" [1.5 f32 LE] "topk k=ratio:0.01 values=int8:256\0" "3\0" "9\0").
+    let method_text = "topk k=ratio:0.01 values=int8:256";
+    let mut hashed = b"w\0".to_vec();
+    hashed.extend_from_slice(&1.5f32.to_le_bytes());
+    for text in [method_text, "3", "9"] {
+        hashed.extend_from_slice(text.as_bytes());
+        hashed.push(0);
+    }
+    let crc = crc32fast::hash(&hashed).to_string();
     let good_meta = [
         ("format", "gradwire-error-feedback"),
-        ("version", "1"),
-        ("method", "topk k=ratio:0.01 values=int8:256"),
+        ("version", "2"),
+        ("method", method_text),
         ("seed", "3"),
         ("step", "9"),
+        ("crc32", crc.as_str()),
     ];
     let one = 1.5f32.to_le_bytes().to_vec();
     let ok = checkpoint(&good_meta, &[("w", Dtype::F32, vec![1], one.clone())]);
@@ -367,7 +378,7 @@ fn checkpoints_are_checked() {
         );
         assert!(err.to_string().contains(key), "{err}");
     }
-    let missing = checkpoint(&good_meta[..4], &[]);
+    let missing = checkpoint(&[&good_meta[..4], &good_meta[5..]].concat(), &[]);
     assert!(
         ErrorFeedback::from_bytes(&missing)
             .unwrap_err()

@@ -47,8 +47,8 @@ fn reference_int8_scale_that_overflows_is_rejected() {
 fn checkpoint_with_data_offsets_near_usize_max_is_an_error() {
     use gradwire::feedback::ErrorFeedback;
     let bytes = common::safetensors_with_offsets_near_usize_max(
-        "\"__metadata__\":{\"format\":\"gradwire-error-feedback\",\"version\":\"1\",\
-         \"method\":\"topk k=count:1 values=f32\",\"seed\":\"0\",\"step\":\"0\"}",
+        "\"__metadata__\":{\"format\":\"gradwire-error-feedback\",\"version\":\"2\",\
+         \"method\":\"topk k=count:1 values=f32\",\"seed\":\"0\",\"step\":\"0\",\"crc32\":\"0\"}",
     );
     let r = ErrorFeedback::from_bytes(&bytes);
     assert!(r.is_err(), "{r:?}");
@@ -69,4 +69,105 @@ fn reference_payload_with_offsets_near_usize_max_is_an_error() {
     }
     assert!(summarize(&bytes).is_err());
     assert!(gradwire::safetensors_reader::deserialize(&bytes).is_err());
+}
+
+/// Issue 24 item 2 (an abort on a 39-byte frame): `decompress` allocated the output from the
+/// caller's shape before checking the frame, so a valid top-k frame with no entries that
+/// declares n = 2^50 or 2^60, with a matching shape, asked the allocator for petabytes and the
+/// process aborted. Now the frame is validated against what the receiver expects first and the
+/// allocation is fallible: `Error::OutOfMemory` naming the tensor.
+#[test]
+fn a_frame_declaring_petabytes_is_out_of_memory_not_an_abort() {
+    use gradwire::compressor::{CompressionMethod, GradientCompressor};
+    use gradwire::layout::CompressedGradient;
+    use gradwire::{Error, Tensor};
+    use std::collections::HashMap;
+
+    let mut c = GradientCompressor::new(CompressionMethod::TopK { k: 0 });
+    let sent = c
+        .compress(&HashMap::from([(
+            "w".to_owned(),
+            Tensor::vector(vec![1.0]),
+        )]))
+        .expect("compress");
+    let small = sent["w"].frame().to_vec();
+    for n in [1u64 << 50, 1 << 60] {
+        let mut frame = small.clone();
+        frame[8..16].copy_from_slice(&n.to_le_bytes());
+        let body = frame.len() - 4;
+        let crc = crc32fast::hash(&frame[..body]);
+        frame[body..].copy_from_slice(&crc.to_le_bytes());
+        assert!(frame.len() < 64, "{} bytes", frame.len());
+        let cg = CompressedGradient::from_frame(frame, vec![n as usize], 0).expect("a valid frame");
+        let err = c
+            .decompress(&HashMap::from([("w".to_owned(), cg)]))
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::OutOfMemory { tensor, elements } if tensor == "w" && *elements as u64 == n),
+            "{err}"
+        );
+    }
+}
+
+/// Issue 24 item 7 and scope 5: a checkpoint whose residual is beyond the method's value range
+/// (1e5 under f16 values) loaded, and then every step failed for ever; now the load is refused
+/// naming the residual and index. Version 1 checkpoints (no checksum) loaded with no integrity
+/// check; now they are refused.
+#[test]
+fn checkpoints_beyond_the_value_range_or_without_checksum_are_refused() {
+    use gradwire::feedback::ErrorFeedback;
+    use gradwire_core::{K, Method, Values};
+    // Built by hand: `set_residual` refuses such a residual too.
+    let method = "topk k=count:1 values=f16";
+    let values = [0.5f32, 1.0e5, 2.0];
+    let mut hashed = b"w\0".to_vec();
+    hashed.extend_from_slice(&1u32.to_le_bytes());
+    hashed.extend_from_slice(&3u64.to_le_bytes());
+    values
+        .iter()
+        .for_each(|v| hashed.extend_from_slice(&v.to_le_bytes()));
+    for text in [method, "0", "0", "[\"w\"]"] {
+        hashed.extend_from_slice(text.as_bytes());
+        hashed.push(0);
+    }
+    let header = format!(
+        "{{\"__metadata__\":{{\"format\":\"gradwire-error-feedback\",\"version\":\"3\",\
+         \"method\":\"{method}\",\"seed\":\"0\",\"step\":\"0\",\"unshaped\":\"[\\\"w\\\"]\",\
+         \"crc32\":\"{}\"}},\"w\":{{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]}}}}",
+        crc32fast::hash(&hashed)
+    );
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    values
+        .iter()
+        .for_each(|v| bytes.extend_from_slice(&v.to_le_bytes()));
+    let err = ErrorFeedback::from_bytes(&bytes).unwrap_err().to_string();
+    assert!(err.contains("`w`") && err.contains("index 1"), "{err}");
+    // `set_residual` refuses the residual under f16 values; under f32 values it saves and loads.
+    let f16_topk = Method::TopK {
+        k: K::Count(1),
+        values: Values::F16,
+    };
+    let mut fb = ErrorFeedback::new(f16_topk, 0).expect("method");
+    assert!(fb.set_residual("w", values.to_vec()).is_err());
+    let f32_topk = Method::TopK {
+        k: K::Count(1),
+        values: Values::F32,
+    };
+    let mut fb = ErrorFeedback::new(f32_topk, 0).expect("method");
+    fb.set_residual("w", values.to_vec()).expect("in range");
+    let back = ErrorFeedback::from_bytes(&fb.to_bytes().expect("bytes")).expect("loads");
+    assert_eq!(back, fb);
+
+    let header = "{\"__metadata__\":{\"format\":\"gradwire-error-feedback\",\"version\":\"1\",\
+                  \"method\":\"topk k=count:1 values=f32\",\"seed\":\"0\",\"step\":\"0\"},\
+                  \"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}";
+    let mut v1 = (header.len() as u64).to_le_bytes().to_vec();
+    v1.extend_from_slice(header.as_bytes());
+    v1.extend_from_slice(&1.5f32.to_le_bytes());
+    let err = ErrorFeedback::from_bytes(&v1).unwrap_err().to_string();
+    assert!(
+        err.contains("version 1") && err.contains("no checksum"),
+        "{err}"
+    );
 }

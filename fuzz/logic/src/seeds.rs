@@ -334,8 +334,8 @@ pub fn checkpoint_seeds() -> Vec<(&'static str, Vec<u8>)> {
     // header length is added (std-adapter/tests/regressions.rs).
     let size: u64 = (1 << 61) - 1;
     let mut header = String::from(
-        "{\"__metadata__\":{\"format\":\"gradwire-error-feedback\",\"version\":\"1\",\
-         \"method\":\"topk k=count:1 values=f32\",\"seed\":\"0\",\"step\":\"0\"}",
+        "{\"__metadata__\":{\"format\":\"gradwire-error-feedback\",\"version\":\"2\",\
+         \"method\":\"topk k=count:1 values=f32\",\"seed\":\"0\",\"step\":\"0\",\"crc32\":\"0\"}",
     );
     for i in 0..8u64 {
         header.push_str(&format!(

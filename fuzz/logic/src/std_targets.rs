@@ -569,7 +569,15 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
     for i in 0..count {
         let name = gen_residual_name(inp, i);
         let r = gen_residual(inp);
-        let finite = r.iter().all(|v| v.is_finite());
+        // Finite and within the method's value type (f16 values: below 65520), as
+        // `set_residual` requires.
+        let finite = r.iter().all(|&v| {
+            v.is_finite()
+                && fb
+                    .method()
+                    .values()
+                    .is_none_or(|t| gradwire_core::values::fits(t, v))
+        });
         if inp.u8().is_multiple_of(2) {
             let (shape, holds) = gen_residual_shape(inp, r.len());
             let before = fb.clone();
@@ -632,7 +640,7 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
         Ok(b) => {
             // `ErrorFeedback` has no public step setter and running `step` steps is out of
             // reach: the step goes into the checkpoint text, which must then load.
-            let b = with_step(&b, step).expect("to_bytes wrote a `step` entry");
+            let b = with_step(&b, &fb, step).expect("to_bytes wrote a `step` entry");
             let fb = ErrorFeedback::from_bytes(&b)
                 .unwrap_or_else(|e| panic!("a checkpoint from to_bytes does not load: {e}"));
             assert_eq!(fb.step(), step);
@@ -685,21 +693,36 @@ fn with_step_v3(b: &[u8], fb: &ErrorFeedback, step: u64) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// `b` (a checkpoint) with its `step` metadata set to `step` (header rewritten, data kept), as
-/// a version 1 checkpoint: its `crc32` covers the step, and version 1 files carry no checksum
-/// (its `crc32` and `unshaped` entries are dropped: version 1 refuses them; every residual of
-/// `b` must be stored `[n]`, as version 1 keeps them). `None` when `b` lacks one of the
-/// entries.
-fn with_step(b: &[u8], step: u64) -> Option<Vec<u8>> {
+/// `b` (the checkpoint of `fb`, every residual stored `[n]` without a shape) with its `step`
+/// metadata set to `step` (header rewritten, data kept), as a version 2 checkpoint (no
+/// `unshaped` entry; its `crc32` recomputed from the layout's definition without shapes,
+/// [`checkpoint_crc_spec`]). `None` when `b` lacks one of the entries.
+fn with_step(b: &[u8], fb: &ErrorFeedback, step: u64) -> Option<Vec<u8>> {
     let n = usize::try_from(u64::from_le_bytes(b.get(..8)?.try_into().ok()?)).ok()?;
     let header = std::str::from_utf8(b.get(8..8usize.checked_add(n)?)?).ok()?;
-    let at = header.find("\"step\":\"")? + 8;
-    let end = at + header[at..].find('"')?;
-    let new = format!("{}{step}{}", &header[..at], &header[end..]);
+    let text = |key: &str| -> Option<String> {
+        let at = header.find(&format!("\"{key}\":\""))? + key.len() + 4;
+        Some(header[at..at + header[at..].find('"')?].to_owned())
+    };
+    let built: Vec<Built> = fb
+        .residuals()
+        .map(|(name, r)| {
+            let bits = r.iter().map(|v| v.to_bits()).collect();
+            (name.to_owned(), bits, vec![r.len() as u64], None)
+        })
+        .collect();
+    let texts = [text("method")?, text("seed")?, step.to_string()];
+    let crc = checkpoint_crc_spec(&built, false, &texts);
+    let mut new = drop_entry(header, "unshaped")?;
     let version = format!("\"version\":\"{CHECKPOINT_VERSION}\"");
-    let new = new.replacen(&version, "\"version\":\"1\"", 1);
-    // Version 1 has neither entry (and refuses them, as the sign of a damaged version).
-    let new = drop_entry(&drop_entry(&new, "crc32")?, "unshaped")?;
+    new = new.replacen(&version, "\"version\":\"2\"", 1);
+    for (key, value) in [("step", step.to_string()), ("crc32", crc.to_string())] {
+        let (at, end) = {
+            let at = new.find(&format!("\"{key}\":\""))? + key.len() + 4;
+            (at, at + new[at..].find('"')?)
+        };
+        new.replace_range(at..end, &value);
+    }
     let mut out = (new.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(new.as_bytes());
     out.extend_from_slice(&b[8 + n..]);
@@ -764,7 +787,7 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
         }
         _ => meta.push(("format".into(), "gradwire-error-feedback".into())),
     }
-    // The version whose checksum and shape rules the file follows (1: no checksum).
+    // The version whose checksum and shape rules the file follows (1: no checksum, refused).
     let mut version = 1;
     match inp.u8() % 8 {
         0 => content_ok = false,
@@ -780,7 +803,10 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
             meta.push(("version".into(), "3".into()));
             version = 3;
         }
-        _ => meta.push(("version".into(), "1".into())),
+        _ => {
+            meta.push(("version".into(), "1".into()));
+            content_ok = false;
+        }
     }
     let method_text = match inp.u8() % 8 {
         0 => None,
@@ -876,7 +902,11 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
                                 [inp.u8() as usize % 5],
                             _ => f32::from(inp.u8() as i8) / 16.0,
                         };
-                        finite &= v.is_finite();
+                        // A residual beyond the method's value type is refused like a NaN.
+                        finite &= v.is_finite()
+                            && method
+                                .and_then(|m| m.values())
+                                .is_none_or(|t| gradwire_core::values::fits(t, v));
                         data.extend_from_slice(&v.to_le_bytes());
                     } else {
                         data.extend(

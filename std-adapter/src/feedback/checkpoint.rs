@@ -20,8 +20,12 @@
 //! A residual has at most [`crate::safetensors_reader::MAX_DIMS`] dimensions. The checksum makes
 //! a flipped bit in a stored residual, shape or step an error, as it is in frames and bundles.
 //! Version 2 files (the same without shapes: every residual `[n]`, no `unshaped`, and a checksum
-//! without the shape and `unshaped` parts) and version 1 files (no `crc32`) still load; their
-//! residuals have no shape until a shaped step gives one.
+//! without the shape and `unshaped` parts) still load; their residuals have no shape until a
+//! shaped step gives one. Version 1 files (no `crc32`) are refused: nothing would tell a
+//! corrupted residual from a good one.
+//!
+//! Every residual value must be finite and fit the method's value type (f16 values: at most
+//! 65504 after rounding): a residual beyond it would make every later step that sends it fail.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -100,10 +104,11 @@ impl ErrorFeedback {
     /// [`Error::Safetensors`] for bytes that are not safetensors; [`Error::Checkpoint`] naming
     /// what is wrong: a missing or unknown `format`, `version`, `method`, `seed`, `step` or
     /// (version 3) `unshaped` (not a compact JSON array of the file's residual names in strictly
-    /// increasing order, or naming one the file lacks), a `crc32` entry in a version 1 file or an
-    /// `unshaped` entry in a version 1 or 2 file (a damaged version number), a tensor that is
-    /// not F32 (or, in versions 1 and 2, not 1-d), an `unshaped` residual that is not 1-d, a NaN
-    /// or infinite residual value, a checksum that does not match.
+    /// increasing order, or naming one the file lacks), a version 1 file (no checksum), a
+    /// `crc32` entry in a version 1 file or an `unshaped` entry in a version 1 or 2 file (a
+    /// damaged version number), a tensor that is not F32 (or, in version 2, not 1-d), an
+    /// `unshaped` residual that is not 1-d, a NaN or infinite residual value or one beyond the
+    /// range of the method's value type, a checksum that does not match.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let (header, data) = crate::safetensors_reader::read_header(bytes)?;
         let empty = HashMap::new();
@@ -120,6 +125,13 @@ impl ErrorFeedback {
             )));
         }
         let version = get("version")?;
+        if version == "1" && !meta.contains_key("crc32") {
+            return Err(Error::checkpoint(
+                "version 1 checkpoints carry no checksum and are not read (a corrupted residual \
+                 would load); resume from the gradients, or save the residuals again with the \
+                 build that wrote them",
+            ));
+        }
         if !["1", "2", CHECKPOINT_VERSION].contains(&version) {
             return Err(Error::checkpoint(format!(
                 "version `{version}` is not supported (this build reads `1`, `2` and \
@@ -171,17 +183,15 @@ impl ErrorFeedback {
                 )));
             }
         }
-        let stored_crc = if version == "1" {
-            None
-        } else {
+        let stored_crc = {
             let text = meta.get("crc32").ok_or_else(|| {
                 Error::checkpoint(format!(
                     "metadata entry `crc32` is missing (version {version} checkpoints carry one)"
                 ))
             })?;
-            Some(text.parse::<u32>().map_err(|_| {
+            text.parse::<u32>().map_err(|_| {
                 Error::checkpoint(format!("metadata `crc32` = `{text}` is not a u32"))
-            })?)
+            })?
         };
         let method = method::parse(get("method")?)
             .map_err(|e| Error::checkpoint(format!("metadata `method`: {e}")))?;
@@ -222,9 +232,19 @@ impl ErrorFeedback {
                     "residual `{name}` is NaN or infinite at index {index}"
                 )));
             }
+            if let Some(values) = fb.method.values()
+                && let Some(index) = gradwire_core::values::first_out_of_range(values, &r)
+            {
+                return Err(Error::checkpoint(format!(
+                    "residual `{name}` is {} at index {index}, beyond the range of the method's \
+                     {values:?} values (every step that sends it would fail)",
+                    r[index]
+                )));
+            }
             fb.residuals.insert(name, r);
         }
-        if let Some(stored) = stored_crc {
+        {
+            let stored = stored_crc;
             let texts = [get("method")?, get("seed")?, get("step")?];
             let computed = match &unshaped {
                 // Version 2: no shapes.

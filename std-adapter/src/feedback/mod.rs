@@ -237,13 +237,24 @@ impl ErrorFeedback {
     ///
     /// # Errors
     /// [`Error::Core`] with [`gradwire_core::Error::NonFinite`] when a value is NaN or
-    /// infinite; nothing changes then.
+    /// infinite, with [`gradwire_core::Error::ValueOutOfRange`] when one is beyond the range of
+    /// the method's value type (f16 values: beyond 65504 after rounding; a step would refuse
+    /// to send it, and no step leaves one); nothing changes then.
     pub fn set_residual(&mut self, name: &str, residual: Vec<f32>) -> Result<()> {
         if let Some(index) = scalar::first_non_finite(&residual) {
             return Err(Error::core(
                 name,
                 None,
                 gradwire_core::Error::NonFinite { index },
+            ));
+        }
+        if let Some(values) = self.method.values()
+            && let Some(index) = gradwire_core::values::first_out_of_range(values, &residual)
+        {
+            return Err(Error::core(
+                name,
+                None,
+                gradwire_core::Error::ValueOutOfRange { index },
             ));
         }
         self.bounds
