@@ -13,7 +13,10 @@
 //!   into the result in rank order, so every rank gets bit-identical results).
 //!
 //! The result is the mean by default; [`CompressedAllReduce::with_reduction`] selects the sum or
-//! a sign majority vote.
+//! a sign majority vote. [`CompressedAllReduce::with_collective`] selects the collective: the
+//! all-gather (default), the two-phase shard-owner all-reduce (bytes per link flat in W, with
+//! server residuals at the owners), or whichever moves fewer bytes ([`Collective::Auto`]).
+//! Uncompressed f32 gradients always go through [`Communicator::all_reduce_sum_f32`].
 //!
 //! ```
 //! use std::collections::HashMap;
@@ -48,7 +51,9 @@ use std::collections::HashMap;
 use std::fmt;
 
 use crate::aggregate::{Aggregator, Reduction, check_contribution};
-use crate::collective::{AllGather, Config, Local};
+use crate::collective::dense::{self, DenseAllReduce};
+use crate::collective::two_phase::{self, TwoPhase};
+use crate::collective::{AllGather, Collective, Config, Local};
 use crate::comm::Communicator;
 use crate::compressor::GradientCompressor;
 use crate::engine::Parallelism;
@@ -56,6 +61,23 @@ use crate::error::{Error, Result};
 use crate::layout::{BucketConfig, CompressedGradient, Manifest};
 use crate::method::CompressionMethod;
 use crate::tensor::Tensor;
+use gradwire_core::{Method, Values};
+
+/// [`Error::Core`] naming the tensor and index of the first NaN or infinity of `gradients`.
+fn check_finite(gradients: &HashMap<String, Tensor>) -> Result<()> {
+    let mut names: Vec<&String> = gradients.keys().collect();
+    names.sort();
+    for name in names {
+        if let Some(index) = gradwire_core::values::first_non_finite(gradients[name].data()) {
+            return Err(Error::core(
+                name,
+                None,
+                gradwire_core::Error::NonFinite { index },
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// Distributed gradient aggregation with compression (see the module docs).
 pub struct CompressedAllReduce {
@@ -70,6 +92,11 @@ pub struct CompressedAllReduce {
     bundles: Option<Manifest>,
     send: Vec<u8>,
     collective: AllGather,
+    two_phase: TwoPhase,
+    dense: DenseAllReduce,
+    choice: Collective,
+    /// The collective `Auto` picked, for (layout id, world size).
+    picked: Option<(u64, usize, Collective)>,
     flat: Vec<f32>,
     aggregator: Aggregator,
 }
@@ -81,11 +108,12 @@ fn group_config(
     manifest: &Manifest,
     reduction: Reduction,
     bucketing: &BucketConfig,
+    collective: &str,
 ) -> Config {
     Config::new(
         [
             ("world_size", world_size.to_string()),
-            ("collective", "all-gather".to_owned()),
+            ("collective", collective.to_owned()),
             ("method", crate::method::format(manifest.method())),
             ("seed", manifest.seed().to_string()),
             ("reduction", format!("{reduction:?}")),
@@ -98,6 +126,59 @@ fn group_config(
             .map(|t| format!("{}:{:?}", t.name, t.shape))
             .collect(),
     )
+}
+
+/// How a step travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    AllGather,
+    TwoPhase,
+    /// Uncompressed f32: [`Communicator::all_reduce_sum_f32`].
+    Dense,
+}
+
+/// The collective for `manifest`: the configured one, or what `Auto` picks (once per layout
+/// and world size, kept in `picked`) from the bytes each would make a rank receive at most.
+fn pick(
+    picked: &mut Option<(u64, usize, Collective)>,
+    choice: Collective,
+    world_size: usize,
+    manifest: &Manifest,
+) -> Route {
+    let key = (manifest.layout_id(), world_size);
+    let c = match *picked {
+        Some((id, w, c)) if (id, w) == key => c,
+        _ => {
+            let c = match choice {
+                Collective::Auto if world_size > 1 => {
+                    match crate::collective::shards::ShardLayout::new(manifest, world_size) {
+                        Ok(layout) => {
+                            let all_gather = (world_size - 1)
+                                * (crate::collective::ENVELOPE_LEN + manifest.max_bundle_len());
+                            let two = (0..world_size)
+                                .map(|r| TwoPhase::received_bytes(&layout, r))
+                                .max()
+                                .unwrap_or(0);
+                            if two < all_gather {
+                                Collective::TwoPhase
+                            } else {
+                                Collective::AllGather
+                            }
+                        }
+                        Err(_) => Collective::AllGather,
+                    }
+                }
+                Collective::Auto => Collective::AllGather,
+                c => c,
+            };
+            *picked = Some((key.0, key.1, c));
+            c
+        }
+    };
+    match c {
+        Collective::TwoPhase => Route::TwoPhase,
+        _ => Route::AllGather,
+    }
 }
 
 impl fmt::Debug for CompressedAllReduce {
@@ -135,6 +216,10 @@ impl CompressedAllReduce {
             bundles: None,
             send: Vec::new(),
             collective: AllGather::default(),
+            two_phase: TwoPhase::default(),
+            dense: DenseAllReduce::default(),
+            choice: Collective::AllGather,
+            picked: None,
             flat: Vec::new(),
             aggregator: Aggregator::new(),
         }
@@ -181,6 +266,74 @@ impl CompressedAllReduce {
         self.compressor.set_parallelism(parallelism);
         self.aggregator = Aggregator::new().with_parallelism(parallelism);
         self
+    }
+
+    /// The same all-reduce running `collective` on its communicator (default
+    /// [`Collective::AllGather`]; every rank must use the same one). Uncompressed f32 gradients
+    /// go through [`Communicator::all_reduce_sum_f32`] whichever is chosen.
+    pub fn with_collective(mut self, collective: Collective) -> Self {
+        self.choice = collective;
+        self.picked = None;
+        self
+    }
+
+    /// The collective the last step ran, once a step ran with a communicator:
+    /// [`Collective::AllGather`] or [`Collective::TwoPhase`] (what [`Collective::Auto`] picked).
+    pub fn collective_in_use(&self) -> Option<Collective> {
+        self.picked.map(|(_, _, c)| c)
+    }
+
+    /// This rank's server residual of tensor `name` (two-phase): the tensor's element indices
+    /// of the shard this rank owns, in shard order, and the residual at each. `None` before the
+    /// first two-phase step or for a tensor this rank owns no element of.
+    pub fn server_residual(&self, name: &str) -> Option<(Vec<usize>, &[f32])> {
+        let layout = self.two_phase.layout()?;
+        let t = layout.tensors.iter().position(|t| t.name == name)?;
+        let rank = self.rank();
+        let values = self
+            .two_phase
+            .server_residuals()
+            .find(|(n, _)| *n == name)?
+            .1;
+        let indices = layout.ranges(t, rank).flat_map(|(a, b)| a..b).collect();
+        Some((indices, values))
+    }
+
+    /// Sets this rank's server residuals (two-phase) for a resume: `name -> values` in the
+    /// order [`CompressedAllReduce::server_residual`] gives, saved by rank `saved_at.1` of a
+    /// group of `saved_at.0` ranks; tensors left out start from zeros. They are checked against
+    /// the shard layout at the next step (a length other than this rank's shard fails that
+    /// step, on every rank, until they are discarded or replaced).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `saved_at` is not this group's world size and rank (the residuals
+    /// belong to another shard layout: discard them for an elastic restart); nothing changes.
+    pub fn set_server_residuals(
+        &mut self,
+        saved_at: (usize, usize),
+        residuals: HashMap<String, Vec<f32>>,
+    ) -> Result<()> {
+        let here = (self.world_size, self.rank());
+        if saved_at != here {
+            return Err(Error::config(format!(
+                "server residuals saved by rank {} of {} ranks cannot resume rank {} of {}: \
+                 the shard layout differs (discard them to restart at another world size)",
+                saved_at.1, saved_at.0, here.1, here.0
+            )));
+        }
+        self.two_phase.set_server_residuals(residuals);
+        Ok(())
+    }
+
+    /// The bytes this rank's communicator moved so far (zeros without one).
+    pub fn traffic(&self) -> crate::comm::Traffic {
+        self.comm.as_ref().map(|c| c.traffic()).unwrap_or_default()
+    }
+
+    /// Drops this rank's server residuals (two-phase), for example before a restart at another
+    /// world size (the residuals belong to one shard layout).
+    pub fn discard_server_residuals(&mut self) {
+        self.two_phase.discard_server_residuals();
     }
 
     /// Number of ranks.
@@ -269,9 +422,30 @@ impl CompressedAllReduce {
         let step = self.compressor.step();
         let method = self.compressor.method().core_method();
         let seed = self.compressor.seed();
+        let method_ok = method.as_ref().ok().copied();
         let manifest = method.and_then(|method| {
             Manifest::cached(&mut self.bundles, gradients, method, seed, self.bucketing)
         });
+        // The route: every rank takes the same one, a failed rank included (from its
+        // configuration alone when it has no manifest), so that all call the same primitives.
+        let route = match (method_ok, &manifest) {
+            (_, Ok(m)) if dense::applies(m, self.reduction) => Route::Dense,
+            (_, Ok(m)) => pick(&mut self.picked, self.choice, self.world_size, m),
+            (
+                Some(Method::Dense {
+                    values: Values::F32,
+                }),
+                Err(_),
+            ) if self.reduction != Reduction::MajorityVote => Route::Dense,
+            (_, Err(_)) => match (self.choice, self.picked) {
+                (Collective::TwoPhase, _) => Route::TwoPhase,
+                (Collective::Auto, Some((_, _, Collective::TwoPhase))) => Route::TwoPhase,
+                _ => Route::AllGather,
+            },
+        };
+        if route != Route::AllGather {
+            return self.all_reduce_sharded(gradients, route, out);
+        }
         let compressed = match &manifest {
             Ok(manifest) => self
                 .compressor
@@ -301,7 +475,13 @@ impl CompressedAllReduce {
                 return result;
             }
         };
-        let config = group_config(self.world_size, manifest, self.reduction, &self.bucketing);
+        let config = group_config(
+            self.world_size,
+            manifest,
+            self.reduction,
+            &self.bucketing,
+            "all-gather",
+        );
         let local = Local::Bundle {
             manifest,
             bundle: &self.send,
@@ -334,6 +514,75 @@ impl CompressedAllReduce {
             debug_assert!(given_back.is_ok(), "{given_back:?}");
         }
         result
+    }
+
+    /// A step on the dense or two-phase route (see [`CompressedAllReduce::all_reduce`]).
+    fn all_reduce_sharded(
+        &mut self,
+        gradients: &HashMap<String, Tensor>,
+        route: Route,
+        out: &mut HashMap<String, Tensor>,
+    ) -> Result<()> {
+        let Some(comm) = self.comm.as_deref_mut() else {
+            return Err(Error::NoCommunicator {
+                world_size: self.world_size,
+            });
+        };
+        let step = self.compressor.step();
+        let seed = self.compressor.seed();
+        let reduction = self.reduction;
+        let name = if route == Route::Dense {
+            "all-reduce-f32"
+        } else {
+            "two-phase"
+        };
+        let world_size = self.world_size;
+        let bucketing = self.bucketing;
+        let manifest = self
+            .compressor
+            .method()
+            .core_method()
+            .and_then(|m| Manifest::cached(&mut self.bundles, gradients, m, seed, bucketing));
+        let (manifest, manifest_error) = match manifest {
+            Ok(m) => (Some(m), None),
+            Err(e) => (None, Some(e)),
+        };
+        let config = manifest.map(|m| group_config(world_size, m, reduction, &bucketing, name));
+        let result = match (route, manifest, &config, manifest_error) {
+            (Route::Dense, Some(m), Some(c), _) => {
+                let local = check_finite(gradients).map(|()| (m, gradients, c, step));
+                self.dense.run(comm, local, reduction, &mut self.flat)
+            }
+            (Route::Dense, _, _, error) => {
+                let error = error.unwrap_or_else(|| Error::internal("no configuration"));
+                self.dense.run(comm, Err(error), reduction, &mut self.flat)
+            }
+            (_, Some(m), Some(c), _) => {
+                let local = self
+                    .compressor
+                    .prepare()
+                    .map(|(_, feedback)| two_phase::Step {
+                        manifest: m,
+                        gradients,
+                        feedback,
+                        seed,
+                        step,
+                        config: c,
+                        reduction,
+                    });
+                self.two_phase.run(comm, local, &mut self.flat)
+            }
+            (_, _, _, error) => {
+                let error = error.unwrap_or_else(|| Error::internal("no configuration"));
+                self.two_phase.run(comm, Err(error), &mut self.flat)
+            }
+        };
+        self.compressor.set_step(step.wrapping_add(1));
+        result?;
+        match manifest {
+            Some(m) => m.to_tensors_into(&self.flat, out),
+            None => Err(Error::internal("a step without a manifest succeeded")),
+        }
     }
 
     /// Aggregates the local gradients with the peers' compressed gradients, the local rank

@@ -170,7 +170,7 @@ impl GradientCompressor {
     }
 
     /// The core method, and the error-feedback state when the method uses it.
-    fn prepare(&mut self) -> Result<(Method, Option<&mut ErrorFeedback>)> {
+    pub(crate) fn prepare(&mut self) -> Result<(Method, Option<&mut ErrorFeedback>)> {
         let method = self.method.core_method()?;
         if !self.method.uses_error_feedback() {
             return Ok((method, None));

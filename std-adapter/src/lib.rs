@@ -53,6 +53,7 @@ pub use gradwire_core as core;
 
 pub use aggregate::{Aggregator, Reduction, aggregate};
 pub use allreduce::CompressedAllReduce;
+pub use collective::Collective;
 pub use compressor::GradientCompressor;
 pub use engine::{EncodeStats, Parallelism};
 pub use error::{BundleFault, Error, Result};

@@ -1,6 +1,12 @@
-//! Collectives over a [`Communicator`] for compressed bundles: today the all-gather (every
-//! rank's bundle to every rank, each aggregating all of them in rank order; per-link bytes grow
-//! as `(W - 1) x` bundle: right for small W or tiny bundles).
+//! Collectives over a [`Communicator`] for compressed gradients:
+//! - the all-gather: every rank's bundle to every rank, each aggregating all of them in rank
+//!   order; per-link bytes grow as `(W - 1) x` bundle: right for small W or tiny bundles;
+//! - the two-phase shard-owner collective ([`two_phase`]): each rank sends shard `j` of its
+//!   compressed gradient to rank `j` (all-to-all), the owner reduces its shard, compresses the
+//!   result with its server residual and all-gathers it: about `2 (W - 1) / W x` bundle per link
+//!   at every W;
+//! - uncompressed f32 gradients go through [`Communicator::all_reduce_sum_f32`] ([`dense`]),
+//!   never an all-gather.
 //!
 //! Every message of a collective travels in an envelope (`FORMAT.md` section 14): the
 //! fingerprint of the sender's configuration for this call (method, seed, reduction, bucketing,
@@ -16,6 +22,27 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::layout::Manifest;
 
+pub(crate) mod dense;
+pub(crate) mod shard_message;
+pub(crate) mod shards;
+pub(crate) mod two_phase;
+
+/// Which collective [`crate::CompressedAllReduce`] runs on its communicator.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Collective {
+    /// Every rank's bundle to every rank: `(W - 1) x` bundle received per rank.
+    #[default]
+    AllGather,
+    /// Shard-owner all-to-all, then an all-gather of the owners' reduced shards, with server
+    /// residuals at the owners (`FORMAT.md` section 15): about `2 (W - 1) / W x` bundle per
+    /// rank. Covers dense casts, quantization, sign (EF-sign, majority vote) and top-k; not
+    /// threshold or random-k, nor bucketed manifests.
+    TwoPhase,
+    /// Whichever of the two moves fewer bytes per link, picked from sizes every rank knows,
+    /// once per model layout and world size (so it never switches within a run of one model).
+    Auto,
+}
+
 /// The first four bytes of an envelope.
 const MAGIC: [u8; 4] = *b"GWCM";
 /// The envelope version.
@@ -27,6 +54,12 @@ pub(crate) const MAX_REASON_LEN: usize = 1024;
 /// Kinds of envelope.
 const PAYLOAD: u8 = 0;
 const FAILURE: u8 = 1;
+/// Another rank's failure or bad message, seen by this rank only (two-phase): the rank (u32 LE),
+/// whether it failed (0) or its message was bad (1), the reason.
+const RELAY: u8 = 2;
+/// This rank saw a rank's configuration fingerprint differ from rank 0's (two-phase): the rank
+/// (u32 LE).
+const CONFIG_DIFFERS: u8 = 3;
 
 /// A rank's configuration for one call, as `key=value` lines: the fingerprint is FNV-1a of the
 /// text.
@@ -137,10 +170,32 @@ fn seal_failure(err: &Error, out: &mut Vec<u8>) {
     seal(FAILURE, 0, &text.as_bytes()[..end], out);
 }
 
+/// The relay envelope: `rank`'s failure (`bad_message` false) or bad message, with `reason`.
+fn seal_relay(rank: usize, bad_message: bool, reason: &str, out: &mut Vec<u8>) {
+    let mut end = reason.len().min(MAX_REASON_LEN);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut body = (rank as u32).to_le_bytes().to_vec();
+    body.push(u8::from(bad_message));
+    body.extend_from_slice(&reason.as_bytes()[..end]);
+    seal(RELAY, 0, &body, out);
+}
+
 /// What an envelope holds.
 enum Opened {
-    Payload { fingerprint: u64 },
+    Payload {
+        fingerprint: u64,
+    },
     Failure(String),
+    Relay {
+        rank: usize,
+        bad_message: bool,
+        reason: String,
+    },
+    ConfigDiffers {
+        rank: usize,
+    },
     Invalid,
 }
 
@@ -164,6 +219,14 @@ fn open(msg: &[u8]) -> Opened {
             fingerprint: u64::from_le_bytes(fp),
         },
         FAILURE => Opened::Failure(String::from_utf8_lossy(body).into_owned()),
+        RELAY if body.len() >= 5 && body[4] <= 1 => Opened::Relay {
+            rank: u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize,
+            bad_message: body[4] == 1,
+            reason: String::from_utf8_lossy(&body[5..]).into_owned(),
+        },
+        CONFIG_DIFFERS if body.len() == 4 => Opened::ConfigDiffers {
+            rank: u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize,
+        },
         _ => Opened::Invalid,
     }
 }
@@ -272,6 +335,12 @@ impl AllGather {
                     });
                 }
                 Opened::Payload { fingerprint, .. } => fingerprints.push(fingerprint),
+                Opened::Relay { .. } | Opened::ConfigDiffers { .. } => {
+                    return Err(Error::Collective {
+                        rank,
+                        reason: "it sent a two-phase envelope to an all-gather".into(),
+                    });
+                }
             }
         }
         let Some((manifest, step, config)) = ours else {
@@ -279,48 +348,54 @@ impl AllGather {
             return Err(Error::internal("a failed rank's own message was not found"));
         };
         if let Some(rank) = fingerprints.iter().position(|&f| f != fingerprints[0]) {
-            return Err(self.name_difference(comm, config, step, rank));
+            return Err(name_difference(
+                comm,
+                Some(config),
+                step,
+                rank,
+                &mut self.gathered,
+            ));
         }
         let bundles: Vec<&[u8]> = self.gathered.iter().map(|m| &m[ENVELOPE_LEN..]).collect();
         aggregator.aggregate_into(manifest, &bundles, step, reduction, out)
     }
+}
 
-    /// Every rank saw `rank`'s fingerprint differ from rank 0's: one more all-gather of the
-    /// configurations names the first field that differs.
-    fn name_difference(
-        &mut self,
-        comm: &mut dyn Communicator,
-        config: &Config,
-        step: u64,
-        rank: usize,
-    ) -> Error {
-        let text = config.full_text(step);
-        if let Err(e) = comm.all_gather(text.as_bytes(), usize::MAX, &mut self.gathered) {
-            return e.into();
-        }
-        let texts: Vec<String> = self
-            .gathered
-            .iter()
-            .map(|t| String::from_utf8_lossy(t).into_owned())
-            .collect();
-        let rank0 = texts.first().map_or("", String::as_str);
-        match texts
-            .get(rank)
-            .and_then(|t| Config::first_difference(rank0, t))
-        {
-            Some((field, expected, got)) => Error::ConfigDiffers {
-                rank,
-                field,
-                expected: expected.to_owned(),
-                got: got.to_owned(),
-            },
-            None => Error::ConfigDiffers {
-                rank,
-                field: "fingerprint".to_owned(),
-                expected: String::new(),
-                got: String::new(),
-            },
-        }
+/// Every rank saw `rank`'s fingerprint differ from rank 0's: one more all-gather of the
+/// configurations (an empty one from a rank without a configuration) names the first field
+/// that differs.
+fn name_difference(
+    comm: &mut dyn Communicator,
+    config: Option<&Config>,
+    step: u64,
+    rank: usize,
+    gathered: &mut Vec<Vec<u8>>,
+) -> Error {
+    let text = config.map_or_else(String::new, |c| c.full_text(step));
+    if let Err(e) = comm.all_gather(text.as_bytes(), usize::MAX, gathered) {
+        return e.into();
+    }
+    let texts: Vec<String> = gathered
+        .iter()
+        .map(|t| String::from_utf8_lossy(t).into_owned())
+        .collect();
+    let rank0 = texts.first().map_or("", String::as_str);
+    match texts
+        .get(rank)
+        .and_then(|t| Config::first_difference(rank0, t))
+    {
+        Some((field, expected, got)) => Error::ConfigDiffers {
+            rank,
+            field,
+            expected: expected.to_owned(),
+            got: got.to_owned(),
+        },
+        None => Error::ConfigDiffers {
+            rank,
+            field: "fingerprint".to_owned(),
+            expected: String::new(),
+            got: String::new(),
+        },
     }
 }
 

@@ -1,0 +1,190 @@
+//! The shard message of the two-phase collective (`FORMAT.md` section 15): a lean header (no
+//! per-entry ids: the receiver's shard layout says which frames follow and in which order),
+//! then, for every tensor with a non-empty shard, the frame's length (u32 LE) and the frame.
+//!
+//! ```text
+//! offset size field
+//!  0     4   magic "GWSH"
+//!  4     1   version (1)
+//!  5     1   phase: 1 = a worker's shard for its owner, 2 = an owner's reduced shard
+//!  6     2   reserved, 0
+//!  8     8   step (u64 LE)
+//! 16     4   shard: the owner's rank (u32 LE)
+//! 20     4   frames (u32 LE)
+//! 24     4   CRC-32 (IEEE) of bytes 0..24 and of every byte after 28
+//! 28     ..  frames: length (u32 LE), then the frame (FORMAT.md sections 1-9)
+//! ```
+
+use crate::error::{Error, Result};
+
+/// The first four bytes.
+const MAGIC: [u8; 4] = *b"GWSH";
+/// The version.
+const VERSION: u8 = 1;
+/// Bytes of the header.
+pub(crate) const HEADER_LEN: usize = 28;
+
+/// Phase of a shard message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// A worker's shard, for its owner.
+    Contribution = 1,
+    /// An owner's reduced shard, for every rank.
+    Reduced = 2,
+}
+
+/// Starts a message at the end of `out`: the header with a zero CRC; frames follow by
+/// [`push_frame`], then [`finish`].
+pub(crate) fn start(out: &mut Vec<u8>, phase: Phase, step: u64, shard: usize, frames: usize) {
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&[VERSION, phase as u8, 0, 0]);
+    out.extend_from_slice(&step.to_le_bytes());
+    out.extend_from_slice(&(shard as u32).to_le_bytes());
+    out.extend_from_slice(&(frames as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+}
+
+/// Appends a frame's length and the frame.
+pub(crate) fn push_frame(out: &mut Vec<u8>, frame: &[u8]) {
+    out.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+    out.extend_from_slice(frame);
+}
+
+/// Writes the CRC of a message that [`start`] began at `at` in `out`.
+pub(crate) fn finish(out: &mut [u8], at: usize) {
+    let crc = crc_of(&out[at..]);
+    out[at + 24..at + 28].copy_from_slice(&crc.to_le_bytes());
+}
+
+fn crc_of(msg: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&msg[..24]);
+    h.update(&msg[HEADER_LEN..]);
+    h.finalize()
+}
+
+/// The frames of a message checked against what the receiver expects (`phase`, `step`,
+/// `shard`, `frames`), in order.
+///
+/// # Errors
+/// [`Error::Collective`] naming `from` (the sender) and the first fault.
+pub(crate) fn open(
+    msg: &[u8],
+    from: usize,
+    phase: Phase,
+    step: u64,
+    shard: usize,
+    frames: usize,
+) -> Result<Frames<'_>> {
+    let bad = |reason: String| Error::Collective {
+        rank: from,
+        reason: format!("its shard message for owner {shard}: {reason}"),
+    };
+    let Some(head) = msg.get(..HEADER_LEN) else {
+        return Err(bad(format!(
+            "{} bytes, shorter than the {HEADER_LEN}-byte header",
+            msg.len()
+        )));
+    };
+    let u32_at = |i: usize| u32::from_le_bytes([head[i], head[i + 1], head[i + 2], head[i + 3]]);
+    if head[..4] != MAGIC || head[4] != VERSION || head[6..8] != [0, 0] {
+        return Err(bad("not a gradwire shard message (version 1)".into()));
+    }
+    let crc = u32_at(24);
+    if crc_of(msg) != crc {
+        return Err(bad("checksum mismatch".into()));
+    }
+    let mut s = [0u8; 8];
+    s.copy_from_slice(&head[8..16]);
+    let got_step = u64::from_le_bytes(s);
+    if head[5] != phase as u8 {
+        return Err(bad(format!("phase {}, expected {}", head[5], phase as u8)));
+    }
+    if got_step != step {
+        return Err(bad(format!("step {got_step}, expected {step}")));
+    }
+    if u32_at(16) as usize != shard {
+        return Err(bad(format!("shard {}, expected {shard}", u32_at(16))));
+    }
+    if u32_at(20) as usize != frames {
+        return Err(bad(format!("{} frames, expected {frames}", u32_at(20))));
+    }
+    Ok(Frames {
+        rest: &msg[HEADER_LEN..],
+        left: frames,
+        from,
+        shard,
+    })
+}
+
+/// The frames of an opened message.
+pub(crate) struct Frames<'m> {
+    rest: &'m [u8],
+    left: usize,
+    from: usize,
+    shard: usize,
+}
+
+impl<'m> Frames<'m> {
+    /// The next frame.
+    ///
+    /// # Errors
+    /// [`Error::Collective`] when the message ends early, or has bytes after its last frame.
+    pub(crate) fn next_frame(&mut self) -> Result<&'m [u8]> {
+        let bad = |reason: &str| Error::Collective {
+            rank: self.from,
+            reason: format!("its shard message for owner {}: {reason}", self.shard),
+        };
+        if self.left == 0 {
+            return Err(bad("more frames read than it declares"));
+        }
+        let Some(len) = self.rest.get(..4) else {
+            return Err(bad("ends inside a frame length"));
+        };
+        let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        let Some(frame) = self.rest.get(4..4usize.saturating_add(len)) else {
+            return Err(bad("ends inside a frame"));
+        };
+        self.rest = &self.rest[4 + len..];
+        self.left -= 1;
+        if self.left == 0 && !self.rest.is_empty() {
+            return Err(bad("bytes after its last frame"));
+        }
+        Ok(frame)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_refuse_damage() {
+        let mut msg = Vec::new();
+        start(&mut msg, Phase::Contribution, 7, 2, 2);
+        push_frame(&mut msg, b"abc");
+        push_frame(&mut msg, b"");
+        finish(&mut msg, 0);
+        let mut f = open(&msg, 1, Phase::Contribution, 7, 2, 2).unwrap();
+        assert_eq!(f.next_frame().unwrap(), b"abc");
+        assert_eq!(f.next_frame().unwrap(), b"");
+        assert!(f.next_frame().is_err());
+        for i in 0..msg.len() {
+            let mut bad = msg.clone();
+            bad[i] ^= 0x10;
+            assert!(
+                open(&bad, 1, Phase::Contribution, 7, 2, 2).is_err(),
+                "byte {i}"
+            );
+        }
+        for cut in 0..msg.len() {
+            let ok = open(&msg[..cut], 1, Phase::Contribution, 7, 2, 2)
+                .and_then(|mut f| f.next_frame().and_then(|_| f.next_frame()));
+            assert!(ok.is_err(), "cut at {cut}");
+        }
+        assert!(open(&msg, 1, Phase::Reduced, 7, 2, 2).is_err());
+        assert!(open(&msg, 1, Phase::Contribution, 8, 2, 2).is_err());
+        assert!(open(&msg, 1, Phase::Contribution, 7, 3, 2).is_err());
+        assert!(open(&msg, 1, Phase::Contribution, 7, 2, 3).is_err());
+    }
+}

@@ -1,0 +1,664 @@
+//! The two-phase shard-owner compressed all-reduce (DeepSpeed's 1-bit all-reduce, Bagua's
+//! ByteGrad, CocktailSGD, in one shape for every method it covers).
+//!
+//! 1. Phase 1, all-to-all: each rank cuts every tensor into the shards of [`super::shards`],
+//!    compresses shard `j` with its worker error feedback (the residual keyed by the tensor's
+//!    name, as for the all-gather) and sends it to rank `j` (`FORMAT.md` section 15).
+//! 2. The owner of shard `j` decodes the W contributions, adds them in rank order into zeros,
+//!    applies the reduction once (the mean divided once by W, before any cast), adds its server
+//!    residual (keyed by name and shard), compresses with the same method (a tensor id distinct
+//!    from the workers', so stochastic rounding draws other numbers) and keeps what it did not
+//!    send. A majority vote is exact at the owner (the summed ±1 votes become ±1, sent as
+//!    unscaled signs: no server residual).
+//! 3. Phase 2, all-gather of the owners' frames: every rank decodes every shard into the same
+//!    result, bit for bit.
+//!
+//! Nothing lost, on both sides: the worker's `sent + residual_new == gradient + residual_old`
+//! per coordinate, and the owner's `owner_sent + server_residual_new == reduced +
+//! server_residual_old` (bit-exact for f32 values: the core's error-feedback step).
+//!
+//! Faults: every rank makes exactly one all-to-all and one all-gather per step (and one more
+//! all-gather naming a configuration difference), whatever fails, so no rank waits for a message
+//! that never comes. A rank that fails before phase 1 sends its reason to every owner; an owner
+//! that finds a rank's message bad, a rank failed, or a fingerprint differing from rank 0's,
+//! sends that in phase 2 instead of its shard, so every rank sees it and returns the same error.
+//! A failed step leaves worker and server residuals as they were before it (copies taken before
+//! they change: `n` floats of the worker's, `n / W` of the owner's).
+
+use std::collections::HashMap;
+
+use gradwire_core::values::first_non_finite;
+use gradwire_core::{
+    Method, Params, SignScale, accumulate_into, decode_into, encode_into, feedback_step,
+    max_frame_len, scratch_len, sign,
+};
+
+use super::shard_message::{self, Phase};
+use super::shards::ShardLayout;
+use super::{
+    CONFIG_DIFFERS, Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, fingerprint_at,
+    name_difference, open, seal, seal_failure, seal_relay,
+};
+use crate::aggregate::Reduction;
+use crate::comm::{CommError, Communicator};
+use crate::error::{Error, Result};
+use crate::feedback::ErrorFeedback;
+use crate::layout::Manifest;
+use crate::tensor::Tensor;
+
+/// This rank's part of a step.
+pub(crate) struct Step<'a> {
+    pub(crate) manifest: &'a Manifest,
+    pub(crate) gradients: &'a HashMap<String, Tensor>,
+    /// The worker's error feedback, when the method uses it.
+    pub(crate) feedback: Option<&'a mut ErrorFeedback>,
+    pub(crate) seed: u64,
+    pub(crate) step: u64,
+    pub(crate) config: &'a Config,
+    pub(crate) reduction: Reduction,
+}
+
+/// What this rank sends in phase 2 when it does not send its reduced shard.
+enum Verdict {
+    /// This rank's own error.
+    Own(Error),
+    /// A rank failed (`bad_message` false) or sent a bad message.
+    Relay {
+        rank: usize,
+        bad_message: bool,
+        reason: String,
+    },
+    /// A rank's fingerprint differs from rank 0's.
+    ConfigDiffers(usize),
+}
+
+/// Buffers and server residuals of the two-phase collective, kept between calls.
+#[derive(Debug, Default)]
+pub(crate) struct TwoPhase {
+    layout: Option<ShardLayout>,
+    /// This rank's server residual of every tensor of the layout (its own shard, in shard
+    /// order; empty when its shard is).
+    server: Vec<Vec<f32>>,
+    /// Server residuals to restore, set before the layout is known (checked when it is).
+    pending: Option<HashMap<String, Vec<f32>>>,
+    server_undo: Vec<f32>,
+    worker_undo: Vec<f32>,
+    send: Vec<Vec<u8>>,
+    recv: Vec<Vec<u8>>,
+    phase2: Vec<u8>,
+    gathered: Vec<Vec<u8>>,
+    shard: Vec<f32>,
+    residual: Vec<f32>,
+    scratch: Vec<u32>,
+    frame: Vec<u8>,
+}
+
+impl TwoPhase {
+    /// The shard layout for `manifest` over `world` ranks (built once per layout).
+    ///
+    /// # Errors
+    /// As [`ShardLayout::new`]; [`Error::Config`] when server residuals of another layout are
+    /// held (they would be lost: see [`TwoPhase::discard_server_residuals`]).
+    pub(crate) fn layout_for(&mut self, manifest: &Manifest, world: usize) -> Result<&ShardLayout> {
+        let fits = self
+            .layout
+            .as_ref()
+            .is_some_and(|l| l.layout_id == manifest.layout_id() && l.world == world);
+        if !fits {
+            if self.server.iter().flatten().any(|&x| x != 0.0) {
+                return Err(Error::config(
+                    "the model layout or world size changed while server residuals of the old \
+                     one are held; discard them first (CompressedAllReduce::discard_server_residuals)",
+                ));
+            }
+            let layout = ShardLayout::new(manifest, world)?;
+            self.server = Vec::new();
+            self.layout = Some(layout);
+        }
+        let layout = self
+            .layout
+            .as_ref()
+            .ok_or_else(|| Error::internal("layout"))?;
+        Ok(layout)
+    }
+
+    /// The layout in use, if any.
+    pub(crate) fn layout(&self) -> Option<&ShardLayout> {
+        self.layout.as_ref()
+    }
+
+    /// This rank's server residuals: `(name, shard values)` per tensor with a non-empty shard.
+    pub(crate) fn server_residuals(&self) -> impl Iterator<Item = (&str, &[f32])> {
+        self.layout.iter().flat_map(move |l| {
+            l.tensors
+                .iter()
+                .zip(&self.server)
+                .filter(|(_, s)| !s.is_empty())
+                .map(|(t, s)| (t.name.as_str(), s.as_slice()))
+        })
+    }
+
+    /// Sets this rank's server residuals from `(name, values)` pairs, applied at the next step
+    /// (when the layout is known).
+    pub(crate) fn set_server_residuals(&mut self, residuals: HashMap<String, Vec<f32>>) {
+        self.pending = Some(residuals);
+    }
+
+    /// Applies pending server residuals to the layout's zeros.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a name the layout lacks or a length other than this rank's shard;
+    /// the residuals stay pending (every step fails until they are discarded or replaced).
+    fn apply_pending(&mut self, rank: usize) -> Result<()> {
+        let (Some(layout), Some(pending)) = (&self.layout, &self.pending) else {
+            return Ok(());
+        };
+        let mut server: Vec<Vec<f32>> = layout
+            .tensors
+            .iter()
+            .map(|t| vec![0.0; t.lens[rank]])
+            .collect();
+        let mut names: Vec<&String> = pending.keys().collect();
+        names.sort();
+        for name in names {
+            let values = &pending[name];
+            let Some(t) = layout.tensors.iter().position(|t| &t.name == name) else {
+                return Err(Error::config(format!(
+                    "server residual of `{name}`: the model has no such tensor"
+                )));
+            };
+            if values.len() != server[t].len() {
+                return Err(Error::config(format!(
+                    "server residual of `{name}`: {} values, this rank's shard has {} (another \
+                     world size or shard layout: discard the server residuals to restart)",
+                    values.len(),
+                    server[t].len()
+                )));
+            }
+            if let Some(i) = gradwire_core::values::first_non_finite(values) {
+                return Err(Error::config(format!(
+                    "server residual of `{name}`: NaN or infinity at shard index {i}"
+                )));
+            }
+            server[t].copy_from_slice(values);
+        }
+        self.server = server;
+        self.pending = None;
+        Ok(())
+    }
+
+    /// Drops every server residual (for example before a restart at another world size).
+    pub(crate) fn discard_server_residuals(&mut self) {
+        self.server.clear();
+        self.pending = None;
+    }
+
+    /// Bytes this rank receives per step at most (both phases, envelopes included).
+    pub(crate) fn received_bytes(layout: &ShardLayout, rank: usize) -> usize {
+        let w = layout.world;
+        let own = ENVELOPE_LEN + layout.max_message_len(rank);
+        let others: usize = (0..w)
+            .filter(|&j| j != rank)
+            .map(|j| ENVELOPE_LEN + layout.max_message_len(j))
+            .sum();
+        (w - 1) * own + others
+    }
+
+    /// One step (see the module docs); `out` receives the reduced flat layout.
+    ///
+    /// # Errors
+    /// This rank's own error when its step failed; [`Error::PeerFailed`] naming the first rank
+    /// whose step failed; [`Error::Collective`] naming a rank whose message was bad;
+    /// [`Error::ConfigDiffers`]; [`Error::Overflow`]; [`Error::Comm`]. Every rank returns the
+    /// same error, except a failed rank, which returns its own. On every error but
+    /// [`Error::Comm`] the worker and server residuals are as before the step.
+    pub(crate) fn run(
+        &mut self,
+        comm: &mut dyn Communicator,
+        local: std::result::Result<Step<'_>, Error>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let world = comm.world_size();
+        let me = comm.rank();
+        self.worker_undo.clear();
+        self.server_undo.clear();
+        let mut step_data = None;
+        let mut own_error = None;
+        match local {
+            Ok(mut step) => match self.phase1_local(&mut step, world, me) {
+                Ok(()) => step_data = Some(step),
+                Err(e) => {
+                    if let Some(fb) = step.feedback.as_deref_mut() {
+                        self.restore_worker(fb);
+                    }
+                    own_error = Some(e);
+                }
+            },
+            Err(e) => own_error = Some(e),
+        }
+        if let Some(e) = &own_error {
+            self.send.resize_with(world, Vec::new);
+            for msg in &mut self.send {
+                seal_failure(e, msg);
+            }
+        }
+        let limit = match (&self.layout, &step_data) {
+            (Some(l), Some(_)) => {
+                ENVELOPE_LEN
+                    + (0..world)
+                        .map(|j| l.max_message_len(j))
+                        .max()
+                        .unwrap_or(0)
+                        .max(MAX_REASON_LEN + 5)
+            }
+            _ => usize::MAX,
+        };
+        if let Err(e) = comm.all_to_all(&self.send, limit, &mut self.recv) {
+            // A length over the limit is the group's common verdict, before anyone used a
+            // byte: the step is undone. Other transport errors may strike some ranks only, and
+            // peers may have completed the step with this rank's values: they stay sent.
+            if matches!(
+                e,
+                CommError::TooLarge { .. } | CommError::LimitsDiffer { .. }
+            ) && let Some(mut step) = step_data
+                && let Some(fb) = step.feedback.as_deref_mut()
+            {
+                self.restore_worker(fb);
+            }
+            return Err(e.into());
+        }
+
+        // The owner's part.
+        let verdict = match (own_error.take(), &step_data) {
+            (Some(e), _) => Some(Verdict::Own(e)),
+            (None, Some(step)) => self.reduce_own_shard(step, world, me).err(),
+            (None, None) => Some(Verdict::Own(Error::internal("no step and no error"))),
+        };
+        let mut own_error = None;
+        match verdict {
+            None => {}
+            Some(Verdict::Own(e)) => {
+                seal_failure(&e, &mut self.phase2);
+                own_error = Some(e);
+            }
+            Some(Verdict::Relay {
+                rank,
+                bad_message,
+                reason,
+            }) => seal_relay(rank, bad_message, &reason, &mut self.phase2),
+            Some(Verdict::ConfigDiffers(rank)) => {
+                seal(
+                    CONFIG_DIFFERS,
+                    0,
+                    &(rank as u32).to_le_bytes(),
+                    &mut self.phase2,
+                );
+            }
+        }
+        comm.all_gather(&self.phase2, limit, &mut self.gathered)?;
+
+        let result = self.finish(comm, me, own_error, step_data.as_ref(), out);
+        if result.is_err()
+            && let Some(mut step) = step_data
+        {
+            if let Some(fb) = step.feedback.as_deref_mut() {
+                self.restore_worker(fb);
+            }
+            self.restore_server(me);
+        }
+        result
+    }
+
+    /// The decision from the phase-2 messages (the same on every rank), then the decode.
+    fn finish(
+        &mut self,
+        comm: &mut dyn Communicator,
+        me: usize,
+        mut own_error: Option<Error>,
+        step: Option<&Step<'_>>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        for (rank, msg) in self.gathered.iter().enumerate() {
+            match open(msg) {
+                Opened::Payload { .. } => {}
+                Opened::Failure(reason) => {
+                    return Err(match own_error.take() {
+                        Some(e) if rank == me => e,
+                        _ => Error::PeerFailed { rank, reason },
+                    });
+                }
+                Opened::Relay {
+                    rank: at_fault,
+                    bad_message,
+                    reason,
+                } => {
+                    return Err(match own_error.take() {
+                        Some(e) if at_fault == me && !bad_message => e,
+                        _ if bad_message => Error::Collective {
+                            rank: at_fault,
+                            reason,
+                        },
+                        _ => Error::PeerFailed {
+                            rank: at_fault,
+                            reason,
+                        },
+                    });
+                }
+                Opened::ConfigDiffers { rank: at_fault } => {
+                    let (config, at) = step.map_or((None, 0), |s| (Some(s.config), s.step));
+                    return Err(name_difference(
+                        comm,
+                        config,
+                        at,
+                        at_fault,
+                        &mut self.gathered,
+                    ));
+                }
+                Opened::Invalid => {
+                    return Err(Error::Collective {
+                        rank,
+                        reason: "its message is not a gradwire collective envelope (version 1)"
+                            .into(),
+                    });
+                }
+            }
+        }
+        let (Some(step), Some(layout)) = (step, &self.layout) else {
+            return Err(Error::internal("a failed rank's own message was not found"));
+        };
+        out.clear();
+        out.resize(step.manifest.flat_len(), 0.0);
+        for (owner, msg) in self.gathered.iter().enumerate() {
+            let mut frames = shard_message::open(
+                &msg[ENVELOPE_LEN..],
+                owner,
+                Phase::Reduced,
+                step.step,
+                owner,
+                layout.frames_of(owner),
+            )?;
+            for (t, ts) in layout.tensors.iter().enumerate() {
+                let len = ts.lens[owner];
+                if len == 0 {
+                    continue;
+                }
+                let frame = frames.next_frame()?;
+                let params = owner_params(ts.methods[owner], step, ts.owner_ids[owner]);
+                self.shard.clear();
+                self.shard.resize(len, 0.0);
+                decode_into(frame, &params, &mut self.shard)
+                    .map_err(|e| Error::core(&ts.name, Some(owner), e))?;
+                layout.scatter(t, owner, &self.shard, &mut out[ts.offset..ts.offset + ts.n]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Compresses this rank's shards into `self.send` (phase 1), keeping a copy of the worker
+    /// residuals first.
+    fn phase1_local(&mut self, step: &mut Step<'_>, world: usize, me: usize) -> Result<()> {
+        if step.reduction == Reduction::MajorityVote
+            && let Some(e) = step.manifest.entries().iter().find(|e| {
+                !matches!(
+                    e.method,
+                    Method::Sign {
+                        scale: SignScale::None
+                    }
+                )
+            })
+        {
+            return Err(Error::config(format!(
+                "majority vote needs unscaled sign frames (SignSGDMajority); `{}` is sent as {}",
+                e.label,
+                crate::method::format(&e.method)
+            )));
+        }
+        self.layout_for(step.manifest, world)?;
+        let Some(layout) = &self.layout else {
+            return Err(Error::internal("layout"));
+        };
+        if self.server.len() != layout.tensors.len() {
+            self.server = layout
+                .tensors
+                .iter()
+                .map(|t| vec![0.0; t.lens[me]])
+                .collect();
+        }
+        self.apply_pending(me)?;
+        let Some(layout) = &self.layout else {
+            return Err(Error::internal("layout"));
+        };
+        let fingerprint = fingerprint_at(step.config, step.step);
+        self.send.resize_with(world, Vec::new);
+        for (j, msg) in self.send.iter_mut().enumerate() {
+            seal(PAYLOAD, fingerprint, &[], msg);
+            shard_message::start(msg, Phase::Contribution, step.step, j, layout.frames_of(j));
+        }
+        self.scratch.resize(layout.max_scratch, 0);
+        self.frame.resize(layout.max_frame, 0);
+        self.worker_undo.clear();
+        for (t, ts) in layout.tensors.iter().enumerate() {
+            let grad = step
+                .gradients
+                .get(&ts.name)
+                .ok_or_else(|| Error::internal("a checked gradient is missing"))?
+                .data();
+            let mut residual = match step.feedback.as_deref_mut() {
+                Some(fb) => {
+                    fb.check_shape(&ts.name, &ts.shape)?;
+                    let r = fb.residual_for(&ts.name, ts.n)?;
+                    self.worker_undo.extend_from_slice(r);
+                    Some(r)
+                }
+                None => None,
+            };
+            for j in 0..world {
+                let len = ts.lens[j];
+                if len == 0 {
+                    continue;
+                }
+                let method = ts.methods[j];
+                let params = Params {
+                    method,
+                    seed: step.seed,
+                    step: step.step,
+                    tensor_id: ts.worker_ids[j],
+                };
+                layout.gather(t, j, grad, &mut self.shard);
+                let scratch = &mut self.scratch[..scratch_len(len, &method)];
+                let frame = &mut self.frame[..max_frame_len(len, &method)];
+                let written = match residual.as_deref_mut() {
+                    Some(r) => {
+                        layout.gather(t, j, r, &mut self.residual);
+                        let n =
+                            feedback_step(&self.shard, &mut self.residual, &params, scratch, frame)
+                                .map_err(|e| Error::core(&ts.name, None, e))?;
+                        layout.scatter(t, j, &self.residual, r);
+                        n
+                    }
+                    None => encode_into(&self.shard, &params, scratch, frame)
+                        .map_err(|e| Error::core(&ts.name, None, e))?,
+                };
+                shard_message::push_frame(&mut self.send[j], &frame[..written]);
+            }
+            if let Some(fb) = step.feedback.as_deref_mut() {
+                fb.remember_shape(&ts.name, &ts.shape);
+            }
+        }
+        for msg in &mut self.send {
+            shard_message::finish(msg, ENVELOPE_LEN);
+        }
+        Ok(())
+    }
+
+    /// Puts back the worker residuals copied by [`TwoPhase::phase1_local`].
+    fn restore_worker(&mut self, fb: &mut ErrorFeedback) {
+        let Some(layout) = &self.layout else { return };
+        let mut at = 0;
+        for ts in &layout.tensors {
+            if at + ts.n > self.worker_undo.len() {
+                break;
+            }
+            if let Ok(r) = fb.residual_for(&ts.name, ts.n) {
+                r.copy_from_slice(&self.worker_undo[at..at + ts.n]);
+            }
+            at += ts.n;
+        }
+        self.worker_undo.clear();
+    }
+
+    /// Puts back the server residuals copied by [`TwoPhase::reduce_own_shard`].
+    fn restore_server(&mut self, _me: usize) {
+        let mut at = 0;
+        for s in &mut self.server {
+            if at + s.len() > self.server_undo.len() {
+                break;
+            }
+            let n = s.len();
+            s.copy_from_slice(&self.server_undo[at..at + n]);
+            at += n;
+        }
+        self.server_undo.clear();
+    }
+
+    /// Reduces this rank's shard from the W contributions in `self.recv` and writes its
+    /// phase-2 message into `self.phase2`.
+    fn reduce_own_shard(
+        &mut self,
+        step: &Step<'_>,
+        world: usize,
+        me: usize,
+    ) -> std::result::Result<(), Verdict> {
+        let own = |e: Error| Verdict::Own(e);
+        let bad = |rank: usize, e: Error| Verdict::Relay {
+            rank,
+            bad_message: true,
+            reason: e.to_string(),
+        };
+        let mut fingerprints = Vec::with_capacity(world);
+        for (rank, msg) in self.recv.iter().enumerate() {
+            match open(msg) {
+                Opened::Payload { fingerprint } => fingerprints.push(fingerprint),
+                Opened::Failure(reason) => {
+                    return Err(Verdict::Relay {
+                        rank,
+                        bad_message: false,
+                        reason,
+                    });
+                }
+                _ => {
+                    return Err(Verdict::Relay {
+                        rank,
+                        bad_message: true,
+                        reason: "its message is not a gradwire collective envelope (version 1)"
+                            .into(),
+                    });
+                }
+            }
+        }
+        if let Some(rank) = fingerprints.iter().position(|&f| f != fingerprints[0]) {
+            return Err(Verdict::ConfigDiffers(rank));
+        }
+        let Some(layout) = &self.layout else {
+            return Err(own(Error::internal("layout")));
+        };
+        let mut opened = Vec::with_capacity(world);
+        for (rank, msg) in self.recv.iter().enumerate() {
+            let frames = shard_message::open(
+                &msg[ENVELOPE_LEN..],
+                rank,
+                Phase::Contribution,
+                step.step,
+                me,
+                layout.frames_of(me),
+            )
+            .map_err(|e| bad(rank, e))?;
+            opened.push(frames);
+        }
+        let server_feedback = step.feedback.is_some() && step.reduction != Reduction::MajorityVote;
+        self.server_undo.clear();
+        for s in &self.server {
+            self.server_undo.extend_from_slice(s);
+        }
+        seal(
+            PAYLOAD,
+            fingerprint_at(step.config, step.step),
+            &[],
+            &mut self.phase2,
+        );
+        shard_message::start(
+            &mut self.phase2,
+            Phase::Reduced,
+            step.step,
+            me,
+            layout.frames_of(me),
+        );
+        for (t, ts) in layout.tensors.iter().enumerate() {
+            let len = ts.lens[me];
+            if len == 0 {
+                continue;
+            }
+            let worker = Params {
+                method: ts.methods[me],
+                seed: step.seed,
+                step: step.step,
+                tensor_id: ts.worker_ids[me],
+            };
+            self.shard.clear();
+            self.shard.resize(len, 0.0);
+            for (rank, frames) in opened.iter_mut().enumerate() {
+                let frame = frames.next_frame().map_err(|e| bad(rank, e))?;
+                accumulate_into(frame, &worker, &mut self.shard, 1.0)
+                    .map_err(|e| bad(rank, Error::core(&ts.name, Some(rank), e)))?;
+            }
+            match step.reduction {
+                Reduction::Sum => {}
+                Reduction::Mean => {
+                    let w = world as f32;
+                    for x in &mut self.shard {
+                        *x /= w;
+                    }
+                }
+                Reduction::MajorityVote => sign::majority(&mut self.shard),
+            }
+            if let Some(i) = first_non_finite(&self.shard) {
+                let index = layout
+                    .ranges(t, me)
+                    .scan(0usize, |seen, (a, b)| {
+                        let here = *seen;
+                        *seen += b - a;
+                        Some((here, a, b))
+                    })
+                    .find(|&(here, a, b)| i < here + (b - a))
+                    .map_or(i, |(here, a, _)| a + (i - here));
+                return Err(own(Error::Overflow {
+                    tensor: ts.name.clone(),
+                    index,
+                }));
+            }
+            let method = ts.methods[me];
+            let params = owner_params(method, step, ts.owner_ids[me]);
+            let scratch = &mut self.scratch[..scratch_len(len, &method)];
+            let frame = &mut self.frame[..max_frame_len(len, &method)];
+            let written = if server_feedback {
+                feedback_step(&self.shard, &mut self.server[t], &params, scratch, frame)
+            } else {
+                encode_into(&self.shard, &params, scratch, frame)
+            }
+            .map_err(|e| own(Error::core(&ts.name, None, e)))?;
+            shard_message::push_frame(&mut self.phase2, &frame[..written]);
+        }
+        shard_message::finish(&mut self.phase2, ENVELOPE_LEN);
+        Ok(())
+    }
+}
+
+/// The parameters of an owner's frame.
+fn owner_params(method: Method, step: &Step<'_>, tensor_id: u64) -> Params {
+    Params {
+        method,
+        seed: step.seed,
+        step: step.step,
+        tensor_id,
+    }
+}

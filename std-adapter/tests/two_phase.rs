@@ -1,0 +1,636 @@
+//! The two-phase shard-owner collective and the dense f32 all-reduce, over LocalGroup threads:
+//! bit-identity with the all-gather where the method allows it, both invariants of nothing
+//! lost, the T-step conservation, resume, bytes per link, and faults (every rank errors, none
+//! hangs).
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{Rng, grads, minilm, same_bits};
+use gradwire::comm::{CommError, Communicator, LocalGroup, Traffic};
+use gradwire::core::{K, Method, Values};
+use gradwire::tensor::Tensor;
+use gradwire::{
+    Aggregator, BucketConfig, Collective, CompressedAllReduce, CompressionMethod, Error,
+    GradientCompressor, Manifest, Reduction,
+};
+
+/// Rank `r`'s gradients at step `s`: a few tensors of several sizes (one smaller than a
+/// block, one not a multiple of a block), clustered non-zeros in one of them.
+fn gradients(r: usize, s: u64) -> HashMap<String, Tensor> {
+    let mut rng = Rng(1000 * r as u64 + s + 1);
+    let mut clustered = vec![0.0f32; 5000];
+    for x in &mut clustered[..700] {
+        *x = rng.unit();
+    }
+    grads(&[
+        ("a.weight", &[40, 130], rng.vec(5200, 1.0)),
+        ("b.bias", &[100], rng.vec(100, 0.5)),
+        ("c.embed", &[50, 100], clustered),
+        ("d.weight", &[3000], rng.vec(3000, 2.0)),
+    ])
+}
+
+/// Runs `steps` steps on `w` threads; each thread builds its all-reduce with `make`, and
+/// `grads_of(rank, step)` gives its gradients. Returns, per rank, per step, the result (or the
+/// error's text) and the traffic of the step.
+#[allow(clippy::type_complexity)]
+fn run_group(
+    w: usize,
+    steps: u64,
+    make: impl Fn(Box<dyn Communicator>) -> CompressedAllReduce + Send + Sync + Clone + 'static,
+    grads_of: impl Fn(usize, u64) -> HashMap<String, Tensor> + Send + Sync + Copy + 'static,
+) -> Vec<Vec<(Result<HashMap<String, Tensor>, String>, Traffic)>> {
+    let comms = LocalGroup::new(w).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let make = make.clone();
+            std::thread::spawn(move || {
+                let mut ar = make(Box::new(comm));
+                let mut out = Vec::new();
+                for s in 0..steps {
+                    let before = ar.traffic();
+                    let r = ar.all_reduce(&grads_of(rank, s)).map_err(|e| e.to_string());
+                    out.push((r, ar.traffic().since(before)));
+                }
+                out
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn flat(m: &HashMap<String, Tensor>) -> Vec<f32> {
+    let mut names: Vec<&String> = m.keys().collect();
+    names.sort();
+    names
+        .into_iter()
+        .flat_map(|n| m[n].data().to_vec())
+        .collect()
+}
+
+/// The all-gather's rank-order mean of the ranks' bundles of `method` at step 0.
+fn all_gather_mean(method: &CompressionMethod, w: usize, reduction: Reduction) -> Vec<f32> {
+    let g0 = gradients(0, 0);
+    let manifest = Manifest::for_gradients(&g0, method, 0, BucketConfig::none()).unwrap();
+    let bundles: Vec<Vec<u8>> = (0..w)
+        .map(|r| {
+            let mut c = GradientCompressor::new(method.clone());
+            let mut b = Vec::new();
+            c.compress_bundle(&manifest, &gradients(r, 0), r, &mut b)
+                .unwrap();
+            b
+        })
+        .collect();
+    let mut out = Vec::new();
+    Aggregator::serial()
+        .aggregate_into(&manifest, &bundles, 0, reduction, &mut out)
+        .unwrap();
+    flat(&manifest.to_tensors(&out).unwrap())
+}
+
+#[test]
+fn dense_f32_is_the_all_gathers_rank_order_mean_bit_for_bit_on_every_collective() {
+    let dense = CompressionMethod::Core(Method::Dense {
+        values: Values::F32,
+    });
+    let expected = all_gather_mean(&dense, 4, Reduction::Mean);
+    for collective in [
+        Collective::AllGather,
+        Collective::TwoPhase,
+        Collective::Auto,
+    ] {
+        let runs = run_group(
+            4,
+            1,
+            move |c| {
+                CompressedAllReduce::with_communicator(
+                    CompressionMethod::Core(Method::Dense {
+                        values: Values::F32,
+                    }),
+                    c,
+                )
+                .with_collective(collective)
+            },
+            gradients,
+        );
+        for (rank, steps) in runs.iter().enumerate() {
+            let (result, traffic) = &steps[0];
+            let got = flat(result.as_ref().unwrap());
+            assert!(same_bits(&got, &expected), "{collective:?} rank {rank}");
+            // A ring all-reduce's bytes: 2 (W - 1) / W x 4n, plus the 20-byte envelopes.
+            let n = got.len() as u64;
+            let ring = 2 * 3 * 4 * n / 4;
+            assert!(
+                // (the length exchanges of the protocol: a few hundred bytes)
+                traffic.received <= ring + 1024 && traffic.received >= ring,
+                "{collective:?} rank {rank}: {traffic:?}, ring {ring}"
+            );
+        }
+    }
+    // Top-k keeping everything in f32 through the two-phase shards: the same bits too.
+    let all = CompressionMethod::Core(Method::TopK {
+        k: K::Ratio(1.0),
+        values: Values::F32,
+    });
+    let runs = run_group(
+        4,
+        1,
+        |c| {
+            CompressedAllReduce::with_communicator(
+                CompressionMethod::Core(Method::TopK {
+                    k: K::Ratio(1.0),
+                    values: Values::F32,
+                }),
+                c,
+            )
+            .with_collective(Collective::TwoPhase)
+        },
+        gradients,
+    );
+    let expected_topk = all_gather_mean(&all, 4, Reduction::Mean);
+    assert!(same_bits(&expected_topk, &expected));
+    for steps in &runs {
+        assert!(same_bits(&flat(steps[0].0.as_ref().unwrap()), &expected));
+    }
+}
+
+#[test]
+fn majority_vote_at_the_owner_is_the_all_gathers_bit_for_bit() {
+    for w in [3, 5] {
+        let expected = all_gather_mean(
+            &CompressionMethod::SignSGDMajority,
+            w,
+            Reduction::MajorityVote,
+        );
+        let runs = run_group(
+            w,
+            1,
+            |c| {
+                CompressedAllReduce::with_communicator(CompressionMethod::SignSGDMajority, c)
+                    .with_reduction(Reduction::MajorityVote)
+                    .with_collective(Collective::TwoPhase)
+            },
+            gradients,
+        );
+        for steps in &runs {
+            assert!(same_bits(&flat(steps[0].0.as_ref().unwrap()), &expected));
+        }
+    }
+}
+
+/// Top-k with f32 values and error feedback on both sides: per coordinate, the worker's
+/// `sent + r_new == g + r_old` and the owner's `out + s_new == mean + s_old`, bit for bit, at
+/// every step; over T steps `sum out + server residuals + (1/W) sum worker residuals ==
+/// (1/W) sum gradients` to f32 rounding.
+#[test]
+fn nothing_is_lost_on_the_worker_or_at_the_owner() {
+    const W: usize = 4;
+    const T: u64 = 5;
+    let method = || {
+        CompressionMethod::Core(Method::TopK {
+            k: K::Ratio(0.05),
+            values: Values::F32,
+        })
+        .with_error_feedback()
+    };
+    let comms = LocalGroup::new(W).into_communicators();
+    type Record = Vec<(
+        HashMap<String, Vec<f32>>,                         // sent by the worker
+        HashMap<String, Vec<f32>>,                         // result
+        HashMap<String, (Vec<usize>, Vec<f32>, Vec<f32>)>, // server residual before, after
+        HashMap<String, Vec<f32>>,                         // worker residual after
+    )>;
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || -> Record {
+                let mut ar = CompressedAllReduce::with_communicator(method(), Box::new(comm))
+                    .with_collective(Collective::TwoPhase);
+                let mut record = Vec::new();
+                for s in 0..T {
+                    let g = gradients(rank, s);
+                    let residual = |ar: &CompressedAllReduce, name: &str, n: usize| {
+                        ar.compressor()
+                            .feedback()
+                            .and_then(|f| f.residual(name))
+                            .map_or(vec![0.0; n], <[f32]>::to_vec)
+                    };
+                    let server = |ar: &CompressedAllReduce, name: &str| {
+                        ar.server_residual(name)
+                            .map(|(i, v)| (i, v.to_vec()))
+                            .unwrap_or_default()
+                    };
+                    let before: HashMap<_, _> = g
+                        .iter()
+                        .map(|(n, t)| (n.clone(), (residual(&ar, n, t.numel()), server(&ar, n))))
+                        .collect();
+                    let out = ar.all_reduce(&g).unwrap();
+                    let mut sent = HashMap::new();
+                    let mut servers = HashMap::new();
+                    let mut residuals = HashMap::new();
+                    for (name, t) in &g {
+                        let r_new = residual(&ar, name, t.numel());
+                        let (r_old, (idx, s_old)) = &before[name];
+                        // sent = g + r_old - r_new: exact for f32 values (x - 0 or x - x).
+                        let s: Vec<f32> = t
+                            .data()
+                            .iter()
+                            .zip(r_old)
+                            .zip(&r_new)
+                            .map(|((g, r), rn)| (g + r) - rn)
+                            .collect();
+                        for i in 0..s.len() {
+                            assert_eq!(
+                                (s[i] + r_new[i]).to_bits(),
+                                (t.data()[i] + r_old[i]).to_bits(),
+                                "worker {rank} {name}[{i}]"
+                            );
+                        }
+                        sent.insert(name.clone(), s);
+                        let (idx_new, s_new) = server(&ar, name);
+                        let s_old = if s_old.is_empty() {
+                            vec![0.0; idx_new.len()]
+                        } else {
+                            assert_eq!(idx, &idx_new);
+                            s_old.clone()
+                        };
+                        servers.insert(name.clone(), (idx_new, s_old, s_new));
+                        residuals.insert(name.clone(), r_new);
+                    }
+                    let result = out
+                        .iter()
+                        .map(|(n, t)| (n.clone(), t.data().to_vec()))
+                        .collect();
+                    record.push((sent, result, servers, residuals));
+                }
+                record
+            })
+        })
+        .collect();
+    let records: Vec<Record> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let names: Vec<String> = gradients(0, 0).keys().cloned().collect();
+    for s in 0..T as usize {
+        for name in &names {
+            let n = records[0][s].0[name].len();
+            // The owner reduced the workers' sent values: rank-order sum, divided once by W.
+            let mut mean = vec![0.0f32; n];
+            for rec in &records {
+                for (m, x) in mean.iter_mut().zip(&rec[s].0[name]) {
+                    *m += x;
+                }
+            }
+            for m in &mut mean {
+                *m /= W as f32;
+            }
+            let out = &records[0][s].1[name];
+            for rec in &records {
+                assert!(
+                    same_bits(&rec[s].1[name], out),
+                    "every rank the same result"
+                );
+            }
+            let mut covered = 0;
+            for (owner, rec) in records.iter().enumerate() {
+                let (idx, s_old, s_new) = &rec[s].2[name];
+                covered += idx.len();
+                for (j, &i) in idx.iter().enumerate() {
+                    assert_eq!(
+                        (out[i] + s_new[j]).to_bits(),
+                        (s_old[j] + mean[i]).to_bits(),
+                        "owner {owner} step {s} {name}[{i}]"
+                    );
+                }
+            }
+            assert_eq!(covered, n, "the shards cover {name}");
+        }
+    }
+    // Conservation over T steps.
+    for name in &names {
+        let n = records[0][0].0[name].len();
+        for i in 0..n {
+            let grads: f64 = (0..W)
+                .flat_map(|r| (0..T).map(move |s| (r, s)))
+                .map(|(r, s)| f64::from(gradients(r, s)[name].data()[i]))
+                .sum::<f64>()
+                / W as f64;
+            let outs: f64 = (0..T as usize)
+                .map(|s| f64::from(records[0][s].1[name][i]))
+                .sum();
+            let server: f64 = records
+                .iter()
+                .filter_map(|rec| {
+                    let (idx, _, s_new) = &rec[T as usize - 1].2[name];
+                    idx.iter()
+                        .position(|&j| j == i)
+                        .map(|j| f64::from(s_new[j]))
+                })
+                .sum();
+            let workers: f64 = records
+                .iter()
+                .map(|rec| f64::from(rec[T as usize - 1].3[name][i]))
+                .sum::<f64>()
+                / W as f64;
+            let lhs = outs + server + workers;
+            assert!(
+                (lhs - grads).abs() <= 1e-5 * (1.0 + grads.abs()),
+                "{name}[{i}]: {lhs} vs {grads}"
+            );
+        }
+    }
+}
+
+#[test]
+fn top_k_budgets_sum_to_k_and_the_result_keeps_about_k_per_tensor() {
+    let runs = run_group(
+        4,
+        1,
+        |c| {
+            CompressedAllReduce::with_communicator(
+                CompressionMethod::Core(Method::TopK {
+                    k: K::Ratio(0.01),
+                    values: Values::F32,
+                })
+                .with_error_feedback(),
+                c,
+            )
+            .with_collective(Collective::TwoPhase)
+        },
+        gradients,
+    );
+    let out = runs[0][0].0.as_ref().unwrap();
+    for (name, t) in out {
+        let k = gradwire::core::k_from_ratio(t.numel() as u64, 0.01) as usize;
+        let nonzero = t.data().iter().filter(|x| **x != 0.0).count();
+        if name == "c.embed" {
+            // Its non-zeros sit in the first 700 elements, 2 of its 5 blocks: the owners of
+            // the other blocks send zeros (their budgets keep the residual's mass for later).
+            assert!(nonzero < k, "{name}: {nonzero} of {k}");
+        } else {
+            assert_eq!(nonzero, k, "{name}: the owners' budgets sum to k");
+        }
+    }
+}
+
+#[test]
+fn resume_with_server_residuals_is_bit_identical() {
+    const W: usize = 3;
+    let method = || CompressionMethod::Quantization { bits: 4 }.with_error_feedback();
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(method(), Box::new(comm))
+                    .with_collective(Collective::TwoPhase);
+                for s in 0..3 {
+                    ar.all_reduce(&gradients(rank, s)).unwrap();
+                }
+                let path = std::env::temp_dir().join(format!(
+                    "gradwire-two-phase-resume-{}-{rank}",
+                    std::process::id()
+                ));
+                ar.compressor_mut().save_feedback(&path).unwrap();
+                let server: HashMap<String, Vec<f32>> = gradients(rank, 0)
+                    .keys()
+                    .filter_map(|n| ar.server_residual(n).map(|(_, v)| (n.clone(), v.to_vec())))
+                    .collect();
+                let rest: Vec<Vec<f32>> = (3..5)
+                    .map(|s| flat(&ar.all_reduce(&gradients(rank, s)).unwrap()))
+                    .collect();
+                (path, server, rest)
+            })
+        })
+        .collect();
+    let first: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(
+        first[0].1.values().flatten().any(|&x| x != 0.0),
+        "the server residuals are not all zero"
+    );
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .zip(first.clone())
+        .enumerate()
+        .map(|(rank, (comm, (path, server, _)))| {
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(method(), Box::new(comm))
+                    .with_collective(Collective::TwoPhase);
+                ar.compressor_mut().load_feedback(&path).unwrap();
+                let _ = std::fs::remove_file(&path);
+                // Saved by another rank or world size: refused.
+                assert!(
+                    ar.set_server_residuals((W + 1, rank), server.clone())
+                        .is_err()
+                );
+                ar.set_server_residuals((W, rank), server).unwrap();
+                (3..5)
+                    .map(|s| flat(&ar.all_reduce(&gradients(rank, s)).unwrap()))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for (h, (_, _, rest)) in handles.into_iter().zip(&first) {
+        let resumed = h.join().unwrap();
+        for (a, b) in resumed.iter().zip(rest) {
+            assert!(same_bits(a, b), "resumed steps are bit-identical");
+        }
+    }
+}
+
+/// A communicator that corrupts or enlarges what `rank` sends to `to` in the all-to-all.
+struct Tamper<C> {
+    inner: C,
+    rank: usize,
+    to: usize,
+    enlarge: bool,
+}
+
+impl<C: Communicator> Communicator for Tamper<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        self.inner.all_gather(local, max_len, out)
+    }
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        let mut send = send.to_vec();
+        if self.inner.rank() == self.rank {
+            let msg = &mut send[self.to];
+            if self.enlarge {
+                msg.resize(msg.len() + 10_000_000, 7);
+            } else {
+                let last = msg.len() - 1;
+                msg[last] ^= 0x40;
+            }
+        }
+        self.inner.all_to_all(&send, max_len, out)
+    }
+    fn traffic(&self) -> Traffic {
+        self.inner.traffic()
+    }
+}
+
+#[test]
+fn a_bad_or_oversized_shard_fails_every_rank_alike_and_nothing_changes() {
+    for enlarge in [false, true] {
+        const W: usize = 4;
+        let comms = LocalGroup::new(W).into_communicators();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                std::thread::spawn(move || {
+                    let tamper = Tamper {
+                        inner: comm,
+                        rank: 1,
+                        to: 2,
+                        enlarge,
+                    };
+                    let mut ar = CompressedAllReduce::with_communicator(
+                        CompressionMethod::SignSGD.with_error_feedback(),
+                        Box::new(tamper),
+                    )
+                    .with_collective(Collective::TwoPhase);
+                    ar.all_reduce(&gradients(rank, 0)).unwrap_err();
+                    let after: Vec<f32> = ar
+                        .compressor()
+                        .feedback()
+                        .map(|f| f.residuals().flat_map(|(_, r)| r.to_vec()).collect())
+                        .unwrap_or_default();
+                    let err = ar.all_reduce(&gradients(rank, 0)).unwrap_err();
+                    (err.to_string(), after)
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for (rank, (err, residuals)) in results.iter().enumerate() {
+            assert_eq!(err, &results[0].0, "rank {rank}: every rank the same error");
+            assert!(
+                residuals.iter().all(|&x| x == 0.0),
+                "rank {rank}: a failed step leaves the worker residuals as they were"
+            );
+        }
+        if enlarge {
+            assert!(results[0].0.contains("rank 1"), "{}", results[0].0);
+        } else {
+            assert!(
+                results[0].0.contains("rank 1") && results[0].0.contains("owner 2"),
+                "{}",
+                results[0].0
+            );
+        }
+    }
+}
+
+#[test]
+fn a_failed_or_misconfigured_rank_fails_every_rank_and_none_waits() {
+    // Rank 2's gradient has a NaN: it returns its own error, every peer names it.
+    let runs = run_group(
+        4,
+        2,
+        |c| {
+            CompressedAllReduce::with_communicator(
+                CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+                c,
+            )
+            .with_collective(Collective::TwoPhase)
+        },
+        |rank, s| {
+            let mut g = gradients(rank, s);
+            if rank == 2 && s == 0 {
+                let mut d = g["d.weight"].data().to_vec();
+                d[17] = f32::NAN;
+                g.insert("d.weight".into(), Tensor::new(vec![3000], d).unwrap());
+            }
+            g
+        },
+    );
+    for (rank, steps) in runs.iter().enumerate() {
+        let err = steps[0].0.as_ref().unwrap_err();
+        if rank == 2 {
+            assert!(err.contains("d.weight") && err.contains("17"), "{err}");
+        } else {
+            assert!(err.contains("rank 2"), "rank {rank}: {err}");
+        }
+        assert!(steps[1].0.is_ok(), "rank {rank}: the group goes on");
+    }
+    // Rank 3 runs another ratio: every rank fails naming rank 3 and the method.
+    let runs = run_group(
+        4,
+        1,
+        |c| {
+            let ratio = if c.rank() == 3 { 0.02 } else { 0.01 };
+            CompressedAllReduce::with_communicator(
+                CompressionMethod::Core(Method::TopK {
+                    k: K::Ratio(ratio),
+                    values: Values::F32,
+                }),
+                c,
+            )
+            .with_collective(Collective::TwoPhase)
+        },
+        gradients,
+    );
+    for steps in &runs {
+        let err = steps[0].0.as_ref().unwrap_err();
+        assert!(err.contains("rank 3") && err.contains("method"), "{err}");
+    }
+}
+
+#[test]
+fn two_phase_bytes_per_link_stay_flat_as_the_world_grows() {
+    let base = minilm();
+    for method in [
+        CompressionMethod::SignSGD.with_error_feedback(),
+        CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+    ] {
+        let manifest = Manifest::for_gradients(&base, &method, 0, BucketConfig::none()).unwrap();
+        let bundle = manifest.max_bundle_len() as f64;
+        for w in [2, 8, 16] {
+            let m = method.clone();
+            let runs = run_group(
+                w,
+                1,
+                move |c| {
+                    CompressedAllReduce::with_communicator(m.clone(), c)
+                        .with_collective(Collective::TwoPhase)
+                },
+                |rank, _| {
+                    let mut rng = Rng(rank as u64 + 7);
+                    common::noisy(&minilm(), &mut rng, 0.3)
+                },
+            );
+            let max = runs.iter().map(|s| s[0].1.received).max().unwrap() as f64;
+            let bound = if matches!(method, CompressionMethod::ErrorFeedback { .. })
+                && format!("{method:?}").contains("TopK")
+            {
+                3.5
+            } else {
+                2.3
+            };
+            assert!(
+                max <= bound * bundle,
+                "{method:?} W={w}: {max} bytes received, bundle {bundle}"
+            );
+        }
+    }
+}
