@@ -12,7 +12,7 @@ use gradwire::comm::{CommError, Communicator, LocalGroup, Traffic};
 use gradwire::core::{K, Method, Values};
 use gradwire::tensor::Tensor;
 use gradwire::{
-    Aggregator, BucketConfig, Collective, CompressedAllReduce, CompressionMethod, Error,
+    Aggregator, BucketConfig, Collective, CompressedAllReduce, CompressionMethod,
     GradientCompressor, Manifest, Reduction,
 };
 

@@ -30,6 +30,9 @@ pub(crate) fn applies(manifest: &Manifest, reduction: Reduction) -> bool {
         })
 }
 
+/// This rank's part of a step: its manifest, gradients, configuration and step.
+pub(crate) type Part<'a> = (&'a Manifest, &'a HashMap<String, Tensor>, &'a Config, u64);
+
 /// Buffers kept between calls.
 #[derive(Debug, Default)]
 pub(crate) struct DenseAllReduce {
@@ -47,7 +50,7 @@ impl DenseAllReduce {
     pub(crate) fn run(
         &mut self,
         comm: &mut dyn Communicator,
-        local: std::result::Result<(&Manifest, &HashMap<String, Tensor>, &Config, u64), Error>,
+        local: std::result::Result<Part<'_>, Error>,
         reduction: Reduction,
         out: &mut Vec<f32>,
     ) -> Result<()> {
