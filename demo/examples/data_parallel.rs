@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use gradwire_demo::DemoError;
-use gradwire_demo::codec::Method;
+use gradwire_demo::codec::{Collective, Method};
 use gradwire_demo::launch::{Transport, launcher, run_sweep};
 use gradwire_demo::train::TrainConfig;
 
@@ -64,6 +64,11 @@ struct Args {
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
+    /// The collective the gradients travel by: the all-gather of every rank's bundle, gradwire's
+    /// two-phase shard-owner all-reduce (random-k stays on the all-gather), or whichever moves
+    /// fewer bytes.
+    #[arg(long, value_enum, default_value_t = Collective::AllGather)]
+    collective: Collective,
 }
 
 fn create_parent(path: &Path) -> Result<(), DemoError> {
@@ -85,6 +90,7 @@ fn run(args: &Args) -> Result<(), DemoError> {
         lr: args.lr,
         momentum: args.momentum,
         eval_every: args.eval_every,
+        collective: args.collective,
         ..TrainConfig::default()
     };
     let start = Instant::now();

@@ -15,7 +15,9 @@ use std::collections::HashMap;
 use std::fmt;
 
 use gradwire::BucketConfig;
+use gradwire::CompressedAllReduce;
 use gradwire::Parallelism;
+use gradwire::comm::Communicator;
 use gradwire::tensor::Tensor;
 use gradwire::{Aggregator, Reduction};
 use gradwire::{CompressionMethod, GradientCompressor};
@@ -100,6 +102,40 @@ impl serde::Serialize for Method {
     }
 }
 
+/// The collective a run's gradients travel by (`--collective`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum Collective {
+    /// Every rank's bundle to every rank (`W - 1` bundles received per rank).
+    #[default]
+    #[value(name = "allgather")]
+    AllGather,
+    /// gradwire's two-phase shard-owner all-reduce (about 2 bundles received per rank at any
+    /// W); random-k, which it does not cover, stays on the all-gather.
+    #[value(name = "two-phase")]
+    TwoPhase,
+    /// Whichever moves fewer bytes per rank (gradwire's `Collective::Auto`).
+    #[value(name = "auto")]
+    Auto,
+}
+
+impl Collective {
+    /// The name on the command line and in the reports.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllGather => "allgather",
+            Collective::TwoPhase => "two-phase",
+            Collective::Auto => "auto",
+        }
+    }
+}
+
+impl serde::Serialize for Collective {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
 /// What a codec needs to know about the run, identical on every rank.
 #[derive(Debug, Clone)]
 pub struct CodecContext<'a> {
@@ -111,6 +147,8 @@ pub struct CodecContext<'a> {
     pub world_size: usize,
     /// The run's seed (random-k and stochastic rounding draw from it).
     pub seed: u64,
+    /// The collective.
+    pub collective: Collective,
 }
 
 /// One rank's compressor and decompressor for one run (it owns the rank's error-feedback
@@ -147,6 +185,34 @@ pub trait GradientCodec: Send {
         messages: &[Vec<u8>],
         out: &mut [Vec<f32>],
     ) -> Result<(), DemoError>;
+
+    /// Whether the codec runs a collective of its own ([`GradientCodec::all_reduce`]) instead
+    /// of the training loop's all-gather of [`GradientCodec::encode`]'s messages.
+    fn runs_own_collective(&self) -> bool {
+        false
+    }
+
+    /// One step over `comm`, for codecs that run their own collective: this rank's gradients
+    /// (as for [`GradientCodec::encode`]) in, the mean gradient (as for
+    /// [`GradientCodec::decode_mean`]) out. Returns the bytes of this rank's compressed
+    /// gradient.
+    ///
+    /// # Errors
+    /// As [`GradientCodec::encode`] and [`GradientCodec::decode_mean`], and communication
+    /// errors; the default is an error (the codec has no collective of its own).
+    fn all_reduce(
+        &mut self,
+        comm: &mut dyn Communicator,
+        step: u64,
+        grads: &[&[f32]],
+        out: &mut [Vec<f32>],
+    ) -> Result<usize, DemoError> {
+        let _ = (comm, step, grads, out);
+        Err(DemoError::Config(format!(
+            "the {} codec has no collective of its own",
+            self.method()
+        )))
+    }
 }
 
 /// The gradwire configuration of a demo method: the compressor's method (with error feedback
@@ -205,6 +271,9 @@ pub struct GradwireCodec {
     grads: HashMap<String, Tensor>,
     names: Vec<String>,
     mean: Vec<f32>,
+    /// gradwire's all-reduce, for the two-phase and auto collectives.
+    all_reduce: Option<CompressedAllReduce>,
+    reduced: HashMap<String, Tensor>,
 }
 
 impl GradwireCodec {
@@ -225,9 +294,22 @@ impl GradwireCodec {
             .collect();
         let manifest = Manifest::new(specs, &cm, ctx.seed, BucketConfig::none()).map_err(err)?;
         // The ranks already occupy every core: keep gradwire's own work on the rank's thread.
-        let compressor = GradientCompressor::new(cm)
+        let compressor = GradientCompressor::new(cm.clone())
             .with_seed(ctx.seed)
             .with_parallelism(Parallelism::Serial);
+        let collective = match ctx.collective {
+            Collective::AllGather => None,
+            // Random-k is all-gather only in gradwire.
+            Collective::TwoPhase if method == Method::RandK1Ef => None,
+            Collective::TwoPhase => Some(gradwire::Collective::TwoPhase),
+            Collective::Auto => Some(gradwire::Collective::Auto),
+        };
+        let all_reduce = collective.map(|c| {
+            CompressedAllReduce::new(cm, ctx.world_size)
+                .with_seed(ctx.seed)
+                .with_collective(c)
+                .with_parallelism(Parallelism::Serial)
+        });
         let mut grads = HashMap::new();
         for p in ctx.specs {
             grads.insert(p.name.clone(), Tensor::zeros(&p.shape).map_err(err)?);
@@ -241,6 +323,8 @@ impl GradwireCodec {
             grads,
             names: ctx.specs.iter().map(|p| p.name.clone()).collect(),
             mean: Vec::new(),
+            all_reduce,
+            reduced: HashMap::new(),
         })
     }
 
@@ -250,18 +334,9 @@ impl GradwireCodec {
             message: e.to_string(),
         }
     }
-}
 
-impl GradientCodec for GradwireCodec {
-    fn method(&self) -> Method {
-        self.method
-    }
-
-    fn max_message_len(&self) -> usize {
-        self.manifest.max_bundle_len()
-    }
-
-    fn encode(&mut self, step: u64, grads: &[&[f32]], out: &mut Vec<u8>) -> Result<(), DemoError> {
+    /// Copies `grads` (name order) into the codec's tensors.
+    fn fill(&mut self, grads: &[&[f32]]) -> Result<(), DemoError> {
         if grads.len() != self.names.len() {
             return Err(self.error(format!(
                 "expected {} tensors, got {}",
@@ -280,6 +355,21 @@ impl GradientCodec for GradwireCodec {
                 message: e.to_string(),
             })?;
         }
+        Ok(())
+    }
+}
+
+impl GradientCodec for GradwireCodec {
+    fn method(&self) -> Method {
+        self.method
+    }
+
+    fn max_message_len(&self) -> usize {
+        self.manifest.max_bundle_len()
+    }
+
+    fn encode(&mut self, step: u64, grads: &[&[f32]], out: &mut Vec<u8>) -> Result<(), DemoError> {
+        self.fill(grads)?;
         self.compressor.set_step(step);
         self.compressor
             .compress_bundle(&self.manifest, &self.grads, self.rank, out)
@@ -322,6 +412,46 @@ impl GradientCodec for GradwireCodec {
             o.copy_from_slice(mean);
         }
         Ok(())
+    }
+
+    fn runs_own_collective(&self) -> bool {
+        self.all_reduce.is_some()
+    }
+
+    fn all_reduce(
+        &mut self,
+        comm: &mut dyn Communicator,
+        step: u64,
+        grads: &[&[f32]],
+        out: &mut [Vec<f32>],
+    ) -> Result<usize, DemoError> {
+        self.fill(grads)?;
+        let method = self.method;
+        let err = |e: gradwire::Error| DemoError::Codec {
+            method,
+            message: e.to_string(),
+        };
+        let Some(ar) = self.all_reduce.as_mut() else {
+            return Err(self.error("no collective of its own"));
+        };
+        ar.compressor_mut().set_step(step);
+        ar.all_reduce_on(comm, &self.grads, &mut self.reduced)
+            .map_err(err)?;
+        let bytes = ar.last_message_bytes();
+        if out.len() != self.names.len() {
+            return Err(self.error("output does not match the model"));
+        }
+        for (name, o) in self.names.iter().zip(out.iter_mut()) {
+            let t = self.reduced.get(name).ok_or_else(|| DemoError::Codec {
+                method,
+                message: format!("tensor {name} missing from the result"),
+            })?;
+            if t.data().len() != o.len() {
+                return Err(self.error(format!("tensor {name} has the wrong length")));
+            }
+            o.copy_from_slice(t.data());
+        }
+        Ok(bytes)
     }
 }
 
@@ -470,6 +600,7 @@ mod tests {
             rank: 0,
             world_size: 2,
             seed: 1,
+            collective: Collective::AllGather,
         };
         for m in Method::ALL {
             assert!(new_codec(m, &ctx).is_ok(), "{m}");

@@ -106,6 +106,7 @@ impl ThreadLauncher {
                                 rank,
                                 world_size: self.workers,
                                 seed,
+                                collective: config.collective,
                             })?;
                             run_rank_with_codec(&mut comm, config, codec, seed, pb)
                         })

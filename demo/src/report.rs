@@ -7,7 +7,7 @@
 use serde::Serialize;
 
 use crate::codec::Method;
-use crate::train::{CurvePoint, RankReport, Timing, TrainConfig};
+use crate::train::{CurvePoint, RankReport, StepTraffic, Timing, TrainConfig};
 
 /// The reproducible outcome of one run (rank 0's view).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -22,6 +22,8 @@ pub struct RunResult {
     pub initial_train_loss: f32,
     /// Mean bytes per worker per step.
     pub bytes_per_worker_per_step: f64,
+    /// Bytes per rank per step on the communicator (largest and mean over ranks).
+    pub traffic: StepTraffic,
     /// Digest of the final parameters (equal on every rank).
     pub param_digest: String,
     /// Digest of every step's aggregated mean gradient (equal on every rank).
@@ -85,6 +87,13 @@ pub struct MethodResult {
     pub bytes_per_worker_per_step: f64,
     /// Dense f32 bytes divided by this method's bytes (compression ratio).
     pub ratio_vs_dense_f32: f64,
+    /// Bytes received per rank per step, the largest over ranks (mean over seeds).
+    pub received_max: f64,
+    /// Bytes received per rank per step, the mean over ranks (mean over seeds).
+    pub received_mean: f64,
+    /// A dense f32 ring all-reduce's bytes received per rank (`2 (W - 1) / W x 4n`) divided by
+    /// [`MethodResult::received_max`]: below 1, more bytes than not compressing at all.
+    pub ratio_vs_ring: f64,
     /// Every run, in seed order.
     pub runs: Vec<RunResult>,
 }
@@ -179,6 +188,9 @@ impl ReportBuilder {
                     train_loss: Spread::of(&[]),
                     bytes_per_worker_per_step: 0.0,
                     ratio_vs_dense_f32: 0.0,
+                    received_max: 0.0,
+                    received_mean: 0.0,
+                    ratio_vs_ring: 0.0,
                     runs: Vec::new(),
                 });
                 self.report.timing.push(MethodTiming {
@@ -197,6 +209,7 @@ impl ReportBuilder {
             train_loss: r.train_loss,
             initial_train_loss: r.initial_train_loss,
             bytes_per_worker_per_step: r.bytes_per_worker_per_step,
+            traffic: r.traffic,
             param_digest: format!("{:016x}", r.param_digest),
             mean_digest: format!("{:016x}", r.mean_digest),
             curve: r.curve.clone(),
@@ -215,6 +228,18 @@ impl ReportBuilder {
         let dense = dense as f64;
         m.ratio_vs_dense_f32 = if m.bytes_per_worker_per_step > 0.0 {
             dense / m.bytes_per_worker_per_step
+        } else {
+            f64::INFINITY
+        };
+        let recv_max: Vec<f64> = m.runs.iter().map(|x| x.traffic.received_max).collect();
+        let recv_mean: Vec<f64> = m.runs.iter().map(|x| x.traffic.received_mean).collect();
+        m.received_max = Spread::of(&recv_max).mean;
+        m.received_mean = Spread::of(&recv_mean).mean;
+        #[allow(clippy::cast_precision_loss)]
+        let w = self.report.config.workers as f64;
+        let ring = 2.0 * (w - 1.0) / w * dense;
+        m.ratio_vs_ring = if m.received_max > 0.0 {
+            ring / m.received_max
         } else {
             f64::INFINITY
         };
@@ -275,19 +300,28 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "{:<16} {:>22} {:>20} {:>16} {:>9} {:>8} {:>8}",
+            "collective {}: bytes received per rank per step, the largest and the mean over \
+             ranks; \"vs ring\": a dense f32 ring all-reduce's bytes over the largest",
+            c.train.collective.name()
+        );
+        let _ = writeln!(
+            s,
+            "{:<16} {:>22} {:>20} {:>16} {:>9} {:>12} {:>12} {:>8} {:>8} {:>8}",
             "method",
             "test acc % (sd) [min]",
             "train loss (sd)",
             "bytes/worker/step",
             "ratio",
+            "recv max",
+            "recv mean",
+            "vs ring",
             "codec %",
             "ms/step"
         );
         for (m, t) in self.results.iter().zip(&self.timing) {
             let _ = writeln!(
                 s,
-                "{:<16} {:>22} {:>20} {:>16} {:>9} {:>8.1} {:>8.2}",
+                "{:<16} {:>22} {:>20} {:>16} {:>9} {:>12.0} {:>12.0} {:>8} {:>8.1} {:>8.2}",
                 m.method.name(),
                 format!(
                     "{:.2} ({:.2}) [{:.2}]",
@@ -296,6 +330,9 @@ impl Report {
                 format!("{:.4} ({:.4})", m.train_loss.mean, m.train_loss.std),
                 format!("{:.0}", m.bytes_per_worker_per_step),
                 format!("{:.1}x", m.ratio_vs_dense_f32),
+                m.received_max,
+                m.received_mean,
+                format!("{:.1}x", m.ratio_vs_ring),
                 100.0 * t.codec_share,
                 t.step_ms,
             );

@@ -15,7 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use crate::DemoError;
-use crate::codec::{CodecContext, GradientCodec, Method, new_codec};
+use crate::codec::{CodecContext, Collective, GradientCodec, Method, new_codec};
 use crate::data::{Digits, Samples};
 use crate::model::{Mlp, ParamSpec, digest, init_params, param_specs, single_threaded_matmul};
 
@@ -35,6 +35,8 @@ pub struct TrainConfig {
     pub warmup_steps: usize,
     /// Test accuracy is evaluated (on rank 0) every this many steps, and after the last step.
     pub eval_every: usize,
+    /// The collective the gradients travel by.
+    pub collective: Collective,
 }
 
 impl Default for TrainConfig {
@@ -46,6 +48,7 @@ impl Default for TrainConfig {
             momentum: 0.9,
             warmup_steps: 10,
             eval_every: 10,
+            collective: Collective::AllGather,
         }
     }
 }
@@ -175,6 +178,19 @@ impl Timing {
     }
 }
 
+/// Bytes per rank per step (mean over the run's steps), over ranks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StepTraffic {
+    /// Bytes sent: the largest over ranks.
+    pub sent_max: f64,
+    /// Bytes sent: the mean over ranks.
+    pub sent_mean: f64,
+    /// Bytes received: the largest over ranks.
+    pub received_max: f64,
+    /// Bytes received: the mean over ranks.
+    pub received_mean: f64,
+}
+
 /// What one rank reports after a run. Everything but `timing` is reproducible: the same seed
 /// gives the same values, bit for bit.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -194,8 +210,11 @@ pub struct RankReport {
     /// Mean cross-entropy of the initial model over the whole training set.
     pub initial_train_loss: f32,
     /// Mean bytes one worker sent per step (every byte of the message, mean over workers and
-    /// steps).
+    /// steps): its bundle (all-gather), its shard messages (two-phase).
     pub bytes_per_worker_per_step: f64,
+    /// Bytes per rank per step that crossed the communicator (its logical counters, the same
+    /// on every transport), mean over steps: the largest over ranks and the mean over ranks.
+    pub traffic: StepTraffic,
     /// Learning curve: evaluated on rank 0 only (empty on the other ranks).
     pub curve: Vec<CurvePoint>,
     /// Digest of the final parameters ([`digest`]): equal on every rank.
@@ -266,6 +285,7 @@ pub fn run_rank(
         rank: comm.rank(),
         world_size: comm.world_size(),
         seed,
+        collective: config.collective,
     };
     let codec = new_codec(method, &ctx)?;
     run_rank_with_codec(comm, config, codec, seed, progress)
@@ -301,6 +321,7 @@ pub fn run_rank_with_codec(
     let mut timing = Timing::default();
     let mut curve = Vec::new();
     let mut bytes_total = 0.0f64;
+    let (mut sent_total, mut received_total) = (0.0f64, 0.0f64);
     // Digest of every step's aggregated mean gradient: equal on every rank, checked below.
     let mut mean_digest: u64 = 0;
     let (initial_train_loss, _) = model.evaluate(&data.train)?;
@@ -325,11 +346,29 @@ pub fn run_rank_with_codec(
         let (_, grads) = model.loss_and_grads(&batch)?;
         let t1 = Instant::now();
         let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
-        codec.encode(step as u64, &views, &mut message)?;
-        let t2 = Instant::now();
-        comm.all_gather(&message, max_len, &mut gathered)?;
-        let t3 = Instant::now();
-        codec.decode_mean(step as u64, &gathered, &mut mean)?;
+        let before = comm.traffic();
+        let (t2, t3, step_bytes) = if codec.runs_own_collective() {
+            // Compression, collective and decode are one call: timed as communication.
+            let t2 = Instant::now();
+            #[allow(clippy::cast_precision_loss)]
+            let bytes = codec.all_reduce(comm, step as u64, &views, &mut mean)? as f64;
+            (t2, Instant::now(), bytes)
+        } else {
+            codec.encode(step as u64, &views, &mut message)?;
+            let t2 = Instant::now();
+            comm.all_gather(&message, max_len, &mut gathered)?;
+            let t3 = Instant::now();
+            codec.decode_mean(step as u64, &gathered, &mut mean)?;
+            #[allow(clippy::cast_precision_loss)]
+            let bytes = gathered.iter().map(Vec::len).sum::<usize>() as f64 / gathered.len() as f64;
+            (t2, t3, bytes)
+        };
+        let moved = comm.traffic().since(before);
+        #[allow(clippy::cast_precision_loss)]
+        {
+            sent_total += moved.sent as f64;
+            received_total += moved.received as f64;
+        }
         mean_digest = (mean_digest ^ digest(&mean))
             .rotate_left(17)
             .wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -348,9 +387,6 @@ pub fn run_rank_with_codec(
         timing.comm_s += (t3 - t2).as_secs_f64();
         timing.decode_s += (t4 - t3).as_secs_f64();
         timing.update_s += (t5 - t4).as_secs_f64();
-        #[allow(clippy::cast_precision_loss)]
-        let step_bytes =
-            gathered.iter().map(Vec::len).sum::<usize>() as f64 / gathered.len() as f64;
         bytes_total += step_bytes;
         let done = step + 1;
         if rank == 0 && (done % config.eval_every == 0 || done == config.steps) {
@@ -367,6 +403,37 @@ pub fn run_rank_with_codec(
 
     let (_, test_accuracy) = model.evaluate(&data.test)?;
     let (train_loss, _) = model.evaluate(&data.train)?;
+
+    // Every rank's traffic per step, for the largest and the mean over ranks.
+    #[allow(clippy::cast_precision_loss)]
+    let per_step = config.steps.max(1) as f64;
+    let mine: Vec<u8> = [sent_total / per_step, received_total / per_step]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    comm.all_gather(&mine, 16, &mut gathered)?;
+    let mut traffic = StepTraffic::default();
+    for m in &gathered {
+        if m.len() != 16 {
+            return Err(DemoError::Transport(format!(
+                "a rank sent {} bytes of traffic counters, not 16",
+                m.len()
+            )));
+        }
+        let at = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&m[8 * i..8 * i + 8]);
+            f64::from_le_bytes(b)
+        };
+        let (sent, received) = (at(0), at(1));
+        traffic.sent_max = traffic.sent_max.max(sent);
+        traffic.received_max = traffic.received_max.max(received);
+        #[allow(clippy::cast_precision_loss)]
+        {
+            traffic.sent_mean += sent / gathered.len() as f64;
+            traffic.received_mean += received / gathered.len() as f64;
+        }
+    }
 
     // Gather every rank's timing so that rank 0 (which prints the table) knows the mean.
     let mine: Vec<u8> = timing
@@ -414,6 +481,7 @@ pub fn run_rank_with_codec(
         train_loss,
         initial_train_loss,
         bytes_per_worker_per_step,
+        traffic,
         curve,
         param_digest,
         mean_digest,

@@ -97,6 +97,10 @@ pub struct CompressedAllReduce {
     choice: Collective,
     /// The collective `Auto` picked, for (layout id, world size).
     picked: Option<(u64, usize, Collective)>,
+    /// The rank of the last communicator used (for `all_reduce_on`).
+    rank_seen: usize,
+    /// Bytes of this rank's compressed gradient in the last step.
+    message_bytes: usize,
     flat: Vec<f32>,
     aggregator: Aggregator,
 }
@@ -220,6 +224,8 @@ impl CompressedAllReduce {
             dense: DenseAllReduce::default(),
             choice: Collective::AllGather,
             picked: None,
+            rank_seen: 0,
+            message_bytes: 0,
             flat: Vec::new(),
             aggregator: Aggregator::new(),
         }
@@ -325,6 +331,14 @@ impl CompressedAllReduce {
         Ok(())
     }
 
+    /// Bytes of this rank's compressed gradient in the last step over a communicator, without
+    /// the collective's envelopes: its bundle (all-gather), its shard messages to every owner,
+    /// its own included (two-phase), `4 n` (uncompressed f32). 0 before the first step, and after
+    /// a failed step (except on the all-gather, once the bundle was written).
+    pub fn last_message_bytes(&self) -> usize {
+        self.message_bytes
+    }
+
     /// The bytes this rank's communicator moved so far (zeros without one).
     pub fn traffic(&self) -> crate::comm::Traffic {
         self.comm.as_ref().map(|c| c.traffic()).unwrap_or_default()
@@ -341,9 +355,10 @@ impl CompressedAllReduce {
         self.world_size
     }
 
-    /// This rank: the communicator's, or 0 without one.
+    /// This rank: the communicator's, or that of the last one [`CompressedAllReduce::all_reduce_on`]
+    /// used (0 before).
     pub fn rank(&self) -> usize {
-        self.comm.as_ref().map_or(0, |c| c.rank())
+        self.comm.as_ref().map_or(self.rank_seen, |c| c.rank())
     }
 
     /// The local compressor (method, seed, step, error-feedback state).
@@ -410,11 +425,50 @@ impl CompressedAllReduce {
             *out = result;
             return Ok(());
         }
-        let Some(comm) = self.comm.as_deref_mut() else {
-            return Err(Error::NoCommunicator {
+        let mut comm = self.comm.take();
+        let result = match comm.as_deref_mut() {
+            Some(c) => self.step_on(c, gradients, out),
+            None => Err(Error::NoCommunicator {
                 world_size: self.world_size,
-            });
+            }),
         };
+        self.comm = comm;
+        result
+    }
+
+    /// As [`CompressedAllReduce::all_reduce_into`], over `comm`, a communicator the caller
+    /// keeps (for example one a training loop also uses for other collectives); the all-reduce
+    /// must have been made for its world size ([`CompressedAllReduce::new`]), and every rank
+    /// calls it at the same point of its sequence of collectives.
+    ///
+    /// # Errors
+    /// [`Error::WorldSize`] when `comm`'s world size is not the all-reduce's; otherwise as
+    /// [`CompressedAllReduce::all_reduce`].
+    pub fn all_reduce_on(
+        &mut self,
+        comm: &mut dyn Communicator,
+        gradients: &HashMap<String, Tensor>,
+        out: &mut HashMap<String, Tensor>,
+    ) -> Result<()> {
+        self.check_world_size()?;
+        if comm.world_size() != self.world_size {
+            return Err(Error::WorldSize {
+                expected: self.world_size,
+                got: comm.world_size(),
+            });
+        }
+        self.step_on(comm, gradients, out)
+    }
+
+    /// One step over `comm`.
+    fn step_on(
+        &mut self,
+        comm: &mut dyn Communicator,
+        gradients: &HashMap<String, Tensor>,
+        out: &mut HashMap<String, Tensor>,
+    ) -> Result<()> {
+        self.rank_seen = comm.rank();
+        self.message_bytes = 0;
         // Everything that can fail before the collective: the method, the manifest, the
         // compression. A failure still takes part (with its reason), so that no peer waits for
         // this rank; the step advances as on the peers, so the group stays in step.
@@ -444,7 +498,7 @@ impl CompressedAllReduce {
             },
         };
         if route != Route::AllGather {
-            return self.all_reduce_sharded(gradients, route, out);
+            return self.all_reduce_sharded(comm, gradients, route, out);
         }
         let compressed = match &manifest {
             Ok(manifest) => self
@@ -475,6 +529,7 @@ impl CompressedAllReduce {
                 return result;
             }
         };
+        self.message_bytes = self.send.len();
         let config = group_config(
             self.world_size,
             manifest,
@@ -519,15 +574,11 @@ impl CompressedAllReduce {
     /// A step on the dense or two-phase route (see [`CompressedAllReduce::all_reduce`]).
     fn all_reduce_sharded(
         &mut self,
+        comm: &mut dyn Communicator,
         gradients: &HashMap<String, Tensor>,
         route: Route,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
-        let Some(comm) = self.comm.as_deref_mut() else {
-            return Err(Error::NoCommunicator {
-                world_size: self.world_size,
-            });
-        };
         let step = self.compressor.step();
         let seed = self.compressor.seed();
         let reduction = self.reduction;
@@ -578,6 +629,11 @@ impl CompressedAllReduce {
             }
         };
         self.compressor.set_step(step.wrapping_add(1));
+        self.message_bytes = match (route, manifest, &result) {
+            (Route::Dense, Some(m), Ok(())) => 4 * m.flat_len(),
+            (Route::TwoPhase, Some(_), Ok(())) => self.two_phase.sent_payload_bytes(),
+            _ => 0,
+        };
         result?;
         match manifest {
             Some(m) => m.to_tensors_into(&self.flat, out),

@@ -12,7 +12,8 @@
 //!
 //! Top-k: tensor `t` keeps `k_t` entries (the method's `k` resolved for the whole tensor), split
 //! over its shards by largest-remainder rounding of `k_t * len_j / n_t` (ties to the lower
-//! owner), so the budgets sum to `k_t` exactly; worker and owner keep the same budget.
+//! owner), so the budgets sum to `k_t` exactly; worker and owner keep the same budget, each
+//! tensor's own top-k inside the shard's one frame (as the per-tensor top-k of a bucket).
 
 use gradwire_core::{K, Method, SignScale, Values, max_frame_len, scratch_len, tensor_id};
 
@@ -35,26 +36,34 @@ pub(crate) struct TensorShards {
     pub(crate) n: usize,
     /// Owner of block 0.
     pub(crate) first_owner: usize,
-    /// Elements of each owner's shard.
+    /// Elements of each owner's shard of this tensor.
     pub(crate) lens: Vec<usize>,
-    /// The method of each owner's shard frames (top-k with that shard's budget).
-    pub(crate) methods: Vec<Method>,
-    /// Tensor id of the workers' frames of each shard.
-    pub(crate) worker_ids: Vec<u64>,
-    /// Tensor id of each owner's frame (a key distinct from the workers').
-    pub(crate) owner_ids: Vec<u64>,
+    /// Where this tensor's part starts in each owner's shard (the concatenation of every
+    /// tensor's part, in manifest order).
+    pub(crate) starts: Vec<usize>,
+    /// Top-k: entries each owner keeps of this tensor (largest remainder); empty otherwise.
+    pub(crate) budgets: Vec<u64>,
 }
 
-/// The shards of every tensor of a manifest, for one world size.
+/// The shards of every tensor of a manifest, for one world size. Owner `j`'s shard is the
+/// concatenation of its part of every tensor, in manifest order: one frame per message.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct ShardLayout {
     pub(crate) world: usize,
     pub(crate) block: usize,
     pub(crate) tensors: Vec<TensorShards>,
-    /// Largest shard frame, largest scratch, longest shard.
+    /// Elements of each owner's shard.
+    pub(crate) shard_lens: Vec<usize>,
+    /// The method of each owner's frames (top-k: the sum of its budgets).
+    pub(crate) methods: Vec<Method>,
+    /// Tensor id of the workers' frames of each shard.
+    pub(crate) worker_ids: Vec<u64>,
+    /// Tensor id of each owner's frame (a key distinct from the workers').
+    pub(crate) owner_ids: Vec<u64>,
+    /// Largest shard frame, largest scratch (encode plus top-k selection), longest shard.
     pub(crate) max_frame: usize,
     pub(crate) max_scratch: usize,
-    pub(crate) max_shard: usize,
+    pub(crate) max_select: usize,
     /// The manifest's layout id (the cache key, with the world size).
     pub(crate) layout_id: u64,
 }
@@ -110,9 +119,9 @@ impl ShardLayout {
     /// The shards of `manifest`'s tensors over `world` owners.
     ///
     /// # Errors
-    /// [`Error::Config`] for a manifest with buckets (two-phase shards tensors; buckets fuse
-    /// them for the all-gather), or a method the two-phase collective does not cover
-    /// (threshold and random-k: all-gather only).
+    /// [`Error::Config`] for a manifest with buckets or with tensors sent by different methods
+    /// (two-phase shards tensors, one frame per shard), or a method the two-phase collective
+    /// does not cover (threshold and random-k: all-gather only).
     pub(crate) fn new(manifest: &Manifest, world: usize) -> Result<Self> {
         if world == 0 {
             return Err(Error::config("world size 0: a group has at least one rank"));
@@ -128,27 +137,30 @@ impl ShardLayout {
                 e.label
             )));
         }
-        let block = manifest
-            .entries()
-            .iter()
-            .map(|e| block_for(&e.method))
-            .max()
-            .unwrap_or(TARGET_BLOCK);
+        let method = *manifest.method();
+        if let Some(e) = manifest.entries().iter().find(|e| e.method != method) {
+            return Err(Error::config(format!(
+                "the two-phase collective sends every tensor of a shard in one frame, but `{}` \
+                 is sent as {}, not {}",
+                e.label,
+                crate::method::format(&e.method),
+                crate::method::format(&method)
+            )));
+        }
+        if matches!(method, Method::Threshold { .. } | Method::RandomK { .. }) {
+            return Err(Error::config(format!(
+                "the two-phase collective covers dense casts, quantization, sign and top-k; the \
+                 model is sent as {}: use Collective::AllGather",
+                crate::method::format(&method)
+            )));
+        }
+        let block = block_for(&method);
         let mut next_owner = 0usize;
         let mut tensors = Vec::with_capacity(manifest.entries().len());
-        let (mut max_frame, mut max_scratch, mut max_shard) = (0, 0, 0);
+        let mut shard_lens = vec![0usize; world];
+        let mut kept = vec![0u64; world];
+        let mut max_select = 0;
         for entry in manifest.entries() {
-            if matches!(
-                entry.method,
-                Method::Threshold { .. } | Method::RandomK { .. }
-            ) {
-                return Err(Error::config(format!(
-                    "the two-phase collective covers dense casts, quantization, sign and top-k; \
-                     `{}` is sent as {}: use Collective::AllGather",
-                    entry.label,
-                    crate::method::format(&entry.method)
-                )));
-            }
             let tensor = &manifest.tensors()[entry.members[0]];
             let n = entry.len;
             let blocks = n.div_ceil(block);
@@ -156,26 +168,20 @@ impl ShardLayout {
             next_owner = (next_owner + blocks) % world;
             let mut lens = vec![0usize; world];
             for b in 0..blocks {
-                let len = block.min(n - b * block);
-                lens[(first_owner + b) % world] += len;
+                lens[(first_owner + b) % world] += block.min(n - b * block);
             }
-            let methods: Vec<Method> = match entry.method {
-                Method::TopK { k, values } => {
-                    let k_t = k.resolve(n as u64);
-                    budgets(k_t, &lens, n)
-                        .into_iter()
-                        .map(|k| Method::TopK {
-                            k: K::Count(k),
-                            values,
-                        })
-                        .collect()
-                }
-                m => vec![m; world],
+            let budgets = match method {
+                Method::TopK { k, .. } => budgets(k.resolve(n as u64), &lens, n),
+                _ => Vec::new(),
             };
-            for j in 0..world {
-                max_frame = max_frame.max(max_frame_len(lens[j], &methods[j]));
-                max_scratch = max_scratch.max(scratch_len(lens[j], &methods[j]));
-                max_shard = max_shard.max(lens[j]);
+            for (j, &b) in budgets.iter().enumerate() {
+                kept[j] += b;
+                max_select =
+                    max_select.max(gradwire_core::select::kept_scratch_len(lens[j], b as usize));
+            }
+            let starts = shard_lens.clone();
+            for (total, len) in shard_lens.iter_mut().zip(&lens) {
+                *total += len;
             }
             tensors.push(TensorShards {
                 name: tensor.name.clone(),
@@ -183,28 +189,46 @@ impl ShardLayout {
                 offset: entry.offset,
                 n,
                 first_owner,
-                worker_ids: (0..world)
-                    .map(|j| tensor_id(&format!("{}\u{0}shard {j}", entry.label)))
-                    .collect(),
-                owner_ids: (0..world)
-                    .map(|j| tensor_id(&format!("{}\u{0}owner {j}", entry.label)))
-                    .collect(),
                 lens,
-                methods,
+                starts,
+                budgets,
             });
         }
+        let methods: Vec<Method> = (0..world)
+            .map(|j| match method {
+                Method::TopK { values, .. } => Method::TopK {
+                    k: K::Count(kept[j]),
+                    values,
+                },
+                m => m,
+            })
+            .collect();
+        let (mut max_frame, mut max_scratch) = (0, 0);
+        for j in 0..world {
+            max_frame = max_frame.max(max_frame_len(shard_lens[j], &methods[j]));
+            max_scratch = max_scratch.max(scratch_len(shard_lens[j], &methods[j]));
+        }
+        let salt = manifest.layout_id();
         Ok(ShardLayout {
             world,
             block,
             tensors,
+            worker_ids: (0..world)
+                .map(|j| tensor_id(&format!("two-phase {salt:016x}\u{0}shard {j}")))
+                .collect(),
+            owner_ids: (0..world)
+                .map(|j| tensor_id(&format!("two-phase {salt:016x}\u{0}owner {j}")))
+                .collect(),
+            shard_lens,
+            methods,
             max_frame,
             max_scratch,
-            max_shard,
-            layout_id: manifest.layout_id(),
+            max_select,
+            layout_id: salt,
         })
     }
 
-    /// The element ranges (of the tensor) of owner `j`'s shard of tensor `t`, in order.
+    /// The element ranges (of the tensor) of owner `j`'s part of tensor `t`, in order.
     pub(crate) fn ranges(&self, t: usize, j: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
         let ts = &self.tensors[t];
         let (w, b) = (self.world, self.block);
@@ -215,38 +239,54 @@ impl ShardLayout {
             .map(move |blk| (blk * b, ts.n.min((blk + 1) * b)))
     }
 
-    /// Copies owner `j`'s shard of tensor `t` out of `tensor` (the whole tensor) into `dst`.
+    /// Appends owner `j`'s part of tensor `t` (`tensor`: the whole tensor) to `dst`.
     pub(crate) fn gather(&self, t: usize, j: usize, tensor: &[f32], dst: &mut Vec<f32>) {
-        dst.clear();
         for (a, b) in self.ranges(t, j) {
             dst.extend_from_slice(&tensor[a..b]);
         }
     }
 
-    /// Copies `src` (owner `j`'s shard of tensor `t`) back into `tensor` (the whole tensor).
-    pub(crate) fn scatter(&self, t: usize, j: usize, src: &[f32], tensor: &mut [f32]) {
-        let mut at = 0;
+    /// Copies owner `j`'s part of tensor `t` from `shard` (owner `j`'s whole shard) back into
+    /// `tensor` (the whole tensor).
+    pub(crate) fn scatter(&self, t: usize, j: usize, shard: &[f32], tensor: &mut [f32]) {
+        let mut at = self.tensors[t].starts[j];
         for (a, b) in self.ranges(t, j) {
-            tensor[a..b].copy_from_slice(&src[at..at + (b - a)]);
+            tensor[a..b].copy_from_slice(&shard[at..at + (b - a)]);
             at += b - a;
         }
     }
 
-    /// Bytes of the shard message for owner `j` at most (lean header, lengths and frames; no
+    /// The tensor and its element index at index `i` of owner `j`'s shard.
+    pub(crate) fn locate(&self, j: usize, i: usize) -> (usize, usize) {
+        let t = self
+            .tensors
+            .iter()
+            .rposition(|ts| ts.starts[j] <= i && ts.lens[j] > 0)
+            .unwrap_or(0);
+        let mut left = i.saturating_sub(self.tensors[t].starts[j]);
+        for (a, b) in self.ranges(t, j) {
+            if left < b - a {
+                return (t, a + left);
+            }
+            left -= b - a;
+        }
+        (t, 0)
+    }
+
+    /// Bytes of the shard message for owner `j` at most (lean header, length and frame; no
     /// envelope).
     pub(crate) fn max_message_len(&self, j: usize) -> usize {
         super::shard_message::HEADER_LEN
-            + self
-                .tensors
-                .iter()
-                .filter(|t| t.lens[j] > 0)
-                .map(|t| 4 + max_frame_len(t.lens[j], &t.methods[j]))
-                .sum::<usize>()
+            + if self.shard_lens[j] > 0 {
+                4 + max_frame_len(self.shard_lens[j], &self.methods[j])
+            } else {
+                0
+            }
     }
 
-    /// Frames in owner `j`'s messages.
+    /// Frames in owner `j`'s messages (one, or none for an empty shard).
     pub(crate) fn frames_of(&self, j: usize) -> usize {
-        self.tensors.iter().filter(|t| t.lens[j] > 0).count()
+        usize::from(self.shard_lens[j] > 0)
     }
 }
 

@@ -27,10 +27,12 @@
 
 use std::collections::HashMap;
 
-use gradwire_core::values::first_non_finite;
+use gradwire_core::feedback::sparse_update;
+use gradwire_core::frame::chunk::SparseFrame;
+use gradwire_core::values::{first_non_finite, magnitude_limit};
 use gradwire_core::{
-    Method, Params, SignScale, accumulate_into, decode_into, encode_into, feedback_step,
-    max_frame_len, scratch_len, sign,
+    Method, Params, SignScale, accumulate_into, decode_into, encode_into, encode_selected_into,
+    feedback_step, max_frame_len, scratch_len, select, sign,
 };
 
 use super::shard_message::{self, Phase};
@@ -76,11 +78,12 @@ enum Verdict {
 #[derive(Debug, Default)]
 pub(crate) struct TwoPhase {
     layout: Option<ShardLayout>,
-    /// This rank's server residual of every tensor of the layout (its own shard, in shard
-    /// order; empty when its shard is).
-    server: Vec<Vec<f32>>,
+    /// This rank's server residual: its whole shard (every tensor's part, in manifest order).
+    server: Vec<f32>,
     /// Server residuals to restore, set before the layout is known (checked when it is).
     pending: Option<HashMap<String, Vec<f32>>>,
+    /// This rank (of the last step).
+    rank: usize,
     server_undo: Vec<f32>,
     worker_undo: Vec<f32>,
     send: Vec<Vec<u8>>,
@@ -89,7 +92,11 @@ pub(crate) struct TwoPhase {
     gathered: Vec<Vec<u8>>,
     shard: Vec<f32>,
     residual: Vec<f32>,
+    sum: Vec<f32>,
     scratch: Vec<u32>,
+    select: Vec<u32>,
+    kept: Vec<u32>,
+    sent: Vec<f32>,
     frame: Vec<u8>,
 }
 
@@ -105,7 +112,7 @@ impl TwoPhase {
             .as_ref()
             .is_some_and(|l| l.layout_id == manifest.layout_id() && l.world == world);
         if !fits {
-            if self.server.iter().flatten().any(|&x| x != 0.0) {
+            if self.server.iter().any(|&x| x != 0.0) {
                 return Err(Error::config(
                     "the model layout or world size changed while server residuals of the old \
                      one are held; discard them first (CompressedAllReduce::discard_server_residuals)",
@@ -129,12 +136,15 @@ impl TwoPhase {
 
     /// This rank's server residuals: `(name, shard values)` per tensor with a non-empty shard.
     pub(crate) fn server_residuals(&self) -> impl Iterator<Item = (&str, &[f32])> {
+        let rank = self.rank;
         self.layout.iter().flat_map(move |l| {
             l.tensors
                 .iter()
-                .zip(&self.server)
-                .filter(|(_, s)| !s.is_empty())
-                .map(|(t, s)| (t.name.as_str(), s.as_slice()))
+                .filter(move |t| t.lens[rank] > 0 && self.server.len() == l.shard_lens[rank])
+                .map(move |t| {
+                    let at = t.starts[rank];
+                    (t.name.as_str(), &self.server[at..at + t.lens[rank]])
+                })
         })
     }
 
@@ -153,26 +163,22 @@ impl TwoPhase {
         let (Some(layout), Some(pending)) = (&self.layout, &self.pending) else {
             return Ok(());
         };
-        let mut server: Vec<Vec<f32>> = layout
-            .tensors
-            .iter()
-            .map(|t| vec![0.0; t.lens[rank]])
-            .collect();
+        let mut server = vec![0.0f32; layout.shard_lens[rank]];
         let mut names: Vec<&String> = pending.keys().collect();
         names.sort();
         for name in names {
             let values = &pending[name];
-            let Some(t) = layout.tensors.iter().position(|t| &t.name == name) else {
+            let Some(t) = layout.tensors.iter().find(|t| &t.name == name) else {
                 return Err(Error::config(format!(
                     "server residual of `{name}`: the model has no such tensor"
                 )));
             };
-            if values.len() != server[t].len() {
+            if values.len() != t.lens[rank] {
                 return Err(Error::config(format!(
                     "server residual of `{name}`: {} values, this rank's shard has {} (another \
                      world size or shard layout: discard the server residuals to restart)",
                     values.len(),
-                    server[t].len()
+                    t.lens[rank]
                 )));
             }
             if let Some(i) = gradwire_core::values::first_non_finite(values) {
@@ -180,7 +186,7 @@ impl TwoPhase {
                     "server residual of `{name}`: NaN or infinity at shard index {i}"
                 )));
             }
-            server[t].copy_from_slice(values);
+            server[t.starts[rank]..t.starts[rank] + t.lens[rank]].copy_from_slice(values);
         }
         self.server = server;
         self.pending = None;
@@ -191,6 +197,15 @@ impl TwoPhase {
     pub(crate) fn discard_server_residuals(&mut self) {
         self.server.clear();
         self.pending = None;
+    }
+
+    /// Bytes of this rank's phase-1 shard messages of the last step (envelopes left out; 0
+    /// when its step failed before the collective).
+    pub(crate) fn sent_payload_bytes(&self) -> usize {
+        self.send
+            .iter()
+            .map(|m| m.len().saturating_sub(ENVELOPE_LEN))
+            .sum()
     }
 
     /// Bytes this rank receives per step at most (both phases, envelopes included).
@@ -220,6 +235,7 @@ impl TwoPhase {
     ) -> Result<()> {
         let world = comm.world_size();
         let me = comm.rank();
+        self.rank = me;
         self.worker_undo.clear();
         self.server_undo.clear();
         let mut step_data = None;
@@ -377,18 +393,22 @@ impl TwoPhase {
                 owner,
                 layout.frames_of(owner),
             )?;
+            let len = layout.shard_lens[owner];
+            if len == 0 {
+                continue;
+            }
+            let frame = frames.next_frame()?;
+            let params = owner_params(layout.methods[owner], step, layout.owner_ids[owner]);
+            self.shard.clear();
+            self.shard.resize(len, 0.0);
+            decode_into(frame, &params, &mut self.shard).map_err(|e| Error::Collective {
+                rank: owner,
+                reason: format!("its reduced shard: {e}"),
+            })?;
             for (t, ts) in layout.tensors.iter().enumerate() {
-                let len = ts.lens[owner];
-                if len == 0 {
-                    continue;
+                if ts.lens[owner] > 0 {
+                    layout.scatter(t, owner, &self.shard, &mut out[ts.offset..ts.offset + ts.n]);
                 }
-                let frame = frames.next_frame()?;
-                let params = owner_params(ts.methods[owner], step, ts.owner_ids[owner]);
-                self.shard.clear();
-                self.shard.resize(len, 0.0);
-                decode_into(frame, &params, &mut self.shard)
-                    .map_err(|e| Error::core(&ts.name, Some(owner), e))?;
-                layout.scatter(t, owner, &self.shard, &mut out[ts.offset..ts.offset + ts.n]);
             }
         }
         Ok(())
@@ -417,76 +437,84 @@ impl TwoPhase {
         let Some(layout) = &self.layout else {
             return Err(Error::internal("layout"));
         };
-        if self.server.len() != layout.tensors.len() {
-            self.server = layout
-                .tensors
-                .iter()
-                .map(|t| vec![0.0; t.lens[me]])
-                .collect();
+        if self.server.len() != layout.shard_lens[me] {
+            self.server = vec![0.0; layout.shard_lens[me]];
         }
         self.apply_pending(me)?;
         let Some(layout) = &self.layout else {
             return Err(Error::internal("layout"));
         };
-        let fingerprint = fingerprint_at(step.config, step.step);
-        self.send.resize_with(world, Vec::new);
-        for (j, msg) in self.send.iter_mut().enumerate() {
-            seal(PAYLOAD, fingerprint, &[], msg);
-            shard_message::start(msg, Phase::Contribution, step.step, j, layout.frames_of(j));
-        }
         self.scratch.resize(layout.max_scratch, 0);
+        self.select.resize(layout.max_select, 0);
         self.frame.resize(layout.max_frame, 0);
-        self.worker_undo.clear();
-        for (t, ts) in layout.tensors.iter().enumerate() {
+        // The worker's residuals, checked and copied before anything changes.
+        let mut grads = Vec::with_capacity(layout.tensors.len());
+        for ts in &layout.tensors {
             let grad = step
                 .gradients
                 .get(&ts.name)
                 .ok_or_else(|| Error::internal("a checked gradient is missing"))?
                 .data();
-            let mut residual = match step.feedback.as_deref_mut() {
+            grads.push(grad);
+            if let Some(fb) = step.feedback.as_deref_mut() {
+                fb.check_shape(&ts.name, &ts.shape)?;
+                let r = fb.residual_for(&ts.name, ts.n)?;
+                self.worker_undo.extend_from_slice(r);
+            }
+        }
+        let fingerprint = fingerprint_at(step.config, step.step);
+        self.send.resize_with(world, Vec::new);
+        for j in 0..world {
+            let msg = &mut self.send[j];
+            seal(PAYLOAD, fingerprint, &[], msg);
+            shard_message::start(msg, Phase::Contribution, step.step, j, layout.frames_of(j));
+            if layout.shard_lens[j] == 0 {
+                shard_message::finish(msg, ENVELOPE_LEN);
+                continue;
+            }
+            self.shard.clear();
+            for (t, grad) in grads.iter().enumerate() {
+                layout.gather(t, j, grad, &mut self.shard);
+            }
+            let residual = match step.feedback.as_deref_mut() {
                 Some(fb) => {
-                    fb.check_shape(&ts.name, &ts.shape)?;
-                    let r = fb.residual_for(&ts.name, ts.n)?;
-                    self.worker_undo.extend_from_slice(r);
-                    Some(r)
+                    self.residual.clear();
+                    for (t, ts) in layout.tensors.iter().enumerate() {
+                        let r = fb.residual_for(&ts.name, ts.n)?;
+                        layout.gather(t, j, r, &mut self.residual);
+                    }
+                    Some(&mut self.residual)
                 }
                 None => None,
             };
-            for j in 0..world {
-                let len = ts.lens[j];
-                if len == 0 {
-                    continue;
-                }
-                let method = ts.methods[j];
-                let params = Params {
-                    method,
-                    seed: step.seed,
-                    step: step.step,
-                    tensor_id: ts.worker_ids[j],
-                };
-                layout.gather(t, j, grad, &mut self.shard);
-                let scratch = &mut self.scratch[..scratch_len(len, &method)];
-                let frame = &mut self.frame[..max_frame_len(len, &method)];
-                let written = match residual.as_deref_mut() {
-                    Some(r) => {
-                        layout.gather(t, j, r, &mut self.residual);
-                        let n =
-                            feedback_step(&self.shard, &mut self.residual, &params, scratch, frame)
-                                .map_err(|e| Error::core(&ts.name, None, e))?;
-                        layout.scatter(t, j, &self.residual, r);
-                        n
-                    }
-                    None => encode_into(&self.shard, &params, scratch, frame)
-                        .map_err(|e| Error::core(&ts.name, None, e))?,
-                };
-                shard_message::push_frame(&mut self.send[j], &frame[..written]);
-            }
+            let params = Params {
+                method: layout.methods[j],
+                seed: step.seed,
+                step: step.step,
+                tensor_id: layout.worker_ids[j],
+            };
+            let mut bufs = Buffers {
+                scratch: &mut self.scratch,
+                select: &mut self.select,
+                kept: &mut self.kept,
+                sum: &mut self.sum,
+                sent: &mut self.sent,
+                frame: &mut self.frame,
+            };
+            let written = encode_shard(layout, j, &self.shard, residual, &params, &mut bufs)?;
+            shard_message::push_frame(msg, &self.frame[..written]);
+            shard_message::finish(msg, ENVELOPE_LEN);
             if let Some(fb) = step.feedback.as_deref_mut() {
-                fb.remember_shape(&ts.name, &ts.shape);
+                for (t, ts) in layout.tensors.iter().enumerate() {
+                    let r = fb.residual_for(&ts.name, ts.n)?;
+                    layout.scatter(t, j, &self.residual, r);
+                }
             }
         }
-        for msg in &mut self.send {
-            shard_message::finish(msg, ENVELOPE_LEN);
+        if let Some(fb) = step.feedback.as_deref_mut() {
+            for ts in &layout.tensors {
+                fb.remember_shape(&ts.name, &ts.shape);
+            }
         }
         Ok(())
     }
@@ -509,14 +537,8 @@ impl TwoPhase {
 
     /// Puts back the server residuals copied by [`TwoPhase::reduce_own_shard`].
     fn restore_server(&mut self, _me: usize) {
-        let mut at = 0;
-        for s in &mut self.server {
-            if at + s.len() > self.server_undo.len() {
-                break;
-            }
-            let n = s.len();
-            s.copy_from_slice(&self.server_undo[at..at + n]);
-            at += n;
+        if self.server_undo.len() == self.server.len() {
+            self.server.copy_from_slice(&self.server_undo);
         }
         self.server_undo.clear();
     }
@@ -577,9 +599,7 @@ impl TwoPhase {
         }
         let server_feedback = step.feedback.is_some() && step.reduction != Reduction::MajorityVote;
         self.server_undo.clear();
-        for s in &self.server {
-            self.server_undo.extend_from_slice(s);
-        }
+        self.server_undo.extend_from_slice(&self.server);
         seal(
             PAYLOAD,
             fingerprint_at(step.config, step.step),
@@ -593,23 +613,27 @@ impl TwoPhase {
             me,
             layout.frames_of(me),
         );
-        for (t, ts) in layout.tensors.iter().enumerate() {
-            let len = ts.lens[me];
-            if len == 0 {
-                continue;
-            }
+        let len = layout.shard_lens[me];
+        if len > 0 {
             let worker = Params {
-                method: ts.methods[me],
+                method: layout.methods[me],
                 seed: step.seed,
                 step: step.step,
-                tensor_id: ts.worker_ids[me],
+                tensor_id: layout.worker_ids[me],
             };
             self.shard.clear();
             self.shard.resize(len, 0.0);
             for (rank, frames) in opened.iter_mut().enumerate() {
                 let frame = frames.next_frame().map_err(|e| bad(rank, e))?;
-                accumulate_into(frame, &worker, &mut self.shard, 1.0)
-                    .map_err(|e| bad(rank, Error::core(&ts.name, Some(rank), e)))?;
+                accumulate_into(frame, &worker, &mut self.shard, 1.0).map_err(|e| {
+                    bad(
+                        rank,
+                        Error::Collective {
+                            rank,
+                            reason: format!("its shard for owner {me}: {e}"),
+                        },
+                    )
+                })?;
             }
             match step.reduction {
                 Reduction::Sum => {}
@@ -622,35 +646,133 @@ impl TwoPhase {
                 Reduction::MajorityVote => sign::majority(&mut self.shard),
             }
             if let Some(i) = first_non_finite(&self.shard) {
-                let index = layout
-                    .ranges(t, me)
-                    .scan(0usize, |seen, (a, b)| {
-                        let here = *seen;
-                        *seen += b - a;
-                        Some((here, a, b))
-                    })
-                    .find(|&(here, a, b)| i < here + (b - a))
-                    .map_or(i, |(here, a, _)| a + (i - here));
+                let (t, index) = layout.locate(me, i);
                 return Err(own(Error::Overflow {
-                    tensor: ts.name.clone(),
+                    tensor: layout.tensors[t].name.clone(),
                     index,
                 }));
             }
-            let method = ts.methods[me];
-            let params = owner_params(method, step, ts.owner_ids[me]);
-            let scratch = &mut self.scratch[..scratch_len(len, &method)];
-            let frame = &mut self.frame[..max_frame_len(len, &method)];
-            let written = if server_feedback {
-                feedback_step(&self.shard, &mut self.server[t], &params, scratch, frame)
+            let params = owner_params(layout.methods[me], step, layout.owner_ids[me]);
+            let residual = if server_feedback {
+                Some(&mut self.server)
             } else {
-                encode_into(&self.shard, &params, scratch, frame)
-            }
-            .map_err(|e| own(Error::core(&ts.name, None, e)))?;
-            shard_message::push_frame(&mut self.phase2, &frame[..written]);
+                None
+            };
+            let mut bufs = Buffers {
+                scratch: &mut self.scratch,
+                select: &mut self.select,
+                kept: &mut self.kept,
+                sum: &mut self.sum,
+                sent: &mut self.sent,
+                frame: &mut self.frame,
+            };
+            let written =
+                encode_shard(layout, me, &self.shard, residual, &params, &mut bufs).map_err(own)?;
+            shard_message::push_frame(&mut self.phase2, &self.frame[..written]);
         }
         shard_message::finish(&mut self.phase2, ENVELOPE_LEN);
         Ok(())
     }
+}
+
+/// Work buffers of [`encode_shard`].
+struct Buffers<'b> {
+    scratch: &'b mut Vec<u32>,
+    select: &'b mut Vec<u32>,
+    kept: &'b mut Vec<u32>,
+    sum: &'b mut Vec<f32>,
+    sent: &'b mut Vec<f32>,
+    frame: &'b mut Vec<u8>,
+}
+
+/// Encodes owner `j`'s shard `input` into `bufs.frame` with `params` and returns the frame's
+/// length; with a `residual` (the shard's, same length) through error feedback, so that
+/// `sent + residual_new == input + residual_old` per element. Top-k keeps each tensor's budget
+/// of its own part (the per-tensor top-k of a bucket); the other methods encode the shard
+/// whole. Errors name the tensor and its element index.
+fn encode_shard(
+    layout: &ShardLayout,
+    j: usize,
+    input: &[f32],
+    residual: Option<&mut Vec<f32>>,
+    params: &Params,
+    bufs: &mut Buffers<'_>,
+) -> Result<usize> {
+    let method = params.method;
+    let n = input.len();
+    let scratch = &mut bufs.scratch[..scratch_len(n, &method)];
+    let frame = &mut bufs.frame[..max_frame_len(n, &method)];
+    let at = |e: gradwire_core::Error| -> Error {
+        let index = match e {
+            gradwire_core::Error::NonFinite { index }
+            | gradwire_core::Error::ValueOutOfRange { index } => Some(index),
+            _ => None,
+        };
+        match index {
+            Some(i) if i < n => {
+                let (t, index) = layout.locate(j, i);
+                let e = match e {
+                    gradwire_core::Error::NonFinite { .. } => {
+                        gradwire_core::Error::NonFinite { index }
+                    }
+                    _ => gradwire_core::Error::ValueOutOfRange { index },
+                };
+                Error::core(&layout.tensors[t].name, None, e)
+            }
+            _ => Error::core(&format!("two-phase shard {j}"), None, e),
+        }
+    };
+    let Method::TopK { values, .. } = method else {
+        return match residual {
+            Some(r) => feedback_step(input, r, params, scratch, frame),
+            None => encode_into(input, params, scratch, frame),
+        }
+        .map_err(at);
+    };
+    // Top-k: the sums `input + residual` (what error feedback encodes), each tensor's own
+    // top-k of its part, one frame; then the core's sparse residual update.
+    let x: &[f32] = match &residual {
+        Some(r) => {
+            bufs.sum.clear();
+            bufs.sum
+                .extend(input.iter().zip(r.iter()).map(|(g, r)| r + g));
+            bufs.sum
+        }
+        None => input,
+    };
+    if let Some(index) = first_non_finite(x) {
+        return Err(at(gradwire_core::Error::NonFinite { index }));
+    }
+    let limit = magnitude_limit(Some(values));
+    bufs.kept.clear();
+    for ts in &layout.tensors {
+        let (start, len, k) = (ts.starts[j], ts.lens[j], ts.budgets[j] as usize);
+        if len == 0 || k == 0 {
+            continue;
+        }
+        let part = &x[start..start + len];
+        let need = select::kept_scratch_len(len, k);
+        if bufs.select.len() < need {
+            bufs.select.resize(need, 0);
+        }
+        let kept = select::topk_kept(part, k, limit, &mut bufs.select[..need]).map_err(|_| {
+            let i = part.iter().position(|v| !(v.abs() < limit)).unwrap_or(0);
+            at(gradwire_core::Error::ValueOutOfRange { index: start + i })
+        })?;
+        bufs.kept.extend(kept.idx.iter().map(|&i| i + start as u32));
+    }
+    let written = encode_selected_into(x, bufs.kept, values, scratch, frame).map_err(at)?;
+    if let Some(r) = residual {
+        // What the frame delivers, then `residual = (residual + input) - sent` by the core.
+        let sparse = SparseFrame::parse(&frame[..written], params, n).map_err(at)?;
+        let kept = sparse.kept();
+        bufs.kept.resize(kept, 0);
+        bufs.sent.resize(kept, 0.0);
+        sparse.indices(bufs.kept).map_err(at)?;
+        sparse.values(0, bufs.sent).map_err(at)?;
+        sparse_update(bufs.kept, bufs.sent, 0, input, r).map_err(at)?;
+    }
+    Ok(written)
 }
 
 /// The parameters of an owner's frame.
