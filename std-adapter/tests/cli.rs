@@ -1156,3 +1156,88 @@ fn missing_command_and_misspelt_flag_say_what_to_do() {
         "required arguments were not provided: --output",
     );
 }
+
+/// Issue 24 item 7 (escaping): `inspect` printed tensor names with terminal control characters
+/// raw, and error lines escaped only `\n` and `\r`. Rebuilds the input: a container and a
+/// gradients file whose tensor name holds an OSC title sequence (ESC `]` ... BEL), a screen
+/// clear (ESC `[2J`), CR LF, DEL and the C1 CSI. Every printed line must hold no control
+/// character but its line end, the name escaped as `\u{..}` (JSON: `\u00XX`).
+#[test]
+fn control_characters_in_names_are_escaped_in_every_printed_line() {
+    let dir = scratch("escape");
+    let name = "w\u{1b}]0;owned\u{7}\u{1b}[2J\r\n\u{7f}\u{9b}x";
+    let raw = |text: &str| text.chars().filter(|&c| c != '\n').any(char::is_control);
+    let model = vec![(
+        name.to_owned(),
+        Tensor::new(vec![2], vec![1.0, -2.0]).unwrap(),
+    )];
+    let method = Method::TopK {
+        k: K::Count(1),
+        values: Values::F32,
+    };
+    let c = dir.join("c.gwct");
+    fs::write(
+        &c,
+        gradwire::container::compress(&model, method, 0, 0).unwrap(),
+    )
+    .unwrap();
+    let text = ok(&["inspect", s(&c)]);
+    assert!(!raw(&text), "{text:?}");
+    assert_eq!(text.lines().count(), 4, "{text:?}");
+    assert!(
+        text.contains("w\\u{1b}]0;owned\\u{7}\\u{1b}[2J\\u{d}\\u{a}\\u{7f}\\u{9b}x"),
+        "{text:?}"
+    );
+    let json = ok(&["inspect", s(&c), "--json"]);
+    assert!(!raw(&json), "{json:?}");
+    assert!(
+        json.contains("w\\u001b]0;owned\\u0007\\u001b[2J\\r\\n\\u007f\\u009bx"),
+        "{json:?}"
+    );
+    // An error line that names the tensor (a NaN in it).
+    let g = dir.join("g.safetensors");
+    safetensors_file(
+        &g,
+        &[(name, Dtype::F32, vec![2], f32_bytes(&[f32::NAN, 0.0]))],
+    );
+    let err = fails(
+        &["compress", s(&g), "-o", s(&dir.join("o.gwct"))],
+        "w\\u{1b}]0;owned\\u{7}\\u{1b}[2J\\u{d}\\u{a}\\u{7f}\\u{9b}x",
+    );
+    assert!(!raw(&err), "{err:?}");
+}
+
+/// Issue 24 item 7 (permissions): a rewritten file lost its permissions (the temporary file
+/// renamed over it had the default mode: a 0600 state became 0644). Rebuilds the input: a
+/// residual state set to 0600 and outputs set to 0640 and 0604, then rewritten by the next
+/// `compress --residual` and `decompress`; every mode must stay.
+#[cfg(unix)]
+#[test]
+fn rewritten_files_keep_their_permissions() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch("permissions");
+    let g = grads_path();
+    let (out, state, dense) = (
+        dir.join("out.gwct"),
+        dir.join("state.safetensors"),
+        dir.join("dense.safetensors"),
+    );
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let set = |p: &Path, m: u32| fs::set_permissions(p, fs::Permissions::from_mode(m)).unwrap();
+    let step = ["compress", s(&g), "-o", s(&out), "--residual", s(&state)];
+    ok(&step);
+    ok(&["decompress", s(&out), "-o", s(&dense)]);
+    set(&state, 0o600);
+    set(&out, 0o640);
+    set(&dense, 0o604);
+    ok(&step);
+    ok(&["decompress", s(&out), "-o", s(&dense)]);
+    assert_eq!(mode(&state), 0o600);
+    assert_eq!(mode(&out), 0o640);
+    assert_eq!(mode(&dense), 0o604);
+    assert!(
+        listing(&dir).iter().all(|n| !n.starts_with('.')),
+        "{:?}",
+        listing(&dir)
+    );
+}

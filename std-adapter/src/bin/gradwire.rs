@@ -307,12 +307,9 @@ fn main() -> ExitCode {
 }
 
 fn fail(e: &CliError) -> ExitCode {
-    let one_line: String = e
-        .message
-        .chars()
-        .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
-        .collect();
-    eprintln!("gradwire: error: {one_line}");
+    // One line, and nothing in it that a terminal would act on (a tensor name or a path can
+    // hold any character).
+    eprintln!("gradwire: error: {}", report::escape(&e.message));
     ExitCode::from(e.status)
 }
 

@@ -95,6 +95,24 @@ impl Drop for Staged {
 /// Writes `bytes` to a new temporary file in the directory of `target` (flushed to disk), to be
 /// renamed over `target` by [`Staged::commit`].
 pub fn stage(target: &Path, bytes: &[u8]) -> Result<Staged, CliError> {
+    stage_with(target, |file| {
+        file.write_all(bytes)
+            .map_err(|e| CliError::io("cannot write", target, &e))
+    })
+}
+
+/// A new temporary file in the directory of `target`, filled by `fill` (which may write it in
+/// pieces and seek over runs of zeros: the file is new, so a hole reads as zeros), flushed to
+/// disk, to be renamed over `target` by [`Staged::commit`].
+///
+/// When `target` exists, the temporary file gets its permissions (a `0600` state stays `0600`):
+/// on Unix it is created `0600` and widened to the target's mode only then, so the new contents
+/// are never readable by more users than the old. A new target gets the default mode (umask).
+/// Owner and group are not copied (a rename cannot keep them when another user runs the tool).
+pub fn stage_with(
+    target: &Path,
+    fill: impl FnOnce(&mut File) -> Result<(), CliError>,
+) -> Result<Staged, CliError> {
     let file_name = target
         .file_name()
         .ok_or_else(|| CliError::new(format!("{}: not a file name", target.display())))?;
@@ -108,13 +126,25 @@ pub fn stage(target: &Path, bytes: &[u8]) -> Result<Staged, CliError> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
+    // The permissions to keep: those of the file being replaced.
+    let keep = fs::metadata(target)
+        .ok()
+        .filter(|m| m.is_file())
+        .map(|m| m.permissions());
     let mut attempt = 0u32;
     let (temp, mut file) = loop {
         let mut name = std::ffi::OsString::from(".");
         name.push(file_name);
         name.push(format!(".gradwire-tmp-{}-{attempt}", std::process::id()));
         let temp = dir.join(name);
-        match OpenOptions::new().write(true).create_new(true).open(&temp) {
+        let mut options = OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        if keep.is_some() {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
+        }
+        match options.open(&temp) {
             Ok(f) => break (temp, f),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 100 => {
                 attempt += 1;
@@ -127,13 +157,14 @@ pub fn stage(target: &Path, bytes: &[u8]) -> Result<Staged, CliError> {
         target: target.to_path_buf(),
         done: false,
     };
-    write_all(&mut file, bytes).map_err(|e| CliError::io("cannot write", target, &e))?;
-    Ok(staged)
-}
-
-fn write_all(file: &mut File, bytes: &[u8]) -> std::io::Result<()> {
-    file.write_all(bytes)?;
+    if let Some(perms) = keep {
+        file.set_permissions(perms)
+            .map_err(|e| CliError::io("cannot write", target, &e))?;
+    }
+    fill(&mut file)?;
     file.sync_all()
+        .map_err(|e| CliError::io("cannot write", target, &e))?;
+    Ok(staged)
 }
 
 /// Writes every `(target, bytes)` atomically: all temporary files first, then the renames, so
