@@ -46,7 +46,7 @@ use gradwire_core::Method;
 use crate::compressor::GradientCompressor;
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
-use crate::layout::{BucketConfig, Manifest, TensorSpec};
+use crate::layout::{BucketConfig, Manifest, ManifestTensor, TensorSpec};
 use crate::method::{self, CompressionMethod};
 use crate::tensor::Tensor;
 
@@ -227,9 +227,84 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Calls `f(name, dimensions)` for each of the `count` tensors of the manifest section at
+/// `r`'s position, allocating nothing: the dimensions are an iterator over the section's bytes.
+fn for_each_tensor<'a>(
+    r: &mut Reader<'a>,
+    count: usize,
+    mut f: impl FnMut(&'a str, Dims<'a>) -> Result<()>,
+) -> Result<()> {
+    for _ in 0..count {
+        let len = u16::from_le_bytes(r.array()?) as usize;
+        let name = r.text(len, "tensor name")?;
+        let rank = r.array::<1>()?[0] as usize;
+        let dims = r.take(rank * 8)?;
+        f(name, Dims(dims.chunks_exact(8)))?;
+    }
+    Ok(())
+}
+
+/// The dimensions of one tensor in the manifest section (`u64` little-endian each).
+#[derive(Clone)]
+struct Dims<'a>(std::slice::ChunksExact<'a, u8>);
+
+impl Iterator for Dims<'_> {
+    type Item = u64;
+    fn next(&mut self) -> Option<u64> {
+        self.0.next().map(|c| u64::from_le_bytes(le8(c)))
+    }
+}
+
+impl ExactSizeIterator for Dims<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+fn le8(c: &[u8]) -> [u8; 8] {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(c);
+    a
+}
+
+/// Elements charged to a model's bound for each tensor, whatever its size: what its metadata
+/// costs a reader (its entries in the manifest, the bundle's entry list and the output's
+/// safetensors header, with the allocator's overhead): 256 elements, 1 KiB.
+pub const TENSOR_CHARGE: u64 = 256;
+/// Elements charged per byte of a tensor's name (held several times, and escaped up to six
+/// bytes per byte in a JSON header).
+pub const NAME_BYTE_CHARGE: u64 = 4;
+/// Elements charged per dimension of a tensor's shape.
+pub const DIMENSION_CHARGE: u64 = 16;
+
+/// What a tensor of `numel` elements, a name of `name_len` bytes and `rank` dimensions counts
+/// against a reader's element bound (`--max-elements`): its elements plus [`TENSOR_CHARGE`],
+/// [`NAME_BYTE_CHARGE`] per name byte and [`DIMENSION_CHARGE`] per dimension, so that the bound
+/// caps the memory of the metadata as well as the values (4 bytes an element): a container of
+/// a million empty tensors is refused before its tensor list is allocated.
+pub fn charged_elements(name_len: usize, rank: usize, numel: u64) -> u64 {
+    numel
+        .saturating_add(TENSOR_CHARGE)
+        .saturating_add(NAME_BYTE_CHARGE.saturating_mul(name_len as u64))
+        .saturating_add(DIMENSION_CHARGE.saturating_mul(rank as u64))
+}
+
+/// The sum of [`charged_elements`] over `specs`: the smallest `max_elements` that admits a
+/// container of exactly this model.
+pub fn model_charge(specs: &[TensorSpec]) -> u64 {
+    specs.iter().fold(0u64, |acc, s| {
+        let numel = s
+            .shape
+            .iter()
+            .fold(1u64, |n, &d| n.saturating_mul(d as u64));
+        acc.saturating_add(charged_elements(s.name.len(), s.shape.len(), numel))
+    })
+}
+
 impl ContainerHeader {
     /// Reads and checks the container prefix and manifest section. `max_elements` bounds the
-    /// model's total element count.
+    /// model: its elements plus its metadata's charge ([`charged_elements`]), checked over the
+    /// section's bytes before anything is allocated from it.
     ///
     /// # Errors
     /// [`Error::Container`] naming what is wrong (see the module docs).
@@ -284,31 +359,44 @@ impl ContainerHeader {
                 "manifest declares {count} tensors in {m} bytes"
             )));
         }
-        let mut tensors = Vec::with_capacity(count);
+        // Pass 1, nothing allocated: every length inside the section, and the model's charge
+        // (elements plus what its metadata will cost, see [`charged_elements`]) within the
+        // bound. Only then pass 2 allocates the tensor list.
+        let tensors_at = r.pos;
         let mut total: u64 = 0;
-        for _ in 0..count {
-            let len = u16::from_le_bytes(r.array()?) as usize;
-            let name = r.text(len, "tensor name")?.to_owned();
-            let rank = r.array::<1>()?[0] as usize;
-            let mut shape = Vec::with_capacity(rank);
-            let mut numel: u64 = 1;
-            for _ in 0..rank {
-                let d = u64::from_le_bytes(r.array()?);
-                numel = numel.saturating_mul(d);
+        for_each_tensor(&mut r, count, |name, dims| {
+            let numel = dims.clone().fold(1u64, u64::saturating_mul);
+            total = total.saturating_add(charged_elements(name.len(), dims.len(), numel));
+            if total > max_elements {
+                return Err(bad(format!(
+                    "the model has more than {max_elements} elements (counting {} per \
+                     tensor, {} per byte of its name and {} per dimension for its metadata; \
+                     see --max-elements)",
+                    TENSOR_CHARGE, NAME_BYTE_CHARGE, DIMENSION_CHARGE
+                )));
+            }
+            Ok(())
+        })?;
+        if r.pos != r.bytes.len() {
+            return Err(bad(format!(
+                "{} unexpected bytes at the end of the manifest",
+                r.bytes.len() - r.pos
+            )));
+        }
+        r.pos = tensors_at;
+        let mut tensors = Vec::with_capacity(count);
+        for_each_tensor(&mut r, count, |name, dims| {
+            let mut shape = Vec::with_capacity(dims.len());
+            for d in dims {
                 shape.push(usize::try_from(d).map_err(|_| {
                     bad(format!(
                         "tensor `{name}`: dimension {d} is too large for this platform"
                     ))
                 })?);
             }
-            total = total.saturating_add(numel);
-            if total > max_elements {
-                return Err(bad(format!(
-                    "the model has more than {max_elements} elements (see --max-elements)"
-                )));
-            }
             tensors.push(TensorSpec::new(name, shape));
-        }
+            Ok(())
+        })?;
         if r.pos != r.bytes.len() {
             return Err(bad(format!(
                 "{} unexpected bytes at the end of the manifest",
@@ -377,36 +465,100 @@ impl ContainerHeader {
     }
 }
 
+impl ContainerHeader {
+    /// [`ContainerHeader::read`], then, with `specs` (the receiver's model), the check that the
+    /// container describes exactly that model.
+    ///
+    /// # Errors
+    /// As [`ContainerHeader::read`]; [`Error::Container`] naming the first tensor that differs
+    /// from `specs`.
+    pub fn read_for(bytes: &[u8], specs: Option<&[TensorSpec]>, max_elements: u64) -> Result<Self> {
+        let header = ContainerHeader::read(bytes, max_elements)?;
+        if let Some(specs) = specs {
+            header.check_against(specs)?;
+        }
+        Ok(header)
+    }
+
+    /// Decodes the bundle of `bytes` (the container this header was read from) one tensor at
+    /// a time: checks the whole bundle first (framing, checksums, every frame's header), then
+    /// calls `f(tensor, values)` for each tensor in bundle order with its dense values in one
+    /// buffer, reused: the memory held is the largest tensor's, not the model's.
+    ///
+    /// # Errors
+    /// Every error of [`Manifest::check_bundle`], before `f` is first called;
+    /// [`Error::OutOfMemory`] when the largest tensor's buffer cannot be allocated;
+    /// [`Error::Core`] naming the tensor for a frame whose body is invalid (`f` has then been
+    /// called for the tensors before it: a caller that writes them must discard what it
+    /// wrote); any error of `f`.
+    pub fn decode_each<E: From<Error>>(
+        &self,
+        bytes: &[u8],
+        mut f: impl FnMut(&ManifestTensor, &[f32]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let manifest = self.manifest()?;
+        let bundle = bytes.get(self.bundle_offset..).unwrap_or_default();
+        manifest.check_bundle(bundle, None, None)?;
+        let largest = manifest.entries().iter().map(|e| e.len).max().unwrap_or(0);
+        let mut buf: Vec<f32> = Vec::new();
+        let mut failed: Option<E> = None;
+        let walked = manifest.check_bundle_with(bundle, None, None, |e, frame, params| {
+            if buf.is_empty() && largest > 0 {
+                let tensor = &manifest.entries()[e].label;
+                buf.try_reserve_exact(largest)
+                    .map_err(|_| Error::OutOfMemory {
+                        tensor: tensor.clone(),
+                        elements: largest,
+                    })?;
+                buf.resize(largest, 0.0);
+            }
+            let entry = &manifest.entries()[e];
+            // No buckets: one tensor per entry.
+            let t = &manifest.tensors()[entry.members[0]];
+            let dst = &mut buf[..entry.len];
+            gradwire_core::decode_into(frame, params, dst)
+                .map_err(|err| Error::core(&entry.label, None, err))?;
+            match f(t, dst) {
+                Ok(()) => Ok(()),
+                Err(err) => {
+                    failed = Some(err);
+                    Err(Error::container("stopped by the caller"))
+                }
+            }
+        });
+        match (failed, walked) {
+            (Some(err), _) => Err(err),
+            (None, r) => r.map(|_| ()).map_err(E::from),
+        }
+    }
+}
+
 /// Decodes a container into dense tensors (sorted by name). With `specs` (the receiver's
 /// model), the container must describe exactly that model; `max_elements` bounds the model the
-/// container may declare.
+/// container may declare (see [`ContainerHeader::read`]). It holds the whole model: to write
+/// it out tensor by tensor, use [`ContainerHeader::decode_each`].
 ///
 /// # Errors
 /// [`Error::Container`] for an invalid container or one of another model; every error of
-/// [`Manifest::decode_bundle`] for its bundle (checked whole before the output is allocated).
+/// [`ContainerHeader::decode_each`].
 pub fn decompress(
     bytes: &[u8],
     specs: Option<&[TensorSpec]>,
     max_elements: u64,
 ) -> Result<Vec<(String, Tensor)>> {
-    let header = ContainerHeader::read(bytes, max_elements)?;
-    if let Some(specs) = specs {
-        header.check_against(specs)?;
-    }
-    let manifest = header.manifest()?;
-    let bundle = &bytes[header.bundle_offset..];
-    // Check the whole bundle before allocating the output.
-    manifest.check_bundle(bundle, None, None)?;
-    let mut flat = Vec::new();
-    flat.try_reserve_exact(manifest.flat_len()).map_err(|_| {
-        Error::container(format!("cannot allocate {} elements", manifest.flat_len()))
+    let header = ContainerHeader::read_for(bytes, specs, max_elements)?;
+    let mut out = Vec::with_capacity(header.tensors.len());
+    header.decode_each(bytes, |t, data| -> Result<()> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(data.len())
+            .map_err(|_| Error::OutOfMemory {
+                tensor: t.name.clone(),
+                elements: data.len(),
+            })?;
+        v.extend_from_slice(data);
+        out.push((t.name.clone(), Tensor::new(t.shape.clone(), v)?));
+        Ok(())
     })?;
-    manifest.decode_bundle(bundle, None, None, &mut flat)?;
-    let mut out = Vec::with_capacity(manifest.tensors().len());
-    for t in manifest.tensors() {
-        let data = flat[t.offset..t.offset + t.numel].to_vec();
-        out.push((t.name.clone(), Tensor::new(t.shape.clone(), data)?));
-    }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
 }
@@ -467,6 +619,22 @@ mod tests {
         }
     }
 
+    /// The header [`crate::tensor::f32_safetensors_header`] writes is `write_safetensors`'s.
+    #[test]
+    fn streamed_safetensors_header_is_write_safetensors_header() {
+        let m = model();
+        let whole = crate::tensor::write_safetensors(&m).unwrap();
+        let head =
+            crate::tensor::f32_safetensors_header(m.iter().map(|(n, t)| (n.as_str(), t.shape())))
+                .unwrap();
+        assert_eq!(&whole[..head.len()], &head[..]);
+        let data: Vec<u8> = m
+            .iter()
+            .flat_map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()))
+            .collect();
+        assert_eq!(&whole[head.len()..], &data[..]);
+    }
+
     /// Fields longer than the layout's length fields are refused, not truncated.
     #[test]
     fn over_long_fields_are_refused() {
@@ -515,7 +683,10 @@ mod tests {
         }
         let out = decompress(&bytes, None, u64::MAX).unwrap();
         assert_eq!(out[1].1, Tensor::scalar(4.0));
-        assert!(ContainerHeader::read(&bytes, 6).is_err());
-        assert!(ContainerHeader::read(&bytes, 7).is_ok());
+        // 7 elements, and the metadata of `a` [2, 3], `b` [] and `c` [0].
+        let charge = 7 + 3 * TENSOR_CHARGE + 3 * NAME_BYTE_CHARGE + 3 * DIMENSION_CHARGE;
+        assert_eq!(model_charge(&specs_of(&m)), charge);
+        assert!(ContainerHeader::read(&bytes, charge - 1).is_err());
+        assert!(ContainerHeader::read(&bytes, charge).is_ok());
     }
 }

@@ -1241,3 +1241,174 @@ fn rewritten_files_keep_their_permissions() {
         listing(&dir)
     );
 }
+
+/// A container of one tensor of `n` elements whose top-k frame keeps none (`k = 0`): a few
+/// dozen bytes, built by hand (FORMAT.md 2, 3.2, 10, 13) so that no `n`-element input is
+/// needed. It decodes to `n` zeros.
+fn zero_bomb(n: u64) -> Vec<u8> {
+    use gradwire::layout::{BucketConfig, Manifest};
+    let method = Method::TopK {
+        k: K::Count(0),
+        values: Values::F32,
+    };
+    let spec = TensorSpec::new("w", vec![usize::try_from(n).unwrap()]);
+    let manifest = Manifest::new(
+        vec![spec.clone()],
+        &CompressionMethod::Core(method),
+        0,
+        BucketConfig::none(),
+    )
+    .unwrap();
+    // Frame: GWRF, version 1, top-k, no flags; n; f32 values, count 0, delta indices (empty).
+    let mut frame = b"GWRF\x01\x01\x00\x00".to_vec();
+    frame.extend_from_slice(&n.to_le_bytes());
+    frame.push(0);
+    frame.extend_from_slice(&0u64.to_le_bytes());
+    frame.push(1);
+    frame.extend_from_slice(&crc32fast::hash(&frame).to_le_bytes());
+    // Bundle: GWBN version 2, rank 0, one entry, step 0.
+    let mut bundle = b"GWBN\x02\x00\x00\x00".to_vec();
+    bundle.extend_from_slice(&0u32.to_le_bytes());
+    bundle.extend_from_slice(&1u32.to_le_bytes());
+    bundle.extend_from_slice(&0u64.to_le_bytes());
+    bundle.extend_from_slice(&manifest.entries()[0].id.to_le_bytes());
+    bundle.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+    bundle.extend_from_slice(&frame);
+    bundle.extend_from_slice(&crc32fast::hash(&bundle).to_le_bytes());
+    gradwire::container::write(&[spec], &method, 0, &bundle).unwrap()
+}
+
+/// Runs gradwire and returns its output and its peak resident memory in bytes (`VmHWM`, read
+/// from `/proc` until it exits; `None` where `/proc` does not say).
+fn run_peak(args: &[&str]) -> (Output, Option<u64>) {
+    let child = Command::new(BIN)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run gradwire");
+    let status = PathBuf::from(format!("/proc/{}/status", child.id()));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut peak = None;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let hwm = fs::read_to_string(&status).ok().and_then(|t| {
+                    let line = t.lines().find(|l| l.starts_with("VmHWM:"))?;
+                    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+                    Some(kb * 1024)
+                });
+                if hwm.is_some() {
+                    peak = peak.max(hwm);
+                }
+                std::thread::sleep(std::time::Duration::from_micros(500));
+            }
+            peak
+        })
+    };
+    let out = child.wait_with_output().unwrap();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    (out, watcher.join().unwrap())
+}
+
+/// Issue 24 item 4 (decompression bomb): a 145-byte container expanded to 268 MB of output at
+/// 790 MB peak memory (the model materialised three times), and the manifest's metadata was not
+/// bounded by `--max-elements` (a 3 MB container of empty tensors took 190 MB before its bundle
+/// was checked). Rebuilds both inputs: a container of one tensor of 2^26 elements that keeps
+/// none, and one of 50,000 empty tensors. The first must decode within `--max-elements` (its
+/// elements and its metadata's charge), at a peak of one copy of the output (plus 64 MiB), its
+/// output file sparse; one element less is refused. The second is refused under
+/// `--max-elements 1000000` (its metadata is charged), before anything is written.
+#[test]
+fn a_decompression_bomb_is_bounded_in_bytes_by_max_elements() {
+    let dir = scratch("bomb");
+    // The hand-built container is what `compress --k 0` writes.
+    let zeros = dir.join("zeros.safetensors");
+    safetensors_file(&zeros, &[("w", Dtype::F32, vec![8], vec![0; 32])]);
+    let small = dir.join("small.gwct");
+    ok(&["compress", s(&zeros), "-o", s(&small), "--k", "0"]);
+    assert_eq!(fs::read(&small).unwrap(), zero_bomb(8));
+
+    let n: u64 = 1 << 26;
+    let bomb = dir.join("bomb.gwct");
+    fs::write(&bomb, zero_bomb(n)).unwrap();
+    assert!(fs::metadata(&bomb).unwrap().len() < 160);
+    let out = dir.join("out.safetensors");
+    let charge = gradwire::container::model_charge(&[TensorSpec::new("w", vec![n as usize])]);
+    let max = charge.to_string();
+    let under = (charge - 1).to_string();
+    fails(
+        &[
+            "decompress",
+            s(&bomb),
+            "-o",
+            s(&out),
+            "--max-elements",
+            &under,
+        ],
+        "--max-elements",
+    );
+    assert!(!out.exists());
+    let (res, peak) = run_peak(&[
+        "decompress",
+        s(&bomb),
+        "-o",
+        s(&out),
+        "--max-elements",
+        &max,
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let len = fs::metadata(&out).unwrap().len();
+    assert!(len >= 4 * n, "{len}");
+    if let Some(peak) = peak {
+        eprintln!("decompress of the bomb: output {len} bytes, peak resident {peak} bytes");
+        assert!(
+            peak < len + (64 << 20),
+            "peak resident memory {peak} bytes for an output of {len} bytes"
+        );
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        let on_disk = fs::metadata(&out).unwrap().blocks() * 512;
+        assert!(on_disk < 1 << 20, "{on_disk} bytes on disk");
+    }
+    // The values read back: the last element too.
+    let bytes = fs::read(&out).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let w = st.tensor("w").unwrap();
+    assert_eq!(w.shape(), &[n as usize]);
+    assert!(w.data().iter().all(|&b| b == 0));
+    drop(bytes);
+    fs::remove_file(&out).unwrap();
+
+    // Metadata: 50,000 empty tensors.
+    let method = Method::TopK {
+        k: K::Count(1),
+        values: Values::F32,
+    };
+    let model: Vec<(String, Tensor)> = (0..50_000)
+        .map(|i| (format!("t{i:05}"), Tensor::new(vec![0], vec![]).unwrap()))
+        .collect();
+    let many = dir.join("many.gwct");
+    fs::write(
+        &many,
+        gradwire::container::compress(&model, method, 0, 0).unwrap(),
+    )
+    .unwrap();
+    for cmd in ["decompress", "inspect"] {
+        let mut args = vec![cmd, s(&many), "--max-elements", "1000000"];
+        if cmd == "decompress" {
+            args.extend(["-o", s(&out)]);
+        }
+        fails(&args, "more than 1000000 elements");
+    }
+    assert!(!out.exists());
+    ok(&["decompress", s(&many), "-o", s(&out)]);
+    assert_eq!(load(&out).len(), 50_000);
+}

@@ -231,7 +231,10 @@ struct DecompressArgs {
     /// Mode of a reference payload (the X-Compression header); default: detected from dtypes.
     #[arg(long, value_name = "MODE")]
     mode: Option<String>,
-    /// Largest model (total elements) a container may declare when no --shapes is given.
+    /// Largest model a container may declare (with --shapes, at least that model): its
+    /// elements plus, per tensor, 256 + 4 per name byte + 16 per dimension for its metadata.
+    /// The output is written tensor by tensor: memory is about 4 bytes per element of the
+    /// largest tensor, the file about 4 per element of the model.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
     max_elements: u64,
 }
@@ -252,7 +255,8 @@ struct InspectArgs {
     /// The model, to report element counts of a reference payload (shapes do not travel).
     #[arg(long, value_name = "MODEL.safetensors")]
     shapes: Option<PathBuf>,
-    /// Largest model (total elements) a container may declare.
+    /// Largest model a container may declare: its elements plus, per tensor, 256 + 4 per name
+    /// byte + 16 per dimension for its metadata.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
     max_elements: u64,
 }
@@ -734,19 +738,37 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
     if layout == Layout::Gradwire && a.mode.is_some() {
         return Err(CliError::usage("--mode applies to the reference layout"));
     }
-    let model: io::Model = match layout {
+    match layout {
         Layout::Gradwire => {
             let specs = a.shapes.as_deref().map(specs_from).transpose()?;
             // With the receiver's model, the container must describe exactly that model
             // (checked before anything is allocated), so the model bounds the output; without
-            // one, the container's own declaration is capped.
-            let max = if specs.is_some() {
-                u64::MAX
-            } else {
-                a.max_elements
+            // one, the container's own declaration is capped. Either way the bound counts the
+            // metadata too, and is checked before anything is allocated from the manifest.
+            let max = match &specs {
+                Some(specs) => container::model_charge(specs).max(a.max_elements),
+                None => a.max_elements,
             };
-            container::decompress(&bytes, specs.as_deref(), max)
-                .map_err(|e| CliError::from(e).in_file(&a.input))?
+            let in_input = |e: gradwire::Error| CliError::from(e).in_file(&a.input);
+            let header = container::ContainerHeader::read_for(&bytes, specs.as_deref(), max)
+                .map_err(in_input)?;
+            let head = io::model_header(
+                header
+                    .tensors
+                    .iter()
+                    .map(|t| (t.name.as_str(), t.shape.as_slice())),
+            )?;
+            // Tensor by tensor: the memory held is the largest tensor's, the file written the
+            // model's; a failure part way removes the temporary file.
+            let staged = io::stage_with(&a.output, |file| {
+                let mut w = io::SparseWriter::new(file, &a.output);
+                w.bytes(&head)?;
+                header
+                    .decode_each(&bytes, |_, values| w.f32s(values))
+                    .map_err(|e: CliError| e.in_file(&a.input))?;
+                w.finish()
+            })?;
+            staged.commit()
         }
         Layout::Reference => {
             let Some(shapes) = &a.shapes else {
@@ -766,15 +788,19 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
             };
             let dense = reference::decode(&bytes, mode, &specs)
                 .map_err(|e| CliError::new(format!("{}: {e}", a.input.display())))?;
-            specs
-                .into_iter()
-                .zip(dense)
-                .map(|(s, d)| Ok((s.name, gradwire::tensor::Tensor::new(s.shape, d)?)))
-                .collect::<Result<_, CliError>>()?
+            let head =
+                io::model_header(specs.iter().map(|s| (s.name.as_str(), s.shape.as_slice())))?;
+            let staged = io::stage_with(&a.output, |file| {
+                let mut w = io::SparseWriter::new(file, &a.output);
+                w.bytes(&head)?;
+                for d in &dense {
+                    w.f32s(d)?;
+                }
+                w.finish()
+            })?;
+            staged.commit()
         }
-    };
-    let out = io::model_bytes(&model)?;
-    io::write_all_atomic(&[(a.output.as_path(), &out)])
+    }
 }
 
 fn inspect(a: &InspectArgs) -> Result<(), CliError> {

@@ -3,7 +3,7 @@
 //! output or state file.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use gradwire::tensor::Tensor;
@@ -59,11 +59,79 @@ pub fn parse_shapes(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>
     Ok(shapes)
 }
 
-/// Serializes tensors as a float32 safetensors file
-/// ([`gradwire::tensor::write_safetensors`]).
-pub fn model_bytes(model: &[(String, Tensor)]) -> Result<Vec<u8>, CliError> {
-    gradwire::tensor::write_safetensors(model)
+/// The header of a float32 safetensors file of `tensors` (`(name, shape)`, in data order;
+/// [`gradwire::tensor::f32_safetensors_header`]).
+pub fn model_header<'a>(
+    tensors: impl ExactSizeIterator<Item = (&'a str, &'a [usize])>,
+) -> Result<Vec<u8>, CliError> {
+    gradwire::tensor::f32_safetensors_header(tensors)
         .map_err(|e| CliError::new(format!("cannot serialize safetensors: {e}")))
+}
+
+/// Writes a new file front to back, with the values of float32 tensors converted in blocks of
+/// 64 KiB (no second copy of a tensor), seeking over blocks that are all zero bits: the file is
+/// new, so a hole reads as zeros, and a sparse model stays small on disk.
+pub struct SparseWriter<'f> {
+    file: &'f mut File,
+    path: &'f Path,
+    pos: u64,
+    hole: bool,
+    block: Vec<u8>,
+}
+
+/// Elements per block of [`SparseWriter::f32s`].
+const BLOCK: usize = 1 << 14;
+
+impl<'f> SparseWriter<'f> {
+    /// A writer at the start of `file` (new and empty), which is `path` for messages.
+    pub fn new(file: &'f mut File, path: &'f Path) -> Self {
+        SparseWriter {
+            file,
+            path,
+            pos: 0,
+            hole: false,
+            block: Vec::with_capacity(BLOCK * 4),
+        }
+    }
+
+    fn err(&self, e: &std::io::Error) -> CliError {
+        CliError::io("cannot write", self.path, e)
+    }
+
+    /// Writes `bytes` at the current position.
+    pub fn bytes(&mut self, bytes: &[u8]) -> Result<(), CliError> {
+        if self.hole {
+            self.file
+                .seek(SeekFrom::Start(self.pos))
+                .map_err(|e| self.err(&e))?;
+            self.hole = false;
+        }
+        self.file.write_all(bytes).map_err(|e| self.err(&e))?;
+        self.pos += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Writes `values` as little-endian f32.
+    pub fn f32s(&mut self, values: &[f32]) -> Result<(), CliError> {
+        let mut block = std::mem::take(&mut self.block);
+        for chunk in values.chunks(BLOCK) {
+            if chunk.iter().all(|v| v.to_bits() == 0) {
+                self.pos += chunk.len() as u64 * 4;
+                self.hole = true;
+                continue;
+            }
+            block.clear();
+            block.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+            self.bytes(&block)?;
+        }
+        self.block = block;
+        Ok(())
+    }
+
+    /// Ends the file at the current position (a trailing hole included).
+    pub fn finish(self) -> Result<(), CliError> {
+        self.file.set_len(self.pos).map_err(|e| self.err(&e))
+    }
 }
 
 /// A file written next to its target, not yet renamed over it. Dropping it removes it.
