@@ -1412,3 +1412,70 @@ fn a_decompression_bomb_is_bounded_in_bytes_by_max_elements() {
     ok(&["decompress", s(&many), "-o", s(&out)]);
     assert_eq!(load(&out).len(), 50_000);
 }
+
+/// Issue 24 item 5 (`compress --residual` not atomic): output and state were renamed one after
+/// the other; when the second rename failed, the new output stood next to the old state, and
+/// the next run (the next step's gradients) sent the same residual again. Rebuilds that pair:
+/// a step's output with the state from before the step. The next step must be refused, naming
+/// the interrupted run; the rerun of the interrupted step with its own gradients must complete
+/// the pair (output and state byte for byte those of an uninterrupted run); after that the next
+/// step goes on. The reference layout keeps its pair the same way.
+#[test]
+fn an_interrupted_residual_step_is_refused_not_sent_twice() {
+    let dir = scratch("residual_pair");
+    let g = grads_path();
+    // The next step's gradients: the same tensors, other values.
+    let g2 = dir.join("next.safetensors");
+    let mut next = load(&g);
+    for (_, t) in &mut next {
+        for v in t.data_mut() {
+            *v *= -0.5;
+        }
+    }
+    fs::write(&g2, gradwire::tensor::write_safetensors(&next).unwrap()).unwrap();
+    for layout in ["gradwire", "reference"] {
+        let (out, state) = (dir.join("out"), dir.join("state.safetensors"));
+        let _ = fs::remove_file(&out);
+        let _ = fs::remove_file(&state);
+        let step = |grads: &Path| -> Vec<String> {
+            [
+                "compress",
+                s(grads),
+                "-o",
+                s(&out),
+                "--residual",
+                s(&state),
+                "--layout",
+                layout,
+            ]
+            .map(str::to_owned)
+            .to_vec()
+        };
+        fn args(v: &[String]) -> Vec<&str> {
+            v.iter().map(String::as_str).collect()
+        }
+        let a0 = step(&g);
+        ok(&args(&a0));
+        let before = fs::read(&state).unwrap();
+        // Step 1, uninterrupted: its output and state.
+        ok(&args(&step(&g2)));
+        let (out1, state2) = (fs::read(&out).unwrap(), fs::read(&state).unwrap());
+        // The interrupted step 1: its output renamed, the state's rename failed.
+        fs::write(&state, &before).unwrap();
+        fails(
+            &args(&step(&g)),
+            "a run was interrupted after writing the output and before the state",
+        );
+        assert_eq!(fs::read(&out).unwrap(), out1, "{layout}");
+        assert_eq!(fs::read(&state).unwrap(), before, "{layout}");
+        // Its rerun completes the pair.
+        ok(&args(&step(&g2)));
+        assert_eq!(fs::read(&out).unwrap(), out1, "{layout}");
+        assert_eq!(fs::read(&state).unwrap(), state2, "{layout}");
+        // And the next step goes on.
+        ok(&args(&step(&g)));
+        // A state that has the output's digest, next to an unrelated file at -o.
+        fs::write(&out, b"another file").unwrap();
+        fails(&args(&step(&g2)), "or -o names another file");
+    }
+}

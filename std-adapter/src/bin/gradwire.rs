@@ -25,9 +25,14 @@
 //! the same method, seed and step; a state written before checkpoint version 3 holds no shapes
 //! and is matched by length until this step stores them), compresses
 //! `gradient + residual`, and rewrites the state. Outputs and state files are written to a
-//! temporary file in the same directory and renamed, so a failure never leaves a half-written
-//! file. A failure prints one line, `gradwire: error: ...`, on stderr and exits with status 1
-//! (2 for invalid command lines).
+//! temporary file in the same directory and renamed (keeping the permissions of the file they
+//! replace), so a failure never leaves a half-written file. Output and state are one pair: the
+//! output is renamed first, then the state, which records the output's length and SHA-256
+//! (FORMAT.md 12.2); a step whose `-o` exists and is not the state's output (a run interrupted
+//! between the two renames) is refused, unless it is the rerun of that step with the same
+//! gradients, which completes the pair. A failure prints one line, `gradwire: error: ...`, on
+//! stderr (control characters escaped as `\u{..}`) and exits with status 1 (2 for invalid
+//! command lines).
 #![forbid(unsafe_code)]
 
 #[path = "gradwire/io.rs"]
@@ -206,7 +211,8 @@ struct CompressArgs {
     /// match the state's step.
     #[arg(long, value_name = "N")]
     step: Option<u64>,
-    /// Error-feedback state: read when it exists, rewritten after the step.
+    /// Error-feedback state: read when it exists, rewritten after the step (it records the
+    /// output's SHA-256: an existing -o that is not its output is refused).
     #[arg(long, value_name = "STATE.safetensors")]
     residual: Option<PathBuf>,
     /// Output layout.
@@ -475,9 +481,113 @@ fn reference_mode_of(a: &CompressArgs) -> Result<(Mode, f64), CliError> {
     Ok((mode, ratio))
 }
 
+/// The `__metadata__` entry of a `--residual` state that holds the SHA-256 (64 lowercase hex
+/// digits) of the output written with it. (Not a CRC-32: an output that ends with its own
+/// CRC-32, as a container does, has the same CRC-32 as every other output of its length.)
+const OUTPUT_SHA256: &str = "output_sha256";
+/// The entry that holds the output's length in bytes (decimal).
+const OUTPUT_LEN: &str = "output_len";
+
+/// The output a state belongs to: the SHA-256 and length of the file written in the same run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct OutputDigest {
+    sha256: [u8; 32],
+    len: u64,
+}
+
+impl OutputDigest {
+    fn of(bytes: &[u8]) -> Self {
+        use sha2::Digest;
+        OutputDigest {
+            sha256: sha2::Sha256::digest(bytes).into(),
+            len: bytes.len() as u64,
+        }
+    }
+
+    /// The digest of the file at `path`, read in blocks; `None` when it does not exist.
+    fn of_file(path: &Path) -> Result<Option<Self>, CliError> {
+        use sha2::Digest;
+        use std::io::Read;
+        let mut file = match std::fs::File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(CliError::io("cannot read", path, &e)),
+        };
+        let mut hasher = sha2::Sha256::new();
+        let mut block = vec![0u8; 1 << 20];
+        let mut len = 0u64;
+        loop {
+            match file.read(&mut block) {
+                Ok(0) => break,
+                Ok(n) => {
+                    hasher.update(&block[..n]);
+                    len += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(CliError::io("cannot read", path, &e)),
+            }
+        }
+        Ok(Some(OutputDigest {
+            sha256: hasher.finalize().into(),
+            len,
+        }))
+    }
+
+    fn hex(&self) -> String {
+        self.sha256.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn from_text(sha256: &str, len: &str) -> Option<Self> {
+        let len = len.parse().ok()?;
+        if sha256.len() != 64
+            || !sha256
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
+            return None;
+        }
+        let mut d = [0u8; 32];
+        for (i, b) in d.iter_mut().enumerate() {
+            *b = u8::from_str_radix(sha256.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(OutputDigest { sha256: d, len })
+    }
+
+    /// The digest a state's bytes record (`None` for a state written without one: by the
+    /// library, or by an older build).
+    fn recorded(path: &Path, state: &[u8]) -> Result<Option<Self>, CliError> {
+        let Ok((header, _)) = gradwire::safetensors_reader::read_header(state) else {
+            return Ok(None);
+        };
+        let meta = header.metadata().as_ref();
+        let get = |key| meta.and_then(|m| m.get(key));
+        match (get(OUTPUT_SHA256), get(OUTPUT_LEN)) {
+            (None, None) => Ok(None),
+            (Some(d), Some(l)) => OutputDigest::from_text(d, l).map(Some).ok_or_else(|| {
+                CliError::new(format!(
+                    "{}: residual state: metadata `{OUTPUT_SHA256}` = `{d}`, `{OUTPUT_LEN}` = \
+                     `{l}` are not a SHA-256 in hex and a u64",
+                    path.display()
+                ))
+            }),
+            _ => Err(CliError::new(format!(
+                "{}: residual state has one of `{OUTPUT_SHA256}` and `{OUTPUT_LEN}` without \
+                 the other",
+                path.display()
+            ))),
+        }
+    }
+}
+
+/// A state loaded for `--residual`: the residuals, and the output it was written with.
+struct State {
+    feedback: ErrorFeedback,
+    output: Option<OutputDigest>,
+}
+
 /// Loads the error-feedback state at `path` if it exists (its seed must be `seed` when one is
 /// given), or starts a new one (seed 0 unless given).
-fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<ErrorFeedback, CliError> {
+fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<State, CliError> {
     match std::fs::read(path) {
         Ok(bytes) => {
             let fb = ErrorFeedback::from_bytes(&bytes).map_err(|e| {
@@ -496,13 +606,61 @@ fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<ErrorFee
                     fb.seed()
                 )));
             }
-            Ok(fb)
+            Ok(State {
+                feedback: fb,
+                output: OutputDigest::recorded(path, &bytes)?,
+            })
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            Ok(ErrorFeedback::new(method, seed.unwrap_or(0))?)
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(State {
+            feedback: ErrorFeedback::new(method, seed.unwrap_or(0))?,
+            output: None,
+        }),
         Err(e) => Err(CliError::io("cannot read", path, &e)),
     }
+}
+
+/// The state and the output are one pair: the output is renamed into place first, then the
+/// state, which records the output's digest. A failure between the two renames leaves the new
+/// output with the old state; its next step would send the residual that output already
+/// carries a second time. So when `-o` exists and is not the output the state records, this
+/// step is refused, unless the new output is that file byte for byte (SHA-256 and length): the
+/// rerun, with the same gradients, of the step that was interrupted, which then completes the
+/// pair.
+fn check_pair(
+    state: &Path,
+    recorded: Option<OutputDigest>,
+    output: &Path,
+    new: &[u8],
+) -> Result<(), CliError> {
+    let Some(recorded) = recorded else {
+        return Ok(());
+    };
+    let Some(existing) = OutputDigest::of_file(output)? else {
+        return Ok(());
+    };
+    if existing == recorded || existing == OutputDigest::of(new) {
+        return Ok(());
+    }
+    Err(CliError::new(format!(
+        "{}: residual state belongs to an output of {} bytes with SHA-256 {}, but {} ({} \
+         bytes, SHA-256 {}) is another file: a run was interrupted after writing the output \
+         and before the state (rerun that step with the same gradients to complete it), or -o \
+         names another file (remove it, or choose another path)",
+        state.display(),
+        recorded.len,
+        &recorded.hex()[..16],
+        output.display(),
+        existing.len,
+        &existing.hex()[..16]
+    )))
+}
+
+/// The bytes of the state `feedback` after a step whose output is `out`: the checkpoint with
+/// the output's digest.
+fn state_bytes(feedback: &ErrorFeedback, out: &[u8]) -> Result<Vec<u8>, CliError> {
+    let d = OutputDigest::of(out);
+    let (sha, len) = (d.hex(), d.len.to_string());
+    Ok(feedback.to_bytes_with_metadata(&[(OUTPUT_LEN, &len), (OUTPUT_SHA256, &sha)])?)
 }
 
 fn check_state_method(path: &Path, fb: &ErrorFeedback, method: &Method) -> Result<(), CliError> {
@@ -609,7 +767,10 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
             ),
             Some(path) => {
                 let method = reference::feedback_method(mode, ratio);
-                let mut fb = load_state(path, method, a.seed)?;
+                let State {
+                    feedback: mut fb,
+                    output,
+                } = load_state(path, method, a.seed)?;
                 check_state_method(path, &fb, &method)?;
                 check_state_step(path, &fb, a.step)?;
                 check_state_names(path, &fb, &model)?;
@@ -617,7 +778,9 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
                     reference::compress_with_error_feedback(&inputs, &mut fb, mode, ratio)
                         .map_err(CliError::from)
                         .map_err(in_input)?;
-                (payload, Some(fb.to_bytes()?))
+                check_pair(path, output, &a.output, &payload)?;
+                let state = state_bytes(&fb, &payload)?;
+                (payload, Some(state))
             }
         },
         Plan::Gradwire(method) => match &a.residual {
@@ -628,18 +791,24 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
                 None,
             ),
             Some(path) => {
-                let mut fb = load_state(path, method, a.seed)?;
+                let State {
+                    feedback: mut fb,
+                    output,
+                } = load_state(path, method, a.seed)?;
                 check_state_method(path, &fb, &method)?;
                 check_state_step(path, &fb, a.step)?;
                 check_state_names(path, &fb, &model)?;
                 let out = container::compress_with_feedback(&model, &mut fb)
                     .map_err(CliError::from)
                     .map_err(in_input)?;
-                (out, Some(fb.to_bytes()?))
+                check_pair(path, output, &a.output, &out)?;
+                let state = state_bytes(&fb, &out)?;
+                (out, Some(state))
             }
         },
     };
     match (&a.residual, &state) {
+        // The output first, then the state that records it (see `check_pair`).
         (Some(path), Some(state)) => {
             io::write_all_atomic(&[(a.output.as_path(), &out), (path.as_path(), state)])
         }

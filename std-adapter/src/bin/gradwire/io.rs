@@ -142,11 +142,23 @@ pub struct Staged {
 }
 
 impl Staged {
-    /// Renames the temporary file over the target.
+    /// Renames the temporary file over the target, then flushes the directory (on Unix), so
+    /// that a rename is on disk before the next one: files committed one after the other reach
+    /// the disk in that order.
     pub fn commit(mut self) -> Result<(), CliError> {
         fs::rename(&self.temp, &self.target)
             .map_err(|e| CliError::io("cannot write", &self.target, &e))?;
         self.done = true;
+        #[cfg(unix)]
+        {
+            let dir = match self.target.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => Path::new("."),
+            };
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| CliError::io("cannot write", &self.target, &e))?;
+        }
         Ok(())
     }
 }
@@ -235,8 +247,11 @@ pub fn stage_with(
     Ok(staged)
 }
 
-/// Writes every `(target, bytes)` atomically: all temporary files first, then the renames, so
-/// a failure while writing leaves every target as it was.
+/// Writes every `(target, bytes)` atomically: all temporary files first, then the renames in
+/// the order given, so a failure while writing leaves every target as it was. (A failure
+/// between two renames leaves the first target new and the next old: `compress --residual`
+/// writes its output first and then the state, which records the output's digest, and checks
+/// the pair on its next run.)
 pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<(), CliError> {
     let staged = files
         .iter()
