@@ -46,6 +46,7 @@ use gradwire_core::Method;
 use crate::compressor::GradientCompressor;
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
+use crate::layout::bundle::BundleWriter;
 use crate::layout::{BucketConfig, Manifest, ManifestTensor, TensorSpec};
 use crate::method::{self, CompressionMethod};
 use crate::tensor::Tensor;
@@ -99,6 +100,7 @@ fn specs_of(model: &[(String, Tensor)]) -> Vec<TensorSpec> {
         .collect()
 }
 
+#[cfg(test)]
 fn grads_of(model: &[(String, Tensor)]) -> HashMap<String, Tensor> {
     model.iter().map(|(n, t)| (n.clone(), t.clone())).collect()
 }
@@ -110,6 +112,14 @@ fn grads_of(model: &[(String, Tensor)]) -> HashMap<String, Tensor> {
 /// [`Error::Container`] when the method text, a name, a shape's rank or the tensor list is
 /// too long for the layout's length fields.
 pub fn write(specs: &[TensorSpec], method: &Method, seed: u64, bundle: &[u8]) -> Result<Vec<u8>> {
+    let mut out = head(specs, method, seed)?;
+    out.reserve_exact(bundle.len());
+    out.extend_from_slice(bundle);
+    Ok(out)
+}
+
+/// The container bytes before the bundle (prefix, manifest section, CRC-32), as [`write`].
+fn head(specs: &[TensorSpec], method: &Method, seed: u64) -> Result<Vec<u8>> {
     let too_long = |what: &str| Error::Container {
         reason: format!("{what} is too long for the container"),
     };
@@ -134,14 +144,13 @@ pub fn write(specs: &[TensorSpec], method: &Method, seed: u64, bundle: &[u8]) ->
         }
     }
     let m = u32::try_from(section.len()).map_err(|_| too_long("the manifest"))?;
-    let mut out = Vec::with_capacity(PREFIX_LEN + section.len() + CRC_LEN + bundle.len());
+    let mut out = Vec::with_capacity(PREFIX_LEN + section.len() + CRC_LEN);
     out.extend_from_slice(&CONTAINER_MAGIC);
     out.extend_from_slice(&[CONTAINER_VERSION, 0, 0, 0]);
     out.extend_from_slice(&m.to_le_bytes());
     out.extend_from_slice(&section);
     let crc = crc32fast::hash(&out);
     out.extend_from_slice(&crc.to_le_bytes());
-    out.extend_from_slice(bundle);
     Ok(out)
 }
 
@@ -149,7 +158,7 @@ pub fn write(specs: &[TensorSpec], method: &Method, seed: u64, bundle: &[u8]) ->
 /// container (rank 0's bundle).
 ///
 /// # Errors
-/// As [`GradientCompressor::compress_bundle`] and [`write`].
+/// As [`compress_each`].
 pub fn compress(
     model: &[(String, Tensor)],
     method: Method,
@@ -157,37 +166,133 @@ pub fn compress(
     step: u64,
 ) -> Result<Vec<u8>> {
     let specs = specs_of(model);
-    let manifest = manifest_of(specs.clone(), method, seed)?;
-    let mut c = GradientCompressor::new(CompressionMethod::Core(method))
-        .with_seed(seed)
-        .with_step(step);
-    let mut bundle = Vec::new();
-    c.compress_bundle(&manifest, &grads_of(model), 0, &mut bundle)?;
-    write(&specs, &method, seed, &bundle)
+    let (out, _) = compress_each(&specs, method, seed, step, None, |i, _| {
+        Ok::<_, Error>(model[i].1.clone())
+    })?;
+    Ok(out)
 }
 
 /// One error-feedback step of `model` into a container; `feedback` (its method, seed, step and
 /// residuals) is updated only when the step succeeds.
 ///
 /// # Errors
-/// As [`compress`]; as [`GradientCompressor::restore_feedback`].
+/// As [`compress_each`].
 pub fn compress_with_feedback(
     model: &[(String, Tensor)],
     feedback: &mut ErrorFeedback,
 ) -> Result<Vec<u8>> {
-    let method = *feedback.method();
-    let seed = feedback.seed();
     let specs = specs_of(model);
-    let manifest = manifest_of(specs.clone(), method, seed)?;
-    let mut c = GradientCompressor::new(CompressionMethod::Core(method).with_error_feedback());
-    c.restore_feedback(feedback.clone())?;
-    let mut bundle = Vec::new();
-    c.compress_bundle(&manifest, &grads_of(model), 0, &mut bundle)?;
-    let out = write(&specs, &method, seed, &bundle)?;
-    if let Some(fb) = c.take_feedback() {
+    let (method, seed, step) = (*feedback.method(), feedback.seed(), feedback.step());
+    let (out, fb) = compress_each(
+        &specs,
+        method,
+        seed,
+        step,
+        Some(feedback.clone()),
+        |i, _| Ok::<_, Error>(model[i].1.clone()),
+    )?;
+    if let Some(fb) = fb {
         *feedback = fb;
     }
     Ok(out)
+}
+
+/// Compresses a model one tensor at a time into a container (rank 0's bundle) at `step`:
+/// `next(i, spec)` gives tensor `i` of `specs` (bundle order, increasing byte-wise order of
+/// names), and is called once per tensor, in order, after the previous tensor's frame is made:
+/// so the memory held is one tensor, its frame and the bundle so far, never the model. The
+/// bytes are those of [`crate::GradientCompressor::compress_bundle`] over the whole model (a
+/// frame depends only on its tensor, the method, the seed, the step and its label).
+///
+/// With `feedback` (made with `method`; its seed and step must be `seed` and `step`), each
+/// tensor's step runs on its own residual, and the updated state is returned. On error the
+/// state is dropped: the caller keeps the old one (so the step is all or nothing for it).
+///
+/// # Errors
+/// [`Error::Config`] for a `feedback` of another method, seed or step; every error of
+/// [`Manifest::new`] for `specs`; [`Error::ShapeMismatch`] when `next` gives a tensor of
+/// another shape; as [`crate::GradientCompressor::compress_bundle`] for each tensor (a NaN,
+/// a value beyond the method's range, a residual of another length or shape); any error of
+/// `next`; as [`write`].
+pub fn compress_each<E: From<Error>>(
+    specs: &[TensorSpec],
+    method: Method,
+    seed: u64,
+    step: u64,
+    mut feedback: Option<ErrorFeedback>,
+    mut next: impl FnMut(usize, &TensorSpec) -> std::result::Result<Tensor, E>,
+) -> std::result::Result<(Vec<u8>, Option<ErrorFeedback>), E> {
+    if let Some(fb) = &feedback
+        && (*fb.method() != method || fb.seed() != seed || fb.step() != step)
+    {
+        return Err(Error::config(format!(
+            "the error-feedback state is for method `{}`, seed {}, step {}; the step uses \
+             `{}`, seed {seed}, step {step}",
+            method::format(fb.method()),
+            fb.seed(),
+            fb.step(),
+            method::format(&method)
+        ))
+        .into());
+    }
+    let manifest = manifest_of(specs.to_vec(), method, seed)?;
+    let entries = u32::try_from(manifest.entries().len())
+        .map_err(|_| Error::config("the model is too large for one bundle"))?;
+    let rank = 0;
+    let mut bundle = Vec::new();
+    let mut writer = BundleWriter::begin(&mut bundle, rank, entries, step);
+    let mut one_bundle = Vec::new();
+    let core = CompressionMethod::Core(method);
+    for (i, spec) in specs.iter().enumerate() {
+        let tensor = next(i, spec)?;
+        if tensor.shape() != spec.shape.as_slice() {
+            return Err(Error::ShapeMismatch {
+                tensor: spec.name.clone(),
+                rank: None,
+                expected: spec.shape.clone(),
+                got: tensor.shape().to_vec(),
+            }
+            .into());
+        }
+        // The manifest of this tensor alone: its entry (id, label, parameters) is the same as
+        // in the model's manifest.
+        let one = manifest_of(vec![spec.clone()], method, seed)?;
+        let mut c = match feedback.as_mut() {
+            Some(fb) => {
+                let mut c = GradientCompressor::new(core.clone().with_error_feedback());
+                c.restore_feedback(fb.split_off(&spec.name))?;
+                c
+            }
+            None => GradientCompressor::new(core.clone())
+                .with_seed(seed)
+                .with_step(step),
+        };
+        let mut grads = HashMap::with_capacity(1);
+        grads.insert(spec.name.clone(), tensor);
+        let done = c.compress_bundle(&one, &grads, 0, &mut one_bundle);
+        // Whatever happened, the residual goes back (on error the whole state is dropped).
+        if let (Some(fb), Some(part)) = (feedback.as_mut(), c.take_feedback()) {
+            fb.absorb(part);
+        }
+        done?;
+        drop(grads);
+        let id = manifest.entries()[i].id;
+        one.walk(&one_bundle, None, |_, frame| {
+            writer.push(id, frame);
+            Ok(())
+        })?;
+    }
+    writer.finish();
+    drop(one_bundle);
+    if let Some(fb) = feedback.as_mut() {
+        fb.advance();
+    }
+    // The head goes in front of the bundle in place (no second copy of the bundle unless its
+    // buffer has no room left).
+    let head = head(specs, &method, seed)?;
+    bundle.reserve_exact(head.len());
+    bundle.splice(0..0, head);
+    Ok((bundle, feedback))
 }
 
 /// A little-endian reader over the manifest section.

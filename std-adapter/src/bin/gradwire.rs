@@ -6,7 +6,7 @@
 //!          [--ratio R | --k K | --threshold T] [--bits B] [--block N]
 //!          [--values f32|f16|bf16|int8]
 //!          [--stochastic] [--seed S] [--step N] [--residual STATE.safetensors]
-//!          [--layout gradwire|reference]
+//!          [--layout gradwire|reference] [--max-elements N]
 //! gradwire decompress IN -o OUT.safetensors [--layout gradwire|reference]
 //!          [--shapes MODEL.safetensors] [--mode none|topk|topk-int8] [--max-elements N]
 //! gradwire inspect IN [--json] [--layout gradwire|reference] [--shapes MODEL.safetensors]
@@ -218,6 +218,12 @@ struct CompressArgs {
     /// Output layout.
     #[arg(long, value_enum, default_value_t = Layout::Gradwire)]
     layout: Layout,
+    /// Largest model the input may hold: its elements plus, per tensor, 256, 4 per name byte
+    /// and 16 per dimension for its metadata; checked from the safetensors header before any
+    /// tensor is read. Tensors are then read and compressed one at a time (gradwire layout):
+    /// memory is about one tensor's f32 plus the output.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
+    max_elements: u64,
 }
 
 #[derive(Args, Debug)]
@@ -693,9 +699,13 @@ fn check_state_step(path: &Path, fb: &ErrorFeedback, step: Option<u64>) -> Resul
 /// the file's tensors is another model's too. A residual that remembers its tensor's shape must
 /// have it still (a transposed weight has the same length; its residual would be added to the
 /// wrong coordinates).
-fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Result<(), CliError> {
+fn check_state_names(
+    path: &Path,
+    fb: &ErrorFeedback,
+    model: &[TensorSpec],
+) -> Result<(), CliError> {
     if fb.residuals().next().is_some()
-        && let Some((name, _)) = model.iter().find(|(name, _)| fb.residual(name).is_none())
+        && let Some(TensorSpec { name, .. }) = model.iter().find(|t| fb.residual(&t.name).is_none())
     {
         return Err(CliError::new(format!(
             "{}: residual state holds no residual for tensor `{name}` of the gradients file (a \
@@ -704,14 +714,14 @@ fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Resu
         )));
     }
     for (name, residual) in fb.residuals() {
-        let Ok(at) = model.binary_search_by(|(n, _)| n.as_str().cmp(name)) else {
+        let Ok(at) = model.binary_search_by(|t| t.name.as_str().cmp(name)) else {
             return Err(CliError::new(format!(
                 "{}: residual state holds tensor `{name}`, which the gradients file does not \
                  have (a state of another model?)",
                 path.display()
             )));
         };
-        let numel = model[at].1.data().len();
+        let numel = model[at].shape.iter().product::<usize>();
         if residual.len() != numel {
             return Err(CliError::new(format!(
                 "{}: residual state holds {} elements for tensor `{name}`, the gradients file \
@@ -720,7 +730,7 @@ fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Resu
                 residual.len()
             )));
         }
-        let shape = model[at].1.shape();
+        let shape = model[at].shape.as_slice();
         if let Some(known) = fb.residual_shape(name)
             && known != shape
         {
@@ -749,58 +759,77 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
     inputs.extend(Some(("input", a.input.as_path())).filter(|(_, p)| p.exists()));
     inputs.extend(a.residual.as_deref().map(|r| ("--residual state", r)));
     check_output(&a.output, &inputs)?;
-    let bytes = io::read(&a.input)?;
-    let model = io::parse_model(&a.input, &bytes)?;
-    let inputs: Vec<reference::Input<'_>> = model
-        .iter()
-        .map(|(n, t)| (n.as_str(), t.shape(), t.data()))
-        .collect();
+    // The header first: every tensor float32, the model within --max-elements; then the
+    // tensors one at a time.
+    let mut input = io::Input::open(&a.input, a.max_elements)?;
+    let specs = input.specs();
     // Errors of the compression itself (a NaN, a value out of range) are about the input file.
     let in_input = |e: CliError| e.in_file(&a.input);
     let (out, state) = match plan {
-        Plan::Reference(mode, ratio) => match &a.residual {
-            None => (
-                reference::compress(&inputs, mode, ratio)
-                    .map_err(CliError::from)
-                    .map_err(in_input)?,
-                None,
-            ),
-            Some(path) => {
-                let method = reference::feedback_method(mode, ratio);
-                let State {
-                    feedback: mut fb,
-                    output,
-                } = load_state(path, method, a.seed)?;
-                check_state_method(path, &fb, &method)?;
-                check_state_step(path, &fb, a.step)?;
-                check_state_names(path, &fb, &model)?;
-                let payload =
-                    reference::compress_with_error_feedback(&inputs, &mut fb, mode, ratio)
+        Plan::Reference(mode, ratio) => {
+            // The reference layout's functions take the whole model: one copy of it (the
+            // file's bytes are not held).
+            let model = (0..specs.len())
+                .map(|i| Ok((specs[i].name.clone(), input.read(i)?)))
+                .collect::<Result<io::Model, CliError>>()?;
+            let inputs: Vec<reference::Input<'_>> = model
+                .iter()
+                .map(|(n, t)| (n.as_str(), t.shape(), t.data()))
+                .collect();
+            match &a.residual {
+                None => (
+                    reference::compress(&inputs, mode, ratio)
                         .map_err(CliError::from)
-                        .map_err(in_input)?;
-                check_pair(path, output, &a.output, &payload)?;
-                let state = state_bytes(&fb, &payload)?;
-                (payload, Some(state))
+                        .map_err(in_input)?,
+                    None,
+                ),
+                Some(path) => {
+                    let method = reference::feedback_method(mode, ratio);
+                    let State {
+                        feedback: mut fb,
+                        output,
+                    } = load_state(path, method, a.seed)?;
+                    check_state_method(path, &fb, &method)?;
+                    check_state_step(path, &fb, a.step)?;
+                    check_state_names(path, &fb, &specs)?;
+                    let payload =
+                        reference::compress_with_error_feedback(&inputs, &mut fb, mode, ratio)
+                            .map_err(CliError::from)
+                            .map_err(in_input)?;
+                    check_pair(path, output, &a.output, &payload)?;
+                    let state = state_bytes(&fb, &payload)?;
+                    (payload, Some(state))
+                }
             }
-        },
+        }
+        // Tensor by tensor: one tensor's values in memory at a time, and the output.
         Plan::Gradwire(method) => match &a.residual {
-            None => (
-                container::compress(&model, method, a.seed.unwrap_or(0), a.step.unwrap_or(0))
-                    .map_err(CliError::from)
-                    .map_err(in_input)?,
-                None,
-            ),
+            None => {
+                let (seed, step) = (a.seed.unwrap_or(0), a.step.unwrap_or(0));
+                let (out, _) =
+                    container::compress_each(&specs, method, seed, step, None, |i, _| {
+                        input.read(i)
+                    })
+                    .map_err(in_input)?;
+                (out, None)
+            }
             Some(path) => {
                 let State {
-                    feedback: mut fb,
+                    feedback: fb,
                     output,
                 } = load_state(path, method, a.seed)?;
                 check_state_method(path, &fb, &method)?;
                 check_state_step(path, &fb, a.step)?;
-                check_state_names(path, &fb, &model)?;
-                let out = container::compress_with_feedback(&model, &mut fb)
-                    .map_err(CliError::from)
+                check_state_names(path, &fb, &specs)?;
+                let (seed, step) = (fb.seed(), fb.step());
+                let (out, fb) =
+                    container::compress_each(&specs, method, seed, step, Some(fb), |i, _| {
+                        input.read(i)
+                    })
                     .map_err(in_input)?;
+                let Some(fb) = fb else {
+                    return Err(CliError::new("the error-feedback state was lost"));
+                };
                 check_pair(path, output, &a.output, &out)?;
                 let state = state_bytes(&fb, &out)?;
                 (out, Some(state))

@@ -1,11 +1,13 @@
-//! Files: reading inputs, float32 safetensors models, and atomic writes (a temporary file in the
+//! Files: reading inputs (a gradients file one tensor at a time), writing float32 safetensors
+//! models tensor by tensor, and atomic writes (a temporary file in the
 //! same directory, renamed over the target), so that a failure never leaves a half-written
 //! output or state file.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+use gradwire::TensorSpec;
 use gradwire::tensor::Tensor;
 
 use crate::CliError;
@@ -28,22 +30,129 @@ pub fn safetensors_error(path: &Path, what: &str, e: &safetensors::SafeTensorErr
     ))
 }
 
-/// Parses a safetensors file of float32 tensors (a gradient or a model), sorted by name
-/// ([`gradwire::tensor::read_safetensors`]).
-pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
-    if super::container::is_container(bytes) {
-        return Err(CliError::new(format!(
-            "{}: a gradwire container, not a safetensors file of float32 tensors (decompress it \
-             first)",
-            path.display()
-        )));
-    }
-    gradwire::tensor::read_safetensors(bytes).map_err(|e| match e {
-        gradwire::Error::Safetensors { source } => {
-            safetensors_error(path, "not a valid safetensors file", &source)
+/// A safetensors file of float32 tensors (a gradients file) open for reading one tensor at a
+/// time: its header is read and checked, nothing of its data.
+pub struct Input {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    /// Names and shapes, sorted by name, with the byte range of each in the data section.
+    tensors: Vec<(TensorSpec, (usize, usize))>,
+}
+
+impl Input {
+    /// Opens `path` and reads its header: every tensor must be float32 (the first that is not,
+    /// in file order, is named), and the model (elements, and the metadata charge of
+    /// [`gradwire::container::charged_elements`]) at most `max_elements`, checked before any
+    /// tensor data is read.
+    pub fn open(path: &Path, max_elements: u64) -> Result<Input, CliError> {
+        let mut file = File::open(path).map_err(|e| CliError::io("cannot read", path, &e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| CliError::io("cannot read", path, &e))?
+            .len();
+        let mut magic = [0u8; 4];
+        if len >= 4 {
+            file.read_exact(&mut magic)
+                .and_then(|()| file.seek(SeekFrom::Start(0)).map(|_| ()))
+                .map_err(|e| CliError::io("cannot read", path, &e))?;
         }
-        other => CliError::new(format!("{}: {other}", path.display())),
-    })
+        if super::container::is_container(&magic) {
+            return Err(CliError::new(format!(
+                "{}: a gradwire container, not a safetensors file of float32 tensors \
+                 (decompress it first)",
+                path.display()
+            )));
+        }
+        let (meta, data_start) = gradwire::safetensors_reader::read_header_from(&mut file, len)
+            .map_err(|e| match e {
+                safetensors::SafeTensorError::IoError(e) => CliError::io("cannot read", path, &e),
+                e => safetensors_error(path, "not a valid safetensors file", &e),
+            })?;
+        let mut tensors = Vec::with_capacity(meta.tensors().len());
+        for name in meta.offset_keys() {
+            let Some(info) = meta.info(&name) else {
+                continue;
+            };
+            if info.dtype != safetensors::Dtype::F32 {
+                return Err(CliError::new(format!(
+                    "{}: {}",
+                    path.display(),
+                    gradwire::Error::Dtype {
+                        tensor: name,
+                        dtype: format!("{:?}", info.dtype),
+                    }
+                )));
+            }
+            let range = info.data_offsets;
+            tensors.push((TensorSpec::new(name, info.shape.clone()), range));
+        }
+        tensors.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+        let specs: Vec<TensorSpec> = tensors.iter().map(|(s, _)| s.clone()).collect();
+        let charge = gradwire::container::model_charge(&specs);
+        if charge > max_elements {
+            return Err(CliError::new(format!(
+                "{}: the model has more than {max_elements} elements (counting {} per tensor, {} \
+                 per byte of its name and {} per dimension for its metadata; see \
+                 --max-elements)",
+                path.display(),
+                gradwire::container::TENSOR_CHARGE,
+                gradwire::container::NAME_BYTE_CHARGE,
+                gradwire::container::DIMENSION_CHARGE,
+            )));
+        }
+        Ok(Input {
+            path: path.to_path_buf(),
+            file,
+            data_start,
+            tensors,
+        })
+    }
+
+    /// The tensors' names and shapes, sorted by name.
+    pub fn specs(&self) -> Vec<TensorSpec> {
+        self.tensors.iter().map(|(s, _)| s.clone()).collect()
+    }
+
+    /// Reads tensor `i` (of [`Input::specs`]) from the file: its bytes in blocks of 1 MiB
+    /// straight into its f32 values (no copy of the bytes).
+    pub fn read(&mut self, i: usize) -> Result<Tensor, CliError> {
+        let (spec, (begin, end)) = &self.tensors[i];
+        let path = &self.path;
+        let at = |e: std::io::Error| {
+            CliError::new(format!(
+                "{}: cannot read tensor `{}`: {e}",
+                path.display(),
+                spec.name
+            ))
+        };
+        let n = (end - begin) / 4;
+        let mut values: Vec<f32> = Vec::new();
+        values.try_reserve_exact(n).map_err(|_| {
+            CliError::new(format!(
+                "{}: cannot allocate {n} elements for tensor `{}`",
+                path.display(),
+                spec.name
+            ))
+        })?;
+        self.file
+            .seek(SeekFrom::Start(self.data_start + *begin as u64))
+            .map_err(at)?;
+        let mut block = vec![0u8; (1 << 20).min(end - begin)];
+        let mut left = end - begin;
+        while left > 0 {
+            let take = left.min(block.len());
+            self.file.read_exact(&mut block[..take]).map_err(at)?;
+            values.extend(
+                block[..take]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+            left -= take;
+        }
+        Tensor::new(spec.shape.clone(), values)
+            .map_err(|e| CliError::new(format!("{}: {e}", path.display())))
+    }
 }
 
 /// Names and shapes of every tensor of a safetensors file (any dtype), sorted by name: what a
