@@ -915,9 +915,10 @@ fn check_output(output: &Path, inputs: &[(&str, &Path)]) -> Result<(), CliError>
     }
 }
 
+/// The receiver's model of `--shapes`: names and shapes from its safetensors header alone (its
+/// data, possibly gigabytes of weights, is not read).
 fn specs_from(path: &Path) -> Result<Vec<TensorSpec>, CliError> {
-    let bytes = io::read(path)?;
-    Ok(io::parse_shapes(path, &bytes)?
+    Ok(io::read_shapes(path)?
         .into_iter()
         .map(|(n, s)| TensorSpec::new(n, s))
         .collect())

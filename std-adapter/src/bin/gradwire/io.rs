@@ -155,14 +155,23 @@ impl Input {
     }
 }
 
-/// Names and shapes of every tensor of a safetensors file (any dtype), sorted by name: what a
-/// receiver knows about its model.
-pub fn parse_shapes(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>)>, CliError> {
-    let st = gradwire::safetensors_reader::deserialize(bytes)
-        .map_err(|e| safetensors_error(path, "not a valid safetensors file", &e))?;
-    let mut shapes: Vec<(String, Vec<usize>)> = st
-        .iter()
-        .map(|(name, view)| (name.to_owned(), view.shape().to_vec()))
+/// Names and shapes of every tensor of the safetensors file at `path` (any dtype), sorted by
+/// name: what a receiver knows about its model. Only the header is read.
+pub fn read_shapes(path: &Path) -> Result<Vec<(String, Vec<usize>)>, CliError> {
+    let mut file = File::open(path).map_err(|e| CliError::io("cannot read", path, &e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| CliError::io("cannot read", path, &e))?
+        .len();
+    let (meta, _) =
+        gradwire::safetensors_reader::read_header_from(&mut file, len).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(e) => CliError::io("cannot read", path, &e),
+            e => safetensors_error(path, "not a valid safetensors file", &e),
+        })?;
+    let mut shapes: Vec<(String, Vec<usize>)> = meta
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| (name, info.shape.clone()))
         .collect();
     shapes.sort();
     Ok(shapes)
