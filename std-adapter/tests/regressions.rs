@@ -78,8 +78,8 @@ fn reference_payload_with_offsets_near_usize_max_is_an_error() {
 /// allocation is fallible: `Error::OutOfMemory` naming the tensor.
 #[test]
 fn a_frame_declaring_petabytes_is_out_of_memory_not_an_abort() {
-    use gradwire::compressor::{CompressionMethod, GradientCompressor};
     use gradwire::layout::CompressedGradient;
+    use gradwire::{CompressionMethod, GradientCompressor};
     use gradwire::{Error, Tensor};
     use std::collections::HashMap;
 
