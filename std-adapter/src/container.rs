@@ -46,7 +46,8 @@ use gradwire_core::Method;
 use crate::compressor::GradientCompressor;
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
-use crate::layout::{BucketConfig, Manifest, TensorSpec};
+use crate::layout::bundle::BundleWriter;
+use crate::layout::{BucketConfig, Manifest, ManifestTensor, TensorSpec};
 use crate::method::{self, CompressionMethod};
 use crate::tensor::Tensor;
 
@@ -99,6 +100,7 @@ fn specs_of(model: &[(String, Tensor)]) -> Vec<TensorSpec> {
         .collect()
 }
 
+#[cfg(test)]
 fn grads_of(model: &[(String, Tensor)]) -> HashMap<String, Tensor> {
     model.iter().map(|(n, t)| (n.clone(), t.clone())).collect()
 }
@@ -110,6 +112,14 @@ fn grads_of(model: &[(String, Tensor)]) -> HashMap<String, Tensor> {
 /// [`Error::Container`] when the method text, a name, a shape's rank or the tensor list is
 /// too long for the layout's length fields.
 pub fn write(specs: &[TensorSpec], method: &Method, seed: u64, bundle: &[u8]) -> Result<Vec<u8>> {
+    let mut out = head(specs, method, seed)?;
+    out.reserve_exact(bundle.len());
+    out.extend_from_slice(bundle);
+    Ok(out)
+}
+
+/// The container bytes before the bundle (prefix, manifest section, CRC-32), as [`write`].
+fn head(specs: &[TensorSpec], method: &Method, seed: u64) -> Result<Vec<u8>> {
     let too_long = |what: &str| Error::Container {
         reason: format!("{what} is too long for the container"),
     };
@@ -134,14 +144,13 @@ pub fn write(specs: &[TensorSpec], method: &Method, seed: u64, bundle: &[u8]) ->
         }
     }
     let m = u32::try_from(section.len()).map_err(|_| too_long("the manifest"))?;
-    let mut out = Vec::with_capacity(PREFIX_LEN + section.len() + CRC_LEN + bundle.len());
+    let mut out = Vec::with_capacity(PREFIX_LEN + section.len() + CRC_LEN);
     out.extend_from_slice(&CONTAINER_MAGIC);
     out.extend_from_slice(&[CONTAINER_VERSION, 0, 0, 0]);
     out.extend_from_slice(&m.to_le_bytes());
     out.extend_from_slice(&section);
     let crc = crc32fast::hash(&out);
     out.extend_from_slice(&crc.to_le_bytes());
-    out.extend_from_slice(bundle);
     Ok(out)
 }
 
@@ -149,7 +158,7 @@ pub fn write(specs: &[TensorSpec], method: &Method, seed: u64, bundle: &[u8]) ->
 /// container (rank 0's bundle).
 ///
 /// # Errors
-/// As [`GradientCompressor::compress_bundle`] and [`write`].
+/// As [`compress_each`].
 pub fn compress(
     model: &[(String, Tensor)],
     method: Method,
@@ -157,37 +166,133 @@ pub fn compress(
     step: u64,
 ) -> Result<Vec<u8>> {
     let specs = specs_of(model);
-    let manifest = manifest_of(specs.clone(), method, seed)?;
-    let mut c = GradientCompressor::new(CompressionMethod::Core(method))
-        .with_seed(seed)
-        .with_step(step);
-    let mut bundle = Vec::new();
-    c.compress_bundle(&manifest, &grads_of(model), 0, &mut bundle)?;
-    write(&specs, &method, seed, &bundle)
+    let (out, _) = compress_each(&specs, method, seed, step, None, |i, _| {
+        Ok::<_, Error>(model[i].1.clone())
+    })?;
+    Ok(out)
 }
 
 /// One error-feedback step of `model` into a container; `feedback` (its method, seed, step and
 /// residuals) is updated only when the step succeeds.
 ///
 /// # Errors
-/// As [`compress`]; as [`GradientCompressor::restore_feedback`].
+/// As [`compress_each`].
 pub fn compress_with_feedback(
     model: &[(String, Tensor)],
     feedback: &mut ErrorFeedback,
 ) -> Result<Vec<u8>> {
-    let method = *feedback.method();
-    let seed = feedback.seed();
     let specs = specs_of(model);
-    let manifest = manifest_of(specs.clone(), method, seed)?;
-    let mut c = GradientCompressor::new(CompressionMethod::Core(method).with_error_feedback());
-    c.restore_feedback(feedback.clone())?;
-    let mut bundle = Vec::new();
-    c.compress_bundle(&manifest, &grads_of(model), 0, &mut bundle)?;
-    let out = write(&specs, &method, seed, &bundle)?;
-    if let Some(fb) = c.take_feedback() {
+    let (method, seed, step) = (*feedback.method(), feedback.seed(), feedback.step());
+    let (out, fb) = compress_each(
+        &specs,
+        method,
+        seed,
+        step,
+        Some(feedback.clone()),
+        |i, _| Ok::<_, Error>(model[i].1.clone()),
+    )?;
+    if let Some(fb) = fb {
         *feedback = fb;
     }
     Ok(out)
+}
+
+/// Compresses a model one tensor at a time into a container (rank 0's bundle) at `step`:
+/// `next(i, spec)` gives tensor `i` of `specs` (bundle order, increasing byte-wise order of
+/// names), and is called once per tensor, in order, after the previous tensor's frame is made:
+/// so the memory held is one tensor, its frame and the bundle so far, never the model. The
+/// bytes are those of [`crate::GradientCompressor::compress_bundle`] over the whole model (a
+/// frame depends only on its tensor, the method, the seed, the step and its label).
+///
+/// With `feedback` (made with `method`; its seed and step must be `seed` and `step`), each
+/// tensor's step runs on its own residual, and the updated state is returned. On error the
+/// state is dropped: the caller keeps the old one (so the step is all or nothing for it).
+///
+/// # Errors
+/// [`Error::Config`] for a `feedback` of another method, seed or step; every error of
+/// [`Manifest::new`] for `specs`; [`Error::ShapeMismatch`] when `next` gives a tensor of
+/// another shape; as [`crate::GradientCompressor::compress_bundle`] for each tensor (a NaN,
+/// a value beyond the method's range, a residual of another length or shape); any error of
+/// `next`; as [`write`].
+pub fn compress_each<E: From<Error>>(
+    specs: &[TensorSpec],
+    method: Method,
+    seed: u64,
+    step: u64,
+    mut feedback: Option<ErrorFeedback>,
+    mut next: impl FnMut(usize, &TensorSpec) -> std::result::Result<Tensor, E>,
+) -> std::result::Result<(Vec<u8>, Option<ErrorFeedback>), E> {
+    if let Some(fb) = &feedback
+        && (*fb.method() != method || fb.seed() != seed || fb.step() != step)
+    {
+        return Err(Error::config(format!(
+            "the error-feedback state is for method `{}`, seed {}, step {}; the step uses \
+             `{}`, seed {seed}, step {step}",
+            method::format(fb.method()),
+            fb.seed(),
+            fb.step(),
+            method::format(&method)
+        ))
+        .into());
+    }
+    let manifest = manifest_of(specs.to_vec(), method, seed)?;
+    let entries = u32::try_from(manifest.entries().len())
+        .map_err(|_| Error::config("the model is too large for one bundle"))?;
+    let rank = 0;
+    let mut bundle = Vec::new();
+    let mut writer = BundleWriter::begin(&mut bundle, rank, entries, step);
+    let mut one_bundle = Vec::new();
+    let core = CompressionMethod::Core(method);
+    for (i, spec) in specs.iter().enumerate() {
+        let tensor = next(i, spec)?;
+        if tensor.shape() != spec.shape.as_slice() {
+            return Err(Error::ShapeMismatch {
+                tensor: spec.name.clone(),
+                rank: None,
+                expected: spec.shape.clone(),
+                got: tensor.shape().to_vec(),
+            }
+            .into());
+        }
+        // The manifest of this tensor alone: its entry (id, label, parameters) is the same as
+        // in the model's manifest.
+        let one = manifest_of(vec![spec.clone()], method, seed)?;
+        let mut c = match feedback.as_mut() {
+            Some(fb) => {
+                let mut c = GradientCompressor::new(core.clone().with_error_feedback());
+                c.restore_feedback(fb.split_off(&spec.name))?;
+                c
+            }
+            None => GradientCompressor::new(core.clone())
+                .with_seed(seed)
+                .with_step(step),
+        };
+        let mut grads = HashMap::with_capacity(1);
+        grads.insert(spec.name.clone(), tensor);
+        let done = c.compress_bundle(&one, &grads, 0, &mut one_bundle);
+        // Whatever happened, the residual goes back (on error the whole state is dropped).
+        if let (Some(fb), Some(part)) = (feedback.as_mut(), c.take_feedback()) {
+            fb.absorb(part);
+        }
+        done?;
+        drop(grads);
+        let id = manifest.entries()[i].id;
+        one.walk(&one_bundle, None, |_, frame| {
+            writer.push(id, frame);
+            Ok(())
+        })?;
+    }
+    writer.finish();
+    drop(one_bundle);
+    if let Some(fb) = feedback.as_mut() {
+        fb.advance();
+    }
+    // The head goes in front of the bundle in place (no second copy of the bundle unless its
+    // buffer has no room left).
+    let head = head(specs, &method, seed)?;
+    bundle.reserve_exact(head.len());
+    bundle.splice(0..0, head);
+    Ok((bundle, feedback))
 }
 
 /// A little-endian reader over the manifest section.
@@ -227,9 +332,84 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Calls `f(name, dimensions)` for each of the `count` tensors of the manifest section at
+/// `r`'s position, allocating nothing: the dimensions are an iterator over the section's bytes.
+fn for_each_tensor<'a>(
+    r: &mut Reader<'a>,
+    count: usize,
+    mut f: impl FnMut(&'a str, Dims<'a>) -> Result<()>,
+) -> Result<()> {
+    for _ in 0..count {
+        let len = u16::from_le_bytes(r.array()?) as usize;
+        let name = r.text(len, "tensor name")?;
+        let rank = r.array::<1>()?[0] as usize;
+        let dims = r.take(rank * 8)?;
+        f(name, Dims(dims.chunks_exact(8)))?;
+    }
+    Ok(())
+}
+
+/// The dimensions of one tensor in the manifest section (`u64` little-endian each).
+#[derive(Clone)]
+struct Dims<'a>(std::slice::ChunksExact<'a, u8>);
+
+impl Iterator for Dims<'_> {
+    type Item = u64;
+    fn next(&mut self) -> Option<u64> {
+        self.0.next().map(|c| u64::from_le_bytes(le8(c)))
+    }
+}
+
+impl ExactSizeIterator for Dims<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+fn le8(c: &[u8]) -> [u8; 8] {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(c);
+    a
+}
+
+/// Elements charged to a model's bound for each tensor, whatever its size: what its metadata
+/// costs a reader (its entries in the manifest, the bundle's entry list and the output's
+/// safetensors header, with the allocator's overhead): 256 elements, 1 KiB.
+pub const TENSOR_CHARGE: u64 = 256;
+/// Elements charged per byte of a tensor's name (held several times, and escaped up to six
+/// bytes per byte in a JSON header).
+pub const NAME_BYTE_CHARGE: u64 = 4;
+/// Elements charged per dimension of a tensor's shape.
+pub const DIMENSION_CHARGE: u64 = 16;
+
+/// What a tensor of `numel` elements, a name of `name_len` bytes and `rank` dimensions counts
+/// against a reader's element bound (`--max-elements`): its elements plus [`TENSOR_CHARGE`],
+/// [`NAME_BYTE_CHARGE`] per name byte and [`DIMENSION_CHARGE`] per dimension, so that the bound
+/// caps the memory of the metadata as well as the values (4 bytes an element): a container of
+/// a million empty tensors is refused before its tensor list is allocated.
+pub fn charged_elements(name_len: usize, rank: usize, numel: u64) -> u64 {
+    numel
+        .saturating_add(TENSOR_CHARGE)
+        .saturating_add(NAME_BYTE_CHARGE.saturating_mul(name_len as u64))
+        .saturating_add(DIMENSION_CHARGE.saturating_mul(rank as u64))
+}
+
+/// The sum of [`charged_elements`] over `specs`: the smallest `max_elements` that admits a
+/// container of exactly this model.
+pub fn model_charge(specs: &[TensorSpec]) -> u64 {
+    specs.iter().fold(0u64, |acc, s| {
+        let numel = s
+            .shape
+            .iter()
+            .fold(1u64, |n, &d| n.saturating_mul(d as u64));
+        acc.saturating_add(charged_elements(s.name.len(), s.shape.len(), numel))
+    })
+}
+
 impl ContainerHeader {
     /// Reads and checks the container prefix and manifest section. `max_elements` bounds the
-    /// model's total element count.
+    /// model: its elements plus its metadata's charge ([`charged_elements`]), checked over the
+    /// section's bytes before anything is allocated from it.
     ///
     /// # Errors
     /// [`Error::Container`] naming what is wrong (see the module docs).
@@ -284,31 +464,44 @@ impl ContainerHeader {
                 "manifest declares {count} tensors in {m} bytes"
             )));
         }
-        let mut tensors = Vec::with_capacity(count);
+        // Pass 1, nothing allocated: every length inside the section, and the model's charge
+        // (elements plus what its metadata will cost, see [`charged_elements`]) within the
+        // bound. Only then pass 2 allocates the tensor list.
+        let tensors_at = r.pos;
         let mut total: u64 = 0;
-        for _ in 0..count {
-            let len = u16::from_le_bytes(r.array()?) as usize;
-            let name = r.text(len, "tensor name")?.to_owned();
-            let rank = r.array::<1>()?[0] as usize;
-            let mut shape = Vec::with_capacity(rank);
-            let mut numel: u64 = 1;
-            for _ in 0..rank {
-                let d = u64::from_le_bytes(r.array()?);
-                numel = numel.saturating_mul(d);
+        for_each_tensor(&mut r, count, |name, dims| {
+            let numel = dims.clone().fold(1u64, u64::saturating_mul);
+            total = total.saturating_add(charged_elements(name.len(), dims.len(), numel));
+            if total > max_elements {
+                return Err(bad(format!(
+                    "the model has more than {max_elements} elements (counting {} per \
+                     tensor, {} per byte of its name and {} per dimension for its metadata; \
+                     see --max-elements)",
+                    TENSOR_CHARGE, NAME_BYTE_CHARGE, DIMENSION_CHARGE
+                )));
+            }
+            Ok(())
+        })?;
+        if r.pos != r.bytes.len() {
+            return Err(bad(format!(
+                "{} unexpected bytes at the end of the manifest",
+                r.bytes.len() - r.pos
+            )));
+        }
+        r.pos = tensors_at;
+        let mut tensors = Vec::with_capacity(count);
+        for_each_tensor(&mut r, count, |name, dims| {
+            let mut shape = Vec::with_capacity(dims.len());
+            for d in dims {
                 shape.push(usize::try_from(d).map_err(|_| {
                     bad(format!(
                         "tensor `{name}`: dimension {d} is too large for this platform"
                     ))
                 })?);
             }
-            total = total.saturating_add(numel);
-            if total > max_elements {
-                return Err(bad(format!(
-                    "the model has more than {max_elements} elements (see --max-elements)"
-                )));
-            }
             tensors.push(TensorSpec::new(name, shape));
-        }
+            Ok(())
+        })?;
         if r.pos != r.bytes.len() {
             return Err(bad(format!(
                 "{} unexpected bytes at the end of the manifest",
@@ -377,36 +570,100 @@ impl ContainerHeader {
     }
 }
 
+impl ContainerHeader {
+    /// [`ContainerHeader::read`], then, with `specs` (the receiver's model), the check that the
+    /// container describes exactly that model.
+    ///
+    /// # Errors
+    /// As [`ContainerHeader::read`]; [`Error::Container`] naming the first tensor that differs
+    /// from `specs`.
+    pub fn read_for(bytes: &[u8], specs: Option<&[TensorSpec]>, max_elements: u64) -> Result<Self> {
+        let header = ContainerHeader::read(bytes, max_elements)?;
+        if let Some(specs) = specs {
+            header.check_against(specs)?;
+        }
+        Ok(header)
+    }
+
+    /// Decodes the bundle of `bytes` (the container this header was read from) one tensor at
+    /// a time: checks the whole bundle first (framing, checksums, every frame's header), then
+    /// calls `f(tensor, values)` for each tensor in bundle order with its dense values in one
+    /// buffer, reused: the memory held is the largest tensor's, not the model's.
+    ///
+    /// # Errors
+    /// Every error of [`Manifest::check_bundle`], before `f` is first called;
+    /// [`Error::OutOfMemory`] when the largest tensor's buffer cannot be allocated;
+    /// [`Error::Core`] naming the tensor for a frame whose body is invalid (`f` has then been
+    /// called for the tensors before it: a caller that writes them must discard what it
+    /// wrote); any error of `f`.
+    pub fn decode_each<E: From<Error>>(
+        &self,
+        bytes: &[u8],
+        mut f: impl FnMut(&ManifestTensor, &[f32]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        let manifest = self.manifest()?;
+        let bundle = bytes.get(self.bundle_offset..).unwrap_or_default();
+        manifest.check_bundle(bundle, None, None)?;
+        let largest = manifest.entries().iter().map(|e| e.len).max().unwrap_or(0);
+        let mut buf: Vec<f32> = Vec::new();
+        let mut failed: Option<E> = None;
+        let walked = manifest.check_bundle_with(bundle, None, None, |e, frame, params| {
+            if buf.is_empty() && largest > 0 {
+                let tensor = &manifest.entries()[e].label;
+                buf.try_reserve_exact(largest)
+                    .map_err(|_| Error::OutOfMemory {
+                        tensor: tensor.clone(),
+                        elements: largest,
+                    })?;
+                buf.resize(largest, 0.0);
+            }
+            let entry = &manifest.entries()[e];
+            // No buckets: one tensor per entry.
+            let t = &manifest.tensors()[entry.members[0]];
+            let dst = &mut buf[..entry.len];
+            gradwire_core::decode_into(frame, params, dst)
+                .map_err(|err| Error::core(&entry.label, None, err))?;
+            match f(t, dst) {
+                Ok(()) => Ok(()),
+                Err(err) => {
+                    failed = Some(err);
+                    Err(Error::container("stopped by the caller"))
+                }
+            }
+        });
+        match (failed, walked) {
+            (Some(err), _) => Err(err),
+            (None, r) => r.map(|_| ()).map_err(E::from),
+        }
+    }
+}
+
 /// Decodes a container into dense tensors (sorted by name). With `specs` (the receiver's
 /// model), the container must describe exactly that model; `max_elements` bounds the model the
-/// container may declare.
+/// container may declare (see [`ContainerHeader::read`]). It holds the whole model: to write
+/// it out tensor by tensor, use [`ContainerHeader::decode_each`].
 ///
 /// # Errors
 /// [`Error::Container`] for an invalid container or one of another model; every error of
-/// [`Manifest::decode_bundle`] for its bundle (checked whole before the output is allocated).
+/// [`ContainerHeader::decode_each`].
 pub fn decompress(
     bytes: &[u8],
     specs: Option<&[TensorSpec]>,
     max_elements: u64,
 ) -> Result<Vec<(String, Tensor)>> {
-    let header = ContainerHeader::read(bytes, max_elements)?;
-    if let Some(specs) = specs {
-        header.check_against(specs)?;
-    }
-    let manifest = header.manifest()?;
-    let bundle = &bytes[header.bundle_offset..];
-    // Check the whole bundle before allocating the output.
-    manifest.check_bundle(bundle, None, None)?;
-    let mut flat = Vec::new();
-    flat.try_reserve_exact(manifest.flat_len()).map_err(|_| {
-        Error::container(format!("cannot allocate {} elements", manifest.flat_len()))
+    let header = ContainerHeader::read_for(bytes, specs, max_elements)?;
+    let mut out = Vec::with_capacity(header.tensors.len());
+    header.decode_each(bytes, |t, data| -> Result<()> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(data.len())
+            .map_err(|_| Error::OutOfMemory {
+                tensor: t.name.clone(),
+                elements: data.len(),
+            })?;
+        v.extend_from_slice(data);
+        out.push((t.name.clone(), Tensor::new(t.shape.clone(), v)?));
+        Ok(())
     })?;
-    manifest.decode_bundle(bundle, None, None, &mut flat)?;
-    let mut out = Vec::with_capacity(manifest.tensors().len());
-    for t in manifest.tensors() {
-        let data = flat[t.offset..t.offset + t.numel].to_vec();
-        out.push((t.name.clone(), Tensor::new(t.shape.clone(), data)?));
-    }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
 }
@@ -467,6 +724,22 @@ mod tests {
         }
     }
 
+    /// The header [`crate::tensor::f32_safetensors_header`] writes is `write_safetensors`'s.
+    #[test]
+    fn streamed_safetensors_header_is_write_safetensors_header() {
+        let m = model();
+        let whole = crate::tensor::write_safetensors(&m).unwrap();
+        let head =
+            crate::tensor::f32_safetensors_header(m.iter().map(|(n, t)| (n.as_str(), t.shape())))
+                .unwrap();
+        assert_eq!(&whole[..head.len()], &head[..]);
+        let data: Vec<u8> = m
+            .iter()
+            .flat_map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()))
+            .collect();
+        assert_eq!(&whole[head.len()..], &data[..]);
+    }
+
     /// Fields longer than the layout's length fields are refused, not truncated.
     #[test]
     fn over_long_fields_are_refused() {
@@ -515,7 +788,10 @@ mod tests {
         }
         let out = decompress(&bytes, None, u64::MAX).unwrap();
         assert_eq!(out[1].1, Tensor::scalar(4.0));
-        assert!(ContainerHeader::read(&bytes, 6).is_err());
-        assert!(ContainerHeader::read(&bytes, 7).is_ok());
+        // 7 elements, and the metadata of `a` [2, 3], `b` [] and `c` [0].
+        let charge = 7 + 3 * TENSOR_CHARGE + 3 * NAME_BYTE_CHARGE + 3 * DIMENSION_CHARGE;
+        assert_eq!(model_charge(&specs_of(&m)), charge);
+        assert!(ContainerHeader::read(&bytes, charge - 1).is_err());
+        assert!(ContainerHeader::read(&bytes, charge).is_ok());
     }
 }

@@ -95,6 +95,50 @@ pub fn read_header(bytes: &[u8]) -> Result<(Metadata, &[u8]), SafeTensorError> {
     let (header, data) = rest
         .split_at_checked(n)
         .ok_or(SafeTensorError::InvalidHeaderLength)?;
+    let meta = parse_header(header)?;
+    if meta.data_len() != data.len() {
+        return Err(SafeTensorError::MetadataIncompleteBuffer);
+    }
+    Ok((meta, data))
+}
+
+/// [`read_header`] of a safetensors file read from `file`, `file_len` bytes long, from its
+/// start: reads the 8-byte header length and the header (nothing before checking that it fits
+/// the file and safetensors' limit), and nothing of the data. Returns the header and the offset
+/// of the data section in the file, so that a reader can then read one tensor at a time.
+///
+/// # Errors
+/// As [`read_header`]; [`SafeTensorError::IoError`] when reading fails.
+///
+/// # Panics
+/// Never.
+pub fn read_header_from(
+    file: &mut impl std::io::Read,
+    file_len: u64,
+) -> Result<(Metadata, u64), SafeTensorError> {
+    if file_len < 8 {
+        return Err(SafeTensorError::HeaderTooSmall);
+    }
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER_LEN as u64 {
+        return Err(SafeTensorError::HeaderTooLarge);
+    }
+    if n > file_len - 8 {
+        return Err(SafeTensorError::InvalidHeaderLength);
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)?;
+    let meta = parse_header(&header)?;
+    if meta.data_len() as u64 != file_len - 8 - n {
+        return Err(SafeTensorError::MetadataIncompleteBuffer);
+    }
+    Ok((meta, 8 + n))
+}
+
+/// The header bytes (after the 8-byte length) parsed and checked as [`read_header`] says.
+fn parse_header(header: &[u8]) -> Result<Metadata, SafeTensorError> {
     let header = std::str::from_utf8(header).map_err(SafeTensorError::InvalidHeader)?;
     let longest = longest_array(header.as_bytes());
     if longest > MAX_DIMS {
@@ -106,12 +150,7 @@ pub fn read_header(bytes: &[u8]) -> Result<(Metadata, &[u8]), SafeTensorError> {
     }
     let Header { metadata, tensors } =
         serde_json::from_str(header).map_err(SafeTensorError::InvalidHeaderDeserialization)?;
-    let meta =
-        metadata_of(metadata, tensors).map_err(SafeTensorError::InvalidHeaderDeserialization)?;
-    if meta.data_len() != data.len() {
-        return Err(SafeTensorError::MetadataIncompleteBuffer);
-    }
-    Ok((meta, data))
+    metadata_of(metadata, tensors).map_err(SafeTensorError::InvalidHeaderDeserialization)
 }
 
 /// A safetensors header as parsed here: the `__metadata__` map and the tensors in file order.

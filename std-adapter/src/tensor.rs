@@ -210,6 +210,77 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
     )
 }
 
+/// The first bytes of a safetensors file of float32 tensors, up to its data: the 8-byte header
+/// length and the header, for `tensors` (`(name, shape)`) whose data follow in this order,
+/// without gaps. Listed in increasing byte-wise order of names (as the container lists them),
+/// the file is byte for byte what [`write_safetensors`] writes for the same tensors, so that a
+/// writer can stream the values after it one tensor at a time.
+///
+/// # Errors
+/// [`Error::DuplicateTensor`], [`Error::Config`] as [`write_safetensors`];
+/// [`Error::ShapeOverflow`] for a model whose byte length overflows; [`Error::Safetensors`] for
+/// a header longer than safetensors allows.
+pub fn f32_safetensors_header<'a>(
+    tensors: impl ExactSizeIterator<Item = (&'a str, &'a [usize])>,
+) -> Result<Vec<u8>> {
+    use safetensors::tensor::{Metadata, TensorInfo};
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut offset = 0usize;
+    for (name, shape) in tensors {
+        if name == "__metadata__" {
+            return Err(Error::config(
+                "a tensor named `__metadata__` cannot be stored in safetensors",
+            ));
+        }
+        let bytes =
+            checked_numel(name, shape)?
+                .checked_mul(4)
+                .ok_or_else(|| Error::ShapeOverflow {
+                    tensor: name.to_owned(),
+                    shape: shape.to_vec(),
+                })?;
+        let end = offset
+            .checked_add(bytes)
+            .ok_or_else(|| Error::ShapeOverflow {
+                tensor: name.to_owned(),
+                shape: shape.to_vec(),
+            })?;
+        infos.push((
+            name.to_owned(),
+            TensorInfo {
+                dtype: Dtype::F32,
+                shape: shape.to_vec(),
+                data_offsets: (offset, end),
+            },
+        ));
+        offset = end;
+    }
+    let mut names: Vec<&str> = infos.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::DuplicateTensor {
+            tensor: w[0].to_owned(),
+        });
+    }
+    drop(names);
+    let meta = Metadata::new(None, infos)?;
+    let json = serde_json::to_string(&meta).map_err(|e| Error::Safetensors {
+        source: safetensors::SafeTensorError::JsonError(e),
+    })?;
+    // As safetensors 0.8 writes it: padded with spaces to a multiple of 8 bytes.
+    let n = json.len().next_multiple_of(8);
+    if n > crate::safetensors_reader::MAX_HEADER_LEN {
+        return Err(Error::Safetensors {
+            source: safetensors::SafeTensorError::HeaderTooLarge,
+        });
+    }
+    let mut out = Vec::with_capacity(8 + n);
+    out.extend_from_slice(&(n as u64).to_le_bytes());
+    out.extend_from_slice(json.as_bytes());
+    out.resize(8 + n, b' ');
+    Ok(out)
+}
+
 /// Safetensors bytes of `(name, shape, values)` float32 tensors and `meta` (the checks of
 /// names are the callers'): for [`write_safetensors`] and residual checkpoints.
 pub(crate) fn serialize_f32<'a>(

@@ -6,7 +6,7 @@
 //!          [--ratio R | --k K | --threshold T] [--bits B] [--block N]
 //!          [--values f32|f16|bf16|int8]
 //!          [--stochastic] [--seed S] [--step N] [--residual STATE.safetensors]
-//!          [--layout gradwire|reference]
+//!          [--layout gradwire|reference] [--max-elements N]
 //! gradwire decompress IN -o OUT.safetensors [--layout gradwire|reference]
 //!          [--shapes MODEL.safetensors] [--mode none|topk|topk-int8] [--max-elements N]
 //! gradwire inspect IN [--json] [--layout gradwire|reference] [--shapes MODEL.safetensors]
@@ -25,9 +25,14 @@
 //! the same method, seed and step; a state written before checkpoint version 3 holds no shapes
 //! and is matched by length until this step stores them), compresses
 //! `gradient + residual`, and rewrites the state. Outputs and state files are written to a
-//! temporary file in the same directory and renamed, so a failure never leaves a half-written
-//! file. A failure prints one line, `gradwire: error: ...`, on stderr and exits with status 1
-//! (2 for invalid command lines).
+//! temporary file in the same directory and renamed (keeping the permissions of the file they
+//! replace), so a failure never leaves a half-written file. Output and state are one pair: the
+//! output is renamed first, then the state, which records the output's length and SHA-256
+//! (FORMAT.md 12.2); a step whose `-o` exists and is not the state's output (a run interrupted
+//! between the two renames) is refused, unless it is the rerun of that step with the same
+//! gradients, which completes the pair. A failure prints one line, `gradwire: error: ...`, on
+//! stderr (control characters escaped as `\u{..}`) and exits with status 1 (2 for invalid
+//! command lines).
 #![forbid(unsafe_code)]
 
 #[path = "gradwire/io.rs"]
@@ -206,12 +211,19 @@ struct CompressArgs {
     /// match the state's step.
     #[arg(long, value_name = "N")]
     step: Option<u64>,
-    /// Error-feedback state: read when it exists, rewritten after the step.
+    /// Error-feedback state: read when it exists, rewritten after the step (it records the
+    /// output's SHA-256: an existing -o that is not its output is refused).
     #[arg(long, value_name = "STATE.safetensors")]
     residual: Option<PathBuf>,
     /// Output layout.
     #[arg(long, value_enum, default_value_t = Layout::Gradwire)]
     layout: Layout,
+    /// Largest model the input may hold: its elements plus, per tensor, 256, 4 per name byte
+    /// and 16 per dimension for its metadata; checked from the safetensors header before any
+    /// tensor is read. Tensors are then read and compressed one at a time (gradwire layout):
+    /// memory is about one tensor's f32 plus the output.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
+    max_elements: u64,
 }
 
 #[derive(Args, Debug)]
@@ -231,7 +243,10 @@ struct DecompressArgs {
     /// Mode of a reference payload (the X-Compression header); default: detected from dtypes.
     #[arg(long, value_name = "MODE")]
     mode: Option<String>,
-    /// Largest model (total elements) a container may declare when no --shapes is given.
+    /// Largest model a container may declare (with --shapes, at least that model): its
+    /// elements plus, per tensor, 256 + 4 per name byte + 16 per dimension for its metadata.
+    /// The output is written tensor by tensor: memory is about 4 bytes per element of the
+    /// largest tensor, the file about 4 per element of the model.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
     max_elements: u64,
 }
@@ -252,7 +267,8 @@ struct InspectArgs {
     /// The model, to report element counts of a reference payload (shapes do not travel).
     #[arg(long, value_name = "MODEL.safetensors")]
     shapes: Option<PathBuf>,
-    /// Largest model (total elements) a container may declare.
+    /// Largest model a container may declare: its elements plus, per tensor, 256 + 4 per name
+    /// byte + 16 per dimension for its metadata.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
     max_elements: u64,
 }
@@ -307,12 +323,9 @@ fn main() -> ExitCode {
 }
 
 fn fail(e: &CliError) -> ExitCode {
-    let one_line: String = e
-        .message
-        .chars()
-        .map(|c| if c == '\n' || c == '\r' { ' ' } else { c })
-        .collect();
-    eprintln!("gradwire: error: {one_line}");
+    // One line, and nothing in it that a terminal would act on (a tensor name or a path can
+    // hold any character).
+    eprintln!("gradwire: error: {}", report::escape(&e.message));
     ExitCode::from(e.status)
 }
 
@@ -474,9 +487,113 @@ fn reference_mode_of(a: &CompressArgs) -> Result<(Mode, f64), CliError> {
     Ok((mode, ratio))
 }
 
+/// The `__metadata__` entry of a `--residual` state that holds the SHA-256 (64 lowercase hex
+/// digits) of the output written with it. (Not a CRC-32: an output that ends with its own
+/// CRC-32, as a container does, has the same CRC-32 as every other output of its length.)
+const OUTPUT_SHA256: &str = "output_sha256";
+/// The entry that holds the output's length in bytes (decimal).
+const OUTPUT_LEN: &str = "output_len";
+
+/// The output a state belongs to: the SHA-256 and length of the file written in the same run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct OutputDigest {
+    sha256: [u8; 32],
+    len: u64,
+}
+
+impl OutputDigest {
+    fn of(bytes: &[u8]) -> Self {
+        use sha2::Digest;
+        OutputDigest {
+            sha256: sha2::Sha256::digest(bytes).into(),
+            len: bytes.len() as u64,
+        }
+    }
+
+    /// The digest of the file at `path`, read in blocks; `None` when it does not exist.
+    fn of_file(path: &Path) -> Result<Option<Self>, CliError> {
+        use sha2::Digest;
+        use std::io::Read;
+        let mut file = match std::fs::File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(CliError::io("cannot read", path, &e)),
+        };
+        let mut hasher = sha2::Sha256::new();
+        let mut block = vec![0u8; 1 << 20];
+        let mut len = 0u64;
+        loop {
+            match file.read(&mut block) {
+                Ok(0) => break,
+                Ok(n) => {
+                    hasher.update(&block[..n]);
+                    len += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(CliError::io("cannot read", path, &e)),
+            }
+        }
+        Ok(Some(OutputDigest {
+            sha256: hasher.finalize().into(),
+            len,
+        }))
+    }
+
+    fn hex(&self) -> String {
+        self.sha256.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn from_text(sha256: &str, len: &str) -> Option<Self> {
+        let len = len.parse().ok()?;
+        if sha256.len() != 64
+            || !sha256
+                .bytes()
+                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        {
+            return None;
+        }
+        let mut d = [0u8; 32];
+        for (i, b) in d.iter_mut().enumerate() {
+            *b = u8::from_str_radix(sha256.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(OutputDigest { sha256: d, len })
+    }
+
+    /// The digest a state's bytes record (`None` for a state written without one: by the
+    /// library, or by an older build).
+    fn recorded(path: &Path, state: &[u8]) -> Result<Option<Self>, CliError> {
+        let Ok((header, _)) = gradwire::safetensors_reader::read_header(state) else {
+            return Ok(None);
+        };
+        let meta = header.metadata().as_ref();
+        let get = |key| meta.and_then(|m| m.get(key));
+        match (get(OUTPUT_SHA256), get(OUTPUT_LEN)) {
+            (None, None) => Ok(None),
+            (Some(d), Some(l)) => OutputDigest::from_text(d, l).map(Some).ok_or_else(|| {
+                CliError::new(format!(
+                    "{}: residual state: metadata `{OUTPUT_SHA256}` = `{d}`, `{OUTPUT_LEN}` = \
+                     `{l}` are not a SHA-256 in hex and a u64",
+                    path.display()
+                ))
+            }),
+            _ => Err(CliError::new(format!(
+                "{}: residual state has one of `{OUTPUT_SHA256}` and `{OUTPUT_LEN}` without \
+                 the other",
+                path.display()
+            ))),
+        }
+    }
+}
+
+/// A state loaded for `--residual`: the residuals, and the output it was written with.
+struct State {
+    feedback: ErrorFeedback,
+    output: Option<OutputDigest>,
+}
+
 /// Loads the error-feedback state at `path` if it exists (its seed must be `seed` when one is
 /// given), or starts a new one (seed 0 unless given).
-fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<ErrorFeedback, CliError> {
+fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<State, CliError> {
     match std::fs::read(path) {
         Ok(bytes) => {
             let fb = ErrorFeedback::from_bytes(&bytes).map_err(|e| {
@@ -495,13 +612,61 @@ fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<ErrorFee
                     fb.seed()
                 )));
             }
-            Ok(fb)
+            Ok(State {
+                feedback: fb,
+                output: OutputDigest::recorded(path, &bytes)?,
+            })
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            Ok(ErrorFeedback::new(method, seed.unwrap_or(0))?)
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(State {
+            feedback: ErrorFeedback::new(method, seed.unwrap_or(0))?,
+            output: None,
+        }),
         Err(e) => Err(CliError::io("cannot read", path, &e)),
     }
+}
+
+/// The state and the output are one pair: the output is renamed into place first, then the
+/// state, which records the output's digest. A failure between the two renames leaves the new
+/// output with the old state; its next step would send the residual that output already
+/// carries a second time. So when `-o` exists and is not the output the state records, this
+/// step is refused, unless the new output is that file byte for byte (SHA-256 and length): the
+/// rerun, with the same gradients, of the step that was interrupted, which then completes the
+/// pair.
+fn check_pair(
+    state: &Path,
+    recorded: Option<OutputDigest>,
+    output: &Path,
+    new: &[u8],
+) -> Result<(), CliError> {
+    let Some(recorded) = recorded else {
+        return Ok(());
+    };
+    let Some(existing) = OutputDigest::of_file(output)? else {
+        return Ok(());
+    };
+    if existing == recorded || existing == OutputDigest::of(new) {
+        return Ok(());
+    }
+    Err(CliError::new(format!(
+        "{}: residual state belongs to an output of {} bytes with SHA-256 {}, but {} ({} \
+         bytes, SHA-256 {}) is another file: a run was interrupted after writing the output \
+         and before the state (rerun that step with the same gradients to complete it), or -o \
+         names another file (remove it, or choose another path)",
+        state.display(),
+        recorded.len,
+        &recorded.hex()[..16],
+        output.display(),
+        existing.len,
+        &existing.hex()[..16]
+    )))
+}
+
+/// The bytes of the state `feedback` after a step whose output is `out`: the checkpoint with
+/// the output's digest.
+fn state_bytes(feedback: &ErrorFeedback, out: &[u8]) -> Result<Vec<u8>, CliError> {
+    let d = OutputDigest::of(out);
+    let (sha, len) = (d.hex(), d.len.to_string());
+    Ok(feedback.to_bytes_with_metadata(&[(OUTPUT_LEN, &len), (OUTPUT_SHA256, &sha)])?)
 }
 
 fn check_state_method(path: &Path, fb: &ErrorFeedback, method: &Method) -> Result<(), CliError> {
@@ -534,9 +699,13 @@ fn check_state_step(path: &Path, fb: &ErrorFeedback, step: Option<u64>) -> Resul
 /// the file's tensors is another model's too. A residual that remembers its tensor's shape must
 /// have it still (a transposed weight has the same length; its residual would be added to the
 /// wrong coordinates).
-fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Result<(), CliError> {
+fn check_state_names(
+    path: &Path,
+    fb: &ErrorFeedback,
+    model: &[TensorSpec],
+) -> Result<(), CliError> {
     if fb.residuals().next().is_some()
-        && let Some((name, _)) = model.iter().find(|(name, _)| fb.residual(name).is_none())
+        && let Some(TensorSpec { name, .. }) = model.iter().find(|t| fb.residual(&t.name).is_none())
     {
         return Err(CliError::new(format!(
             "{}: residual state holds no residual for tensor `{name}` of the gradients file (a \
@@ -545,14 +714,14 @@ fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Resu
         )));
     }
     for (name, residual) in fb.residuals() {
-        let Ok(at) = model.binary_search_by(|(n, _)| n.as_str().cmp(name)) else {
+        let Ok(at) = model.binary_search_by(|t| t.name.as_str().cmp(name)) else {
             return Err(CliError::new(format!(
                 "{}: residual state holds tensor `{name}`, which the gradients file does not \
                  have (a state of another model?)",
                 path.display()
             )));
         };
-        let numel = model[at].1.data().len();
+        let numel = model[at].shape.iter().product::<usize>();
         if residual.len() != numel {
             return Err(CliError::new(format!(
                 "{}: residual state holds {} elements for tensor `{name}`, the gradients file \
@@ -561,7 +730,7 @@ fn check_state_names(path: &Path, fb: &ErrorFeedback, model: &io::Model) -> Resu
                 residual.len()
             )));
         }
-        let shape = model[at].1.shape();
+        let shape = model[at].shape.as_slice();
         if let Some(known) = fb.residual_shape(name)
             && known != shape
         {
@@ -590,55 +759,85 @@ fn compress(a: &CompressArgs) -> Result<(), CliError> {
     inputs.extend(Some(("input", a.input.as_path())).filter(|(_, p)| p.exists()));
     inputs.extend(a.residual.as_deref().map(|r| ("--residual state", r)));
     check_output(&a.output, &inputs)?;
-    let bytes = io::read(&a.input)?;
-    let model = io::parse_model(&a.input, &bytes)?;
-    let inputs: Vec<reference::Input<'_>> = model
-        .iter()
-        .map(|(n, t)| (n.as_str(), t.shape(), t.data()))
-        .collect();
+    // The header first: every tensor float32, the model within --max-elements; then the
+    // tensors one at a time.
+    let mut input = io::Input::open(&a.input, a.max_elements)?;
+    let specs = input.specs();
     // Errors of the compression itself (a NaN, a value out of range) are about the input file.
     let in_input = |e: CliError| e.in_file(&a.input);
     let (out, state) = match plan {
-        Plan::Reference(mode, ratio) => match &a.residual {
-            None => (
-                reference::compress(&inputs, mode, ratio)
-                    .map_err(CliError::from)
-                    .map_err(in_input)?,
-                None,
-            ),
-            Some(path) => {
-                let method = reference::feedback_method(mode, ratio);
-                let mut fb = load_state(path, method, a.seed)?;
-                check_state_method(path, &fb, &method)?;
-                check_state_step(path, &fb, a.step)?;
-                check_state_names(path, &fb, &model)?;
-                let payload =
-                    reference::compress_with_error_feedback(&inputs, &mut fb, mode, ratio)
+        Plan::Reference(mode, ratio) => {
+            // The reference layout's functions take the whole model: one copy of it (the
+            // file's bytes are not held).
+            let model = (0..specs.len())
+                .map(|i| Ok((specs[i].name.clone(), input.read(i)?)))
+                .collect::<Result<io::Model, CliError>>()?;
+            let inputs: Vec<reference::Input<'_>> = model
+                .iter()
+                .map(|(n, t)| (n.as_str(), t.shape(), t.data()))
+                .collect();
+            match &a.residual {
+                None => (
+                    reference::compress(&inputs, mode, ratio)
                         .map_err(CliError::from)
-                        .map_err(in_input)?;
-                (payload, Some(fb.to_bytes()?))
+                        .map_err(in_input)?,
+                    None,
+                ),
+                Some(path) => {
+                    let method = reference::feedback_method(mode, ratio);
+                    let State {
+                        feedback: mut fb,
+                        output,
+                    } = load_state(path, method, a.seed)?;
+                    check_state_method(path, &fb, &method)?;
+                    check_state_step(path, &fb, a.step)?;
+                    check_state_names(path, &fb, &specs)?;
+                    let payload =
+                        reference::compress_with_error_feedback(&inputs, &mut fb, mode, ratio)
+                            .map_err(CliError::from)
+                            .map_err(in_input)?;
+                    check_pair(path, output, &a.output, &payload)?;
+                    let state = state_bytes(&fb, &payload)?;
+                    (payload, Some(state))
+                }
             }
-        },
+        }
+        // Tensor by tensor: one tensor's values in memory at a time, and the output.
         Plan::Gradwire(method) => match &a.residual {
-            None => (
-                container::compress(&model, method, a.seed.unwrap_or(0), a.step.unwrap_or(0))
-                    .map_err(CliError::from)
-                    .map_err(in_input)?,
-                None,
-            ),
+            None => {
+                let (seed, step) = (a.seed.unwrap_or(0), a.step.unwrap_or(0));
+                let (out, _) =
+                    container::compress_each(&specs, method, seed, step, None, |i, _| {
+                        input.read(i)
+                    })
+                    .map_err(in_input)?;
+                (out, None)
+            }
             Some(path) => {
-                let mut fb = load_state(path, method, a.seed)?;
+                let State {
+                    feedback: fb,
+                    output,
+                } = load_state(path, method, a.seed)?;
                 check_state_method(path, &fb, &method)?;
                 check_state_step(path, &fb, a.step)?;
-                check_state_names(path, &fb, &model)?;
-                let out = container::compress_with_feedback(&model, &mut fb)
-                    .map_err(CliError::from)
+                check_state_names(path, &fb, &specs)?;
+                let (seed, step) = (fb.seed(), fb.step());
+                let (out, fb) =
+                    container::compress_each(&specs, method, seed, step, Some(fb), |i, _| {
+                        input.read(i)
+                    })
                     .map_err(in_input)?;
-                (out, Some(fb.to_bytes()?))
+                let Some(fb) = fb else {
+                    return Err(CliError::new("the error-feedback state was lost"));
+                };
+                check_pair(path, output, &a.output, &out)?;
+                let state = state_bytes(&fb, &out)?;
+                (out, Some(state))
             }
         },
     };
     match (&a.residual, &state) {
+        // The output first, then the state that records it (see `check_pair`).
         (Some(path), Some(state)) => {
             io::write_all_atomic(&[(a.output.as_path(), &out), (path.as_path(), state)])
         }
@@ -716,9 +915,10 @@ fn check_output(output: &Path, inputs: &[(&str, &Path)]) -> Result<(), CliError>
     }
 }
 
+/// The receiver's model of `--shapes`: names and shapes from its safetensors header alone (its
+/// data, possibly gigabytes of weights, is not read).
 fn specs_from(path: &Path) -> Result<Vec<TensorSpec>, CliError> {
-    let bytes = io::read(path)?;
-    Ok(io::parse_shapes(path, &bytes)?
+    Ok(io::read_shapes(path)?
         .into_iter()
         .map(|(n, s)| TensorSpec::new(n, s))
         .collect())
@@ -737,19 +937,37 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
     if layout == Layout::Gradwire && a.mode.is_some() {
         return Err(CliError::usage("--mode applies to the reference layout"));
     }
-    let model: io::Model = match layout {
+    match layout {
         Layout::Gradwire => {
             let specs = a.shapes.as_deref().map(specs_from).transpose()?;
             // With the receiver's model, the container must describe exactly that model
             // (checked before anything is allocated), so the model bounds the output; without
-            // one, the container's own declaration is capped.
-            let max = if specs.is_some() {
-                u64::MAX
-            } else {
-                a.max_elements
+            // one, the container's own declaration is capped. Either way the bound counts the
+            // metadata too, and is checked before anything is allocated from the manifest.
+            let max = match &specs {
+                Some(specs) => container::model_charge(specs).max(a.max_elements),
+                None => a.max_elements,
             };
-            container::decompress(&bytes, specs.as_deref(), max)
-                .map_err(|e| CliError::from(e).in_file(&a.input))?
+            let in_input = |e: gradwire::Error| CliError::from(e).in_file(&a.input);
+            let header = container::ContainerHeader::read_for(&bytes, specs.as_deref(), max)
+                .map_err(in_input)?;
+            let head = io::model_header(
+                header
+                    .tensors
+                    .iter()
+                    .map(|t| (t.name.as_str(), t.shape.as_slice())),
+            )?;
+            // Tensor by tensor: the memory held is the largest tensor's, the file written the
+            // model's; a failure part way removes the temporary file.
+            let staged = io::stage_with(&a.output, |file| {
+                let mut w = io::SparseWriter::new(file, &a.output);
+                w.bytes(&head)?;
+                header
+                    .decode_each(&bytes, |_, values| w.f32s(values))
+                    .map_err(|e: CliError| e.in_file(&a.input))?;
+                w.finish()
+            })?;
+            staged.commit()
         }
         Layout::Reference => {
             let Some(shapes) = &a.shapes else {
@@ -769,15 +987,19 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
             };
             let dense = reference::decode(&bytes, mode, &specs)
                 .map_err(|e| CliError::new(format!("{}: {e}", a.input.display())))?;
-            specs
-                .into_iter()
-                .zip(dense)
-                .map(|(s, d)| Ok((s.name, gradwire::tensor::Tensor::new(s.shape, d)?)))
-                .collect::<Result<_, CliError>>()?
+            let head =
+                io::model_header(specs.iter().map(|s| (s.name.as_str(), s.shape.as_slice())))?;
+            let staged = io::stage_with(&a.output, |file| {
+                let mut w = io::SparseWriter::new(file, &a.output);
+                w.bytes(&head)?;
+                for d in &dense {
+                    w.f32s(d)?;
+                }
+                w.finish()
+            })?;
+            staged.commit()
         }
-    };
-    let out = io::model_bytes(&model)?;
-    io::write_all_atomic(&[(a.output.as_path(), &out)])
+    }
 }
 
 fn inspect(a: &InspectArgs) -> Result<(), CliError> {

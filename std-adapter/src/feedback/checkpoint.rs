@@ -49,6 +49,20 @@ impl ErrorFeedback {
     /// whose shape has more than [`crate::safetensors_reader::MAX_DIMS`] dimensions;
     /// [`Error::Safetensors`] when serialization fails.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        self.to_bytes_with_metadata(&[])
+    }
+
+    /// [`ErrorFeedback::to_bytes`] with `extra` `__metadata__` entries of the caller's (the
+    /// `gradwire` tool records the output a state belongs to). Readers ignore them, and the
+    /// checksum does not cover them: a caller that relies on one must check it itself.
+    ///
+    /// # Errors
+    /// As [`ErrorFeedback::to_bytes`]; [`Error::Checkpoint`] for an extra key that the
+    /// checkpoint uses itself, or one given twice.
+    pub fn to_bytes_with_metadata(&self, extra: &[(&str, &str)]) -> Result<Vec<u8>> {
+        const OWN: [&str; 7] = [
+            "crc32", "format", "method", "seed", "step", "unshaped", "version",
+        ];
         if self.residuals.contains_key("__metadata__") {
             return Err(Error::checkpoint(
                 "a tensor named `__metadata__` cannot be stored in safetensors",
@@ -88,6 +102,13 @@ impl ErrorFeedback {
         meta.insert("seed".to_owned(), seed);
         meta.insert("step".to_owned(), step);
         meta.insert("unshaped".to_owned(), unshaped);
+        for &(key, value) in extra {
+            if OWN.contains(&key) || meta.insert(key.to_owned(), value.to_owned()).is_some() {
+                return Err(Error::checkpoint(format!(
+                    "metadata entry `{key}` is the checkpoint's own or given twice"
+                )));
+            }
+        }
         // Each residual in the shape it remembers, else `[n]`.
         crate::tensor::serialize_f32(
             self.residuals.iter().map(|(n, r)| {

@@ -355,6 +355,38 @@ impl ErrorFeedback {
         }
     }
 
+    /// Moves `name`'s residual, shape and bound (when it has them) out into a state of the same
+    /// method, seed and step that holds only them: for a step over one tensor at a time. Give
+    /// them back with [`ErrorFeedback::absorb`].
+    pub(crate) fn split_off(&mut self, name: &str) -> ErrorFeedback {
+        let mut part = ErrorFeedback {
+            method: self.method,
+            seed: self.seed,
+            step: self.step,
+            residuals: BTreeMap::new(),
+            shapes: BTreeMap::new(),
+            bounds: BTreeMap::new(),
+        };
+        if let Some((k, v)) = self.residuals.remove_entry(name) {
+            part.residuals.insert(k, v);
+        }
+        if let Some((k, v)) = self.shapes.remove_entry(name) {
+            part.shapes.insert(k, v);
+        }
+        if let Some((k, v)) = self.bounds.remove_entry(name) {
+            part.bounds.insert(k, v);
+        }
+        part
+    }
+
+    /// Takes back every residual, shape and bound of `part` (a state [`ErrorFeedback::split_off`]
+    /// made, after its step); `part`'s step counter is dropped.
+    pub(crate) fn absorb(&mut self, part: ErrorFeedback) {
+        self.residuals.extend(part.residuals);
+        self.shapes.extend(part.shapes);
+        self.bounds.extend(part.bounds);
+    }
+
     /// Sets the step counter (for a compressor taking over its state).
     pub(crate) fn set_step(&mut self, step: u64) {
         self.step = step;

@@ -1,11 +1,13 @@
-//! Files: reading inputs, float32 safetensors models, and atomic writes (a temporary file in the
+//! Files: reading inputs (a gradients file one tensor at a time), writing float32 safetensors
+//! models tensor by tensor, and atomic writes (a temporary file in the
 //! same directory, renamed over the target), so that a failure never leaves a half-written
 //! output or state file.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+use gradwire::TensorSpec;
 use gradwire::tensor::Tensor;
 
 use crate::CliError;
@@ -28,42 +30,226 @@ pub fn safetensors_error(path: &Path, what: &str, e: &safetensors::SafeTensorErr
     ))
 }
 
-/// Parses a safetensors file of float32 tensors (a gradient or a model), sorted by name
-/// ([`gradwire::tensor::read_safetensors`]).
-pub fn parse_model(path: &Path, bytes: &[u8]) -> Result<Model, CliError> {
-    if super::container::is_container(bytes) {
-        return Err(CliError::new(format!(
-            "{}: a gradwire container, not a safetensors file of float32 tensors (decompress it \
-             first)",
-            path.display()
-        )));
-    }
-    gradwire::tensor::read_safetensors(bytes).map_err(|e| match e {
-        gradwire::Error::Safetensors { source } => {
-            safetensors_error(path, "not a valid safetensors file", &source)
-        }
-        other => CliError::new(format!("{}: {other}", path.display())),
-    })
+/// A safetensors file of float32 tensors (a gradients file) open for reading one tensor at a
+/// time: its header is read and checked, nothing of its data.
+pub struct Input {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    /// Names and shapes, sorted by name, with the byte range of each in the data section.
+    tensors: Vec<(TensorSpec, (usize, usize))>,
 }
 
-/// Names and shapes of every tensor of a safetensors file (any dtype), sorted by name: what a
-/// receiver knows about its model.
-pub fn parse_shapes(path: &Path, bytes: &[u8]) -> Result<Vec<(String, Vec<usize>)>, CliError> {
-    let st = gradwire::safetensors_reader::deserialize(bytes)
-        .map_err(|e| safetensors_error(path, "not a valid safetensors file", &e))?;
-    let mut shapes: Vec<(String, Vec<usize>)> = st
-        .iter()
-        .map(|(name, view)| (name.to_owned(), view.shape().to_vec()))
+impl Input {
+    /// Opens `path` and reads its header: every tensor must be float32 (the first that is not,
+    /// in file order, is named), and the model (elements, and the metadata charge of
+    /// [`gradwire::container::charged_elements`]) at most `max_elements`, checked before any
+    /// tensor data is read.
+    pub fn open(path: &Path, max_elements: u64) -> Result<Input, CliError> {
+        let mut file = File::open(path).map_err(|e| CliError::io("cannot read", path, &e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| CliError::io("cannot read", path, &e))?
+            .len();
+        let mut magic = [0u8; 4];
+        if len >= 4 {
+            file.read_exact(&mut magic)
+                .and_then(|()| file.seek(SeekFrom::Start(0)).map(|_| ()))
+                .map_err(|e| CliError::io("cannot read", path, &e))?;
+        }
+        if super::container::is_container(&magic) {
+            return Err(CliError::new(format!(
+                "{}: a gradwire container, not a safetensors file of float32 tensors \
+                 (decompress it first)",
+                path.display()
+            )));
+        }
+        let (meta, data_start) = gradwire::safetensors_reader::read_header_from(&mut file, len)
+            .map_err(|e| match e {
+                safetensors::SafeTensorError::IoError(e) => CliError::io("cannot read", path, &e),
+                e => safetensors_error(path, "not a valid safetensors file", &e),
+            })?;
+        let mut tensors = Vec::with_capacity(meta.tensors().len());
+        for name in meta.offset_keys() {
+            let Some(info) = meta.info(&name) else {
+                continue;
+            };
+            if info.dtype != safetensors::Dtype::F32 {
+                return Err(CliError::new(format!(
+                    "{}: {}",
+                    path.display(),
+                    gradwire::Error::Dtype {
+                        tensor: name,
+                        dtype: format!("{:?}", info.dtype),
+                    }
+                )));
+            }
+            let range = info.data_offsets;
+            tensors.push((TensorSpec::new(name, info.shape.clone()), range));
+        }
+        tensors.sort_by(|a, b| a.0.name.cmp(&b.0.name));
+        let specs: Vec<TensorSpec> = tensors.iter().map(|(s, _)| s.clone()).collect();
+        let charge = gradwire::container::model_charge(&specs);
+        if charge > max_elements {
+            return Err(CliError::new(format!(
+                "{}: the model has more than {max_elements} elements (counting {} per tensor, {} \
+                 per byte of its name and {} per dimension for its metadata; see \
+                 --max-elements)",
+                path.display(),
+                gradwire::container::TENSOR_CHARGE,
+                gradwire::container::NAME_BYTE_CHARGE,
+                gradwire::container::DIMENSION_CHARGE,
+            )));
+        }
+        Ok(Input {
+            path: path.to_path_buf(),
+            file,
+            data_start,
+            tensors,
+        })
+    }
+
+    /// The tensors' names and shapes, sorted by name.
+    pub fn specs(&self) -> Vec<TensorSpec> {
+        self.tensors.iter().map(|(s, _)| s.clone()).collect()
+    }
+
+    /// Reads tensor `i` (of [`Input::specs`]) from the file: its bytes in blocks of 1 MiB
+    /// straight into its f32 values (no copy of the bytes).
+    pub fn read(&mut self, i: usize) -> Result<Tensor, CliError> {
+        let (spec, (begin, end)) = &self.tensors[i];
+        let path = &self.path;
+        let at = |e: std::io::Error| {
+            CliError::new(format!(
+                "{}: cannot read tensor `{}`: {e}",
+                path.display(),
+                spec.name
+            ))
+        };
+        let n = (end - begin) / 4;
+        let mut values: Vec<f32> = Vec::new();
+        values.try_reserve_exact(n).map_err(|_| {
+            CliError::new(format!(
+                "{}: cannot allocate {n} elements for tensor `{}`",
+                path.display(),
+                spec.name
+            ))
+        })?;
+        self.file
+            .seek(SeekFrom::Start(self.data_start + *begin as u64))
+            .map_err(at)?;
+        let mut block = vec![0u8; (1 << 20).min(end - begin)];
+        let mut left = end - begin;
+        while left > 0 {
+            let take = left.min(block.len());
+            self.file.read_exact(&mut block[..take]).map_err(at)?;
+            values.extend(
+                block[..take]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+            left -= take;
+        }
+        Tensor::new(spec.shape.clone(), values)
+            .map_err(|e| CliError::new(format!("{}: {e}", path.display())))
+    }
+}
+
+/// Names and shapes of every tensor of the safetensors file at `path` (any dtype), sorted by
+/// name: what a receiver knows about its model. Only the header is read.
+pub fn read_shapes(path: &Path) -> Result<Vec<(String, Vec<usize>)>, CliError> {
+    let mut file = File::open(path).map_err(|e| CliError::io("cannot read", path, &e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| CliError::io("cannot read", path, &e))?
+        .len();
+    let (meta, _) =
+        gradwire::safetensors_reader::read_header_from(&mut file, len).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(e) => CliError::io("cannot read", path, &e),
+            e => safetensors_error(path, "not a valid safetensors file", &e),
+        })?;
+    let mut shapes: Vec<(String, Vec<usize>)> = meta
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| (name, info.shape.clone()))
         .collect();
     shapes.sort();
     Ok(shapes)
 }
 
-/// Serializes tensors as a float32 safetensors file
-/// ([`gradwire::tensor::write_safetensors`]).
-pub fn model_bytes(model: &[(String, Tensor)]) -> Result<Vec<u8>, CliError> {
-    gradwire::tensor::write_safetensors(model)
+/// The header of a float32 safetensors file of `tensors` (`(name, shape)`, in data order;
+/// [`gradwire::tensor::f32_safetensors_header`]).
+pub fn model_header<'a>(
+    tensors: impl ExactSizeIterator<Item = (&'a str, &'a [usize])>,
+) -> Result<Vec<u8>, CliError> {
+    gradwire::tensor::f32_safetensors_header(tensors)
         .map_err(|e| CliError::new(format!("cannot serialize safetensors: {e}")))
+}
+
+/// Writes a new file front to back, with the values of float32 tensors converted in blocks of
+/// 64 KiB (no second copy of a tensor), seeking over blocks that are all zero bits: the file is
+/// new, so a hole reads as zeros, and a sparse model stays small on disk.
+pub struct SparseWriter<'f> {
+    file: &'f mut File,
+    path: &'f Path,
+    pos: u64,
+    hole: bool,
+    block: Vec<u8>,
+}
+
+/// Elements per block of [`SparseWriter::f32s`].
+const BLOCK: usize = 1 << 14;
+
+impl<'f> SparseWriter<'f> {
+    /// A writer at the start of `file` (new and empty), which is `path` for messages.
+    pub fn new(file: &'f mut File, path: &'f Path) -> Self {
+        SparseWriter {
+            file,
+            path,
+            pos: 0,
+            hole: false,
+            block: Vec::with_capacity(BLOCK * 4),
+        }
+    }
+
+    fn err(&self, e: &std::io::Error) -> CliError {
+        CliError::io("cannot write", self.path, e)
+    }
+
+    /// Writes `bytes` at the current position.
+    pub fn bytes(&mut self, bytes: &[u8]) -> Result<(), CliError> {
+        if self.hole {
+            self.file
+                .seek(SeekFrom::Start(self.pos))
+                .map_err(|e| self.err(&e))?;
+            self.hole = false;
+        }
+        self.file.write_all(bytes).map_err(|e| self.err(&e))?;
+        self.pos += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Writes `values` as little-endian f32.
+    pub fn f32s(&mut self, values: &[f32]) -> Result<(), CliError> {
+        let mut block = std::mem::take(&mut self.block);
+        for chunk in values.chunks(BLOCK) {
+            if chunk.iter().all(|v| v.to_bits() == 0) {
+                self.pos += chunk.len() as u64 * 4;
+                self.hole = true;
+                continue;
+            }
+            block.clear();
+            block.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+            self.bytes(&block)?;
+        }
+        self.block = block;
+        Ok(())
+    }
+
+    /// Ends the file at the current position (a trailing hole included).
+    pub fn finish(self) -> Result<(), CliError> {
+        self.file.set_len(self.pos).map_err(|e| self.err(&e))
+    }
 }
 
 /// A file written next to its target, not yet renamed over it. Dropping it removes it.
@@ -74,11 +260,23 @@ pub struct Staged {
 }
 
 impl Staged {
-    /// Renames the temporary file over the target.
+    /// Renames the temporary file over the target, then flushes the directory (on Unix), so
+    /// that a rename is on disk before the next one: files committed one after the other reach
+    /// the disk in that order.
     pub fn commit(mut self) -> Result<(), CliError> {
         fs::rename(&self.temp, &self.target)
             .map_err(|e| CliError::io("cannot write", &self.target, &e))?;
         self.done = true;
+        #[cfg(unix)]
+        {
+            let dir = match self.target.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => Path::new("."),
+            };
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| CliError::io("cannot write", &self.target, &e))?;
+        }
         Ok(())
     }
 }
@@ -95,6 +293,24 @@ impl Drop for Staged {
 /// Writes `bytes` to a new temporary file in the directory of `target` (flushed to disk), to be
 /// renamed over `target` by [`Staged::commit`].
 pub fn stage(target: &Path, bytes: &[u8]) -> Result<Staged, CliError> {
+    stage_with(target, |file| {
+        file.write_all(bytes)
+            .map_err(|e| CliError::io("cannot write", target, &e))
+    })
+}
+
+/// A new temporary file in the directory of `target`, filled by `fill` (which may write it in
+/// pieces and seek over runs of zeros: the file is new, so a hole reads as zeros), flushed to
+/// disk, to be renamed over `target` by [`Staged::commit`].
+///
+/// When `target` exists, the temporary file gets its permissions (a `0600` state stays `0600`):
+/// on Unix it is created `0600` and widened to the target's mode only then, so the new contents
+/// are never readable by more users than the old. A new target gets the default mode (umask).
+/// Owner and group are not copied (a rename cannot keep them when another user runs the tool).
+pub fn stage_with(
+    target: &Path,
+    fill: impl FnOnce(&mut File) -> Result<(), CliError>,
+) -> Result<Staged, CliError> {
     let file_name = target
         .file_name()
         .ok_or_else(|| CliError::new(format!("{}: not a file name", target.display())))?;
@@ -108,13 +324,25 @@ pub fn stage(target: &Path, bytes: &[u8]) -> Result<Staged, CliError> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
+    // The permissions to keep: those of the file being replaced.
+    let keep = fs::metadata(target)
+        .ok()
+        .filter(|m| m.is_file())
+        .map(|m| m.permissions());
     let mut attempt = 0u32;
     let (temp, mut file) = loop {
         let mut name = std::ffi::OsString::from(".");
         name.push(file_name);
         name.push(format!(".gradwire-tmp-{}-{attempt}", std::process::id()));
         let temp = dir.join(name);
-        match OpenOptions::new().write(true).create_new(true).open(&temp) {
+        let mut options = OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        if keep.is_some() {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(0o600);
+        }
+        match options.open(&temp) {
             Ok(f) => break (temp, f),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 100 => {
                 attempt += 1;
@@ -127,17 +355,21 @@ pub fn stage(target: &Path, bytes: &[u8]) -> Result<Staged, CliError> {
         target: target.to_path_buf(),
         done: false,
     };
-    write_all(&mut file, bytes).map_err(|e| CliError::io("cannot write", target, &e))?;
+    if let Some(perms) = keep {
+        file.set_permissions(perms)
+            .map_err(|e| CliError::io("cannot write", target, &e))?;
+    }
+    fill(&mut file)?;
+    file.sync_all()
+        .map_err(|e| CliError::io("cannot write", target, &e))?;
     Ok(staged)
 }
 
-fn write_all(file: &mut File, bytes: &[u8]) -> std::io::Result<()> {
-    file.write_all(bytes)?;
-    file.sync_all()
-}
-
-/// Writes every `(target, bytes)` atomically: all temporary files first, then the renames, so
-/// a failure while writing leaves every target as it was.
+/// Writes every `(target, bytes)` atomically: all temporary files first, then the renames in
+/// the order given, so a failure while writing leaves every target as it was. (A failure
+/// between two renames leaves the first target new and the next old: `compress --residual`
+/// writes its output first and then the state, which records the output's digest, and checks
+/// the pair on its next run.)
 pub fn write_all_atomic(files: &[(&Path, &[u8])]) -> Result<(), CliError> {
     let staged = files
         .iter()

@@ -73,6 +73,27 @@ fn opt_num(x: Option<f64>, digits: usize) -> String {
     x.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"))
 }
 
+/// `s` for a terminal: every control character (`char::is_control`: C0, DEL and C1, so ESC,
+/// `\n`, `\r`, BEL, backspace and CSI among them) written as `\u{..}` with its code point in
+/// hex, so that a tensor name or an error message can neither break a line nor move the cursor,
+/// recolour or retitle the terminal.
+pub fn escape(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c.is_control() {
+            let _ = write!(out, "\\u{{{:x}}}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// A JSON string: `"`, `\` and every control character (`char::is_control`, DEL and C1
+/// included, which JSON would allow raw) escaped.
 fn json_str(s: &str) -> String {
     let mut out = String::with_capacity(s.len() + 2);
     out.push('"');
@@ -83,7 +104,7 @@ fn json_str(s: &str) -> String {
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
+            c if c.is_control() => {
                 let _ = write!(out, "\\u{:04x}", c as u32);
             }
             c => out.push(c),
@@ -124,7 +145,7 @@ impl Report {
         let facts: Vec<String> = self
             .facts
             .iter()
-            .map(|(k, v)| format!("{k}: {v}"))
+            .map(|(k, v)| format!("{k}: {}", escape(v)))
             .collect();
         let _ = writeln!(s, "layout: {}; {}", self.layout, facts.join("; "));
         let n = self.total_n();
@@ -142,9 +163,9 @@ impl Report {
         for r in &self.rows {
             let (bits, ratio) = rates(r.n, r.bytes);
             lines.push([
-                r.name.clone(),
+                escape(&r.name).into_owned(),
                 shape_text(&r.shape),
-                r.method.clone(),
+                escape(&r.method).into_owned(),
                 r.n.map_or_else(|| "?".to_owned(), |n| n.to_string()),
                 r.kept.to_string(),
                 r.bytes.to_string(),
