@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Fuzz smoke run for CI: when a nightly toolchain is present, installs cargo-fuzz if missing,
 # builds every fuzz target and runs each for FUZZ_SECONDS (default 30) on a copy of its
-# checked-in corpus (fuzz/corpus/<target>, which stays untouched). Without nightly it prints
-# why it skipped and succeeds: the corpora are still replayed on stable by
-# core/tests/fuzz_replay.rs and std-adapter/tests/fuzz_replay.rs. Any crash fails the run.
+# checked-in corpus (fuzz/corpus/<target>, which stays untouched). Without nightly it fails,
+# saying why (the corpora are also replayed on stable by core/tests/fuzz_replay.rs and
+# std-adapter/tests/fuzz_replay.rs). Any crash fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${FUZZ_SECONDS:-30}
 
 if ! rustup run nightly rustc --version >/dev/null 2>&1; then
-    echo "fuzz: skipped: no nightly toolchain (cargo fuzz needs nightly); corpora are replayed on stable by the fuzz_replay tests"
-    exit 0
+    echo "fuzz: FAILED: no nightly toolchain (cargo fuzz needs nightly: rustup toolchain install nightly)"
+    exit 1
 fi
 if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
     echo "fuzz: installing cargo-fuzz"
