@@ -1,5 +1,5 @@
 //! Replays every file of the checked-in fuzz corpora of the std targets
-//! (`fuzz/corpus/{bundle,reference,checkpoint}/`) through the same target bodies the fuzzers
+//! (`fuzz/corpus/{bundle,reference,checkpoint,two_phase}/`) through the same target bodies the fuzzers
 //! run, on stable. The bodies live in `fuzz/logic/src/std_targets.rs` and are included here by
 //! path (no dependency on the fuzz crate, whose workspace is separate); see FUZZING.md.
 
@@ -14,6 +14,10 @@ mod gens;
 #[allow(dead_code)]
 #[path = "../../fuzz/logic/src/std_targets.rs"]
 mod std_targets;
+
+#[allow(dead_code)]
+#[path = "../../fuzz/logic/src/collective_targets.rs"]
+mod collective_targets;
 
 use std::path::{Path, PathBuf};
 
@@ -54,4 +58,9 @@ fn replay_reference() {
 #[test]
 fn replay_checkpoint() {
     replay("checkpoint", std_targets::checkpoint);
+}
+
+#[test]
+fn replay_two_phase() {
+    replay("two_phase", collective_targets::two_phase);
 }

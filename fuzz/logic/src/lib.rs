@@ -6,6 +6,8 @@
 //! them, so CI covers the corpora without nightly and without a dependency on this crate.
 //! Each module refers to its siblings as `crate::input`, which resolves the same way in both.
 
+#[cfg(feature = "std")]
+pub mod collective_targets;
 pub mod core_targets;
 pub mod gens;
 pub mod input;

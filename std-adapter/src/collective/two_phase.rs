@@ -756,7 +756,10 @@ fn encode_shard(
             bufs.select.resize(need, 0);
         }
         let kept = select::topk_kept(part, k, limit, &mut bufs.select[..need]).map_err(|_| {
-            let i = part.iter().position(|v| v.abs() >= limit || v.is_nan()).unwrap_or(0);
+            let i = part
+                .iter()
+                .position(|v| v.abs() >= limit || v.is_nan())
+                .unwrap_or(0);
             at(gradwire_core::Error::ValueOutOfRange { index: start + i })
         })?;
         bufs.kept.extend(kept.idx.iter().map(|&i| i + start as u32));
