@@ -105,7 +105,8 @@ impl serde::Serialize for Method {
 /// The collective a run's gradients travel by (`--collective`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum Collective {
-    /// Every rank's bundle to every rank (`W - 1` bundles received per rank).
+    /// Every rank's bundle to every rank (`W - 1` bundles received per rank); dense f32 goes
+    /// through gradwire's f32 all-reduce instead.
     #[default]
     #[value(name = "allgather")]
     AllGather,
@@ -298,6 +299,9 @@ impl GradwireCodec {
             .with_seed(ctx.seed)
             .with_parallelism(Parallelism::Serial);
         let collective = match ctx.collective {
+            // Uncompressed f32 gradients go through gradwire's f32 all-reduce (a ring
+            // all-reduce's bytes) whatever the collective: never an all-gather.
+            _ if method == Method::DenseF32 => Some(gradwire::Collective::AllGather),
             Collective::AllGather => None,
             // Random-k is all-gather only in gradwire.
             Collective::TwoPhase if method == Method::RandK1Ef => None,
