@@ -171,3 +171,58 @@ fn checkpoints_beyond_the_value_range_or_without_checksum_are_refused() {
         "{err}"
     );
 }
+
+/// Issue 24 item 7: a frame that follows FORMAT.md but uses an index codec larger than the one
+/// the encoder picks (bitmap instead of delta) decodes alone, yet is longer than
+/// `max_frame_len`, the bound every bundle, container and collective message is checked
+/// against. FORMAT.md section 5 now says so (encoders of frames that travel in those MUST write
+/// the smallest codec), instead of "decoders accept any codec" without the exception; this test
+/// rebuilds such a frame and shows both halves of the rule.
+#[test]
+fn a_frame_with_a_larger_index_codec_is_valid_alone_but_beyond_the_bundle_bound() {
+    use gradwire::core::index::{BITMAP, write_u32};
+    use gradwire::core::{K, Method, Params, Values, decode_into, encode_into, max_frame_len};
+
+    let n = 1000usize;
+    let method = Method::TopK {
+        k: K::Count(10),
+        values: Values::F32,
+    };
+    let params = Params::new(method);
+    let g: Vec<f32> = (0..n)
+        .map(|i| if i % 97 == 0 { 1.0 + i as f32 } else { 0.001 })
+        .collect();
+    let mut scratch = vec![0u32; gradwire::core::scratch_len(n, &method)];
+    let mut minimal = vec![0u8; max_frame_len(n, &method)];
+    let len = encode_into(&g, &params, &mut scratch, &mut minimal).unwrap();
+    minimal.truncate(len);
+    // The ten largest: 97, 194, ..., 970 (index 0 holds 1.0, below them).
+    let kept: Vec<u32> = (1..=10).map(|i| 97 * i).collect();
+    assert_eq!(
+        minimal[16 + 1 + 8],
+        gradwire::core::index::DELTA,
+        "delta is the smallest here"
+    );
+    // The same frame with the bitmap codec (125 bytes for n = 1000, where delta takes about
+    // 14): header, vspec (f32), count, codec, bitmap section, values, CRC.
+    let mut raw = minimal[..16 + 1 + 8].to_vec();
+    raw.push(BITMAP);
+    let mut section = vec![0u8; n.div_ceil(8)];
+    write_u32(BITMAP, n as u64, &kept, &mut section);
+    raw.extend_from_slice(&section);
+    for &i in &kept {
+        raw.extend_from_slice(&g[i as usize].to_le_bytes());
+    }
+    let crc = crc32fast::hash(&raw);
+    raw.extend_from_slice(&crc.to_le_bytes());
+    let (mut a, mut b) = (vec![0.0f32; n], vec![0.0f32; n]);
+    decode_into(&minimal, &params, &mut a).unwrap();
+    decode_into(&raw, &params, &mut b).expect("a lone frame may use any codec");
+    assert!(a == b, "both codecs decode to the same values");
+    assert!(
+        raw.len() > max_frame_len(n, &method),
+        "{} bytes, bound {}: a bundle carrying it exceeds Manifest::max_bundle_len",
+        raw.len(),
+        max_frame_len(n, &method)
+    );
+}
