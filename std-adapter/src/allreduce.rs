@@ -344,6 +344,47 @@ impl CompressedAllReduce {
         self.comm.as_ref().map(|c| c.traffic()).unwrap_or_default()
     }
 
+    /// Saves this rank's server residuals (two-phase) to `path`, for a bit-identical resume
+    /// with [`CompressedAllReduce::load_server_residuals`] next to the worker's own checkpoint
+    /// ([`GradientCompressor::save_feedback`] through
+    /// [`CompressedAllReduce::compressor_mut`]). The file is an error-feedback checkpoint
+    /// (`FORMAT.md` section 12) of the residuals of this rank's shard, named by tensor, with
+    /// the world size, the rank and the shard layout in its metadata (section 15).
+    ///
+    /// # Errors
+    /// [`Error::Config`] before the first two-phase step or for a method without server
+    /// residuals (no error feedback, majority vote); [`Error::Io`] naming the file.
+    pub fn save_server_residuals(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let path = path.as_ref();
+        let bytes = self
+            .two_phase
+            .server_checkpoint(self.compressor.seed(), self.compressor.step())?;
+        std::fs::write(path, bytes).map_err(|source| Error::Io {
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    /// Loads server residuals that [`CompressedAllReduce::save_server_residuals`] wrote; they
+    /// apply at the next step, which checks them against this model's shard layout (another
+    /// layout fails that step on every rank, until they are discarded).
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the file; [`Error::Checkpoint`] for a file that is not such a
+    /// checkpoint, is damaged (checksums), holds values beyond the method's range, or was saved
+    /// by another rank or world size (an elastic restart discards them:
+    /// [`CompressedAllReduce::discard_server_residuals`]); nothing changes then.
+    pub fn load_server_residuals(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let rank = self.rank();
+        self.two_phase
+            .load_server_checkpoint(&bytes, self.world_size, rank)
+    }
+
     /// Drops this rank's server residuals (two-phase), for example before a restart at another
     /// world size (the residuals belong to one shard layout).
     pub fn discard_server_residuals(&mut self) {

@@ -634,3 +634,90 @@ fn two_phase_bytes_per_link_stay_flat_as_the_world_grows() {
         }
     }
 }
+
+/// Server residuals saved to a file beside the worker's checkpoint resume bit for bit; a file
+/// from another world size, a damaged one, or one for another model layout is refused.
+#[test]
+fn server_residual_checkpoints_resume_bit_for_bit_and_refuse_another_layout() {
+    const W: usize = 3;
+    let method = || CompressionMethod::SignSGD.with_error_feedback();
+    let dir = std::env::temp_dir().join(format!("gradwire-server-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(method(), Box::new(comm))
+                    .with_collective(Collective::TwoPhase);
+                for s in 0..3 {
+                    ar.all_reduce(&gradients(rank, s)).unwrap();
+                }
+                ar.compressor_mut()
+                    .save_feedback(dir.join(format!("worker-{rank}")))
+                    .unwrap();
+                ar.save_server_residuals(dir.join(format!("server-{rank}")))
+                    .unwrap();
+                (3..5)
+                    .map(|s| flat(&ar.all_reduce(&gradients(rank, s)).unwrap()))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let first: Vec<Vec<Vec<f32>>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    // Resume from the files.
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(method(), Box::new(comm))
+                    .with_collective(Collective::TwoPhase);
+                ar.compressor_mut()
+                    .load_feedback(dir.join(format!("worker-{rank}")))
+                    .unwrap();
+                // Another rank's file: refused.
+                let other = dir.join(format!("server-{}", (rank + 1) % W));
+                assert!(ar.load_server_residuals(&other).is_err());
+                ar.load_server_residuals(dir.join(format!("server-{rank}")))
+                    .unwrap();
+                (3..5)
+                    .map(|s| flat(&ar.all_reduce(&gradients(rank, s)).unwrap()))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for (h, expected) in handles.into_iter().zip(&first) {
+        let resumed = h.join().unwrap();
+        for (a, b) in resumed.iter().zip(expected) {
+            assert!(same_bits(a, b), "resumed from the files: bit-identical");
+        }
+    }
+    // Another world size: refused on load.
+    let comms = LocalGroup::new(W + 1).into_communicators();
+    let mut ar = CompressedAllReduce::with_communicator(
+        method(),
+        Box::new(comms.into_iter().next().unwrap()),
+    );
+    let err = ar.load_server_residuals(dir.join("server-0")).unwrap_err();
+    assert!(err.to_string().contains("discard"), "{err}");
+    // A damaged file: refused.
+    let mut bytes = std::fs::read(dir.join("server-0")).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x20;
+    std::fs::write(dir.join("damaged"), &bytes).unwrap();
+    let comms = LocalGroup::new(W).into_communicators();
+    let mut ar = CompressedAllReduce::with_communicator(
+        method(),
+        Box::new(comms.into_iter().next().unwrap()),
+    );
+    assert!(ar.load_server_residuals(dir.join("damaged")).is_err());
+    // The worker's own checkpoint is not a server-residual checkpoint.
+    let err = ar.load_server_residuals(dir.join("worker-0")).unwrap_err();
+    assert!(err.to_string().contains("server-residual"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -66,6 +66,8 @@ pub(crate) struct ShardLayout {
     pub(crate) max_select: usize,
     /// The manifest's layout id (the cache key, with the world size).
     pub(crate) layout_id: u64,
+    /// The manifest's method.
+    pub(crate) method: Method,
 }
 
 /// The method's own block: a shard block must be a multiple of it.
@@ -225,6 +227,7 @@ impl ShardLayout {
             max_scratch,
             max_select,
             layout_id: salt,
+            method,
         })
     }
 

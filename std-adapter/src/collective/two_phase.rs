@@ -82,6 +82,8 @@ pub(crate) struct TwoPhase {
     server: Vec<f32>,
     /// Server residuals to restore, set before the layout is known (checked when it is).
     pending: Option<HashMap<String, Vec<f32>>>,
+    /// The shard layout pending residuals were saved with (block, layout id), when known.
+    pending_layout: Option<(usize, u64)>,
     /// This rank (of the last step).
     rank: usize,
     server_undo: Vec<f32>,
@@ -152,6 +154,90 @@ impl TwoPhase {
     /// (when the layout is known).
     pub(crate) fn set_server_residuals(&mut self, residuals: HashMap<String, Vec<f32>>) {
         self.pending = Some(residuals);
+        self.pending_layout = None;
+    }
+
+    /// This rank's server residuals as checkpoint bytes: the error-feedback checkpoint format
+    /// (`FORMAT.md` section 12: residuals named by tensor, checksummed, value ranges checked on
+    /// load) with the shard layout in metadata (`FORMAT.md` section 15).
+    ///
+    /// # Errors
+    /// [`Error::Config`] before the first two-phase step, or for a method without server
+    /// residuals; errors of the checkpoint writer.
+    pub(crate) fn server_checkpoint(&self, seed: u64, step: u64) -> Result<Vec<u8>> {
+        let Some(layout) = &self.layout else {
+            return Err(Error::config(
+                "no server residuals yet: run a two-phase step first",
+            ));
+        };
+        let mut fb = ErrorFeedback::new(layout.method, seed).map_err(|_| {
+            Error::config(format!(
+                "{} keeps no server residuals",
+                crate::method::format(&layout.method)
+            ))
+        })?;
+        fb.set_step(step);
+        for (name, values) in self.server_residuals() {
+            fb.set_residual(name, values.to_vec())?;
+        }
+        let text = shard_text(layout.world, self.rank, layout.block, layout.layout_id);
+        let crc = format!("{:08x}", crc32fast::hash(text.as_bytes()));
+        fb.to_bytes_with_metadata(&[(SHARDS_KEY, &text), (SHARDS_CRC_KEY, &crc)])
+    }
+
+    /// Reads server residuals that [`TwoPhase::server_checkpoint`] wrote, for rank `rank` of
+    /// `world` ranks; they apply at the next step, which checks the shard layout.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] for bytes that are not such a checkpoint (or damaged); for one
+    /// saved by another rank or world size (discard the server residuals to restart
+    /// elsewhere); nothing changes then.
+    pub(crate) fn load_server_checkpoint(
+        &mut self,
+        bytes: &[u8],
+        world: usize,
+        rank: usize,
+    ) -> Result<()> {
+        let fb = ErrorFeedback::from_bytes(bytes)?;
+        let (header, _) = crate::safetensors_reader::read_header(bytes)
+            .map_err(|e| Error::checkpoint(format!("not a checkpoint: {e}")))?;
+        let meta = header.metadata().as_ref();
+        let get = |k: &str| meta.and_then(|m| m.get(k)).cloned();
+        let (Some(text), Some(crc)) = (get(SHARDS_KEY), get(SHARDS_CRC_KEY)) else {
+            return Err(Error::checkpoint(
+                "not a server-residual checkpoint (no shard layout in its metadata)",
+            ));
+        };
+        if format!("{:08x}", crc32fast::hash(text.as_bytes())) != crc {
+            return Err(Error::checkpoint("shard layout: checksum mismatch"));
+        }
+        let field = |key: &str| {
+            text.split(';')
+                .find_map(|kv| kv.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+                .ok_or_else(|| Error::checkpoint(format!("shard layout: no `{key}`")))
+        };
+        let num = |key: &str| -> Result<u64> {
+            field(key)?
+                .parse()
+                .map_err(|_| Error::checkpoint(format!("shard layout: `{key}` is not a number")))
+        };
+        let (saved_world, saved_rank, block) = (num("world_size")?, num("rank")?, num("block")?);
+        let layout_id = u64::from_str_radix(field("layout")?, 16)
+            .map_err(|_| Error::checkpoint("shard layout: `layout` is not hex"))?;
+        if (saved_world, saved_rank) != (world as u64, rank as u64) {
+            return Err(Error::checkpoint(format!(
+                "server residuals saved by rank {saved_rank} of {saved_world} ranks cannot \
+                 resume rank {rank} of {world}: the shard layout differs (discard the server \
+                 residuals to restart at another world size)"
+            )));
+        }
+        self.pending = Some(
+            fb.residuals()
+                .map(|(n, r)| (n.to_owned(), r.to_vec()))
+                .collect(),
+        );
+        self.pending_layout = Some((block as usize, layout_id));
+        Ok(())
     }
 
     /// Applies pending server residuals to the layout's zeros.
@@ -163,6 +249,16 @@ impl TwoPhase {
         let (Some(layout), Some(pending)) = (&self.layout, &self.pending) else {
             return Ok(());
         };
+        if let Some((block, id)) = self.pending_layout
+            && (block, id) != (layout.block, layout.layout_id)
+        {
+            return Err(Error::config(format!(
+                "the server residuals were saved for another shard layout (block {block}, \
+                 layout {id:016x}; this model's: block {}, layout {:016x}): discard them to \
+                 restart",
+                layout.block, layout.layout_id
+            )));
+        }
         let mut server = vec![0.0f32; layout.shard_lens[rank]];
         let mut names: Vec<&String> = pending.keys().collect();
         names.sort();
@@ -190,6 +286,7 @@ impl TwoPhase {
         }
         self.server = server;
         self.pending = None;
+        self.pending_layout = None;
         Ok(())
     }
 
@@ -197,6 +294,7 @@ impl TwoPhase {
     pub(crate) fn discard_server_residuals(&mut self) {
         self.server.clear();
         self.pending = None;
+        self.pending_layout = None;
     }
 
     /// Bytes of this rank's phase-1 shard messages of the last step (envelopes left out; 0
@@ -776,6 +874,15 @@ fn encode_shard(
         sparse_update(bufs.kept, bufs.sent, 0, input, r).map_err(at)?;
     }
     Ok(written)
+}
+
+/// Metadata key of a server-residual checkpoint's shard layout, and of its CRC-32.
+const SHARDS_KEY: &str = "server_shards";
+const SHARDS_CRC_KEY: &str = "server_shards_crc32";
+
+/// The shard layout's text in a server-residual checkpoint.
+fn shard_text(world: usize, rank: usize, block: usize, layout_id: u64) -> String {
+    format!("world_size={world};rank={rank};block={block};layout={layout_id:016x}")
 }
 
 /// The parameters of an owner's frame.
