@@ -13,8 +13,8 @@ for t in "$@"; do
         echo "# fuzz target: $t"
         echo "# written: $(date -u +%FT%TZ) by fuzz/trim_log.sh from fuzz/run_long.sh output"
         echo "# build: cargo +nightly fuzz build -O -a -s none (release, debug assertions and overflow checks, no sanitizer)"
-        echo "# command: nice -n 19 fuzz/target/x86_64-unknown-linux-gnu/release/$t -print_final_stats=1 -timeout=10 -rss_limit_mb=2048 -max_len=4096 -max_total_time=600 <corpus>"
-        echo "#   then, if under 5,000,000 executions: the same with -runs=<5,000,000 - executions so far>"
+        echo "# command: nice -n 19 fuzz/target/x86_64-unknown-linux-gnu/release/$t -print_final_stats=1 -timeout=10 -rss_limit_mb=2048 -max_len=4096 -max_total_time=${MIN_TIME:-600} <corpus>"
+        echo "#   then, if under ${MIN_EXECS:-5000000} executions: the same with -runs=<${MIN_EXECS:-5000000} - executions so far>"
         echo "# progress: $(grep " $t\b" "$LOGS/progress" | tr '\n' ' ')"
         for s in 1 2; do
             f=$LOGS/$t.$s.log
