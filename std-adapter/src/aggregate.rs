@@ -71,7 +71,13 @@ pub enum Reduction {
     MajorityVote,
 }
 
-fn check_reduction(manifest: &Manifest, reduction: Reduction, count: usize) -> Result<()> {
+/// [`Error::Config`] for no contributions, or a majority vote over frames other than unscaled
+/// signs.
+pub(crate) fn check_reduction(
+    manifest: &Manifest,
+    reduction: Reduction,
+    count: usize,
+) -> Result<()> {
     if count == 0 {
         return Err(Error::config(
             "nothing to aggregate: no contributions were given (one per rank, at least one)",

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 
 use gradwire_core::values::first_non_finite;
 
-use super::{Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, fingerprint_at, open, seal};
-use super::{name_difference, seal_failure};
+use super::{Config, ENVELOPE_LEN, MAX_REASON_LEN, PAYLOAD, fingerprint_at, seal};
+use super::{check_fingerprints, gathered_fingerprints, seal_failure};
 use crate::aggregate::Reduction;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -69,39 +69,15 @@ impl DenseAllReduce {
             ENVELOPE_LEN + MAX_REASON_LEN,
             &mut self.gathered,
         )?;
-        let me = comm.rank();
-        let mut own = Some(own);
-        let mut fingerprints = Vec::with_capacity(self.gathered.len());
-        for (rank, msg) in self.gathered.iter().enumerate() {
-            match open(msg) {
-                Opened::Payload { fingerprint } => fingerprints.push(fingerprint),
-                Opened::Failure(reason) => {
-                    return Err(match own.take() {
-                        Some(Err(error)) if rank == me => error,
-                        _ => Error::PeerFailed { rank, reason },
-                    });
-                }
-                _ => {
-                    return Err(Error::Collective {
-                        rank,
-                        reason: "its message is not a gradwire collective envelope (version 1)"
-                            .into(),
-                    });
-                }
-            }
-        }
-        let Some(Ok((manifest, grads, config, step))) = own else {
+        let (mut own_error, ours) = match own {
+            Ok(part) => (None, Some(part)),
+            Err(e) => (Some(e), None),
+        };
+        let fingerprints = gathered_fingerprints(&self.gathered, comm.rank(), &mut own_error)?;
+        let Some((manifest, grads, config, step)) = ours else {
             return Err(Error::internal("a failed rank's own message was not found"));
         };
-        if let Some(rank) = fingerprints.iter().position(|&f| f != fingerprints[0]) {
-            return Err(name_difference(
-                comm,
-                Some(config),
-                step,
-                rank,
-                &mut self.gathered,
-            ));
-        }
+        check_fingerprints(comm, &fingerprints, config, step, &mut self.gathered)?;
         out.clear();
         out.resize(manifest.flat_len(), 0.0);
         for t in manifest.tensors() {

@@ -317,47 +317,67 @@ impl AllGather {
         }
         // The verdict, from the messages every rank holds: a failed rank first, then an
         // envelope that is not one, then fingerprints that differ.
-        let me = comm.rank();
-        let mut fingerprints = Vec::with_capacity(world_size);
-        for (rank, msg) in self.gathered.iter().enumerate() {
-            match open(msg) {
-                Opened::Failure(reason) => {
-                    return Err(match own_error {
-                        Some(error) if rank == me => error,
-                        _ => Error::PeerFailed { rank, reason },
-                    });
-                }
-                Opened::Invalid => {
-                    return Err(Error::Collective {
-                        rank,
-                        reason: "its message is not a gradwire collective envelope (version 1)"
-                            .into(),
-                    });
-                }
-                Opened::Payload { fingerprint, .. } => fingerprints.push(fingerprint),
-                Opened::Relay { .. } | Opened::ConfigDiffers { .. } => {
-                    return Err(Error::Collective {
-                        rank,
-                        reason: "it sent a two-phase envelope to an all-gather".into(),
-                    });
-                }
-            }
-        }
+        let mut own_error = own_error;
+        let fingerprints = gathered_fingerprints(&self.gathered, comm.rank(), &mut own_error)?;
         let Some((manifest, step, config)) = ours else {
             // Unreachable: this rank's own message is a failure, found above.
             return Err(Error::internal("a failed rank's own message was not found"));
         };
-        if let Some(rank) = fingerprints.iter().position(|&f| f != fingerprints[0]) {
-            return Err(name_difference(
-                comm,
-                Some(config),
-                step,
-                rank,
-                &mut self.gathered,
-            ));
-        }
+        check_fingerprints(comm, &fingerprints, config, step, &mut self.gathered)?;
         let bundles: Vec<&[u8]> = self.gathered.iter().map(|m| &m[ENVELOPE_LEN..]).collect();
         aggregator.aggregate_into(manifest, &bundles, step, reduction, out)
+    }
+}
+
+/// The fingerprints of a round of envelopes every rank holds (the all-gather's, the dense f32
+/// all-reduce's), when every message is a payload; otherwise the error every rank returns for
+/// the first one that is not: `own_error` (taken) when it is this rank's own failure,
+/// [`Error::PeerFailed`] for another rank's, [`Error::Collective`] for a message that is not a
+/// payload envelope.
+fn gathered_fingerprints(
+    gathered: &[Vec<u8>],
+    me: usize,
+    own_error: &mut Option<Error>,
+) -> Result<Vec<u64>> {
+    let mut fingerprints = Vec::with_capacity(gathered.len());
+    for (rank, msg) in gathered.iter().enumerate() {
+        match open(msg) {
+            Opened::Payload { fingerprint } => fingerprints.push(fingerprint),
+            Opened::Failure(reason) => {
+                return Err(match own_error.take() {
+                    Some(error) if rank == me => error,
+                    _ => Error::PeerFailed { rank, reason },
+                });
+            }
+            Opened::Relay { .. } | Opened::ConfigDiffers { .. } => {
+                return Err(Error::Collective {
+                    rank,
+                    reason: "it sent a two-phase envelope to another collective".into(),
+                });
+            }
+            Opened::Invalid => {
+                return Err(Error::Collective {
+                    rank,
+                    reason: "its message is not a gradwire collective envelope (version 1)".into(),
+                });
+            }
+        }
+    }
+    Ok(fingerprints)
+}
+
+/// [`name_difference`] when a rank's fingerprint differs from rank 0's (every rank sees the
+/// same fingerprints, so every rank makes that extra round or none does).
+fn check_fingerprints(
+    comm: &mut dyn Communicator,
+    fingerprints: &[u64],
+    config: &Config,
+    step: u64,
+    gathered: &mut Vec<Vec<u8>>,
+) -> Result<()> {
+    match fingerprints.iter().position(|&f| f != fingerprints[0]) {
+        Some(rank) => Err(name_difference(comm, Some(config), step, rank, gathered)),
+        None => Ok(()),
     }
 }
 

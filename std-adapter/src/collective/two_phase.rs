@@ -31,8 +31,8 @@ use gradwire_core::feedback::sparse_update;
 use gradwire_core::frame::chunk::SparseFrame;
 use gradwire_core::values::{first_non_finite, magnitude_limit};
 use gradwire_core::{
-    Method, Params, SignScale, accumulate_into, decode_into, encode_into, encode_selected_into,
-    feedback_step, max_frame_len, scratch_len, select, sign,
+    Method, Params, accumulate_into, decode_into, encode_into, encode_selected_into, feedback_step,
+    max_frame_len, scratch_len, select, sign,
 };
 
 use super::shard_message::{self, Phase};
@@ -515,22 +515,7 @@ impl TwoPhase {
     /// Compresses this rank's shards into `self.send` (phase 1), keeping a copy of the worker
     /// residuals first.
     fn phase1_local(&mut self, step: &mut Step<'_>, world: usize, me: usize) -> Result<()> {
-        if step.reduction == Reduction::MajorityVote
-            && let Some(e) = step.manifest.entries().iter().find(|e| {
-                !matches!(
-                    e.method,
-                    Method::Sign {
-                        scale: SignScale::None
-                    }
-                )
-            })
-        {
-            return Err(Error::config(format!(
-                "majority vote needs unscaled sign frames (SignSGDMajority); `{}` is sent as {}",
-                e.label,
-                crate::method::format(&e.method)
-            )));
-        }
+        crate::aggregate::check_reduction(step.manifest, step.reduction, world)?;
         self.layout_for(step.manifest, world)?;
         let Some(layout) = &self.layout else {
             return Err(Error::internal("layout"));
