@@ -225,11 +225,12 @@ fn main() -> ExitCode {
     println!("# Bytes per rank per step, {numel} elements, {steps} steps (the last reported)");
     println!();
     println!(
-        "| method | W | bundle | all-gather recv max | two-phase recv max | two-phase recv mean \
-         | two-phase sent max | auto recv max (picked) | dense f32 ring recv max | two-phase / \
+        "| method | W | bundle | all-gather sent max / mean | all-gather recv max / mean | \
+         two-phase sent max / mean | two-phase recv max / mean | auto recv max (picked) | \
+         dense f32 ring sent max / mean | dense f32 ring recv max / mean | two-phase recv max / \
          bundle | ring / two-phase |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut failed = 0;
     for &w in &workers {
         let ring = match run(&base, &dense, Collective::AllGather, w, 1) {
@@ -269,19 +270,21 @@ fn main() -> ExitCode {
             if !ok {
                 failed += 1;
             }
+            let pair = |max: u64, mean: f64| format!("{max} / {mean:.0}");
             println!(
-                "| {label} | {w} | {bundle:.0} | {} | {} | {:.0} | {} | {} ({}) | {} | {ratio:.2}{} \
-                 | {:.2} |",
-                ag.recv_max,
-                tp.recv_max,
-                tp.recv_mean,
-                tp.sent_max,
+                "| {label} | {w} | {bundle:.0} | {} | {} | {} | {} | {} ({}) | {} | {} | \
+                 {ratio:.2}{} | {:.2} |",
+                pair(ag.sent_max, ag.sent_mean),
+                pair(ag.recv_max, ag.recv_mean),
+                pair(tp.sent_max, tp.sent_mean),
+                pair(tp.recv_max, tp.recv_mean),
                 auto.0.recv_max,
                 match auto.1 {
                     Some(Collective::TwoPhase) => "two-phase",
                     _ => "all-gather",
                 },
-                ring.recv_max,
+                pair(ring.sent_max, ring.sent_mean),
+                pair(ring.recv_max, ring.recv_mean),
                 if ok { "" } else { " MISSED" },
                 ring.recv_max as f64 / tp.recv_max as f64,
             );
