@@ -148,10 +148,14 @@ fn pick(
     choice: Collective,
     world_size: usize,
     manifest: &Manifest,
+    holds_server_residuals: bool,
 ) -> Route {
     let key = (manifest.layout_id(), world_size);
     let c = match *picked {
         Some((id, w, c)) if (id, w) == key => c,
+        // `Auto` never leaves the two-phase collective while server residuals are held: the
+        // step stays there and reports them (they belong to the old layout).
+        Some((_, _, Collective::TwoPhase)) if holds_server_residuals => Collective::TwoPhase,
         _ => {
             let c = match choice {
                 Collective::Auto if world_size > 1 => {
@@ -483,20 +487,22 @@ impl CompressedAllReduce {
     /// calls it at the same point of its sequence of collectives.
     ///
     /// # Errors
-    /// [`Error::WorldSize`] when `comm`'s world size is not the all-reduce's; otherwise as
-    /// [`CompressedAllReduce::all_reduce`].
+    /// [`Error::WorldSize`] when `comm`'s world size is not the all-reduce's (this rank still
+    /// takes part in the step's first collective with that error, so its peers fail naming it
+    /// instead of waiting); otherwise as [`CompressedAllReduce::all_reduce`].
     pub fn all_reduce_on(
         &mut self,
         comm: &mut dyn Communicator,
         gradients: &HashMap<String, Tensor>,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
-        self.check_world_size()?;
         if comm.world_size() != self.world_size {
-            return Err(Error::WorldSize {
+            // Takes part with the error, so that the peers fail naming this rank.
+            let error = Error::WorldSize {
                 expected: self.world_size,
                 got: comm.world_size(),
-            });
+            };
+            return Err(crate::collective::take_part_failed(comm, error));
         }
         self.step_on(comm, gradients, out)
     }
@@ -525,7 +531,13 @@ impl CompressedAllReduce {
         // configuration alone when it has no manifest), so that all call the same primitives.
         let route = match (method_ok, &manifest) {
             (_, Ok(m)) if dense::applies(m, self.reduction) => Route::Dense,
-            (_, Ok(m)) => pick(&mut self.picked, self.choice, self.world_size, m),
+            (_, Ok(m)) => pick(
+                &mut self.picked,
+                self.choice,
+                self.world_size,
+                m,
+                self.two_phase.holds_server_residuals(),
+            ),
             (
                 Some(Method::Dense {
                     values: Values::F32,

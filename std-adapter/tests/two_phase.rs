@@ -12,7 +12,7 @@ use gradwire::comm::{CommError, Communicator, LocalGroup, Traffic};
 use gradwire::core::{K, Method, Values};
 use gradwire::tensor::Tensor;
 use gradwire::{
-    Aggregator, BucketConfig, Collective, CompressedAllReduce, CompressionMethod,
+    Aggregator, BucketConfig, Collective, CompressedAllReduce, CompressionMethod, Error,
     GradientCompressor, Manifest, Reduction,
 };
 
@@ -449,6 +449,9 @@ struct Tamper<C> {
     rank: usize,
     to: usize,
     enlarge: bool,
+    /// Enlarge `rank`'s phase-2 message (its second all-gather of a step) instead.
+    phase2: bool,
+    gathers: usize,
 }
 
 impl<C: Communicator> Communicator for Tamper<C> {
@@ -464,6 +467,12 @@ impl<C: Communicator> Communicator for Tamper<C> {
         max_len: usize,
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
+        self.gathers += 1;
+        if self.phase2 && self.gathers.is_multiple_of(2) && self.inner.rank() == self.rank {
+            let mut big = local.to_vec();
+            big.resize(local.len() + 1_000_000, 7);
+            return self.inner.all_gather(&big, max_len, out);
+        }
         self.inner.all_gather(local, max_len, out)
     }
     fn all_to_all(
@@ -473,7 +482,7 @@ impl<C: Communicator> Communicator for Tamper<C> {
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
         let mut send = send.to_vec();
-        if self.inner.rank() == self.rank {
+        if self.inner.rank() == self.rank && !self.phase2 {
             let msg = &mut send[self.to];
             if self.enlarge {
                 msg.resize(msg.len() + 10_000_000, 7);
@@ -504,6 +513,8 @@ fn a_bad_or_oversized_shard_fails_every_rank_alike_and_nothing_changes() {
                         rank: 1,
                         to: 2,
                         enlarge,
+                        phase2: false,
+                        gathers: 0,
                     };
                     let mut ar = CompressedAllReduce::with_communicator(
                         CompressionMethod::SignSGD.with_error_feedback(),
@@ -720,4 +731,179 @@ fn server_residual_checkpoints_resume_bit_for_bit_and_refuse_another_layout() {
     let err = ar.load_server_residuals(dir.join("worker-0")).unwrap_err();
     assert!(err.to_string().contains("server-residual"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Review findings: a phase-2 message over the limit (every rank's verdict) leaves worker and
+/// server residuals as they were.
+#[test]
+fn an_oversized_phase_2_message_changes_no_residual() {
+    const W: usize = 3;
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || {
+                let tamper = Tamper {
+                    inner: comm,
+                    rank: 1,
+                    to: 0,
+                    enlarge: true,
+                    phase2: true,
+                    gathers: 0,
+                };
+                let mut ar = CompressedAllReduce::with_communicator(
+                    CompressionMethod::SignSGD.with_error_feedback(),
+                    Box::new(tamper),
+                )
+                .with_collective(Collective::TwoPhase);
+                let err = ar.all_reduce(&gradients(rank, 0)).unwrap_err().to_string();
+                let worker: Vec<f32> = ar
+                    .compressor()
+                    .feedback()
+                    .map(|f| f.residuals().flat_map(|(_, r)| r.to_vec()).collect())
+                    .unwrap_or_default();
+                let server: Vec<f32> = gradients(0, 0)
+                    .keys()
+                    .filter_map(|n| ar.server_residual(n).map(|(_, v)| v.to_vec()))
+                    .flatten()
+                    .collect();
+                (err, worker, server)
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (rank, (err, worker, server)) in results.iter().enumerate() {
+        assert_eq!(err, &results[0].0, "rank {rank}");
+        assert!(err.contains("rank 1"), "{err}");
+        assert!(
+            worker.iter().all(|&x| x == 0.0),
+            "rank {rank}: worker residuals"
+        );
+        assert!(
+            server.iter().all(|&x| x == 0.0),
+            "rank {rank}: server residuals"
+        );
+    }
+}
+
+/// Review findings: the reduced values overflow at one owner: every rank returns
+/// `Error::Overflow` naming the tensor and index (as the all-gather does), not one rank an
+/// overflow and the others a peer's failure.
+#[test]
+fn an_overflow_at_one_owner_is_the_same_overflow_on_every_rank() {
+    const W: usize = 4;
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(
+                    CompressionMethod::BFloat16,
+                    Box::new(comm),
+                )
+                .with_reduction(Reduction::Sum)
+                .with_collective(Collective::TwoPhase);
+                let mut g = gradients(rank, 0);
+                let mut d = g["a.weight"].data().to_vec();
+                d[2500] = 3e38;
+                g.insert("a.weight".into(), Tensor::new(vec![40, 130], d).unwrap());
+                match ar.all_reduce(&g) {
+                    Err(Error::Overflow { tensor, index }) => Ok((tensor, index)),
+                    other => Err(format!("{:?}", other.map(|_| ()))),
+                }
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let got = h.join().unwrap();
+        assert_eq!(got, Ok(("a.weight".to_string(), 2500)), "rank {rank}");
+    }
+}
+
+/// Review findings: under `Auto`, a rank that fails before the collective at the first step
+/// (no manifest, so no pick of its own), ranks on other collectives, and a rank with another
+/// world size given to `all_reduce_on`: every rank errors at the same call, none waits.
+#[test]
+fn ranks_that_cannot_agree_on_the_route_fail_alike_and_none_waits() {
+    // Auto on MiniLM-size sign gradients picks the two-phase collective; rank 1's method is
+    // invalid (no manifest).
+    let base = minilm();
+    let comms = LocalGroup::new(4).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let g = base.clone();
+            std::thread::spawn(move || {
+                let method = if rank == 1 {
+                    CompressionMethod::Quantization { bits: 1 }
+                } else {
+                    CompressionMethod::SignSGD.with_error_feedback()
+                };
+                let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
+                    .with_collective(Collective::Auto);
+                ar.all_reduce(&g).unwrap_err().to_string()
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let err = h.join().unwrap();
+        if rank == 1 {
+            assert!(err.contains("bits"), "{err}");
+        } else {
+            assert!(err.contains("rank 1"), "rank {rank}: {err}");
+        }
+    }
+    // Rank 0 on the two-phase collective, rank 1 on the all-gather.
+    let comms = LocalGroup::new(2).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || {
+                let c = if rank == 0 {
+                    Collective::TwoPhase
+                } else {
+                    Collective::AllGather
+                };
+                CompressedAllReduce::with_communicator(CompressionMethod::SignSGD, Box::new(comm))
+                    .with_collective(c)
+                    .all_reduce(&gradients(rank, 0))
+                    .unwrap_err()
+                    .to_string()
+            })
+        })
+        .collect();
+    let errs: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(errs[0], errs[1]);
+    assert!(errs[0].contains("differ"), "{}", errs[0]);
+    // Rank 0 made for 3 ranks, given a 2-rank communicator.
+    let comms = LocalGroup::new(2).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut comm)| {
+            std::thread::spawn(move || {
+                let method = CompressionMethod::SignSGD.with_error_feedback();
+                let mut out = HashMap::new();
+                if rank == 0 {
+                    CompressedAllReduce::new(method, 3)
+                        .with_collective(Collective::TwoPhase)
+                        .all_reduce_on(&mut comm, &gradients(rank, 0), &mut out)
+                        .unwrap_err()
+                        .to_string()
+                } else {
+                    CompressedAllReduce::new(method, 2)
+                        .with_collective(Collective::TwoPhase)
+                        .all_reduce_on(&mut comm, &gradients(rank, 0), &mut out)
+                        .unwrap_err()
+                        .to_string()
+                }
+            })
+        })
+        .collect();
+    let errs: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(errs[1].contains("rank 0"), "{}", errs[1]);
 }

@@ -3,8 +3,9 @@
 //! configuration text) are fuzzer bytes, delivered by a communicator that plays the peer.
 //!
 //! Input: a byte of flags (method, repair of the envelope and the shard header so that the
-//! frames behind them are reached, mirroring rank 0's own shard as the peer's), the model's
-//! sizes and gradient, then the peer's messages.
+//! frames behind them are reached, mirroring rank 0's own shard as the peer's, an agreement
+//! round from fuzzer bytes instead of an echo), the model's sizes and gradient, then the
+//! peer's messages.
 //!
 //! Properties: no panic and no allocation sized by the peer's bytes (its messages are bounded
 //! by the collective's limit, as a transport bounds them); a step that fails leaves rank 0's
@@ -27,6 +28,7 @@ struct Peer {
     names: Vec<u8>,
     repair: bool,
     mirror: bool,
+    disagree: bool,
     gathers: usize,
     step: u64,
 }
@@ -81,12 +83,16 @@ impl Communicator for Peer {
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
         self.gathers += 1;
-        let mut theirs = if self.gathers == 1 {
-            self.phase2.clone()
-        } else {
-            self.names.clone()
+        // Call 1: the agreement round (the peer agrees: it echoes rank 0's envelope, unless
+        // the flags give it the configuration bytes instead); call 2: phase 2; then the naming
+        // round.
+        let mut theirs = match self.gathers {
+            1 if !self.disagree => local.to_vec(),
+            1 => self.names.clone(),
+            2 => self.phase2.clone(),
+            _ => self.names.clone(),
         };
-        if self.gathers == 1 && self.repair && local.len() >= 20 {
+        if self.gathers == 2 && self.repair && local.len() >= 20 {
             let fingerprint = local[8..16].to_vec();
             repair(&mut theirs, &fingerprint, 2, self.step, 1);
         }
@@ -170,6 +176,7 @@ pub fn two_phase(data: &[u8]) {
     let (method, reduction) = method(flags & 7);
     let repair = flags & 8 != 0;
     let mirror = flags & 16 != 0;
+    let disagree = flags & 32 != 0;
     let sizes = [inp.range(1, 3000) as usize, inp.range(1, 1500) as usize];
     let seed = u64::from(inp.u8());
     let mut grads = HashMap::new();
@@ -194,6 +201,7 @@ pub fn two_phase(data: &[u8]) {
         names,
         repair,
         mirror,
+        disagree,
         gathers: 0,
         step: 0,
     };

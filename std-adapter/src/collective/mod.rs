@@ -54,9 +54,14 @@ pub(crate) const MAX_REASON_LEN: usize = 1024;
 /// Kinds of envelope.
 const PAYLOAD: u8 = 0;
 const FAILURE: u8 = 1;
-/// Another rank's failure or bad message, seen by this rank only (two-phase): the rank (u32 LE),
-/// whether it failed (0) or its message was bad (1), the reason.
+/// Another rank's failure or bad message, or an overflow, seen by this rank only (two-phase):
+/// the rank (u32 LE), the kind ([`RELAY_FAILED`], [`RELAY_BAD`], [`RELAY_OVERFLOW`]), the
+/// reason (for an overflow: the index, a newline, the tensor).
 const RELAY: u8 = 2;
+/// Kinds of relay: the rank failed; its message was bad; the reduced values overflow.
+pub(crate) const RELAY_FAILED: u8 = 0;
+pub(crate) const RELAY_BAD: u8 = 1;
+pub(crate) const RELAY_OVERFLOW: u8 = 2;
 /// This rank saw a rank's configuration fingerprint differ from rank 0's (two-phase): the rank
 /// (u32 LE).
 const CONFIG_DIFFERS: u8 = 3;
@@ -170,14 +175,14 @@ fn seal_failure(err: &Error, out: &mut Vec<u8>) {
     seal(FAILURE, 0, &text.as_bytes()[..end], out);
 }
 
-/// The relay envelope: `rank`'s failure (`bad_message` false) or bad message, with `reason`.
-fn seal_relay(rank: usize, bad_message: bool, reason: &str, out: &mut Vec<u8>) {
+/// The relay envelope of `kind` about `rank`, with `reason`.
+fn seal_relay(rank: usize, kind: u8, reason: &str, out: &mut Vec<u8>) {
     let mut end = reason.len().min(MAX_REASON_LEN);
     while !reason.is_char_boundary(end) {
         end -= 1;
     }
     let mut body = (rank as u32).to_le_bytes().to_vec();
-    body.push(u8::from(bad_message));
+    body.push(kind);
     body.extend_from_slice(&reason.as_bytes()[..end]);
     seal(RELAY, 0, &body, out);
 }
@@ -190,7 +195,7 @@ enum Opened {
     Failure(String),
     Relay {
         rank: usize,
-        bad_message: bool,
+        kind: u8,
         reason: String,
     },
     ConfigDiffers {
@@ -219,9 +224,9 @@ fn open(msg: &[u8]) -> Opened {
             fingerprint: u64::from_le_bytes(fp),
         },
         FAILURE => Opened::Failure(String::from_utf8_lossy(body).into_owned()),
-        RELAY if body.len() >= 5 && body[4] <= 1 => Opened::Relay {
+        RELAY if body.len() >= 5 && body[4] <= RELAY_OVERFLOW => Opened::Relay {
             rank: u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize,
-            bad_message: body[4] == 1,
+            kind: body[4],
             reason: String::from_utf8_lossy(&body[5..]).into_owned(),
         },
         CONFIG_DIFFERS if body.len() == 4 => Opened::ConfigDiffers {
@@ -366,6 +371,53 @@ fn gathered_fingerprints(
     Ok(fingerprints)
 }
 
+/// The agreement round of a step: this rank's fingerprint (`local` is `Ok`) or its failure
+/// all-gathered in an envelope of at most [`ENVELOPE_LEN`] + [`MAX_REASON_LEN`] bytes. Returns
+/// `local` when every rank sent a payload with the same fingerprint.
+///
+/// # Errors
+/// As [`gathered_fingerprints`] and [`check_fingerprints`]; [`Error::Comm`].
+pub(crate) fn agree<'s>(
+    comm: &mut dyn Communicator,
+    local: Result<two_phase::Step<'s>>,
+    send: &mut Vec<u8>,
+    gathered: &mut Vec<Vec<u8>>,
+) -> Result<two_phase::Step<'s>> {
+    let (mut own_error, step) = match local {
+        Ok(step) => {
+            seal(PAYLOAD, fingerprint_at(step.config, step.step), &[], send);
+            (None, Some(step))
+        }
+        Err(e) => {
+            seal_failure(&e, send);
+            (Some(e), None)
+        }
+    };
+    comm.all_gather(send, ENVELOPE_LEN + MAX_REASON_LEN, gathered)?;
+    let fingerprints = gathered_fingerprints(gathered, comm.rank(), &mut own_error)?;
+    let Some(step) = step else {
+        return Err(Error::internal("a failed rank's own message was not found"));
+    };
+    check_fingerprints(comm, &fingerprints, step.config, step.step, gathered)?;
+    Ok(step)
+}
+
+/// Takes part in a step's first collective (an all-gather, on every route) with the failure
+/// `error`, for a rank that cannot run the step at all (another world size): its peers fail
+/// naming it instead of waiting. Returns `error`.
+pub(crate) fn take_part_failed(comm: &mut dyn Communicator, error: Error) -> Error {
+    let mut send = Vec::new();
+    seal_failure(&error, &mut send);
+    let mut gathered = Vec::new();
+    match comm.all_gather(&send, ENVELOPE_LEN + MAX_REASON_LEN, &mut gathered) {
+        Ok(()) => error,
+        Err(e) => e.into(),
+    }
+}
+
+/// The most bytes a configuration text of the naming round may have.
+const MAX_CONFIG_TEXT: usize = 16 << 20;
+
 /// [`name_difference`] when a rank's fingerprint differs from rank 0's (every rank sees the
 /// same fingerprints, so every rank makes that extra round or none does).
 fn check_fingerprints(
@@ -392,7 +444,7 @@ fn name_difference(
     gathered: &mut Vec<Vec<u8>>,
 ) -> Error {
     let text = config.map_or_else(String::new, |c| c.full_text(step));
-    if let Err(e) = comm.all_gather(text.as_bytes(), usize::MAX, gathered) {
+    if let Err(e) = comm.all_gather(text.as_bytes(), MAX_CONFIG_TEXT, gathered) {
         return e.into();
     }
     let texts: Vec<String> = gathered

@@ -1,6 +1,7 @@
 //! The shard message of the two-phase collective (`FORMAT.md` section 15): a lean header (no
-//! per-entry ids: the receiver's shard layout says which frames follow and in which order),
-//! then, for every tensor with a non-empty shard, the frame's length (u32 LE) and the frame.
+//! per-entry ids: the receiver's shard layout says what the frame holds), then, unless the
+//! owner's shard is empty, one frame's length (u32 LE) and the frame: every tensor's part of
+//! the shard, in manifest order.
 //!
 //! ```text
 //! offset size field
@@ -108,6 +109,9 @@ pub(crate) fn open(
     }
     if u32_at(20) as usize != frames {
         return Err(bad(format!("{} frames, expected {frames}", u32_at(20))));
+    }
+    if frames == 0 && msg.len() > HEADER_LEN {
+        return Err(bad("bytes after its header, which declares no frame".into()));
     }
     Ok(Frames {
         rest: &msg[HEADER_LEN..],

@@ -196,6 +196,13 @@ impl ShardLayout {
                 budgets,
             });
         }
+        if let Some(j) = shard_lens.iter().position(|&l| l > u32::MAX as usize) {
+            return Err(Error::config(format!(
+                "owner {j}'s shard would hold {} elements, more than a frame's 2^32 - 1: use a \
+                 larger world or the all-gather",
+                shard_lens[j]
+            )));
+        }
         let methods: Vec<Method> = (0..world)
             .map(|j| match method {
                 Method::TopK { values, .. } => Method::TopK {

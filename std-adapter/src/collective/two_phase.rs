@@ -38,8 +38,8 @@ use gradwire_core::{
 use super::shard_message::{self, Phase};
 use super::shards::ShardLayout;
 use super::{
-    CONFIG_DIFFERS, Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, fingerprint_at,
-    name_difference, open, seal, seal_failure, seal_relay,
+    CONFIG_DIFFERS, Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, RELAY_BAD, RELAY_FAILED,
+    RELAY_OVERFLOW, agree, fingerprint_at, name_difference, open, seal, seal_failure, seal_relay,
 };
 use crate::aggregate::Reduction;
 use crate::comm::{CommError, Communicator};
@@ -129,6 +129,15 @@ impl TwoPhase {
             .as_ref()
             .ok_or_else(|| Error::internal("layout"))?;
         Ok(layout)
+    }
+
+    /// Whether this rank holds a server residual that is not zero (pending ones included).
+    pub(crate) fn holds_server_residuals(&self) -> bool {
+        self.server.iter().any(|&x| x != 0.0)
+            || self
+                .pending
+                .as_ref()
+                .is_some_and(|p| p.values().flatten().any(|&x| x != 0.0))
     }
 
     /// The layout in use, if any.
@@ -336,19 +345,22 @@ impl TwoPhase {
         self.rank = me;
         self.worker_undo.clear();
         self.server_undo.clear();
+        // The agreement round, before anything changes: every route of a step starts with this
+        // all-gather of envelopes (the all-gather's bundles, the dense all-reduce's envelopes),
+        // so ranks that took another route, failed before the collective or are configured
+        // otherwise are found by every rank at the same call, and none waits in an all-to-all
+        // that its peers do not make.
+        let mut step = agree(comm, local, &mut self.phase2, &mut self.gathered)?;
         let mut step_data = None;
         let mut own_error = None;
-        match local {
-            Ok(mut step) => match self.phase1_local(&mut step, world, me) {
-                Ok(()) => step_data = Some(step),
-                Err(e) => {
-                    if let Some(fb) = step.feedback.as_deref_mut() {
-                        self.restore_worker(fb);
-                    }
-                    own_error = Some(e);
+        match self.phase1_local(&mut step, world, me) {
+            Ok(()) => step_data = Some(step),
+            Err(e) => {
+                if let Some(fb) = step.feedback.as_deref_mut() {
+                    self.restore_worker(fb);
                 }
-            },
-            Err(e) => own_error = Some(e),
+                own_error = Some(e);
+            }
         }
         if let Some(e) = &own_error {
             self.send.resize_with(world, Vec::new);
@@ -381,6 +393,12 @@ impl TwoPhase {
             }
             return Err(e.into());
         }
+        if self.recv.len() != world {
+            return Err(Error::WorldSize {
+                expected: world,
+                got: self.recv.len(),
+            });
+        }
 
         // The owner's part.
         let verdict = match (own_error.take(), &step_data) {
@@ -391,6 +409,16 @@ impl TwoPhase {
         let mut own_error = None;
         match verdict {
             None => {}
+            // An overflow is the group's (the sum of every rank's values), not this owner's
+            // own failure: every rank returns it as `Error::Overflow`.
+            Some(Verdict::Own(Error::Overflow { tensor, index })) => {
+                seal_relay(
+                    me,
+                    RELAY_OVERFLOW,
+                    &format!("{index}\n{tensor}"),
+                    &mut self.phase2,
+                );
+            }
             Some(Verdict::Own(e)) => {
                 seal_failure(&e, &mut self.phase2);
                 own_error = Some(e);
@@ -399,7 +427,12 @@ impl TwoPhase {
                 rank,
                 bad_message,
                 reason,
-            }) => seal_relay(rank, bad_message, &reason, &mut self.phase2),
+            }) => seal_relay(
+                rank,
+                if bad_message { RELAY_BAD } else { RELAY_FAILED },
+                &reason,
+                &mut self.phase2,
+            ),
             Some(Verdict::ConfigDiffers(rank)) => {
                 seal(
                     CONFIG_DIFFERS,
@@ -409,7 +442,21 @@ impl TwoPhase {
                 );
             }
         }
-        comm.all_gather(&self.phase2, limit, &mut self.gathered)?;
+        if let Err(e) = comm.all_gather(&self.phase2, limit, &mut self.gathered) {
+            // As for phase 1: a length over the limit is a common verdict, before anyone used
+            // a byte of this round; the step is undone on both sides.
+            if matches!(
+                e,
+                CommError::TooLarge { .. } | CommError::LimitsDiffer { .. }
+            ) && let Some(mut step) = step_data
+            {
+                if let Some(fb) = step.feedback.as_deref_mut() {
+                    self.restore_worker(fb);
+                }
+                self.restore_server(me);
+            }
+            return Err(e.into());
+        }
 
         let result = self.finish(comm, me, own_error, step_data.as_ref(), out);
         if result.is_err()
@@ -432,6 +479,12 @@ impl TwoPhase {
         step: Option<&Step<'_>>,
         out: &mut Vec<f32>,
     ) -> Result<()> {
+        if self.gathered.len() != self.recv.len() {
+            return Err(Error::WorldSize {
+                expected: self.recv.len(),
+                got: self.gathered.len(),
+            });
+        }
         for (rank, msg) in self.gathered.iter().enumerate() {
             match open(msg) {
                 Opened::Payload { .. } => {}
@@ -443,12 +496,19 @@ impl TwoPhase {
                 }
                 Opened::Relay {
                     rank: at_fault,
-                    bad_message,
+                    kind,
                     reason,
                 } => {
                     return Err(match own_error.take() {
-                        Some(e) if at_fault == me && !bad_message => e,
-                        _ if bad_message => Error::Collective {
+                        Some(e) if at_fault == me && kind == RELAY_FAILED => e,
+                        _ if kind == RELAY_OVERFLOW => {
+                            let (index, tensor) = reason.split_once('\n').unwrap_or(("0", ""));
+                            Error::Overflow {
+                                tensor: tensor.to_owned(),
+                                index: index.parse().unwrap_or(0),
+                            }
+                        }
+                        _ if kind == RELAY_BAD => Error::Collective {
                             rank: at_fault,
                             reason,
                         },
