@@ -1,7 +1,8 @@
 //! Replays every file of the checked-in fuzz corpora of the std targets
-//! (`fuzz/corpus/{bundle,reference,checkpoint,two_phase}/`) through the same target bodies the fuzzers
-//! run, on stable. The bodies live in `fuzz/logic/src/std_targets.rs` and are included here by
-//! path (no dependency on the fuzz crate, whose workspace is separate); see FUZZING.md.
+//! (`fuzz/corpus/{bundle,reference,checkpoint,two_phase,server_checkpoint}/`) through the same
+//! target bodies the fuzzers run, on stable. The bodies live in `fuzz/logic/src/std_targets.rs`
+//! and `collective_targets.rs` and are included here by path (no dependency on the fuzz crate,
+//! whose workspace is separate); see FUZZING.md.
 
 #[allow(dead_code)]
 #[path = "../../fuzz/logic/src/input.rs"]
@@ -63,4 +64,9 @@ fn replay_checkpoint() {
 #[test]
 fn replay_two_phase() {
     replay("two_phase", collective_targets::two_phase);
+}
+
+#[test]
+fn replay_server_checkpoint() {
+    replay("server_checkpoint", collective_targets::server_checkpoint);
 }

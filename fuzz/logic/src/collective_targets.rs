@@ -242,3 +242,166 @@ pub fn two_phase(data: &[u8]) {
         }
     }
 }
+
+/// The metadata value of `key` in a safetensors file's JSON header (`"key":"value"`), if any.
+fn metadata_value(file: &[u8], key: &str) -> Option<String> {
+    let len = u64::from_le_bytes(file.get(..8)?.try_into().ok()?) as usize;
+    let header = std::str::from_utf8(file.get(8..8usize.checked_add(len)?)?).ok()?;
+    let tag = format!("\"{key}\":\"");
+    let start = header.find(&tag)? + tag.len();
+    let end = start + header[start..].find('"')?;
+    Some(header[start..end].to_owned())
+}
+
+/// The shard-layout text of a server checkpoint with fields edited as the fuzzer says: each
+/// field kept, replaced by a fuzzer number (decimal; the layout id in hex) or left out.
+fn edit_shard_text(text: &str, inp: &mut Input<'_>) -> String {
+    let fields: Vec<String> = text
+        .split(';')
+        .filter_map(|kv| {
+            let (key, value) = kv.split_once('=')?;
+            match inp.u8() % 4 {
+                0 | 1 => Some(kv.to_owned()),
+                2 if key == "layout" => Some(format!("{key}={:x}", inp.u64())),
+                2 => Some(format!("{key}={}", inp.range(0, 4))),
+                _ if value.is_empty() => Some(kv.to_owned()),
+                _ => None,
+            }
+        })
+        .collect();
+    fields.join(";")
+}
+
+/// Target `server_checkpoint`: a two-phase server-residual checkpoint
+/// (`CompressedAllReduce::load_server_residuals`) from hostile bytes, in a group of one rank.
+///
+/// Input: a byte selecting the method (EF-sign, 4-bit EF, top-k f32 EF, top-k int8 EF) and how
+/// the file is made (fuzzer bytes; the rank's own checkpoint XOR-damaged; a checkpoint written
+/// by the library with fuzzer residuals, names and shard-layout text, its checksums right or
+/// the layout's CRC from the fuzzer; the own checkpoint unchanged), two tensor sizes, a seed,
+/// then the bytes of that choice.
+///
+/// Properties: no panic; a refused load changes nothing (the next step is bit for bit that of
+/// a rank that never loaded); an accepted load gives a next step that either succeeds with
+/// finite values of the model's shapes (bit for bit the reference's for the rank's own file)
+/// or fails with a message, after which discarding the server residuals lets the step run.
+pub fn server_checkpoint(data: &[u8]) {
+    use gradwire::comm::LocalGroup;
+    use gradwire::feedback::ErrorFeedback;
+
+    let mut inp = Input::new(data);
+    let flags = inp.u8();
+    let (method, reduction) = method(flags % 4);
+    // Small tensors, so that the four steps of an input run fast; one spans two shard blocks.
+    let sizes = [inp.range(1, 2100) as usize, inp.range(1, 300) as usize];
+    let seed = u64::from(inp.u8());
+    let mut grads = HashMap::new();
+    for (t, &n) in sizes.iter().enumerate() {
+        let data: Vec<f32> = (0..n)
+            .map(|i| (((i * 7919 + t * 104_729) % 1000) as f32 - 500.0) / 100.0)
+            .collect();
+        grads.insert(format!("t{t}"), Tensor::new(vec![n], data).expect("shape"));
+    }
+    let make = || {
+        CompressedAllReduce::new(method.clone(), 1)
+            .with_seed(seed)
+            .with_reduction(reduction)
+            .with_collective(Collective::TwoPhase)
+    };
+    let mut comm = LocalGroup::new(1)
+        .into_communicators()
+        .pop()
+        .expect("a group of one");
+    let step = |ar: &mut CompressedAllReduce, comm: &mut dyn Communicator| {
+        let mut out = HashMap::new();
+        ar.all_reduce_on(comm, &grads, &mut out).map(|()| out)
+    };
+    let flat = |out: &HashMap<String, Tensor>| -> Vec<u32> {
+        (0..2)
+            .flat_map(|t| out[&format!("t{t}")].data().iter().map(|x| x.to_bits()))
+            .collect()
+    };
+    // The reference: two steps, its server residuals saved after the first.
+    let mut reference = make();
+    step(&mut reference, &mut comm).expect("the reference's first step");
+    let path = std::env::temp_dir().join(format!("gradwire-fuzz-server-{}", std::process::id()));
+    reference
+        .save_server_residuals(&path)
+        .expect("saving server residuals");
+    let own = std::fs::read(&path).expect("reading them back");
+    let expected = flat(&step(&mut reference, &mut comm).expect("the reference's second step"));
+
+    let file = match (flags >> 2) % 4 {
+        0 => inp.rest().to_vec(),
+        1 => {
+            let mut b = own.clone();
+            while !inp.is_empty() {
+                let at = inp.range(0, b.len() as u64 - 1) as usize;
+                b[at] ^= inp.u8() | 1;
+            }
+            b
+        }
+        2 => {
+            let Ok(mut fb) = ErrorFeedback::from_bytes(&own) else {
+                panic!("the rank's own server checkpoint does not load as a checkpoint");
+            };
+            let names: Vec<String> = fb.residuals().map(|(n, _)| n.to_owned()).collect();
+            for name in &names {
+                if inp.bool() {
+                    let len = inp.range(0, 2200) as usize;
+                    let values = (0..len).map(|_| inp.f32_bits()).collect();
+                    // A value the checkpoint refuses is refused here too: the file keeps the old.
+                    let _ = fb.set_residual(name, values);
+                }
+            }
+            if inp.bool() {
+                let _ = fb.set_residual(&format!("t{}", inp.u8() % 4), vec![0.0; 3]);
+            }
+            let text = metadata_value(&own, "server_shards").expect("a shard layout");
+            let text = edit_shard_text(&text, &mut inp);
+            let crc = if inp.bool() {
+                format!("{:08x}", inp.u32())
+            } else {
+                format!("{:08x}", crc32(text.as_bytes()))
+            };
+            fb.to_bytes_with_metadata(&[("server_shards", &text), ("server_shards_crc32", &crc)])
+                .expect("writing a checkpoint")
+        }
+        _ => own.clone(),
+    };
+    std::fs::write(&path, &file).expect("writing the candidate");
+
+    let mut rank = make();
+    step(&mut rank, &mut comm).expect("the first step");
+    let loaded = rank.load_server_residuals(&path);
+    let _ = std::fs::remove_file(&path);
+    let next = step(&mut rank, &mut comm);
+    match loaded {
+        Err(e) => {
+            assert!(!e.to_string().is_empty(), "an error without a message");
+            let next = next.expect("a refused load changed the next step");
+            assert_eq!(flat(&next), expected, "a refused load changed the result");
+        }
+        Ok(()) => match next {
+            Ok(out) => {
+                for (name, g) in &grads {
+                    let t = &out[name];
+                    assert_eq!(t.shape(), g.shape(), "{name}");
+                    assert!(t.data().iter().all(|x| x.is_finite()), "{name}");
+                }
+                if file == own {
+                    assert_eq!(flat(&out), expected, "resume from the own checkpoint");
+                }
+            }
+            Err(e) => {
+                assert!(!e.to_string().is_empty(), "an error without a message");
+                assert!(
+                    file != own,
+                    "the rank's own checkpoint failed the step: {e}"
+                );
+                rank.discard_server_residuals();
+                step(&mut rank, &mut comm).expect("a step after discarding the residuals");
+            }
+        },
+    }
+}

@@ -62,9 +62,6 @@ const RELAY: u8 = 2;
 pub(crate) const RELAY_FAILED: u8 = 0;
 pub(crate) const RELAY_BAD: u8 = 1;
 pub(crate) const RELAY_OVERFLOW: u8 = 2;
-/// This rank saw a rank's configuration fingerprint differ from rank 0's (two-phase): the rank
-/// (u32 LE).
-const CONFIG_DIFFERS: u8 = 3;
 
 /// A rank's configuration for one call, as `key=value` lines: the fingerprint is FNV-1a of the
 /// text.
@@ -198,9 +195,6 @@ enum Opened {
         kind: u8,
         reason: String,
     },
-    ConfigDiffers {
-        rank: usize,
-    },
     Invalid,
 }
 
@@ -228,9 +222,6 @@ fn open(msg: &[u8]) -> Opened {
             rank: u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize,
             kind: body[4],
             reason: String::from_utf8_lossy(&body[5..]).into_owned(),
-        },
-        CONFIG_DIFFERS if body.len() == 4 => Opened::ConfigDiffers {
-            rank: u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize,
         },
         _ => Opened::Invalid,
     }
@@ -354,7 +345,7 @@ fn gathered_fingerprints(
                     _ => Error::PeerFailed { rank, reason },
                 });
             }
-            Opened::Relay { .. } | Opened::ConfigDiffers { .. } => {
+            Opened::Relay { .. } => {
                 return Err(Error::Collective {
                     rank,
                     reason: "it sent a two-phase envelope to another collective".into(),

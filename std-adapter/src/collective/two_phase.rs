@@ -38,8 +38,8 @@ use gradwire_core::{
 use super::shard_message::{self, Phase};
 use super::shards::ShardLayout;
 use super::{
-    CONFIG_DIFFERS, Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, RELAY_BAD, RELAY_FAILED,
-    RELAY_OVERFLOW, agree, fingerprint_at, name_difference, open, seal, seal_failure, seal_relay,
+    Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, RELAY_BAD, RELAY_FAILED, RELAY_OVERFLOW,
+    agree, fingerprint_at, open, seal, seal_failure, seal_relay,
 };
 use crate::aggregate::Reduction;
 use crate::comm::{CommError, Communicator};
@@ -70,8 +70,6 @@ enum Verdict {
         bad_message: bool,
         reason: String,
     },
-    /// A rank's fingerprint differs from rank 0's.
-    ConfigDiffers(usize),
 }
 
 /// Buffers and server residuals of the two-phase collective, kept between calls.
@@ -433,14 +431,6 @@ impl TwoPhase {
                 &reason,
                 &mut self.phase2,
             ),
-            Some(Verdict::ConfigDiffers(rank)) => {
-                seal(
-                    CONFIG_DIFFERS,
-                    0,
-                    &(rank as u32).to_le_bytes(),
-                    &mut self.phase2,
-                );
-            }
         }
         if let Err(e) = comm.all_gather(&self.phase2, limit, &mut self.gathered) {
             // As for phase 1: a length over the limit is a common verdict, before anyone used
@@ -458,7 +448,7 @@ impl TwoPhase {
             return Err(e.into());
         }
 
-        let result = self.finish(comm, me, own_error, step_data.as_ref(), out);
+        let result = self.finish(me, own_error, step_data.as_ref(), out);
         if result.is_err()
             && let Some(mut step) = step_data
         {
@@ -473,7 +463,6 @@ impl TwoPhase {
     /// The decision from the phase-2 messages (the same on every rank), then the decode.
     fn finish(
         &mut self,
-        comm: &mut dyn Communicator,
         me: usize,
         mut own_error: Option<Error>,
         step: Option<&Step<'_>>,
@@ -517,16 +506,6 @@ impl TwoPhase {
                             reason,
                         },
                     });
-                }
-                Opened::ConfigDiffers { rank: at_fault } => {
-                    let (config, at) = step.map_or((None, 0), |s| (Some(s.config), s.step));
-                    return Err(name_difference(
-                        comm,
-                        config,
-                        at,
-                        at_fault,
-                        &mut self.gathered,
-                    ));
                 }
                 Opened::Invalid => {
                     return Err(Error::Collective {
@@ -700,10 +679,23 @@ impl TwoPhase {
             bad_message: true,
             reason: e.to_string(),
         };
-        let mut fingerprints = Vec::with_capacity(world);
+        // The agreement round compared the configurations: a phase-1 envelope sealed for
+        // another configuration or step is a bad message, not a second disagreement.
+        let expected = fingerprint_at(step.config, step.step);
         for (rank, msg) in self.recv.iter().enumerate() {
             match open(msg) {
-                Opened::Payload { fingerprint } => fingerprints.push(fingerprint),
+                Opened::Payload { fingerprint } if fingerprint == expected => {}
+                Opened::Payload { .. } => {
+                    return Err(bad(
+                        rank,
+                        Error::Collective {
+                            rank,
+                            reason: "its shard message was sealed for another configuration \
+                                     or step"
+                                .into(),
+                        },
+                    ));
+                }
                 Opened::Failure(reason) => {
                     return Err(Verdict::Relay {
                         rank,
@@ -720,9 +712,6 @@ impl TwoPhase {
                     });
                 }
             }
-        }
-        if let Some(rank) = fingerprints.iter().position(|&f| f != fingerprints[0]) {
-            return Err(Verdict::ConfigDiffers(rank));
         }
         let Some(layout) = &self.layout else {
             return Err(own(Error::internal("layout")));
