@@ -90,7 +90,7 @@ fn wire_json_meets_every_bytes_target() {
     let sizes: Vec<u64> = read_safetensors(&file)
         .expect("safetensors")
         .iter()
-        .map(|(_, t)| t.numel() as u64)
+        .map(|(_, t)| t.data().len() as u64)
         .collect();
     let n: u64 = sizes.iter().sum();
     let k = |ratio: f64| sizes.iter().map(|&s| k_from_ratio(s, ratio)).sum::<u64>() as f64;

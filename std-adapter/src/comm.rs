@@ -14,7 +14,7 @@
 //! the next call.
 //!
 //! # No rank waits forever
-//! Every transport has a deadline ([`DEFAULT_DEADLINE`] unless configured): a call that waits
+//! Every transport has a deadline (300 s unless configured): a call that waits
 //! longer for its peers fails with [`CommError::Deadline`] naming the ranks that did not
 //! arrive ([`LocalGroup`]), or, where a pending collective cannot be cancelled (MPI), ends the
 //! job with a message naming them.
@@ -60,7 +60,7 @@ pub use self::mpi::MpiCommunicator;
 
 /// How long a call waits for its peers before it fails, by default: far above one dense step of
 /// a large model over a 10 Mbit/s link.
-pub const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
+pub(crate) const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Bytes one rank's calls moved, counted as the module docs say (the same on every transport).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

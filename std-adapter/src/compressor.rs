@@ -21,7 +21,7 @@ use std::path::Path;
 
 use gradwire_core::{Method, Params, max_frame_len, tensor_id};
 
-use crate::engine::{EncodeStats, Engine, Parallelism, Shapes};
+use crate::engine::{Engine, Parallelism, Shapes};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::layout::bundle::BundleWriter;
@@ -36,10 +36,10 @@ use crate::tensor::Tensor;
 )]
 pub type CompressionMethod = crate::method::CompressionMethod;
 
-/// [`crate::layout::CompressedGradientGradient`] at its path before it moved to [`crate::layout`].
+/// [`crate::layout::CompressedGradient`] at its path before it moved to [`crate::layout`].
 #[deprecated(
     since = "0.2.0",
-    note = "use `gradwire::layout::CompressedGradientGradient` (defined in `gradwire::layout`)"
+    note = "use `gradwire::layout::CompressedGradient` (defined in `gradwire::layout`)"
 )]
 pub type CompressedGradient = crate::layout::CompressedGradient;
 
@@ -88,7 +88,7 @@ impl GradientCompressor {
     }
 
     /// The same compressor starting at `step` (see [`GradientCompressor::set_step`]).
-    pub fn with_step(mut self, step: u64) -> Self {
+    pub(crate) fn with_step(mut self, step: u64) -> Self {
         self.set_step(step);
         self
     }
@@ -117,18 +117,13 @@ impl GradientCompressor {
         self.parallelism = parallelism;
     }
 
-    /// How many cores compression uses.
-    pub fn parallelism(&self) -> Parallelism {
-        self.parallelism
-    }
-
     /// The method.
-    pub fn method(&self) -> &method::CompressionMethod {
+    pub(crate) fn method(&self) -> &method::CompressionMethod {
         &self.method
     }
 
     /// The seed.
-    pub fn seed(&self) -> u64 {
+    pub(crate) fn seed(&self) -> u64 {
         self.seed
     }
 
@@ -145,7 +140,7 @@ impl GradientCompressor {
 
     /// Takes the error-feedback state out (for example to keep it elsewhere between steps);
     /// the next step with error feedback starts from empty residuals at the current step.
-    pub fn take_feedback(&mut self) -> Option<ErrorFeedback> {
+    pub(crate) fn take_feedback(&mut self) -> Option<ErrorFeedback> {
         self.feedback.take()
     }
 
@@ -158,7 +153,8 @@ impl GradientCompressor {
 
     /// Which of the engine's paths this compressor's frames took so far (diagnostics; the bytes
     /// are the same whichever path runs).
-    pub fn encode_stats(&self) -> EncodeStats {
+    #[cfg(test)]
+    pub(crate) fn encode_stats(&self) -> crate::engine::EncodeStats {
         self.engine.stats()
     }
 
@@ -336,7 +332,7 @@ impl GradientCompressor {
     ///
     /// # Errors
     /// [`Error::Config`] for an invalid method.
-    pub fn params(&self, name: &str, step: u64) -> Result<Params> {
+    pub(crate) fn params(&self, name: &str, step: u64) -> Result<Params> {
         Ok(Params {
             method: self.method.core_method()?,
             seed: self.seed,
@@ -444,7 +440,7 @@ impl GradientCompressor {
     ///
     /// # Errors
     /// [`Error::Config`] when the method does not use error feedback; as
-    /// [`ErrorFeedback::save`].
+    /// [`ErrorFeedback::to_bytes`]; [`Error::Io`] naming the file when writing fails.
     pub fn save_feedback(&mut self, path: impl AsRef<Path>) -> Result<()> {
         match self.prepare()? {
             (_, Some(fb)) => fb.save(path),
@@ -461,12 +457,13 @@ impl GradientCompressor {
     /// another shape of the same length [`Error::ShapeChanged`] (a version 3 checkpoint
     /// stores shapes; the residuals of an older one take the shapes of the next step). The model is
     /// not known here, so a residual whose name never comes (a checkpoint of another model) is
-    /// kept and saved again; to check a checkpoint against a model first, load it with
-    /// [`ErrorFeedback::load`] and compare [`ErrorFeedback::residuals`] with the model's
+    /// kept and saved again; to check a checkpoint against a model first, read it with
+    /// [`ErrorFeedback::from_bytes`] and compare [`ErrorFeedback::residuals`] with the model's
     /// parameter names, as the `gradwire` tool does.
     ///
     /// # Errors
-    /// As [`ErrorFeedback::load`]; [`Error::Checkpoint`] when the checkpoint was made with
+    /// [`Error::Io`] naming the file when reading fails; as [`ErrorFeedback::from_bytes`];
+    /// [`Error::Checkpoint`] when the checkpoint was made with
     /// another method or the compressor does not use error feedback.
     pub fn load_feedback(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let fb = ErrorFeedback::load(path)?;
@@ -496,5 +493,135 @@ impl GradientCompressor {
         self.step = feedback.step();
         self.feedback = Some(feedback);
         Ok(())
+    }
+}
+
+/// The chunked selection of large top-k, threshold and random-k tensors runs where it should,
+/// and gives way where it should, counted by the compressor's `EncodeStats`. (Its bytes are
+/// checked against the core's in `tests/parallel.rs`.)
+#[cfg(test)]
+mod chunked_path_tests {
+    use std::collections::HashMap;
+
+    use gradwire_core::{K, Method, Values};
+
+    use super::GradientCompressor;
+    use crate::engine::Parallelism;
+    use crate::layout::{BucketConfig, Manifest};
+    use crate::method::CompressionMethod;
+    use crate::tensor::Tensor;
+
+    /// The integration tests' generator (`tests/common`): SplitMix64.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next_u64(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+
+        /// Uniform in [-1, 1).
+        fn unit(&mut self) -> f32 {
+            ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+
+        fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+            (0..n).map(|_| self.unit() * scale).collect()
+        }
+    }
+
+    /// Frames selected in chunks during `steps` compressions of `grads`.
+    fn chunked_frames(
+        grads: &HashMap<String, Tensor>,
+        method: &CompressionMethod,
+        parallelism: Parallelism,
+        steps: usize,
+    ) -> u64 {
+        counted(grads, method, parallelism, steps).0
+    }
+
+    /// Frames selected in chunks, and error-feedback frames written in one pass, during `steps`
+    /// compressions of `grads`.
+    fn counted(
+        grads: &HashMap<String, Tensor>,
+        method: &CompressionMethod,
+        parallelism: Parallelism,
+        steps: usize,
+    ) -> (u64, u64) {
+        let manifest = Manifest::for_gradients(grads, method, 0, BucketConfig::none()).unwrap();
+        let mut c = GradientCompressor::new(method.clone()).with_parallelism(parallelism);
+        let mut bundle = Vec::new();
+        for _ in 0..steps {
+            c.compress_bundle(&manifest, grads, 0, &mut bundle).unwrap();
+        }
+        let stats = c.encode_stats();
+        (stats.selected_in_chunks, stats.one_pass)
+    }
+
+    #[test]
+    fn large_sparse_tensors_are_selected_in_chunks_unless_the_sample_cannot_serve() {
+        let mut rng = Rng(3);
+        let large = HashMap::from([
+            ("w".to_owned(), Tensor::vector(rng.vec(300_000, 1.0))),
+            ("small".to_owned(), Tensor::vector(rng.vec(1000, 1.0))),
+        ]);
+        let topk = CompressionMethod::top_k_int8(0.01);
+        let threshold = CompressionMethod::Threshold { threshold: 0.99 };
+        for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+            // Every step, with or without error feedback; top-k with error feedback in one pass
+            // over g and r, from the first step (a new residual is zeros, its bound 0). The small
+            // tensor never.
+            assert_eq!(counted(&large, &topk, parallelism, 3), (3, 0));
+            assert_eq!(counted(&large, &threshold, parallelism, 3), (3, 0));
+            let ef = topk.clone().with_error_feedback();
+            assert_eq!(counted(&large, &ef, parallelism, 3), (3, 3));
+            // A constant tensor: every element is a candidate, more than the selection holds, so
+            // the core's selection runs (same frame); with error feedback, on the residual's sums.
+            let flat = HashMap::from([("w".to_owned(), Tensor::vector(vec![0.5; 300_000]))]);
+            assert_eq!(counted(&flat, &topk, parallelism, 2), (0, 0));
+            let flat_ef = topk.clone().with_error_feedback();
+            assert_eq!(counted(&flat, &flat_ef, parallelism, 2), (0, 2));
+            // f16 values and a gradient at or above half their range (32,760): the bound proves
+            // nothing. The first step has no residual yet, so the core's step runs, and measures
+            // the residual's bound; from the second, one pass (selected in chunks).
+            let mut big = rng.vec(300_000, 1.0);
+            big[7] = 40_000.0;
+            let big = HashMap::from([("w".to_owned(), Tensor::vector(big))]);
+            let small = HashMap::from([("w".to_owned(), Tensor::vector(rng.vec(300_000, 1.0)))]);
+            let f16 = CompressionMethod::Core(Method::TopK {
+                k: K::Ratio(0.01),
+                values: Values::F16,
+            })
+            .with_error_feedback();
+            let manifest = Manifest::for_gradients(&big, &f16, 0, BucketConfig::none()).unwrap();
+            let mut c = GradientCompressor::new(f16.clone()).with_parallelism(parallelism);
+            let mut bundle = Vec::new();
+            let mut step = |grads: &HashMap<String, Tensor>| {
+                let before = c.encode_stats();
+                c.compress_bundle(&manifest, grads, 0, &mut bundle).unwrap();
+                let after = c.encode_stats();
+                (
+                    after.selected_in_chunks - before.selected_in_chunks,
+                    after.one_pass - before.one_pass,
+                )
+            };
+            assert_eq!(step(&big), (0, 0));
+            assert_eq!(step(&small), (1, 1));
+            assert_eq!(step(&small), (1, 1));
+            // Threshold keeping more than the lists hold: the core's streaming writer.
+            let low = CompressionMethod::Threshold { threshold: 0.0 };
+            assert_eq!(chunked_frames(&large, &low, parallelism, 1), 0);
+            // Random-k: drawn in chunks every step (with error feedback after the first), unless
+            // it keeps nothing or everything.
+            let randomk = CompressionMethod::RandomK { k: 3000 };
+            assert_eq!(chunked_frames(&large, &randomk, parallelism, 3), 3);
+            let ef = randomk.clone().with_error_feedback();
+            assert_eq!(chunked_frames(&large, &ef, parallelism, 3), 2);
+            let all = CompressionMethod::RandomK { k: 300_000 };
+            assert_eq!(chunked_frames(&large, &all, parallelism, 1), 0);
+        }
     }
 }

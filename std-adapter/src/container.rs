@@ -172,31 +172,6 @@ pub fn compress(
     Ok(out)
 }
 
-/// One error-feedback step of `model` into a container; `feedback` (its method, seed, step and
-/// residuals) is updated only when the step succeeds.
-///
-/// # Errors
-/// As [`compress_each`].
-pub fn compress_with_feedback(
-    model: &[(String, Tensor)],
-    feedback: &mut ErrorFeedback,
-) -> Result<Vec<u8>> {
-    let specs = specs_of(model);
-    let (method, seed, step) = (*feedback.method(), feedback.seed(), feedback.step());
-    let (out, fb) = compress_each(
-        &specs,
-        method,
-        seed,
-        step,
-        Some(feedback.clone()),
-        |i, _| Ok::<_, Error>(model[i].1.clone()),
-    )?;
-    if let Some(fb) = fb {
-        *feedback = fb;
-    }
-    Ok(out)
-}
-
 /// Compresses a model one tensor at a time into a container (rank 0's bundle) at `step`:
 /// `next(i, spec)` gives tensor `i` of `specs` (bundle order, increasing byte-wise order of
 /// names), and is called once per tensor, in order, after the previous tensor's frame is made:
@@ -387,14 +362,15 @@ pub const DIMENSION_CHARGE: u64 = 16;
 /// [`NAME_BYTE_CHARGE`] per name byte and [`DIMENSION_CHARGE`] per dimension, so that the bound
 /// caps the memory of the metadata as well as the values (4 bytes an element): a container of
 /// a million empty tensors is refused before its tensor list is allocated.
-pub fn charged_elements(name_len: usize, rank: usize, numel: u64) -> u64 {
+pub(crate) fn charged_elements(name_len: usize, rank: usize, numel: u64) -> u64 {
     numel
         .saturating_add(TENSOR_CHARGE)
         .saturating_add(NAME_BYTE_CHARGE.saturating_mul(name_len as u64))
         .saturating_add(DIMENSION_CHARGE.saturating_mul(rank as u64))
 }
 
-/// The sum of [`charged_elements`] over `specs`: the smallest `max_elements` that admits a
+/// The sum over `specs` of each tensor's elements plus [`TENSOR_CHARGE`], [`NAME_BYTE_CHARGE`]
+/// per name byte and [`DIMENSION_CHARGE`] per dimension: the smallest `max_elements` that admits a
 /// container of exactly this model.
 pub fn model_charge(specs: &[TensorSpec]) -> u64 {
     specs.iter().fold(0u64, |acc, s| {
@@ -413,7 +389,7 @@ impl ContainerHeader {
     ///
     /// # Errors
     /// [`Error::Container`] naming what is wrong (see the module docs).
-    pub fn read(bytes: &[u8], max_elements: u64) -> Result<Self> {
+    pub(crate) fn read(bytes: &[u8], max_elements: u64) -> Result<Self> {
         let bad = invalid;
         if bytes.len() < PREFIX_LEN + CRC_LEN {
             return Err(bad(format!("truncated ({} bytes)", bytes.len())));
@@ -571,12 +547,16 @@ impl ContainerHeader {
 }
 
 impl ContainerHeader {
-    /// [`ContainerHeader::read`], then, with `specs` (the receiver's model), the check that the
-    /// container describes exactly that model.
+    /// Reads and checks the container prefix and manifest section, then, with `specs` (the
+    /// receiver's model), checks that the container describes exactly that model.
+    /// `max_elements` bounds the model: its elements plus its metadata's charge (256 elements a
+    /// tensor, 4 a name byte, 16 a dimension: [`TENSOR_CHARGE`], [`NAME_BYTE_CHARGE`],
+    /// [`DIMENSION_CHARGE`], [`model_charge`]), checked over the section's bytes before anything
+    /// is allocated from it.
     ///
     /// # Errors
-    /// As [`ContainerHeader::read`]; [`Error::Container`] naming the first tensor that differs
-    /// from `specs`.
+    /// [`Error::Container`] naming what is wrong (see the module docs), or the first tensor that
+    /// differs from `specs`.
     pub fn read_for(bytes: &[u8], specs: Option<&[TensorSpec]>, max_elements: u64) -> Result<Self> {
         let header = ContainerHeader::read(bytes, max_elements)?;
         if let Some(specs) = specs {
@@ -640,7 +620,7 @@ impl ContainerHeader {
 
 /// Decodes a container into dense tensors (sorted by name). With `specs` (the receiver's
 /// model), the container must describe exactly that model; `max_elements` bounds the model the
-/// container may declare (see [`ContainerHeader::read`]). It holds the whole model: to write
+/// container may declare (see [`ContainerHeader::read_for`]). It holds the whole model: to write
 /// it out tensor by tensor, use [`ContainerHeader::decode_each`].
 ///
 /// # Errors
@@ -679,7 +659,7 @@ mod tests {
                 "a".to_owned(),
                 Tensor::new(vec![2, 3], vec![0.5, -3.0, 0.25, 2.0, 0.0, -1.0]).unwrap(),
             ),
-            ("b".to_owned(), Tensor::scalar(4.0)),
+            ("b".to_owned(), Tensor::new(vec![], vec![4.0]).unwrap()),
             ("c".to_owned(), Tensor::new(vec![0], vec![]).unwrap()),
         ]
     }
@@ -787,7 +767,7 @@ mod tests {
             }
         }
         let out = decompress(&bytes, None, u64::MAX).unwrap();
-        assert_eq!(out[1].1, Tensor::scalar(4.0));
+        assert_eq!(out[1].1, Tensor::new(vec![], vec![4.0]).unwrap());
         // 7 elements, and the metadata of `a` [2, 3], `b` [] and `c` [0].
         let charge = 7 + 3 * TENSOR_CHARGE + 3 * NAME_BYTE_CHARGE + 3 * DIMENSION_CHARGE;
         assert_eq!(model_charge(&specs_of(&m)), charge);

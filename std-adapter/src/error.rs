@@ -231,9 +231,8 @@ pub enum Error {
     /// error-feedback residual was kept in (a transposed or reshaped weight): adding the old
     /// residual would put it on the wrong coordinates. To go on, drop or re-set that residual:
     /// [`crate::ErrorFeedback::set_residual_with_shape`] (the residual laid out in the new
-    /// shape), [`crate::ErrorFeedback::clear`], or, through a compressor,
-    /// [`crate::GradientCompressor::reset_error_buffer`] (every residual) or
-    /// `take_feedback` / `restore_feedback`.
+    /// shape) or, through a compressor, [`crate::GradientCompressor::reset_error_buffer`]
+    /// (every residual) or [`crate::GradientCompressor::restore_feedback`].
     #[error(
         "tensor `{tensor}`: its residual is kept in shape {expected:?}, the gradient has shape \
          {got:?} (drop or re-set that residual to go on)"
@@ -470,7 +469,7 @@ impl Error {
     }
 
     /// A configuration error with its reason.
-    pub fn config(reason: impl Into<String>) -> Self {
+    pub(crate) fn config(reason: impl Into<String>) -> Self {
         Error::Config {
             reason: reason.into(),
         }
@@ -489,7 +488,7 @@ impl Error {
     }
 
     /// A checkpoint error with its reason.
-    pub fn checkpoint(reason: impl Into<String>) -> Self {
+    pub(crate) fn checkpoint(reason: impl Into<String>) -> Self {
         Error::Checkpoint {
             reason: reason.into(),
         }

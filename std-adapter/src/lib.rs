@@ -55,7 +55,7 @@ pub use aggregate::{Aggregator, Reduction, aggregate};
 pub use allreduce::CompressedAllReduce;
 pub use collective::Collective;
 pub use compressor::GradientCompressor;
-pub use engine::{EncodeStats, Parallelism};
+pub use engine::Parallelism;
 pub use error::{BundleFault, Error, Result};
 pub use feedback::ErrorFeedback;
 pub use layout::{BucketConfig, CompressedGradient, Manifest, TensorSpec, TopKScope};

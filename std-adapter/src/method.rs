@@ -114,7 +114,7 @@ impl CompressionMethod {
     }
 
     /// Whether this method keeps residuals (error feedback).
-    pub fn uses_error_feedback(&self) -> bool {
+    pub(crate) fn uses_error_feedback(&self) -> bool {
         matches!(self, CompressionMethod::ErrorFeedback { .. })
     }
 

@@ -40,7 +40,7 @@
 //!
 //! Over a model, [`compress_with_residuals`] takes one residual slice per tensor, and
 //! [`compress_with_error_feedback`] keeps them in an [`ErrorFeedback`], so that they are saved
-//! and restored as its checkpoints ([`ErrorFeedback::save`], [`ErrorFeedback::load`]; the
+//! and restored as its checkpoints ([`ErrorFeedback::to_bytes`], [`ErrorFeedback::from_bytes`]; the
 //! checkpoint's method is [`feedback_method`]). Both steps are all or nothing: every tensor is
 //! checked before any residual changes.
 //!
@@ -304,16 +304,6 @@ impl Entry {
         match self {
             Entry::Dense(v) => v.len(),
             Entry::TopK { indices, .. } | Entry::TopKInt8 { indices, .. } => indices.len(),
-        }
-    }
-
-    /// Tensor bytes this entry takes in a payload (safetensors' JSON header not counted, as the
-    /// reference's `payload_bytes` counts).
-    pub fn data_bytes(&self) -> usize {
-        match self {
-            Entry::Dense(v) => 4 * v.len(),
-            Entry::TopK { indices, .. } => 12 * indices.len(),
-            Entry::TopKInt8 { indices, .. } => 9 * indices.len() + 4,
         }
     }
 
@@ -636,8 +626,8 @@ pub const fn feedback_method(mode: Mode, ratio: f64) -> Method {
 }
 
 /// One error-feedback step of a reference run over a model, with the residuals kept in an
-/// [`ErrorFeedback`] (so they are saved and restored with [`ErrorFeedback::save`] /
-/// [`ErrorFeedback::load`]). `feedback` must have been made with
+/// [`ErrorFeedback`] (so they are saved and restored with [`ErrorFeedback::to_bytes`] /
+/// [`ErrorFeedback::from_bytes`]). `feedback` must have been made with
 /// [`feedback_method`]`(mode, ratio)`; a tensor seen for the first time starts from a zero
 /// residual. The step is all or nothing: on error no residual and not the step counter change.
 /// On success the step counter advances.

@@ -6,9 +6,9 @@
 //! use gradwire::tensor::Tensor;
 //!
 //! let t = Tensor::new(vec![2, 3], vec![0.0; 6])?;
-//! assert_eq!(t.numel(), 6);
+//! assert_eq!(t.data().len(), 6);
 //! assert!(Tensor::new(vec![2, 3], vec![0.0; 5]).is_err());
-//! let s = Tensor::scalar(1.5);
+//! let s = Tensor::new(vec![], vec![1.5])?;
 //! assert_eq!(s.shape(), &[] as &[usize]);
 //! assert_eq!(s.data(), &[1.5]);
 //! # Ok::<(), gradwire::Error>(())
@@ -77,14 +77,6 @@ impl Tensor {
         }
     }
 
-    /// A 0-d tensor (shape `[]`) holding one element.
-    pub fn scalar(value: f32) -> Self {
-        Tensor {
-            shape: Vec::new(),
-            data: vec![value],
-        }
-    }
-
     /// A tensor of `shape` filled with zeros.
     ///
     /// # Errors
@@ -105,16 +97,6 @@ impl Tensor {
     /// The elements, row-major.
     pub fn data(&self) -> &[f32] {
         &self.data
-    }
-
-    /// The elements, row-major, mutable (the shape cannot change through this).
-    pub fn data_mut(&mut self) -> &mut [f32] {
-        &mut self.data
-    }
-
-    /// The number of elements (`product(shape)`, 1 for a 0-d tensor).
-    pub fn numel(&self) -> usize {
-        self.data.len()
     }
 
     /// Sets the shape and copies `data` in, reusing this tensor's buffers (no allocation when

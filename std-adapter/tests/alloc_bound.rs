@@ -300,7 +300,13 @@ fn core_decoders_allocate_nothing() {
     let mut rng = Rng(9);
     for c in cases() {
         let entry = &c.manifest.entries()[0];
-        let params = c.manifest.params(&c.manifest.entries()[0], 0);
+        // The parameters of the entry's frame at step 0 (the cases' seed is 7).
+        let params = gradwire::core::Params {
+            method: entry.method,
+            seed: 7,
+            step: 0,
+            tensor_id: entry.tensor_id,
+        };
         for h in hostile(&c.bundle, &mut rng) {
             let Some(&(start, end)) = frames(&h).first() else {
                 continue;

@@ -254,7 +254,7 @@ fn local_group_majority_vote_and_world_size_one() {
         &per_rank,
     );
     for name in ["w", "s"] {
-        let n = per_rank[0][0][name].numel();
+        let n = per_rank[0][0][name].data().len();
         for i in 0..n {
             let votes: i32 = (0..w)
                 .map(|r| {

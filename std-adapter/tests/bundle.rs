@@ -6,8 +6,14 @@ use std::collections::HashMap;
 
 use common::{MINILM_VALUES, grads, minilm};
 use gradwire::core::{K, Method, Param, Values};
-use gradwire::layout::bundle::{BUNDLE_MAGIC, ENTRY_HEADER_LEN, HEADER_LEN, TRAILER_LEN};
-use gradwire::layout::{BundleHeader, Manifest, TensorSpec};
+use gradwire::layout::{Manifest, TensorSpec};
+
+// The bundle's framing, as FORMAT.md section 10 specifies it (independent of the crate's
+// constants): magic, header, entry header and CRC-32 trailer lengths.
+const BUNDLE_MAGIC: [u8; 4] = *b"GWBN";
+const HEADER_LEN: usize = 24;
+const ENTRY_HEADER_LEN: usize = 12;
+const TRAILER_LEN: usize = 4;
 use gradwire::method::{DEFAULT_INT8_BLOCK, format as format_method};
 use gradwire::tensor::Tensor;
 use gradwire::{BucketConfig, TopKScope};
@@ -43,7 +49,10 @@ fn kept_of(manifest: &Manifest) -> u64 {
 fn minilm_bytes_targets() {
     let g = minilm();
     assert_eq!(g.len(), 12);
-    assert_eq!(g.values().map(Tensor::numel).sum::<usize>(), MINILM_VALUES);
+    assert_eq!(
+        g.values().map(|t| t.data().len()).sum::<usize>(),
+        MINILM_VALUES
+    );
     let cases: [(&str, CompressionMethod, BucketConfig); 4] = [
         (
             "top-k 1% int8",
@@ -128,7 +137,7 @@ fn layout_is_as_documented() {
         assert_eq!(manifest.entries()[i].id, id);
         // The frames' tensor id (the key of random draws) is the name's alone.
         assert_eq!(
-            manifest.params(&manifest.entries()[i], 0).tensor_id,
+            manifest.entries()[i].tensor_id,
             gradwire::core::tensor_id(name)
         );
         let len = u32::from_le_bytes(bundle[pos + 8..pos + 12].try_into().unwrap()) as usize;
@@ -139,7 +148,7 @@ fn layout_is_as_documented() {
     assert_eq!(pos + TRAILER_LEN, bundle.len());
     let crc = crc32(&bundle[..pos]);
     assert_eq!(u32::from_le_bytes(bundle[pos..].try_into().unwrap()), crc);
-    let h = BundleHeader::read(&bundle).unwrap();
+    let h = manifest.check_bundle(&bundle, None, None).unwrap();
     assert_eq!((h.version, h.rank, h.entries, h.step), (2, 7, 2, 0));
 }
 
@@ -215,7 +224,7 @@ fn every_truncation_and_bit_flip_is_an_error() {
         assert_eq!(out, vec![7.0f32; 3], "output touched by prefix {len}");
         // A bundle cut short is named as such, not as a checksum mismatch: empty, truncated
         // below the fixed header and trailer, incomplete (checksum failed) beyond.
-        let e = BundleHeader::read(&bundle[..len]);
+        let e = manifest.check_bundle(&bundle[..len], None, None);
         let named = match &e {
             Err(Error::Bundle { fault, .. }) => match *fault {
                 BundleFault::Empty => len == 0,
@@ -552,13 +561,13 @@ fn empty_and_zero_d_tensors() {
             let out = manifest.to_tensors(&flat).unwrap();
             assert_eq!(out["empty"].shape(), &[0, 3]);
             assert_eq!(out["scalar"].shape(), &[] as &[usize]);
-            assert_eq!(out["scalar"].numel(), 1);
+            assert_eq!(out["scalar"].data().len(), 1);
             if !matches!(method, CompressionMethod::SignSGD) {
                 assert_eq!(
                     out["scalar"].data(),
                     &[-2.5],
                     "{}",
-                    format_method(manifest.method())
+                    format_method(&method.core_method().unwrap())
                 );
             }
         }

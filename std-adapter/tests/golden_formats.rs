@@ -85,7 +85,10 @@ fn model(step: u64, big: bool) -> HashMap<String, Tensor> {
             Tensor::new(vec![24], rng.vec(24, 0.01)).unwrap(),
         ),
         ("emb".to_owned(), Tensor::new(vec![3, 200], emb).unwrap()),
-        ("ln".to_owned(), Tensor::scalar(rng.unit() * 3.0)),
+        (
+            "ln".to_owned(),
+            Tensor::new(vec![], vec![rng.unit() * 3.0]).unwrap(),
+        ),
         ("empty".to_owned(), Tensor::new(vec![0], vec![]).unwrap()),
     ]);
     if big {
@@ -227,8 +230,8 @@ fn run_case(case: &BundleCase, parallelism: Parallelism) -> (Vec<Vec<u8>>, Gradi
         .expect("manifest");
     let mut c = GradientCompressor::new(case.method.clone())
         .with_seed(case.seed)
-        .with_step(case.start)
         .with_parallelism(parallelism);
+    c.set_step(case.start);
     let mut bundles = Vec::new();
     for s in case.start..case.start + case.steps {
         let mut bundle = Vec::new();

@@ -227,14 +227,19 @@ fn nothing_is_lost_on_the_worker_or_at_the_owner() {
                     };
                     let before: HashMap<_, _> = g
                         .iter()
-                        .map(|(n, t)| (n.clone(), (residual(&ar, n, t.numel()), server(&ar, n))))
+                        .map(|(n, t)| {
+                            (
+                                n.clone(),
+                                (residual(&ar, n, t.data().len()), server(&ar, n)),
+                            )
+                        })
                         .collect();
                     let out = ar.all_reduce(&g).unwrap();
                     let mut sent = HashMap::new();
                     let mut servers = HashMap::new();
                     let mut residuals = HashMap::new();
                     for (name, t) in &g {
-                        let r_new = residual(&ar, name, t.numel());
+                        let r_new = residual(&ar, name, t.data().len());
                         let (r_old, (idx, s_old)) = &before[name];
                         // sent = g + r_old - r_new: exact for f32 values (x - 0 or x - x).
                         let s: Vec<f32> = t
@@ -364,7 +369,7 @@ fn top_k_budgets_sum_to_k_and_the_result_keeps_about_k_per_tensor() {
     );
     let out = runs[0][0].0.as_ref().unwrap();
     for (name, t) in out {
-        let k = gradwire::core::k_from_ratio(t.numel() as u64, 0.01) as usize;
+        let k = gradwire::core::k_from_ratio(t.data().len() as u64, 0.01) as usize;
         let nonzero = t.data().iter().filter(|x| **x != 0.0).count();
         if name == "c.embed" {
             // Its non-zeros sit in the first 700 elements, 2 of its 5 blocks: the owners of

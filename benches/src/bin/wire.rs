@@ -312,7 +312,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let n: usize = tensors.iter().map(|(_, t)| t.numel()).sum();
+    let n: usize = tensors.iter().map(|(_, t)| t.data().len()).sum();
     let flat: Vec<f32> = tensors
         .iter()
         .flat_map(|(_, t)| t.data().iter().copied())

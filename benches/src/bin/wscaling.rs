@@ -191,7 +191,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let numel: usize = base.iter().map(|(_, t)| t.numel()).sum();
+    let numel: usize = base.iter().map(|(_, t)| t.data().len()).sum();
     let methods: Vec<(&str, CompressionMethod, f64)> = vec![
         ("dense-f16", CompressionMethod::Float16, 2.3),
         (

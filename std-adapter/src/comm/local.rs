@@ -44,7 +44,7 @@ pub struct LocalGroup {
 }
 
 impl LocalGroup {
-    /// A group of `world_size` ranks with the default deadline ([`super::DEFAULT_DEADLINE`]).
+    /// A group of `world_size` ranks with the default deadline (300 s).
     /// A group of 0 ranks is valid and yields no communicators.
     #[must_use]
     pub fn new(world_size: usize) -> Self {
@@ -62,12 +62,6 @@ impl LocalGroup {
     pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.timeout = timeout;
         self
-    }
-
-    /// Number of ranks in the group.
-    #[must_use]
-    pub fn world_size(&self) -> usize {
-        self.world_size
     }
 
     /// One communicator per rank, in rank order. Each is `Send`: move it into the thread that

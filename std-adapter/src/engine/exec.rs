@@ -17,8 +17,8 @@ use rayon::prelude::*;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Parallelism {
     /// On rayon's pool when it has more than one thread, else serial; also serial for a model of
-    /// fewer than [`Parallelism::AUTO_MIN_ELEMENTS`] elements, where handing work to other threads costs more
-    /// than it saves.
+    /// fewer than 2^16 (65,536) elements, where handing work to other threads costs more than it
+    /// saves.
     #[default]
     Auto,
     /// On the calling thread only.
@@ -29,12 +29,7 @@ pub enum Parallelism {
 
 impl Parallelism {
     /// Elements below which [`Parallelism::Auto`] runs a model serially.
-    pub const AUTO_MIN_ELEMENTS: usize = 1 << 16;
-
-    /// Whether a call made now on a model of `elements` elements runs on rayon's pool.
-    pub fn is_parallel_for(self, elements: usize) -> bool {
-        self.exec_for(elements) == Exec::Pool
-    }
+    pub(crate) const AUTO_MIN_ELEMENTS: usize = 1 << 16;
 
     /// Threads a call made now on a large model uses: 1 for the serial path, else the size of
     /// rayon's pool.
@@ -284,5 +279,40 @@ impl Exec {
                 a
             })
             .finalize()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Exec, Parallelism};
+
+    /// Whether a call made now on a model of `elements` elements runs on rayon's pool.
+    fn is_parallel_for(p: Parallelism, elements: usize) -> bool {
+        p.exec_for(elements) == Exec::Pool
+    }
+
+    #[test]
+    fn auto_is_pooled_from_its_threshold_on_a_pool_of_several_threads() {
+        const AUTO_MIN_ELEMENTS: usize = Parallelism::AUTO_MIN_ELEMENTS;
+        assert_eq!(AUTO_MIN_ELEMENTS, 1 << 16);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(5)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            assert!(is_parallel_for(Parallelism::Auto, usize::MAX));
+            assert!(is_parallel_for(Parallelism::Auto, AUTO_MIN_ELEMENTS));
+            assert!(!is_parallel_for(Parallelism::Auto, AUTO_MIN_ELEMENTS - 1));
+            assert!(is_parallel_for(Parallelism::Parallel, 1));
+            assert!(!is_parallel_for(Parallelism::Serial, usize::MAX));
+        });
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        one.install(|| {
+            assert!(!is_parallel_for(Parallelism::Auto, usize::MAX));
+            assert!(is_parallel_for(Parallelism::Parallel, usize::MAX));
+        });
     }
 }

@@ -76,7 +76,7 @@ impl Gradients for [&[f32]] {
 /// Which of the engine's paths the frames of a compressor took, counted over all its steps.
 /// For tests and diagnostics: the bytes are the same whichever path runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EncodeStats {
+pub(crate) struct EncodeStats {
     /// Frames of large top-k, threshold and random-k tensors whose entries the chunked
     /// selection found (rather than the core's selection: the sample missed or overshot, or,
     /// with error feedback, the tensor's first step).
@@ -151,6 +151,7 @@ pub(crate) struct Engine {
 
 impl Engine {
     /// What the steps so far did (see [`EncodeStats`]).
+    #[cfg(test)]
     pub(crate) fn stats(&self) -> EncodeStats {
         self.stats
     }

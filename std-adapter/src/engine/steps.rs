@@ -2,18 +2,16 @@
 //! the given tensors (one entry each, in the given order) and runs the engine on the calling
 //! thread, so that they write the same frames and residuals as a compressor does.
 
-use std::collections::{BTreeMap, HashMap};
-
 use super::{Engine, Exec, Shapes};
 use crate::error::Result;
 use crate::feedback::{ErrorFeedback, check_holds};
 use crate::layout::{BucketConfig, Manifest, TensorSpec};
 use crate::method::CompressionMethod;
-use crate::tensor::Tensor;
 
 impl ErrorFeedback {
     /// One step over a model: for every `(name, gradient)` of `grads`, in that order, encodes
-    /// `gradient + residual` with [`ErrorFeedback::params`]`(name)`, updates the residual and
+    /// `gradient + residual` with `Params { method, seed, step, tensor_id: tensor_id(name) }`,
+    /// updates the residual and
     /// hands the frame to `sink(name, frame)`. Then the step counter advances.
     ///
     /// No shapes: element counts are checked, shapes are not (see the module docs); prefer
@@ -41,7 +39,7 @@ impl ErrorFeedback {
 
     /// [`ErrorFeedback::step_with`] for tensors with shapes: `grads` yields `(name, shape,
     /// gradient)` with `gradient.len()` the product of `shape` (row-major, as safetensors and
-    /// [`Tensor`] keep it; `[]` for a 0-d tensor). A residual remembers its tensor's shape, and a
+    /// [`crate::Tensor`] keep it; `[]` for a 0-d tensor). A residual remembers its tensor's shape, and a
     /// tensor that comes back in another shape is an error, as is one whose residual was
     /// restored from a checkpoint in another shape.
     ///
@@ -61,27 +59,6 @@ impl ErrorFeedback {
             items.push((TensorSpec::new(name, shape), g));
         }
         self.run_step(items, Shapes::Checked, sink)
-    }
-
-    /// One step over named tensors in sorted name order (see
-    /// [`ErrorFeedback::step_with_shapes`]), returning each tensor's frame.
-    ///
-    /// # Errors
-    /// As [`ErrorFeedback::step_with_shapes`].
-    pub fn step_tensors(
-        &mut self,
-        grads: &HashMap<String, Tensor>,
-    ) -> Result<BTreeMap<String, Vec<u8>>> {
-        let mut sorted: Vec<(&str, &[usize], &[f32])> = grads
-            .iter()
-            .map(|(n, t)| (n.as_str(), t.shape(), t.data()))
-            .collect();
-        sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
-        let mut out = BTreeMap::new();
-        self.step_with_shapes(sorted, |name, frame| {
-            out.insert(name.to_owned(), frame.to_vec());
-        })?;
-        Ok(out)
     }
 
     /// The engine's step over `items` (a manifest of them, one entry each, in order).
@@ -104,5 +81,119 @@ impl ErrorFeedback {
             (Exec::Serial, shapes),
             |e, frame| sink(&manifest.entries()[e].label, frame),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gradwire_core::{K, Method, Params, ResidualBound, Values, tensor_id};
+
+    use crate::error::Error;
+    use crate::feedback::ErrorFeedback;
+    use crate::method::DEFAULT_INT8_BLOCK;
+
+    /// The integration tests' generator (`tests/common`): SplitMix64.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next_u64(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+
+        /// Uniform in [-1, 1).
+        fn unit(&mut self) -> f32 {
+            ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    fn topk_int8() -> Method {
+        Method::TopK {
+            k: K::Ratio(0.01),
+            values: Values::Int8 {
+                block: DEFAULT_INT8_BLOCK,
+            },
+        }
+    }
+
+    /// Large top-k tensors take the core's one-pass step with the bound each residual keeps: the
+    /// frames and residuals are those of the plain `feedback_step` on the same residual, across a
+    /// `set_residual`, a clone and a checkpoint round trip (each restarts from a measured or unknown
+    /// bound), and a NaN in another tensor still changes nothing.
+    #[test]
+    fn steps_with_residual_bounds_equal_plain_steps() {
+        use gradwire_core::{feedback_step, max_frame_len, scratch_len};
+        let method = topk_int8();
+        let n = 70_000; // above the core's sampling minimum (65,536)
+        let mut rng = Rng(0xb0);
+        let mut fb = ErrorFeedback::new(method, 3).unwrap();
+        let mut plain = [vec![0.0f32; n], vec![0.0f32; n]];
+        let mut scratch = vec![0u32; scratch_len(n, &method)];
+        let mut out = vec![0u8; max_frame_len(n, &method)];
+        let names = ["a", "b"];
+        for step in 0..8 {
+            let g: Vec<Vec<f32>> = (0..2)
+                .map(|_| (0..n).map(|_| rng.unit() * (1 + step) as f32).collect())
+                .collect();
+            let mut frames = Vec::new();
+            fb.step_with(names.iter().zip(&g).map(|(n, g)| (*n, &g[..])), |_, f| {
+                frames.push(f.to_vec())
+            })
+            .unwrap();
+            for (t, name) in names.iter().enumerate() {
+                let params = Params::new(method)
+                    .with_seed(3)
+                    .at_step(step)
+                    .for_tensor(tensor_id(name));
+                let len =
+                    feedback_step(&g[t], &mut plain[t], &params, &mut scratch, &mut out).unwrap();
+                assert_eq!(frames[t], out[..len], "step {step} `{name}`: frame");
+                assert!(
+                    same_bits(fb.residual(name).unwrap(), &plain[t]),
+                    "step {step} `{name}`: residual"
+                );
+            }
+            // Each step leaves a bound that holds: the first after a load measures the residual
+            // (two passes); the others are one pass, whose bound (the smallest kept magnitude) is
+            // above the residual's largest here.
+            for name in names {
+                let measured = ResidualBound::of(fb.residual(name).unwrap()).max_abs();
+                let bound = fb.residual_bound(name).max_abs();
+                match step {
+                    5 => assert_eq!(bound, measured, "step {step} `{name}`"),
+                    _ => assert!(bound > measured, "step {step} `{name}`"),
+                }
+            }
+            match step {
+                2 => fb.set_residual("a", plain[0].clone()).unwrap(),
+                4 => {
+                    fb = ErrorFeedback::from_bytes(&fb.to_bytes().unwrap()).unwrap();
+                    assert_eq!(fb.residual_bound("a"), ResidualBound::UNKNOWN);
+                }
+                5 => fb = fb.clone(),
+                _ => {}
+            }
+        }
+        // All or nothing: "a" passes the bound's check, "b" has a NaN.
+        let before = fb.clone();
+        let a: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
+        let mut b = a.clone();
+        b[n - 1] = f32::NAN;
+        let mut calls = 0;
+        let err = fb
+            .step_with([("a", &a[..]), ("b", &b[..])], |_, _| calls += 1)
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Core { tensor, source: gradwire_core::Error::NonFinite { index }, .. } if tensor == "b" && *index == n - 1),
+            "{err}"
+        );
+        assert_eq!((calls, &fb), (0, &before));
     }
 }

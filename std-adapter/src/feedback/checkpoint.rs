@@ -290,7 +290,7 @@ impl ErrorFeedback {
     ///
     /// # Errors
     /// As [`ErrorFeedback::to_bytes`]; [`Error::Io`] naming the file when writing fails.
-    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+    pub(crate) fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let bytes = self.to_bytes()?;
         std::fs::write(path, bytes).map_err(|source| Error::Io {
@@ -304,7 +304,7 @@ impl ErrorFeedback {
     /// # Errors
     /// [`Error::Io`] naming the file when reading fails; otherwise as
     /// [`ErrorFeedback::from_bytes`].
-    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+    pub(crate) fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|source| Error::Io {
             path: path.to_owned(),

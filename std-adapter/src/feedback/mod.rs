@@ -16,8 +16,8 @@
 //! Rules:
 //! - a tensor seen for the first time starts from a zero residual; a tensor whose element count
 //!   changes is an error ([`Error::LengthChanged`]), never truncated or padded;
-//! - a residual remembers its tensor's shape once a step gave one ([`ErrorFeedback::step_tensors`],
-//!   [`ErrorFeedback::step_with_shapes`], and the bundle and compressor paths, which know their
+//! - a residual remembers its tensor's shape once a step gave one ([`ErrorFeedback::step_with_shapes`],
+//!   and the bundle and compressor paths, which know their
 //!   tensors' shapes): a tensor that comes back with the same element count in another shape (a
 //!   transposed weight) is an error ([`Error::ShapeChanged`]), since its old residual would be
 //!   added to the wrong coordinates. [`ErrorFeedback::step_with`] gives no shapes: it checks
@@ -28,9 +28,9 @@
 //!   bound its last step left ([`gradwire_core::ResidualBound`]), so that for top-k a gradient
 //!   below half the value type's range is checked alone (one read), where the sums would be
 //!   read; a residual set, restored or loaded starts with an unknown bound or its measured one;
-//! - [`ErrorFeedback::save`] writes a safetensors file holding every residual (f32, exact bits,
-//!   in its tensor's shape) and, in its `__metadata__`, the step, the seed and the method; a run
-//!   restored with [`ErrorFeedback::load`] continues bit-identically to one that was never
+//! - [`ErrorFeedback::to_bytes`] writes a safetensors file holding every residual (f32, exact
+//!   bits, in its tensor's shape) and, in its `__metadata__`, the step, the seed and the method;
+//!   a run restored with [`ErrorFeedback::from_bytes`] continues bit-identically to one that was never
 //!   interrupted, shape checks included (layout in `FORMAT.md` and [`checkpoint`]).
 //!
 //! ```
@@ -52,7 +52,7 @@ mod checkpoint;
 
 use std::collections::BTreeMap;
 
-use gradwire_core::{Method, Params, ResidualBound, scalar, tensor_id};
+use gradwire_core::{Method, ResidualBound, scalar};
 
 use crate::error::{Error, Result};
 use crate::method::check_for_feedback;
@@ -170,16 +170,6 @@ impl ErrorFeedback {
         self.step
     }
 
-    /// The parameters of `name`'s frame at the current step.
-    pub fn params(&self, name: &str) -> Params {
-        Params {
-            method: self.method,
-            seed: self.seed,
-            step: self.step,
-            tensor_id: tensor_id(name),
-        }
-    }
-
     /// The residual of `name`, if it has one.
     pub fn residual(&self, name: &str) -> Option<&[f32]> {
         self.residuals.get(name).map(Vec::as_slice)
@@ -215,18 +205,8 @@ impl ErrorFeedback {
             .map(|(n, r)| (n.as_str(), r.as_slice()))
     }
 
-    /// Number of residuals.
-    pub fn len(&self) -> usize {
-        self.residuals.len()
-    }
-
-    /// True when no residual is kept.
-    pub fn is_empty(&self) -> bool {
-        self.residuals.is_empty()
-    }
-
     /// Drops every residual and its shape (the step counter, seed and method stay).
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.residuals.clear();
         self.shapes.clear();
         self.bounds.clear();
@@ -269,7 +249,7 @@ impl ErrorFeedback {
     /// checkpoint and not stepped yet, or one a step could not bound). A top-k step whose
     /// gradient and bound prove every sum in range reads the gradient and the residual once
     /// after its check (see [`gradwire_core::feedback_step_bounded`]).
-    pub fn residual_bound(&self, name: &str) -> ResidualBound {
+    pub(crate) fn residual_bound(&self, name: &str) -> ResidualBound {
         self.bounds
             .get(name)
             .copied()
@@ -395,5 +375,26 @@ impl ErrorFeedback {
     /// Ends a step that a caller ran through [`ErrorFeedback::residual_for`].
     pub(crate) fn advance(&mut self) {
         self.step = self.step.wrapping_add(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gradwire_core::{K, Method, Values};
+
+    use super::ErrorFeedback;
+
+    #[test]
+    fn clear_drops_every_residual_and_shape() {
+        let method = Method::TopK {
+            k: K::Count(1),
+            values: Values::F32,
+        };
+        let mut fb = ErrorFeedback::new(method, 5).unwrap();
+        fb.set_residual_with_shape("w", &[2, 3], vec![0.0; 6])
+            .unwrap();
+        fb.set_residual("b", vec![1.0]).unwrap();
+        fb.clear();
+        assert_eq!((fb.residuals().count(), fb.residual_shape("w")), (0, None));
     }
 }

@@ -43,15 +43,15 @@ use super::{Entry, Manifest, ManifestTensor, check_frame_of};
 use crate::error::{BundleFault, Error, Result};
 
 /// The first four bytes of every bundle.
-pub const BUNDLE_MAGIC: [u8; 4] = *b"GWBN";
+pub(crate) const BUNDLE_MAGIC: [u8; 4] = *b"GWBN";
 /// The bundle format version this crate writes and reads.
 pub(crate) const BUNDLE_VERSION: u8 = 2;
 /// Bytes of the bundle header.
-pub const HEADER_LEN: usize = 24;
+pub(crate) const HEADER_LEN: usize = 24;
 /// Bytes of an entry's id and length.
 pub const ENTRY_HEADER_LEN: usize = 12;
 /// Bytes of the CRC-32 trailer.
-pub const TRAILER_LEN: usize = 4;
+pub(crate) const TRAILER_LEN: usize = 4;
 
 /// What a bundle's header declares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,7 +73,7 @@ impl BundleHeader {
     /// [`Error::Bundle`] with [`BundleFault::Empty`], [`BundleFault::Truncated`],
     /// [`BundleFault::BadMagic`], [`BundleFault::UnsupportedVersion`],
     /// [`BundleFault::Reserved`], [`BundleFault::Incomplete`] or [`BundleFault::Checksum`].
-    pub fn read(bundle: &[u8]) -> Result<Self> {
+    pub(crate) fn read(bundle: &[u8]) -> Result<Self> {
         let fault = |fault| Error::Bundle { rank: None, fault };
         if bundle.is_empty() {
             return Err(fault(BundleFault::Empty));

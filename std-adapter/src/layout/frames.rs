@@ -137,14 +137,6 @@ impl CompressedGradient {
         crate::tensor::numel(&self.shape).unwrap_or(0)
     }
 
-    /// What the frame declares (method, element count, entries kept).
-    ///
-    /// # Errors
-    /// [`Error::Core`] when the frame is invalid.
-    pub fn header(&self) -> Result<gradwire_core::Header> {
-        gradwire_core::peek(&self.frame).map_err(|e| Error::core("", None, e))
-    }
-
     /// Bytes this gradient puts on the wire: the whole frame, header and checksum included.
     pub fn payload_bytes(&self) -> usize {
         self.frame.len()

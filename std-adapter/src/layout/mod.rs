@@ -126,7 +126,7 @@ pub(crate) struct Sizes {
 /// let method = CompressionMethod::top_k_int8(0.5);
 /// let mut grads = HashMap::new();
 /// grads.insert("a".to_string(), Tensor::from_vec(vec![1.0, -2.0, 0.5, 4.0], &[2, 2])?);
-/// grads.insert("b".to_string(), Tensor::scalar(3.0));
+/// grads.insert("b".to_string(), Tensor::from_vec(vec![3.0], &[])?);
 /// // Tensors under 2 elements go dense (exact f32); the others are fused up to 64 bytes.
 /// let bucketing = BucketConfig::fused(64).with_dense_below(2, gradwire::core::Values::F32);
 /// let manifest = Manifest::for_gradients(&grads, &method, 0, bucketing)?;
@@ -368,7 +368,7 @@ impl Manifest {
     }
 
     /// The tensor called `name`.
-    pub fn tensor(&self, name: &str) -> Option<&ManifestTensor> {
+    pub(crate) fn tensor(&self, name: &str) -> Option<&ManifestTensor> {
         self.by_name
             .binary_search_by(|&t| self.tensors[t].name.as_str().cmp(name))
             .ok()
@@ -376,18 +376,13 @@ impl Manifest {
     }
 
     /// The method of the tensors' frames (dense buckets use [`BucketConfig::dense_values`]).
-    pub fn method(&self) -> &Method {
+    pub(crate) fn method(&self) -> &Method {
         &self.method
     }
 
     /// The run's seed.
-    pub fn seed(&self) -> u64 {
+    pub(crate) fn seed(&self) -> u64 {
         self.seed
-    }
-
-    /// The bucketing.
-    pub fn bucketing(&self) -> &BucketConfig {
-        &self.bucketing
     }
 
     /// Elements of the flat layout (every tensor's elements).
@@ -403,7 +398,7 @@ impl Manifest {
 
     /// The parameters of `entry`'s frame (an entry of this manifest) at `step`: what its
     /// receiver checks the frame against.
-    pub fn params(&self, entry: &Entry, step: u64) -> Params {
+    pub(crate) fn params(&self, entry: &Entry, step: u64) -> Params {
         Params {
             method: entry.method,
             seed: self.seed,

@@ -139,7 +139,7 @@ impl Stepper {
                 .enumerate()
                 .map(|(i, &x)| x + amp * self.noise[(at + i + rot) & mask])
                 .collect();
-            at += t.numel();
+            at += t.data().len();
             out.insert(name.clone(), Tensor::new(t.shape().to_vec(), data).unwrap());
         }
         out

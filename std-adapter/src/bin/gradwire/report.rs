@@ -311,7 +311,7 @@ pub fn reference(
 /// counts, parameters) but not decoded.
 pub fn container(path: &Path, bytes: &[u8], max_elements: u64) -> Result<Report, CliError> {
     let at = |e: gradwire::Error| CliError::from(e).in_file(path);
-    let header = ContainerHeader::read(bytes, max_elements).map_err(at)?;
+    let header = ContainerHeader::read_for(bytes, None, max_elements).map_err(at)?;
     let manifest = header.manifest().map_err(at)?;
     let bundle = &bytes[header.bundle_offset..];
     let mut rows = Vec::with_capacity(manifest.entries().len());
