@@ -17,7 +17,7 @@ use std::fmt;
 use gradwire::BucketConfig;
 use gradwire::CompressedAllReduce;
 use gradwire::Parallelism;
-use gradwire::comm::Communicator;
+use gradwire::comm::{Communicator, Traffic};
 use gradwire::tensor::Tensor;
 use gradwire::{Aggregator, Reduction};
 use gradwire::{CompressionMethod, GradientCompressor};
@@ -53,10 +53,17 @@ pub enum Method {
     /// 4-bit quantization with a per-block scale, error feedback.
     #[value(name = "quant4-ef")]
     Quant4Ef,
+    /// Dense f32 through a plain `MPI_Allreduce` (sum) of the `mpi` crate, outside gradwire:
+    /// the step a user without gradwire would run. Only with `--transport mpi` (feature `mpi`);
+    /// not in [`Method::ALL`]: its sums are not rank-order bit-identical (see
+    /// `crate::mpi_dense`), so it is left out of the threads-vs-MPI comparison.
+    #[value(name = "dense-f32-allreduce")]
+    DenseF32Allreduce,
 }
 
 impl Method {
-    /// Every method, in table order.
+    /// Every method that runs on every transport, in table order (the default `--methods`;
+    /// [`Method::DenseF32Allreduce`] is not one of them).
     pub const ALL: [Method; 8] = [
         Method::DenseF32,
         Method::DenseF16,
@@ -80,13 +87,23 @@ impl Method {
             Method::RandK1Ef => "randk-1%-ef",
             Method::SignEf => "sign-ef",
             Method::Quant4Ef => "quant4-ef",
+            Method::DenseF32Allreduce => "dense-f32-allreduce",
         }
     }
 
-    /// Whether [`new_codec`] can build this method's codec in this build (all of them).
+    /// Whether this build can run the method: all of them, but
+    /// [`Method::DenseF32Allreduce`] only with the `mpi` feature (and then only under
+    /// `--transport mpi`, where the MPI launcher builds its codec: [`new_codec`] refuses it).
     #[must_use]
     pub fn is_wired(self) -> bool {
-        true
+        self != Method::DenseF32Allreduce || cfg!(feature = "mpi")
+    }
+
+    /// Whether the method runs outside gradwire's collectives, on MPI only
+    /// ([`Method::DenseF32Allreduce`]).
+    #[must_use]
+    pub fn needs_mpi(self) -> bool {
+        self == Method::DenseF32Allreduce
     }
 }
 
@@ -214,6 +231,13 @@ pub trait GradientCodec: Send {
             self.method()
         )))
     }
+
+    /// The bytes this codec moved itself, outside `comm`, so far (cumulative; counted as
+    /// `comm`'s [`Communicator::traffic`] counts them). Zero for every codec that talks only
+    /// through `comm`, which counts its own bytes.
+    fn own_traffic(&self) -> Traffic {
+        Traffic::default()
+    }
 }
 
 /// The gradwire configuration of a demo method: the compressor's method (with error feedback
@@ -222,7 +246,9 @@ pub trait GradientCodec: Send {
 pub fn gradwire_method(method: Method) -> CompressionMethod {
     use gradwire::core::{K, Method as Core, Values};
     match method {
-        Method::DenseF32 => CompressionMethod::Core(Core::Dense {
+        // gradwire does not run `dense-f32-allreduce` (MPI_Allreduce does): its message is
+        // dense f32 all the same.
+        Method::DenseF32 | Method::DenseF32Allreduce => CompressionMethod::Core(Core::Dense {
             values: Values::F32,
         }),
         Method::DenseF16 => CompressionMethod::Float16,
@@ -251,11 +277,18 @@ pub fn gradwire_method(method: Method) -> CompressionMethod {
 /// step) and its validated mean aggregation.
 ///
 /// # Errors
-/// [`DemoError::Codec`] when gradwire refuses the configuration.
+/// [`DemoError::Codec`] when gradwire refuses the configuration; [`DemoError::Config`] for
+/// [`Method::DenseF32Allreduce`], which only the MPI launcher builds (it calls MPI directly).
 pub fn new_codec(
     method: Method,
     ctx: &CodecContext<'_>,
 ) -> Result<Box<dyn GradientCodec>, DemoError> {
+    if method.needs_mpi() {
+        return Err(DemoError::Config(format!(
+            "`{method}` calls MPI_Allreduce itself: it runs only with `--transport mpi` (a build \
+             with the `mpi` feature, started by mpirun)"
+        )));
+    }
     Ok(Box::new(GradwireCodec::new(method, ctx)?))
 }
 
@@ -609,6 +642,11 @@ mod tests {
         for m in Method::ALL {
             assert!(new_codec(m, &ctx).is_ok(), "{m}");
         }
+        assert!(matches!(
+            new_codec(Method::DenseF32Allreduce, &ctx),
+            Err(DemoError::Config(_))
+        ));
+        assert!(!Method::ALL.contains(&Method::DenseF32Allreduce));
         assert_eq!(dense_f32_bytes(&specs), 85_002 * 4);
     }
 }

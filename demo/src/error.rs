@@ -12,10 +12,10 @@ pub enum DemoError {
     /// The transport failed.
     #[error("communication: {0}")]
     Comm(#[from] gradwire::comm::CommError),
-    /// The method is listed but its codec is not wired to gradwire yet.
+    /// The method cannot run in this build (`dense-f32-allreduce` without the `mpi` feature).
     #[error(
-        "method `{0}` is not yet wired: it waits for gradwire's compressors \
-         (run with `--methods dense-f32` meanwhile)"
+        "method `{0}` is not available in this build: `dense-f32-allreduce` needs the `mpi` \
+         feature and `--transport mpi`"
     )]
     NotWired(Method),
     /// A codec rejected a gradient or a message.

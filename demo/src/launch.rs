@@ -43,6 +43,20 @@ pub trait Launcher {
         seed: u64,
         progress: Option<&ProgressBar>,
     ) -> Result<Option<RankReport>, DemoError>;
+
+    /// Whether this launcher can run `method` ([`Method::needs_mpi`]: the MPI launcher only),
+    /// checked before a sweep starts.
+    ///
+    /// # Errors
+    /// [`DemoError::Config`] naming the method and the transport it needs.
+    fn check_method(&self, method: Method) -> Result<(), DemoError> {
+        if method.needs_mpi() {
+            return Err(DemoError::Config(format!(
+                "`{method}` calls MPI_Allreduce itself: it runs only with `--transport mpi`"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// W ranks as threads of this process.
@@ -188,6 +202,10 @@ impl MpiLauncher {
 
 #[cfg(feature = "mpi")]
 impl Launcher for MpiLauncher {
+    fn check_method(&self, _method: Method) -> Result<(), DemoError> {
+        Ok(())
+    }
+
     fn is_root(&self) -> bool {
         use gradwire::comm::Communicator;
         self.comm.rank() == 0
@@ -206,13 +224,15 @@ impl Launcher for MpiLauncher {
         progress: Option<&ProgressBar>,
     ) -> Result<Option<RankReport>, DemoError> {
         let root = self.is_root();
-        let report = crate::train::run_rank(
-            &mut self.comm,
-            config,
-            method,
-            seed,
-            if root { progress } else { None },
-        )?;
+        let progress = if root { progress } else { None };
+        let report = if method == Method::DenseF32Allreduce {
+            // Outside gradwire's collectives: MPI_Allreduce on the world communicator.
+            let codec =
+                crate::mpi_dense::MpiAllreduceF32::new(self.comm.universe(), &param_specs());
+            run_rank_with_codec(&mut self.comm, config, Box::new(codec), seed, progress)?
+        } else {
+            crate::train::run_rank(&mut self.comm, config, method, seed, progress)?
+        };
         Ok(root.then_some(report))
     }
 }
@@ -263,6 +283,9 @@ pub fn run_sweep(
     config.validate()?;
     if let Some(&m) = methods.iter().find(|m| !m.is_wired()) {
         return Err(DemoError::NotWired(m));
+    }
+    if let Some(&m) = methods.iter().find(|m| m.needs_mpi()) {
+        launcher.check_method(m)?;
     }
     let specs = param_specs();
     let digits = Digits::load();

@@ -21,9 +21,12 @@
 //! - [`train`]: one rank's training loop, [`train::run_rank`];
 //! - [`launch`]: running the ranks as threads or as MPI processes;
 //! - [`report`]: the summary over seeds, the table and the JSON report;
-//! - [`plot`]: the PNG plot.
+//! - [`plot`]: the PNG plot;
+//! - `mpi_dense` (feature `mpi`): `dense-f32-allreduce`, a plain `MPI_Allreduce` outside
+//!   gradwire, the dense step a user would run.
 //!
-//! Features: `mpi` enables `--transport mpi` (`gradwire/mpi`, Open MPI).
+//! Features: `mpi` enables `--transport mpi` (`gradwire/mpi`, Open MPI) and the
+//! `dense-f32-allreduce` method.
 #![forbid(unsafe_code)]
 
 pub mod codec;
@@ -31,6 +34,8 @@ pub mod data;
 pub mod error;
 pub mod launch;
 pub mod model;
+#[cfg(feature = "mpi")]
+pub mod mpi_dense;
 pub mod plot;
 pub mod report;
 pub mod train;

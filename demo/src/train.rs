@@ -119,10 +119,17 @@ pub struct Timing {
     pub update_s: f64,
     /// Evaluation on the test set (rank 0), not part of a step.
     pub eval_s: f64,
+    /// Bytes the network interface named by `GRADWIRE_DEMO_NETDEV` (e.g. `eth0`) sent during
+    /// the training loop, from its kernel counter (`/sys/class/net/IFACE/statistics/tx_bytes`,
+    /// read before the first step and after the last): every packet of this host, headers
+    /// included. 0 when the variable is unset or the counter cannot be read.
+    pub netdev_tx_bytes: f64,
+    /// The same for the bytes it received (`rx_bytes`).
+    pub netdev_rx_bytes: f64,
 }
 
 impl Timing {
-    const FIELDS: usize = 6;
+    const FIELDS: usize = 8;
 
     /// Seconds of the steps proper (evaluation excluded).
     #[must_use]
@@ -149,6 +156,8 @@ impl Timing {
             self.decode_s,
             self.update_s,
             self.eval_s,
+            self.netdev_tx_bytes,
+            self.netdev_rx_bytes,
         ]
     }
 
@@ -160,6 +169,8 @@ impl Timing {
             decode_s: a[3],
             update_s: a[4],
             eval_s: a[5],
+            netdev_tx_bytes: a[6],
+            netdev_rx_bytes: a[7],
         }
     }
 
@@ -264,6 +275,24 @@ impl Batches {
     }
 }
 
+/// The kernel's byte counters (sent, received) of the network interface named by
+/// `GRADWIRE_DEMO_NETDEV`, or `None` when it is unset or unreadable (see
+/// [`Timing::netdev_tx_bytes`]; the slow-network harness `netsim/` sets it to each host's link).
+fn netdev_counters() -> Option<(u64, u64)> {
+    let iface = std::env::var("GRADWIRE_DEMO_NETDEV").ok()?;
+    if iface.is_empty() || iface.contains('/') || iface.starts_with('.') {
+        return None;
+    }
+    let read = |what: &str| {
+        std::fs::read_to_string(format!("/sys/class/net/{iface}/statistics/{what}"))
+            .ok()?
+            .trim()
+            .parse::<u64>()
+            .ok()
+    };
+    Some((read("tx_bytes")?, read("rx_bytes")?))
+}
+
 /// Runs one rank of a data-parallel training run with the codec of `method`.
 ///
 /// Every rank of `comm` must call this with the same `config`, `method` and `seed`. `progress`
@@ -340,6 +369,7 @@ pub fn run_rank_with_codec(
         curve.push(evaluate(&model, 0, 0.0, &mut timing)?);
     }
 
+    let netdev_before = netdev_counters();
     for step in 0..config.steps {
         let t0 = Instant::now();
         let batch: Samples = shard.select(&batches.next_batch(config.batch_size));
@@ -347,6 +377,7 @@ pub fn run_rank_with_codec(
         let t1 = Instant::now();
         let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
         let before = comm.traffic();
+        let own_before = codec.own_traffic();
         let (t2, t3, step_bytes) = if codec.runs_own_collective() {
             // Compression, collective and decode are one call: timed as communication.
             let t2 = Instant::now();
@@ -364,10 +395,11 @@ pub fn run_rank_with_codec(
             (t2, t3, bytes)
         };
         let moved = comm.traffic().since(before);
+        let own = codec.own_traffic().since(own_before);
         #[allow(clippy::cast_precision_loss)]
         {
-            sent_total += moved.sent as f64;
-            received_total += moved.received as f64;
+            sent_total += (moved.sent + own.sent) as f64;
+            received_total += (moved.received + own.received) as f64;
         }
         mean_digest = (mean_digest ^ digest(&mean))
             .rotate_left(17)
@@ -401,6 +433,13 @@ pub fn run_rank_with_codec(
         }
     }
 
+    if let (Some((tx0, rx0)), Some((tx1, rx1))) = (netdev_before, netdev_counters()) {
+        #[allow(clippy::cast_precision_loss)]
+        {
+            timing.netdev_tx_bytes = tx1.saturating_sub(tx0) as f64;
+            timing.netdev_rx_bytes = rx1.saturating_sub(rx0) as f64;
+        }
+    }
     let (_, test_accuracy) = model.evaluate(&data.test)?;
     let (train_loss, _) = model.evaluate(&data.train)?;
 

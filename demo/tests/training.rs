@@ -90,3 +90,22 @@ fn compressed_methods_learn_and_send_fewer_bytes() {
         );
     }
 }
+
+/// `dense-f32-allreduce` calls MPI_Allreduce itself: the threads transport refuses it before
+/// anything runs (in a build without `mpi`, as a method this build does not have).
+#[test]
+fn dense_f32_allreduce_needs_mpi() {
+    let mut launcher = ThreadLauncher::new(2).expect("launcher");
+    let err = run_sweep(
+        &mut launcher,
+        &short(),
+        &[Method::DenseF32, Method::DenseF32Allreduce],
+        &[7],
+        false,
+    )
+    .expect_err("threads cannot run MPI_Allreduce");
+    let text = err.to_string();
+    assert!(text.contains("dense-f32-allreduce"), "{text}");
+    assert!(text.contains("mpi"), "{text}");
+    assert!(!Method::ALL.contains(&Method::DenseF32Allreduce));
+}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# enter.sh I CMD...: run CMD as host I of netsim. Called inside `ip netns exec gwns-hI unshare
+# --uts --mount`, so the hostname and the mounts below are this process tree's own: hostname
+# gwns-hI, and /tmp and /dev/shm bound to the host's own directories, where Open MPI and PMIx
+# put their session directories and sockets (short paths, nothing shared between hosts).
+set -euo pipefail
+host=${1:?host}
+shift
+state=${NETSIM_STATE:?}
+hostname "gwns-h$host"
+mount --bind "$state/h$host/tmp" /tmp
+mount --bind "$state/h$host/shm" /dev/shm
+export TMPDIR=/tmp OMPI_MCA_orte_tmpdir_base=/tmp PMIX_SYSTEM_TMPDIR=/tmp PMIX_SERVER_TMPDIR=/tmp
+exec "$@"

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Renders netsim's report (run-report.sh) into docs/netsim.md, between its markers.
+
+  report.py MANIFEST OUTDIR DOC COMMAND
+
+MANIFEST has one line per row: `rate method collective tag`; OUTDIR holds `tag.json` (the demo's
+report) and `tag.before` / `tag.after` (netsim.sh counters around the launch).
+"""
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+BEGIN = "<!-- netsim-report:begin (written by netsim/run-report.sh) -->"
+END = "<!-- netsim-report:end -->"
+
+# (rate, method) -> minimum speed-up per step against dense-f32-allreduce on the same link.
+SPEEDUP = {
+    ("100mbit", "topk-1%-ef-int8"): 12,
+    ("100mbit", "sign-ef"): 12,
+    ("10mbit", "topk-1%-ef-int8"): 100,
+    ("10mbit", "sign-ef"): 30,
+    ("10mbit", "quant4-ef"): 9,
+}
+
+
+# The dense rows run outside --collective: MPI's all-reduce, gradwire's rank-order f32 all-reduce.
+COLLECTIVE = {
+    ("dense-f32-allreduce", "allgather"): "MPI_Allreduce (Open MPI's choice)",
+    ("dense-f32-allreduce", "ring"): "MPI_Allreduce, ring forced",
+    ("dense-f32", "allgather"): "gradwire f32 all-reduce",
+}
+
+
+def link_label(link):
+    rate, _, delay = link.partition(":")
+    rate = "unshaped" if rate == "none" else rate
+    return f"{rate}, {delay} ms one-way delay" if delay else rate
+
+
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def counters(path):
+    hosts = {}
+    with open(path) as f:
+        for line in f:
+            h, tx, rx = line.split()
+            hosts[int(h)] = (int(tx), int(rx))
+    return hosts
+
+
+def row_data(outdir, rate, method, collective, tag):
+    rep = json.load(open(os.path.join(outdir, tag + ".json")))
+    steps = rep["config"]["train"]["steps"]
+    res, tim = rep["results"][0], rep["timing"][0]
+    ph = tim["runs"][0]["phases"]
+    before, after = counters(os.path.join(outdir, tag + ".before")), counters(os.path.join(outdir, tag + ".after"))
+    port_tx = [(after[h][0] - before[h][0]) / steps for h in before]
+    return {
+        "rate": rate, "method": method, "collective": collective, "steps": steps,
+        "workers": rep["config"]["workers"],
+        "ms": tim["step_ms"],
+        "phases": [1e3 * ph[k] / steps for k in ("compute_s", "encode_s", "comm_s", "decode_s", "update_s")],
+        "prog_sent": res["runs"][0]["traffic"]["sent_mean"],
+        "if_tx": ph["netdev_tx_bytes"] / steps,
+        "port_tx": sum(port_tx) / len(port_tx),
+        "acc": 100 * res["runs"][0]["test_accuracy"],
+    }
+
+
+def ms_text(r):
+    if len(r["all_ms"]) == 1:
+        return f"{r['ms']:.1f}"
+    runs = ", ".join(f"{m:.1f}" for m in r["all_ms"])
+    return f"{r['ms']:.1f} (median of {len(r['all_ms'])}: {runs})"
+
+
+def fmt_bytes(b):
+    return f"{b:,.0f}"
+
+
+def main(manifest, outdir, doc, command):
+    runs = {}
+    for line in open(manifest):
+        rate, method, collective, tag = line.split()
+        runs.setdefault((rate, method, collective), []).append(row_data(outdir, rate, method, collective, tag))
+    rows = []
+    for group in runs.values():
+        # Repeated rows (the dense ones): the run with the median ms/step stands for them.
+        group.sort(key=lambda r: r["ms"])
+        row = dict(group[len(group) // 2])
+        row["all_ms"] = [r["ms"] for r in group]
+        rows.append(row)
+    lines = []
+    rates = []
+    for r in rows:
+        if r["rate"] not in rates:
+            rates.append(r["rate"])
+    for rate in rates:
+        rr = [r for r in rows if r["rate"] == rate]
+        base = next((r for r in rr if r["method"] == "dense-f32-allreduce" and r["collective"] == "allgather"), None)
+        ring = next((r for r in rr if r["method"] == "dense-f32-allreduce" and r["collective"] == "ring"), None)
+        q_ag = next((r for r in rr if r["method"] == "quant4-ef" and r["collective"] == "allgather"), None)
+        lines.append(f"\n**{link_label(rate)}**, W = {rr[0]['workers']}, {rr[0]['steps']} steps, seed 1 "
+                     "(phases and bytes: the median run's, mean over ranks)\n")
+        lines.append("| method | collective | ms/step | compute / encode / comm / decode / update ms | "
+                     "program bytes sent/rank/step | interface tx/rank/step (loop) | interface / program | "
+                     "bridge port tx/host/step (whole launch) | vs dense-f32-allreduce | vs the ring-forced one | target | met? |")
+        lines.append("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|")
+        for r in rr:
+            speed = base["ms"] / r["ms"] if base else float("nan")
+            speed_ring = ring["ms"] / r["ms"] if ring else float("nan")
+            target, met = "", ""
+            if r["method"] == "dense-f32-allreduce":
+                target, met = ("(baseline)" if r["collective"] == "allgather" else "(not a target)"), ""
+            elif r["method"] == "dense-f32" and rate.startswith("none"):
+                pass
+            elif r["method"] == "dense-f32":
+                limit = 1.05 * base["ms"]
+                target = f"<= {limit:.1f} ms (5% over the baseline)"
+                met = "met" if r["ms"] <= limit else "**miss**"
+            elif (rate, r["method"]) in SPEEDUP:
+                need = SPEEDUP[(rate, r["method"])]
+                target = f">= {need}x"
+                met = "met" if speed >= need else "**miss**"
+            if r["method"] == "quant4-ef" and r["collective"] == "two-phase" and rate == "100mbit" and q_ag:
+                gain = q_ag["ms"] / r["ms"]
+                target = f">= 1.5x over the all-gather row (is {gain:.2f}x)"
+                met = "met" if gain >= 1.5 else "**miss**"
+            if r["method"] in ("dense-f32", "dense-f32-allreduce"):
+                within = abs(r["if_tx"] / r["prog_sent"] - 1) <= 0.05
+                met += ("; " if met else "") + ("bytes within 5%" if within else "**bytes off by more than 5%**")
+            lines.append(
+                f"| {r['method']} | {COLLECTIVE.get((r['method'], r['collective']), r['collective'])} "
+                f"| {ms_text(r)} | {' / '.join(f'{p:.1f}' for p in r['phases'])} "
+                f"| {fmt_bytes(r['prog_sent'])} | {fmt_bytes(r['if_tx'])} | {r['if_tx'] / r['prog_sent']:.3f} "
+                f"| {fmt_bytes(r['port_tx'])} | {speed:.1f}x | {speed_ring:.1f}x | {target} | {met} |")
+    model = sh("lscpu | sed -n 's/^Model name: *//p'")
+    facts = [
+        f"- measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, code {sh('git describe --always --dirty')}",
+        f"- {sh('nproc')} cores ({model}), "
+        f"kernel {platform.release()}, {sh('mpirun --version | head -1')}",
+        f"- command: `{command}`",
+    ]
+    body = "\n".join([BEGIN, "", *facts, *lines, "", END])
+    text = open(doc).read() if os.path.exists(doc) else f"# netsim\n\n{BEGIN}\n{END}\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        text = head + body + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + body + "\n"
+    open(doc, "w").write(text)
+    print(body)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The slow-network report (issue 26, first part): W = 4 emulated hosts (netsim.sh), links of
+# 100 Mbit/s, 10 Mbit/s, 1 Gbit/s, unshaped and 100 Mbit/s with 10 ms delay, for the dense baseline `dense-f32-allreduce` (MPI_Allreduce),
+# gradwire's dense-f32 and three compressed methods on the all-gather and the two-phase
+# collective; writes the table into docs/netsim.md (between its report markers) and the raw
+# JSON under out/netsim/. One mpirun per row; the interface counters of every host's link are
+# sampled by the demo around its training loop (GRADWIRE_DEMO_NETDEV) and by this script around
+# the whole launch (the bridge ports).
+#
+#   bash netsim/run-report.sh    # as root; NETSIM_STEPS (default 30), NETSIM_DENSE_REPEATS
+#                                # (default 3), NETSIM_RATES (default
+#                                # "100mbit 10mbit 1gbit none 100mbit:10": RATE[:DELAY_MS])
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+steps=${NETSIM_STEPS:-30}
+rates=${NETSIM_RATES:-100mbit 10mbit 1gbit none 100mbit:10}
+w=4
+ns=netsim/netsim.sh
+out=out/netsim
+mkdir -p "$out"
+trap 'bash $ns down >/dev/null 2>&1 || true' EXIT
+
+cargo build --release --example data_parallel --features gradwire-demo/mpi
+bin="${CARGO_TARGET_DIR:-target}/release/examples/data_parallel"
+
+# The two dense rows run NETSIM_DENSE_REPEATS times (default 3), interleaved; the table shows
+# their median.
+repeats=${NETSIM_DENSE_REPEATS:-3}
+rows=()
+# `ring`: the same MPI_Allreduce with Open MPI's ring algorithm forced
+# (coll_tuned_allreduce_algorithm 4); its default choice for this size is about 2x slower on
+# shaped links (measured, docs/netsim.md).
+for ((r = 1; r <= repeats; r++)); do
+    rows+=("dense-f32-allreduce allgather $r" "dense-f32-allreduce ring $r" "dense-f32 allgather $r")
+done
+rows+=(
+    "topk-1%-ef-int8 allgather"
+    "topk-1%-ef-int8 two-phase"
+    "sign-ef allgather"
+    "sign-ef two-phase"
+    "quant4-ef allgather"
+    "quant4-ef two-phase"
+)
+manifest="$out/manifest.txt"
+: >"$manifest"
+# A link is RATE (tc syntax, or `none` for unshaped) or RATE:DELAY_MS.
+for link in $rates; do
+    rate=${link%%:*}
+    delay=0
+    [ "$link" = "$rate" ] || delay=${link#*:}
+    bash $ns up "$w" "$rate" "$delay"
+    bash $ns qdiscs
+    bash $ns check | tee "$out/check-$link.txt"
+    for row in "${rows[@]}"; do
+        read -r method collective rep <<<"$row"
+        rep=${rep:-1}
+        tag="$link-${method//%/pct}-$collective-$rep"
+        env=()
+        flag=$collective
+        if [ "$collective" = ring ]; then
+            env=(OMPI_MCA_coll_tuned_use_dynamic_rules=1 OMPI_MCA_coll_tuned_allreduce_algorithm=4)
+            flag=allgather
+        fi
+        bash $ns counters >"$out/$tag.before"
+        env "${env[@]}" bash $ns mpirun "$bin" --transport mpi --workers "$w" --methods "$method" \
+            --collective "$flag" --steps "$steps" --eval-every "$steps" --seeds 1 \
+            --quiet --no-plot --json "$out/$tag.json" >"$out/$tag.log" 2>&1 ||
+            { cat "$out/$tag.log"; echo "run-report: $tag failed"; exit 1; }
+        bash $ns counters >"$out/$tag.after"
+        echo "$link $method $collective $tag" >>"$manifest"
+        echo "$link $method $collective (run $rep): $(grep -E "^$method " "$out/$tag.log" | awk '{print $NF}') ms/step"
+    done
+    bash $ns down
+done
+
+python3 netsim/report.py "$manifest" "$out" docs/netsim.md \
+    "NETSIM_STEPS=$steps NETSIM_RATES=\"$rates\" NETSIM_DENSE_REPEATS=$repeats bash netsim/run-report.sh"
+echo "run-report: docs/netsim.md updated"
