@@ -9,13 +9,20 @@
 #
 #   bash netsim/run-report.sh    # as root; NETSIM_STEPS (default 30), NETSIM_DENSE_REPEATS
 #                                # (default 3), NETSIM_RATES (default
-#                                # "100mbit 10mbit 1gbit none 100mbit:10": RATE[:DELAY_MS])
+#                                # "100mbit 10mbit 1gbit none 100mbit:10": RATE[:DELAY_MS]),
+#                                # NETSIM_W (hosts, default 4), NETSIM_WAIT_BARRIER=1 (the
+#                                # demo's --wait-barrier: comm split into waiting and transfer),
+#                                # NETSIM_SECTION (the block of docs/netsim.md to replace;
+#                                # default: the main one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 steps=${NETSIM_STEPS:-30}
 rates=${NETSIM_RATES:-100mbit 10mbit 1gbit none 100mbit:10}
-w=4
+w=${NETSIM_W:-4}
+section=${NETSIM_SECTION:-}
+extra=()
+[ "${NETSIM_WAIT_BARRIER:-0}" = 1 ] && extra+=(--wait-barrier)
 ns=netsim/netsim.sh
 out=out/netsim
 mkdir -p "$out"
@@ -42,7 +49,7 @@ rows+=(
     "quant4-ef allgather"
     "quant4-ef two-phase"
 )
-manifest="$out/manifest.txt"
+manifest="$out/manifest${section:+-$section}.txt"
 : >"$manifest"
 # A link is RATE (tc syntax, or `none` for unshaped) or RATE:DELAY_MS.
 for link in $rates; do
@@ -55,7 +62,7 @@ for link in $rates; do
     for row in "${rows[@]}"; do
         read -r method collective rep <<<"$row"
         rep=${rep:-1}
-        tag="$link-${method//%/pct}-$collective-$rep"
+        tag="${section:+$section-}w$w-$link-${method//%/pct}-$collective-$rep"
         env=()
         flag=$collective
         if [ "$collective" = ring ]; then
@@ -65,7 +72,7 @@ for link in $rates; do
         bash $ns counters >"$out/$tag.before"
         env "${env[@]}" bash $ns mpirun "$bin" --transport mpi --workers "$w" --methods "$method" \
             --collective "$flag" --steps "$steps" --eval-every "$steps" --seeds 1 \
-            --quiet --no-plot --json "$out/$tag.json" >"$out/$tag.log" 2>&1 ||
+            --quiet --no-plot "${extra[@]}" --json "$out/$tag.json" >"$out/$tag.log" 2>&1 ||
             { cat "$out/$tag.log"; echo "run-report: $tag failed"; exit 1; }
         bash $ns counters >"$out/$tag.after"
         echo "$link $method $collective $tag" >>"$manifest"
@@ -75,5 +82,6 @@ for link in $rates; do
 done
 
 python3 netsim/report.py "$manifest" "$out" docs/netsim.md \
-    "NETSIM_STEPS=$steps NETSIM_RATES=\"$rates\" NETSIM_DENSE_REPEATS=$repeats bash netsim/run-report.sh"
+    "NETSIM_STEPS=$steps NETSIM_RATES=\"$rates\" NETSIM_DENSE_REPEATS=$repeats NETSIM_W=$w${NETSIM_WAIT_BARRIER:+ NETSIM_WAIT_BARRIER=$NETSIM_WAIT_BARRIER}${section:+ NETSIM_SECTION=$section} bash netsim/run-report.sh" \
+    "$section"
 echo "run-report: docs/netsim.md updated"

@@ -69,6 +69,10 @@ struct Args {
     /// fewer bytes.
     #[arg(long, value_enum, default_value_t = Collective::AllGather)]
     collective: Collective,
+    /// Timing mode: a barrier before every step's collective, so that the report splits the
+    /// communication time into waiting for the slowest rank and the transfer itself.
+    #[arg(long)]
+    wait_barrier: bool,
 }
 
 fn create_parent(path: &Path) -> Result<(), DemoError> {
@@ -91,6 +95,7 @@ fn run(args: &Args) -> Result<(), DemoError> {
         momentum: args.momentum,
         eval_every: args.eval_every,
         collective: args.collective,
+        wait_barrier: args.wait_barrier,
         ..TrainConfig::default()
     };
     let start = Instant::now();

@@ -37,6 +37,12 @@ pub struct TrainConfig {
     pub eval_every: usize,
     /// The collective the gradients travel by.
     pub collective: Collective,
+    /// Timing mode: every rank waits for every other at a barrier (an all-gather of empty
+    /// messages) right before the collective, so that [`Timing::wait_s`] holds the time spent
+    /// waiting for the slowest rank and [`Timing::comm_s`] the transfer alone. The barrier costs
+    /// one latency round per step and a few bytes on the wire (not in the program's traffic
+    /// count); results are unchanged.
+    pub wait_barrier: bool,
 }
 
 impl Default for TrainConfig {
@@ -49,6 +55,7 @@ impl Default for TrainConfig {
             warmup_steps: 10,
             eval_every: 10,
             collective: Collective::AllGather,
+            wait_barrier: false,
         }
     }
 }
@@ -111,8 +118,12 @@ pub struct Timing {
     pub compute_s: f64,
     /// [`GradientCodec::encode`].
     pub encode_s: f64,
-    /// The all-gather (waiting for peers included).
+    /// The collective: waiting for peers included, unless [`TrainConfig::wait_barrier`] moved
+    /// that into [`Timing::wait_s`].
     pub comm_s: f64,
+    /// Waiting for the slowest rank at the barrier before the collective
+    /// ([`TrainConfig::wait_barrier`]; 0 without it).
+    pub wait_s: f64,
     /// [`GradientCodec::decode_mean`].
     pub decode_s: f64,
     /// The SGD update and copying the parameters into the model.
@@ -129,12 +140,12 @@ pub struct Timing {
 }
 
 impl Timing {
-    const FIELDS: usize = 8;
+    const FIELDS: usize = 9;
 
     /// Seconds of the steps proper (evaluation excluded).
     #[must_use]
     pub fn step_s(&self) -> f64 {
-        self.compute_s + self.encode_s + self.comm_s + self.decode_s + self.update_s
+        self.compute_s + self.encode_s + self.wait_s + self.comm_s + self.decode_s + self.update_s
     }
 
     /// Share of step time spent compressing and decoding, in [0, 1].
@@ -158,6 +169,7 @@ impl Timing {
             self.eval_s,
             self.netdev_tx_bytes,
             self.netdev_rx_bytes,
+            self.wait_s,
         ]
     }
 
@@ -171,6 +183,7 @@ impl Timing {
             eval_s: a[5],
             netdev_tx_bytes: a[6],
             netdev_rx_bytes: a[7],
+            wait_s: a[8],
         }
     }
 
@@ -347,6 +360,7 @@ pub fn run_rank_with_codec(
     let max_len = codec.max_message_len();
     let mut message = Vec::with_capacity(max_len);
     let mut gathered: Vec<Vec<u8>> = Vec::new();
+    let mut barrier_out: Vec<Vec<u8>> = Vec::new();
     let mut timing = Timing::default();
     let mut curve = Vec::new();
     let mut bytes_total = 0.0f64;
@@ -376,23 +390,36 @@ pub fn run_rank_with_codec(
         let (_, grads) = model.loss_and_grads(&batch)?;
         let t1 = Instant::now();
         let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
-        let before = comm.traffic();
-        let own_before = codec.own_traffic();
-        let (t2, t3, step_bytes) = if codec.runs_own_collective() {
+        // The timing mode's barrier, right before the collective: for a codec that runs its
+        // own collective that is before its encode (encode is part of the call).
+        let mut waited = 0.0;
+        let mut barrier = |comm: &mut dyn Communicator| -> Result<(), DemoError> {
+            if config.wait_barrier {
+                let t = Instant::now();
+                comm.all_gather(&[], 0, &mut barrier_out)?;
+                waited += t.elapsed().as_secs_f64();
+            }
+            Ok(())
+        };
+        let (t2, t3, step_bytes, before, own_before) = if codec.runs_own_collective() {
+            barrier(comm)?;
+            let (before, own_before) = (comm.traffic(), codec.own_traffic());
             // Compression, collective and decode are one call: timed as communication.
             let t2 = Instant::now();
             #[allow(clippy::cast_precision_loss)]
             let bytes = codec.all_reduce(comm, step as u64, &views, &mut mean)? as f64;
-            (t2, Instant::now(), bytes)
+            (t2, Instant::now(), bytes, before, own_before)
         } else {
             codec.encode(step as u64, &views, &mut message)?;
+            barrier(comm)?;
+            let (before, own_before) = (comm.traffic(), codec.own_traffic());
             let t2 = Instant::now();
             comm.all_gather(&message, max_len, &mut gathered)?;
             let t3 = Instant::now();
             codec.decode_mean(step as u64, &gathered, &mut mean)?;
             #[allow(clippy::cast_precision_loss)]
             let bytes = gathered.iter().map(Vec::len).sum::<usize>() as f64 / gathered.len() as f64;
-            (t2, t3, bytes)
+            (t2, t3, bytes, before, own_before)
         };
         let moved = comm.traffic().since(before);
         let own = codec.own_traffic().since(own_before);
@@ -415,7 +442,8 @@ pub fn run_rank_with_codec(
         model.set_params(&params)?;
         let t5 = Instant::now();
         timing.compute_s += (t1 - t0).as_secs_f64();
-        timing.encode_s += (t2 - t1).as_secs_f64();
+        timing.encode_s += (t2 - t1).as_secs_f64() - waited;
+        timing.wait_s += waited;
         timing.comm_s += (t3 - t2).as_secs_f64();
         timing.decode_s += (t4 - t3).as_secs_f64();
         timing.update_s += (t5 - t4).as_secs_f64();
