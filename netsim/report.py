@@ -22,13 +22,19 @@ def markers(section):
             f"<!-- netsim-report:end{name} -->")
 
 
-# (rate, method) -> minimum speed-up per step against dense-f32-allreduce on the same link, W = 4.
+# (workload, rate, method) -> minimum speed-up per step against dense-f32-allreduce on the same
+# link, W = 4.
 SPEEDUP = {
-    ("100mbit", "topk-1%-ef-int8"): 12,
-    ("100mbit", "sign-ef"): 12,
-    ("10mbit", "topk-1%-ef-int8"): 100,
-    ("10mbit", "sign-ef"): 30,
-    ("10mbit", "quant4-ef"): 9,
+    ("digits-mlp", "100mbit", "topk-1%-ef-int8"): 12,
+    ("digits-mlp", "100mbit", "sign-ef"): 12,
+    ("digits-mlp", "10mbit", "topk-1%-ef-int8"): 100,
+    ("digits-mlp", "10mbit", "sign-ef"): 30,
+    ("digits-mlp", "10mbit", "quant4-ef"): 9,
+    ("minilm-replay", "100mbit", "topk-1%-ef-int8"): 40,
+}
+WORKLOAD = {
+    "digits-mlp": "the MLP on the digits (85,002 parameters)",
+    "minilm-replay": "the MiniLM replay (789,504 values, no model)",
 }
 
 
@@ -80,11 +86,22 @@ def row_data(outdir, rate, method, collective, tag):
         "ms": tim["step_ms"],
         "phases": [1e3 * ph.get(k, 0.0) / steps for k in PHASES],
         "barrier": rep["config"]["train"].get("wait_barrier", False),
+        "workload": rep["config"]["train"].get("workload", "digits-mlp"),
         "prog_sent": res["runs"][0]["traffic"]["sent_mean"],
         "if_tx": ph["netdev_tx_bytes"] / steps,
         "port_tx": sum(port_tx) / len(port_tx),
         "acc": 100 * res["runs"][0]["test_accuracy"],
+        "curve_acc": [100 * p["test_accuracy"] for p in res["runs"][0]["curve"]],
+        "curve_s": tim["runs"][0].get("curve_s", []),
     }
+
+
+def time_to(r, target):
+    """Rank 0's training seconds at the first evaluation at or above `target` %, or None."""
+    for acc, s in zip(r["curve_acc"], r["curve_s"]):
+        if acc >= target:
+            return s
+    return None
 
 
 def ms_text(r):
@@ -125,7 +142,9 @@ def main(manifest, outdir, doc, command, section=""):
         barrier = ("; a barrier before each collective (`--wait-barrier`): *wait* is the time spent "
                    "waiting for the slowest rank, *comm* the transfer" if rr[0]["barrier"] else
                    "; no barrier: *comm* includes waiting for the slowest rank")
-        lines.append(f"\n**{link_label(rate)}**, W = {workers}, {rr[0]['steps']} steps, seed 1 "
+        workload = rr[0]["workload"]
+        lines.append(f"\n**{link_label(rate)}**, {WORKLOAD.get(workload, workload)}, W = {workers}, "
+                     f"{rr[0]['steps']} steps, seed 1 "
                      f"(phases and bytes: the median run's, mean over ranks{barrier})\n")
         lines.append("| method | collective | ms/step | compute / encode / wait / comm / decode / update ms | "
                      "program bytes sent/rank/step | interface tx/rank/step (loop) | interface / program | "
@@ -150,11 +169,12 @@ def main(manifest, outdir, doc, command, section=""):
                 gain = ag["ms"] / r["ms"] if ag else float("nan")
                 target = f">= {need}x over the all-gather row (is {gain:.2f}x)"
                 met = "met" if gain >= need else "**miss**"
-            elif workers == 4 and (rate, r["method"]) in SPEEDUP:
-                need = SPEEDUP[(rate, r["method"])]
+            elif workers == 4 and (workload, rate, r["method"]) in SPEEDUP:
+                need = SPEEDUP[(workload, rate, r["method"])]
                 target = f">= {need}x"
                 met = "met" if speed >= need else "**miss**"
-            if r["method"] == "quant4-ef" and r["collective"] == "two-phase" and rate == "100mbit" and workers == 4 and q_ag:
+            if r["method"] == "quant4-ef" and r["collective"] == "two-phase" and rate == "100mbit" and workers == 4 \
+                    and workload == "digits-mlp" and q_ag:
                 gain = q_ag["ms"] / r["ms"]
                 target = f">= 1.5x over the all-gather row (is {gain:.2f}x)"
                 met = "met" if gain >= 1.5 else "**miss**"
@@ -166,6 +186,23 @@ def main(manifest, outdir, doc, command, section=""):
                 f"| {ms_text(r)} | {' / '.join(f'{p:.1f}' for p in r['phases'])} "
                 f"| {fmt_bytes(r['prog_sent'])} | {fmt_bytes(r['if_tx'])} | {r['if_tx'] / r['prog_sent']:.3f} "
                 f"| {fmt_bytes(r['port_tx'])} | {speed:.1f}x | {speed_ring:.1f}x | {target} | {met} |")
+        if base and len(base["curve_acc"]) > 2:
+            goal = base["acc"] - 0.5
+            base_t = time_to(base, goal)
+            lines.append(f"\nTime to accuracy on {link_label(rate)}: seconds of training (rank 0, "
+                         f"evaluation excluded) until the test accuracy first reaches {goal:.2f} % "
+                         f"(the final accuracy of `dense-f32-allreduce`, {base['acc']:.2f} %, minus "
+                         f"0.5 points), evaluated every {rr[0]['steps'] // max(1, len(base['curve_acc']) - 1)} steps\n")
+            lines.append("| method | collective | final test accuracy % | seconds to the goal | "
+                         "vs dense-f32-allreduce | whole run s |")
+            lines.append("|---|---|---:|---:|---:|---:|")
+            for r in rr:
+                t = time_to(r, goal)
+                total = r["curve_s"][-1] if r["curve_s"] else float("nan")
+                vs = f"{base_t / t:.1f}x" if (t and base_t) else "-"
+                lines.append(
+                    f"| {r['method']} | {COLLECTIVE.get((r['method'], r['collective']), r['collective'])} "
+                    f"| {r['acc']:.2f} | {f'{t:.1f}' if t is not None else 'not reached'} | {vs} | {total:.1f} |")
     model = sh("lscpu | sed -n 's/^Model name: *//p'")
     facts = [
         f"- measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, code {sh('git describe --always --dirty')}",

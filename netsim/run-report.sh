@@ -13,15 +13,21 @@
 #                                # NETSIM_W (hosts, default 4), NETSIM_WAIT_BARRIER=1 (the
 #                                # demo's --wait-barrier: comm split into waiting and transfer),
 #                                # NETSIM_SECTION (the block of docs/netsim.md to replace;
-#                                # default: the main one)
+#                                # default: the main one), NETSIM_WORKLOAD (the demo's
+#                                # --workload: digits-mlp, the default, or minilm-replay),
+#                                # NETSIM_EVAL_EVERY (test accuracy every this many steps;
+#                                # default: once, after the last step; the time-to-accuracy
+#                                # runs use 300 steps and 10)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 steps=${NETSIM_STEPS:-30}
+eval_every=${NETSIM_EVAL_EVERY:-$steps}
 rates=${NETSIM_RATES:-100mbit 10mbit 1gbit none 100mbit:10}
 w=${NETSIM_W:-4}
 section=${NETSIM_SECTION:-}
-extra=()
+workload=${NETSIM_WORKLOAD:-digits-mlp}
+extra=(--workload "$workload")
 [ "${NETSIM_WAIT_BARRIER:-0}" = 1 ] && extra+=(--wait-barrier)
 ns=netsim/netsim.sh
 out=out/netsim
@@ -71,7 +77,7 @@ for link in $rates; do
         fi
         bash $ns counters >"$out/$tag.before"
         env "${env[@]}" bash $ns mpirun "$bin" --transport mpi --workers "$w" --methods "$method" \
-            --collective "$flag" --steps "$steps" --eval-every "$steps" --seeds 1 \
+            --collective "$flag" --steps "$steps" --eval-every "$eval_every" --seeds 1 \
             --quiet --no-plot "${extra[@]}" --json "$out/$tag.json" >"$out/$tag.log" 2>&1 ||
             { cat "$out/$tag.log"; echo "run-report: $tag failed"; exit 1; }
         bash $ns counters >"$out/$tag.after"
@@ -82,6 +88,6 @@ for link in $rates; do
 done
 
 python3 netsim/report.py "$manifest" "$out" docs/netsim.md \
-    "NETSIM_STEPS=$steps NETSIM_RATES=\"$rates\" NETSIM_DENSE_REPEATS=$repeats NETSIM_W=$w${NETSIM_WAIT_BARRIER:+ NETSIM_WAIT_BARRIER=$NETSIM_WAIT_BARRIER}${section:+ NETSIM_SECTION=$section} bash netsim/run-report.sh" \
+    "NETSIM_STEPS=$steps NETSIM_RATES=\"$rates\" NETSIM_DENSE_REPEATS=$repeats NETSIM_W=$w${NETSIM_EVAL_EVERY:+ NETSIM_EVAL_EVERY=$eval_every}${NETSIM_WORKLOAD:+ NETSIM_WORKLOAD=$workload}${NETSIM_WAIT_BARRIER:+ NETSIM_WAIT_BARRIER=$NETSIM_WAIT_BARRIER}${section:+ NETSIM_SECTION=$section} bash netsim/run-report.sh" \
     "$section"
 echo "run-report: docs/netsim.md updated"

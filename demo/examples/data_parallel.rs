@@ -16,7 +16,7 @@ use clap::Parser;
 use gradwire_demo::DemoError;
 use gradwire_demo::codec::{Collective, Method};
 use gradwire_demo::launch::{Transport, launcher, run_sweep};
-use gradwire_demo::train::TrainConfig;
+use gradwire_demo::train::{TrainConfig, Workload};
 
 /// Data-parallel training demo for gradwire: W workers train an MLP (64-256-256-10) on the
 /// digits data set, exchanging compressed gradients every step.
@@ -73,6 +73,12 @@ struct Args {
     /// communication time into waiting for the slowest rank and the transfer itself.
     #[arg(long)]
     wait_barrier: bool,
+    /// What the ranks train: the MLP on the digits data set, or no model and the real MiniLM
+    /// gradients of `testdata/` (789,504 values) replayed every step with per-rank noise, to
+    /// time codecs and transfers at a transformer layer's size (no accuracy; use
+    /// `--no-plot`).
+    #[arg(long, value_enum, default_value_t = Workload::DigitsMlp)]
+    workload: Workload,
 }
 
 fn create_parent(path: &Path) -> Result<(), DemoError> {
@@ -96,6 +102,7 @@ fn run(args: &Args) -> Result<(), DemoError> {
         eval_every: args.eval_every,
         collective: args.collective,
         wait_barrier: args.wait_barrier,
+        workload: args.workload,
         ..TrainConfig::default()
     };
     let start = Instant::now();

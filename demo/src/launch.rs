@@ -6,7 +6,6 @@ use indicatif::ProgressBar;
 
 use crate::DemoError;
 use crate::codec::{CodecContext, GradientCodec, Method, new_codec};
-use crate::model::param_specs;
 use crate::train::{RankReport, TrainConfig, run_rank_with_codec};
 
 /// Builds one rank's codec (see [`ThreadLauncher::run_all_with`]).
@@ -114,7 +113,7 @@ impl ThreadLauncher {
                     std::thread::Builder::new()
                         .name(format!("rank-{rank}"))
                         .spawn_scoped(s, move || {
-                            let specs = param_specs();
+                            let specs = config.workload.specs()?;
                             let codec = make_codec(&CodecContext {
                                 specs: &specs,
                                 rank,
@@ -227,8 +226,10 @@ impl Launcher for MpiLauncher {
         let progress = if root { progress } else { None };
         let report = if method == Method::DenseF32Allreduce {
             // Outside gradwire's collectives: MPI_Allreduce on the world communicator.
-            let codec =
-                crate::mpi_dense::MpiAllreduceF32::new(self.comm.universe(), &param_specs());
+            let codec = crate::mpi_dense::MpiAllreduceF32::new(
+                self.comm.universe(),
+                &config.workload.specs()?,
+            );
             run_rank_with_codec(&mut self.comm, config, Box::new(codec), seed, progress)?
         } else {
             crate::train::run_rank(&mut self.comm, config, method, seed, progress)?
@@ -275,7 +276,7 @@ pub fn run_sweep(
 ) -> Result<Option<crate::report::Report>, DemoError> {
     use crate::codec::dense_f32_bytes;
     use crate::data::Digits;
-    use crate::model::{ParamSpec, param_specs};
+    use crate::model::ParamSpec;
     use crate::report::{ReportBuilder, SweepConfig};
     use indicatif::ProgressStyle;
     use std::time::Instant;
@@ -287,7 +288,7 @@ pub fn run_sweep(
     if let Some(&m) = methods.iter().find(|m| m.needs_mpi()) {
         launcher.check_method(m)?;
     }
-    let specs = param_specs();
+    let specs = config.workload.specs()?;
     let digits = Digits::load();
     let mut builder = ReportBuilder::new(SweepConfig {
         workers: launcher.world_size(),

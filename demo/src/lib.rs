@@ -37,6 +37,7 @@ pub mod model;
 #[cfg(feature = "mpi")]
 pub mod mpi_dense;
 pub mod plot;
+pub mod replay;
 pub mod report;
 pub mod train;
 

@@ -111,6 +111,9 @@ pub struct RunTiming {
     pub phases: Timing,
     /// Wall-clock seconds of the whole run as the launcher saw it.
     pub wall_s: f64,
+    /// Rank 0's seconds of training at each point of the run's curve
+    /// ([`RunResult::curve`]; [`RankReport::curve_s`]).
+    pub curve_s: Vec<f64>,
 }
 
 /// One method's timing.
@@ -254,6 +257,7 @@ impl ReportBuilder {
             codec_share: phases.codec_share(),
             phases,
             wall_s,
+            curve_s: r.curve_s.clone(),
         });
         let shares: Vec<f64> = t.runs.iter().map(|x| x.codec_share).collect();
         let step_ms: Vec<f64> = t.runs.iter().map(|x| x.step_ms).collect();

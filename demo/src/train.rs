@@ -2,7 +2,9 @@
 //!
 //! Every step: sample a mini-batch of this rank's shard, compute the gradient with candle,
 //! [`GradientCodec::encode`] it, all-gather the messages, [`GradientCodec::decode_mean`] them
-//! and apply the same SGD-with-momentum update as every other rank.
+//! and apply the same SGD-with-momentum update as every other rank. With
+//! [`Workload::MinilmReplay`] the gradients are the replayed MiniLM tensors
+//! ([`crate::replay`]) instead of the MLP's, and the same loop runs without a model.
 
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -18,6 +20,48 @@ use crate::DemoError;
 use crate::codec::{CodecContext, Collective, GradientCodec, Method, new_codec};
 use crate::data::{Digits, Samples};
 use crate::model::{Mlp, ParamSpec, digest, init_params, param_specs, single_threaded_matmul};
+use crate::replay::{ReplayGradients, minilm_specs};
+
+/// What the ranks train: where each step's gradients come from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Workload {
+    /// The MLP (64-256-256-10) on the digits data set: 85,002 parameters in 6 tensors.
+    #[default]
+    #[value(name = "digits-mlp")]
+    DigitsMlp,
+    /// No model: the real MiniLM gradients of `testdata/` (789,504 values in 12 tensors) with
+    /// per-rank noise, every step ([`crate::replay`]); no accuracy.
+    #[value(name = "minilm-replay")]
+    MinilmReplay,
+}
+
+impl Workload {
+    /// The name on the command line and in the reports.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Workload::DigitsMlp => "digits-mlp",
+            Workload::MinilmReplay => "minilm-replay",
+        }
+    }
+
+    /// The tensors of one message, name order.
+    ///
+    /// # Errors
+    /// [`DemoError::Config`] if the replay's embedded file does not parse.
+    pub fn specs(self) -> Result<Vec<ParamSpec>, DemoError> {
+        match self {
+            Workload::DigitsMlp => Ok(param_specs()),
+            Workload::MinilmReplay => minilm_specs(),
+        }
+    }
+}
+
+impl serde::Serialize for Workload {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
 
 /// Hyper-parameters of a run, identical on every rank.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -43,6 +87,8 @@ pub struct TrainConfig {
     /// one latency round per step and a few bytes on the wire (not in the program's traffic
     /// count); results are unchanged.
     pub wait_barrier: bool,
+    /// Where the gradients come from.
+    pub workload: Workload,
 }
 
 impl Default for TrainConfig {
@@ -56,6 +102,7 @@ impl Default for TrainConfig {
             eval_every: 10,
             collective: Collective::AllGather,
             wait_barrier: false,
+            workload: Workload::DigitsMlp,
         }
     }
 }
@@ -241,6 +288,9 @@ pub struct RankReport {
     pub traffic: StepTraffic,
     /// Learning curve: evaluated on rank 0 only (empty on the other ranks).
     pub curve: Vec<CurvePoint>,
+    /// Rank 0's wall-clock seconds of training at each point of `curve` (the steps' time so
+    /// far, evaluation excluded): the time-to-accuracy axis. Not reproducible.
+    pub curve_s: Vec<f64>,
     /// Digest of the final parameters ([`digest`]): equal on every rank.
     pub param_digest: u64,
     /// Digest of the aggregated mean gradient of every step, folded in step order: equal on
@@ -288,6 +338,14 @@ impl Batches {
     }
 }
 
+/// Where one rank's gradients come from ([`Workload`]).
+enum Source {
+    /// The MLP, this rank's shard of the training set and its mini-batches.
+    Mlp(Mlp, Samples, Batches),
+    /// The replayed MiniLM gradients.
+    Replay(ReplayGradients),
+}
+
 /// The kernel's byte counters (sent, received) of the network interface named by
 /// `GRADWIRE_DEMO_NETDEV`, or `None` when it is unset or unreadable (see
 /// [`Timing::netdev_tx_bytes`]; the slow-network harness `netsim/` sets it to each host's link).
@@ -321,7 +379,7 @@ pub fn run_rank(
     seed: u64,
     progress: Option<&ProgressBar>,
 ) -> Result<RankReport, DemoError> {
-    let specs = param_specs();
+    let specs = config.workload.specs()?;
     let ctx = CodecContext {
         specs: &specs,
         rank: comm.rank(),
@@ -350,44 +408,70 @@ pub fn run_rank_with_codec(
     let rank = comm.rank();
     let world_size = comm.world_size();
     let data = digits();
-    let shard = data.train.shard(rank, world_size);
-    let specs: Vec<ParamSpec> = param_specs();
-    let mut params = init_params(&specs, seed);
-    let model = Mlp::new(&params)?;
+    let specs: Vec<ParamSpec> = config.workload.specs()?;
+    let (mut params, mut source) = match config.workload {
+        Workload::DigitsMlp => {
+            let params = init_params(&specs, seed);
+            let shard = data.train.shard(rank, world_size);
+            let batches = Batches::new(shard.len(), seed, rank);
+            let model = Mlp::new(&params)?;
+            (params, Source::Mlp(model, shard, batches))
+        }
+        Workload::MinilmReplay => (
+            specs.iter().map(|s| vec![0.0; s.len()]).collect(),
+            Source::Replay(ReplayGradients::new(seed, rank)?),
+        ),
+    };
     let mut velocity: Vec<Vec<f32>> = specs.iter().map(|s| vec![0.0; s.len()]).collect();
     let mut mean: Vec<Vec<f32>> = velocity.clone();
-    let mut batches = Batches::new(shard.len(), seed, rank);
     let max_len = codec.max_message_len();
     let mut message = Vec::with_capacity(max_len);
     let mut gathered: Vec<Vec<u8>> = Vec::new();
     let mut barrier_out: Vec<Vec<u8>> = Vec::new();
     let mut timing = Timing::default();
     let mut curve = Vec::new();
+    let mut curve_s = Vec::new();
     let mut bytes_total = 0.0f64;
     let (mut sent_total, mut received_total) = (0.0f64, 0.0f64);
     // Digest of every step's aggregated mean gradient: equal on every rank, checked below.
     let mut mean_digest: u64 = 0;
-    let (initial_train_loss, _) = model.evaluate(&data.train)?;
+    let initial_train_loss = match &source {
+        Source::Mlp(model, ..) => model.evaluate(&data.train)?.0,
+        Source::Replay(_) => 0.0,
+    };
 
-    let evaluate = |model: &Mlp, step: usize, bytes: f64, timing: &mut Timing| {
+    let evaluate = |source: &Source, step: usize, bytes: f64, timing: &mut Timing| {
+        let Source::Mlp(model, ..) = source else {
+            return Ok(None); // a replay has no model to evaluate
+        };
         let t = Instant::now();
         let (_, acc) = model.evaluate(&data.test)?;
         timing.eval_s += t.elapsed().as_secs_f64();
-        Ok::<_, DemoError>(CurvePoint {
+        Ok::<_, DemoError>(Some(CurvePoint {
             step,
             test_accuracy: acc,
             bytes_per_worker: bytes,
-        })
+        }))
     };
-    if rank == 0 {
-        curve.push(evaluate(&model, 0, 0.0, &mut timing)?);
+    if rank == 0
+        && let Some(point) = evaluate(&source, 0, 0.0, &mut timing)?
+    {
+        curve.push(point);
+        curve_s.push(0.0);
     }
 
     let netdev_before = netdev_counters();
     for step in 0..config.steps {
         let t0 = Instant::now();
-        let batch: Samples = shard.select(&batches.next_batch(config.batch_size));
-        let (_, grads) = model.loss_and_grads(&batch)?;
+        let mlp_grads;
+        let grads: &[Vec<f32>] = match &mut source {
+            Source::Mlp(model, shard, batches) => {
+                let batch: Samples = shard.select(&batches.next_batch(config.batch_size));
+                mlp_grads = model.loss_and_grads(&batch)?.1;
+                &mlp_grads
+            }
+            Source::Replay(replay) => replay.next_step(),
+        };
         let t1 = Instant::now();
         let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
         // The timing mode's barrier, right before the collective: for a codec that runs its
@@ -439,7 +523,9 @@ pub fn run_rank_with_codec(
                 *p -= lr * *v;
             }
         }
-        model.set_params(&params)?;
+        if let Source::Mlp(model, ..) = &source {
+            model.set_params(&params)?;
+        }
         let t5 = Instant::now();
         timing.compute_s += (t1 - t0).as_secs_f64();
         timing.encode_s += (t2 - t1).as_secs_f64() - waited;
@@ -450,11 +536,13 @@ pub fn run_rank_with_codec(
         bytes_total += step_bytes;
         let done = step + 1;
         if rank == 0 && (done % config.eval_every == 0 || done == config.steps) {
-            let point = evaluate(&model, done, bytes_total, &mut timing)?;
-            if let Some(pb) = progress {
-                pb.set_message(format!("test acc {:.1}%", 100.0 * point.test_accuracy));
+            if let Some(point) = evaluate(&source, done, bytes_total, &mut timing)? {
+                if let Some(pb) = progress {
+                    pb.set_message(format!("test acc {:.1}%", 100.0 * point.test_accuracy));
+                }
+                curve.push(point);
+                curve_s.push(timing.step_s());
             }
-            curve.push(point);
         }
         if let Some(pb) = progress {
             pb.inc(1);
@@ -468,8 +556,13 @@ pub fn run_rank_with_codec(
             timing.netdev_rx_bytes = rx1.saturating_sub(rx0) as f64;
         }
     }
-    let (_, test_accuracy) = model.evaluate(&data.test)?;
-    let (train_loss, _) = model.evaluate(&data.train)?;
+    let (test_accuracy, train_loss) = match &source {
+        Source::Mlp(model, ..) => (
+            model.evaluate(&data.test)?.1,
+            model.evaluate(&data.train)?.0,
+        ),
+        Source::Replay(_) => (0.0, 0.0),
+    };
 
     // Every rank's traffic per step, for the largest and the mean over ranks.
     #[allow(clippy::cast_precision_loss)]
@@ -550,6 +643,7 @@ pub fn run_rank_with_codec(
         bytes_per_worker_per_step,
         traffic,
         curve,
+        curve_s,
         param_digest,
         mean_digest,
         timing,

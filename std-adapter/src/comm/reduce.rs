@@ -11,8 +11,8 @@ pub(crate) fn shard(n: usize, w: usize, j: usize) -> std::ops::Range<usize> {
     at(j)..at(j + 1)
 }
 
-fn to_bytes(x: &[f32], out: &mut Vec<u8>) {
-    out.clear();
+/// Appends `x` to `out` as little-endian bytes.
+fn append_bytes(x: &[f32], out: &mut Vec<u8>) {
     out.reserve(4 * x.len());
     for v in x {
         out.extend_from_slice(&v.to_le_bytes());
@@ -29,10 +29,10 @@ pub(crate) fn sum_f32<C: Communicator + ?Sized>(
     // length differs is named on every rank.
     let mut send = vec![Vec::new(); w];
     for (j, buf) in send.iter_mut().enumerate() {
-        let mut bytes = Vec::new();
-        to_bytes(&x[shard(n, w, j)], &mut bytes);
+        let range = shard(n, w, j);
+        buf.reserve_exact(8 + 4 * range.len());
         buf.extend_from_slice(&(n as u64).to_le_bytes());
-        buf.extend_from_slice(&bytes);
+        append_bytes(&x[range], buf);
     }
     // A shard holds at most n / W + 1 elements of the largest length any rank may have; the
     // receivers check the lengths below, so the limit only bounds memory.
@@ -64,9 +64,7 @@ pub(crate) fn sum_f32<C: Communicator + ?Sized>(
     let verdict: u64 = first_bad.map_or(0, |r| 1 + r as u64);
     let mut msg = Vec::with_capacity(8 + 4 * sum.len());
     msg.extend_from_slice(&verdict.to_le_bytes());
-    let mut bytes = Vec::new();
-    to_bytes(&sum, &mut bytes);
-    msg.extend_from_slice(&bytes);
+    append_bytes(&sum, &mut msg);
     let mut all = Vec::new();
     comm.all_gather(&msg, limit, &mut all)?;
     if let Some((r, v)) = all.iter().enumerate().find_map(|(r, b)| {

@@ -1,0 +1,163 @@
+//! The MiniLM replay workload (`--workload minilm-replay`): real gradients of a realistic size
+//! instead of the MLP's, so that a step's codec and transfer time show at the size of a
+//! transformer layer.
+//!
+//! The gradients are the 12 f32 tensors (789,504 values) of all-MiniLM-L6-v2 in
+//! `testdata/minilm_small_grads.safetensors` (one real training step; provenance in
+//! `testdata/README.md`), embedded in the binary so that every MPI rank has them wherever it
+//! runs. There is no model to train: every step, each rank's gradient is that step's tensors
+//! with seeded noise of its own ([`ReplayGradients`]), and the mean gradient the collective
+//! delivers moves a parameter vector (zeros at the start) by the same SGD-with-momentum update
+//! as the MLP's, so that the replicas' agreement is checked exactly as in training. Accuracy and
+//! loss are not defined (reported as 0).
+
+use rand::rngs::SmallRng;
+use rand::{RngCore, SeedableRng};
+
+use crate::DemoError;
+use crate::model::ParamSpec;
+
+/// The safetensors file of the replay (copied unchanged from the shared data set).
+const MINILM_GRADS: &[u8] = include_bytes!("../../testdata/minilm_small_grads.safetensors");
+
+/// Standard deviation of each rank's noise, as a share of the tensor's RMS over its non-zero
+/// elements: the ranks' gradients differ about as much as per-worker mini-batch gradients of
+/// one step do, so top-k keeps partly different coordinates on every rank.
+pub const NOISE_SHARE: f32 = 0.3;
+
+/// The MiniLM tensors, name order: their specs and values.
+///
+/// # Errors
+/// [`DemoError::Config`] if the embedded file does not parse (it does).
+pub fn minilm() -> Result<(Vec<ParamSpec>, Vec<Vec<f32>>), DemoError> {
+    let mut tensors = gradwire::tensor::read_safetensors(MINILM_GRADS)
+        .map_err(|e| DemoError::Config(format!("the embedded MiniLM gradients: {e}")))?;
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(tensors
+        .into_iter()
+        .map(|(name, t)| {
+            (
+                ParamSpec {
+                    name,
+                    shape: t.shape().to_vec(),
+                },
+                t.data().to_vec(),
+            )
+        })
+        .unzip())
+}
+
+/// Specs of the MiniLM tensors, name order.
+///
+/// # Errors
+/// As [`minilm`].
+pub fn minilm_specs() -> Result<Vec<ParamSpec>, DemoError> {
+    Ok(minilm()?.0)
+}
+
+/// One rank's gradients of the replay: the MiniLM tensors plus, on every non-zero element,
+/// uniform noise of standard deviation [`NOISE_SHARE`] x the tensor's RMS, drawn from
+/// `(seed, rank)` step after step (the exact zeros of the embedding gradients stay zero, as
+/// rows no token hit do in training).
+#[derive(Debug)]
+pub struct ReplayGradients {
+    base: Vec<Vec<f32>>,
+    amplitude: Vec<f32>,
+    rng: SmallRng,
+    grads: Vec<Vec<f32>>,
+}
+
+impl ReplayGradients {
+    /// The gradients of `rank` for a run with `seed`.
+    ///
+    /// # Errors
+    /// As [`minilm`].
+    pub fn new(seed: u64, rank: usize) -> Result<ReplayGradients, DemoError> {
+        let (_, base) = minilm()?;
+        let amplitude = base
+            .iter()
+            .map(|t| {
+                let (sum, n) = t
+                    .iter()
+                    .filter(|x| **x != 0.0)
+                    .fold((0.0f64, 0usize), |(s, n), &x| {
+                        (s + f64::from(x) * f64::from(x), n + 1)
+                    });
+                #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
+                let rms = if n == 0 {
+                    0.0
+                } else {
+                    (sum / n as f64).sqrt() as f32
+                };
+                // Uniform on [-a, a] has standard deviation a / sqrt(3).
+                NOISE_SHARE * rms * 3f32.sqrt()
+            })
+            .collect();
+        // One generator per (seed, rank); "replay" in the seed keeps it apart from the MLP's.
+        let rng = SmallRng::seed_from_u64(
+            (seed ^ 0x7265_706c_6179).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ rank as u64,
+        );
+        let grads = base.clone();
+        Ok(ReplayGradients {
+            base,
+            amplitude,
+            rng,
+            grads,
+        })
+    }
+
+    /// The next step's gradients, one slice per tensor in name order.
+    ///
+    /// The noise is cheap on purpose (a fast generator, two values per 64-bit draw, no
+    /// rejection): it stands in for the backward pass, whose time is not what the replay
+    /// measures.
+    pub fn next_step(&mut self) -> &[Vec<f32>] {
+        for ((g, b), &a) in self.grads.iter_mut().zip(&self.base).zip(&self.amplitude) {
+            for (g, b) in g.chunks_mut(2).zip(b.chunks(2)) {
+                let bits = self.rng.next_u64();
+                #[allow(clippy::cast_possible_truncation)]
+                let halves = [bits as u32, (bits >> 32) as u32];
+                for ((g, &b), h) in g.iter_mut().zip(b).zip(halves) {
+                    // 23 random mantissa bits: a value in [1, 2), then in [-1, 1).
+                    let unit = f32::from_bits(0x3f80_0000 | (h >> 9)) * 2.0 - 3.0;
+                    *g = if b == 0.0 { 0.0 } else { b + a * unit };
+                }
+            }
+        }
+        &self.grads
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_replay_has_the_minilm_tensors() {
+        let (specs, values) = minilm().expect("embedded file");
+        assert_eq!(specs.len(), 12);
+        assert_eq!(specs.iter().map(ParamSpec::len).sum::<usize>(), 789_504);
+        assert!(specs.windows(2).all(|w| w[0].name < w[1].name));
+        assert!(specs.iter().zip(&values).all(|(s, v)| s.len() == v.len()));
+    }
+
+    #[test]
+    fn ranks_and_steps_differ_zeros_stay_and_runs_repeat() {
+        let mut a = ReplayGradients::new(1, 0).expect("embedded file");
+        let mut b = ReplayGradients::new(1, 1).expect("embedded file");
+        let a1 = a.next_step().to_vec();
+        let a2 = a.next_step().to_vec();
+        let b1 = b.next_step().to_vec();
+        assert_ne!(a1, a2);
+        assert_ne!(a1, b1);
+        assert_eq!(
+            ReplayGradients::new(1, 0).expect("file").next_step(),
+            &a1[..]
+        );
+        let (_, base) = minilm().expect("embedded file");
+        for (g, b) in a1.iter().flatten().zip(base.iter().flatten()) {
+            assert_eq!(*g == 0.0, *b == 0.0);
+            assert!(g.is_finite());
+        }
+    }
+}
