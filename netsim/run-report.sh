@@ -35,7 +35,10 @@ mkdir -p "$out"
 trap 'bash $ns down >/dev/null 2>&1 || true' EXIT
 
 cargo build --release --example data_parallel --features gradwire-demo/mpi
-bin="${CARGO_TARGET_DIR:-target}/release/examples/data_parallel"
+# A private copy: a later build into the same target directory (cargo test builds the example
+# without `mpi`) must not swap the binary under a running report.
+bin="$PWD/$out/data_parallel${section:+-$section}"
+cp "${CARGO_TARGET_DIR:-target}/release/examples/data_parallel" "$bin"
 
 # The two dense rows run NETSIM_DENSE_REPEATS times (default 3), interleaved; the table shows
 # their median.

@@ -1,5 +1,7 @@
-//! The PNG plot: test accuracy against step (left) and against cumulative bytes sent per
-//! worker (right, log scale), one curve per method (mean over seeds).
+//! The PNG plots: test accuracy against step (left) and against cumulative bytes sent per
+//! worker (right, log scale), one curve per method (mean over seeds): [`draw`]; and test
+//! accuracy against seconds of training, one panel per network link: [`draw_time_panels`]
+//! (the slow-network report's plot, example `netsim_plot`).
 //!
 //! Text is drawn with DejaVu Sans, embedded from `assets/` (see its licence file there), so
 //! plotting needs no system fontconfig.
@@ -168,6 +170,90 @@ pub fn draw(report: &Report, path: &Path) -> Result<(), DemoError> {
     }
     root.present().map_err(plot_error)?;
     Ok(())
+}
+
+/// One panel of [`draw_time_panels`]: a title and named curves of (seconds, test accuracy %).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TimePanel {
+    /// The panel's caption (e.g. the link).
+    pub title: String,
+    /// One curve per run: its label and its points (seconds of training > 0, accuracy in %).
+    pub curves: Vec<(String, Vec<(f64, f64)>)>,
+}
+
+/// Test accuracy against wall-clock seconds of training (log scale), one panel per entry of
+/// `panels` (two per row), written as a PNG to `path`. Points at 0 s are left out (the log
+/// axis has no 0).
+///
+/// # Errors
+/// [`DemoError::Plot`] when drawing or writing the file fails, or for no panel.
+pub fn draw_time_panels(title: &str, panels: &[TimePanel], path: &Path) -> Result<(), DemoError> {
+    register()?;
+    if panels.is_empty() {
+        return Err(DemoError::Plot("no panel to draw".into()));
+    }
+    let rows = panels.len().div_ceil(2);
+    let height = u32::try_from(60 + 420 * rows).unwrap_or(u32::MAX);
+    let root = BitMapBackend::new(path, (1400, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_error)?;
+    let root = root.titled(title, (FAMILY, 24)).map_err(plot_error)?;
+    let areas = root.split_evenly((rows, 2));
+    for (panel, area) in panels.iter().zip(&areas) {
+        let xs = || panel.curves.iter().flat_map(|(_, c)| c.iter().map(|p| p.0));
+        let max_s = xs().fold(1e-3f64, f64::max);
+        let min_s = xs().filter(|&s| s > 0.0).fold(max_s, f64::min);
+        let mut chart = ChartBuilder::on(area)
+            .caption(&panel.title, (FAMILY, 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d((min_s * 0.8..max_s * 1.25).log_scale(), 0.0..100.0)
+            .map_err(plot_error)?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds of training (log scale)")
+            .x_labels(8)
+            .y_desc("test accuracy (%)")
+            .x_label_formatter(&|s| seconds(*s))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .label_style((FAMILY, 13))
+            .draw()
+            .map_err(plot_error)?;
+        for (i, (label, c)) in panel.curves.iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(
+                    c.iter().copied().filter(|p| p.0 > 0.0),
+                    color.stroke_width(2),
+                ))
+                .map_err(plot_error)?
+                .label(label)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .label_font((FAMILY, 12))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(plot_error)?;
+    }
+    root.present().map_err(plot_error)?;
+    Ok(())
+}
+
+/// Seconds with as many decimals as a log axis needs: `250`, `2.5`, `0.25`.
+fn seconds(s: f64) -> String {
+    if s >= 10.0 {
+        format!("{s:.0}")
+    } else if s >= 1.0 {
+        format!("{s:.1}")
+    } else {
+        format!("{s:.2}")
+    }
 }
 
 /// A byte count with its unit and up to three significant digits: `340 kB`, `1.5 MB`.

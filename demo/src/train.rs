@@ -339,6 +339,7 @@ impl Batches {
 }
 
 /// Where one rank's gradients come from ([`Workload`]).
+#[allow(clippy::large_enum_variant)] // one value per rank and run
 enum Source {
     /// The MLP, this rank's shard of the training set and its mini-batches.
     Mlp(Mlp, Samples, Batches),
@@ -535,14 +536,15 @@ pub fn run_rank_with_codec(
         timing.update_s += (t5 - t4).as_secs_f64();
         bytes_total += step_bytes;
         let done = step + 1;
-        if rank == 0 && (done % config.eval_every == 0 || done == config.steps) {
-            if let Some(point) = evaluate(&source, done, bytes_total, &mut timing)? {
-                if let Some(pb) = progress {
-                    pb.set_message(format!("test acc {:.1}%", 100.0 * point.test_accuracy));
-                }
-                curve.push(point);
-                curve_s.push(timing.step_s());
+        if rank == 0
+            && (done % config.eval_every == 0 || done == config.steps)
+            && let Some(point) = evaluate(&source, done, bytes_total, &mut timing)?
+        {
+            if let Some(pb) = progress {
+                pb.set_message(format!("test acc {:.1}%", 100.0 * point.test_accuracy));
             }
+            curve.push(point);
+            curve_s.push(timing.step_s());
         }
         if let Some(pb) = progress {
             pb.inc(1);
