@@ -303,7 +303,7 @@ impl Aggregator {
     /// failing rank. All checks run before anything is accumulated; a frame body found invalid
     /// while accumulating leaves `out` zeroed. [`Error::Overflow`] when the result is not
     /// finite, as for [`Aggregator::aggregate_into`] (`out` zeroed).
-    pub fn aggregate_compressed_into(
+    pub(crate) fn aggregate_compressed_into(
         &mut self,
         manifest: &Manifest,
         contributions: &[&HashMap<String, CompressedGradient>],
@@ -502,7 +502,7 @@ pub fn aggregate<B: AsRef<[u8]> + Sync>(
 }
 
 /// Checks rank `rank`'s per-tensor compressed gradients made at `step` against a manifest
-/// without buckets (see [`Aggregator::aggregate_compressed_into`]), without decoding any frame
+/// without buckets (see `Aggregator::aggregate_compressed_into`), without decoding any frame
 /// body.
 ///
 /// # Errors

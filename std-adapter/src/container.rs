@@ -188,7 +188,7 @@ pub fn compress(
 /// [`Manifest::new`] for `specs`; [`Error::ShapeMismatch`] when `next` gives a tensor of
 /// another shape; as [`crate::GradientCompressor::compress_bundle`] for each tensor (a NaN,
 /// a value beyond the method's range, a residual of another length or shape); any error of
-/// `next`; as [`write`].
+/// `next`; as [`write()`].
 pub fn compress_each<E: From<Error>>(
     specs: &[TensorSpec],
     method: Method,

@@ -19,10 +19,15 @@
 //!
 //! The modules are layers, each using only those listed before it: [`comm`], `error`,
 //! [`safetensors_reader`], [`tensor`], [`method`], [`layout`], [`feedback`], `engine` (the one
-//! encoder), `aggregate`, `collective`, [`reference`], [`compressor`], `allreduce`,
+//! encoder), `aggregate`, `collective`, [`reference`](mod@reference), [`compressor`], `allreduce`,
 //! [`container`] (`docs/architecture.md`; a test checks the order).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+
+// The integration tests' helpers (`tests/common`) name the crate `gradwire`; unit tests that
+// moved out of `tests/` include them.
+#[cfg(test)]
+extern crate self as gradwire;
 
 pub mod comm;
 mod error;
