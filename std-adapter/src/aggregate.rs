@@ -486,21 +486,6 @@ impl Job<'_> {
     }
 }
 
-/// As [`Aggregator::aggregate_into`] on the calling thread, returning a new flat buffer.
-///
-/// # Errors
-/// As [`Aggregator::aggregate_into`].
-pub fn aggregate<B: AsRef<[u8]> + Sync>(
-    manifest: &Manifest,
-    bundles: &[B],
-    step: u64,
-    reduction: Reduction,
-) -> Result<Vec<f32>> {
-    let mut out = Vec::new();
-    Aggregator::serial().aggregate_into(manifest, bundles, step, reduction, &mut out)?;
-    Ok(out)
-}
-
 /// Checks rank `rank`'s per-tensor compressed gradients made at `step` against a manifest
 /// without buckets (see `Aggregator::aggregate_compressed_into`), without decoding any frame
 /// body.

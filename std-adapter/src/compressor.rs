@@ -259,7 +259,7 @@ impl GradientCompressor {
         Ok(())
     }
 
-    /// Compresses `gradients` into one bundle for `manifest` (see [`crate::layout::bundle`]), written
+    /// Compresses `gradients` into one bundle for `manifest` (`FORMAT.md` section 10), written
     /// into `out` (cleared; its capacity is reused). Returns the step the bundle was made at.
     ///
     /// Entries (and chunks of large dense, quantization and sign tensors) are compressed on

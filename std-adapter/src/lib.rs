@@ -56,14 +56,13 @@ pub mod container;
 
 pub use gradwire_core as core;
 
-pub use aggregate::{Aggregator, Reduction, aggregate};
+pub use aggregate::{Aggregator, Reduction};
 pub use allreduce::CompressedAllReduce;
 pub use collective::Collective;
 pub use compressor::GradientCompressor;
 pub use engine::Parallelism;
 pub use error::{BundleFault, Error, Result};
-pub use feedback::ErrorFeedback;
-pub use layout::{BucketConfig, CompressedGradient, Manifest, TensorSpec, TopKScope};
+pub use layout::{BucketConfig, CompressedGradient, Manifest, TensorSpec};
 pub use method::CompressionMethod;
 pub use tensor::Tensor;
 

@@ -4,15 +4,15 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{Rng, grads, minilm, noisy, same_bits};
+use common::{Rng, aggregate, grads, minilm, noisy, same_bits};
 use gradwire::Aggregator;
 use gradwire::BucketConfig;
+use gradwire::Reduction;
 use gradwire::core::{Method, Values};
 use gradwire::tensor::Tensor;
 use gradwire::{BundleFault, Error};
 use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
-use gradwire::{Reduction, aggregate};
 
 fn bundles(
     manifest: &Manifest,

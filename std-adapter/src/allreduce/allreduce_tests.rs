@@ -4,15 +4,15 @@
 
 use std::collections::HashMap;
 
-use super::test_common::{Rng, grads, minilm, noisy, same_bits};
+use super::test_common::{Rng, aggregate, grads, minilm, noisy, same_bits};
 use gradwire::BucketConfig;
 use gradwire::CompressedAllReduce;
 use gradwire::Error;
 use gradwire::Manifest;
+use gradwire::Reduction;
 use gradwire::comm::{Communicator, LocalCommunicator, LocalGroup};
 use gradwire::tensor::Tensor;
 use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor};
-use gradwire::{Reduction, aggregate};
 
 #[test]
 fn test_compressed_all_reduce() {
@@ -600,9 +600,8 @@ fn after_a_transport_error_the_sent_values_stay_sent() {
 #[test]
 fn ranks_with_other_reductions_scopes_or_seeds_fail_naming_the_field() {
     use gradwire::comm::LocalGroup;
-    use gradwire::{
-        BucketConfig, CompressedAllReduce, CompressionMethod, Reduction, Tensor, TopKScope,
-    };
+    use gradwire::layout::TopKScope;
+    use gradwire::{BucketConfig, CompressedAllReduce, CompressionMethod, Reduction, Tensor};
     use std::collections::HashMap;
 
     type Make = fn(usize, Box<dyn gradwire::comm::Communicator>) -> CompressedAllReduce;

@@ -6,7 +6,7 @@ use std::path::Path;
 use gradwire::TensorSpec;
 use gradwire::container::{CONTAINER_VERSION, ContainerHeader};
 use gradwire::core::peek;
-use gradwire::layout::bundle::ENTRY_HEADER_LEN;
+use gradwire::layout::ENTRY_HEADER_LEN;
 use gradwire::reference;
 
 use crate::CliError;
