@@ -56,6 +56,7 @@ pub mod container;
 
 pub use gradwire_core as core;
 
+// The root: the types a user of the README starts from (everything else lives in its module).
 pub use aggregate::{Aggregator, Reduction};
 pub use allreduce::CompressedAllReduce;
 pub use collective::Collective;
