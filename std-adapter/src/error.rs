@@ -460,7 +460,7 @@ pub enum Error {
 
 impl Error {
     /// Wraps a core error with the tensor (or bucket) it happened on and the rank it came from.
-    pub fn core(tensor: &str, rank: Option<usize>, source: gradwire_core::Error) -> Self {
+    pub(crate) fn core(tensor: &str, rank: Option<usize>, source: gradwire_core::Error) -> Self {
         Error::Core {
             tensor: tensor.to_owned(),
             rank,
