@@ -303,7 +303,7 @@ impl Aggregator {
     /// failing rank. All checks run before anything is accumulated; a frame body found invalid
     /// while accumulating leaves `out` zeroed. [`Error::Overflow`] when the result is not
     /// finite, as for [`Aggregator::aggregate_into`] (`out` zeroed).
-    pub fn aggregate_compressed_into(
+    pub(crate) fn aggregate_compressed_into(
         &mut self,
         manifest: &Manifest,
         contributions: &[&HashMap<String, CompressedGradient>],
@@ -486,23 +486,8 @@ impl Job<'_> {
     }
 }
 
-/// As [`Aggregator::aggregate_into`] on the calling thread, returning a new flat buffer.
-///
-/// # Errors
-/// As [`Aggregator::aggregate_into`].
-pub fn aggregate<B: AsRef<[u8]> + Sync>(
-    manifest: &Manifest,
-    bundles: &[B],
-    step: u64,
-    reduction: Reduction,
-) -> Result<Vec<f32>> {
-    let mut out = Vec::new();
-    Aggregator::serial().aggregate_into(manifest, bundles, step, reduction, &mut out)?;
-    Ok(out)
-}
-
 /// Checks rank `rank`'s per-tensor compressed gradients made at `step` against a manifest
-/// without buckets (see [`Aggregator::aggregate_compressed_into`]), without decoding any frame
+/// without buckets (see `Aggregator::aggregate_compressed_into`), without decoding any frame
 /// body.
 ///
 /// # Errors

@@ -263,7 +263,8 @@ impl CompressedAllReduce {
 
     /// The same all-reduce fusing small tensors into buckets in the bundles of the
     /// communicator path (every rank must use the same configuration).
-    pub fn with_bucketing(mut self, bucketing: BucketConfig) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_bucketing(mut self, bucketing: BucketConfig) -> Self {
         self.bucketing = bucketing;
         self.bundles = None;
         self
@@ -296,7 +297,8 @@ impl CompressedAllReduce {
     /// This rank's server residual of tensor `name` (two-phase): the tensor's element indices
     /// of the shard this rank owns, in shard order, and the residual at each. `None` before the
     /// first two-phase step or for a tensor this rank owns no element of.
-    pub fn server_residual(&self, name: &str) -> Option<(Vec<usize>, &[f32])> {
+    #[cfg(test)]
+    pub(crate) fn server_residual(&self, name: &str) -> Option<(Vec<usize>, &[f32])> {
         let layout = self.two_phase.layout()?;
         let t = layout.tensors.iter().position(|t| t.name == name)?;
         let rank = self.rank();
@@ -318,7 +320,8 @@ impl CompressedAllReduce {
     /// # Errors
     /// [`Error::Config`] when `saved_at` is not this group's world size and rank (the residuals
     /// belong to another shard layout: discard them for an elastic restart); nothing changes.
-    pub fn set_server_residuals(
+    #[cfg(test)]
+    pub(crate) fn set_server_residuals(
         &mut self,
         saved_at: (usize, usize),
         residuals: HashMap<String, Vec<f32>>,
@@ -395,14 +398,9 @@ impl CompressedAllReduce {
         self.two_phase.discard_server_residuals();
     }
 
-    /// Number of ranks.
-    pub fn world_size(&self) -> usize {
-        self.world_size
-    }
-
     /// This rank: the communicator's, or that of the last one [`CompressedAllReduce::all_reduce_on`]
     /// used (0 before).
-    pub fn rank(&self) -> usize {
+    pub(crate) fn rank(&self) -> usize {
         self.comm.as_ref().map_or(self.rank_seen, |c| c.rank())
     }
 
@@ -700,7 +698,17 @@ impl CompressedAllReduce {
     /// gradients (or another reduction, see [`CompressedAllReduce::with_reduction`]).
     ///
     /// # Errors
-    /// As [`CompressedAllReduce::all_reduce_with_peers_at`].
+    /// [`Error::WorldSize`] when `peers.len() + 1` is not the world size; [`Error::Config`] for
+    /// world size 0 or an invalid method; naming the tensor and the
+    /// rank, when a peer's gradients differ in names, shapes, step, method or seed
+    /// (as [`Aggregator::aggregate_into`] checks bundles), or a peer's frame body is invalid
+    /// ([`Error::Core`], the error of [`gradwire_core::validate`]); any error of
+    /// [`GradientCompressor::compress`]. The peers, frame bodies included, are checked before
+    /// the local gradients are compressed: on those errors nothing changes.
+    /// [`Error::Overflow`] when the aggregate overflows f32 (naming the tensor and the element,
+    /// as for [`Aggregator::aggregate_into`]); that is known only after the local
+    /// compression, so the step has advanced, and the residuals take back what was sent (as
+    /// for [`CompressedAllReduce::all_reduce`]).
     pub fn all_reduce_with_peers(
         &mut self,
         gradients: &HashMap<String, Tensor>,
@@ -711,21 +719,10 @@ impl CompressedAllReduce {
 
     /// As [`CompressedAllReduce::all_reduce_with_peers`], the local rank being `rank`:
     /// `peers` holds the other ranks' contributions in rank order (rank `rank` left out), so
-    /// that every rank sums in the same order and gets bit-identical results.
-    ///
-    /// # Errors
-    /// [`Error::WorldSize`] when `peers.len() + 1` is not the world size; [`Error::Config`] for
-    /// world size 0, a rank outside the group or an invalid method; naming the tensor and the
-    /// rank, when a peer's gradients differ in names, shapes, step, method or seed
-    /// ([`check_contribution`]), or a peer's frame body is invalid
-    /// ([`Error::Core`], the error of [`gradwire_core::validate`]); any error of
-    /// [`GradientCompressor::compress`]. The peers, frame bodies included, are checked before
-    /// the local gradients are compressed: on those errors nothing changes.
-    /// [`Error::Overflow`] when the aggregate overflows f32 (see
-    /// [`Aggregator::aggregate_compressed_into`]); that is known only after the local
-    /// compression, so the step has advanced, and the residuals take back what was sent (as
-    /// for [`CompressedAllReduce::all_reduce`]).
-    pub fn all_reduce_with_peers_at(
+    /// that every rank sums in the same order and gets bit-identical results. Errors as
+    /// [`CompressedAllReduce::all_reduce_with_peers`], and [`Error::Config`] for a rank outside
+    /// the group.
+    pub(crate) fn all_reduce_with_peers_at(
         &mut self,
         gradients: &HashMap<String, Tensor>,
         rank: usize,
@@ -794,10 +791,195 @@ impl CompressedAllReduce {
     ///
     /// # Errors
     /// As [`GradientCompressor::compress`].
+    #[deprecated(
+        note = "the original module's name, kept for one release: use `compressor_mut().compress(gradients)`"
+    )]
     pub fn compress_for_transmission(
         &mut self,
         gradients: &HashMap<String, Tensor>,
     ) -> Result<HashMap<String, CompressedGradient>> {
         self.compressor.compress(gradients)
+    }
+}
+
+/// The integration tests' helpers (MiniLM gradients, seeded noise), for the unit tests below.
+#[cfg(test)]
+#[path = "../tests/common/mod.rs"]
+mod test_common;
+
+#[cfg(test)]
+mod allreduce_tests;
+
+#[cfg(test)]
+mod two_phase_tests;
+
+/// [`Aggregator::aggregate_compressed_into`], the aggregate of per-tensor compressed gradients
+/// that [`CompressedAllReduce::all_reduce_with_peers`] runs (moved from `tests/aggregate.rs`).
+#[cfg(test)]
+mod compressed_maps_tests {
+    use std::collections::HashMap;
+
+    use gradwire_core::{Method, Values};
+
+    use super::test_common::grads;
+    use crate::aggregate::{Aggregator, Reduction};
+    use crate::compressor::GradientCompressor;
+    use crate::engine::Parallelism;
+    use crate::error::Error;
+    use crate::layout::{BucketConfig, CompressedGradient, Manifest};
+    use crate::method::CompressionMethod;
+    use crate::tensor::Tensor;
+
+    fn bundles(
+        manifest: &Manifest,
+        method: &CompressionMethod,
+        per_rank: &[HashMap<String, Tensor>],
+    ) -> Vec<Vec<u8>> {
+        per_rank
+            .iter()
+            .enumerate()
+            .map(|(rank, g)| {
+                let mut c = GradientCompressor::new(method.clone());
+                let mut out = Vec::new();
+                c.compress_bundle(manifest, g, rank, &mut out).unwrap();
+                out
+            })
+            .collect()
+    }
+
+    /// Finite contributions whose f32 sum overflows: an error naming the tensor and the element
+    /// within it (never an infinite aggregate), the same on the serial and the parallel path (small
+    /// entries, a dense entry cut into chunks, a large top-k entry, a bucket), `out` zeroed.
+    #[test]
+    fn an_aggregate_that_overflows_f32_is_an_error() {
+        let dense = CompressionMethod::Core(Method::Dense {
+            values: Values::F32,
+        });
+        let small = grads(&[("a", &[3], vec![1.0; 3]), ("w", &[2], vec![3e38, 1.0])]);
+        let n = 300_001;
+        let at = 200_003;
+        let mut big = vec![0.5f32; n];
+        big[at] = 3e38;
+        let large = grads(&[("a", &[3], vec![1.0; 3]), ("big", &[n], big)]);
+        let cases = [
+            (&dense, &small, BucketConfig::none(), "w", 0),
+            (&dense, &small, BucketConfig::fused(64 << 10), "w", 0),
+            (&dense, &large, BucketConfig::none(), "big", at),
+            (
+                &CompressionMethod::TopK { k: 3 },
+                &large,
+                BucketConfig::none(),
+                "big",
+                at,
+            ),
+        ];
+        let is_overflow = |err: &Error, name: &str, at: usize| matches!(err, Error::Overflow { tensor, index } if tensor == name && *index == at);
+        for (method, g, cfg, name, at) in cases {
+            let manifest = Manifest::for_gradients(g, method, 0, cfg).unwrap();
+            let b = bundles(&manifest, method, &[g.clone(), g.clone()]);
+            for reduction in [Reduction::Sum, Reduction::Mean] {
+                let what = format!("{method:?} {cfg:?} {reduction:?}");
+                let mut out = vec![42.0; 3];
+                let err = Aggregator::serial()
+                    .aggregate_into(&manifest, &b, 0, reduction, &mut out)
+                    .unwrap_err();
+                assert!(is_overflow(&err, name, at), "{what}: {err}");
+                assert_eq!(out, vec![0.0; manifest.flat_len()], "{what}");
+                let mut par = vec![f32::NAN; 3];
+                let par_err = Aggregator::new()
+                    .with_parallelism(Parallelism::Parallel)
+                    .aggregate_into(&manifest, &b, 0, reduction, &mut par)
+                    .unwrap_err();
+                assert_eq!(par_err.to_string(), err.to_string(), "{what} in parallel");
+                assert!(is_overflow(&par_err, name, at), "{what}: {par_err}");
+                assert_eq!(par, out, "{what} in parallel");
+                if cfg == BucketConfig::none() {
+                    let c: Vec<_> = (0..2)
+                        .map(|_| GradientCompressor::new(method.clone()).compress_once(g))
+                        .collect();
+                    let err = Aggregator::serial()
+                        .aggregate_compressed_into(
+                            &manifest,
+                            &[&c[0], &c[1]],
+                            0,
+                            reduction,
+                            &mut out,
+                        )
+                        .unwrap_err();
+                    assert!(is_overflow(&err, name, at), "{what} per tensor: {err}");
+                    assert_eq!(out, vec![0.0; manifest.flat_len()], "{what}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn compressed_gradient_maps() {
+        let method = CompressionMethod::TopK { k: 2 };
+        let g0 = grads(&[("w", &[2, 2], vec![1.0, 2.0, 3.0, 4.0])]);
+        let g1 = grads(&[("w", &[2, 2], vec![4.0, 3.0, 2.0, 1.0])]);
+        let manifest = Manifest::for_gradients(&g0, &method, 0, BucketConfig::none()).unwrap();
+        let c0 = GradientCompressor::new(method.clone()).compress_once(&g0);
+        let c1 = GradientCompressor::new(method.clone()).compress_once(&g1);
+        let mut out = Vec::new();
+        Aggregator::serial()
+            .aggregate_compressed_into(&manifest, &[&c0, &c1], 0, Reduction::Mean, &mut out)
+            .unwrap();
+        assert_eq!(out, vec![2.0, 1.5, 1.5, 2.0]);
+        // A peer with another shape.
+        let g_bad = grads(&[("w", &[4], vec![1.0; 4])]);
+        let c_bad = GradientCompressor::new(method.clone()).compress_once(&g_bad);
+        let err = Aggregator::serial()
+            .aggregate_compressed_into(&manifest, &[&c0, &c_bad], 0, Reduction::Mean, &mut out)
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::ShapeMismatch { tensor, rank: Some(1), .. } if tensor == "w"),
+            "{err}"
+        );
+        // A peer at another step.
+        let mut late = GradientCompressor::new(method.clone());
+        late.compress_once(&g1);
+        let c_late = late.compress_once(&g1);
+        let err = Aggregator::serial()
+            .aggregate_compressed_into(&manifest, &[&c0, &c_late], 0, Reduction::Mean, &mut out)
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Disagreement { rank: Some(1), .. }),
+            "{err}"
+        );
+        // A peer with an extra tensor.
+        let mut extra = c1.clone();
+        extra.insert("z".to_owned(), c1["w"].clone());
+        let err = Aggregator::serial()
+            .aggregate_compressed_into(&manifest, &[&c0, &extra], 0, Reduction::Sum, &mut out)
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::UnexpectedTensor { tensor, rank: Some(1) } if tensor == "z"),
+            "{err}"
+        );
+        let empty: HashMap<String, CompressedGradient> = HashMap::new();
+        let err = Aggregator::serial()
+            .aggregate_compressed_into(&manifest, &[&empty], 0, Reduction::Sum, &mut out)
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::MissingTensor { tensor, rank: Some(0) } if tensor == "w"),
+            "{err}"
+        );
+    }
+
+    trait CompressOnce {
+        fn compress_once(
+            &mut self,
+            g: &HashMap<String, Tensor>,
+        ) -> HashMap<String, CompressedGradient>;
+    }
+
+    impl CompressOnce for GradientCompressor {
+        fn compress_once(
+            &mut self,
+            g: &HashMap<String, Tensor>,
+        ) -> HashMap<String, CompressedGradient> {
+            self.compress(g).unwrap()
+        }
     }
 }

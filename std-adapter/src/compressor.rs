@@ -1,5 +1,5 @@
 //! [`GradientCompressor`], the original module's compressor: one rank's method, seed, step and
-//! error-feedback state, over the engine ([`crate::engine`]). Frames are real gradwire frames;
+//! error-feedback state, over the engine (`engine`). Frames are real gradwire frames;
 //! tensors are processed in sorted name order, so every run is deterministic.
 //!
 //! ```
@@ -259,12 +259,12 @@ impl GradientCompressor {
         Ok(())
     }
 
-    /// Compresses `gradients` into one bundle for `manifest` (see [`crate::layout::bundle`]), written
+    /// Compresses `gradients` into one bundle for `manifest` (`FORMAT.md` section 10), written
     /// into `out` (cleared; its capacity is reused). Returns the step the bundle was made at.
     ///
     /// Entries (and chunks of large dense, quantization and sign tensors) are compressed on
     /// every core unless [`GradientCompressor::with_parallelism`] says otherwise; the bundle and
-    /// the residuals are the same bytes and bits either way (see [`crate::engine`]).
+    /// the residuals are the same bytes and bits either way (see `docs/multicore.md`).
     ///
     /// # Errors
     /// [`Error::Config`] when the manifest was made for another method or seed, or `rank` does
@@ -377,7 +377,9 @@ impl GradientCompressor {
     /// seed) into dense tensors with their shapes.
     ///
     /// # Errors
-    /// As [`GradientCompressor::decompress_one`], for the first failing tensor in name order.
+    /// [`Error::Config`] for an invalid method; [`Error::ParamsDiffer`] naming the tensor and
+    /// both configurations when a frame was made with other parameters; [`Error::Core`] naming
+    /// the tensor when a frame is invalid: for the first failing tensor in name order.
     pub fn decompress(
         &self,
         compressed: &HashMap<String, layout::CompressedGradient>,

@@ -1,7 +1,7 @@
 //! The gradwire container: a bundle on disk, as `gradwire compress` writes it. `FORMAT.md` is
 //! the normative specification.
 //!
-//! A bundle ([`crate::layout::bundle`]) carries frames only: names, shapes and the method never
+//! A bundle (`FORMAT.md` section 10) carries frames only: names, shapes and the method never
 //! travel, the receiver's [`Manifest`] holds them. A file on disk has no receiver, so the
 //! container puts a small manifest section in front of the bundle. The reader builds a
 //! [`Manifest`] from that section (and, given the receiver's model, checks it against it) and
@@ -188,7 +188,7 @@ pub fn compress(
 /// [`Manifest::new`] for `specs`; [`Error::ShapeMismatch`] when `next` gives a tensor of
 /// another shape; as [`crate::GradientCompressor::compress_bundle`] for each tensor (a NaN,
 /// a value beyond the method's range, a residual of another length or shape); any error of
-/// `next`; as [`write`].
+/// `next`; as [`write()`].
 pub fn compress_each<E: From<Error>>(
     specs: &[TensorSpec],
     method: Method,

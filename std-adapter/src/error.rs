@@ -39,7 +39,7 @@ impl fmt::Display for Named<'_> {
     }
 }
 
-/// What is wrong with the framing of a bundle (see [`crate::layout::bundle`] for the layout).
+/// What is wrong with the framing of a bundle (`FORMAT.md` section 10 gives the layout).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BundleFault {
@@ -230,7 +230,7 @@ pub enum Error {
     /// A tensor came back in another shape of the same element count as the one its
     /// error-feedback residual was kept in (a transposed or reshaped weight): adding the old
     /// residual would put it on the wrong coordinates. To go on, drop or re-set that residual:
-    /// [`crate::ErrorFeedback::set_residual_with_shape`] (the residual laid out in the new
+    /// [`crate::feedback::ErrorFeedback::set_residual_with_shape`] (the residual laid out in the new
     /// shape) or, through a compressor, [`crate::GradientCompressor::reset_error_buffer`]
     /// (every residual) or [`crate::GradientCompressor::restore_feedback`].
     #[error(
@@ -460,7 +460,7 @@ pub enum Error {
 
 impl Error {
     /// Wraps a core error with the tensor (or bucket) it happened on and the rank it came from.
-    pub fn core(tensor: &str, rank: Option<usize>, source: gradwire_core::Error) -> Self {
+    pub(crate) fn core(tensor: &str, rank: Option<usize>, source: gradwire_core::Error) -> Self {
         Error::Core {
             tensor: tensor.to_owned(),
             rank,

@@ -19,10 +19,15 @@
 //!
 //! The modules are layers, each using only those listed before it: [`comm`], `error`,
 //! [`safetensors_reader`], [`tensor`], [`method`], [`layout`], [`feedback`], `engine` (the one
-//! encoder), `aggregate`, `collective`, [`reference`], [`compressor`], `allreduce`,
+//! encoder), `aggregate`, `collective`, [`reference`](mod@reference), [`compressor`], `allreduce`,
 //! [`container`] (`docs/architecture.md`; a test checks the order).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
+
+// The integration tests' helpers (`tests/common`) name the crate `gradwire`; unit tests that
+// moved out of `tests/` include them.
+#[cfg(test)]
+extern crate self as gradwire;
 
 pub mod comm;
 mod error;
@@ -51,14 +56,14 @@ pub mod container;
 
 pub use gradwire_core as core;
 
-pub use aggregate::{Aggregator, Reduction, aggregate};
+// The root: the types a user of the README starts from (everything else lives in its module).
+pub use aggregate::{Aggregator, Reduction};
 pub use allreduce::CompressedAllReduce;
 pub use collective::Collective;
 pub use compressor::GradientCompressor;
 pub use engine::Parallelism;
 pub use error::{BundleFault, Error, Result};
-pub use feedback::ErrorFeedback;
-pub use layout::{BucketConfig, CompressedGradient, Manifest, TensorSpec, TopKScope};
+pub use layout::{BucketConfig, CompressedGradient, Manifest, TensorSpec};
 pub use method::CompressionMethod;
 pub use tensor::Tensor;
 

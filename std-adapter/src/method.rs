@@ -1,7 +1,7 @@
 //! Compression methods: [`CompressionMethod`] (the names of the original module, and every
 //! method of `gradwire-core`), its lowering to the core's [`Method`], the one check of which
-//! methods error feedback may wrap ([`check_for_feedback`]), and the canonical text form of a
-//! core method ([`format`], [`parse`]) that checkpoints, containers and error messages use.
+//! methods error feedback may wrap (`check_for_feedback`), and the canonical text form of a
+//! core method ([`format()`], [`parse()`]) that checkpoints, containers and error messages use.
 
 use std::fmt::Write as _;
 
@@ -245,7 +245,7 @@ pub fn format(method: &Method) -> String {
     s
 }
 
-/// Parses the text [`format`] writes.
+/// Parses the text [`format()`] writes.
 ///
 /// # Errors
 /// [`Error::Config`] naming the part that is not understood, or the invalid parameter.

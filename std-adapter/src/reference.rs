@@ -411,18 +411,6 @@ fn quantize_int8(values: &[f32]) -> (Vec<i8>, f32) {
     (codes, scale)
 }
 
-/// Compresses one tensor `x` (finite) in `mode`; `ratio` is ignored for [`Mode::None`].
-///
-/// # Errors
-/// [`ReferenceError::InvalidRatio`] for a NaN, infinite or negative ratio;
-/// [`ReferenceError::NonFinite`] naming the first NaN or infinite element (with an empty key;
-/// [`compress`] names the tensor).
-pub fn compress_tensor(x: &[f32], mode: Mode, ratio: f64) -> Result<Entry, ReferenceError> {
-    check_ratio(ratio)?;
-    first_non_finite("", x)?;
-    Ok(compress_checked(x, mode, ratio))
-}
-
 fn compress_checked(x: &[f32], mode: Mode, ratio: f64) -> Entry {
     if mode == Mode::None {
         return Entry::Dense(x.to_vec());

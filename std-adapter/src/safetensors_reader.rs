@@ -8,7 +8,7 @@
 //! validates the header first, with nothing added unchecked, typing each entry as it comes, so
 //! that what it allocates is bounded by the header's own bytes; safetensors' `Metadata::new`
 //! still checks the offsets, shapes and dtypes. It refuses what safetensors accepts silently: a
-//! shape of more than [`MAX_DIMS`] dimensions (before parsing), a tensor named twice (safetensors
+//! shape of more than 64 dimensions (before parsing), a tensor named twice (safetensors
 //! keeps the last) and a field other than `dtype`, `shape` and `data_offsets` in a tensor's
 //! entry.
 
@@ -78,7 +78,7 @@ pub fn describe(e: &SafeTensorError) -> String {
 /// "invalid JSON in header", safetensors' wording, although the JSON may be valid): JSON that
 /// does not parse, bad offsets, shapes or dtypes (for which `SafeTensors::deserialize` gives
 /// `Metadata::new`'s own error variant), and what this module refuses and safetensors accepts:
-/// an array of more than [`MAX_DIMS`] elements, a tensor named twice, a field other than
+/// an array of more than 64 elements, a tensor named twice, a field other than
 /// `dtype`, `shape` and `data_offsets` in a tensor's entry.
 ///
 /// # Panics

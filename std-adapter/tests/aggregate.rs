@@ -4,15 +4,15 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{Rng, grads, minilm, noisy, same_bits};
+use common::{Rng, aggregate, grads, minilm, noisy, same_bits};
 use gradwire::Aggregator;
 use gradwire::BucketConfig;
+use gradwire::Reduction;
 use gradwire::core::{Method, Values};
 use gradwire::tensor::Tensor;
 use gradwire::{BundleFault, Error};
-use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor};
+use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
-use gradwire::{Reduction, aggregate};
 
 fn bundles(
     manifest: &Manifest,
@@ -306,133 +306,4 @@ fn contributions_are_checked_first_naming_tensor_and_rank() {
         .unwrap_err();
     assert!(err.to_string().contains("no contributions"), "{err}");
     assert_eq!(out, vec![42.0; 2], "untouched by every failed check");
-}
-
-/// Finite contributions whose f32 sum overflows: an error naming the tensor and the element
-/// within it (never an infinite aggregate), the same on the serial and the parallel path (small
-/// entries, a dense entry cut into chunks, a large top-k entry, a bucket), `out` zeroed.
-#[test]
-fn an_aggregate_that_overflows_f32_is_an_error() {
-    use gradwire::Parallelism;
-    let dense = CompressionMethod::Core(Method::Dense {
-        values: Values::F32,
-    });
-    let small = grads(&[("a", &[3], vec![1.0; 3]), ("w", &[2], vec![3e38, 1.0])]);
-    let n = 300_001;
-    let at = 200_003;
-    let mut big = vec![0.5f32; n];
-    big[at] = 3e38;
-    let large = grads(&[("a", &[3], vec![1.0; 3]), ("big", &[n], big)]);
-    let cases = [
-        (&dense, &small, BucketConfig::none(), "w", 0),
-        (&dense, &small, BucketConfig::fused(64 << 10), "w", 0),
-        (&dense, &large, BucketConfig::none(), "big", at),
-        (
-            &CompressionMethod::TopK { k: 3 },
-            &large,
-            BucketConfig::none(),
-            "big",
-            at,
-        ),
-    ];
-    let is_overflow = |err: &Error, name: &str, at: usize| matches!(err, Error::Overflow { tensor, index } if tensor == name && *index == at);
-    for (method, g, cfg, name, at) in cases {
-        let manifest = Manifest::for_gradients(g, method, 0, cfg).unwrap();
-        let b = bundles(&manifest, method, &[g.clone(), g.clone()]);
-        for reduction in [Reduction::Sum, Reduction::Mean] {
-            let what = format!("{method:?} {cfg:?} {reduction:?}");
-            let mut out = vec![42.0; 3];
-            let err = Aggregator::serial()
-                .aggregate_into(&manifest, &b, 0, reduction, &mut out)
-                .unwrap_err();
-            assert!(is_overflow(&err, name, at), "{what}: {err}");
-            assert_eq!(out, vec![0.0; manifest.flat_len()], "{what}");
-            let mut par = vec![f32::NAN; 3];
-            let par_err = Aggregator::new()
-                .with_parallelism(Parallelism::Parallel)
-                .aggregate_into(&manifest, &b, 0, reduction, &mut par)
-                .unwrap_err();
-            assert_eq!(par_err.to_string(), err.to_string(), "{what} in parallel");
-            assert!(is_overflow(&par_err, name, at), "{what}: {par_err}");
-            assert_eq!(par, out, "{what} in parallel");
-            if cfg == BucketConfig::none() {
-                let c: Vec<_> = (0..2)
-                    .map(|_| GradientCompressor::new(method.clone()).compress_once(g))
-                    .collect();
-                let err = Aggregator::serial()
-                    .aggregate_compressed_into(&manifest, &[&c[0], &c[1]], 0, reduction, &mut out)
-                    .unwrap_err();
-                assert!(is_overflow(&err, name, at), "{what} per tensor: {err}");
-                assert_eq!(out, vec![0.0; manifest.flat_len()], "{what}");
-            }
-        }
-    }
-}
-
-#[test]
-fn compressed_gradient_maps() {
-    let method = CompressionMethod::TopK { k: 2 };
-    let g0 = grads(&[("w", &[2, 2], vec![1.0, 2.0, 3.0, 4.0])]);
-    let g1 = grads(&[("w", &[2, 2], vec![4.0, 3.0, 2.0, 1.0])]);
-    let manifest = Manifest::for_gradients(&g0, &method, 0, BucketConfig::none()).unwrap();
-    let c0 = GradientCompressor::new(method.clone()).compress_once(&g0);
-    let c1 = GradientCompressor::new(method.clone()).compress_once(&g1);
-    let mut out = Vec::new();
-    Aggregator::serial()
-        .aggregate_compressed_into(&manifest, &[&c0, &c1], 0, Reduction::Mean, &mut out)
-        .unwrap();
-    assert_eq!(out, vec![2.0, 1.5, 1.5, 2.0]);
-    // A peer with another shape.
-    let g_bad = grads(&[("w", &[4], vec![1.0; 4])]);
-    let c_bad = GradientCompressor::new(method.clone()).compress_once(&g_bad);
-    let err = Aggregator::serial()
-        .aggregate_compressed_into(&manifest, &[&c0, &c_bad], 0, Reduction::Mean, &mut out)
-        .unwrap_err();
-    assert!(
-        matches!(&err, Error::ShapeMismatch { tensor, rank: Some(1), .. } if tensor == "w"),
-        "{err}"
-    );
-    // A peer at another step.
-    let mut late = GradientCompressor::new(method.clone());
-    late.compress_once(&g1);
-    let c_late = late.compress_once(&g1);
-    let err = Aggregator::serial()
-        .aggregate_compressed_into(&manifest, &[&c0, &c_late], 0, Reduction::Mean, &mut out)
-        .unwrap_err();
-    assert!(
-        matches!(&err, Error::Disagreement { rank: Some(1), .. }),
-        "{err}"
-    );
-    // A peer with an extra tensor.
-    let mut extra = c1.clone();
-    extra.insert("z".to_owned(), c1["w"].clone());
-    let err = Aggregator::serial()
-        .aggregate_compressed_into(&manifest, &[&c0, &extra], 0, Reduction::Sum, &mut out)
-        .unwrap_err();
-    assert!(
-        matches!(&err, Error::UnexpectedTensor { tensor, rank: Some(1) } if tensor == "z"),
-        "{err}"
-    );
-    let empty: HashMap<String, CompressedGradient> = HashMap::new();
-    let err = Aggregator::serial()
-        .aggregate_compressed_into(&manifest, &[&empty], 0, Reduction::Sum, &mut out)
-        .unwrap_err();
-    assert!(
-        matches!(&err, Error::MissingTensor { tensor, rank: Some(0) } if tensor == "w"),
-        "{err}"
-    );
-}
-
-trait CompressOnce {
-    fn compress_once(&mut self, g: &HashMap<String, Tensor>)
-    -> HashMap<String, CompressedGradient>;
-}
-
-impl CompressOnce for GradientCompressor {
-    fn compress_once(
-        &mut self,
-        g: &HashMap<String, Tensor>,
-    ) -> HashMap<String, CompressedGradient> {
-        self.compress(g).unwrap()
-    }
 }

@@ -6,10 +6,11 @@ mod common;
 use std::collections::HashMap;
 
 use common::{Rng, grads, minilm, same_bits};
+use gradwire::BucketConfig;
 use gradwire::core::{Method, Values};
+use gradwire::layout::TopKScope;
 use gradwire::layout::{EntryKind, Manifest, TensorSpec};
 use gradwire::tensor::Tensor;
-use gradwire::{BucketConfig, TopKScope};
 use gradwire::{CompressionMethod, GradientCompressor};
 
 fn specs(sizes: &[(&str, usize)]) -> Vec<TensorSpec> {

@@ -14,9 +14,10 @@ const BUNDLE_MAGIC: [u8; 4] = *b"GWBN";
 const HEADER_LEN: usize = 24;
 const ENTRY_HEADER_LEN: usize = 12;
 const TRAILER_LEN: usize = 4;
+use gradwire::BucketConfig;
+use gradwire::layout::TopKScope;
 use gradwire::method::{DEFAULT_INT8_BLOCK, format as format_method};
 use gradwire::tensor::Tensor;
-use gradwire::{BucketConfig, TopKScope};
 use gradwire::{BundleFault, Error};
 use gradwire::{CompressionMethod, GradientCompressor};
 

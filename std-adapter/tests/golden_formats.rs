@@ -17,9 +17,10 @@ use std::process::Command;
 
 use common::Rng;
 use gradwire::core::{K, Method, Rounding, Values};
+use gradwire::feedback::ErrorFeedback;
+use gradwire::layout::TopKScope;
 use gradwire::{
-    BucketConfig, CompressionMethod, ErrorFeedback, GradientCompressor, Manifest, Parallelism,
-    Tensor, TopKScope,
+    BucketConfig, CompressionMethod, GradientCompressor, Manifest, Parallelism, Tensor,
 };
 
 fn golden_dir(kind: &str) -> PathBuf {

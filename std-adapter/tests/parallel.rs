@@ -255,7 +255,7 @@ fn majority_vote_parallel_equals_serial() {
             b
         })
         .collect();
-    let serial = gradwire::aggregate(&manifest, &bundles, 0, Reduction::MajorityVote).unwrap();
+    let serial = common::aggregate(&manifest, &bundles, 0, Reduction::MajorityVote).unwrap();
     let mut parallel = Vec::new();
     Aggregator::new()
         .with_parallelism(Parallelism::Parallel)

@@ -11,14 +11,17 @@
 //! subnormals and -0.0 appear (NaN/Inf and values beyond f16's range are excluded: they are
 //! errors, tested elsewhere).
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 
+use common::aggregate;
 use gradwire::BucketConfig;
+use gradwire::Reduction;
 use gradwire::feedback::ErrorFeedback;
 use gradwire::tensor::Tensor;
 use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
-use gradwire::{Reduction, aggregate};
 use gradwire_core::{K, Method, Params, Rounding, SignScale, Values, decode_into, tensor_id};
 use quickcheck::{QuickCheck, TestResult};
 

@@ -319,10 +319,18 @@ fn mode_none_round_trips_and_zero_d_and_empty_tensors_work() {
     }
 }
 
+/// One tensor `x` compressed in `mode`, through a payload and back: its entry.
+fn compress_one(x: &[f32], mode: Mode, ratio: f64) -> Result<Entry, Error> {
+    let shape = [x.len()];
+    let payload = reference::compress(&[("t", &shape[..], x)], mode, ratio)?;
+    let mut entries = reference::parse(&payload, mode, &[TensorSpec::new("t", vec![x.len()])])?;
+    Ok(entries.remove(0))
+}
+
 #[test]
 fn int8_of_all_zero_values_uses_scale_one() {
     let z = [0.0f32; 4];
-    let e = reference::compress_tensor(&z, Mode::TopKInt8, 0.5).unwrap();
+    let e = compress_one(&z, Mode::TopKInt8, 0.5).unwrap();
     assert_eq!(
         e,
         Entry::TopKInt8 {
@@ -370,7 +378,7 @@ fn int8_of_a_subnormal_peak_is_exact() {
     let specs = [TensorSpec::new("w", vec![2])];
     let x = [tiny, 0.0];
     let t: Vec<(&str, &[usize], &[f32])> = vec![("w", &[2], &x)];
-    let e = reference::compress_tensor(&x, Mode::TopKInt8, 0.5).unwrap();
+    let e = compress_one(&x, Mode::TopKInt8, 0.5).unwrap();
     assert_eq!(
         e,
         Entry::TopKInt8 {

@@ -248,8 +248,13 @@ fn measure_bundle(
     manifest
         .check_bundle_with(&bundle, Some(0), None, |e, frame, params| {
             let entry = &manifest.entries()[e];
-            let info = gradwire::core::validate(frame, params, entry.len)
-                .map_err(|err| gradwire::Error::core(&entry.label, Some(0), err))?;
+            let info = gradwire::core::validate(frame, params, entry.len).map_err(|source| {
+                gradwire::Error::Core {
+                    tensor: entry.label.clone(),
+                    rank: Some(0),
+                    source,
+                }
+            })?;
             kept += info.kept;
             Ok(())
         })

@@ -8,12 +8,13 @@ use std::collections::HashMap;
 
 use crate::gens::{gen_grad, gen_method, pow2};
 use crate::input::{Input, crc32, with_crc};
+use gradwire::BucketConfig;
 use gradwire::Error;
 use gradwire::feedback::{CHECKPOINT_VERSION, ErrorFeedback};
+use gradwire::layout::TopKScope;
 use gradwire::method::{format as format_method, parse as parse_method};
 use gradwire::reference::{self, Mode, ReferenceError};
 use gradwire::tensor::Tensor;
-use gradwire::{BucketConfig, TopKScope};
 use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
 use gradwire_core::{K, Method, Values};

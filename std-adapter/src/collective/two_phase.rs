@@ -139,6 +139,7 @@ impl TwoPhase {
     }
 
     /// The layout in use, if any.
+    #[cfg(test)]
     pub(crate) fn layout(&self) -> Option<&ShardLayout> {
         self.layout.as_ref()
     }
@@ -159,6 +160,7 @@ impl TwoPhase {
 
     /// Sets this rank's server residuals from `(name, values)` pairs, applied at the next step
     /// (when the layout is known).
+    #[cfg(test)]
     pub(crate) fn set_server_residuals(&mut self, residuals: HashMap<String, Vec<f32>>) {
         self.pending = Some(residuals);
         self.pending_layout = None;

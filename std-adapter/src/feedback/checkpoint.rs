@@ -46,7 +46,7 @@ impl ErrorFeedback {
     ///
     /// # Errors
     /// [`Error::Checkpoint`] for a residual named `__metadata__` (reserved by safetensors) or one
-    /// whose shape has more than [`crate::safetensors_reader::MAX_DIMS`] dimensions;
+    /// whose shape has more than 64 dimensions (the safetensors reader's limit);
     /// [`Error::Safetensors`] when serialization fails.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         self.to_bytes_with_metadata(&[])

@@ -1,6 +1,6 @@
 //! [`ErrorFeedback`]: the residuals of error feedback, keyed by parameter name, with their
-//! shapes and bounds, and their checkpoints ([`checkpoint`]). The engine
-//! ([`crate::engine`]) runs the steps.
+//! shapes and bounds, and their checkpoints (`FORMAT.md` section 12). The engine
+//! (`engine`) runs the steps.
 //!
 //! Each step encodes `gradient + residual` for every tensor and keeps in the residual what the
 //! frame does not deliver (dropped entries, rounding and quantization error), so for every
@@ -31,7 +31,7 @@
 //! - [`ErrorFeedback::to_bytes`] writes a safetensors file holding every residual (f32, exact
 //!   bits, in its tensor's shape) and, in its `__metadata__`, the step, the seed and the method;
 //!   a run restored with [`ErrorFeedback::from_bytes`] continues bit-identically to one that was never
-//!   interrupted, shape checks included (layout in `FORMAT.md` and [`checkpoint`]).
+//!   interrupted, shape checks included (layout in `FORMAT.md` section 12).
 //!
 //! ```
 //! use gradwire::core::{K, Method, Values};

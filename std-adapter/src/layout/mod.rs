@@ -1,6 +1,6 @@
 //! What a receiver expects: the [`Manifest`] (tensors, method, seed, bucketing, hence the
 //! entries of every bundle and their order), its buckets ([`BucketConfig`]), the bundle format
-//! ([`bundle`]) and per-tensor frames ([`CompressedGradient`]).
+//! (`FORMAT.md` section 10, [`BundleHeader`]) and per-tensor frames ([`CompressedGradient`]).
 //!
 //! # Flat layout
 //! Decoders and aggregators write into one flat `Vec<f32>` of [`Manifest::flat_len`] elements:
@@ -9,7 +9,7 @@
 //! [`Manifest::to_tensors`]).
 
 mod bucket;
-pub mod bundle;
+pub(crate) mod bundle;
 mod frames;
 pub(crate) mod plan;
 
@@ -18,12 +18,12 @@ use std::collections::HashMap;
 use gradwire_core::{K, Method, Params, max_frame_len, scratch_len, tensor_id};
 
 pub use self::bucket::{BucketConfig, TopKScope};
-pub use self::bundle::BundleHeader;
+pub use self::bundle::{BundleHeader, ENTRY_HEADER_LEN};
 pub use self::frames::CompressedGradient;
 pub(crate) use self::frames::{check_frame_of, frame_error};
 
 use self::bucket::{Group, group};
-use self::bundle::{ENTRY_HEADER_LEN, HEADER_LEN, TRAILER_LEN, entry_id};
+use self::bundle::{HEADER_LEN, TRAILER_LEN, entry_id};
 use self::plan::{EncodePlan, ReducePlan, encode_plan, reduce_plan};
 use crate::error::{Error, Result};
 use crate::method::CompressionMethod;

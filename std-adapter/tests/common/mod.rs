@@ -85,6 +85,19 @@ pub fn grads(items: &[(&str, &[usize], Vec<f32>)]) -> HashMap<String, Tensor> {
         .collect()
 }
 
+/// The aggregate of `bundles` on the calling thread, in a new flat buffer (the free function
+/// `gradwire::aggregate` was this).
+pub fn aggregate<B: AsRef<[u8]> + Sync>(
+    manifest: &gradwire::Manifest,
+    bundles: &[B],
+    step: u64,
+    reduction: gradwire::Reduction,
+) -> gradwire::Result<Vec<f32>> {
+    let mut out = Vec::new();
+    gradwire::Aggregator::serial().aggregate_into(manifest, bundles, step, reduction, &mut out)?;
+    Ok(out)
+}
+
 /// Bit-exact equality of two f32 slices.
 pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())

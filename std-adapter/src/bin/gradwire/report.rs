@@ -6,7 +6,7 @@ use std::path::Path;
 use gradwire::TensorSpec;
 use gradwire::container::{CONTAINER_VERSION, ContainerHeader};
 use gradwire::core::peek;
-use gradwire::layout::bundle::ENTRY_HEADER_LEN;
+use gradwire::layout::ENTRY_HEADER_LEN;
 use gradwire::reference;
 
 use crate::CliError;
@@ -318,7 +318,11 @@ pub fn container(path: &Path, bytes: &[u8], max_elements: u64) -> Result<Report,
     let bh = manifest
         .check_bundle_with(bundle, None, None, |e, frame, _| {
             let entry = &manifest.entries()[e];
-            let h = peek(frame).map_err(|err| gradwire::Error::core(&entry.label, None, err))?;
+            let h = peek(frame).map_err(|source| gradwire::Error::Core {
+                tensor: entry.label.clone(),
+                rank: None,
+                source,
+            })?;
             for &m in &entry.members {
                 let t = &manifest.tensors()[m];
                 rows.push(Row {

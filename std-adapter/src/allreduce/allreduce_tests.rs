@@ -1,19 +1,18 @@
 //! CompressedAllReduce: the original module's semantics, and the communicator path over
-//! LocalGroup threads.
-
-mod common;
+//! LocalGroup threads. (Moved from `tests/allreduce.rs`: it runs the crate-private
+//! `all_reduce_with_peers_at` and `with_bucketing`.)
 
 use std::collections::HashMap;
 
-use common::{Rng, grads, minilm, noisy, same_bits};
+use super::test_common::{Rng, aggregate, grads, minilm, noisy, same_bits};
 use gradwire::BucketConfig;
 use gradwire::CompressedAllReduce;
 use gradwire::Error;
 use gradwire::Manifest;
+use gradwire::Reduction;
 use gradwire::comm::{Communicator, LocalCommunicator, LocalGroup};
 use gradwire::tensor::Tensor;
 use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor};
-use gradwire::{Reduction, aggregate};
 
 #[test]
 fn test_compressed_all_reduce() {
@@ -592,4 +591,74 @@ fn after_a_transport_error_the_sent_values_stay_sent() {
     let residual = ar.compressor().feedback().and_then(|f| f.residual("w"));
     assert_eq!(residual, Some(&[1.0, 0.0, 0.5, 2.0][..]));
     assert_eq!(ar.compressor().step(), 1);
+}
+
+/// (Moved from `tests/regressions.rs`.)
+/// Issue 24 item 7 (and scope 3): ranks configured with different reductions (mean on one,
+/// sum on another), top-k scopes or rounding seeds each "succeeded" with different results.
+/// The configuration fingerprint holds each of them: every rank fails naming the field.
+#[test]
+fn ranks_with_other_reductions_scopes_or_seeds_fail_naming_the_field() {
+    use gradwire::comm::LocalGroup;
+    use gradwire::layout::TopKScope;
+    use gradwire::{BucketConfig, CompressedAllReduce, CompressionMethod, Reduction, Tensor};
+    use std::collections::HashMap;
+
+    type Make = fn(usize, Box<dyn gradwire::comm::Communicator>) -> CompressedAllReduce;
+    let cases: [(&str, Make); 3] = [
+        ("reduction", |r, c| {
+            let red = if r == 1 {
+                Reduction::Sum
+            } else {
+                Reduction::Mean
+            };
+            CompressedAllReduce::with_communicator(CompressionMethod::TopK { k: 4 }, c)
+                .with_reduction(red)
+        }),
+        ("bucketing", |r, c| {
+            let scope = if r == 1 {
+                TopKScope::PerBucket
+            } else {
+                TopKScope::PerTensor
+            };
+            CompressedAllReduce::with_communicator(CompressionMethod::TopK { k: 4 }, c)
+                .with_bucketing(BucketConfig::fused(1 << 16).with_scope(scope))
+        }),
+        ("seed", |r, c| {
+            CompressedAllReduce::with_communicator(CompressionMethod::Quantization { bits: 4 }, c)
+                .with_seed(if r == 1 { 2 } else { 1 })
+        }),
+    ];
+    for (field, make) in cases {
+        let comms = LocalGroup::new(2).into_communicators();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                std::thread::spawn(move || {
+                    let g = HashMap::from([
+                        (
+                            "a".to_string(),
+                            Tensor::vector((0..64).map(|i| i as f32 - 30.0).collect()),
+                        ),
+                        ("b".to_string(), Tensor::vector(vec![1.0, -2.0, 3.0])),
+                    ]);
+                    make(r, Box::new(comm))
+                        .all_reduce(&g)
+                        .err()
+                        .map(|e| e.to_string())
+                })
+            })
+            .collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            let e = h
+                .join()
+                .unwrap()
+                .unwrap_or_else(|| panic!("{field}: rank {r} succeeded"));
+            assert!(
+                e.contains("rank 1 is configured differently") && e.contains(field),
+                "{field}: rank {r}: {e}"
+            );
+        }
+    }
 }

@@ -1,13 +1,12 @@
 //! The two-phase shard-owner collective and the dense f32 all-reduce, over LocalGroup threads:
 //! bit-identity with the all-gather where the method allows it, both invariants of nothing
 //! lost, the T-step conservation, resume, bytes per link, and faults (every rank errors, none
-//! hangs).
-
-mod common;
+//! hangs). (Moved from `tests/two_phase.rs`: it reads the server residuals through the
+//! crate-private `server_residual` and sets them with `set_server_residuals`.)
 
 use std::collections::HashMap;
 
-use common::{Rng, grads, minilm, same_bits};
+use super::test_common::{self as common, Rng, grads, minilm, same_bits};
 use gradwire::comm::{CommError, Communicator, LocalGroup, Traffic};
 use gradwire::core::{K, Method, Values};
 use gradwire::tensor::Tensor;
