@@ -203,6 +203,18 @@ def main(manifest, outdir, doc, command, section=""):
                 lines.append(
                     f"| {r['method']} | {COLLECTIVE.get((r['method'], r['collective']), r['collective'])} "
                     f"| {r['acc']:.2f} | {f'{t:.1f}' if t is not None else 'not reached'} | {vs} | {total:.1f} |")
+    skipped = manifest[:-4] + ".skipped" if manifest.endswith(".txt") else manifest + ".skipped"
+    for link in (open(skipped).read().split() if os.path.exists(skipped) else []):
+        up, check = (os.path.join(outdir, f"{what}-{link}.txt") for what in ("up", "check"))
+        up_text = open(up).read() if os.path.exists(up) else ""
+        if up_text and "hosts up" not in up_text:
+            why = [l for l in up_text.splitlines() if l.strip()][-1:]
+            lines.append(f"\n**{link_label(link)}**: not measured: the hosts could not be made"
+                         + (f" (`{why[0].strip()}`)" if why else "") + "\n")
+            continue
+        why = [l for l in open(check).read().splitlines() if "FAIL" in l] if os.path.exists(check) else []
+        lines.append(f"\n**{link_label(link)}**: not measured: the shaping check failed"
+                     + (f" (`{why[0].removeprefix('netsim: ')}`)" if why else "") + "\n")
     model = sh("lscpu | sed -n 's/^Model name: *//p'")
     facts = [
         f"- measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, code {sh('git describe --always --dirty')}",

@@ -18,7 +18,7 @@ use crate::report::{MethodResult, Report};
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 
-const COLORS: [RGBColor; 8] = [
+const COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -27,6 +27,8 @@ const COLORS: [RGBColor; 8] = [
     RGBColor(140, 86, 75),
     RGBColor(227, 119, 194),
     RGBColor(23, 190, 207),
+    RGBColor(188, 189, 34),
+    RGBColor(127, 127, 127),
 ];
 
 fn register() -> Result<(), DemoError> {
