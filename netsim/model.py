@@ -49,9 +49,10 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
+
+from report import sh  # the same shell helper as the report (netsim/ is on the path)
 
 BEGIN = "<!-- netsim-model:begin -->"
 END = "<!-- netsim-model:end -->"
@@ -510,13 +511,6 @@ def credit_text(r):
 
 def fmt_pct(x):
     return f"{100 * x:+.0f}%"
-
-
-def sh(cmd):
-    try:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 def rho_text(f):
