@@ -262,9 +262,39 @@ impl CompressedAllReduce {
     }
 
     /// The same all-reduce fusing small tensors into buckets in the bundles of the
-    /// communicator path (every rank must use the same configuration).
-    #[cfg(test)]
-    pub(crate) fn with_bucketing(mut self, bucketing: BucketConfig) -> Self {
+    /// communicator path (every rank must use the same configuration): fewer frames, so fewer
+    /// headers and checksums per step, as DDP's gradient buckets.
+    ///
+    /// ```
+    /// use std::collections::HashMap;
+    /// use gradwire::comm::{Communicator, LocalGroup};
+    /// use gradwire::{BucketConfig, CompressedAllReduce, CompressionMethod, Tensor};
+    ///
+    /// let comms = LocalGroup::new(2).into_communicators();
+    /// let handles: Vec<_> = comms
+    ///     .into_iter()
+    ///     .map(|comm| {
+    ///         std::thread::spawn(move || {
+    ///             let rank = comm.rank() as f32;
+    ///             // Both tensors (3 + 1 values) in one bucket of at most 1 KiB.
+    ///             let mut ar =
+    ///                 CompressedAllReduce::with_communicator(CompressionMethod::Float16, Box::new(comm))
+    ///                     .with_bucketing(BucketConfig::fused(1024));
+    ///             let grads = HashMap::from([
+    ///                 ("a.weight".to_string(), Tensor::vector(vec![1.0 + rank, 0.0, -4.0])),
+    ///                 ("a.bias".to_string(), Tensor::vector(vec![2.0 * rank])),
+    ///             ]);
+    ///             ar.all_reduce(&grads)
+    ///         })
+    ///     })
+    ///     .collect();
+    /// for h in handles {
+    ///     let mean = h.join().unwrap().unwrap();
+    ///     assert_eq!(mean["a.weight"].data(), &[1.5, 0.0, -4.0]);
+    ///     assert_eq!(mean["a.bias"].data(), &[1.0]);
+    /// }
+    /// ```
+    pub fn with_bucketing(mut self, bucketing: BucketConfig) -> Self {
         self.bucketing = bucketing;
         self.bundles = None;
         self
