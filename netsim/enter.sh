@@ -8,7 +8,22 @@ host=${1:?host}
 shift
 state=${NETSIM_STATE:?}
 hostname "gwns-h$host"
+# A checkout under /tmp (a CI clone in a mktemp directory) would vanish under the host's own
+# /tmp: bind it aside first, then back at its own path inside the new /tmp.
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+aside=
+case "$repo/" in
+    /tmp/*)
+        aside="$state/h$host/repo"
+        mkdir -p "$aside"
+        mount --bind "$repo" "$aside"
+        ;;
+esac
 mount --bind "$state/h$host/tmp" /tmp
 mount --bind "$state/h$host/shm" /dev/shm
+if [ -n "$aside" ]; then
+    mkdir -p "$repo"
+    mount --bind "$aside" "$repo"
+fi
 export TMPDIR=/tmp OMPI_MCA_orte_tmpdir_base=/tmp PMIX_SYSTEM_TMPDIR=/tmp PMIX_SERVER_TMPDIR=/tmp
 exec "$@"
