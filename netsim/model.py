@@ -52,7 +52,7 @@ import statistics
 import sys
 import time
 
-from report import sh  # the same shell helper as the report (netsim/ is on the path)
+from report import replace_block, sh  # shared with the report (netsim/ is on the path)
 
 BEGIN = "<!-- netsim-model:begin -->"
 END = "<!-- netsim-model:end -->"
@@ -771,20 +771,9 @@ def render(manifests, rows, missing, skipped, fits, alts, table, wscaling_path):
 
 
 def write_doc(doc, body):
-    block = f"{BEGIN}\n\n{body}\n{END}"
-    if os.path.exists(doc):
-        text = open(doc).read()
-    else:
-        text = ("# A cost model of the collectives on shaped links (issue 26, scope 4)\n\n"
-                "Written by `python3 netsim/model.py` (see its docstring).\n\n")
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(doc, "w") as fh:
-        fh.write(text)
+    replace_block(doc, BEGIN, END, f"{BEGIN}\n\n{body}\n{END}",
+                  "# A cost model of the collectives on shaped links (issue 26, scope 4)\n\n"
+                  "Written by `python3 netsim/model.py` (see its docstring).\n\n")
 
 
 def main(argv):

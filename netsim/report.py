@@ -224,15 +224,22 @@ def main(manifest, outdir, doc, command, section=""):
         f"- command: `{command}`",
     ]
     body = "\n".join([begin, "", *facts, *lines, "", end])
-    text = open(doc).read() if os.path.exists(doc) else f"# netsim\n\n{begin}\n{end}\n"
+    replace_block(doc, begin, end, body, "# netsim\n")
+    print(body)
+
+
+def replace_block(doc, begin, end, block, new_doc_head):
+    """Writes `block` (markers included) into `doc` in place of the text from `begin` to `end`,
+    or appends it where the markers are missing; a missing `doc` starts as `new_doc_head`."""
+    text = open(doc).read() if os.path.exists(doc) else new_doc_head
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         _, tail = rest.split(end, 1)
-        text = head + body + tail
+        text = head + block + tail
     else:
-        text = text.rstrip("\n") + "\n\n" + body + "\n"
-    open(doc, "w").write(text)
-    print(body)
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(doc, "w") as fh:
+        fh.write(text)
 
 
 if __name__ == "__main__":

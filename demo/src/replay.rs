@@ -11,6 +11,8 @@
 //! as the MLP's, so that the replicas' agreement is checked exactly as in training. Accuracy and
 //! loss are not defined (reported as 0).
 
+use std::sync::OnceLock;
+
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 
@@ -25,26 +27,33 @@ const MINILM_GRADS: &[u8] = include_bytes!("../../testdata/minilm_small_grads.sa
 /// one step do, so top-k keeps partly different coordinates on every rank.
 pub const NOISE_SHARE: f32 = 0.3;
 
-/// The MiniLM tensors, name order: their specs and values.
+/// The MiniLM tensors' specs and values, name order.
+pub type Tensors = (Vec<ParamSpec>, Vec<Vec<f32>>);
+
+/// The MiniLM tensors, name order: their specs and values, parsed once per process.
 ///
 /// # Errors
 /// [`DemoError::Config`] if the embedded file does not parse (it does).
-pub fn minilm() -> Result<(Vec<ParamSpec>, Vec<Vec<f32>>), DemoError> {
-    let mut tensors = gradwire::tensor::read_safetensors(MINILM_GRADS)
-        .map_err(|e| DemoError::Config(format!("the embedded MiniLM gradients: {e}")))?;
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(tensors
-        .into_iter()
-        .map(|(name, t)| {
-            (
-                ParamSpec {
-                    name,
-                    shape: t.shape().to_vec(),
-                },
-                t.data().to_vec(),
-            )
+pub fn minilm() -> Result<&'static Tensors, DemoError> {
+    static PARSED: OnceLock<Result<Tensors, String>> = OnceLock::new();
+    PARSED
+        .get_or_init(|| {
+            let mut tensors = gradwire::tensor::read_safetensors(MINILM_GRADS)
+                .map_err(|e| format!("the embedded MiniLM gradients: {e}"))?;
+            tensors.sort_by(|a, b| a.0.cmp(&b.0));
+            Ok(tensors
+                .into_iter()
+                .map(|(name, t)| {
+                    let spec = ParamSpec {
+                        name,
+                        shape: t.shape().to_vec(),
+                    };
+                    (spec, t.data().to_vec())
+                })
+                .unzip())
         })
-        .unzip())
+        .as_ref()
+        .map_err(|e| DemoError::Config(e.clone()))
 }
 
 /// Specs of the MiniLM tensors, name order.
@@ -52,7 +61,7 @@ pub fn minilm() -> Result<(Vec<ParamSpec>, Vec<Vec<f32>>), DemoError> {
 /// # Errors
 /// As [`minilm`].
 pub fn minilm_specs() -> Result<Vec<ParamSpec>, DemoError> {
-    Ok(minilm()?.0)
+    Ok(minilm()?.0.clone())
 }
 
 /// One rank's gradients of the replay: the MiniLM tensors plus, on every non-zero element,
@@ -73,7 +82,7 @@ impl ReplayGradients {
     /// # Errors
     /// As [`minilm`].
     pub fn new(seed: u64, rank: usize) -> Result<ReplayGradients, DemoError> {
-        let (_, base) = minilm()?;
+        let base = minilm()?.1.clone();
         let amplitude = base
             .iter()
             .map(|t| {
@@ -138,7 +147,7 @@ mod tests {
         assert_eq!(specs.len(), 12);
         assert_eq!(specs.iter().map(ParamSpec::len).sum::<usize>(), 789_504);
         assert!(specs.windows(2).all(|w| w[0].name < w[1].name));
-        assert!(specs.iter().zip(&values).all(|(s, v)| s.len() == v.len()));
+        assert!(specs.iter().zip(values).all(|(s, v)| s.len() == v.len()));
     }
 
     #[test]

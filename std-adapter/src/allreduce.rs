@@ -851,7 +851,7 @@ mod compressed_maps_tests {
 
     use gradwire_core::{Method, Values};
 
-    use super::test_common::grads;
+    use super::test_common::{bundles, grads};
     use crate::aggregate::{Aggregator, Reduction};
     use crate::compressor::GradientCompressor;
     use crate::engine::Parallelism;
@@ -859,23 +859,6 @@ mod compressed_maps_tests {
     use crate::layout::{BucketConfig, CompressedGradient, Manifest};
     use crate::method::CompressionMethod;
     use crate::tensor::Tensor;
-
-    fn bundles(
-        manifest: &Manifest,
-        method: &CompressionMethod,
-        per_rank: &[HashMap<String, Tensor>],
-    ) -> Vec<Vec<u8>> {
-        per_rank
-            .iter()
-            .enumerate()
-            .map(|(rank, g)| {
-                let mut c = GradientCompressor::new(method.clone());
-                let mut out = Vec::new();
-                c.compress_bundle(manifest, g, rank, &mut out).unwrap();
-                out
-            })
-            .collect()
-    }
 
     /// Finite contributions whose f32 sum overflows: an error naming the tensor and the element
     /// within it (never an infinite aggregate), the same on the serial and the parallel path (small

@@ -4,7 +4,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{Rng, aggregate, grads, minilm, noisy, same_bits};
+use common::{Rng, aggregate, bundles, grads, minilm, noisy, same_bits};
 use gradwire::Aggregator;
 use gradwire::BucketConfig;
 use gradwire::Reduction;
@@ -13,23 +13,6 @@ use gradwire::tensor::Tensor;
 use gradwire::{BundleFault, Error};
 use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
-
-fn bundles(
-    manifest: &Manifest,
-    method: &CompressionMethod,
-    per_rank: &[HashMap<String, Tensor>],
-) -> Vec<Vec<u8>> {
-    per_rank
-        .iter()
-        .enumerate()
-        .map(|(rank, g)| {
-            let mut c = GradientCompressor::new(method.clone());
-            let mut out = Vec::new();
-            c.compress_bundle(manifest, g, rank, &mut out).unwrap();
-            out
-        })
-        .collect()
-}
 
 /// The sum of the bundles (made at step 0) as the core decodes them, rank by rank, frame by
 /// frame, added in rank order.

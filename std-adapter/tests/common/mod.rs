@@ -98,6 +98,24 @@ pub fn aggregate<B: AsRef<[u8]> + Sync>(
     Ok(out)
 }
 
+/// Every rank's bundle of `per_rank[rank]` at step 0, each from a fresh compressor of `method`.
+pub fn bundles(
+    manifest: &gradwire::Manifest,
+    method: &gradwire::CompressionMethod,
+    per_rank: &[HashMap<String, Tensor>],
+) -> Vec<Vec<u8>> {
+    per_rank
+        .iter()
+        .enumerate()
+        .map(|(rank, g)| {
+            let mut c = gradwire::GradientCompressor::new(method.clone());
+            let mut out = Vec::new();
+            c.compress_bundle(manifest, g, rank, &mut out).unwrap();
+            out
+        })
+        .collect()
+}
+
 /// Bit-exact equality of two f32 slices.
 pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
