@@ -156,20 +156,23 @@ def rounds_allreduce(w, total, ring=False):
 
 # The MPI calls of one step of each collective (std-adapter/src/comm/mpi.rs,
 # std-adapter/src/collective/, demo/src/mpi_dense.rs): (MPI call, size key).
-# Communicator::all_gather = MPI_Allgather of 3 u64 (24 B) per rank + MPI_Allgatherv of the data;
+# Communicator::all_gather = MPI_Allgather of 11 u64 (88 B: length, limit, round budget and up to
+# 64 inline bytes) per rank, + MPI_Allgatherv of the data when any buffer is longer than 64 B;
 # Communicator::all_to_all = MPI_Alltoall of 2 u64 (16 B) per pair + MPI_Allgather of a 5-u64
-# verdict (40 B) + MPI_Alltoallv of the data.
-AG = [("allgather", 24), ("allgatherv", "data")]
+# verdict (40 B) + MPI_Alltoallv of the data; all_reduce_sum_f32 = MPI_Allgather of the element
+# count (8 B), then W - 1 pairwise steps of the shards and W - 1 of the sums.
+AG = [("allgather", 88), ("allgatherv", "data")]
+ENVELOPES = [("allgather", 88)]  # 20-byte envelopes: inline
 A2A = [("alltoall", 16), ("allgather", 40), ("alltoallv", "data")]
 CALLS = {
     # the demo's all-gather route: one Communicator::all_gather of the bundle
     "allgather": AG,
     # agreement round (20-byte envelopes) + all_to_all of the shards + all_gather of the owners'
     # reduced shards (collective/two_phase.rs)
-    "two-phase": [("allgather", 24), ("allgatherv", 20)] + A2A + AG,
-    # gradwire's dense f32: an envelope all-gather, then all_reduce_sum_f32 (all_to_all of the
-    # shards, all_gather of the sums) (collective/dense.rs, comm/reduce.rs)
-    "gradwire-dense": [("allgather", 24), ("allgatherv", 20)] + A2A + AG,
+    "two-phase": ENVELOPES + A2A + AG,
+    # gradwire's dense f32: an envelope all-gather, then all_reduce_sum_f32 (the counts, then
+    # pairwise steps) (collective/dense.rs, comm/mpi.rs)
+    "gradwire-dense": ENVELOPES + [("allgather", 8), ("pairwise", "data"), ("pairwise", "data")],
     # dense-f32-allreduce: one MPI_Allreduce, Open MPI's choice of algorithm or the ring forced
     "mpi-allreduce": [("allreduce", "total")],
     "mpi-allreduce-ring": [("allreduce-ring", "total")],
@@ -177,7 +180,7 @@ CALLS = {
 LABEL = {
     "allgather": "all-gather",
     "two-phase": "two-phase",
-    "gradwire-dense": "gradwire dense f32 (all-to-all + all-gather)",
+    "gradwire-dense": "gradwire dense f32 (pairwise reduce-scatter + all-gather)",
     "mpi-allreduce": "MPI_Allreduce (Open MPI's choice)",
     "mpi-allreduce-ring": "MPI_Allreduce, ring forced",
 }
@@ -197,6 +200,8 @@ def rounds(kind, w, data, total):
             r += rounds_alltoall(w, size)
         elif call == "alltoallv":
             r += rounds_alltoallv(w)
+        elif call == "pairwise":
+            r += max(w - 1, 0)
         elif call == "allreduce":
             r += rounds_allreduce(w, size)
         elif call == "allreduce-ring":

@@ -1,6 +1,8 @@
 //! Self-test of `MpiCommunicator`: run it under `mpirun -np 4`. Every rank checks a series of
-//! all-gathers (rank-dependent sizes, empty buffers, forced multi-round splits, a too-large
-//! buffer) and prints `mpi_selftest rank R/W ok`, or `... FAILED: why` and exits with 1.
+//! all-gathers (rank-dependent sizes, empty buffers, buffers around the inline size, forced
+//! multi-round splits, a too-large buffer), then the checks every transport runs
+//! (`tests/common/collectives.rs`), and prints `mpi_selftest rank R/W ok`, or
+//! `... FAILED: why` and exits with 1.
 
 use std::process::ExitCode;
 
@@ -61,6 +63,12 @@ fn run(comm: &mut MpiCommunicator) -> Result<(), String> {
     // Every buffer empty.
     case += 1;
     check_round(comm, case, 0, |_| 0, &mut out)?;
+    // Around the 64 bytes that travel inside the header exchange: all at it, some one above,
+    // lengths that are not multiples of 8.
+    for len_of in [|_| 64, |r| 64 + r % 2, |r| 57 + r] as [fn(usize) -> usize; 3] {
+        case += 1;
+        check_round(comm, case, 4096, len_of, &mut out)?;
+    }
 
     // Forced splits: tiny round budgets, including 1 byte per round and a budget that only
     // rank 0 sets (the group uses the smallest).

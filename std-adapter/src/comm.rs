@@ -200,7 +200,9 @@ pub trait Communicator: Send {
     /// contiguous shards (shard `j` is `j * n / W .. (j + 1) * n / W`), shard `j` is summed by
     /// rank `j` in rank order (`((x_0 + x_1) + x_2) + ...`, in f32) after an all-to-all, and the
     /// sums are all-gathered: `2 (W - 1) / W x 4n` bytes each way per rank, a ring
-    /// all-reduce's. Every rank must pass the same length.
+    /// all-reduce's. Every rank must pass the same length. A transport may move the shards on
+    /// its own schedule (`MpiCommunicator` exchanges them pairwise, one message each way per
+    /// step); the bits and the [`Communicator::traffic`] counts are the same.
     ///
     /// # Errors
     /// As [`Communicator::all_to_all`] and [`Communicator::all_gather`];

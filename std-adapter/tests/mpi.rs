@@ -1,4 +1,5 @@
-//! Runs the `mpi_selftest` example under `mpirun -np 4` and checks that every rank reports ok.
+//! Runs the `mpi_selftest` example under `mpirun -np 4` (and 3 and 5) and checks that every rank
+//! reports ok; runs the `mpi_faults` example's faults at 4 ranks.
 //!
 //! This test builds nothing: it expects the example next to the test binary, in
 //! `target/<profile>/examples/mpi_selftest`. `cargo test --features mpi` builds examples; with a
@@ -51,8 +52,13 @@ impl Run {
 
 /// Runs `bin args` under `mpirun -np RANKS`, killed after `limit`.
 fn mpirun(bin: &Path, args: &[&str], limit: Duration) -> Run {
+    mpirun_np(RANKS, bin, args, limit)
+}
+
+/// Runs `bin args` under `mpirun -np ranks`, killed after `limit`.
+fn mpirun_np(ranks: usize, bin: &Path, args: &[&str], limit: Duration) -> Run {
     let mut child = Command::new("mpirun")
-        .args(["-np", &RANKS.to_string(), "--oversubscribe"])
+        .args(["-np", &ranks.to_string(), "--oversubscribe"])
         .arg(bin)
         .args(args)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -96,20 +102,27 @@ fn mpirun(bin: &Path, args: &[&str], limit: Duration) -> Run {
     }
 }
 
+/// The self-test at 4 ranks, and at 3 and 5, where the shards of the rank-order sum differ in
+/// length and the pairwise schedule's partners are not each other's.
 #[test]
-fn four_ranks_report_ok() {
-    let run = mpirun(&example_binary("mpi_selftest"), &[], TIME_LIMIT);
-    let report = run.report();
-    let status = run
-        .status
-        .unwrap_or_else(|| panic!("mpirun ran past {TIME_LIMIT:?}\n{report}"));
-    assert!(status.success(), "mpirun failed: {status}\n{report}");
-    for rank in 0..RANKS {
-        let line = format!("mpi_selftest rank {rank}/{RANKS} ok");
+fn every_rank_reports_ok() {
+    for ranks in [RANKS, 3, 5] {
+        let run = mpirun_np(ranks, &example_binary("mpi_selftest"), &[], TIME_LIMIT);
+        let report = run.report();
+        let status = run
+            .status
+            .unwrap_or_else(|| panic!("mpirun ran past {TIME_LIMIT:?}\n{report}"));
         assert!(
-            run.stdout.lines().any(|l| l.trim() == line),
-            "missing `{line}`\n{report}"
+            status.success(),
+            "mpirun -np {ranks} failed: {status}\n{report}"
         );
+        for rank in 0..ranks {
+            let line = format!("mpi_selftest rank {rank}/{ranks} ok");
+            assert!(
+                run.stdout.lines().any(|l| l.trim() == line),
+                "missing `{line}`\n{report}"
+            );
+        }
     }
 }
 

@@ -1,11 +1,13 @@
 //! [`MpiCommunicator`]: the all-gather over MPI's world communicator (crate `mpi`, Open MPI).
 //!
 //! One call is:
-//! 1. `MPI_Allgather` of three `u64` per rank: buffer length, `max_len`, round budget;
+//! 1. `MPI_Allgather` of three `u64` per rank (buffer length, `max_len`, round budget) and, when
+//!    the buffer holds at most [`INLINE_BYTES`] bytes, the buffer itself;
 //! 2. the same decision on every rank: any length above the group's smallest `max_len` fails
 //!    every rank with the same [`CommError::TooLarge`] (or [`CommError::LimitsDiffer`]), before
-//!    anything is allocated;
-//! 3. one `MPI_Allgatherv` per round into a reused staging buffer, then a copy into each
+//!    anything is allocated; when every buffer came inline, the call ends here (the envelopes
+//!    of the collectives take one MPI call, not two);
+//! 3. otherwise one `MPI_Allgatherv` per round into a reused staging buffer, then a copy into each
 //!    rank's `out` entry. MPI counts and displacements are `i32`, so a round moves at most
 //!    `i32::MAX` bytes in all (or the group's smallest [`MpiCommunicator::round_limit`]); a
 //!    larger gather is split into rounds, each a window of every rank's buffer (see `rounds`).
@@ -13,6 +15,14 @@
 //! An all-to-all is an `MPI_Alltoall` of (length, limit) pairs, an `MPI_Allgather` of each
 //! receiver's verdict on the lengths it will receive (so that every rank fails alike), then
 //! `MPI_Alltoallv`.
+//!
+//! The rank-order f32 sum ([`Communicator::all_reduce_sum_f32`]) is an `MPI_Allgather` of every
+//! rank's element count (a difference fails every rank alike), then the same shards, sums and
+//! byte counts as on every transport, moved pairwise: in step `s = 1 .. W - 1` each rank sends
+//! one message to rank `me + s` and receives one from rank `me - s` (mod `W`), first its
+//! shards (the reduce-scatter), then its shard's sum (the all-gather). Each step loads every
+//! link with one message each way, where `MPI_Alltoallv` sends `W - 1` shards into one
+//! receiver's link at once; the f32 values travel as they are, with no byte staging.
 //!
 //! Every step is computed from exchanged values only, so all ranks issue the same sequence of
 //! MPI calls. Every MPI call is nonblocking and waited for with a deadline
@@ -35,11 +45,22 @@ use ::mpi::traits::{
     Communicator as _, CommunicatorCollectives as _, Destination as _, Source as _,
 };
 
+use super::reduce::{add_in_rank_order, logical_traffic, shard};
 use super::rounds::Rounds;
 use super::{CommError, Communicator, DEFAULT_DEADLINE, Traffic, check_lengths, reset_out};
 
+/// Buffers of at most this many bytes travel inside [`Communicator::all_gather`]'s header
+/// exchange (a multiple of 8: they travel as `u64` words).
+const INLINE_BYTES: usize = 64;
+/// The header of one rank in [`Communicator::all_gather`]: length, `max_len`, round budget,
+/// then the inline bytes.
+const HEADER_WORDS: usize = 3 + INLINE_BYTES / 8;
+
 /// The tag of the arrival round after a deadline.
 const ARRIVAL_TAG: i32 = 0x6777;
+/// The tags of the rank-order sum's point-to-point messages: its reduce-scatter, its all-gather.
+const SCATTER_TAG: i32 = 0x6778;
+const GATHER_TAG: i32 = 0x6779;
 /// What a rank sends in the arrival round.
 static HERE: [u8; 1] = [1];
 /// How long the arrival round listens for peers.
@@ -79,13 +100,15 @@ pub struct MpiCommunicator {
     round_limit: usize,
     threading: Threading,
     home: ThreadId,
-    /// Exchanged header: (length, max_len, round limit) per rank.
+    /// Exchanged header: (length, max_len, round limit, inline bytes) per rank.
     header: Vec<u64>,
     lens: Vec<usize>,
     counts: Vec<usize>,
     mpi_counts: Vec<Count>,
     mpi_displs: Vec<Count>,
     staging: Vec<u8>,
+    /// The rank-order sum's received shards, one slot per rank.
+    shards: Vec<f32>,
     rounds: Rounds,
     deadline: Duration,
     round: u64,
@@ -158,6 +181,7 @@ impl MpiCommunicator {
             mpi_counts: Vec::new(),
             mpi_displs: Vec::new(),
             staging: Vec::new(),
+            shards: Vec::new(),
             rounds: Rounds::default(),
             deadline: DEFAULT_DEADLINE,
             round: 0,
@@ -351,16 +375,24 @@ impl Communicator for MpiCommunicator {
         let world = self.universe.world();
         let w = self.world_size;
 
-        // 1. Lengths, limits and round budgets of every rank.
+        // 1. Lengths, limits and round budgets of every rank, and the small buffers themselves.
         let header_len = w
-            .checked_mul(3)
+            .checked_mul(HEADER_WORDS)
             .filter(|&n| Count::try_from(n).is_ok())
             .ok_or_else(|| CommError::Transport(format!("world size {w} is too large")))?;
-        let mine = [
+        let mut mine = [0u64; HEADER_WORDS];
+        mine[..3].copy_from_slice(&[
             to_u64(local.len()),
             to_u64(max_len),
             to_u64(self.round_limit),
-        ];
+        ]);
+        if local.len() <= INLINE_BYTES {
+            for (word, bytes) in mine[3..].iter_mut().zip(local.chunks(8)) {
+                let mut le = [0u8; 8];
+                le[..bytes.len()].copy_from_slice(bytes);
+                *word = u64::from_le_bytes(le);
+            }
+        }
         self.header.clear();
         self.header.resize(header_len, 0);
         {
@@ -372,22 +404,41 @@ impl Communicator for MpiCommunicator {
 
         // 2. The same decision on every rank, from the exchanged values only.
         let mut budget = to_u64(Self::MAX_ROUND_BYTES);
-        for peer in self.header.chunks_exact(3) {
+        for peer in self.header.chunks_exact(HEADER_WORDS) {
             budget = budget.min(peer[2]);
         }
         let as_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
         check_lengths(
             self.header
-                .chunks_exact(3)
+                .chunks_exact(HEADER_WORDS)
                 .map(|peer| (as_usize(peer[0]), as_usize(peer[1]))),
         )?;
         // Every length is now at most the smallest limit, which came from some rank's usize.
         self.lens.clear();
         self.lens.extend(
             self.header
-                .chunks_exact(3)
+                .chunks_exact(HEADER_WORDS)
                 .map(|peer| usize::try_from(peer[0]).unwrap_or(usize::MAX)),
         );
+        let received: usize = (0..w)
+            .filter(|&r| r != self.rank)
+            .map(|r| self.lens[r])
+            .sum();
+        if self.lens.iter().all(|&len| len <= INLINE_BYTES) {
+            reset_out(out, w);
+            for ((buf, &len), peer) in out
+                .iter_mut()
+                .zip(&self.lens)
+                .zip(self.header.chunks_exact(HEADER_WORDS))
+            {
+                for word in &peer[3..] {
+                    buf.extend_from_slice(&word.to_le_bytes());
+                }
+                buf.truncate(len);
+            }
+            self.traffic.add(local.len() * (w - 1), received, w - 1);
+            return Ok(());
+        }
         let budget = usize::try_from(budget)
             .unwrap_or(Self::MAX_ROUND_BYTES)
             .clamp(1, Self::MAX_ROUND_BYTES);
@@ -446,10 +497,6 @@ impl Communicator for MpiCommunicator {
                 at += count;
             }
         }
-        let received: usize = (0..w)
-            .filter(|&r| r != self.rank)
-            .map(|r| self.lens[r])
-            .sum();
         self.traffic.add(local.len() * (w - 1), received, w - 1);
         Ok(())
     }
@@ -591,5 +638,83 @@ impl Communicator for MpiCommunicator {
 
     fn traffic(&self) -> Traffic {
         self.traffic
+    }
+
+    fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
+        self.check_thread("all_reduce_sum_f32");
+        self.round = self.round.wrapping_add(1);
+        let waiter = self.waiter("all_reduce_sum_f32", Instant::now());
+        let world = self.universe.world();
+        let (w, me, n) = (self.world_size, self.rank, x.len());
+
+        // 1. Every rank's element count: the message sizes below follow from it, so ranks must
+        // agree before any of them is posted.
+        let mine = [to_u64(n)];
+        let mut counts = vec![0u64; w];
+        ::mpi::request::scope(|scope| {
+            waiter.wait(world.immediate_all_gather_into(scope, &mine[..], &mut counts[..]));
+        });
+        if let Some(r) = counts.iter().position(|&c| c != counts[0]) {
+            return Err(CommError::Mismatch {
+                round: self.round,
+                detail: format!(
+                    "all_reduce_sum_f32: rank {r} passed {} elements, rank 0 {}",
+                    counts[r], counts[0]
+                ),
+            });
+        }
+        // The same counts on every rank, so the same verdict.
+        to_count(n / w + 1)?;
+
+        // 2. Reduce-scatter, pairwise: shard `dst` of `x` to rank `dst`, shard `me` of rank
+        // `src` into slot `src`.
+        let own = shard(n, w, me);
+        let len = own.len();
+        self.shards.clear();
+        self.shards.resize(w * len, 0.0);
+        for s in 1..w {
+            let (dst, src) = ((me + s) % w, (me + w - s) % w);
+            let send = &x[shard(n, w, dst)];
+            let recv = &mut self.shards[src * len..(src + 1) * len];
+            ::mpi::request::scope(|scope| {
+                let sent = world.process_at_rank(dst as i32).immediate_send_with_tag(
+                    scope,
+                    send,
+                    SCATTER_TAG,
+                );
+                let got = world
+                    .process_at_rank(src as i32)
+                    .immediate_receive_into_with_tag(scope, recv, SCATTER_TAG);
+                waiter.wait(got);
+                waiter.wait(sent);
+            });
+        }
+        self.shards[me * len..(me + 1) * len].copy_from_slice(&x[own.clone()]);
+        let (sum, rest) = self.shards.split_at_mut(len);
+        for r in 1..w {
+            add_in_rank_order(sum, r, rest[(r - 1) * len..r * len].iter().copied());
+        }
+
+        // 3. All-gather, pairwise: this rank's sum to rank `dst`, rank `src`'s into `x`.
+        let sum = &self.shards[..len];
+        x[own].copy_from_slice(sum);
+        for s in 1..w {
+            let (dst, src) = ((me + s) % w, (me + w - s) % w);
+            let recv = &mut x[shard(n, w, src)];
+            ::mpi::request::scope(|scope| {
+                let sent = world
+                    .process_at_rank(dst as i32)
+                    .immediate_send_with_tag(scope, sum, GATHER_TAG);
+                let got = world
+                    .process_at_rank(src as i32)
+                    .immediate_receive_into_with_tag(scope, recv, GATHER_TAG);
+                waiter.wait(got);
+                waiter.wait(sent);
+            });
+        }
+        let t = logical_traffic(n, w, me);
+        self.traffic.sent = self.traffic.sent.saturating_add(t.sent);
+        self.traffic.received = self.traffic.received.saturating_add(t.received);
+        Ok(())
     }
 }

@@ -1,7 +1,9 @@
 //! The rank-order dense f32 sum of [`Communicator::all_reduce_sum_f32`]: a reduce-scatter
 //! through the all-to-all (shard `j` of every rank to rank `j`, summed there in rank order),
-//! then an all-gather of the sums. Every transport runs this same code, so every rank and every
-//! transport gets the same bits.
+//! then an all-gather of the sums. A transport may move the shards on another schedule (MPI
+//! exchanges them pairwise), but every one cuts them with [`shard`], sums them with
+//! [`add_in_rank_order`] and counts them with [`logical_traffic`], so every rank and every
+//! transport gets the same bits and the same byte counts.
 
 use super::{CommError, Communicator};
 
@@ -9,6 +11,30 @@ use super::{CommError, Communicator};
 pub(crate) fn shard(n: usize, w: usize, j: usize) -> std::ops::Range<usize> {
     let at = |j: usize| ((j as u128 * n as u128) / w.max(1) as u128) as usize;
     at(j)..at(j + 1)
+}
+
+/// Adds rank `r`'s values of a shard to `sum`, which holds the sum of ranks `0..r` (anything
+/// when `r == 0`: rank 0's values replace it, so that one rank's sum is its values, -0.0
+/// included). Called for `r = 0, 1, ..` in turn, it gives `((x_0 + x_1) + x_2) + ...` in f32.
+pub(crate) fn add_in_rank_order(sum: &mut [f32], r: usize, vals: impl Iterator<Item = f32>) {
+    for (s, v) in sum.iter_mut().zip(vals) {
+        *s = if r == 0 { v } else { *s + v };
+    }
+}
+
+/// The bytes one [`Communicator::all_reduce_sum_f32`] of `n` elements counts on rank `me` of
+/// `w`, each way (sent and received are equal): the all-to-all's shards and the all-gather's
+/// sums, each with its 8-byte length or verdict word, and both calls' length exchanges.
+#[cfg(any(test, feature = "mpi"))]
+pub(crate) fn logical_traffic(n: usize, w: usize, me: usize) -> super::Traffic {
+    let message = |j: usize| 8 + 4 * shard(n, w, j).len() as u64;
+    let peers = w.saturating_sub(1) as u64;
+    let others: u64 = (0..w).filter(|&j| j != me).map(message).sum();
+    let each_way = others + peers * message(me) + 2 * super::Traffic::LENGTHS * peers;
+    super::Traffic {
+        sent: each_way,
+        received: each_way,
+    }
 }
 
 /// Appends `x` to `out` as little-endian bytes.
@@ -54,9 +80,7 @@ pub(crate) fn sum_f32<C: Communicator + ?Sized>(
             let vals = b[8..]
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-            for (s, v) in sum.iter_mut().zip(vals) {
-                *s = if r == 0 { v } else { *s + v };
-            }
+            add_in_rank_order(&mut sum, r, vals);
         }
     }
     // Phase 2: the sums, behind a verdict word: 0 when every length matched, else 1 + the
@@ -97,7 +121,35 @@ pub(crate) fn sum_f32<C: Communicator + ?Sized>(
 
 #[cfg(test)]
 mod tests {
-    use super::shard;
+    use super::{logical_traffic, shard};
+    use crate::comm::{Communicator, LocalGroup};
+
+    /// What a transport that moves the shards on its own schedule counts is what the
+    /// all-to-all and all-gather of the default path count.
+    #[test]
+    fn logical_traffic_is_the_default_paths_count() {
+        for (n, w) in [(0, 1), (1, 3), (10, 4), (1001, 5)] {
+            let handles: Vec<_> = LocalGroup::new(w)
+                .into_communicators()
+                .into_iter()
+                .map(|mut comm| {
+                    std::thread::spawn(move || {
+                        let mut x = vec![1.0f32; n];
+                        comm.all_reduce_sum_f32(&mut x).unwrap();
+                        (comm.rank(), comm.traffic())
+                    })
+                })
+                .collect();
+            for h in handles {
+                let (me, traffic) = h.join().unwrap();
+                assert_eq!(
+                    traffic,
+                    logical_traffic(n, w, me),
+                    "n {n}, w {w}, rank {me}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn shards_tile_the_elements() {

@@ -105,14 +105,38 @@ pub fn run_all<C: Communicator>(comm: &mut C) -> Result<(), String> {
         other => return Err(format!("all_to_all too large: {other:?}")),
     }
     all_to_all_case(comm, 4, |s, d| s + d + 1)?;
-    // The rank-order sum, bit for bit, for lengths below, at and above the world size.
+    // The last rank passes one element more: every rank fails alike, and the group stays
+    // usable for the sums below.
+    let mut x = vec![1.0f32; 10 + usize::from(me == w - 1)];
+    match comm.all_reduce_sum_f32(&mut x) {
+        Err(CommError::Mismatch { .. }) if w > 1 => {}
+        Ok(()) if w == 1 => {}
+        other => return Err(format!("all_reduce_sum_f32 of other lengths: {other:?}")),
+    }
+    // The rank-order sum, bit for bit, for lengths below, at and above the world size, and
+    // its traffic: every rank's shard `j` (`j n / W .. (j + 1) n / W`) to rank `j` and the sums
+    // back, each message with an 8-byte word in front, and two length exchanges.
     for (case, n) in [(5, 0), (6, 1), (7, w), (8, 1000), (9, 3 * w + 1)] {
+        let before = comm.traffic();
         let mut x = contribution(case, me, n);
         comm.all_reduce_sum_f32(&mut x)
             .map_err(|e| format!("all_reduce_sum_f32 n {n}: {e}"))?;
         let want = rank_order_sum(case, w, n);
         if x.iter().zip(&want).any(|(a, b)| a.to_bits() != b.to_bits()) || x.len() != n {
             return Err(format!("all_reduce_sum_f32 n {n}: not the rank-order sum"));
+        }
+        let message = |j: usize| (8 + 4 * ((j + 1) * n / w - j * n / w)) as u64;
+        let each_way = (0..w).filter(|&j| j != me).map(message).sum::<u64>()
+            + (w as u64 - 1) * (message(me) + 32);
+        let want = Traffic {
+            sent: each_way,
+            received: each_way,
+        };
+        if comm.traffic().since(before) != want {
+            return Err(format!(
+                "all_reduce_sum_f32 n {n} traffic: {:?}, expected {want:?}",
+                comm.traffic().since(before)
+            ));
         }
     }
     Ok(())
