@@ -1,5 +1,5 @@
 //! Replays every file of the checked-in fuzz corpora of the std targets
-//! (`fuzz/corpus/{bundle,reference,checkpoint,two_phase,server_checkpoint}/`) through the same
+//! (`fuzz/corpus/{bundle,reference,checkpoint,two_phase,server_checkpoint,dense_sum}/`) through the same
 //! target bodies the fuzzers run, on stable. The bodies live in `fuzz/logic/src/std_targets.rs`
 //! and `collective_targets.rs` and are included here by path (no dependency on the fuzz crate,
 //! whose workspace is separate); see FUZZING.md.
@@ -69,4 +69,9 @@ fn replay_two_phase() {
 #[test]
 fn replay_server_checkpoint() {
     replay("server_checkpoint", collective_targets::server_checkpoint);
+}
+
+#[test]
+fn replay_dense_sum() {
+    replay("dense_sum", collective_targets::dense_sum);
 }

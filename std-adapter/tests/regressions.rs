@@ -226,3 +226,66 @@ fn a_frame_with_a_larger_index_codec_is_valid_alone_but_beyond_the_bundle_bound(
         max_frame_len(n, &method)
     );
 }
+
+/// Found by the first seeds of the `dense_sum` target: in the default
+/// `Communicator::all_reduce_sum_f32`, a shard message with the right count word but fewer
+/// values than the shard was summed as far as it went, a silent wrong answer. Every message's
+/// length is now checked: here rank 1's transport cuts the last value off its shard for rank
+/// 0, and every rank fails alike, with its values as they were.
+#[test]
+fn a_cut_shard_fails_the_rank_order_sum_on_every_rank() {
+    use gradwire::comm::{CommError, Communicator, LocalCommunicator, LocalGroup, Traffic};
+
+    struct Cutting(LocalCommunicator);
+    impl Communicator for Cutting {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.0.world_size()
+        }
+        fn all_gather(
+            &mut self,
+            local: &[u8],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            self.0.all_gather(local, max_len, out)
+        }
+        fn all_to_all(
+            &mut self,
+            send: &[Vec<u8>],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            let mut send = send.to_vec();
+            if self.0.rank() == 1 {
+                let len = send[0].len();
+                send[0].truncate(len - 4);
+            }
+            self.0.all_to_all(&send, max_len, out)
+        }
+        fn traffic(&self) -> Traffic {
+            self.0.traffic()
+        }
+    }
+
+    let handles: Vec<_> = LocalGroup::new(3)
+        .into_communicators()
+        .into_iter()
+        .map(|comm| {
+            std::thread::spawn(move || {
+                let mut comm = Cutting(comm);
+                let x: Vec<f32> = (0..10).map(|i| (i + comm.rank()) as f32).collect();
+                let mut y = x.clone();
+                let r = comm.all_reduce_sum_f32(&mut y);
+                (r, x == y)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (r, unchanged) = h.join().unwrap();
+        assert!(matches!(r, Err(CommError::Mismatch { .. })), "{r:?}");
+        assert!(unchanged);
+    }
+}

@@ -405,3 +405,195 @@ pub fn server_checkpoint(data: &[u8]) {
         },
     }
 }
+
+/// Target `dense_sum`: the default [`Communicator::all_reduce_sum_f32`] (the rank-order f32
+/// sum every transport without its own schedule runs) as rank `me` of a group of up to 6,
+/// whose peers' messages (each one's shard for `me`, each one's shard sum) are fuzzer bytes or
+/// valid messages damaged as the fuzzer says, delivered by a communicator that plays the peers
+/// and bounds every message by the call's limit, as a transport does.
+///
+/// Input: the world size, `me`, the element count, `me`'s values, then per peer and phase a
+/// mode byte (valid; fuzzer bytes; valid then cut; valid then lengthened; valid with another
+/// length or verdict word) and its bytes.
+///
+/// Properties: no panic; the call succeeds exactly when every message is valid (the length
+/// word equal to `me`'s count, a zero verdict, exactly the shard's bytes), and then gives the
+/// rank-order sum of `me`'s shard and the peers' sums elsewhere, bit for bit; a call that fails
+/// leaves the values as they were.
+pub fn dense_sum(data: &[u8]) {
+    let mut inp = Input::new(data);
+    let w = inp.range(1, 6) as usize;
+    let me = inp.range(0, w as u64 - 1) as usize;
+    let n = inp.range(0, 48) as usize;
+    let x: Vec<f32> = (0..n).map(|_| inp.f32_bits()).collect();
+    let shard = |j: usize| j * n / w..(j + 1) * n / w;
+    let mut valid = true;
+    // A message: its 8-byte word and the values behind it, then damaged by its mode.
+    let mut message = |inp: &mut Input<'_>, word: u64, values: usize| -> Vec<u8> {
+        let mode = inp.u8() % 5;
+        let mut m = word.to_le_bytes().to_vec();
+        for _ in 0..values {
+            m.extend_from_slice(&inp.f32_bits().to_le_bytes());
+        }
+        match mode {
+            0 => {}
+            1 => {
+                let len = inp.range(0, 8 + 4 * 48 + 16) as usize;
+                m = inp.bytes(len).to_vec();
+            }
+            2 => {
+                let cut = inp.range(1, m.len() as u64) as usize;
+                m.truncate(m.len() - cut);
+            }
+            3 => {
+                let more = inp.range(1, 16) as usize;
+                m.extend_from_slice(inp.bytes(more));
+                m.resize(m.len().max(8 + 4 * values + more), 0);
+            }
+            _ => {
+                let other = inp.u64();
+                m[..8].copy_from_slice(&other.to_le_bytes());
+            }
+        }
+        let ok = m.len() == 8 + 4 * values && m[..8] == word.to_le_bytes();
+        valid &= ok;
+        m
+    };
+    let phase1: Vec<Vec<u8>> = (0..w)
+        .map(|r| {
+            if r == me {
+                Vec::new()
+            } else {
+                message(&mut inp, n as u64, shard(me).len())
+            }
+        })
+        .collect();
+    let phase2: Vec<Vec<u8>> = (0..w)
+        .map(|r| {
+            if r == me {
+                Vec::new()
+            } else {
+                message(&mut inp, 0, shard(r).len())
+            }
+        })
+        .collect();
+    let mut peers = Peers {
+        me,
+        w,
+        phase1: phase1.clone(),
+        phase2: phase2.clone(),
+    };
+    let mut got = x.clone();
+    let result = peers.all_reduce_sum_f32(&mut got);
+    let same = |a: &[f32], b: &[f32]| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()))
+    };
+    let f32s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    match result {
+        Ok(()) => {
+            assert!(valid, "an invalid message was accepted");
+            let mut want = vec![0.0f32; n];
+            for j in 0..w {
+                if j == me {
+                    let mut sum = Vec::new();
+                    for (r, msg) in phase1.iter().enumerate() {
+                        let vals = if r == me {
+                            x[shard(me)].to_vec()
+                        } else {
+                            f32s(&msg[8..])
+                        };
+                        if r == 0 {
+                            sum = vals;
+                        } else {
+                            for (s, v) in sum.iter_mut().zip(vals) {
+                                *s += v;
+                            }
+                        }
+                    }
+                    want[shard(me)].copy_from_slice(&sum);
+                } else {
+                    want[shard(j)].copy_from_slice(&f32s(&phase2[j][8..]));
+                }
+            }
+            assert!(same(&got, &want), "not the rank-order sum");
+        }
+        Err(_) => {
+            assert!(!valid, "valid messages were refused");
+            assert!(same(&got, &x), "a failed call changed the values");
+        }
+    }
+}
+
+/// The peers of [`dense_sum`]: their messages come from the fuzzer.
+struct Peers {
+    me: usize,
+    w: usize,
+    phase1: Vec<Vec<u8>>,
+    phase2: Vec<Vec<u8>>,
+}
+
+impl Peers {
+    /// `out[me]` is `own`, `out[r]` peer `r`'s message, each bounded by `max_len` (the first
+    /// one over it fails the call, as a transport fails it).
+    fn deliver(
+        &self,
+        own: &[u8],
+        theirs: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        out.clear();
+        for (r, msg) in theirs.iter().enumerate().take(self.w) {
+            let m = if r == self.me { own } else { &msg[..] };
+            if m.len() > max_len {
+                return Err(CommError::TooLarge {
+                    rank: r,
+                    len: m.len(),
+                    limit: max_len,
+                });
+            }
+            out.push(m.to_vec());
+        }
+        Ok(())
+    }
+}
+
+impl Communicator for Peers {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn world_size(&self) -> usize {
+        self.w
+    }
+
+    fn all_gather(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        self.deliver(local, &self.phase2, max_len, out)
+    }
+
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        let own = send.get(self.me).map_or(&[][..], |b| &b[..]);
+        self.deliver(own, &self.phase1, max_len, out)
+    }
+
+    fn traffic(&self) -> Traffic {
+        Traffic::default()
+    }
+}

@@ -199,6 +199,7 @@ pub fn std_seeds(data: &std::path::Path) -> Vec<(&'static str, Vec<u8>)> {
         }
     }
     out.extend(checkpoint_seeds());
+    out.extend(dense_sum_seeds());
     let Ok(dir) = std::fs::read_dir(data) else {
         return out;
     };
@@ -389,6 +390,55 @@ pub fn checkpoint_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 (mix64(u64::from(sel) * 1000 + u64::from(variant) * 200 + i) & 0xff) as u8
             }));
             out.push(("checkpoint", b));
+        }
+    }
+    out
+}
+
+/// Seeds for the `dense_sum` target: every world size, a few element counts, every rank as
+/// `me`, valid messages (mode 0) of small exact values, and one input per damage mode.
+#[cfg(feature = "std")]
+pub fn dense_sum_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let mut out = Vec::new();
+    let value = |i: usize| ((i % 7) as f32 - 3.0) * 0.75;
+    for w in 1..=6usize {
+        for (n, me) in [(0, 0), (1, w - 1), (w, w / 2), (13, 0), (40, w - 1)] {
+            for damage in [0u8, 1, 2, 3, 4] {
+                if damage != 0 && (w == 1 || n != 13) {
+                    continue;
+                }
+                let mut b = vec![(w - 1) as u8, me as u8, n as u8];
+                let mut at = 0;
+                let mut push = |b: &mut Vec<u8>| {
+                    b.extend_from_slice(&value(at).to_bits().to_le_bytes());
+                    at += 1;
+                };
+                for _ in 0..n {
+                    push(&mut b);
+                }
+                let shard = |j: usize| (j + 1) * n / w - j * n / w;
+                // Phase 1: each peer's shard for `me`; phase 2: each peer's own sum. The first
+                // peer's first message carries the damage.
+                let mut first = true;
+                for phase in 0..2 {
+                    for r in (0..w).filter(|&r| r != me) {
+                        let mode = if first { damage } else { 0 };
+                        first = false;
+                        b.push(mode);
+                        let values = if phase == 0 { shard(me) } else { shard(r) };
+                        for _ in 0..values {
+                            push(&mut b);
+                        }
+                        match mode {
+                            1 => b.extend_from_slice(&[20, 1, 2, 3]),
+                            2 | 3 => b.push(3),
+                            4 => b.extend_from_slice(&7u64.to_le_bytes()),
+                            _ => {}
+                        }
+                    }
+                }
+                out.push(("dense_sum", b));
+            }
         }
     }
     out

@@ -22,7 +22,10 @@
 //! one message to rank `me + s` and receives one from rank `me - s` (mod `W`), first its
 //! shards (the reduce-scatter), then its shard's sum (the all-gather). Each step loads every
 //! link with one message each way, where `MPI_Alltoallv` sends `W - 1` shards into one
-//! receiver's link at once; the f32 values travel as they are, with no byte staging.
+//! receiver's link at once; the f32 values travel as they are, with no byte staging. A
+//! message that holds another number of values than the agreed counts give (a corrupted or
+//! mismatched build: every rank computes the same sizes) ends the job with a message, as a
+//! deadline does, rather than sum a partly filled buffer.
 //!
 //! Every step is computed from exchanged values only, so all ranks issue the same sequence of
 //! MPI calls. Every MPI call is nonblocking and waited for with a deadline
@@ -38,8 +41,10 @@ use std::time::{Duration, Instant};
 
 use ::mpi::Count;
 use ::mpi::Threading;
+use ::mpi::datatype::Equivalence as _;
 use ::mpi::datatype::{Partition, PartitionMut};
 use ::mpi::environment::Universe;
+use ::mpi::point_to_point::Status;
 use ::mpi::request::{Request, Scope, StaticScope};
 use ::mpi::traits::{
     Communicator as _, CommunicatorCollectives as _, Destination as _, Source as _,
@@ -278,11 +283,11 @@ struct Waiter {
 
 impl Waiter {
     /// Waits for `req`, polling; past the deadline ends the job ([`Waiter::give_up`]).
-    fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, mut req: Request<'a, D, S>) {
+    fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, mut req: Request<'a, D, S>) -> Status {
         let mut polls = 0u32;
         loop {
             match req.test() {
-                Ok(_) => return,
+                Ok(status) => return status,
                 Err(pending) => req = pending,
             }
             if self.started.elapsed() >= self.deadline {
@@ -296,6 +301,21 @@ impl Waiter {
             } else {
                 thread::sleep(Duration::from_micros(100));
             }
+        }
+    }
+
+    /// Ends the job when a point-to-point message of the rank-order sum holds another number of
+    /// f32 than the agreed counts give (MPI fills a larger buffer only in part): the peers
+    /// agreed on the count, so this is a corrupted or mismatched build, and summing the
+    /// buffer's old contents would be a wrong answer that this rank alone sees.
+    fn expect_count(&self, status: Status, expected: usize, src: usize) {
+        let got = status.count(f32::equivalent_datatype());
+        if usize::try_from(got).ok() != Some(expected) {
+            eprintln!(
+                "gradwire: rank {}: {} (call {}) received {got} values from rank {src} where                  the agreed counts give {expected}: aborting the job (MPI_Abort)",
+                self.rank, self.what, self.round
+            );
+            self.world.abort(4);
         }
     }
 
@@ -685,7 +705,7 @@ impl Communicator for MpiCommunicator {
                 let got = world
                     .process_at_rank(src as i32)
                     .immediate_receive_into_with_tag(scope, recv, SCATTER_TAG);
-                waiter.wait(got);
+                waiter.expect_count(waiter.wait(got), len, src);
                 waiter.wait(sent);
             });
         }
@@ -705,10 +725,11 @@ impl Communicator for MpiCommunicator {
                 let sent = world
                     .process_at_rank(dst as i32)
                     .immediate_send_with_tag(scope, sum, GATHER_TAG);
+                let expected = recv.len();
                 let got = world
                     .process_at_rank(src as i32)
                     .immediate_receive_into_with_tag(scope, recv, GATHER_TAG);
-                waiter.wait(got);
+                waiter.expect_count(waiter.wait(got), expected, src);
                 waiter.wait(sent);
             });
         }

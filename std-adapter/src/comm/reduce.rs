@@ -70,10 +70,14 @@ pub(crate) fn sum_f32<C: Communicator + ?Sized>(
             .and_then(|h| h.try_into().ok())
             .map(u64::from_le_bytes)
     };
-    let first_bad = got.iter().position(|b| declared(b) != Some(n as u64));
     // Shard `me` of every rank, summed in rank order (rank 0's values first, so that one
-    // rank's sum is its values, -0.0 included).
+    // rank's sum is its values, -0.0 included). A message of another count, or with more or
+    // fewer values than the shard, is refused: summing what is there would be a wrong answer.
     let mine = shard(n, w, me);
+    let first_bad = (0..w).find(|&r| {
+        got.get(r)
+            .is_none_or(|b| declared(b) != Some(n as u64) || b.len() != 8 + 4 * mine.len())
+    });
     let mut sum = vec![0.0f32; mine.len()];
     if first_bad.is_none() {
         for (r, b) in got.iter().enumerate() {
@@ -103,16 +107,18 @@ pub(crate) fn sum_f32<C: Communicator + ?Sized>(
             ),
         });
     }
+    // Every sum checked before any is written, so that a failed call leaves `x` as it was.
+    if let Some(j) = (0..w).find(|&j| {
+        all.get(j)
+            .is_none_or(|b| b.len() != 8 + 4 * shard(n, w, j).len())
+    }) {
+        return Err(CommError::Mismatch {
+            round: 0,
+            detail: format!("all_reduce_sum_f32: rank {j} sent a sum of another length"),
+        });
+    }
     for (j, b) in all.iter().enumerate() {
-        let range = shard(n, w, j);
-        let vals = b.get(8..).unwrap_or(&[]);
-        if vals.len() != 4 * range.len() {
-            return Err(CommError::Mismatch {
-                round: 0,
-                detail: format!("all_reduce_sum_f32: rank {j} sent a sum of another length"),
-            });
-        }
-        for (d, c) in x[range].iter_mut().zip(vals.chunks_exact(4)) {
+        for (d, c) in x[shard(n, w, j)].iter_mut().zip(b[8..].chunks_exact(4)) {
             *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
     }
