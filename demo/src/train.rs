@@ -341,10 +341,65 @@ impl Batches {
 /// Where one rank's gradients come from ([`Workload`]).
 #[allow(clippy::large_enum_variant)] // one value per rank and run
 enum Source {
-    /// The MLP, this rank's shard of the training set and its mini-batches.
-    Mlp(Mlp, Samples, Batches),
+    /// The MLP, this rank's shard of the training set, its mini-batches and the last step's
+    /// gradients.
+    Mlp(Mlp, Samples, Batches, Vec<Vec<f32>>),
     /// The replayed MiniLM gradients.
     Replay(ReplayGradients),
+}
+
+impl Source {
+    /// Rank `rank`'s source for `workload` and its starting parameters.
+    fn new(
+        workload: Workload,
+        specs: &[ParamSpec],
+        data: &Digits,
+        seed: u64,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<(Vec<Vec<f32>>, Source), DemoError> {
+        Ok(match workload {
+            Workload::DigitsMlp => {
+                let params = init_params(specs, seed);
+                let shard = data.train.shard(rank, world_size);
+                let batches = Batches::new(shard.len(), seed, rank);
+                let model = Mlp::new(&params)?;
+                (params, Source::Mlp(model, shard, batches, Vec::new()))
+            }
+            Workload::MinilmReplay => (
+                specs.iter().map(|s| vec![0.0; s.len()]).collect(),
+                Source::Replay(ReplayGradients::new(seed, rank)?),
+            ),
+        })
+    }
+
+    /// The model, where there is one (a replay has none).
+    fn model(&self) -> Option<&Mlp> {
+        match self {
+            Source::Mlp(model, ..) => Some(model),
+            Source::Replay(_) => None,
+        }
+    }
+
+    /// The next step's gradients: of a mini-batch of `batch_size`, or the next replayed step.
+    fn next_gradients(&mut self, batch_size: usize) -> Result<&[Vec<f32>], DemoError> {
+        match self {
+            Source::Mlp(model, shard, batches, grads) => {
+                let batch: Samples = shard.select(&batches.next_batch(batch_size));
+                *grads = model.loss_and_grads(&batch)?.1;
+                Ok(grads)
+            }
+            Source::Replay(replay) => Ok(replay.next_step()),
+        }
+    }
+
+    /// Gives the model the updated parameters (a replay ignores them).
+    fn set_params(&self, params: &[Vec<f32>]) -> Result<(), DemoError> {
+        if let Some(model) = self.model() {
+            model.set_params(params)?;
+        }
+        Ok(())
+    }
 }
 
 /// The kernel's byte counters (sent, received) of the network interface named by
@@ -410,19 +465,8 @@ pub fn run_rank_with_codec(
     let world_size = comm.world_size();
     let data = digits();
     let specs: Vec<ParamSpec> = config.workload.specs()?;
-    let (mut params, mut source) = match config.workload {
-        Workload::DigitsMlp => {
-            let params = init_params(&specs, seed);
-            let shard = data.train.shard(rank, world_size);
-            let batches = Batches::new(shard.len(), seed, rank);
-            let model = Mlp::new(&params)?;
-            (params, Source::Mlp(model, shard, batches))
-        }
-        Workload::MinilmReplay => (
-            specs.iter().map(|s| vec![0.0; s.len()]).collect(),
-            Source::Replay(ReplayGradients::new(seed, rank)?),
-        ),
-    };
+    let (mut params, mut source) =
+        Source::new(config.workload, &specs, data, seed, rank, world_size)?;
     let mut velocity: Vec<Vec<f32>> = specs.iter().map(|s| vec![0.0; s.len()]).collect();
     let mut mean: Vec<Vec<f32>> = velocity.clone();
     let max_len = codec.max_message_len();
@@ -436,13 +480,13 @@ pub fn run_rank_with_codec(
     let (mut sent_total, mut received_total) = (0.0f64, 0.0f64);
     // Digest of every step's aggregated mean gradient: equal on every rank, checked below.
     let mut mean_digest: u64 = 0;
-    let initial_train_loss = match &source {
-        Source::Mlp(model, ..) => model.evaluate(&data.train)?.0,
-        Source::Replay(_) => 0.0,
+    let initial_train_loss = match source.model() {
+        Some(model) => model.evaluate(&data.train)?.0,
+        None => 0.0,
     };
 
     let evaluate = |source: &Source, step: usize, bytes: f64, timing: &mut Timing| {
-        let Source::Mlp(model, ..) = source else {
+        let Some(model) = source.model() else {
             return Ok(None); // a replay has no model to evaluate
         };
         let t = Instant::now();
@@ -464,15 +508,7 @@ pub fn run_rank_with_codec(
     let netdev_before = netdev_counters();
     for step in 0..config.steps {
         let t0 = Instant::now();
-        let mlp_grads;
-        let grads: &[Vec<f32>] = match &mut source {
-            Source::Mlp(model, shard, batches) => {
-                let batch: Samples = shard.select(&batches.next_batch(config.batch_size));
-                mlp_grads = model.loss_and_grads(&batch)?.1;
-                &mlp_grads
-            }
-            Source::Replay(replay) => replay.next_step(),
-        };
+        let grads = source.next_gradients(config.batch_size)?;
         let t1 = Instant::now();
         let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
         // The timing mode's barrier, right before the collective: for a codec that runs its
@@ -524,9 +560,7 @@ pub fn run_rank_with_codec(
                 *p -= lr * *v;
             }
         }
-        if let Source::Mlp(model, ..) = &source {
-            model.set_params(&params)?;
-        }
+        source.set_params(&params)?;
         let t5 = Instant::now();
         timing.compute_s += (t1 - t0).as_secs_f64();
         timing.encode_s += (t2 - t1).as_secs_f64() - waited;
@@ -558,12 +592,12 @@ pub fn run_rank_with_codec(
             timing.netdev_rx_bytes = rx1.saturating_sub(rx0) as f64;
         }
     }
-    let (test_accuracy, train_loss) = match &source {
-        Source::Mlp(model, ..) => (
+    let (test_accuracy, train_loss) = match source.model() {
+        Some(model) => (
             model.evaluate(&data.test)?.1,
             model.evaluate(&data.train)?.0,
         ),
-        Source::Replay(_) => (0.0, 0.0),
+        None => (0.0, 0.0),
     };
 
     // Every rank's traffic per step, for the largest and the mean over ranks.
