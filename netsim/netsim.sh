@@ -142,7 +142,7 @@ qdiscs() {
             # shellcheck disable=SC2086
             set -- $side
             out=$(tc -n "$1" qdisc show dev "$2")
-            grep -q "tbf.*rate" <<<"$out" || die "no tbf on $2 in $1: $out"
+            grep -q "tbf.*rate" <<<"$out" || die "FAIL: no tbf on $2 in $1: $out"
         done
     done
     echo "netsim: tbf on all $((2 * W)) link directions"
