@@ -23,7 +23,8 @@
 //! Every communicator counts the bytes of its calls ([`Communicator::traffic`]): logical bytes,
 //! the same on every transport: `sent` is what this rank addressed to peers (a buffer gathered
 //! by `W - 1` peers counts `W - 1` times), `received` what peers addressed to it, and each call
-//! adds its length exchange (16 bytes to and from each peer: a length and a limit).
+//! adds its length exchange (16 bytes to and from each peer: a length and a limit). The counts
+//! of a call that fails are the transport's own (what it moved before it stopped).
 //!
 //! # Example
 //! ```

@@ -416,10 +416,10 @@ pub fn server_checkpoint(data: &[u8]) {
 /// mode byte (valid; fuzzer bytes; valid then cut; valid then lengthened; valid with another
 /// length or verdict word) and its bytes.
 ///
-/// Properties: no panic; the call succeeds exactly when every message is valid (the length
-/// word equal to `me`'s count, a zero verdict, exactly the shard's bytes), and then gives the
-/// rank-order sum of `me`'s shard and the peers' sums elsewhere, bit for bit; a call that fails
-/// leaves the values as they were.
+/// Properties: no panic; `me` sends each peer its count and exactly its shard; the call
+/// succeeds exactly when every message is valid (the length word equal to `me`'s count, a zero
+/// verdict, exactly the shard's bytes), and then gives the rank-order sum of `me`'s shard and
+/// the peers' sums elsewhere, bit for bit; a call that fails leaves the values as they were.
 pub fn dense_sum(data: &[u8]) {
     let mut inp = Input::new(data);
     let w = inp.range(1, 6) as usize;
@@ -477,15 +477,32 @@ pub fn dense_sum(data: &[u8]) {
             }
         })
         .collect();
+    // What `me` must send: its count and shard `j` to rank `j`.
+    let sends: Vec<Vec<u8>> = (0..w)
+        .map(|j| {
+            let mut m = (n as u64).to_le_bytes().to_vec();
+            for v in &x[shard(j)] {
+                m.extend_from_slice(&v.to_le_bytes());
+            }
+            m
+        })
+        .collect();
     let mut peers = Peers {
         me,
         w,
         phase1: phase1.clone(),
         phase2: phase2.clone(),
+        sends,
     };
     let mut got = x.clone();
     let result = peers.all_reduce_sum_f32(&mut got);
-    let same = |a: &[f32], b: &[f32]| {
+    // Bit for bit; only a NaN that an addition made may differ in its payload (Rust leaves
+    // the payload of an arithmetic NaN unspecified, and this oracle is compiled apart from the
+    // library's sum). Copied values and the values of a failed call compare exactly.
+    let same_bits = |a: &[f32], b: &[f32]| {
+        a.len() == b.len() && a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits())
+    };
+    let same_sum = |a: &[f32], b: &[f32]| {
         a.len() == b.len()
             && a.iter()
                 .zip(b)
@@ -522,21 +539,32 @@ pub fn dense_sum(data: &[u8]) {
                     want[shard(j)].copy_from_slice(&f32s(&phase2[j][8..]));
                 }
             }
-            assert!(same(&got, &want), "not the rank-order sum");
+            let own = shard(me);
+            assert!(
+                same_sum(&got[own.clone()], &want[own.clone()]),
+                "not the rank-order sum"
+            );
+            assert!(
+                same_bits(&got[..own.start], &want[..own.start])
+                    && same_bits(&got[own.end..], &want[own.end..]),
+                "the peers' sums not copied bit for bit"
+            );
         }
         Err(_) => {
             assert!(!valid, "valid messages were refused");
-            assert!(same(&got, &x), "a failed call changed the values");
+            assert!(same_bits(&got, &x), "a failed call changed the values");
         }
     }
 }
 
-/// The peers of [`dense_sum`]: their messages come from the fuzzer.
+/// The peers of [`dense_sum`]: their messages come from the fuzzer; `sends` is what `me` must
+/// send them in the all-to-all (checked: a wrong shard would be a wrong sum on the peers).
 struct Peers {
     me: usize,
     w: usize,
     phase1: Vec<Vec<u8>>,
     phase2: Vec<Vec<u8>>,
+    sends: Vec<Vec<u8>>,
 }
 
 impl Peers {
@@ -589,6 +617,7 @@ impl Communicator for Peers {
         max_len: usize,
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
+        assert_eq!(send, &self.sends[..], "the shards this rank sends");
         let own = send.get(self.me).map_or(&[][..], |b| &b[..]);
         self.deliver(own, &self.phase1, max_len, out)
     }

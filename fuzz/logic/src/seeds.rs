@@ -429,9 +429,13 @@ pub fn dense_sum_seeds() -> Vec<(&'static str, Vec<u8>)> {
                         for _ in 0..values {
                             push(&mut b);
                         }
+                        // Exactly the bytes each mode reads, so that the messages behind
+                        // stay aligned: raw bytes (a length of 4, then 4 bytes), a cut of
+                        // 1 + 3 bytes, 1 + 3 more bytes, another word.
                         match mode {
-                            1 => b.extend_from_slice(&[20, 1, 2, 3]),
-                            2 | 3 => b.push(3),
+                            1 => b.extend_from_slice(&[4, 1, 2, 3, 4]),
+                            2 => b.push(3),
+                            3 => b.extend_from_slice(&[3, 9, 9, 9, 9]),
                             4 => b.extend_from_slice(&7u64.to_le_bytes()),
                             _ => {}
                         }

@@ -1,7 +1,7 @@
 //! Uncompressed f32 gradients: the fault rules' envelopes all-gathered (20 bytes per rank: the
 //! configuration fingerprint, or the reason a rank failed), then
-//! [`Communicator::all_reduce_sum_f32`] of the flat gradient (reduce-scatter by all-to-all,
-//! rank-order sum, all-gather: a ring all-reduce's `2 (W - 1) / W x 4n` bytes per rank), then
+//! [`Communicator::all_reduce_sum_f32`] of the flat gradient (reduce-scatter, rank-order sum,
+//! all-gather: a ring all-reduce's `2 (W - 1) / W x 4n` bytes per rank), then
 //! the mean divided once by W: the same bits as the all-gather's rank-order mean.
 
 use std::collections::HashMap;

@@ -81,6 +81,13 @@ const ARRIVAL_GRACE: Duration = Duration::from_secs(5);
 /// Errors that MPI itself detects abort the whole job (MPI's default error handler,
 /// `MPI_ERRORS_ARE_FATAL`); the errors this type returns are the ones it detects itself.
 ///
+/// # Other MPI work on the same processes
+/// The calls run on `MPI_COMM_WORLD` (a duplicate would need a communicator handle that is not
+/// `Send`): besides collectives, the rank-order sum and the deadline's arrival round send
+/// point-to-point messages with tags `0x6777`-`0x6779`. Other code must not use those tags on
+/// `MPI_COMM_WORLD`, nor have a receive with `MPI_ANY_TAG` pending there while a call of this
+/// type runs; duplicate the world communicator for its own messages.
+///
 /// # Threads
 /// [`MpiCommunicator::init`] asks MPI for `MPI_THREAD_SERIALIZED`, so the communicator may be
 /// moved to another thread (it is `Send`, and `&mut self` keeps calls from overlapping). When
@@ -230,7 +237,8 @@ impl MpiCommunicator {
     }
 
     /// The MPI universe, for other MPI work (it must not be used concurrently with
-    /// [`Communicator::all_gather`] unless MPI provides `MPI_THREAD_MULTIPLE`).
+    /// [`Communicator::all_gather`] unless MPI provides `MPI_THREAD_MULTIPLE`, and must keep off
+    /// this type's message tags: see [`MpiCommunicator`]).
     #[must_use]
     pub fn universe(&self) -> &Universe {
         &self.universe
@@ -312,7 +320,8 @@ impl Waiter {
         let got = status.count(f32::equivalent_datatype());
         if usize::try_from(got).ok() != Some(expected) {
             eprintln!(
-                "gradwire: rank {}: {} (call {}) received {got} values from rank {src} where                  the agreed counts give {expected}: aborting the job (MPI_Abort)",
+                "gradwire: rank {}: {} (call {}) received {got} values from rank {src} where \
+                 the agreed counts give {expected}: aborting the job (MPI_Abort)",
                 self.rank, self.what, self.round
             );
             self.world.abort(4);

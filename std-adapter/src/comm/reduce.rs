@@ -102,7 +102,8 @@ pub(crate) fn sum_f32<C: Communicator + ?Sized>(
         return Err(CommError::Mismatch {
             round: 0,
             detail: format!(
-                "all_reduce_sum_f32: rank {r} got another element count from rank {} than its own",
+                "all_reduce_sum_f32: rank {r} got another element count, or a shard of \
+                 another length, from rank {}",
                 v.saturating_sub(1)
             ),
         });
