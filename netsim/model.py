@@ -156,13 +156,15 @@ def rounds_allreduce(w, total, ring=False):
 
 # The MPI calls of one step of each collective (std-adapter/src/comm/mpi.rs,
 # std-adapter/src/collective/, demo/src/mpi_dense.rs): (MPI call, size key).
-# Communicator::all_gather = MPI_Allgather of 11 u64 (88 B: length, limit, round budget and up to
-# 64 inline bytes) per rank, + MPI_Allgatherv of the data when any buffer is longer than 64 B;
+# Communicator::all_gather = MPI_Allgather of 12 u64 (96 B: call kind, length, limit, round
+# budget, up to 64 inline bytes) per rank, + MPI_Allgatherv of the data when any buffer is
+# longer than 64 B;
 # Communicator::all_to_all = MPI_Alltoall of 2 u64 (16 B) per pair + MPI_Allgather of a 5-u64
-# verdict (40 B) + MPI_Alltoallv of the data; all_reduce_sum_f32 = MPI_Allgather of the element
-# count (8 B), then W - 1 pairwise steps of the shards and W - 1 of the sums.
-AG = [("allgather", 88), ("allgatherv", "data")]
-ENVELOPES = [("allgather", 88)]  # 20-byte envelopes: inline
+# verdict (40 B) + MPI_Alltoallv of the data; all_reduce_sum_f32 = MPI_Allgather of the call
+# kind and element count (in a 96 B header of the all-gather's shape), then W - 1 pairwise steps
+# of the shards and W - 1 of the sums.
+AG = [("allgather", 96), ("allgatherv", "data")]
+ENVELOPES = [("allgather", 96)]  # 20-byte envelopes: inline
 A2A = [("alltoall", 16), ("allgather", 40), ("alltoallv", "data")]
 CALLS = {
     # the demo's all-gather route: one Communicator::all_gather of the bundle
@@ -172,7 +174,7 @@ CALLS = {
     "two-phase": ENVELOPES + A2A + AG,
     # gradwire's dense f32: an envelope all-gather, then all_reduce_sum_f32 (the counts, then
     # pairwise steps) (collective/dense.rs, comm/mpi.rs)
-    "gradwire-dense": ENVELOPES + [("allgather", 8), ("pairwise", "data"), ("pairwise", "data")],
+    "gradwire-dense": ENVELOPES + [("allgather", 96), ("pairwise", "data"), ("pairwise", "data")],
     # dense-f32-allreduce: one MPI_Allreduce, Open MPI's choice of algorithm or the ring forced
     "mpi-allreduce": [("allreduce", "total")],
     "mpi-allreduce-ring": [("allreduce-ring", "total")],

@@ -108,6 +108,19 @@ fn run(comm: &mut MpiCommunicator) -> Result<(), String> {
     }
     case += 1;
     check_round(comm, case, 64, |r| r + 1, &mut out)?;
+    // Rank 0 in the rank-order sum while the others all-gather (an application bug): every
+    // rank fails alike, and the next calls work.
+    let mut x = vec![1.0f32; 4];
+    let r = if comm.rank() == 0 {
+        comm.all_reduce_sum_f32(&mut x)
+    } else {
+        comm.all_gather(&[1, 2], 64, &mut out)
+    };
+    match r {
+        Err(CommError::Mismatch { .. }) if w > 1 => {}
+        Ok(()) if w == 1 => {}
+        other => return Err(format!("sum against all-gather: {other:?}")),
+    }
     // The all-to-all, the rank-order sum and the traffic counters, as the threads' test runs
     // them.
     collectives::run_all(comm)

@@ -1,8 +1,8 @@
 //! [`MpiCommunicator`]: the all-gather over MPI's world communicator (crate `mpi`, Open MPI).
 //!
 //! One call is:
-//! 1. `MPI_Allgather` of three `u64` per rank (buffer length, `max_len`, round budget) and, when
-//!    the buffer holds at most [`INLINE_BYTES`] bytes, the buffer itself;
+//! 1. `MPI_Allgather` of four `u64` per rank (the call's kind, buffer length, `max_len`, round
+//!    budget) and, when the buffer holds at most [`INLINE_BYTES`] bytes, the buffer itself;
 //! 2. the same decision on every rank: any length above the group's smallest `max_len` fails
 //!    every rank with the same [`CommError::TooLarge`] (or [`CommError::LimitsDiffer`]), before
 //!    anything is allocated; when every buffer came inline, the call ends here (the envelopes
@@ -17,7 +17,8 @@
 //! `MPI_Alltoallv`.
 //!
 //! The rank-order f32 sum ([`Communicator::all_reduce_sum_f32`]) is an `MPI_Allgather` of every
-//! rank's element count (a difference fails every rank alike), then the same shards, sums and
+//! rank's element count, in a header of the all-gather's shape (a difference, or a rank in an
+//! all-gather at that point, fails every rank alike), then the same shards, sums and
 //! byte counts as on every transport, moved pairwise: in step `s = 1 .. W - 1` each rank sends
 //! one message to rank `me + s` and receives one from rank `me - s` (mod `W`), first its
 //! shards (the reduce-scatter), then its shard's sum (the all-gather). Each step loads every
@@ -57,9 +58,15 @@ use super::{CommError, Communicator, DEFAULT_DEADLINE, Traffic, check_lengths, r
 /// Buffers of at most this many bytes travel inside [`Communicator::all_gather`]'s header
 /// exchange (a multiple of 8: they travel as `u64` words).
 const INLINE_BYTES: usize = 64;
-/// The header of one rank in [`Communicator::all_gather`]: length, `max_len`, round budget,
-/// then the inline bytes.
-const HEADER_WORDS: usize = 3 + INLINE_BYTES / 8;
+/// The header of one rank in [`Communicator::all_gather`]: the call's kind, length, `max_len`,
+/// round budget, then the inline bytes. The rank-order sum opens with an exchange of the same
+/// shape (its kind and its element count), so that ranks that call the two at the same point
+/// fail alike with [`CommError::Mismatch`] instead of misreading each other's words.
+const HEADER_WORDS: usize = 4 + INLINE_BYTES / 8;
+/// The kind word of [`Communicator::all_gather`]'s header.
+const KIND_ALL_GATHER: u64 = 1;
+/// The kind word of the rank-order sum's first exchange.
+const KIND_SUM: u64 = 2;
 
 /// The tag of the arrival round after a deadline.
 const ARRIVAL_TAG: i32 = 0x6777;
@@ -374,6 +381,29 @@ impl Waiter {
     }
 }
 
+/// [`CommError::Mismatch`] when a rank's header (`HEADER_WORDS` words each) is of another call
+/// than `kind`: the same verdict on every rank, from the exchanged words.
+fn check_kinds(header: &[u64], kind: u64, round: u64, what: &str) -> Result<(), CommError> {
+    let name = |k: u64| match k {
+        KIND_ALL_GATHER => "all_gather",
+        KIND_SUM => "all_reduce_sum_f32",
+        _ => "an unknown call",
+    };
+    match header
+        .chunks_exact(HEADER_WORDS)
+        .position(|peer| peer[0] != kind)
+    {
+        Some(r) => Err(CommError::Mismatch {
+            round,
+            detail: format!(
+                "{what}: rank {r} called {} at the same point",
+                name(header[r * HEADER_WORDS])
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 fn to_u64(n: usize) -> u64 {
     u64::try_from(n).unwrap_or(u64::MAX)
 }
@@ -410,13 +440,14 @@ impl Communicator for MpiCommunicator {
             .filter(|&n| Count::try_from(n).is_ok())
             .ok_or_else(|| CommError::Transport(format!("world size {w} is too large")))?;
         let mut mine = [0u64; HEADER_WORDS];
-        mine[..3].copy_from_slice(&[
+        mine[..4].copy_from_slice(&[
+            KIND_ALL_GATHER,
             to_u64(local.len()),
             to_u64(max_len),
             to_u64(self.round_limit),
         ]);
         if local.len() <= INLINE_BYTES {
-            for (word, bytes) in mine[3..].iter_mut().zip(local.chunks(8)) {
+            for (word, bytes) in mine[4..].iter_mut().zip(local.chunks(8)) {
                 let mut le = [0u8; 8];
                 le[..bytes.len()].copy_from_slice(bytes);
                 *word = u64::from_le_bytes(le);
@@ -432,22 +463,23 @@ impl Communicator for MpiCommunicator {
         }
 
         // 2. The same decision on every rank, from the exchanged values only.
+        check_kinds(&self.header, KIND_ALL_GATHER, self.round, "all_gather")?;
         let mut budget = to_u64(Self::MAX_ROUND_BYTES);
         for peer in self.header.chunks_exact(HEADER_WORDS) {
-            budget = budget.min(peer[2]);
+            budget = budget.min(peer[3]);
         }
         let as_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
         check_lengths(
             self.header
                 .chunks_exact(HEADER_WORDS)
-                .map(|peer| (as_usize(peer[0]), as_usize(peer[1]))),
+                .map(|peer| (as_usize(peer[1]), as_usize(peer[2]))),
         )?;
         // Every length is now at most the smallest limit, which came from some rank's usize.
         self.lens.clear();
         self.lens.extend(
             self.header
                 .chunks_exact(HEADER_WORDS)
-                .map(|peer| usize::try_from(peer[0]).unwrap_or(usize::MAX)),
+                .map(|peer| usize::try_from(peer[1]).unwrap_or(usize::MAX)),
         );
         let received: usize = (0..w)
             .filter(|&r| r != self.rank)
@@ -460,7 +492,7 @@ impl Communicator for MpiCommunicator {
                 .zip(&self.lens)
                 .zip(self.header.chunks_exact(HEADER_WORDS))
             {
-                for word in &peer[3..] {
+                for word in &peer[4..] {
                     buf.extend_from_slice(&word.to_le_bytes());
                 }
                 buf.truncate(len);
@@ -678,11 +710,14 @@ impl Communicator for MpiCommunicator {
 
         // 1. Every rank's element count: the message sizes below follow from it, so ranks must
         // agree before any of them is posted.
-        let mine = [to_u64(n)];
-        let mut counts = vec![0u64; w];
+        let mut mine = [0u64; HEADER_WORDS];
+        mine[..2].copy_from_slice(&[KIND_SUM, to_u64(n)]);
+        let mut header = vec![0u64; w * HEADER_WORDS];
         ::mpi::request::scope(|scope| {
-            waiter.wait(world.immediate_all_gather_into(scope, &mine[..], &mut counts[..]));
+            waiter.wait(world.immediate_all_gather_into(scope, &mine[..], &mut header[..]));
         });
+        check_kinds(&header, KIND_SUM, self.round, "all_reduce_sum_f32")?;
+        let counts: Vec<u64> = header.chunks_exact(HEADER_WORDS).map(|p| p[1]).collect();
         if let Some(r) = counts.iter().position(|&c| c != counts[0]) {
             return Err(CommError::Mismatch {
                 round: self.round,
