@@ -2,8 +2,11 @@
 //! them). Each runs on stable; the inputs are inline.
 
 mod common;
+#[path = "common/ranks.rs"]
+mod ranks;
 use gradwire::TensorSpec;
 use gradwire::reference::{self, Entry, Mode, ReferenceError};
+use ranks::run_ranks;
 
 /// Found by the `reference` target's finiteness check: a `topk-int8` payload whose scale is
 /// finite but so large that `127 × scale` overflows passed `parse`, and `decode` then turned code 127 into
@@ -270,21 +273,14 @@ fn a_cut_shard_fails_the_rank_order_sum_on_every_rank() {
         }
     }
 
-    let handles: Vec<_> = LocalGroup::new(3)
-        .into_communicators()
-        .into_iter()
-        .map(|comm| {
-            std::thread::spawn(move || {
-                let mut comm = Cutting(comm);
-                let x: Vec<f32> = (0..10).map(|i| (i + comm.rank()) as f32).collect();
-                let mut y = x.clone();
-                let r = comm.all_reduce_sum_f32(&mut y);
-                (r, x == y)
-            })
-        })
-        .collect();
-    for h in handles {
-        let (r, unchanged) = h.join().unwrap();
+    let results = run_ranks(LocalGroup::new(3).into_communicators(), |comm| {
+        let mut comm = Cutting(comm);
+        let x: Vec<f32> = (0..10).map(|i| (i + comm.rank()) as f32).collect();
+        let mut y = x.clone();
+        let r = comm.all_reduce_sum_f32(&mut y);
+        (r, x == y)
+    });
+    for (r, unchanged) in results {
         assert!(matches!(r, Err(CommError::Mismatch { .. })), "{r:?}");
         assert!(unchanged);
     }

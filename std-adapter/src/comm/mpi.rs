@@ -319,11 +319,28 @@ impl Waiter {
         }
     }
 
-    /// Ends the job when a point-to-point message of the rank-order sum holds another number of
-    /// f32 than the agreed counts give (MPI fills a larger buffer only in part): the peers
-    /// agreed on the count, so this is a corrupted or mismatched build, and summing the
-    /// buffer's old contents would be a wrong answer that this rank alone sees.
-    fn expect_count(&self, status: Status, expected: usize, src: usize) {
+    /// One pairwise step of the rank-order sum: `send` to rank `dst` and, at the same time,
+    /// exactly `recv.len()` values from rank `src` into `recv`, both tagged `tag`.
+    ///
+    /// Ends the job when the message from `src` holds another number of values (MPI fills a
+    /// larger buffer only in part): the peers agreed on the counts, so this is a corrupted or
+    /// mismatched build, and summing the buffer's old contents would be a wrong answer that
+    /// this rank alone sees.
+    fn exchange(&self, send: &[f32], dst: usize, recv: &mut [f32], src: usize, tag: i32) {
+        let expected = recv.len();
+        let status = ::mpi::request::scope(|scope| {
+            let sent = self
+                .world
+                .process_at_rank(dst as i32)
+                .immediate_send_with_tag(scope, send, tag);
+            let got = self
+                .world
+                .process_at_rank(src as i32)
+                .immediate_receive_into_with_tag(scope, recv, tag);
+            let status = self.wait(got);
+            self.wait(sent);
+            status
+        });
         let got = status.count(f32::equivalent_datatype());
         if usize::try_from(got).ok() != Some(expected) {
             eprintln!(
@@ -738,20 +755,8 @@ impl Communicator for MpiCommunicator {
         self.shards.resize(w * len, 0.0);
         for s in 1..w {
             let (dst, src) = ((me + s) % w, (me + w - s) % w);
-            let send = &x[shard(n, w, dst)];
             let recv = &mut self.shards[src * len..(src + 1) * len];
-            ::mpi::request::scope(|scope| {
-                let sent = world.process_at_rank(dst as i32).immediate_send_with_tag(
-                    scope,
-                    send,
-                    SCATTER_TAG,
-                );
-                let got = world
-                    .process_at_rank(src as i32)
-                    .immediate_receive_into_with_tag(scope, recv, SCATTER_TAG);
-                waiter.expect_count(waiter.wait(got), len, src);
-                waiter.wait(sent);
-            });
+            waiter.exchange(&x[shard(n, w, dst)], dst, recv, src, SCATTER_TAG);
         }
         self.shards[me * len..(me + 1) * len].copy_from_slice(&x[own.clone()]);
         let (sum, rest) = self.shards.split_at_mut(len);
@@ -764,18 +769,7 @@ impl Communicator for MpiCommunicator {
         x[own].copy_from_slice(sum);
         for s in 1..w {
             let (dst, src) = ((me + s) % w, (me + w - s) % w);
-            let recv = &mut x[shard(n, w, src)];
-            ::mpi::request::scope(|scope| {
-                let sent = world
-                    .process_at_rank(dst as i32)
-                    .immediate_send_with_tag(scope, sum, GATHER_TAG);
-                let expected = recv.len();
-                let got = world
-                    .process_at_rank(src as i32)
-                    .immediate_receive_into_with_tag(scope, recv, GATHER_TAG);
-                waiter.expect_count(waiter.wait(got), expected, src);
-                waiter.wait(sent);
-            });
+            waiter.exchange(sum, dst, &mut x[shard(n, w, src)], src, GATHER_TAG);
         }
         let t = logical_traffic(n, w, me);
         self.traffic.sent = self.traffic.sent.saturating_add(t.sent);
