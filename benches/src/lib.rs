@@ -440,6 +440,7 @@ pub fn methods(x: &[f32]) -> Vec<(&'static str, Method)> {
             "sign",
             Method::Sign {
                 scale: SignScale::MeanAbs { block: 1024 },
+                zero_mask: false,
             },
         ),
         (

@@ -22,6 +22,8 @@ pub enum Param {
     Rounding,
     /// Sign scale mode.
     SignScale,
+    /// The zero mask of sign.
+    ZeroMask,
     /// Random-k seed.
     Seed,
     /// Random-k step.
@@ -51,6 +53,7 @@ impl fmt::Display for Param {
             Param::Block => "block",
             Param::Rounding => "rounding",
             Param::SignScale => "sign scale",
+            Param::ZeroMask => "zero mask",
             Param::Seed => "seed",
             Param::Step => "step",
             Param::TensorId => "tensor id",
@@ -243,6 +246,10 @@ impl fmt::Display for Error {
                     Param::SignScale => {
                         write!(f, " (error feedback needs sign with per-block scales)")
                     }
+                    Param::ZeroMask => write!(
+                        f,
+                        " (a zero mask needs a sign block that is a multiple of 8 elements)"
+                    ),
                     _ => Ok(()),
                 }
             }

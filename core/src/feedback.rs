@@ -228,6 +228,7 @@ pub fn step_chunk(
     }
     if let Method::Sign {
         scale: SignScale::None,
+        ..
     } = params.method
     {
         return Err(Error::InvalidParams {
@@ -438,6 +439,7 @@ fn step(
         }
         Method::Sign {
             scale: SignScale::None,
+            ..
         } => {
             return Err(Error::InvalidParams {
                 param: Param::SignScale,
@@ -547,6 +549,10 @@ fn feedback_update(
     }
     match body {
         Body::Sparse { .. } => update_sparse(&h, &body, kept, g, r),
+        Body::MaskedSign { .. } => {
+            add_into(r, g);
+            crate::frame::apply(&h, &body, r, Some(-1.0));
+        }
         Body::Shaped {
             shape,
             scales,

@@ -111,6 +111,9 @@ pub enum SignScale {
     None,
 }
 
+/// Elements per block of the zero mask of unscaled sign (FORMAT.md 3.6).
+pub const UNSCALED_MASK_BLOCK: u32 = 1024;
+
 /// A compression method and its parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Method {
@@ -152,10 +155,15 @@ pub enum Method {
         /// Rounding mode.
         rounding: Rounding,
     },
-    /// One bit per element (`1` = negative; 0 counts as +).
+    /// One bit per element (`1` = negative; 0 counts as + unless `zero_mask`).
     Sign {
         /// Scale mode.
         scale: SignScale,
+        /// With a zero mask, elements that are exactly zero (`0.0` or `-0.0`) decode to zero
+        /// instead of `±scale`, inside mixed blocks too (FORMAT.md 3.6, flag `0x02`): the mask
+        /// costs 2 bits per mask block ([`Method::sign_mask_block`] elements) plus one bit per
+        /// element of the blocks that mix zeros and non-zeros.
+        zero_mask: bool,
     },
 }
 
@@ -210,10 +218,28 @@ impl Method {
                     Ok(())
                 }
             }
-            Method::Sign { scale } => match scale {
+            Method::Sign { scale, zero_mask } => match scale {
                 SignScale::MeanAbs { block: 0 } => bad(Param::Block),
+                _ if zero_mask && !self.sign_mask_block().is_multiple_of(8) => bad(Param::ZeroMask),
                 _ => Ok(()),
             },
+        }
+    }
+
+    /// Elements per block of a sign zero mask: the scale block (mean-abs), or
+    /// [`UNSCALED_MASK_BLOCK`] for unscaled sign; 0 for every other method. A zero mask needs a
+    /// multiple of 8.
+    pub const fn sign_mask_block(&self) -> usize {
+        match *self {
+            Method::Sign {
+                scale: SignScale::MeanAbs { block },
+                ..
+            } => block as usize,
+            Method::Sign {
+                scale: SignScale::None,
+                ..
+            } => UNSCALED_MASK_BLOCK as usize,
+            _ => 0,
         }
     }
 

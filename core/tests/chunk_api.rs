@@ -38,10 +38,12 @@ fn shaped_methods() -> Vec<Method> {
     }
     m.push(Method::Sign {
         scale: SignScale::None,
+        zero_mask: false,
     });
     for block in [1, 3, 8, 16, 40] {
         m.push(Method::Sign {
             scale: SignScale::MeanAbs { block },
+            zero_mask: false,
         });
     }
     m
@@ -266,6 +268,7 @@ fn sections_refuse_what_they_cannot_cut() {
         },
         Method::Sign {
             scale: SignScale::MeanAbs { block: 0 },
+            zero_mask: false,
         },
     ];
     for method in invalid {
@@ -287,6 +290,7 @@ fn sections_refuse_what_they_cannot_cut() {
         100,
         &Method::Sign {
             scale: SignScale::MeanAbs { block: 12 },
+            zero_mask: false,
         },
     );
     assert_eq!(sign.unwrap().align(), 24);
@@ -470,7 +474,8 @@ fn feedback_shaped_methods() -> Vec<Method> {
             !matches!(
                 m,
                 Method::Sign {
-                    scale: SignScale::None
+                    scale: SignScale::None,
+                    zero_mask: false,
                 }
             )
         })
@@ -561,6 +566,7 @@ fn step_chunk_errors_change_nothing() {
     }
     let unscaled = Method::Sign {
         scale: SignScale::None,
+        zero_mask: false,
     };
     let sec = Sections::of(8, &unscaled).unwrap();
     let (g, mut r) = ([1.0f32; 8], [0.0f32; 8]);

@@ -24,6 +24,7 @@ fn all_methods() -> Vec<(&'static str, Method)> {
         "sign-unscaled",
         Method::Sign {
             scale: SignScale::None,
+            zero_mask: false,
         },
     ));
     m.push((
@@ -289,6 +290,7 @@ fn zero_and_constant_tensors_quantize_exactly() {
         if x[0] == 0.0 {
             let p = Params::new(Method::Sign {
                 scale: SignScale::MeanAbs { block: 8 },
+                zero_mask: false,
             });
             let out = decode(&encode(x, &p).unwrap(), &p, x.len()).unwrap();
             assert_eq!(&out, x);
@@ -607,6 +609,7 @@ fn feedback_refuses_unbiased_randomk_and_unscaled_sign() {
     );
     let p = Params::new(Method::Sign {
         scale: SignScale::None,
+        zero_mask: false,
     });
     assert_eq!(
         feedback(&[1.0; 4], &mut r, &p).unwrap_err(),
@@ -634,6 +637,7 @@ fn feedback_refuses_unbiased_randomk_and_unscaled_sign() {
 fn sign_scale_of_huge_values_stays_finite() {
     let p = Params::new(Method::Sign {
         scale: SignScale::MeanAbs { block: 4 },
+        zero_mask: false,
     });
     for g in [
         vec![f32::MAX; 8],

@@ -132,25 +132,21 @@ fn worked_example_matches_format_md() {
         "FORMAT.md's worked example is out of date"
     );
 
-    // The second example: the hex column of the code block after its introduction.
-    let case = golden()
-        .into_iter()
-        .find(|c| c.name == "quant4_nearest")
-        .unwrap();
-    let frame = encode(&case.grad, &case.params).unwrap();
-    let start = doc
-        .find("`testdata/golden/quant4_nearest.gwf`")
-        .expect("second example");
-    let block = doc[start..].split("```").nth(1).expect("its code block");
-    let bytes: Vec<u8> = block
-        .lines()
-        .flat_map(|l| l.split("   ").next().unwrap_or("").split_whitespace())
-        .map(|h| u8::from_str_radix(h, 16).unwrap())
-        .collect();
-    assert_eq!(
-        bytes, frame,
-        "FORMAT.md's quantization example is out of date"
-    );
+    // The other examples: the hex column of the code block after their introduction.
+    for name in ["quant4_nearest", "sign_scaled_zero_mask"] {
+        let case = golden().into_iter().find(|c| c.name == name).unwrap();
+        let frame = encode(&case.grad, &case.params).unwrap();
+        let start = doc
+            .find(&format!("`testdata/golden/{name}.gwf`"))
+            .unwrap_or_else(|| panic!("FORMAT.md has no example of {name}"));
+        let block = doc[start..].split("```").nth(1).expect("its code block");
+        let bytes: Vec<u8> = block
+            .lines()
+            .flat_map(|l| l.split("   ").next().unwrap_or("").split_whitespace())
+            .map(|h| u8::from_str_radix(h, 16).unwrap())
+            .collect();
+        assert_eq!(bytes, frame, "FORMAT.md's example {name} is out of date");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -340,6 +336,7 @@ fn spec_decode(frame: &[u8]) -> Result<Decoded, String> {
         5 => {
             let mode = r.u8()?;
             let block = if mode == 1 { r.u32()? as usize } else { 0 };
+            let mixed = if flags == 2 { r.u64()? as usize } else { 0 };
             let scales: Vec<f32> = if mode == 1 {
                 (0..n.div_ceil(block))
                     .map(|_| r.f32())
@@ -348,12 +345,41 @@ fn spec_decode(frame: &[u8]) -> Result<Decoded, String> {
                 Vec::new()
             };
             let b = r.bits(n.div_ceil(8))?;
-            let out = (0..n)
+            let mut out: Vec<f32> = (0..n)
                 .map(|i| {
                     let mag = if mode == 1 { scales[i / block] } else { 1.0 };
                     if b[i] { -mag } else { mag }
                 })
                 .collect();
+            if flags == 2 {
+                // Zero mask: 2-bit states per mask block (the scale block, or 1024), then a
+                // bitmap of ceil(min(mask_block, n) / 8) bytes per mixed block.
+                let mb = if mode == 1 { block } else { 1024 };
+                let blocks = n.div_ceil(mb);
+                let states = r.bits(blocks.div_ceil(4))?;
+                let mut seen = 0;
+                for blk in 0..blocks {
+                    let state = u8::from(states[2 * blk]) | (u8::from(states[2 * blk + 1]) << 1);
+                    let range = blk * mb..(blk * mb + mb).min(n);
+                    match state {
+                        0 => {}
+                        1 => out[range].iter_mut().for_each(|x| *x = 0.0),
+                        2 => {
+                            let map = r.bits(mb.min(n).div_ceil(8))?;
+                            for (j, i) in range.enumerate() {
+                                if map[j] {
+                                    out[i] = 0.0;
+                                }
+                            }
+                            seen += 1;
+                        }
+                        _ => return Err("mask state".into()),
+                    }
+                }
+                if seen != mixed {
+                    return Err("mixed count".into());
+                }
+            }
             (n64, out)
         }
         _ => return Err("method".into()),

@@ -359,7 +359,7 @@ fn mutations(p: &Params, n: usize) -> Vec<(String, Params, usize)> {
                 n,
             ));
         }
-        Method::Sign { scale } => {
+        Method::Sign { scale, zero_mask } => {
             let others = match scale {
                 SignScale::MeanAbs { block } => {
                     vec![SignScale::None, SignScale::MeanAbs { block: block + 1 }]
@@ -367,8 +367,23 @@ fn mutations(p: &Params, n: usize) -> Vec<(String, Params, usize)> {
                 SignScale::None => vec![SignScale::MeanAbs { block: 5 }],
             };
             for s in others {
-                out.push((format!("scale {s:?}"), with(Method::Sign { scale: s }), n));
+                out.push((
+                    format!("scale {s:?}"),
+                    with(Method::Sign {
+                        scale: s,
+                        zero_mask,
+                    }),
+                    n,
+                ));
             }
+            out.push((
+                "zero mask".into(),
+                with(Method::Sign {
+                    scale,
+                    zero_mask: !zero_mask,
+                }),
+                n,
+            ));
         }
     }
     out
@@ -550,9 +565,11 @@ fn each_value_rule_is_enforced() {
         },
         Method::Sign {
             scale: SignScale::None,
+            zero_mask: false,
         },
         Method::Sign {
             scale: SignScale::MeanAbs { block: 13 },
+            zero_mask: false,
         },
     ] {
         let p = Params::new(method);

@@ -489,7 +489,10 @@ fn check_sign(x: &[f32], block: Option<usize>) -> Result<(), String> {
         },
         None => SignScale::None,
     };
-    let params = Params::new(Method::Sign { scale });
+    let params = Params::new(Method::Sign {
+        scale,
+        zero_mask: false,
+    });
     let frame = encode(x, &params).map_err(|e| format!("encode: {e:?}"))?;
     let out = decode(&frame, &params, x.len()).map_err(|e| format!("decode: {e:?}"))?;
     let b = block.unwrap_or(x.len()).max(1);

@@ -47,11 +47,13 @@ fn methods() -> Vec<Method> {
         },
         Method::Sign {
             scale: SignScale::None,
+            zero_mask: false,
         },
     ];
     for block in [1, 7, 8, 64, 1024] {
         v.push(Method::Sign {
             scale: SignScale::MeanAbs { block },
+            zero_mask: false,
         });
         for bits in [2, 3, 4, 5, 8] {
             v.push(Method::Quant {

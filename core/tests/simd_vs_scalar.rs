@@ -580,6 +580,7 @@ fn feedback_step_equals_its_definition() {
             },
             Method::Sign {
                 scale: SignScale::MeanAbs { block: 32 },
+                zero_mask: false,
             },
         ];
         for m in methods {
@@ -721,16 +722,20 @@ fn fused_methods() -> Vec<Method> {
         },
         Method::Sign {
             scale: SignScale::MeanAbs { block: 8 },
+            zero_mask: false,
         },
         // Four blocks side by side from 64 elements on.
         Method::Sign {
             scale: SignScale::MeanAbs { block: 16 },
+            zero_mask: false,
         },
         Method::Sign {
             scale: SignScale::MeanAbs { block: 1024 },
+            zero_mask: false,
         },
         Method::Sign {
             scale: SignScale::None,
+            zero_mask: false,
         },
     ];
     for bits in [8u8, 4] {
@@ -810,7 +815,8 @@ fn fused_feedback_steps_equal_their_definition() {
             if matches!(
                 m,
                 Method::Sign {
-                    scale: SignScale::None
+                    scale: SignScale::None,
+                    zero_mask: false,
                 }
             ) || (huge && m.values() == Some(Values::F16))
                 || (huge && matches!(m, Method::Dense { .. }))
@@ -846,7 +852,8 @@ fn fused_feedback_steps_leave_the_residual_untouched_on_error() {
         if matches!(
             m,
             Method::Sign {
-                scale: SignScale::None
+                scale: SignScale::None,
+                zero_mask: false,
             }
         ) {
             continue;

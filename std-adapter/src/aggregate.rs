@@ -17,7 +17,9 @@
 //! - [`Reduction::Mean`]: the sum, divided once by W (the mean of `[3]`, `[3]`, `[3]` is `[3]`).
 //! - [`Reduction::MajorityVote`]: for unscaled sign frames ([`gradwire_core::SignScale::None`]):
 //!   each element is `+1` when the sum of the ±1 votes is `>= 0` (ties go to +) and `-1`
-//!   otherwise.
+//!   otherwise. With a zero mask (`Method::Sign { zero_mask: true, .. }`) a zero element
+//!   votes 0 (abstains): `+1` for a positive sum, `-1` for a negative one, `0` on a tie,
+//!   which includes every rank voting 0.
 //!
 //! ```
 //! use std::collections::HashMap;
@@ -48,7 +50,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
 use gradwire_core::values::first_non_finite;
-use gradwire_core::{Method, SignScale, accumulate_into, sign};
+use gradwire_core::{Method, SignScale, accumulate_into, sign, zero_mask};
 
 use crate::engine::dense_chunks::Split;
 use crate::engine::randomk_draw::RandomKDraw;
@@ -67,7 +69,7 @@ pub enum Reduction {
     /// The sum divided once by the number of contributions.
     Mean,
     /// Sign majority vote over unscaled sign frames: `+1` where the votes sum to `>= 0`
-    /// (ties go to +), `-1` elsewhere.
+    /// (ties go to +), `-1` elsewhere; with a zero mask, zero votes abstain and a tie gives 0.
     MajorityVote,
 }
 
@@ -88,7 +90,8 @@ pub(crate) fn check_reduction(
             !matches!(
                 e.method,
                 Method::Sign {
-                    scale: SignScale::None
+                    scale: SignScale::None,
+                    ..
                 }
             )
         })
@@ -120,7 +123,7 @@ const FINISH_CHUNK: usize = 4096;
 
 /// Applies the reduction to the sum in `out`; the index of the first element that is not
 /// finite (finite contributions whose f32 sum overflows; a majority vote never has one).
-fn finish(out: &mut [f32], reduction: Reduction, count: usize) -> Option<usize> {
+fn finish(out: &mut [f32], reduction: Reduction, count: usize, method: &Method) -> Option<usize> {
     match reduction {
         Reduction::Sum => first_non_finite(out),
         Reduction::Mean => {
@@ -137,9 +140,21 @@ fn finish(out: &mut [f32], reduction: Reduction, count: usize) -> Option<usize> 
                 })
         }
         Reduction::MajorityVote => {
-            sign::majority(out);
+            majority(out, method);
             None
         }
+    }
+}
+
+/// The majority vote over summed votes made with `method`: ties go to + for plain signs and
+/// to 0 for signs with a zero mask, whose zero votes abstain
+/// ([`gradwire_core::zero_mask::majority`]).
+pub(crate) fn majority(votes: &mut [f32], method: &Method) {
+    match method {
+        Method::Sign {
+            zero_mask: true, ..
+        } => zero_mask::majority(votes),
+        _ => sign::majority(votes),
     }
 }
 
@@ -413,7 +428,8 @@ impl Job<'_> {
         frame: &(impl Fn(usize, usize) -> &'f [u8] + Sync),
     ) -> Result<()> {
         let entry = &self.manifest.entries()[e];
-        let finished = |acc: &mut [f32]| finish(acc, self.reduction, self.count).is_none();
+        let finished =
+            |acc: &mut [f32]| finish(acc, self.reduction, self.count, &entry.method).is_none();
         let done = match entry.reduce {
             ReducePlan::DenseChunks => Split::new(entry.len, &entry.method).is_some_and(|split| {
                 split.accumulate(|r| frame(r, e), self.count, acc, &finished, self.exec)
@@ -431,7 +447,7 @@ impl Job<'_> {
             accumulate_into(frame(rank, e), &params, acc, 1.0)
                 .map_err(|err| Error::core(&entry.label, Some(rank), err))?;
         }
-        match finish(acc, self.reduction, self.count) {
+        match finish(acc, self.reduction, self.count, &entry.method) {
             Some(at) => Err(overflow(self.manifest, entry.offset + at)),
             None => Ok(()),
         }

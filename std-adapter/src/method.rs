@@ -169,9 +169,11 @@ impl CompressionMethod {
                 scale: SignScale::MeanAbs {
                     block: DEFAULT_SIGN_BLOCK,
                 },
+                zero_mask: false,
             },
             CompressionMethod::SignSGDMajority => Method::Sign {
                 scale: SignScale::None,
+                zero_mask: false,
             },
             CompressionMethod::Float16 => Method::Dense {
                 values: Values::F16,
@@ -190,7 +192,8 @@ impl CompressionMethod {
 
 /// The canonical text of a core method, as stored in checkpoints: the method name followed by
 /// `key=value` parameters, separated by spaces, for example `topk k=ratio:0.01 values=int8:256`,
-/// `quant bits=4 block=512 rounding=nearest-even` or `sign scale=mean-abs:1024`. Floats are
+/// `quant bits=4 block=512 rounding=nearest-even` or `sign scale=mean-abs:1024` (with a zero
+/// mask: `sign scale=mean-abs:1024 mask=zeros`). Floats are
 /// written in their shortest exact form, so [`parse`] gives back the same method.
 pub fn format(method: &Method) -> String {
     fn k(k: &K) -> String {
@@ -237,10 +240,13 @@ pub fn format(method: &Method) -> String {
                 Rounding::Stochastic => "stochastic",
             }
         ),
-        Method::Sign { scale } => match scale {
-            SignScale::MeanAbs { block } => write!(s, "sign scale=mean-abs:{block}"),
-            SignScale::None => write!(s, "sign scale=none"),
-        },
+        Method::Sign { scale, zero_mask } => {
+            let mask = if *zero_mask { " mask=zeros" } else { "" };
+            match scale {
+                SignScale::MeanAbs { block } => write!(s, "sign scale=mean-abs:{block}{mask}"),
+                SignScale::None => write!(s, "sign scale=none{mask}"),
+            }
+        }
     };
     s
 }
@@ -290,6 +296,14 @@ pub fn parse(text: &str) -> Result<Method> {
                     },
                     _ => return Err(words.bad(&format!("unknown sign scale `{s}`"))),
                 },
+            },
+            // Optional, so that the texts written before the mask existed still read.
+            zero_mask: match words.optional("mask") {
+                None => false,
+                Some("zeros") => true,
+                Some(other) => {
+                    return Err(words.bad(&format!("unknown sign mask `{other}` (zeros)")));
+                }
             },
         },
         other => return Err(words.bad(&format!("unknown method `{other}`"))),
@@ -347,6 +361,15 @@ impl<'t> Words<'t> {
             .find(|(k, _)| *k == key)
             .map(|(_, v)| *v)
             .ok_or_else(|| self.bad(&format!("missing `{key}`")))
+    }
+
+    /// The value of `key`, if given (counted as used when it is).
+    fn optional(&self, key: &str) -> Option<&'t str> {
+        let v = self.params.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+        if v.is_some() {
+            self.used.set(self.used.get() + 1);
+        }
+        v
     }
 
     /// The value of `key` parsed as a `T` (named `what` in the error).
@@ -408,6 +431,7 @@ pub(crate) fn check_for_feedback(method: &Method) -> Result<()> {
     match method {
         Method::Sign {
             scale: SignScale::None,
+            ..
         } => Err(Error::config(
             "error feedback needs a scaled sign (SignSGD), not unscaled sign (SignSGDMajority): \
              the residual would grow without bound",

@@ -135,6 +135,7 @@ fn cases() -> Vec<Case> {
         case(
             Method::Sign {
                 scale: SignScale::MeanAbs { block: 32 },
+                zero_mask: false,
             },
             BucketConfig::none().with_dense_below(40, Values::Bf16),
         ),

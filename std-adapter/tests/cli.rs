@@ -226,6 +226,15 @@ fn methods() -> Vec<(Vec<&'static str>, Method, u64)> {
                 scale: SignScale::MeanAbs {
                     block: DEFAULT_SIGN_BLOCK,
                 },
+                zero_mask: false,
+            },
+            0,
+        ),
+        (
+            vec!["--method", "sign", "--zero-mask", "--block", "64"],
+            Method::Sign {
+                scale: SignScale::MeanAbs { block: 64 },
+                zero_mask: true,
             },
             0,
         ),
@@ -665,7 +674,7 @@ fn bad_command_lines_are_one_line_errors() {
     let o = s(&out);
     let gs = s(&g);
     // Flags after `compress GRADS -o OUT`, and what the one-line error must say.
-    let compress_flags: [(&str, &str); 30] = [
+    let compress_flags: [(&str, &str); 32] = [
         ("--bogus", "--bogus"),
         ("--ratio 0.1 --k 5", "cannot be used with"),
         ("--method lz4", "lz4"),
@@ -681,6 +690,8 @@ fn bad_command_lines_are_one_line_errors() {
         ("--method sign --ratio 0.1", "--ratio and --k apply"),
         ("--block 16", "--block applies"),
         ("--method sign --block 0", "at least 1"),
+        ("--zero-mask", "--zero-mask applies to --method sign"),
+        ("--method sign --zero-mask --block 12", "multiple of 8"),
         ("--ratio NaN", "invalid --ratio NaN"),
         ("--ratio=-0.5", "invalid --ratio -0.5"),
         ("--ratio -0.5", "invalid --ratio -0.5"),

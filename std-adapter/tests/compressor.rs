@@ -427,9 +427,11 @@ fn method_texts_round_trip() {
         },
         Method::Sign {
             scale: SignScale::MeanAbs { block: 1024 },
+            zero_mask: false,
         },
         Method::Sign {
             scale: SignScale::None,
+            zero_mask: false,
         },
     ];
     for m in methods {

@@ -289,6 +289,7 @@ fn methods_that_cannot_feed_back() {
     for m in [
         Method::Sign {
             scale: SignScale::None,
+            zero_mask: false,
         },
         Method::RandomK {
             k: K::Count(1),

@@ -162,6 +162,8 @@ fn check_method(text: &str) {
         "threshold" => &["t", "values"],
         "randomk" => &["k", "values", "unbiased"],
         "quant" => &["bits", "block", "rounding"],
+        // The zero mask's `mask=zeros` is written only when it is on.
+        "sign" if text.ends_with(" mask=zeros") => &["scale", "mask"],
         "sign" => &["scale"],
         w => panic!("`{text}`: unknown method `{w}`"),
     };
@@ -189,6 +191,7 @@ fn check_method(text: &str) {
             ("block", _) => block(v),
             ("rounding", _) => v == "nearest-even" || v == "stochastic",
             ("scale", Some(("mean-abs", b))) => block(b),
+            ("mask", _) => v == "zeros",
             _ => *k == "scale" && v == "none",
         };
         assert!(ok, "`{text}`: `{w}` is not valid");
@@ -228,10 +231,13 @@ fn format_method(m: &Method) -> String {
             let r = stochastic[usize::from(r == Rounding::Stochastic)];
             format!("quant bits={bits} block={block} rounding={r}")
         }
-        Method::Sign {
-            scale: SignScale::MeanAbs { block },
-        } => format!("sign scale=mean-abs:{block}"),
-        Method::Sign { .. } => "sign scale=none".to_owned(),
+        Method::Sign { scale, zero_mask } => {
+            let mask = if zero_mask { " mask=zeros" } else { "" };
+            match scale {
+                SignScale::MeanAbs { block } => format!("sign scale=mean-abs:{block}{mask}"),
+                SignScale::None => format!("sign scale=none{mask}"),
+            }
+        }
     }
 }
 

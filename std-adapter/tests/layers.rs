@@ -10,8 +10,21 @@ use std::path::{Path, PathBuf};
 
 /// gradwire-core's modules, bottom to top.
 const CORE: &[&str] = &[
-    "bits", "lanes", "rng", "error", "method", "scalar", "index", "randomk", "select", "values",
-    "quant", "sign", "frame", "feedback",
+    "bits",
+    "lanes",
+    "rng",
+    "error",
+    "method",
+    "scalar",
+    "index",
+    "randomk",
+    "select",
+    "values",
+    "quant",
+    "sign",
+    "zero_mask",
+    "frame",
+    "feedback",
 ];
 
 /// gradwire's modules, bottom to top.

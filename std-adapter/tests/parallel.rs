@@ -220,6 +220,7 @@ fn other_split_methods_parallel_equal_serial() {
         }),
         core(Method::Sign {
             scale: SignScale::MeanAbs { block: 1000 },
+            zero_mask: false,
         }),
         CompressionMethod::SignSGDMajority,
         CompressionMethod::Threshold { threshold: 1.5 },
@@ -690,9 +691,11 @@ fn split_frames_and_residuals_equal_the_core_step() {
         q(2, 7, Rounding::Stochastic),
         Method::Sign {
             scale: SignScale::MeanAbs { block: 1000 },
+            zero_mask: false,
         },
         Method::Sign {
             scale: SignScale::MeanAbs { block: 3 },
+            zero_mask: false,
         },
     ] {
         for method in [

@@ -117,6 +117,7 @@ fn method(sel: u8, majority: bool) -> Method {
             } else {
                 SignScale::MeanAbs { block: 8 }
             },
+            zero_mask: false,
         },
         11 => Method::Dense {
             values: Values::F16,

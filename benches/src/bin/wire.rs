@@ -175,6 +175,7 @@ fn methods(threshold: f32) -> Vec<(&'static str, How, Option<Target>)> {
             "sign_majority",
             bundle(core(Method::Sign {
                 scale: SignScale::None,
+                zero_mask: false,
             })),
             None,
         ),

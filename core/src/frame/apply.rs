@@ -6,6 +6,7 @@ use super::{FrameInfo, Header};
 use crate::error::{Error, Param};
 use crate::lanes::prefetch;
 use crate::method::Params;
+use crate::zero_mask::Mask;
 use crate::{index, randomk, rng, values};
 
 /// Calls `f` with runs of entries of a validated sparse body: ascending indices and their
@@ -73,6 +74,16 @@ pub(crate) fn apply(h: &Header, body: &Body<'_>, out: &mut [f32], weight: Option
             body,
             ..
         } => shape.decode(scales, body, out, weight),
+        Body::MaskedSign {
+            block,
+            scales,
+            signs,
+            mask,
+            mask_block,
+            ..
+        } => {
+            Mask::of_checked(out.len(), mask_block, mask).decode(block, scales, signs, out, weight)
+        }
         Body::Sparse { .. } => match weight {
             None => sparse_batches(h, body, |ib, vb| {
                 for (&i, &x) in ib.iter().zip(vb) {

@@ -3,13 +3,15 @@
 //! written by `sparse`.
 
 use super::shape::Shape;
-use super::wire::{Put, write_shaped_header};
+use super::wire::{
+    FIXED_LEN, FLAG_ZERO_MASK, M_SIGN, Put, params_len, write_fixed, write_shaped_header,
+};
 use super::{check_encode, check_input, no_frame_on_error, sparse};
 use crate::error::Error;
 use crate::lanes::{One, Source};
-use crate::method::{Method, Params, Values};
+use crate::method::{Method, Params, SignScale, Values};
 use crate::select::OutOfLimit;
-use crate::{quant, sign, values};
+use crate::{quant, sign, values, zero_mask};
 
 /// Encodes `grad` (n elements) with `params` into `out` and returns the frame length in bytes.
 ///
@@ -77,7 +79,10 @@ pub(crate) fn is_fused(n: usize, method: &Method) -> bool {
             block,
             rounding,
         } => quant::is_fast(bits, block as usize, rounding),
-        Method::Sign { scale } => sign::is_fast(super::wire::sign_block(scale)),
+        Method::Sign {
+            scale,
+            zero_mask: false,
+        } => sign::is_fast(super::wire::sign_block(scale)),
         _ => false,
     }
 }
@@ -110,7 +115,7 @@ pub(crate) fn encode_src<S: Source>(
             p.pos += s_len;
             c_len
         }
-        Method::Sign { scale } => {
+        Method::Sign { scale, .. } => {
             let block = super::wire::sign_block(scale);
             let s_len = sign::scales_len(n, block);
             let b_len = sign::bits_len(n);
@@ -146,6 +151,10 @@ pub(crate) fn encode_checked(
             sparse::encode_sparse_checked(g, params, scratch, out)
         }
         Method::RandomK { .. } => sparse::encode_randomk(g, params, scratch, out),
+        Method::Sign {
+            scale,
+            zero_mask: true,
+        } => encode_masked_sign(g, scale, out),
         _ => encode_shaped(g, params, out),
     }
 }
@@ -163,5 +172,31 @@ fn encode_shaped(g: &[f32], params: &Params, out: &mut [u8]) -> usize {
     let stream = (params.seed, params.step, params.tensor_id);
     shape.encode(g, 0, stream, scales, &mut rest[..b_len]);
     p.pos += s_len + b_len;
+    p.finish()
+}
+
+/// A sign frame with a zero mask of checked input: the mask is written first, at its place
+/// after the signs (the header's length does not depend on it), then the header with the
+/// count of mixed blocks, the scales and the signs.
+fn encode_masked_sign(g: &[f32], scale: SignScale, out: &mut [u8]) -> usize {
+    let n = g.len();
+    let method = Method::Sign {
+        scale,
+        zero_mask: true,
+    };
+    let block = super::wire::sign_block(scale);
+    let header = FIXED_LEN + params_len(&method);
+    let (s_len, b_len) = (sign::scales_len(n, block), sign::bits_len(n));
+    let (head, rest) = out.split_at_mut(header);
+    let (scales, rest) = rest.split_at_mut(s_len);
+    let (signs, mask) = rest.split_at_mut(b_len);
+    let (m_len, mixed) = zero_mask::encode(g, method.sign_mask_block(), mask);
+    sign::encode(g, block, scales, signs);
+    let mut p = Put::new(head);
+    write_fixed(&mut p, M_SIGN, FLAG_ZERO_MASK, n);
+    p.sign_params(scale);
+    p.u64(mixed as u64);
+    let mut p = Put::new(out);
+    p.pos = header + s_len + b_len + m_len;
     p.finish()
 }

@@ -24,13 +24,13 @@ mod wire;
 use crate::error::Error;
 use crate::index;
 use crate::method::{Method, Params, SignScale, Values};
-use crate::{quant, scalar, select, sign, values};
+use crate::{quant, scalar, select, sign, values, zero_mask};
 
 pub use apply::{accumulate_into, decode_into, validate};
 pub use encode::encode_into;
 pub use sparse::{encode_kept_into, encode_selected_into};
 
-pub(crate) use apply::sparse_batches;
+pub(crate) use apply::{apply, sparse_batches};
 pub(crate) use encode::{encode_checked, encode_src, is_fused};
 pub(crate) use parse::{Body, parse_trusted};
 pub(crate) use shape::Shape;
@@ -71,12 +71,17 @@ pub const fn max_frame_len(n: usize, method: &Method) -> usize {
         Method::Quant { bits, block, .. } => {
             quant::scales_len(n, block_or_one(block)).saturating_add(quant::codes_len(n, bits))
         }
-        Method::Sign { scale } => {
+        Method::Sign { scale, zero_mask } => {
             let s = match scale {
                 SignScale::MeanAbs { block } => sign::scales_len(n, Some(block_or_one(block))),
                 SignScale::None => 0,
             };
-            s.saturating_add(sign::bits_len(n))
+            let mask = if zero_mask {
+                zero_mask::max_len(n, method.sign_mask_block())
+            } else {
+                0
+            };
+            s.saturating_add(sign::bits_len(n)).saturating_add(mask)
         }
     };
     body.saturating_add(FIXED_LEN + params_len(method) + CRC_LEN)

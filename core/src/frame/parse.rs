@@ -5,11 +5,13 @@
 
 use super::shape::Shape;
 use super::wire::{
-    self, FLAG_UNBIASED, Fixed, Get, M_DENSE, M_QUANT, M_RANDOMK, M_SIGN, M_THRESHOLD, M_TOPK,
+    self, FLAG_UNBIASED, FLAG_ZERO_MASK, Fixed, Get, M_DENSE, M_QUANT, M_RANDOMK, M_SIGN,
+    M_THRESHOLD, M_TOPK,
 };
 use super::{FORMAT_VERSION, Header};
 use crate::error::{Error, Param};
 use crate::method::{K, Method, Params, Values};
+use crate::zero_mask::{self, Mask};
 use crate::{index, values};
 
 /// Sections of a parsed frame, each with its byte offset.
@@ -20,6 +22,17 @@ pub(crate) enum Body<'a> {
         shape: Shape,
         scales: &'a [u8],
         body: &'a [u8],
+        off: usize,
+    },
+    /// Sign with a zero mask: the scales section (empty when unscaled) at offset `off`, the
+    /// signs right after it, and the checked mask right after them.
+    MaskedSign {
+        block: Option<usize>,
+        scales: &'a [u8],
+        signs: &'a [u8],
+        mask: &'a [u8],
+        mask_block: usize,
+        mixed: usize,
         off: usize,
     },
     /// Top-k, threshold (with an index section of codec `codec`) and random-k (none).
@@ -176,11 +189,38 @@ fn parse_quant<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
 
 fn parse_sign<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
     let scale = r.sign_scale()?;
-    let shape = Shape::Sign {
-        block: wire::sign_block(scale),
+    let block = wire::sign_block(scale);
+    let zero_mask = f.flags == FLAG_ZERO_MASK;
+    let method = Method::Sign { scale, zero_mask };
+    if !zero_mask {
+        let body = shaped_sections(r, f, Shape::Sign { block })?;
+        return Ok((Params::new(method), f.n, body));
+    }
+    let at = r.pos;
+    let mask_block = method.sign_mask_block();
+    if !mask_block.is_multiple_of(8) {
+        // A mask needs whole bytes of signs per block: the block field is wrong.
+        return Err(Error::Malformed { offset: at - 4 });
+    }
+    let mixed = r.mixed_count(zero_mask::blocks(f.nu, mask_block))?;
+    let (s_len, b_len) = Shape::Sign { block }
+        .section_lens(f.nu)
+        .ok_or(Error::TooLarge { n: f.n })?;
+    let m_len =
+        zero_mask::section_len(f.nu, mask_block, mixed).ok_or(Error::TooLarge { n: f.n })?;
+    let (scales, off) = r.section(s_len)?;
+    let (signs, _) = r.section(b_len)?;
+    let (mask, _) = r.section(m_len)?;
+    let body = Body::MaskedSign {
+        block,
+        scales,
+        signs,
+        mask,
+        mask_block,
+        mixed,
+        off,
     };
-    let body = shaped_sections(r, f, shape)?;
-    Ok((Params::new(Method::Sign { scale }), f.n, body))
+    Ok((Params::new(method), f.n, body))
 }
 
 /// The scales and body sections of a dense, quantization or sign frame of `f.n` elements.
@@ -271,7 +311,16 @@ fn first_difference(h: &Header, expected: &Params) -> Option<Param> {
             (la != lb, Param::Block),
             (ra != rb, Param::Rounding),
         ]),
-        (M::Sign { scale: sa }, M::Sign { scale: sb }) => first(&[(sa != sb, Param::SignScale)]),
+        (
+            M::Sign {
+                scale: sa,
+                zero_mask: za,
+            },
+            M::Sign {
+                scale: sb,
+                zero_mask: zb,
+            },
+        ) => first(&[(sa != sb, Param::SignScale), (za != zb, Param::ZeroMask)]),
         _ => Some(Param::Method),
     }
 }
@@ -287,6 +336,20 @@ pub(crate) fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
         } => shape
             .validate(n as usize, scales, body)
             .map_err(|o| Error::BadValue { offset: off + o }),
+        Body::MaskedSign {
+            scales,
+            signs,
+            mask,
+            mask_block,
+            mixed,
+            off,
+            ..
+        } => {
+            let n = n as usize;
+            crate::sign::validate(n, scales, signs)
+                .and_then(|()| Mask::check(n, mask_block, mixed, scales, signs, mask).map(|_| ()))
+                .map_err(|o| Error::BadValue { offset: off + o })
+        }
         Body::Sparse {
             v,
             count,

@@ -24,7 +24,9 @@ pub(crate) enum Shape {
 }
 
 impl Shape {
-    /// The shape of a valid `method`; `None` for top-k, threshold and random-k.
+    /// The shape of a valid `method`; `None` for top-k, threshold and random-k, and for sign
+    /// with a zero mask (whose mask section's length depends on the elements, so the frame
+    /// does not cut into chunks).
     pub(crate) fn of(method: &Method) -> Option<Shape> {
         match *method {
             Method::Dense { values } if !matches!(values, Values::Int8 { .. }) => {
@@ -39,7 +41,10 @@ impl Shape {
                 block: block as usize,
                 rounding,
             }),
-            Method::Sign { scale } => Some(Shape::Sign {
+            Method::Sign {
+                scale,
+                zero_mask: false,
+            } => Some(Shape::Sign {
                 block: sign_block(scale),
             }),
             _ => None,

@@ -32,6 +32,8 @@ pub(crate) const M_QUANT: u8 = 4;
 pub(crate) const M_SIGN: u8 = 5;
 
 pub(crate) const FLAG_UNBIASED: u8 = 1;
+/// Flag of a sign frame with a zero mask (FORMAT.md 2.3).
+pub(crate) const FLAG_ZERO_MASK: u8 = 2;
 
 const fn values_spec_len(v: Values) -> usize {
     match v {
@@ -48,10 +50,14 @@ pub(crate) const fn params_len(method: &Method) -> usize {
         Method::Threshold { values, .. } => values_spec_len(values) + 4 + 8 + 1,
         Method::RandomK { values, .. } => values_spec_len(values) + 8 + 8 + 8 + 8,
         Method::Quant { .. } => 1 + 1 + 4,
-        Method::Sign { scale } => match scale {
-            SignScale::MeanAbs { .. } => 5,
-            SignScale::None => 1,
-        },
+        Method::Sign { scale, zero_mask } => {
+            let mode = match scale {
+                SignScale::MeanAbs { .. } => 5,
+                SignScale::None => 1,
+            };
+            // With a zero mask, the count of mixed mask blocks (`u64`).
+            if zero_mask { mode + 8 } else { mode }
+        }
     }
 }
 
@@ -181,7 +187,10 @@ pub(crate) fn write_shaped_header(p: &mut Put<'_>, method: &Method, n: usize) ->
             write_fixed(p, M_QUANT, 0, n);
             p.quant_params(bits, rounding, block);
         }
-        Method::Sign { scale } => {
+        Method::Sign {
+            scale,
+            zero_mask: false,
+        } => {
             write_fixed(p, M_SIGN, 0, n);
             p.sign_params(scale);
         }
@@ -291,7 +300,9 @@ impl<'a> Get<'a> {
                 offset: RESERVED_AT,
             });
         }
-        if flags != 0 && !(id == M_RANDOMK && flags == FLAG_UNBIASED) {
+        let allowed = (id == M_RANDOMK && flags == FLAG_UNBIASED)
+            || (id == M_SIGN && flags == FLAG_ZERO_MASK);
+        if flags != 0 && !allowed {
             return Err(Error::Malformed { offset: FLAGS_AT });
         }
         let n = self.u64()?;
@@ -402,6 +413,16 @@ impl<'a> Get<'a> {
             }
             _ => return Err(Error::Malformed { offset: at }),
         })
+    }
+
+    /// The count of mixed blocks of a zero mask of `blocks` blocks: at most `blocks`.
+    pub(crate) fn mixed_count(&mut self, blocks: usize) -> Result<usize, Error> {
+        let at = self.pos;
+        let m = self.u64()?;
+        match usize::try_from(m) {
+            Ok(m) if m <= blocks => Ok(m),
+            _ => Err(Error::Malformed { offset: at }),
+        }
     }
 
     /// The next `len` bytes as a section, with its offset, or a `Truncated` error.

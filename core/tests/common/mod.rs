@@ -556,6 +556,7 @@ pub fn feedback_methods() -> Vec<(&'static str, Method)> {
         "sign-scaled",
         Method::Sign {
             scale: SignScale::MeanAbs { block: 32 },
+            zero_mask: false,
         },
     ));
     m
@@ -603,6 +604,15 @@ pub const RECIPROCAL: [f32; 16] = [
 /// signs, a subnormal-free mix of magnitudes.
 pub const G16: [f32; 16] = [
     0.5, -1.25, 0.0, 3.0, -3.0, 0.125, -0.0, 2.5, -0.75, 1.0, 0.0, -2.0, 0.0625, 1.5, -0.5, 0.25,
+];
+
+/// The input of the scaled zero-mask golden frame, in blocks of 8: G16's first block (zeros
+/// of both signs among non-zeros: mixed), a block of zeros of both signs (all zero), a block
+/// without zeros (none), and a last block of 4 elements that is mixed (bits past the tensor's
+/// end stay 0).
+pub const ZERO_MASK_28: [f32; 28] = [
+    0.5, -1.25, 0.0, 3.0, -3.0, 0.125, -0.0, 2.5, 0.0, -0.0, 0.0, 0.0, 0.0, 0.0, -0.0, 0.0, -0.75,
+    1.0, 0.25, -2.0, 0.0625, 1.5, -0.5, 0.25, 1.0, 0.0, -2.0, -0.0,
 ];
 
 /// A 300-element input whose single largest magnitude sits at index 290 (raw index codec).
@@ -758,6 +768,7 @@ pub fn golden() -> Vec<Golden> {
         &G16,
         p(Method::Sign {
             scale: SignScale::MeanAbs { block: 5 },
+            zero_mask: false,
         }),
         None,
     ));
@@ -766,6 +777,25 @@ pub fn golden() -> Vec<Golden> {
         &G16,
         p(Method::Sign {
             scale: SignScale::None,
+            zero_mask: false,
+        }),
+        None,
+    ));
+    v.push(g(
+        "sign_scaled_zero_mask",
+        &ZERO_MASK_28,
+        p(Method::Sign {
+            scale: SignScale::MeanAbs { block: 8 },
+            zero_mask: true,
+        }),
+        None,
+    ));
+    v.push(g(
+        "sign_unscaled_zero_mask",
+        &G16,
+        p(Method::Sign {
+            scale: SignScale::None,
+            zero_mask: true,
         }),
         None,
     ));
@@ -801,6 +831,7 @@ pub fn golden() -> Vec<Golden> {
         &[],
         p(Method::Sign {
             scale: SignScale::MeanAbs { block: 8 },
+            zero_mask: false,
         }),
         None,
     ));

@@ -572,10 +572,15 @@ fn check_bound(grad: &[f32], params: &Params, out: &[f32], kept: u64, frame: &[u
                 }
             }
         }
-        Method::Sign { scale } => match scale {
+        Method::Sign { scale, zero_mask } => match scale {
             SignScale::None => {
                 for (&x, &d) in grad.iter().zip(out) {
-                    assert_eq!(d, if x < 0.0 { -1.0 } else { 1.0 });
+                    let want: f32 = match x {
+                        _ if zero_mask && x == 0.0 => 0.0,
+                        _ if x < 0.0 => -1.0,
+                        _ => 1.0,
+                    };
+                    assert_eq!(d.to_bits(), want.to_bits(), "sign: {x} -> {d}");
                 }
             }
             SignScale::MeanAbs { block } => {
@@ -589,7 +594,11 @@ fn check_bound(grad: &[f32], params: &Params, out: &[f32], kept: u64, frame: &[u
                         "sign scale {s} far from mean |g| {mean}"
                     );
                     for (&x, &d) in g.iter().zip(o) {
-                        let want = if x < 0.0 { -s } else { s };
+                        let want = match x {
+                            _ if zero_mask && x == 0.0 => 0.0,
+                            _ if x < 0.0 => -s,
+                            _ => s,
+                        };
                         assert_eq!(d.to_bits(), want.to_bits(), "sign: {x} -> {d}, scale {s}");
                     }
                 }

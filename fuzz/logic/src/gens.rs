@@ -82,15 +82,20 @@ pub fn gen_method(inp: &mut Input<'_>, n: usize, grad: &[f32]) -> Method {
                 Rounding::NearestEven
             },
         },
-        _ => Method::Sign {
-            scale: if inp.u8().is_multiple_of(4) {
-                SignScale::None
-            } else {
-                SignScale::MeanAbs {
-                    block: gen_block(inp),
-                }
-            },
-        },
+        _ => {
+            // One byte picks the scale mode (2 low bits) and the zero mask (bit 4).
+            let mode = inp.u8();
+            Method::Sign {
+                scale: if mode.is_multiple_of(4) {
+                    SignScale::None
+                } else {
+                    SignScale::MeanAbs {
+                        block: gen_block(inp),
+                    }
+                },
+                zero_mask: mode & 0x10 != 0,
+            }
+        }
     }
 }
 

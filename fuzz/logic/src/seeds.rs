@@ -89,7 +89,16 @@ pub fn methods() -> Vec<Params> {
         SignScale::MeanAbs { block: 1024 },
         SignScale::MeanAbs { block: 5 },
     ] {
-        m.push(Method::Sign { scale });
+        m.push(Method::Sign {
+            scale,
+            zero_mask: false,
+        });
+    }
+    for scale in [SignScale::None, SignScale::MeanAbs { block: 16 }] {
+        m.push(Method::Sign {
+            scale,
+            zero_mask: true,
+        });
     }
     m.into_iter()
         .enumerate()
@@ -290,6 +299,7 @@ pub fn checkpoint_seeds() -> Vec<(&'static str, Vec<u8>)> {
         },
         Method::Sign {
             scale: SignScale::MeanAbs { block: 3 },
+            zero_mask: false,
         },
         Method::Quant {
             bits: 4,

@@ -5,7 +5,7 @@
 //!          [--method topk|randomk|threshold|quant|sign|f16|bf16|f32]
 //!          [--ratio R | --k K | --threshold T] [--bits B] [--block N]
 //!          [--values f32|f16|bf16|int8]
-//!          [--stochastic] [--seed S] [--step N] [--residual STATE.safetensors]
+//!          [--stochastic] [--zero-mask] [--seed S] [--step N] [--residual STATE.safetensors]
 //!          [--layout gradwire|reference] [--max-elements N]
 //! gradwire decompress IN -o OUT.safetensors [--layout gradwire|reference]
 //!          [--shapes MODEL.safetensors] [--mode none|topk|topk-int8] [--max-elements N]
@@ -204,6 +204,10 @@ struct CompressArgs {
     /// Stochastic (unbiased) rounding for quant, from (seed, step, tensor).
     #[arg(long)]
     stochastic: bool,
+    /// Sign: elements that are exactly zero decode to zero, not to +scale (a zero mask:
+    /// 2 bits per block and a bitmap per block that mixes zeros and non-zeros).
+    #[arg(long)]
+    zero_mask: bool,
     /// Seed of random-k and stochastic rounding (default 0; with --residual, the state's).
     #[arg(long, value_name = "S")]
     seed: Option<u64>,
@@ -345,6 +349,9 @@ fn method_of(a: &CompressArgs) -> Result<Method, CliError> {
     if a.method != MethodArg::Quant && a.stochastic {
         return Err(usage("--stochastic applies to --method quant"));
     }
+    if a.method != MethodArg::Sign && a.zero_mask {
+        return Err(usage("--zero-mask applies to --method sign"));
+    }
     if a.method != MethodArg::Threshold && a.threshold.is_some() {
         return Err(usage("--threshold applies to --method threshold"));
     }
@@ -422,6 +429,7 @@ fn method_of(a: &CompressArgs) -> Result<Method, CliError> {
             scale: SignScale::MeanAbs {
                 block: a.block.unwrap_or(DEFAULT_SIGN_BLOCK),
             },
+            zero_mask: a.zero_mask,
         },
         MethodArg::F16 => Method::Dense {
             values: Values::F16,

@@ -80,10 +80,18 @@ fn method_block(method: &Method) -> usize {
         Method::Quant { block, .. } => block as usize,
         Method::Sign {
             scale: SignScale::MeanAbs { block },
+            ..
         } => block as usize,
         Method::Sign {
             scale: SignScale::None,
-        } => 1,
+            zero_mask,
+        } => {
+            if zero_mask {
+                method.sign_mask_block()
+            } else {
+                1
+            }
+        }
         Method::Dense { values } | Method::TopK { values, .. } => values_block(values),
         Method::Threshold { values, .. } | Method::RandomK { values, .. } => values_block(values),
     }

@@ -32,7 +32,7 @@ use gradwire_core::frame::chunk::SparseFrame;
 use gradwire_core::values::{first_non_finite, magnitude_limit};
 use gradwire_core::{
     Method, Params, accumulate_into, decode_into, encode_into, encode_selected_into, feedback_step,
-    max_frame_len, scratch_len, select, sign,
+    max_frame_len, scratch_len, select,
 };
 
 use super::shard_message::{self, Phase};
@@ -41,7 +41,7 @@ use super::{
     Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, RELAY_BAD, RELAY_FAILED, RELAY_OVERFLOW,
     agree, fingerprint_at, open, seal, seal_failure, seal_relay,
 };
-use crate::aggregate::Reduction;
+use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
@@ -777,7 +777,7 @@ impl TwoPhase {
                         *x /= w;
                     }
                 }
-                Reduction::MajorityVote => sign::majority(&mut self.shard),
+                Reduction::MajorityVote => majority(&mut self.shard, &worker.method),
             }
             if let Some(i) = first_non_finite(&self.shard) {
                 let (t, index) = layout.locate(me, i);
