@@ -14,6 +14,7 @@
 //! | sign's zero mask (exact zeros decode to zero) | [`zero_mask`] | `FORMAT.md` 3.6.1 |
 //! | dense f32 / f16 / bf16 | [`values`] | PyTorch DDP fp16/bf16 compression hooks |
 //! | error feedback | [`feedback`] | Seide et al. 2014; Karimireddy et al. 2019 |
+//! | PowerSGD's low-rank kernels | [`powersgd`] | Vogels et al. 2019 |
 //!
 //! The [`scalar`] module holds plain loops for every kernel: it is the executable specification
 //! and the oracle that the fast paths are tested against. The wire format is specified in
@@ -93,6 +94,7 @@ pub mod frame;
 pub mod index;
 mod lanes;
 pub mod method;
+pub mod powersgd;
 pub mod quant;
 pub mod randomk;
 pub mod rng;

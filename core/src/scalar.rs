@@ -327,3 +327,103 @@ pub fn sign_encode(x: &[f32], block: Option<usize>, scales: &mut [u8], signs: &m
         signs[i / 8] |= sign_bit(v) << (i % 8);
     }
 }
+
+/// PowerSGD's striped dot product ([`crate::powersgd`]): `a[t] * b[t]` into eight lane sums
+/// (lane `t % 8`, in order of `t`, from `+0.0`), combined as the sign scale's lanes.
+pub fn powersgd_dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    for (t, (&x, &y)) in a.iter().zip(b).enumerate() {
+        lanes[t % 8] += x * y;
+    }
+    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+}
+
+/// [`crate::powersgd::project`]: `p[j * rows + i] = powersgd_dot(row i of m, column j of q)`.
+pub fn powersgd_project(m: &[f32], rows: usize, cols: usize, q: &[f32], p: &mut [f32]) {
+    let r = q.len() / cols.max(1);
+    for i in 0..rows {
+        for j in 0..r {
+            p[j * rows + i] =
+                powersgd_dot(&m[i * cols..(i + 1) * cols], &q[j * cols..(j + 1) * cols]);
+        }
+    }
+}
+
+/// [`crate::powersgd::back_project`]: `q[j * cols + k] = Σ_i m[i * cols + k] * p[j * rows + i]`
+/// in order of `i` from `+0.0`.
+pub fn powersgd_back_project(m: &[f32], rows: usize, cols: usize, p: &[f32], q: &mut [f32]) {
+    let r = q.len() / cols.max(1);
+    for j in 0..r {
+        for k in 0..cols {
+            let mut s = 0.0f32;
+            for i in 0..rows {
+                s += m[i * cols + k] * p[j * rows + i];
+            }
+            q[j * cols + k] = s;
+        }
+    }
+}
+
+/// [`crate::powersgd::orthogonalize`] of finite columns: modified Gram-Schmidt in column
+/// order, each column divided by its norm (by its largest magnitude first when the sum of
+/// squares is not a normal f32), a column of zeros left zero.
+pub fn powersgd_orthogonalize(p: &mut [f32], rows: usize) {
+    let r = p.len() / rows.max(1);
+    for j in 0..r {
+        for l in 0..j {
+            let d = powersgd_dot(&p[j * rows..(j + 1) * rows], &p[l * rows..(l + 1) * rows]);
+            for i in 0..rows {
+                p[j * rows + i] += p[l * rows + i] * -d;
+            }
+        }
+        let col = &mut p[j * rows..(j + 1) * rows];
+        let sq = powersgd_dot(col, col);
+        if sq.is_normal() {
+            let root = libm::sqrtf(sq);
+            col.iter_mut().for_each(|x| *x /= root);
+            continue;
+        }
+        let s = col.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        if s == 0.0 {
+            col.fill(0.0);
+            continue;
+        }
+        let mut lanes = [0.0f32; 8];
+        for (t, &x) in col.iter().enumerate() {
+            let y = x / s;
+            lanes[t % 8] += y * y;
+        }
+        let root = libm::sqrtf(
+            ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+                + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])),
+        );
+        col.iter_mut().for_each(|x| *x = (*x / s) / root);
+    }
+}
+
+/// [`crate::powersgd::reconstruct`]: `P Qᵀ` summed over the columns in order from `+0.0`,
+/// written (`weight = None`) or added as `out + weight * sum`.
+pub fn powersgd_reconstruct(
+    p: &[f32],
+    q: &[f32],
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+    weight: Option<f32>,
+) {
+    let r = q.len() / cols.max(1);
+    for i in 0..rows {
+        for k in 0..cols {
+            let mut s = 0.0f32;
+            for j in 0..r {
+                s += p[j * rows + i] * q[j * cols + k];
+            }
+            let o = &mut out[i * cols + k];
+            *o = match weight {
+                None => s,
+                Some(w) => *o + w * s,
+            };
+        }
+    }
+}

@@ -23,6 +23,7 @@ const CORE: &[&str] = &[
     "quant",
     "sign",
     "zero_mask",
+    "powersgd",
     "frame",
     "feedback",
 ];
