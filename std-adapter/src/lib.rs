@@ -46,6 +46,8 @@ mod aggregate;
 
 mod collective;
 
+pub mod powersgd;
+
 pub mod reference;
 
 pub mod compressor;

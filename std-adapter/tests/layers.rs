@@ -40,6 +40,7 @@ const STD: &[&str] = &[
     "engine",
     "aggregate",
     "collective",
+    "powersgd",
     "reference",
     "compressor",
     "allreduce",
