@@ -18,6 +18,7 @@ use gradwire::BucketConfig;
 use gradwire::CompressedAllReduce;
 use gradwire::Parallelism;
 use gradwire::comm::{Communicator, Traffic};
+use gradwire::powersgd::{PowerSgd, PowerSgdConfig};
 use gradwire::tensor::Tensor;
 use gradwire::{Aggregator, Reduction};
 use gradwire::{CompressionMethod, GradientCompressor};
@@ -53,6 +54,12 @@ pub enum Method {
     /// 4-bit quantization with a per-block scale, error feedback.
     #[value(name = "quant4-ef")]
     Quant4Ef,
+    /// PowerSGD rank 1 with error feedback and warm start (its own two f32 all-reduces).
+    #[value(name = "powersgd-r1-ef")]
+    PowerSgd1Ef,
+    /// PowerSGD rank 4 with error feedback and warm start.
+    #[value(name = "powersgd-r4-ef")]
+    PowerSgd4Ef,
     /// Dense f32 through a plain `MPI_Allreduce` (sum) of the `mpi` crate, outside gradwire:
     /// the step a user without gradwire would run. Only with `--transport mpi` (feature `mpi`);
     /// not in [`Method::ALL`]: its sums are not rank-order bit-identical (see
@@ -64,7 +71,7 @@ pub enum Method {
 impl Method {
     /// Every method that runs on every transport, in table order (the default `--methods`;
     /// [`Method::DenseF32Allreduce`] is not one of them).
-    pub const ALL: [Method; 8] = [
+    pub const ALL: [Method; 10] = [
         Method::DenseF32,
         Method::DenseF16,
         Method::TopK1EfInt8,
@@ -73,6 +80,8 @@ impl Method {
         Method::RandK1Ef,
         Method::SignEf,
         Method::Quant4Ef,
+        Method::PowerSgd1Ef,
+        Method::PowerSgd4Ef,
     ];
 
     /// The method's name on the command line and in the reports.
@@ -87,6 +96,8 @@ impl Method {
             Method::RandK1Ef => "randk-1%-ef",
             Method::SignEf => "sign-ef",
             Method::Quant4Ef => "quant4-ef",
+            Method::PowerSgd1Ef => "powersgd-r1-ef",
+            Method::PowerSgd4Ef => "powersgd-r4-ef",
             Method::DenseF32Allreduce => "dense-f32-allreduce",
         }
     }
@@ -97,6 +108,16 @@ impl Method {
     #[must_use]
     pub fn is_wired(self) -> bool {
         self != Method::DenseF32Allreduce || cfg!(feature = "mpi")
+    }
+
+    /// PowerSGD's rank, for the PowerSGD methods.
+    #[must_use]
+    pub fn powersgd_rank(self) -> Option<usize> {
+        match self {
+            Method::PowerSgd1Ef => Some(1),
+            Method::PowerSgd4Ef => Some(4),
+            _ => None,
+        }
     }
 
     /// Whether the method runs outside gradwire's collectives, on MPI only
@@ -241,11 +262,13 @@ pub trait GradientCodec: Send {
 }
 
 /// The gradwire configuration of a demo method: the compressor's method (with error feedback
-/// where the method name says so).
+/// where the method name says so); `None` for PowerSGD, which is not a frame method
+/// ([`PowerSgdCodec`]).
 #[must_use]
-pub fn gradwire_method(method: Method) -> CompressionMethod {
+pub fn gradwire_method(method: Method) -> Option<CompressionMethod> {
     use gradwire::core::{K, Method as Core, Values};
-    match method {
+    Some(match method {
+        Method::PowerSgd1Ef | Method::PowerSgd4Ef => return None,
         // gradwire does not run `dense-f32-allreduce` (MPI_Allreduce does): its message is
         // dense f32 all the same.
         Method::DenseF32 | Method::DenseF32Allreduce => CompressionMethod::Core(Core::Dense {
@@ -270,7 +293,7 @@ pub fn gradwire_method(method: Method) -> CompressionMethod {
         .with_error_feedback(),
         Method::SignEf => CompressionMethod::SignSGD.with_error_feedback(),
         Method::Quant4Ef => CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
-    }
+    })
 }
 
 /// Builds the codec of `method` for one rank: gradwire's bundle (one message per rank per
@@ -289,7 +312,116 @@ pub fn new_codec(
              with the `mpi` feature, started by mpirun)"
         )));
     }
+    if let Some(rank) = method.powersgd_rank() {
+        return Ok(Box::new(PowerSgdCodec::new(method, rank, ctx)?));
+    }
     Ok(Box::new(GradwireCodec::new(method, ctx)?))
+}
+
+/// PowerSGD through [`gradwire::powersgd::PowerSgd`]: its own two rank-order f32 all-reduces
+/// per step over the run's communicator, whatever `--collective` says.
+#[derive(Debug)]
+pub struct PowerSgdCodec {
+    method: Method,
+    psgd: PowerSgd,
+    names: Vec<String>,
+    grads: HashMap<String, Tensor>,
+}
+
+impl PowerSgdCodec {
+    /// The codec of `method` (rank `rank`) for one rank.
+    ///
+    /// # Errors
+    /// [`DemoError::Codec`] when gradwire refuses the configuration or a shape.
+    pub fn new(method: Method, rank: usize, ctx: &CodecContext<'_>) -> Result<Self, DemoError> {
+        let err = |e: gradwire::Error| DemoError::Codec {
+            method,
+            message: e.to_string(),
+        };
+        let config = PowerSgdConfig {
+            seed: ctx.seed,
+            ..PowerSgdConfig::with_rank(rank)
+        };
+        let mut grads = HashMap::new();
+        for p in ctx.specs {
+            grads.insert(p.name.clone(), Tensor::zeros(&p.shape).map_err(err)?);
+        }
+        Ok(PowerSgdCodec {
+            method,
+            psgd: PowerSgd::new(config).map_err(err)?,
+            names: ctx.specs.iter().map(|p| p.name.clone()).collect(),
+            grads,
+        })
+    }
+
+    fn error(&self, e: impl fmt::Display) -> DemoError {
+        DemoError::Codec {
+            method: self.method,
+            message: e.to_string(),
+        }
+    }
+}
+
+impl GradientCodec for PowerSgdCodec {
+    fn method(&self) -> Method {
+        self.method
+    }
+
+    fn max_message_len(&self) -> usize {
+        0
+    }
+
+    fn encode(&mut self, _: u64, _: &[&[f32]], _: &mut Vec<u8>) -> Result<(), DemoError> {
+        Err(self.error("PowerSGD runs its own all-reduces, not the all-gather"))
+    }
+
+    fn decode_mean(&mut self, _: u64, _: &[Vec<u8>], _: &mut [Vec<f32>]) -> Result<(), DemoError> {
+        Err(self.error("PowerSGD runs its own all-reduces, not the all-gather"))
+    }
+
+    fn runs_own_collective(&self) -> bool {
+        true
+    }
+
+    fn all_reduce(
+        &mut self,
+        comm: &mut dyn Communicator,
+        step: u64,
+        grads: &[&[f32]],
+        out: &mut [Vec<f32>],
+    ) -> Result<usize, DemoError> {
+        if step != self.psgd.step() {
+            return Err(self.error(format!(
+                "PowerSGD is at step {}, the loop at {step}",
+                self.psgd.step()
+            )));
+        }
+        if grads.len() != self.names.len() || out.len() != self.names.len() {
+            return Err(self.error("the gradients do not match the model"));
+        }
+        for (name, g) in self.names.iter().zip(grads) {
+            let t = self.grads.get_mut(name).ok_or_else(|| DemoError::Codec {
+                method: self.method,
+                message: format!("unknown tensor {name}"),
+            })?;
+            let shape = t.shape().to_vec();
+            t.assign(&shape, g).map_err(|e| DemoError::Codec {
+                method: self.method,
+                message: e.to_string(),
+            })?;
+        }
+        let mean = self
+            .psgd
+            .all_reduce_mean(comm, &self.grads)
+            .map_err(|e| self.error(e))?;
+        for (name, o) in self.names.iter().zip(out.iter_mut()) {
+            match mean.get(name) {
+                Some(t) if t.data().len() == o.len() => o.copy_from_slice(t.data()),
+                _ => return Err(self.error(format!("tensor {name} missing from the result"))),
+            }
+        }
+        Ok(self.psgd.last_message_bytes())
+    }
 }
 
 /// A demo method through gradwire: [`GradientCompressor::compress_bundle`] (error feedback
@@ -320,7 +452,11 @@ impl GradwireCodec {
             method,
             message: e.to_string(),
         };
-        let cm = gradwire_method(method);
+        let Some(cm) = gradwire_method(method) else {
+            return Err(DemoError::Config(format!(
+                "`{method}` runs through PowerSgdCodec, not a bundle"
+            )));
+        };
         let specs: Vec<TensorSpec> = ctx
             .specs
             .iter()

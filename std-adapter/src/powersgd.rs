@@ -175,6 +175,7 @@ pub struct PowerSgd {
     step: u64,
     tensors: BTreeMap<String, TensorState>,
     buffers: Buffers,
+    message_bytes: usize,
 }
 
 /// Values per rank in the control block: a failure flag and 4 fingerprint words of 16 bits.
@@ -193,6 +194,7 @@ impl PowerSgd {
             step: 0,
             tensors: BTreeMap::new(),
             buffers: Buffers::default(),
+            message_bytes: 0,
         })
     }
 
@@ -205,6 +207,13 @@ impl PowerSgd {
     /// group stay in step).
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// The f32 bytes this rank gave the last step's two all-reduces (control block, `P`s and
+    /// uncompressed tensors, then `Q`s): its message, which the all-reduces move as a ring
+    /// does (`2 (W - 1) / W` times each way).
+    pub fn last_message_bytes(&self) -> usize {
+        self.message_bytes
     }
 
     /// This rank's error-feedback residual of `name` (row-major), if it has one.
@@ -499,6 +508,7 @@ impl PowerSgd {
                 }
             }
         }
+        self.message_bytes = 4 * (control + sums.len() + second.len());
         let reduced = comm.all_reduce_sum_f32(&mut second);
         let result = reduced
             .map_err(Error::from)
