@@ -112,9 +112,10 @@ fn state(states: &[u8], b: usize) -> u8 {
     (states[b / 4] >> (2 * (b % 4))) & 3
 }
 
-/// A checked mask: the states of every block and the bitmaps of the mixed ones.
+/// A checked mask: the states of every block and the bitmaps of the mixed ones. Crate-private:
+/// its decoder relies on the section lengths that the frame parser has checked.
 #[derive(Clone, Copy, Debug)]
-pub struct Mask<'a> {
+pub(crate) struct Mask<'a> {
     block: usize,
     states: &'a [u8],
     maps: &'a [u8],
@@ -129,8 +130,9 @@ impl<'a> Mask<'a> {
     /// scale `+0.0`. `Err(offset)` within `scales`, `signs` and `mask` laid end to end.
     ///
     /// # Errors
-    /// The offset of the first byte that breaks a rule.
-    pub fn check(
+    /// The offset of the first byte that breaks a rule (the start of `mask` when a section's
+    /// length is not the one `n`, `block` and `mixed` give).
+    pub(crate) fn check(
         n: usize,
         block: usize,
         mixed: usize,
@@ -140,12 +142,15 @@ impl<'a> Mask<'a> {
     ) -> Result<Self, usize> {
         let s_len = states_len(n, block);
         let m_len = map_len(n, block);
-        if block == 0 || !block.is_multiple_of(LANES) || mask.len() != s_len + mixed * m_len {
+        let nb = blocks(n, block);
+        let lengths_ok = section_len(n, block, mixed) == Some(mask.len())
+            && signs.len() == n.div_ceil(8)
+            && (scales.is_empty() || Some(scales.len()) == nb.checked_mul(4));
+        if block == 0 || !block.is_multiple_of(LANES) || !lengths_ok {
             return Err(scales.len() + signs.len());
         }
         let (states, maps) = mask.split_at(s_len);
         let at_mask = scales.len() + signs.len();
-        let nb = blocks(n, block);
         let pad = 2 * (nb % 4);
         if pad != 0 && states[s_len - 1] >> pad != 0 {
             return Err(at_mask + s_len - 1);
@@ -175,8 +180,11 @@ impl<'a> Mask<'a> {
                     let used = len.div_ceil(8);
                     let last_bits = len - 8 * (used - 1);
                     let padded = last_bits < 8 && map[used - 1] >> last_bits != 0;
-                    if padded || map[used..].iter().any(|&m| m != 0) {
+                    if padded {
                         return Err(at_mask + at_map + used - 1);
+                    }
+                    if let Some(j) = map[used..].iter().position(|&m| m != 0) {
+                        return Err(at_mask + at_map + used + j);
                     }
                     let zeros: usize = map.iter().map(|m| m.count_ones() as usize).sum();
                     if state_of(zeros, len) != MIXED {
@@ -215,7 +223,7 @@ impl<'a> Mask<'a> {
     /// overwriting (`weight = None`) or adding `weight * value`; zero elements are written as
     /// `+0.0` or left as they are. Every other element gets exactly what
     /// [`crate::sign::decode_slice`] gives it.
-    pub fn decode(
+    pub(crate) fn decode(
         &self,
         scale_block: Option<usize>,
         scales: &[u8],

@@ -360,6 +360,28 @@ impl PowerSgdCodec {
             message: e.to_string(),
         }
     }
+
+    /// Checks the loop's step and gradients against the model and copies them in.
+    fn load(&mut self, step: u64, grads: &[&[f32]], outputs: usize) -> Result<(), String> {
+        if step != self.psgd.step() {
+            return Err(format!(
+                "PowerSGD is at step {}, the loop at {step}",
+                self.psgd.step()
+            ));
+        }
+        if grads.len() != self.names.len() || outputs != self.names.len() {
+            return Err("the gradients do not match the model".into());
+        }
+        for (name, g) in self.names.iter().zip(grads) {
+            let t = self
+                .grads
+                .get_mut(name)
+                .ok_or_else(|| format!("unknown tensor {name}"))?;
+            let shape = t.shape().to_vec();
+            t.assign(&shape, g).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
 }
 
 impl GradientCodec for PowerSgdCodec {
@@ -390,25 +412,12 @@ impl GradientCodec for PowerSgdCodec {
         grads: &[&[f32]],
         out: &mut [Vec<f32>],
     ) -> Result<usize, DemoError> {
-        if step != self.psgd.step() {
-            return Err(self.error(format!(
-                "PowerSGD is at step {}, the loop at {step}",
-                self.psgd.step()
-            )));
-        }
-        if grads.len() != self.names.len() || out.len() != self.names.len() {
-            return Err(self.error("the gradients do not match the model"));
-        }
-        for (name, g) in self.names.iter().zip(grads) {
-            let t = self.grads.get_mut(name).ok_or_else(|| DemoError::Codec {
-                method: self.method,
-                message: format!("unknown tensor {name}"),
-            })?;
-            let shape = t.shape().to_vec();
-            t.assign(&shape, g).map_err(|e| DemoError::Codec {
-                method: self.method,
-                message: e.to_string(),
-            })?;
+        // A rank that finds its inputs wrong still takes part in the step, so that its peers
+        // fail at this call instead of waiting for it.
+        if let Err(reason) = self.load(step, grads, out.len()) {
+            let error = gradwire::Error::Config { reason };
+            let e = self.psgd.all_reduce_failed(comm, &self.grads, error);
+            return Err(self.error(e));
         }
         let mean = self
             .psgd

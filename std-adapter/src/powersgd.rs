@@ -7,7 +7,8 @@
 //!
 //! One step ([`PowerSgd::all_reduce_mean`]), the same on every rank:
 //! 1. `M = gradient + residual` (with error feedback); `P = M Q` (Q from the previous step, or
-//!    drawn from the shared seed at the first);
+//!    drawn from the shared seed at the first; a column of zeros, left by a step whose summed
+//!    `P` had one, is drawn again, salted by the step, since it would otherwise stay zero);
 //! 2. all-reduce #1: every tensor's `P`, every uncompressed tensor's gradient (they are
 //!    batched into the same call) and a control block: each rank's failure flag and the
 //!    fingerprint of its configuration, step and model layout, so that a rank that failed
@@ -27,6 +28,7 @@
 //! ([`gradwire_core::powersgd`]): every rank and every transport gives the same bits.
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 
 use gradwire_core::powersgd::{back_project, init_q, orthogonalize, project, reconstruct};
 use gradwire_core::tensor_id;
@@ -35,6 +37,8 @@ use gradwire_core::values::first_non_finite;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+
+mod checkpoint;
 
 /// PowerSGD's settings; every rank must use the same.
 #[derive(Clone, Debug, PartialEq)]
@@ -116,8 +120,20 @@ enum Plan {
     LowRank { rows: usize, cols: usize },
 }
 
+/// Where one tensor's values sit in the step's two messages, decided once per step.
+#[derive(Clone, Debug)]
+struct Span {
+    plan: Plan,
+    /// The tensor (dense) or its `P`, within the first message after the control block.
+    first: Range<usize>,
+    /// Its `Q` within the second message (empty for a dense tensor).
+    second: Range<usize>,
+    /// Its slot in the per-step buffers of low-rank tensors (0 for a dense one).
+    slot: usize,
+}
+
 /// What PowerSGD keeps for one tensor between steps.
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq)]
 struct TensorState {
     shape: Vec<usize>,
     /// `Q` of the last compressed step (`cols x r`, column by column), or empty.
@@ -131,9 +147,10 @@ struct TensorState {
 struct Buffers {
     first: Vec<f32>,
     second: Vec<f32>,
-    /// Each low-rank tensor's `M` and `Q_local`, in name order.
+    /// Each low-rank tensor's `M`, `Q_local` and new residual, by slot.
     m: Vec<Vec<f32>>,
     q_local: Vec<Vec<f32>>,
+    residual: Vec<Vec<f32>>,
 }
 
 /// PowerSGD over a [`Communicator`]: one per rank, all built with the same
@@ -224,8 +241,9 @@ impl PowerSgd {
             .filter(|r| !r.is_empty())
     }
 
-    /// The `Q` factor (`cols x r`, column by column) `name`'s next step starts from, if it has
-    /// one; the same on every rank.
+    /// The `Q` factor (`cols x r`, column by column) of `name`'s last compressed step, which
+    /// its next step starts from (a column of zeros redrawn first), if it has one; the same
+    /// on every rank.
     pub fn q(&self, name: &str) -> Option<&[f32]> {
         self.tensors
             .get(name)
@@ -281,45 +299,91 @@ impl PowerSgd {
     /// first all-reduce, so its peers fail at the same call with [`Error::PeerFailed`] naming
     /// the first failed rank. On every rank alike: [`Error::ConfigDiffers`] when a rank's
     /// configuration, step or model layout differs from rank 0's; [`Error::Overflow`] when a
-    /// sum or the result is not finite; [`Error::Comm`] when the transport fails (ranks whose
-    /// tensors hold another number of values fail there too, with a length mismatch). After
-    /// an error the residuals and `Q` are as before the call, except that when the error is
-    /// one every rank sees alike (not a transport error), the residuals of compressed tensors
-    /// take the step's `M = gradient + residual`, so its gradient is delayed, not lost.
+    /// sum or the result is not finite, or a rank's new residual would not be (that rank
+    /// sends a NaN in the tensor's `Q`, so every rank's result fails there); [`Error::Comm`]
+    /// when the transport fails (ranks whose tensors hold another number of values fail there
+    /// too, with a length mismatch). After an error the residuals are as before the call and
+    /// `Q` is the last step's, or the draw this step made (a first draw, or a redrawn column of
+    /// zeros: the same on every rank), except that when the error is one every rank sees
+    /// alike (not a transport error), the residuals of compressed tensors take the step's
+    /// `M = gradient + residual`, so its gradient is delayed, not lost.
     pub fn all_reduce_mean(
         &mut self,
         comm: &mut dyn Communicator,
         gradients: &HashMap<String, Tensor>,
     ) -> Result<HashMap<String, Tensor>> {
-        let result = self.step_on(comm, gradients);
+        let result = self.step_on(comm, gradients, None);
         self.step += 1;
         result
+    }
+
+    /// Takes part in this step as a rank that failed before it (its training loop found
+    /// something wrong, say) and returns `error`: the rank joins the step's first all-reduce
+    /// with its failure flag set, so that every peer fails at the same call with
+    /// [`Error::PeerFailed`] naming it, instead of waiting for a message that never comes.
+    /// `gradients` gives only the names and shapes (the values are not read); the step counts.
+    pub fn all_reduce_failed(
+        &mut self,
+        comm: &mut dyn Communicator,
+        gradients: &HashMap<String, Tensor>,
+        error: Error,
+    ) -> Error {
+        let result = self.step_on(comm, gradients, Some(error));
+        self.step += 1;
+        match result {
+            Err(e) => e,
+            Ok(_) => Error::Internal {
+                what: "a failed PowerSGD step succeeded".into(),
+            },
+        }
+    }
+
+    /// Each tensor's place in the step's messages, in name order, and the two messages'
+    /// lengths (the first without its control block).
+    fn spans(&self, names: &[(&String, &Tensor)]) -> (Vec<Span>, usize, usize) {
+        let r = self.config.rank;
+        let (mut first, mut second, mut slot) = (0usize, 0usize, 0usize);
+        let spans = names
+            .iter()
+            .map(|(_, t)| {
+                let plan = self.plan(t.shape());
+                let (p_len, q_len) = match plan {
+                    Plan::Dense => (t.data().len(), 0),
+                    Plan::LowRank { rows, cols } => (rows * r, cols * r),
+                };
+                let span = Span {
+                    plan,
+                    first: first..first + p_len,
+                    second: second..second + q_len,
+                    slot,
+                };
+                first += p_len;
+                second += q_len;
+                slot += usize::from(q_len > 0);
+                span
+            })
+            .collect();
+        (spans, first, second)
     }
 
     fn step_on(
         &mut self,
         comm: &mut dyn Communicator,
         gradients: &HashMap<String, Tensor>,
+        failed_before: Option<Error>,
     ) -> Result<HashMap<String, Tensor>> {
         let (world, me) = (comm.world_size(), comm.rank());
         let mut names: Vec<(&String, &Tensor)> = gradients.iter().collect();
         names.sort_by(|a, b| a.0.cmp(b.0));
-        let plans: Vec<Plan> = names.iter().map(|(_, t)| self.plan(t.shape())).collect();
-        let r = self.config.rank;
+        let (spans, first_len, _) = self.spans(&names);
         let control = CONTROL_PER_RANK * world;
-        let first_len = control
-            + names
-                .iter()
-                .zip(&plans)
-                .map(|((_, t), plan)| match *plan {
-                    Plan::Dense => t.data().len(),
-                    Plan::LowRank { rows, .. } => rows * r,
-                })
-                .sum::<usize>();
         let mut first = std::mem::take(&mut self.buffers.first);
         first.clear();
-        first.resize(first_len, 0.0);
-        let local = self.prepare(&names, &plans, &mut first[control..]);
+        first.resize(control + first_len, 0.0);
+        let local = match failed_before {
+            Some(e) => Err(e),
+            None => self.prepare(&names, &spans, &mut first[control..]),
+        };
         let fp = self.fingerprint(world, &names);
         for w in 0..4 {
             first[world + 4 * me + w] = ((fp >> (16 * w)) & 0xffff) as f32;
@@ -328,7 +392,7 @@ impl PowerSgd {
             first[me] = 1.0;
             first[control..].fill(0.0);
         }
-        let outcome = self.exchange(comm, &names, &plans, &mut first, local.is_err());
+        let outcome = self.exchange(comm, &names, &spans, &mut first, local.is_err());
         self.buffers.first = first;
         match (local, outcome) {
             (Err(e), _) => Err(e),
@@ -336,7 +400,7 @@ impl PowerSgd {
             (Ok(()), Err(e)) => {
                 if !matches!(e, Error::Comm { .. }) && self.config.error_feedback {
                     // Every rank failed alike: the step's gradient waits in the residuals.
-                    self.keep_m(&names, &plans);
+                    self.keep_m(&names, &spans);
                 }
                 Err(e)
             }
@@ -349,7 +413,7 @@ impl PowerSgd {
     fn prepare(
         &mut self,
         names: &[(&String, &Tensor)],
-        plans: &[Plan],
+        spans: &[Span],
         out: &mut [f32],
     ) -> Result<()> {
         let (r, seed, ef) = (
@@ -375,14 +439,11 @@ impl PowerSgd {
                 ));
             }
         }
-        let lowrank = plans
-            .iter()
-            .filter(|p| matches!(p, Plan::LowRank { .. }))
-            .count();
-        self.buffers.m.resize_with(lowrank, Vec::new);
-        self.buffers.q_local.resize_with(lowrank, Vec::new);
-        let (mut at, mut l) = (0usize, 0usize);
-        for ((name, t), plan) in names.iter().zip(plans) {
+        let slots = spans.iter().filter(|s| !s.second.is_empty()).count();
+        self.buffers.m.resize_with(slots, Vec::new);
+        self.buffers.q_local.resize_with(slots, Vec::new);
+        self.buffers.residual.resize_with(slots, Vec::new);
+        for ((name, t), span) in names.iter().zip(spans) {
             let state = self
                 .tensors
                 .entry((*name).clone())
@@ -391,39 +452,48 @@ impl PowerSgd {
                     q: Vec::new(),
                     residual: Vec::new(),
                 });
-            match *plan {
-                Plan::Dense => {
-                    let n = t.data().len();
-                    out[at..at + n].copy_from_slice(t.data());
-                    at += n;
+            let out = &mut out[span.first.clone()];
+            let Plan::LowRank { rows, cols } = span.plan else {
+                out.copy_from_slice(t.data());
+                continue;
+            };
+            let m = &mut self.buffers.m[span.slot];
+            m.clear();
+            m.extend_from_slice(t.data());
+            if ef && state.residual.len() == m.len() {
+                for (x, e) in m.iter_mut().zip(&state.residual) {
+                    *x += e;
                 }
-                Plan::LowRank { rows, cols } => {
-                    let m = &mut self.buffers.m[l];
-                    m.clear();
-                    m.extend_from_slice(t.data());
-                    if ef && state.residual.len() == m.len() {
-                        for (x, e) in m.iter_mut().zip(&state.residual) {
-                            *x += e;
-                        }
-                        if let Some(index) = first_non_finite(m) {
-                            return Err(Error::core(
-                                name,
-                                None,
-                                gradwire_core::Error::NonFinite { index },
-                            ));
-                        }
-                    }
-                    if state.q.len() != cols * r || !self.config.warm_start {
-                        state.q.resize(cols * r, 0.0);
-                        let salt = if self.config.warm_start { 0 } else { self.step };
-                        init_q(&mut state.q, seed ^ salt, tensor_id(name));
-                    }
-                    project(m, rows, cols, &state.q, &mut out[at..at + rows * r])
-                        .map_err(|e| Error::core(name, None, e))?;
-                    at += rows * r;
-                    l += 1;
+                if let Some(index) = first_non_finite(m) {
+                    return Err(Error::core(
+                        name,
+                        None,
+                        gradwire_core::Error::NonFinite { index },
+                    ));
                 }
             }
+            // The salt of a draw after the first: the step, the same on every rank.
+            let salt = self.step;
+            if state.q.len() != cols * r || !self.config.warm_start {
+                state.q.resize(cols * r, 0.0);
+                init_q(&mut state.q, seed ^ salt, tensor_id(name));
+            } else if state
+                .q
+                .chunks_exact(cols)
+                .any(|c| c.iter().all(|&x| x == 0.0))
+            {
+                // A column of zeros stays zero forever (P = M 0 = 0, then Q = Mᵀ 0): it came
+                // from a step whose summed P had a zero column (a gradient of zeros, say).
+                // Redraw those columns; Q is the same on every rank, and so is the redraw.
+                let mut fresh = vec![0.0f32; cols * r];
+                init_q(&mut fresh, seed ^ salt, tensor_id(name));
+                for (c, f) in state.q.chunks_exact_mut(cols).zip(fresh.chunks_exact(cols)) {
+                    if c.iter().all(|&x| x == 0.0) {
+                        c.copy_from_slice(f);
+                    }
+                }
+            }
+            project(m, rows, cols, &state.q, out).map_err(|e| Error::core(name, None, e))?;
         }
         Ok(())
     }
@@ -434,11 +504,11 @@ impl PowerSgd {
         &mut self,
         comm: &mut dyn Communicator,
         names: &[(&String, &Tensor)],
-        plans: &[Plan],
+        spans: &[Span],
         first: &mut [f32],
         failed: bool,
     ) -> Result<HashMap<String, Tensor>> {
-        let (world, r) = (comm.world_size(), self.config.rank);
+        let world = comm.world_size();
         comm.all_reduce_sum_f32(first)?;
         if let Some(rank) = (0..world).find(|&w| first[w] != 0.0) {
             return Err(Error::PeerFailed {
@@ -468,51 +538,49 @@ impl PowerSgd {
         let control = CONTROL_PER_RANK * world;
         let sums = &mut first[control..];
         // Every rank sees the same sums, so every rank finds the same overflow.
-        let mut at = 0usize;
-        for ((name, t), plan) in names.iter().zip(plans) {
-            let len = match *plan {
-                Plan::Dense => t.data().len(),
-                Plan::LowRank { rows, .. } => rows * r,
-            };
-            if let Some(index) = first_non_finite(&sums[at..at + len]) {
-                let index = if matches!(plan, Plan::Dense) {
-                    index
-                } else {
-                    0
-                };
+        for ((name, _), span) in names.iter().zip(spans) {
+            if let Some(index) = first_non_finite(&sums[span.first.clone()]) {
+                let index = if span.plan == Plan::Dense { index } else { 0 };
                 return Err(Error::Overflow {
                     tensor: (*name).clone(),
                     index,
                 });
             }
-            at += len;
         }
-        // Q = Mᵀ P for every low-rank tensor, then all-reduce #2.
+        // Q = Mᵀ P and the new residual M - P Q_localᵀ for every low-rank tensor, then
+        // all-reduce #2.
+        let ef = self.config.error_feedback;
         let mut second = std::mem::take(&mut self.buffers.second);
         second.clear();
-        let (mut at, mut l) = (0usize, 0usize);
-        for ((name, t), plan) in names.iter().zip(plans) {
-            match *plan {
-                Plan::Dense => at += t.data().len(),
-                Plan::LowRank { rows, cols } => {
-                    let p = &mut sums[at..at + rows * r];
-                    orthogonalize(p, rows).map_err(|e| Error::core(name, None, e))?;
-                    let q = &mut self.buffers.q_local[l];
-                    q.clear();
-                    q.resize(cols * r, 0.0);
-                    back_project(&self.buffers.m[l], rows, cols, p, q)
-                        .map_err(|e| Error::core(name, None, e))?;
-                    second.extend_from_slice(q);
-                    at += rows * r;
-                    l += 1;
+        for ((name, _), span) in names.iter().zip(spans) {
+            let Plan::LowRank { rows, cols } = span.plan else {
+                continue;
+            };
+            let p = &mut sums[span.first.clone()];
+            orthogonalize(p, rows).map_err(|e| Error::core(name, None, e))?;
+            let m = &self.buffers.m[span.slot];
+            let q = &mut self.buffers.q_local[span.slot];
+            q.clear();
+            q.resize(span.second.len(), 0.0);
+            back_project(m, rows, cols, p, q).map_err(|e| Error::core(name, None, e))?;
+            if ef {
+                let residual = &mut self.buffers.residual[span.slot];
+                residual.clone_from(m);
+                reconstruct(p, q, rows, cols, residual, Some(-1.0))
+                    .map_err(|e| Error::core(name, None, e))?;
+                if first_non_finite(residual).is_some() {
+                    // This rank could not keep what it does not send. A NaN in its Q makes
+                    // every rank's sum, and so every rank's result, fail at this tensor.
+                    q[0] = f32::NAN;
                 }
             }
+            second.extend_from_slice(q);
         }
         self.message_bytes = 4 * (control + sums.len() + second.len());
         let reduced = comm.all_reduce_sum_f32(&mut second);
         let result = reduced
             .map_err(Error::from)
-            .and_then(|()| self.finish(names, plans, sums, &mut second, world));
+            .and_then(|()| self.finish(names, spans, sums, &mut second, world));
         self.buffers.second = second;
         result
     }
@@ -522,35 +590,29 @@ impl PowerSgd {
     fn finish(
         &mut self,
         names: &[(&String, &Tensor)],
-        plans: &[Plan],
+        spans: &[Span],
         sums: &[f32],
         second: &mut [f32],
         world: usize,
     ) -> Result<HashMap<String, Tensor>> {
-        let r = self.config.rank;
         let w = world as f32;
         for x in second.iter_mut() {
             *x /= w;
         }
         let mut out = HashMap::with_capacity(names.len());
-        let (mut at, mut qat) = (0usize, 0usize);
-        for ((name, t), plan) in names.iter().zip(plans) {
+        for ((name, t), span) in names.iter().zip(spans) {
             let mut values = vec![0.0f32; t.data().len()];
-            match *plan {
+            let sum = &sums[span.first.clone()];
+            match span.plan {
                 Plan::Dense => {
-                    let n = values.len();
-                    for (o, &s) in values.iter_mut().zip(&sums[at..at + n]) {
+                    for (o, &s) in values.iter_mut().zip(sum) {
                         *o = s / w;
                     }
-                    at += n;
                 }
                 Plan::LowRank { rows, cols } => {
-                    let p = &sums[at..at + rows * r];
-                    let q = &second[qat..qat + cols * r];
-                    reconstruct(p, q, rows, cols, &mut values, None)
+                    let q = &second[span.second.clone()];
+                    reconstruct(sum, q, rows, cols, &mut values, None)
                         .map_err(|e| Error::core(name, None, e))?;
-                    at += rows * r;
-                    qat += cols * r;
                 }
             }
             if let Some(index) = first_non_finite(&values) {
@@ -562,51 +624,35 @@ impl PowerSgd {
             out.insert((*name).clone(), Tensor::new(t.shape().to_vec(), values)?);
         }
         // Everything succeeded: keep Q (the same on every rank) and the residuals.
-        let (mut at, mut qat, mut l) = (0usize, 0usize, 0usize);
-        for ((name, t), plan) in names.iter().zip(plans) {
-            let Plan::LowRank { rows, cols } = *plan else {
-                at += t.data().len();
+        for ((name, _), span) in names.iter().zip(spans) {
+            if span.plan == Plan::Dense {
                 continue;
-            };
+            }
             let Some(state) = self.tensors.get_mut(*name) else {
                 return Err(Error::Internal {
                     what: format!("PowerSGD lost the state of `{name}`"),
                 });
             };
             state.q.clear();
-            state.q.extend_from_slice(&second[qat..qat + cols * r]);
+            state.q.extend_from_slice(&second[span.second.clone()]);
             if self.config.error_feedback {
-                let p = &sums[at..at + rows * r];
-                state.residual.clear();
-                state.residual.extend_from_slice(&self.buffers.m[l]);
-                reconstruct(
-                    p,
-                    &self.buffers.q_local[l],
-                    rows,
-                    cols,
-                    &mut state.residual,
-                    Some(-1.0),
-                )
-                .map_err(|e| Error::core(name, None, e))?;
+                std::mem::swap(&mut state.residual, &mut self.buffers.residual[span.slot]);
             }
-            at += rows * r;
-            qat += cols * r;
-            l += 1;
         }
         Ok(out)
     }
 
     /// After a step that every rank failed alike: each compressed tensor's residual becomes
     /// the step's `M` (gradient + old residual).
-    fn keep_m(&mut self, names: &[(&String, &Tensor)], plans: &[Plan]) {
-        let mut l = 0usize;
-        for ((name, _), plan) in names.iter().zip(plans) {
-            if let Plan::LowRank { .. } = plan {
-                if let (Some(state), Some(m)) = (self.tensors.get_mut(*name), self.buffers.m.get(l))
-                {
-                    state.residual.clone_from(m);
-                }
-                l += 1;
+    fn keep_m(&mut self, names: &[(&String, &Tensor)], spans: &[Span]) {
+        for ((name, _), span) in names.iter().zip(spans) {
+            if span.plan == Plan::Dense {
+                continue;
+            }
+            if let (Some(state), Some(m)) =
+                (self.tensors.get_mut(*name), self.buffers.m.get(span.slot))
+            {
+                state.residual.clone_from(m);
             }
         }
     }

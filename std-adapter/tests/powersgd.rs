@@ -198,3 +198,183 @@ fn bad_configurations_are_refused() {
         assert!(PowerSgd::new(c).is_err(), "{rate}");
     }
 }
+
+/// Each rank's closure over its communicator, on W threads; the results in rank order.
+fn on_ranks<T: Send + 'static>(
+    f: impl Fn(&mut dyn Communicator) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let handles: Vec<_> = LocalGroup::new(W)
+        .into_communicators()
+        .into_iter()
+        .map(|mut comm| {
+            let f = f.clone();
+            std::thread::spawn(move || f(&mut comm))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn a_step_of_zero_gradients_does_not_leave_q_stuck_at_zero() {
+    // Step 0 is all zeros on every rank (a LoRA factor whose partner starts at zero, say):
+    // the summed P is zero, so Q = Mᵀ P is too. Without a redraw P = M Q would stay zero and
+    // the tensor would never be sent again, its residual growing without end.
+    let grads = |rank: usize, step: u64| {
+        let g = if step == 0 {
+            vec![0.0; 96]
+        } else {
+            Rng(rank as u64 + 10 * step).vec(96, 1.0)
+        };
+        HashMap::from([("w".to_owned(), Tensor::new(vec![12, 8], g).unwrap())])
+    };
+    let outs = on_ranks(move |comm| {
+        let mut psgd = PowerSgd::new(PowerSgdConfig::with_rank(2)).unwrap();
+        let (mut out, rank) = (Vec::new(), comm.rank());
+        for s in 0..4 {
+            let mean = psgd.all_reduce_mean(comm, &grads(rank, s)).unwrap();
+            out.push(mean["w"].data().to_vec());
+            if s == 0 {
+                assert!(psgd.q("w").unwrap().iter().all(|&x| x == 0.0));
+            }
+        }
+        (out, psgd.residual("w").unwrap().to_vec())
+    });
+    let (steps, _) = &outs[0];
+    assert!(steps[0].iter().all(|&x| x == 0.0));
+    for (s, out) in steps.iter().enumerate().skip(1) {
+        let energy: f32 = out.iter().map(|x| x * x).sum();
+        assert!(energy > 1e-3, "step {s} sent nothing: {energy}");
+    }
+    for (other, _) in &outs[1..] {
+        for s in 0..4 {
+            assert!(same_bits(&steps[s], &other[s]), "step {s}");
+        }
+    }
+}
+
+#[test]
+fn a_restored_checkpoint_continues_bit_for_bit() {
+    let config = || PowerSgdConfig {
+        start_step: 1,
+        seed: 5,
+        ..PowerSgdConfig::with_rank(2)
+    };
+    let outs = on_ranks(move |comm| {
+        let rank = comm.rank();
+        let step = |psgd: &mut PowerSgd, comm: &mut dyn Communicator, s: u64| {
+            let mean = psgd.all_reduce_mean(comm, &gradients(rank, s)).unwrap();
+            let mut names: Vec<_> = mean.into_iter().collect();
+            names.sort_by(|a, b| a.0.cmp(&b.0));
+            names
+        };
+        let mut whole = PowerSgd::new(config()).unwrap();
+        let uninterrupted: Vec<_> = (0..5).map(|s| step(&mut whole, comm, s)).collect();
+        let mut first = PowerSgd::new(config()).unwrap();
+        for s in 0..3 {
+            step(&mut first, comm, s);
+        }
+        let bytes = first.to_bytes().unwrap();
+        assert_eq!(
+            bytes,
+            first.to_bytes().unwrap(),
+            "bytes depend on the state alone"
+        );
+        let mut resumed = PowerSgd::from_bytes(config(), &bytes).unwrap();
+        assert_eq!(resumed.step(), 3);
+        let continued: Vec<_> = (3..5).map(|s| step(&mut resumed, comm, s)).collect();
+        let state = |p: &PowerSgd| {
+            let mut names: Vec<_> = gradients(0, 0).into_keys().collect();
+            names.sort();
+            names
+                .into_iter()
+                .map(|n| {
+                    (
+                        p.q(&n).map(<[f32]>::to_vec),
+                        p.residual(&n).map(<[f32]>::to_vec),
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        (
+            uninterrupted,
+            continued,
+            state(&whole),
+            state(&resumed),
+            bytes,
+        )
+    });
+    for (rank, (uninterrupted, continued, whole, resumed, _)) in outs.iter().enumerate() {
+        for (s, (a, b)) in uninterrupted[3..].iter().zip(continued).enumerate() {
+            for ((name, x), (_, y)) in a.iter().zip(b) {
+                assert!(
+                    same_bits(x.data(), y.data()),
+                    "rank {rank} step {} {name}",
+                    s + 3
+                );
+            }
+        }
+        assert!(whole == resumed, "rank {rank}: the final states differ");
+        assert!(whole.iter().any(|(q, r)| q.is_some() && r.is_some()));
+    }
+    // A checkpoint of another setup, or a damaged one, is refused with a reason.
+    let bytes = &outs[1].4;
+    let other = PowerSgdConfig {
+        seed: 6,
+        ..config()
+    };
+    match PowerSgd::from_bytes(other, bytes) {
+        Err(Error::Checkpoint { reason }) => assert!(reason.contains("seed=5"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    let mut damaged = bytes.clone();
+    let last = damaged.len() - 3;
+    damaged[last] ^= 0x10;
+    match PowerSgd::from_bytes(config(), &damaged) {
+        Err(Error::Checkpoint { reason }) => assert!(reason.contains("checksum"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    for cut in [0, 7, 8, bytes.len() / 2, bytes.len() - 1] {
+        assert!(
+            PowerSgd::from_bytes(config(), &bytes[..cut]).is_err(),
+            "cut at {cut}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_fails_before_the_step_fails_its_peers_at_that_step() {
+    let grads = |rank: usize| {
+        HashMap::from([(
+            "w".to_owned(),
+            Tensor::new(vec![8, 8], Rng(rank as u64).vec(64, 1.0)).unwrap(),
+        )])
+    };
+    let outs = on_ranks(move |comm| {
+        let rank = comm.rank();
+        let mut psgd = PowerSgd::new(PowerSgdConfig::with_rank(1)).unwrap();
+        let g = grads(rank);
+        let first = psgd.all_reduce_mean(comm, &g).map(|_| ());
+        let second = if rank == 1 {
+            Err(psgd.all_reduce_failed(
+                comm,
+                &g,
+                Error::Config {
+                    reason: "the loop lost its place".into(),
+                },
+            ))
+        } else {
+            psgd.all_reduce_mean(comm, &g).map(|_| ())
+        };
+        let third = psgd.all_reduce_mean(comm, &g).map(|_| ());
+        (first, second, third, psgd.step())
+    });
+    for (rank, (first, second, third, step)) in outs.iter().enumerate() {
+        assert!(first.is_ok() && third.is_ok(), "rank {rank}");
+        assert_eq!(*step, 3);
+        match (second, rank) {
+            (Err(Error::Config { .. }), 1) => {}
+            (Err(Error::PeerFailed { rank: 1, .. }), _) => {}
+            (other, _) => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}
