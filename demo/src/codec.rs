@@ -18,6 +18,7 @@ use gradwire::BucketConfig;
 use gradwire::CompressedAllReduce;
 use gradwire::Parallelism;
 use gradwire::comm::{Communicator, Traffic};
+use gradwire::dgc::{DensitySchedule, Dgc, DgcConfig, DgcSelection};
 use gradwire::powersgd::{PowerSgd, PowerSgdConfig};
 use gradwire::tensor::Tensor;
 use gradwire::{Aggregator, Reduction};
@@ -54,6 +55,18 @@ pub enum Method {
     /// 4-bit quantization with a per-block scale, error feedback.
     #[value(name = "quant4-ef")]
     Quant4Ef,
+    /// Top-k 1 % with DGC's recipe (`gradwire::dgc`): momentum correction and factor masking
+    /// (the optimizer's momentum is then 0), local clipping, density warm-up 25 %, 6.25 %,
+    /// 1.5625 % over the first steps; int8 values, error feedback.
+    #[value(name = "topk-1%-dgc-int8")]
+    TopK1DgcInt8,
+    /// Random-k 1 % with DGC's recipe, f32 values, error feedback.
+    #[value(name = "randk-1%-dgc")]
+    RandK1Dgc,
+    /// Random-k 3 % with DGC's recipe: the density at which random-k with the recipe comes
+    /// within 3 points of dense f32 in 300 steps.
+    #[value(name = "randk-3%-dgc")]
+    RandK3Dgc,
     /// PowerSGD rank 1 with error feedback and warm start (its own two f32 all-reduces).
     #[value(name = "powersgd-r1-ef")]
     PowerSgd1Ef,
@@ -71,7 +84,7 @@ pub enum Method {
 impl Method {
     /// Every method that runs on every transport, in table order (the default `--methods`;
     /// [`Method::DenseF32Allreduce`] is not one of them).
-    pub const ALL: [Method; 10] = [
+    pub const ALL: [Method; 13] = [
         Method::DenseF32,
         Method::DenseF16,
         Method::TopK1EfInt8,
@@ -80,6 +93,9 @@ impl Method {
         Method::RandK1Ef,
         Method::SignEf,
         Method::Quant4Ef,
+        Method::TopK1DgcInt8,
+        Method::RandK1Dgc,
+        Method::RandK3Dgc,
         Method::PowerSgd1Ef,
         Method::PowerSgd4Ef,
     ];
@@ -96,6 +112,9 @@ impl Method {
             Method::RandK1Ef => "randk-1%-ef",
             Method::SignEf => "sign-ef",
             Method::Quant4Ef => "quant4-ef",
+            Method::TopK1DgcInt8 => "topk-1%-dgc-int8",
+            Method::RandK1Dgc => "randk-1%-dgc",
+            Method::RandK3Dgc => "randk-3%-dgc",
             Method::PowerSgd1Ef => "powersgd-r1-ef",
             Method::PowerSgd4Ef => "powersgd-r4-ef",
             Method::DenseF32Allreduce => "dense-f32-allreduce",
@@ -116,6 +135,22 @@ impl Method {
         match self {
             Method::PowerSgd1Ef => Some(1),
             Method::PowerSgd4Ef => Some(4),
+            _ => None,
+        }
+    }
+
+    /// DGC's recipe of the DGC methods: selection, value codec and target density, reached
+    /// after a warm-up of [`DGC_STAGE_STEPS`] steps per stage.
+    #[must_use]
+    pub fn dgc(self) -> Option<(DgcSelection, gradwire::core::Values, f64)> {
+        let int8 = gradwire::core::Values::Int8 {
+            block: gradwire::method::DEFAULT_INT8_BLOCK,
+        };
+        let f32 = gradwire::core::Values::F32;
+        match self {
+            Method::TopK1DgcInt8 => Some((DgcSelection::TopK, int8, 0.01)),
+            Method::RandK1Dgc => Some((DgcSelection::RandomK, f32, 0.01)),
+            Method::RandK3Dgc => Some((DgcSelection::RandomK, f32, 0.03)),
             _ => None,
         }
     }
@@ -188,6 +223,8 @@ pub struct CodecContext<'a> {
     pub seed: u64,
     /// The collective.
     pub collective: Collective,
+    /// The training's momentum, which a codec that owns the momentum (DGC) applies itself.
+    pub momentum: f32,
 }
 
 /// One rank's compressor and decompressor for one run (it owns the rank's error-feedback
@@ -253,6 +290,12 @@ pub trait GradientCodec: Send {
         )))
     }
 
+    /// Whether the codec applies the momentum itself (DGC's momentum correction): the
+    /// training loop then applies the mean as a plain SGD step, without its own momentum.
+    fn owns_momentum(&self) -> bool {
+        false
+    }
+
     /// The bytes this codec moved itself, outside `comm`, so far (cumulative; counted as
     /// `comm`'s [`Communicator::traffic`] counts them). Zero for every codec that talks only
     /// through `comm`, which counts its own bytes.
@@ -269,6 +312,7 @@ pub fn gradwire_method(method: Method) -> Option<CompressionMethod> {
     use gradwire::core::{K, Method as Core, Values};
     Some(match method {
         Method::PowerSgd1Ef | Method::PowerSgd4Ef => return None,
+        Method::TopK1DgcInt8 | Method::RandK1Dgc | Method::RandK3Dgc => return None,
         // gradwire does not run `dense-f32-allreduce` (MPI_Allreduce does): its message is
         // dense f32 all the same.
         Method::DenseF32 | Method::DenseF32Allreduce => CompressionMethod::Core(Core::Dense {
@@ -315,7 +359,42 @@ pub fn new_codec(
     if let Some(rank) = method.powersgd_rank() {
         return Ok(Box::new(PowerSgdCodec::new(method, rank, ctx)?));
     }
+    if method.dgc().is_some() {
+        return Ok(Box::new(DgcCodec::new(method, ctx)?));
+    }
     Ok(Box::new(GradwireCodec::new(method, ctx)?))
+}
+
+/// Copies the loop's gradients (one slice per parameter, name order) into the codec's tensors
+/// of those names.
+fn fill_named(
+    names: &[String],
+    tensors: &mut HashMap<String, Tensor>,
+    grads: &[&[f32]],
+) -> Result<(), String> {
+    if grads.len() != names.len() {
+        return Err(format!(
+            "expected {} tensors, got {}",
+            names.len(),
+            grads.len()
+        ));
+    }
+    for (name, g) in names.iter().zip(grads) {
+        let t = tensors
+            .get_mut(name)
+            .ok_or_else(|| format!("unknown tensor {name}"))?;
+        let shape = t.shape().to_vec();
+        t.assign(&shape, g).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// A zero tensor of every parameter's shape, by name.
+fn zero_tensors(specs: &[ParamSpec]) -> Result<HashMap<String, Tensor>, gradwire::Error> {
+    specs
+        .iter()
+        .map(|p| Ok((p.name.clone(), Tensor::zeros(&p.shape)?)))
+        .collect()
 }
 
 /// PowerSGD through [`gradwire::powersgd::PowerSgd`]: its own two rank-order f32 all-reduces
@@ -342,10 +421,7 @@ impl PowerSgdCodec {
             seed: ctx.seed,
             ..PowerSgdConfig::with_rank(rank)
         };
-        let mut grads = HashMap::new();
-        for p in ctx.specs {
-            grads.insert(p.name.clone(), Tensor::zeros(&p.shape).map_err(err)?);
-        }
+        let grads = zero_tensors(ctx.specs).map_err(err)?;
         Ok(PowerSgdCodec {
             method,
             psgd: PowerSgd::new(config).map_err(err)?,
@@ -369,18 +445,10 @@ impl PowerSgdCodec {
                 self.psgd.step()
             ));
         }
-        if grads.len() != self.names.len() || outputs != self.names.len() {
-            return Err("the gradients do not match the model".into());
+        if outputs != self.names.len() {
+            return Err("the outputs do not match the model".into());
         }
-        for (name, g) in self.names.iter().zip(grads) {
-            let t = self
-                .grads
-                .get_mut(name)
-                .ok_or_else(|| format!("unknown tensor {name}"))?;
-            let shape = t.shape().to_vec();
-            t.assign(&shape, g).map_err(|e| e.to_string())?;
-        }
-        Ok(())
+        fill_named(&self.names, &mut self.grads, grads)
     }
 }
 
@@ -430,6 +498,161 @@ impl GradientCodec for PowerSgdCodec {
             }
         }
         Ok(self.psgd.last_message_bytes())
+    }
+}
+
+/// Steps per stage of the DGC methods' density warm-up (25 %, 6.25 %, then the 3 % target, or
+/// 1.5625 % then the 1 % target).
+pub const DGC_STAGE_STEPS: u64 = 10;
+
+/// The global gradient-norm threshold of the DGC methods' local clipping: each rank clips its
+/// own gradient at `DGC_CLIP_NORM / sqrt(W)`, as the paper does.
+pub const DGC_CLIP_NORM: f32 = 5.0;
+
+/// DGC's recipe through [`gradwire::dgc::Dgc`]: the velocity and residuals live in the codec,
+/// the bundles are all-gathered and averaged as every other frame method's, with the manifest
+/// of the step's density. The training loop applies the mean without momentum.
+#[derive(Debug)]
+pub struct DgcCodec {
+    method: Method,
+    rank: usize,
+    dgc: Dgc,
+    tensors: Vec<TensorSpec>,
+    /// The manifest of the current stage, and its method.
+    manifest: Manifest,
+    manifest_method: CompressionMethod,
+    largest: usize,
+    aggregator: Aggregator,
+    names: Vec<String>,
+    grads: HashMap<String, Tensor>,
+    mean: Vec<f32>,
+}
+
+impl DgcCodec {
+    /// The codec of `method` (one of [`Method::dgc`]'s) for rank `ctx.rank`.
+    ///
+    /// # Errors
+    /// [`DemoError::Codec`] when gradwire refuses the configuration or the model;
+    /// [`DemoError::Config`] for a method without DGC's recipe.
+    pub fn new(method: Method, ctx: &CodecContext<'_>) -> Result<Self, DemoError> {
+        let err = |e: gradwire::Error| DemoError::Codec {
+            method,
+            message: e.to_string(),
+        };
+        let Some((selection, values, density)) = method.dgc() else {
+            return Err(DemoError::Config(format!("`{method}` is not a DGC method")));
+        };
+        #[allow(clippy::cast_precision_loss)]
+        let clip = DGC_CLIP_NORM / (ctx.world_size.max(1) as f32).sqrt();
+        let config = DgcConfig {
+            values,
+            momentum: ctx.momentum,
+            clip_norm: Some(clip),
+            ..DgcConfig::new(
+                selection,
+                DensitySchedule::warm_up(density, DGC_STAGE_STEPS),
+            )
+        };
+        let dgc = Dgc::new(config, ctx.seed)
+            .map_err(err)?
+            .with_parallelism(Parallelism::Serial);
+        let tensors: Vec<TensorSpec> = ctx
+            .specs
+            .iter()
+            .map(|p| TensorSpec::new(p.name.clone(), p.shape.clone()))
+            .collect();
+        // The first stage sends the most.
+        let manifest = dgc.manifest_at(tensors.clone(), 0).map_err(err)?;
+        Ok(DgcCodec {
+            method,
+            rank: ctx.rank,
+            largest: manifest.max_bundle_len(),
+            manifest,
+            manifest_method: dgc.method_at(0),
+            dgc,
+            tensors,
+            aggregator: Aggregator::new().with_parallelism(Parallelism::Serial),
+            names: ctx.specs.iter().map(|p| p.name.clone()).collect(),
+            grads: zero_tensors(ctx.specs).map_err(err)?,
+            mean: Vec::new(),
+        })
+    }
+
+    fn error(&self, e: impl fmt::Display) -> DemoError {
+        DemoError::Codec {
+            method: self.method,
+            message: e.to_string(),
+        }
+    }
+
+    /// Makes the manifest the one of `step`'s density (a new one only when the stage changes).
+    fn manifest_for(&mut self, step: u64) -> Result<(), DemoError> {
+        let want = self.dgc.method_at(step);
+        if want != self.manifest_method {
+            self.manifest = self
+                .dgc
+                .manifest_at(self.tensors.clone(), step)
+                .map_err(|e| self.error(e))?;
+            self.manifest_method = want;
+        }
+        Ok(())
+    }
+}
+
+impl GradientCodec for DgcCodec {
+    fn method(&self) -> Method {
+        self.method
+    }
+
+    fn max_message_len(&self) -> usize {
+        self.largest
+    }
+
+    fn owns_momentum(&self) -> bool {
+        true
+    }
+
+    fn encode(&mut self, step: u64, grads: &[&[f32]], out: &mut Vec<u8>) -> Result<(), DemoError> {
+        fill_named(&self.names, &mut self.grads, grads).map_err(|m| self.error(m))?;
+        if step != self.dgc.step() {
+            return Err(self.error(format!(
+                "DGC is at step {}, the loop at {step}",
+                self.dgc.step()
+            )));
+        }
+        self.manifest_for(step)?;
+        self.dgc
+            .compress_bundle(&self.manifest, &self.grads, self.rank, out)
+            .map_err(|e| self.error(e))?;
+        Ok(())
+    }
+
+    fn decode_mean(
+        &mut self,
+        step: u64,
+        messages: &[Vec<u8>],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), DemoError> {
+        if out.len() != self.names.len() {
+            return Err(self.error("output does not match the model"));
+        }
+        self.manifest_for(step)?;
+        self.aggregator
+            .aggregate_into(
+                &self.manifest,
+                messages,
+                step,
+                Reduction::Mean,
+                &mut self.mean,
+            )
+            .map_err(|e| self.error(e))?;
+        for (name, o) in self.names.iter().zip(out.iter_mut()) {
+            match self.manifest.slice(&self.mean, name) {
+                Some(mean) if mean.len() == o.len() => o.copy_from_slice(mean),
+                _ => return Err(self.error(format!("tensor {name} missing from the mean"))),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -492,10 +715,7 @@ impl GradwireCodec {
                 .with_collective(c)
                 .with_parallelism(Parallelism::Serial)
         });
-        let mut grads = HashMap::new();
-        for p in ctx.specs {
-            grads.insert(p.name.clone(), Tensor::zeros(&p.shape).map_err(err)?);
-        }
+        let grads = zero_tensors(ctx.specs).map_err(err)?;
         Ok(GradwireCodec {
             method,
             rank: ctx.rank,
@@ -519,25 +739,7 @@ impl GradwireCodec {
 
     /// Copies `grads` (name order) into the codec's tensors.
     fn fill(&mut self, grads: &[&[f32]]) -> Result<(), DemoError> {
-        if grads.len() != self.names.len() {
-            return Err(self.error(format!(
-                "expected {} tensors, got {}",
-                self.names.len(),
-                grads.len()
-            )));
-        }
-        for (name, g) in self.names.iter().zip(grads) {
-            let t = self.grads.get_mut(name).ok_or_else(|| DemoError::Codec {
-                method: self.method,
-                message: format!("unknown tensor {name}"),
-            })?;
-            let shape = t.shape().to_vec();
-            t.assign(&shape, g).map_err(|e| DemoError::Codec {
-                method: self.method,
-                message: e.to_string(),
-            })?;
-        }
-        Ok(())
+        fill_named(&self.names, &mut self.grads, grads).map_err(|m| self.error(m))
     }
 }
 
@@ -783,6 +985,7 @@ mod tests {
             world_size: 2,
             seed: 1,
             collective: Collective::AllGather,
+            momentum: 0.9,
         };
         for m in Method::ALL {
             assert!(new_codec(m, &ctx).is_ok(), "{m}");

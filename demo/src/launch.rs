@@ -120,6 +120,7 @@ impl ThreadLauncher {
                                 world_size: self.workers,
                                 seed,
                                 collective: config.collective,
+                                momentum: config.momentum,
                             })?;
                             run_rank_with_codec(&mut comm, config, codec, seed, pb)
                         })

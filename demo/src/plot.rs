@@ -18,7 +18,7 @@ use crate::report::{MethodResult, Report};
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 
-const COLORS: [RGBColor; 10] = [
+const COLORS: [RGBColor; 14] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -29,6 +29,10 @@ const COLORS: [RGBColor; 10] = [
     RGBColor(23, 190, 207),
     RGBColor(188, 189, 34),
     RGBColor(127, 127, 127),
+    RGBColor(0, 0, 0),
+    RGBColor(0, 0, 139),
+    RGBColor(139, 0, 0),
+    RGBColor(0, 100, 0),
 ];
 
 fn register() -> Result<(), DemoError> {

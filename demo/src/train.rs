@@ -442,6 +442,7 @@ pub fn run_rank(
         world_size: comm.world_size(),
         seed,
         collective: config.collective,
+        momentum: config.momentum,
     };
     let codec = new_codec(method, &ctx)?;
     run_rank_with_codec(comm, config, codec, seed, progress)
@@ -468,6 +469,12 @@ pub fn run_rank_with_codec(
     let (mut params, mut source) =
         Source::new(config.workload, &specs, data, seed, rank, world_size)?;
     let mut velocity: Vec<Vec<f32>> = specs.iter().map(|s| vec![0.0; s.len()]).collect();
+    // A codec with DGC's momentum correction has applied the momentum already.
+    let momentum = if codec.owns_momentum() {
+        0.0
+    } else {
+        config.momentum
+    };
     let mut mean: Vec<Vec<f32>> = velocity.clone();
     let max_len = codec.max_message_len();
     let mut message = Vec::with_capacity(max_len);
@@ -556,7 +563,7 @@ pub fn run_rank_with_codec(
         let lr = config.lr_at(step);
         for ((p, v), g) in params.iter_mut().zip(&mut velocity).zip(&mean) {
             for ((p, v), g) in p.iter_mut().zip(v.iter_mut()).zip(g) {
-                *v = config.momentum * *v + *g;
+                *v = momentum * *v + *g;
                 *p -= lr * *v;
             }
         }

@@ -19,8 +19,8 @@
 //!
 //! The modules are layers, each using only those listed before it: [`comm`], `error`,
 //! [`safetensors_reader`], [`tensor`], [`method`], [`layout`], [`feedback`], `engine` (the one
-//! encoder), `aggregate`, `collective`, [`reference`](mod@reference), [`compressor`], `allreduce`,
-//! [`container`] (`docs/architecture.md`; a test checks the order).
+//! encoder), `aggregate`, `collective`, [`powersgd`], [`reference`](mod@reference),
+//! [`compressor`], [`dgc`], `allreduce`, [`container`] (`docs/architecture.md`; a test checks the order).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -51,6 +51,8 @@ pub mod powersgd;
 pub mod reference;
 
 pub mod compressor;
+
+pub mod dgc;
 
 mod allreduce;
 

@@ -43,6 +43,7 @@ const STD: &[&str] = &[
     "powersgd",
     "reference",
     "compressor",
+    "dgc",
     "allreduce",
     "container",
 ];

@@ -49,6 +49,7 @@
 //! ```
 
 mod checkpoint;
+pub(crate) mod state_file;
 
 use std::collections::BTreeMap;
 

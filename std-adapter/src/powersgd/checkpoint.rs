@@ -14,17 +14,16 @@
 //! | `config` | the configuration's text, e.g. `powersgd rank=4 start=0 min_rate=2 ef=true warm=true seed=7` |
 //! | `step` | the next step to run, decimal |
 //! | `shapes` | a compact JSON object of every tensor's name and shape, in name order |
-//! | `crc32` | CRC-32 (IEEE), decimal, of: for each tensor in name order, its name, a 0 byte, the numbers of its `Q` and residual values (u64 little-endian each), then those values (f32 little-endian); then the `config`, `step` and `shapes` texts, each followed by a 0 byte |
+//! | `crc32` | the state file's checksum (`FORMAT.md` section 17) |
 //!
 //! A restored rank continues bit for bit where the saved one stopped: its `Q`s (which every
 //! rank shares), residuals and step are the saved ones.
 
-use std::collections::{BTreeMap, HashMap};
-
-use safetensors::tensor::Dtype;
+use std::collections::BTreeMap;
 
 use super::{PowerSgd, TensorState};
 use crate::error::{Error, Result};
+use crate::feedback::state_file;
 
 /// Value of the `format` metadata entry.
 const FORMAT: &str = "gradwire-powersgd";
@@ -36,21 +35,9 @@ impl PowerSgd {
     /// the step, every tensor's `Q` and residual, the configuration's text.
     ///
     /// # Errors
-    /// [`Error::Checkpoint`] for a tensor whose name, prefixed, would be `__metadata__`, or
-    /// whose shape has more dimensions than the safetensors reader takes;
-    /// [`Error::Safetensors`] when serialization fails.
+    /// [`Error::Checkpoint`] for a tensor whose shape has more dimensions than the safetensors
+    /// reader takes; [`Error::Safetensors`] when serialization fails.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        if let Some((name, s)) = self
-            .tensors
-            .iter()
-            .find(|(_, s)| s.shape.len() > crate::safetensors_reader::MAX_DIMS)
-        {
-            return Err(Error::checkpoint(format!(
-                "tensor `{name}` has {} dimensions; a checkpoint holds at most {}",
-                s.shape.len(),
-                crate::safetensors_reader::MAX_DIMS
-            )));
-        }
         let shapes: BTreeMap<&str, &[usize]> = self
             .tensors
             .iter()
@@ -58,81 +45,48 @@ impl PowerSgd {
             .collect();
         let shapes = serde_json::to_string(&shapes)
             .map_err(|e| Error::checkpoint(format!("cannot write `shapes`: {e}")))?;
-        let (config, step) = (self.config.text(), self.step.to_string());
-        let crc = state_crc(&self.tensors, &[&config, &step, &shapes]);
-        let meta = HashMap::from([
-            ("format".to_owned(), FORMAT.to_owned()),
-            ("version".to_owned(), VERSION.to_owned()),
-            ("config".to_owned(), config),
-            ("step".to_owned(), step),
+        let entries = BTreeMap::from([
+            ("config".to_owned(), self.config.text()),
+            ("step".to_owned(), self.step.to_string()),
             ("shapes".to_owned(), shapes),
-            ("crc32".to_owned(), crc.to_string()),
         ]);
         let r = self.config.rank;
-        let mut names: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
+        let mut tensors: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
         for (name, s) in &self.tensors {
             if !s.q.is_empty() {
-                names.push((format!("q:{name}"), vec![r, s.q.len() / r], &s.q));
+                tensors.push((format!("q:{name}"), vec![r, s.q.len() / r], &s.q));
             }
             if !s.residual.is_empty() {
-                names.push((format!("residual:{name}"), s.shape.clone(), &s.residual));
+                tensors.push((format!("residual:{name}"), s.shape.clone(), &s.residual));
             }
         }
-        crate::tensor::serialize_f32(
-            names
-                .iter()
-                .map(|(n, shape, x)| (n.as_str(), shape.clone(), *x)),
-            Some(meta),
-        )
+        state_file::write(FORMAT, VERSION, &entries, &tensors)
     }
 
     /// The rank [`PowerSgd::to_bytes`] saved, for a run with `config`.
     ///
     /// # Errors
     /// [`Error::Config`] as [`PowerSgd::new`]; [`Error::Safetensors`] for bytes that are not
-    /// safetensors; [`Error::Checkpoint`] naming what is wrong: a missing or unknown `format`
-    /// or `version`, a checkpoint written with another configuration (its text and `config`'s
-    /// are both in the message), a `step` that is not a u64, `shapes` that is not a JSON
-    /// object of names and shapes (at most 64 dimensions, a product that fits a `usize`), a
-    /// tensor that is not F32, not named `q:` or `residual:` and one of `shapes`' names, or of
-    /// another shape than its tensor gives (`[rank, cols]` for `Q`, which exists only for a
-    /// tensor of two or more dimensions), a NaN or infinite value, a checksum that does not
-    /// match.
+    /// safetensors; [`Error::Checkpoint`] naming what is wrong: what `FORMAT.md` section 17
+    /// refuses in any state file (format, version, checksum, dtype, NaN or infinity), a
+    /// checkpoint written with another configuration (its text and `config`'s are both in
+    /// the message), a `step` that is not a u64, `shapes` that is not a JSON object of names
+    /// and shapes (at most 64 dimensions, a product that fits a `usize`), a tensor not named
+    /// `q:` or `residual:` and one of `shapes`' names, or of another shape than its tensor
+    /// gives (`[rank, cols]` for `Q`, which exists only for a tensor of two or more
+    /// dimensions).
     pub fn from_bytes(config: super::PowerSgdConfig, bytes: &[u8]) -> Result<PowerSgd> {
         let mut psgd = PowerSgd::new(config)?;
-        let (header, data) = crate::safetensors_reader::read_header(bytes)?;
-        let empty = HashMap::new();
-        let meta = header.metadata().as_ref().unwrap_or(&empty);
-        let get = |key: &str| {
-            meta.get(key)
-                .map(String::as_str)
-                .ok_or_else(|| Error::checkpoint(format!("metadata entry `{key}` is missing")))
-        };
-        let format = get("format")?;
-        if format != FORMAT {
-            return Err(Error::checkpoint(format!(
-                "format `{format}` is not `{FORMAT}`"
-            )));
-        }
-        let version = get("version")?;
-        if version != VERSION {
-            return Err(Error::checkpoint(format!(
-                "version `{version}` is not supported (this build reads `{VERSION}`)"
-            )));
-        }
-        let (config_text, ours) = (get("config")?, psgd.config.text());
+        let file = state_file::read(bytes, FORMAT, VERSION)?;
+        let (config_text, ours) = (file.entry("config")?, psgd.config.text());
         if config_text != ours {
             return Err(Error::checkpoint(format!(
                 "the checkpoint is of `{config_text}`, this run is `{ours}`"
             )));
         }
-        let step_text = get("step")?;
-        psgd.step = step_text.parse().map_err(|_| {
-            Error::checkpoint(format!("metadata `step` = `{step_text}` is not a u64"))
-        })?;
-        let shapes_text = get("shapes")?;
-        let shapes: BTreeMap<String, Vec<usize>> =
-            serde_json::from_str(shapes_text).map_err(|e| {
+        psgd.step = file.number("step")?;
+        let shapes: BTreeMap<String, Vec<usize>> = serde_json::from_str(file.entry("shapes")?)
+            .map_err(|e| {
                 Error::checkpoint(format!(
                     "metadata `shapes` is not a JSON object of shapes: {e}"
                 ))
@@ -155,7 +109,7 @@ impl PowerSgd {
             psgd.tensors.insert(name, state);
         }
         let r = psgd.config.rank;
-        for (key, info) in header.tensors() {
+        for (key, (shape, values)) in file.tensors {
             let (kind, name) = key
                 .split_once(':')
                 .filter(|(kind, _)| ["q", "residual"].contains(kind))
@@ -174,26 +128,10 @@ impl PowerSgd {
             } else {
                 Some(state.shape.clone())
             };
-            if info.dtype != Dtype::F32 || expected.as_ref() != Some(&info.shape) {
+            if expected.as_ref() != Some(&shape) {
                 return Err(Error::checkpoint(format!(
-                    "tensor `{key}` is {:?} with shape {:?}, expected F32 with shape {}",
-                    info.dtype,
-                    info.shape,
+                    "tensor `{key}` has shape {shape:?}, expected {}",
                     expected.map_or("none (no Q for this shape)".into(), |s| format!("{s:?}"))
-                )));
-            }
-            // In range: `read_header` checked every offset against the data section.
-            let (start, end) = info.data_offsets;
-            let raw = data.get(start..end).ok_or_else(|| {
-                Error::checkpoint(format!("tensor `{key}` lies outside the file"))
-            })?;
-            let values: Vec<f32> = raw
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            if let Some(index) = gradwire_core::values::first_non_finite(&values) {
-                return Err(Error::checkpoint(format!(
-                    "tensor `{key}` is NaN or infinite at index {index}"
                 )));
             }
             if kind == "q" {
@@ -202,40 +140,6 @@ impl PowerSgd {
                 state.residual = values;
             }
         }
-        let stored = get("crc32")?;
-        let computed = state_crc(&psgd.tensors, &[config_text, step_text, shapes_text]);
-        if stored.parse::<u32>().ok() != Some(computed) {
-            return Err(Error::checkpoint(format!(
-                "checksum mismatch (stored `{stored}`, computed {computed}): the file is \
-                 corrupted"
-            )));
-        }
         Ok(psgd)
     }
-}
-
-/// The `crc32` entry (layout in the module docs).
-fn state_crc(tensors: &BTreeMap<String, TensorState>, texts: &[&str]) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    let mut buf = [0u8; 4096];
-    for (name, s) in tensors {
-        h.update(name.as_bytes());
-        h.update(&[0]);
-        h.update(&(s.q.len() as u64).to_le_bytes());
-        h.update(&(s.residual.len() as u64).to_le_bytes());
-        for run in
-            s.q.chunks(buf.len() / 4)
-                .chain(s.residual.chunks(buf.len() / 4))
-        {
-            for (b, x) in buf.chunks_exact_mut(4).zip(run) {
-                b.copy_from_slice(&x.to_le_bytes());
-            }
-            h.update(&buf[..4 * run.len()]);
-        }
-    }
-    for t in texts {
-        h.update(t.as_bytes());
-        h.update(&[0]);
-    }
-    h.finalize()
 }

@@ -1,0 +1,483 @@
+//! Deep Gradient Compression's recipe (Lin, Han, Mao, Wang & Dally, ICLR 2018) around top-k or
+//! random-k with error feedback: momentum correction, momentum factor masking, local gradient
+//! clipping and a density warm-up.
+//!
+//! One step on one rank ([`Dgc::compress_bundle`]), for every tensor:
+//! 1. local clipping: with [`DgcConfig::clip_norm`] `c`, the rank's whole gradient (every
+//!    tensor, name order, L2 norm in f64) is scaled by `c / norm` when its norm exceeds `c`.
+//!    DGC clips each rank at `N^(-1/2)` times the global threshold: pass that;
+//! 2. momentum correction: the velocity `u = m u + g` (`m` = [`DgcConfig::momentum`]),
+//!    accumulated on the rank before anything is selected;
+//! 3. error feedback over `u`: the residual `v` keeps what is not sent, `v + u` is compressed
+//!    with top-k (or random-k) at the step's density, and `sent + v_new == u + v_old` for every
+//!    coordinate (to the f32 rounding of the error-feedback step);
+//! 4. momentum factor masking: `u = 0` wherever the step sent a non-zero value, so that what
+//!    was sent does not keep pushing through the momentum.
+//!
+//! The compressor owns the momentum: the optimizer must apply the mean of what the ranks sent
+//! as a plain SGD step (`w -= lr * mean`), with its own momentum set to 0, or the momentum is
+//! applied twice.
+//!
+//! The density of each step comes from a [`DensitySchedule`] that is part of the configuration,
+//! so every rank, and a run restored from a checkpoint, agrees on it; receivers decode a step's
+//! bundles with [`Dgc::manifest_at`] of that step.
+
+use std::collections::{BTreeMap, HashMap};
+
+use gradwire_core::Values;
+
+use crate::compressor::GradientCompressor;
+use crate::engine::Parallelism;
+use crate::error::{Error, Result};
+use crate::feedback::{ErrorFeedback, state_file};
+use crate::layout::{BucketConfig, Manifest, TensorSpec};
+use crate::method::CompressionMethod;
+use crate::tensor::Tensor;
+
+/// Which entries of `residual + velocity` a step sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DgcSelection {
+    /// The `k` of largest magnitude (DGC's choice).
+    TopK,
+    /// `k` drawn from (seed, step, tensor id), which receivers regenerate.
+    RandomK,
+}
+
+/// The fraction of each tensor a step sends: `start` for the first `stage_steps` steps, then
+/// divided by `factor` every `stage_steps` steps, never below `target`. DGC's warm-up over its
+/// first epochs is 25 %, 6.25 %, 1.5625 %, 0.39 %, then the target ([`DensitySchedule::warm_up`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DensitySchedule {
+    /// Density of the first stage, in `(0, 1]`.
+    pub start: f64,
+    /// Division per stage, finite and `>= 1`.
+    pub factor: f64,
+    /// Steps per stage, at least 1.
+    pub stage_steps: u64,
+    /// The density from the stage where the division reaches it on, in `(0, start]`.
+    pub target: f64,
+}
+
+impl DensitySchedule {
+    /// `density` at every step.
+    pub fn constant(density: f64) -> Self {
+        DensitySchedule {
+            start: density,
+            factor: 1.0,
+            stage_steps: 1,
+            target: density,
+        }
+    }
+
+    /// DGC's warm-up: 25 % (or `target` if larger), divided by 4 every `stage_steps` steps down
+    /// to `target`.
+    pub fn warm_up(target: f64, stage_steps: u64) -> Self {
+        DensitySchedule {
+            start: target.max(0.25),
+            factor: 4.0,
+            stage_steps,
+            target,
+        }
+    }
+
+    /// The density of `step`: `max(target, start / factor^stage)`, `stage = step /
+    /// stage_steps`, the division done stage by stage in f64 (the same bits on every rank).
+    pub fn density(&self, step: u64) -> f64 {
+        let stage = step / self.stage_steps.max(1);
+        let mut d = self.start;
+        for _ in 0..stage {
+            if d <= self.target || self.factor <= 1.0 {
+                break;
+            }
+            d /= self.factor;
+        }
+        d.max(self.target)
+    }
+
+    fn check(&self) -> Result<()> {
+        let ok = self.target > 0.0
+            && self.target <= self.start
+            && self.start <= 1.0
+            && self.factor.is_finite()
+            && self.factor >= 1.0
+            && self.stage_steps >= 1;
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::config(format!(
+                "DGC density schedule {self:?}: needs 0 < target <= start <= 1, a finite factor \
+                 >= 1 and at least 1 step per stage"
+            )))
+        }
+    }
+}
+
+/// DGC's settings; every rank must use the same.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DgcConfig {
+    /// Top-k or random-k.
+    pub selection: DgcSelection,
+    /// Value codec of the sent entries.
+    pub values: Values,
+    /// Momentum `m` of the velocity, in `[0, 1)`; the optimizer's own momentum must be 0.
+    pub momentum: f32,
+    /// Local clipping: the L2 norm this rank's whole gradient is scaled down to when above it
+    /// (finite, `> 0`), or none.
+    pub clip_norm: Option<f32>,
+    /// The density of each step.
+    pub schedule: DensitySchedule,
+}
+
+impl DgcConfig {
+    /// `selection` with `schedule`, f32 values, momentum 0.9 and no clipping.
+    pub fn new(selection: DgcSelection, schedule: DensitySchedule) -> Self {
+        DgcConfig {
+            selection,
+            values: Values::F32,
+            momentum: 0.9,
+            clip_norm: None,
+            schedule,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        self.schedule.check()?;
+        if !(0.0..1.0).contains(&self.momentum) {
+            return Err(Error::config(format!(
+                "DGC momentum {}: in [0, 1)",
+                self.momentum
+            )));
+        }
+        if let Some(c) = self.clip_norm
+            && !(c.is_finite() && c > 0.0)
+        {
+            return Err(Error::config(format!("DGC clip norm {c}: finite and > 0")));
+        }
+        Ok(())
+    }
+
+    /// The text a checkpoint records and compares.
+    fn text(&self) -> String {
+        let s = &self.schedule;
+        format!(
+            "dgc select={:?} values={:?} momentum={} clip={:?} start={} factor={} stage={} \
+             target={}",
+            self.selection,
+            self.values,
+            self.momentum,
+            self.clip_norm,
+            s.start,
+            s.factor,
+            s.stage_steps,
+            s.target
+        )
+    }
+}
+
+/// DGC for one rank: the velocity by tensor name, the error-feedback residuals and the step.
+///
+/// ```
+/// use std::collections::HashMap;
+/// use gradwire::dgc::{DensitySchedule, Dgc, DgcConfig, DgcSelection};
+/// use gradwire::{Aggregator, Reduction, Tensor, TensorSpec};
+///
+/// let config = DgcConfig::new(DgcSelection::TopK, DensitySchedule::warm_up(0.01, 100));
+/// let mut dgc = Dgc::new(config, 7)?;
+/// let spec = vec![TensorSpec::new("w", vec![40, 50])];
+/// let g = HashMap::from([("w".to_string(), Tensor::new(vec![40, 50], vec![0.5; 2000])?)]);
+/// let manifest = dgc.manifest_at(spec, 0)?; // 25 % at the first stage
+/// let mut bundle = Vec::new();
+/// dgc.compress_bundle(&manifest, &g, 0, &mut bundle)?;
+/// let mut mean = Vec::new();
+/// Aggregator::new().aggregate_into(&manifest, &[bundle], 0, Reduction::Mean, &mut mean)?;
+/// assert_eq!(mean.iter().filter(|&&x| x != 0.0).count(), 500);
+/// // What was sent left the velocity; the rest keeps it.
+/// assert_eq!(dgc.velocity("w").unwrap().iter().filter(|&&x| x == 0.0).count(), 500);
+/// # Ok::<(), gradwire::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Dgc {
+    config: DgcConfig,
+    seed: u64,
+    step: u64,
+    velocity: BTreeMap<String, Vec<f32>>,
+    shapes: BTreeMap<String, Vec<usize>>,
+    compressor: GradientCompressor,
+    parallelism: Parallelism,
+    corrected: HashMap<String, Tensor>,
+    scratch: Vec<f32>,
+    sent: Vec<f32>,
+}
+
+/// Value of the checkpoint's `format` entry.
+const FORMAT: &str = "gradwire-dgc";
+/// Value of the checkpoint's `version` entry.
+const VERSION: &str = "1";
+
+impl Dgc {
+    /// DGC with `config` and `seed` (random-k draws), at step 0, with no state.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a schedule, momentum or clip norm out of range.
+    pub fn new(config: DgcConfig, seed: u64) -> Result<Self> {
+        config.check()?;
+        let mut dgc = Dgc {
+            compressor: GradientCompressor::new(CompressionMethod::Float16),
+            config,
+            seed,
+            step: 0,
+            velocity: BTreeMap::new(),
+            shapes: BTreeMap::new(),
+            parallelism: Parallelism::Auto,
+            corrected: HashMap::new(),
+            scratch: Vec::new(),
+            sent: Vec::new(),
+        };
+        dgc.compressor = dgc.new_compressor(dgc.method_at(0));
+        Ok(dgc)
+    }
+
+    /// The same DGC using `parallelism` for its compression (the bytes are the same).
+    pub fn with_parallelism(mut self, parallelism: Parallelism) -> Self {
+        self.parallelism = parallelism;
+        self.compressor.set_parallelism(parallelism);
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &DgcConfig {
+        &self.config
+    }
+
+    /// The next step to run.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The velocity `u` of `name` after the last step (masked), if it has one.
+    pub fn velocity(&self, name: &str) -> Option<&[f32]> {
+        self.velocity.get(name).map(Vec::as_slice)
+    }
+
+    /// The error-feedback residual `v` of `name`, if it has one.
+    pub fn residual(&self, name: &str) -> Option<&[f32]> {
+        self.compressor.feedback().and_then(|f| f.residual(name))
+    }
+
+    /// The method of `step`: error feedback around top-k (or random-k) by ratio, the ratio the
+    /// schedule's density of that step.
+    pub fn method_at(&self, step: u64) -> CompressionMethod {
+        let ratio = self.config.schedule.density(step);
+        let values = self.config.values;
+        let base = match self.config.selection {
+            DgcSelection::TopK => CompressionMethod::TopKRatio { ratio, values },
+            DgcSelection::RandomK => CompressionMethod::RandomKRatio { ratio, values },
+        };
+        base.with_error_feedback()
+    }
+
+    /// The manifest that `step`'s bundles are made and decoded with, for a model of `tensors`.
+    ///
+    /// # Errors
+    /// As [`Manifest::new`].
+    pub fn manifest_at(&self, tensors: Vec<TensorSpec>, step: u64) -> Result<Manifest> {
+        Manifest::new(
+            tensors,
+            &self.method_at(step),
+            self.seed,
+            BucketConfig::none(),
+        )
+    }
+
+    fn new_compressor(&self, method: CompressionMethod) -> GradientCompressor {
+        let mut c = GradientCompressor::new(method)
+            .with_seed(self.seed)
+            .with_parallelism(self.parallelism);
+        c.set_step(self.step);
+        c
+    }
+
+    /// Moves the residuals to a compressor of `method` (a new stage of the schedule).
+    fn switch_to(&mut self, method: CompressionMethod) -> Result<()> {
+        if *self.compressor.method() == method {
+            return Ok(());
+        }
+        let old = self.compressor.take_feedback();
+        let mut next = self.new_compressor(method.clone());
+        if let Some(old) = old {
+            let mut fb = ErrorFeedback::new(method.core_method()?, self.seed)?;
+            fb.set_step(self.step);
+            for (name, r) in old.residuals() {
+                match old.residual_shape(name) {
+                    Some(shape) => fb.set_residual_with_shape(name, shape, r.to_vec())?,
+                    None => fb.set_residual(name, r.to_vec())?,
+                }
+            }
+            next.restore_feedback(fb)?;
+        }
+        self.compressor = next;
+        Ok(())
+    }
+
+    /// Runs one step of the recipe (see the module docs) on this rank's `gradients` and writes
+    /// its bundle for `manifest` (which must be [`Dgc::manifest_at`] of this step) into `out`.
+    /// Returns the step.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::UnexpectedTensor`] or [`Error::ShapeMismatch`] when
+    /// `gradients` does not match the manifest; [`Error::Config`] when the manifest is of
+    /// another step's density or another seed; [`Error::LengthChanged`] when a tensor's size
+    /// changed since its velocity was made; [`Error::Core`] naming the tensor and index of a NaN
+    /// or infinity in the gradient or in the corrected velocity `m u + g`. On error nothing
+    /// changes (velocity, residuals, step) and `out` is cleared.
+    pub fn compress_bundle(
+        &mut self,
+        manifest: &Manifest,
+        gradients: &HashMap<String, Tensor>,
+        rank: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<u64> {
+        out.clear();
+        let step = self.step;
+        self.switch_to(self.method_at(step))?;
+        manifest.check_gradients(gradients)?;
+        let mut names: Vec<(&String, &Tensor)> = gradients.iter().collect();
+        names.sort_by(|a, b| a.0.cmp(b.0));
+        let scale = match self.config.clip_norm {
+            Some(c) => {
+                let sq: f64 = names
+                    .iter()
+                    .flat_map(|(_, t)| t.data())
+                    .map(|&x| f64::from(x) * f64::from(x))
+                    .sum();
+                let norm = sq.sqrt();
+                if norm > f64::from(c) {
+                    (f64::from(c) / norm) as f32
+                } else {
+                    1.0
+                }
+            }
+            None => 1.0,
+        };
+        let m = self.config.momentum;
+        for (name, t) in &names {
+            let g = t.data();
+            let u = &mut self.scratch;
+            u.clear();
+            match self.velocity.get(*name) {
+                Some(old) if old.len() == g.len() => {
+                    u.extend(old.iter().zip(g).map(|(&u, &g)| m * u + scale * g));
+                }
+                Some(old) => {
+                    return Err(Error::LengthChanged {
+                        tensor: (*name).clone(),
+                        expected: old.len(),
+                        got: g.len(),
+                    });
+                }
+                None => u.extend(g.iter().map(|&g| scale * g)),
+            }
+            match self.corrected.get_mut(*name) {
+                Some(c) => c.assign(t.shape(), u)?,
+                None => {
+                    let c = Tensor::new(t.shape().to_vec(), u.clone())?;
+                    self.corrected.insert((*name).clone(), c);
+                }
+            }
+        }
+        self.corrected.retain(|n, _| gradients.contains_key(n));
+        self.compressor.set_step(step);
+        self.compressor
+            .compress_bundle(manifest, &self.corrected, rank, out)?;
+        // Momentum factor masking: what was sent leaves the velocity too.
+        manifest.decode_bundle(out, None, Some(step), &mut self.sent)?;
+        for t in manifest.tensors() {
+            let sent = &self.sent[t.offset..t.offset + t.numel];
+            let Some(u) = self.corrected.get(&t.name) else {
+                continue;
+            };
+            let v = self.velocity.entry(t.name.clone()).or_default();
+            v.clear();
+            v.extend(
+                u.data()
+                    .iter()
+                    .zip(sent)
+                    .map(|(&u, &s)| if s != 0.0 { 0.0 } else { u }),
+            );
+            self.shapes.insert(t.name.clone(), t.shape.clone());
+        }
+        self.step += 1;
+        Ok(step)
+    }
+
+    /// This rank's state as a state file (`FORMAT.md` section 17) of format `gradwire-dgc`,
+    /// version `1`: tensors `velocity:<name>` and `residual:<name>` in their tensors' shapes
+    /// (a residual without a known shape as `[n]`); entries `config` (the configuration's
+    /// text), `seed` and `step`.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] for a shape of more dimensions than the safetensors reader takes;
+    /// [`Error::Safetensors`] when serialization fails.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let entries = BTreeMap::from([
+            ("config".to_owned(), self.config.text()),
+            ("seed".to_owned(), self.seed.to_string()),
+            ("step".to_owned(), self.step.to_string()),
+        ]);
+        let mut tensors: Vec<(String, Vec<usize>, &[f32])> = Vec::new();
+        for (name, u) in &self.velocity {
+            let shape = self.shapes.get(name).cloned().unwrap_or(vec![u.len()]);
+            tensors.push((format!("velocity:{name}"), shape, u));
+        }
+        if let Some(fb) = self.compressor.feedback() {
+            for (name, r) in fb.residuals() {
+                let shape = fb
+                    .residual_shape(name)
+                    .map_or(vec![r.len()], <[usize]>::to_vec);
+                tensors.push((format!("residual:{name}"), shape, r));
+            }
+        }
+        state_file::write(FORMAT, VERSION, &entries, &tensors)
+    }
+
+    /// The rank [`Dgc::to_bytes`] saved, for a run with `config`: it continues bit for bit.
+    ///
+    /// # Errors
+    /// [`Error::Config`] as [`Dgc::new`]; [`Error::Safetensors`] for bytes that are not
+    /// safetensors; [`Error::Checkpoint`] for what `FORMAT.md` section 17 refuses in any state
+    /// file, a checkpoint of another configuration (both texts in the message), a `seed` or
+    /// `step` that is not a u64, a tensor not named `velocity:` or `residual:`.
+    pub fn from_bytes(config: DgcConfig, bytes: &[u8]) -> Result<Dgc> {
+        let file = state_file::read(bytes, FORMAT, VERSION)?;
+        let (text, ours) = (file.entry("config")?, config.text());
+        if text != ours {
+            return Err(Error::checkpoint(format!(
+                "the checkpoint is of `{text}`, this run is `{ours}`"
+            )));
+        }
+        let mut dgc = Dgc::new(config, file.number("seed")?)?;
+        dgc.step = file.number("step")?;
+        let method = dgc.method_at(dgc.step);
+        let mut fb = ErrorFeedback::new(method.core_method()?, dgc.seed)?;
+        fb.set_step(dgc.step);
+        for (key, (shape, values)) in file.tensors {
+            match key.split_once(':') {
+                Some(("velocity", name)) => {
+                    dgc.shapes.insert(name.to_owned(), shape);
+                    dgc.velocity.insert(name.to_owned(), values);
+                }
+                Some(("residual", name)) => fb
+                    .set_residual_with_shape(name, &shape, values)
+                    .map_err(|e| Error::checkpoint(format!("tensor `{key}`: {e}")))?,
+                _ => {
+                    return Err(Error::checkpoint(format!(
+                        "tensor `{key}` is neither `velocity:<name>` nor `residual:<name>`"
+                    )));
+                }
+            }
+        }
+        dgc.compressor = dgc.new_compressor(method);
+        dgc.compressor.restore_feedback(fb)?;
+        Ok(dgc)
+    }
+}
