@@ -406,7 +406,7 @@ impl Dgc {
             );
             self.shapes.insert(t.name.clone(), t.shape.clone());
         }
-        self.step += 1;
+        self.step = self.step.wrapping_add(1);
         Ok(step)
     }
 

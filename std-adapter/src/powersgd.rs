@@ -313,7 +313,7 @@ impl PowerSgd {
         gradients: &HashMap<String, Tensor>,
     ) -> Result<HashMap<String, Tensor>> {
         let result = self.step_on(comm, gradients, None);
-        self.step += 1;
+        self.step = self.step.wrapping_add(1);
         result
     }
 
@@ -329,7 +329,7 @@ impl PowerSgd {
         error: Error,
     ) -> Error {
         let result = self.step_on(comm, gradients, Some(error));
-        self.step += 1;
+        self.step = self.step.wrapping_add(1);
         match result {
             Err(e) => e,
             Ok(_) => Error::Internal {

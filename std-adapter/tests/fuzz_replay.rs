@@ -1,7 +1,7 @@
 //! Replays every file of the checked-in fuzz corpora of the std targets
-//! (`fuzz/corpus/{bundle,reference,checkpoint,two_phase,server_checkpoint,dense_sum}/`) through the same
+//! (`fuzz/corpus/{bundle,reference,checkpoint,two_phase,server_checkpoint,dense_sum,method_state}/`) through the same
 //! target bodies the fuzzers run, on stable. The bodies live in `fuzz/logic/src/std_targets.rs`
-//! and `collective_targets.rs` and are included here by path (no dependency on the fuzz crate,
+//! `collective_targets.rs` and `state_targets.rs` and are included here by path (no dependency on the fuzz crate,
 //! whose workspace is separate); see FUZZING.md.
 
 #[allow(dead_code)]
@@ -19,6 +19,10 @@ mod std_targets;
 #[allow(dead_code)]
 #[path = "../../fuzz/logic/src/collective_targets.rs"]
 mod collective_targets;
+
+#[allow(dead_code)]
+#[path = "../../fuzz/logic/src/state_targets.rs"]
+mod state_targets;
 
 use std::path::{Path, PathBuf};
 
@@ -74,4 +78,9 @@ fn replay_server_checkpoint() {
 #[test]
 fn replay_dense_sum() {
     replay("dense_sum", collective_targets::dense_sum);
+}
+
+#[test]
+fn replay_method_state() {
+    replay("method_state", state_targets::method_state);
 }

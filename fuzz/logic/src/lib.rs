@@ -13,4 +13,6 @@ pub mod gens;
 pub mod input;
 pub mod seeds;
 #[cfg(feature = "std")]
+pub mod state_targets;
+#[cfg(feature = "std")]
 pub mod std_targets;

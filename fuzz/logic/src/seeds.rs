@@ -209,6 +209,7 @@ pub fn std_seeds(data: &std::path::Path) -> Vec<(&'static str, Vec<u8>)> {
     }
     out.extend(checkpoint_seeds());
     out.extend(dense_sum_seeds());
+    out.extend(method_state_seeds());
     let Ok(dir) = std::fs::read_dir(data) else {
         return out;
     };
@@ -455,6 +456,28 @@ pub fn dense_sum_seeds() -> Vec<(&'static str, Vec<u8>)> {
             }
         }
     }
+    out
+}
+
+/// Seeds for the `method_state` target: each method, file mode and PowerSGD rank, with
+/// ordinary gradients (every value byte at least 16, so no raw bits), a few damaged bytes, and
+/// one input with a huge gradient value.
+#[cfg(feature = "std")]
+pub fn method_state_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let mut out = Vec::new();
+    for flags in [0u8, 1, 2, 3, 4, 5, 8, 10, 12] {
+        let mut b = vec![flags];
+        b.extend((0..4 * 53).map(|i| 16 + (mix64(i) % 224) as u8));
+        match (flags >> 1) % 3 {
+            0 => b.extend_from_slice(b"\x40\0\0\0\0\0\0\0{\"__metadata__\":{}}"),
+            1 => b.extend_from_slice(&[200, 0, 7, 1, 3, 0, 9, 0]),
+            _ => {}
+        }
+        out.push(("method_state", b));
+    }
+    let mut b = vec![4u8, 0];
+    b.extend_from_slice(&f32::MAX.to_bits().to_le_bytes());
+    out.push(("method_state", b));
     out
 }
 
