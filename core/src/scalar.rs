@@ -231,8 +231,13 @@ pub fn abs_sum_striped(x: &[f32]) -> f32 {
             lanes[j] += v.abs();
         }
     }
-    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+    combine_lanes(&lanes)
+}
+
+/// The pairwise combination of eight lane sums every striped sum ends with:
+/// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`.
+fn combine_lanes(l: &[f32; 8]) -> f32 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
 /// The sign scale of a block: mean |x| = [`abs_sum_striped`] / len; 0 for an empty block.
@@ -257,8 +262,7 @@ pub fn sign_block_scale(x: &[f32]) -> f32 {
             lanes[j] += v.abs() * DOWN;
         }
     }
-    let s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    let s = combine_lanes(&lanes);
     ((s / x.len() as f32) * UP).min(abs_max(x))
 }
 
@@ -335,8 +339,7 @@ pub fn powersgd_dot(a: &[f32], b: &[f32]) -> f32 {
     for (t, (&x, &y)) in a.iter().zip(b).enumerate() {
         lanes[t % 8] += x * y;
     }
-    ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+    combine_lanes(&lanes)
 }
 
 /// [`crate::powersgd::project`]: `p[j * rows + i] = powersgd_dot(row i of m, column j of q)`.
@@ -394,10 +397,7 @@ pub fn powersgd_orthogonalize(p: &mut [f32], rows: usize) {
             let y = x / s;
             lanes[t % 8] += y * y;
         }
-        let root = libm::sqrtf(
-            ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
-                + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])),
-        );
+        let root = libm::sqrtf(combine_lanes(&lanes));
         col.iter_mut().for_each(|x| *x = (*x / s) / root);
     }
 }

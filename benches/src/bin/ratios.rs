@@ -510,12 +510,14 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
             .map(|t| median(&t.times))
     };
     let build = build_name();
+    let read_gbps = (n * 4) as f64 / read / 1e9;
+    let l3 = l3_size();
     if !json {
         println!(
-            "\n{data}: n = {n}, build = {build}, {reps} interleaved repetitions, medians, {} clock; read pass ({read_name}, the faster of read and read_prefetch) = {:.3} ms ({:.1} GB/s)",
+            "\n{data}: n = {n}, build = {build}, {reps} interleaved repetitions, medians, {} clock; read pass ({read_name}, the faster of read and read_prefetch) = {:.3} ms ({read_gbps:.1} GB/s); L3 {}",
             clock.name(),
             read * 1e3,
-            (n * 4) as f64 / read / 1e9
+            l3.as_deref().unwrap_or("unknown")
         );
         if n < 25_000_000 {
             println!("(the targets are defined at n = 2.5e7; this buffer may sit in cache)");
@@ -538,13 +540,15 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
         if json {
             let base_s = base.map_or("null".to_string(), |b| format!("{b:.4}"));
             println!(
-                "{{\"name\":\"{}\",\"data\":\"{data}\",\"n\":{n},\"median_s\":{m:.6e},\"ratio_to_read\":{:.4},\"ratio_to_baseline\":{base_s},\"baseline\":{},\"target\":{},\"build\":\"{build}\",\"clock\":\"{}\",\"read_pass\":\"{read_name}\"}}",
+                "{{\"name\":\"{}\",\"data\":\"{data}\",\"n\":{n},\"median_s\":{m:.6e},\"ratio_to_read\":{:.4},\"ratio_to_baseline\":{base_s},\"baseline\":{},\"target\":{},\"build\":\"{build}\",\"clock\":\"{}\",\"read_pass\":\"{read_name}\",\"read_gbps\":{read_gbps:.2},\"l3\":{}}}",
                 t.name,
                 m / read,
                 t.baseline
                     .map_or("null".to_string(), |b| format!("\"{b}\"")),
                 target.map_or("null".to_string(), |x| format!("{x}")),
                 clock.name(),
+                l3.as_deref()
+                    .map_or("null".to_string(), |x| format!("\"{x}\"")),
             );
         } else {
             let base_s = match (base, t.baseline) {
@@ -565,4 +569,19 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
             );
         }
     }
+}
+
+/// The size of the last-level (L3) cache of CPU 0 as Linux reports it (`/sys`, e.g. `32768K`),
+/// so that every table says which kind of machine it came from.
+fn l3_size() -> Option<String> {
+    let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+    (0..8).find_map(|i| {
+        let index = dir.join(format!("index{i}"));
+        let level = std::fs::read_to_string(index.join("level")).ok()?;
+        if level.trim() != "3" {
+            return None;
+        }
+        let size = std::fs::read_to_string(index.join("size")).ok()?;
+        Some(size.trim().to_owned())
+    })
 }
