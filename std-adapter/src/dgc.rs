@@ -81,7 +81,8 @@ impl DensitySchedule {
     }
 
     /// The density of `step`: `max(target, start / factor^stage)`, `stage = step /
-    /// stage_steps`, the division done stage by stage in f64 (the same bits on every rank).
+    /// stage_steps`, the division done stage by stage in f64 (the same bits on every rank; at
+    /// most [`DensitySchedule::MAX_STAGES`] divisions for a schedule [`Dgc::new`] accepts).
     pub fn density(&self, step: u64) -> f64 {
         let stage = step / self.stage_steps.max(1);
         let mut d = self.start;
@@ -94,6 +95,10 @@ impl DensitySchedule {
         d.max(self.target)
     }
 
+    /// Stages a schedule may take to reach its target, so that [`DensitySchedule::density`]
+    /// costs at most this many divisions at any step.
+    pub const MAX_STAGES: u32 = 1024;
+
     fn check(&self) -> Result<()> {
         let ok = self.target > 0.0
             && self.target <= self.start
@@ -101,6 +106,19 @@ impl DensitySchedule {
             && self.factor.is_finite()
             && self.factor >= 1.0
             && self.stage_steps >= 1;
+        let mut d = self.start;
+        let mut stages = 0u32;
+        while ok && self.factor > 1.0 && d > self.target && stages <= Self::MAX_STAGES {
+            d /= self.factor;
+            stages += 1;
+        }
+        if ok && stages > Self::MAX_STAGES {
+            return Err(Error::config(format!(
+                "DGC density schedule {self:?} takes more than {} stages to reach its target: \
+                 a larger factor",
+                Self::MAX_STAGES
+            )));
+        }
         if ok {
             Ok(())
         } else {
@@ -159,17 +177,21 @@ impl DgcConfig {
     /// The text a checkpoint records and compares.
     fn text(&self) -> String {
         let s = &self.schedule;
+        let select = match self.selection {
+            DgcSelection::TopK => "top-k",
+            DgcSelection::RandomK => "random-k",
+        };
+        let values = match self.values {
+            Values::F32 => "f32".to_owned(),
+            Values::F16 => "f16".to_owned(),
+            Values::Bf16 => "bf16".to_owned(),
+            Values::Int8 { block } => format!("int8/{block}"),
+        };
+        let clip = self.clip_norm.map_or("none".to_owned(), |c| c.to_string());
         format!(
-            "dgc select={:?} values={:?} momentum={} clip={:?} start={} factor={} stage={} \
-             target={}",
-            self.selection,
-            self.values,
-            self.momentum,
-            self.clip_norm,
-            s.start,
-            s.factor,
-            s.stage_steps,
-            s.target
+            "dgc select={select} values={values} momentum={} clip={clip} start={} factor={} \
+             stage={} target={}",
+            self.momentum, s.start, s.factor, s.stage_steps, s.target
         )
     }
 }
@@ -302,9 +324,9 @@ impl Dgc {
         if *self.compressor.method() == method {
             return Ok(());
         }
-        let old = self.compressor.take_feedback();
+        // Built beside the old one, then swapped: an error leaves the residuals where they were.
         let mut next = self.new_compressor(method.clone());
-        if let Some(old) = old {
+        if let Some(old) = self.compressor.feedback() {
             let mut fb = ErrorFeedback::new(method.core_method()?, self.seed)?;
             fb.set_step(self.step);
             for (name, r) in old.residuals() {
@@ -326,8 +348,9 @@ impl Dgc {
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::UnexpectedTensor`] or [`Error::ShapeMismatch`] when
     /// `gradients` does not match the manifest; [`Error::Config`] when the manifest is of
-    /// another step's density or another seed; [`Error::LengthChanged`] when a tensor's size
-    /// changed since its velocity was made; [`Error::Core`] naming the tensor and index of a NaN
+    /// another step's density or another seed, or a tensor whose size changed since its
+    /// velocity was made; [`Error::LengthChanged`] when it changed since its residual was
+    /// made; [`Error::Core`] naming the tensor and index of a NaN
     /// or infinity in the gradient or in the corrected velocity `m u + g`. On error nothing
     /// changes (velocity, residuals, step) and `out` is cleared.
     pub fn compress_bundle(
@@ -369,11 +392,12 @@ impl Dgc {
                     u.extend(old.iter().zip(g).map(|(&u, &g)| m * u + scale * g));
                 }
                 Some(old) => {
-                    return Err(Error::LengthChanged {
-                        tensor: (*name).clone(),
-                        expected: old.len(),
-                        got: g.len(),
-                    });
+                    return Err(Error::config(format!(
+                        "DGC: the velocity of `{name}` has {} values, its gradient {} (a \
+                         checkpoint of another model?)",
+                        old.len(),
+                        g.len()
+                    )));
                 }
                 None => u.extend(g.iter().map(|&g| scale * g)),
             }
@@ -390,7 +414,12 @@ impl Dgc {
         self.compressor
             .compress_bundle(manifest, &self.corrected, rank, out)?;
         // Momentum factor masking: what was sent leaves the velocity too.
-        manifest.decode_bundle(out, None, Some(step), &mut self.sent)?;
+        // The rank's own bundle, just written: it decodes unless this crate has a bug.
+        manifest
+            .decode_bundle(out, None, Some(step), &mut self.sent)
+            .map_err(|e| Error::Internal {
+                what: format!("DGC could not decode its own bundle: {e}"),
+            })?;
         for t in manifest.tensors() {
             let sent = &self.sent[t.offset..t.offset + t.numel];
             let Some(u) = self.corrected.get(&t.name) else {

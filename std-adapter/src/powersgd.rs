@@ -380,6 +380,7 @@ impl PowerSgd {
         let mut first = std::mem::take(&mut self.buffers.first);
         first.clear();
         first.resize(control + first_len, 0.0);
+        self.draw_q(&names, &spans);
         let local = match failed_before {
             Some(e) => Err(e),
             None => self.prepare(&names, &spans, &mut first[control..]),
@@ -407,6 +408,46 @@ impl PowerSgd {
         }
     }
 
+    /// Gives every tensor its state and every low-rank tensor this step's `Q`: drawn from the
+    /// seed at its first compressed step (and every step without warm start, salted by the
+    /// step), a column of zeros drawn again salted by the step (it would stay zero forever:
+    /// `P = M 0 = 0`, then `Q = Mᵀ 0`). It reads only shapes and `Q`, which every rank shares,
+    /// and never fails, so that every rank, a failed one too, holds the same `Q` after it.
+    fn draw_q(&mut self, names: &[(&String, &Tensor)], spans: &[Span]) {
+        let (r, seed, warm) = (self.config.rank, self.config.seed, self.config.warm_start);
+        let step = self.step;
+        for ((name, t), span) in names.iter().zip(spans) {
+            let state = self
+                .tensors
+                .entry((*name).clone())
+                .or_insert_with(|| TensorState {
+                    shape: t.shape().to_vec(),
+                    q: Vec::new(),
+                    residual: Vec::new(),
+                });
+            let Plan::LowRank { cols, .. } = span.plan else {
+                continue;
+            };
+            if state.q.len() != cols * r || !warm {
+                state.q.resize(cols * r, 0.0);
+                let salt = if warm { 0 } else { step };
+                init_q(&mut state.q, seed ^ salt, tensor_id(name));
+            } else if state
+                .q
+                .chunks_exact(cols)
+                .any(|c| c.iter().all(|&x| x == 0.0))
+            {
+                let mut fresh = vec![0.0f32; cols * r];
+                init_q(&mut fresh, seed ^ step, tensor_id(name));
+                for (c, f) in state.q.chunks_exact_mut(cols).zip(fresh.chunks_exact(cols)) {
+                    if c.iter().all(|&x| x == 0.0) {
+                        c.copy_from_slice(f);
+                    }
+                }
+            }
+        }
+    }
+
     /// Checks this rank's gradients and writes its part of the first all-reduce: each
     /// low-rank tensor's `P = M Q` and each dense tensor's values; `M` and the state stay in
     /// the buffers (residuals unchanged).
@@ -416,11 +457,7 @@ impl PowerSgd {
         spans: &[Span],
         out: &mut [f32],
     ) -> Result<()> {
-        let (r, seed, ef) = (
-            self.config.rank,
-            self.config.seed,
-            self.config.error_feedback,
-        );
+        let ef = self.config.error_feedback;
         for (name, t) in names {
             if let Some(s) = self.tensors.get(*name)
                 && s.shape != t.shape()
@@ -444,14 +481,11 @@ impl PowerSgd {
         self.buffers.q_local.resize_with(slots, Vec::new);
         self.buffers.residual.resize_with(slots, Vec::new);
         for ((name, t), span) in names.iter().zip(spans) {
-            let state = self
-                .tensors
-                .entry((*name).clone())
-                .or_insert_with(|| TensorState {
-                    shape: t.shape().to_vec(),
-                    q: Vec::new(),
-                    residual: Vec::new(),
+            let Some(state) = self.tensors.get(*name) else {
+                return Err(Error::Internal {
+                    what: format!("PowerSGD has no state for `{name}`"),
                 });
+            };
             let out = &mut out[span.first.clone()];
             let Plan::LowRank { rows, cols } = span.plan else {
                 out.copy_from_slice(t.data());
@@ -470,27 +504,6 @@ impl PowerSgd {
                         None,
                         gradwire_core::Error::NonFinite { index },
                     ));
-                }
-            }
-            // The salt of a draw after the first: the step, the same on every rank.
-            let salt = self.step;
-            if state.q.len() != cols * r || !self.config.warm_start {
-                state.q.resize(cols * r, 0.0);
-                init_q(&mut state.q, seed ^ salt, tensor_id(name));
-            } else if state
-                .q
-                .chunks_exact(cols)
-                .any(|c| c.iter().all(|&x| x == 0.0))
-            {
-                // A column of zeros stays zero forever (P = M 0 = 0, then Q = Mᵀ 0): it came
-                // from a step whose summed P had a zero column (a gradient of zeros, say).
-                // Redraw those columns; Q is the same on every rank, and so is the redraw.
-                let mut fresh = vec![0.0f32; cols * r];
-                init_q(&mut fresh, seed ^ salt, tensor_id(name));
-                for (c, f) in state.q.chunks_exact_mut(cols).zip(fresh.chunks_exact(cols)) {
-                    if c.iter().all(|&x| x == 0.0) {
-                        c.copy_from_slice(f);
-                    }
                 }
             }
             project(m, rows, cols, &state.q, out).map_err(|e| Error::core(name, None, e))?;

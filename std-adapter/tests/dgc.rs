@@ -116,7 +116,8 @@ fn the_schedule_warms_up_to_the_target() {
 }
 
 /// The paper's algorithm, written out: clip, u = m u + g, v += u, send the top-k of v, clear
-/// v and u where sent.
+/// v where sent and u where a non-zero value was sent. Two choices are gradwire's, not the
+/// paper's: k = floor(n d) clamped to [1, n], and u kept where a selected value is exactly 0.
 struct Reference {
     u: HashMap<String, Vec<f32>>,
     v: HashMap<String, Vec<f32>>,
@@ -169,7 +170,7 @@ impl Reference {
 }
 
 #[test]
-fn top_k_with_the_recipe_is_the_papers_algorithm_bit_for_bit() {
+fn top_k_with_the_recipe_is_the_algorithm_written_out_bit_for_bit() {
     for clip_norm in [None, Some(3.0f32)] {
         let config = DgcConfig {
             clip_norm,

@@ -378,3 +378,69 @@ fn a_rank_that_fails_before_the_step_fails_its_peers_at_that_step() {
         }
     }
 }
+
+#[test]
+fn a_failed_first_step_leaves_every_rank_the_same_q() {
+    // Rank 1 fails before step 0 and rank 2 inside it (a NaN): every rank still draws Q.
+    let outs = on_ranks(|comm| {
+        let rank = comm.rank();
+        let mut g = Rng(rank as u64).vec(64, 1.0);
+        if rank == 2 {
+            g[3] = f32::NAN;
+        }
+        let grads = HashMap::from([("w".to_owned(), Tensor::new(vec![8, 8], g).unwrap())]);
+        let mut psgd = PowerSgd::new(PowerSgdConfig::with_rank(2)).unwrap();
+        let failed = if rank == 1 {
+            Err(psgd.all_reduce_failed(
+                comm,
+                &grads,
+                Error::Internal {
+                    what: "test".into(),
+                },
+            ))
+        } else {
+            psgd.all_reduce_mean(comm, &grads).map(|_| ())
+        };
+        assert!(failed.is_err(), "rank {rank}");
+        psgd.q("w").map(<[f32]>::to_vec)
+    });
+    assert!(outs[0].is_some());
+    for (rank, q) in outs.iter().enumerate() {
+        assert_eq!(q, &outs[0], "rank {rank}");
+    }
+}
+
+#[test]
+fn a_rank_with_huge_values_fails_every_rank_and_keeps_its_gradient() {
+    // On rank 1 one column holds 3e38: P's sums stay finite, its Q = Mᵀ P does not (so the
+    // sum of Q overflows on every rank). Every rank fails at this call with the same error;
+    // every residual takes its M. (A Q that stays finite while M - P Qᵀ does not takes the
+    // same road through a NaN in Q; that case needs a P nearly orthogonal to the column.)
+    let grads = |rank: usize| {
+        let mut g = Rng(rank as u64 + 40).vec(32, 1.0);
+        if rank == 1 {
+            for i in 0..8 {
+                g[4 * i + 2] = 3e38;
+            }
+        }
+        HashMap::from([("w".to_owned(), Tensor::new(vec![8, 4], g).unwrap())])
+    };
+    let outs = on_ranks(move |comm| {
+        let rank = comm.rank();
+        let config = PowerSgdConfig {
+            min_compression_rate: 0.0,
+            ..PowerSgdConfig::with_rank(1)
+        };
+        let mut psgd = PowerSgd::new(config).unwrap();
+        let result = psgd.all_reduce_mean(comm, &grads(rank)).map(|_| ());
+        (result, psgd.residual("w").map(<[f32]>::to_vec))
+    });
+    for (rank, (result, residual)) in outs.iter().enumerate() {
+        match result {
+            Err(Error::Overflow { tensor, .. }) => assert_eq!(tensor, "w"),
+            other => panic!("rank {rank}: {other:?}"),
+        }
+        let m = grads(rank)["w"].data().to_vec();
+        assert!(same_bits(residual.as_ref().unwrap(), &m), "rank {rank}");
+    }
+}

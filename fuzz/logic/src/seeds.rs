@@ -465,12 +465,17 @@ pub fn dense_sum_seeds() -> Vec<(&'static str, Vec<u8>)> {
 #[cfg(feature = "std")]
 pub fn method_state_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let mut out = Vec::new();
-    for flags in [0u8, 1, 2, 3, 4, 5, 8, 10, 12] {
+    for flags in [0u8, 1, 2, 3, 4, 5, 6, 7, 16, 18, 20, 22] {
         let mut b = vec![flags];
         b.extend((0..4 * 53).map(|i| 16 + (mix64(i) % 224) as u8));
-        match (flags >> 1) % 3 {
+        match (flags >> 1) % 4 {
             0 => b.extend_from_slice(b"\x40\0\0\0\0\0\0\0{\"__metadata__\":{}}"),
             1 => b.extend_from_slice(&[200, 0, 7, 1, 3, 0, 9, 0]),
+            // Edits: a step, a value, a reshaped tensor, an added one.
+            3 => b.extend_from_slice(&[
+                0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 1, 0, 7, 0, 0, 0x80, 0x7f, 2, 1, 1, 3, 3, 5, 1, 0,
+                2, 4,
+            ]),
             _ => {}
         }
         out.push(("method_state", b));

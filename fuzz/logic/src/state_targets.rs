@@ -2,7 +2,9 @@
 //! (`Dgc::from_bytes`), state files (FORMAT.md 16, 17), from hostile bytes.
 //!
 //! Input: a byte of flags (which method; which file: fuzzer bytes, the rank's own checkpoint
-//! XOR-damaged at fuzzer positions, or the rank's own checkpoint unchanged; PowerSGD's rank),
+//! XOR-damaged at fuzzer positions, the rank's own checkpoint unchanged, or it with up to 8
+//! edits of its entries and tensors and a checksum recomputed from FORMAT.md's text; PowerSGD's
+//! rank),
 //! then the gradients of the three steps before the checkpoint and of the step after it (fuzzer
 //! f32 bits: NaN, infinities and huge values included), then the file's bytes or damage.
 //!
@@ -49,9 +51,165 @@ fn gradients(inp: &mut Input<'_>) -> HashMap<String, Tensor> {
         .collect()
 }
 
-/// The file the input chooses: `mode` 0 fuzzer bytes, 1 `own` damaged, 2 `own`.
+/// The CRC-32 of a state file's entries and tensors as FORMAT.md section 17 defines it,
+/// written here from the text: entries (without `crc32`) in key order as key, 0, value, 0;
+/// tensors in name order as name, 0, u32 LE dimension count, u64 LE dimensions, f32 LE values.
+fn spec_crc(
+    entries: &std::collections::BTreeMap<String, String>,
+    tensors: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+) -> u32 {
+    let mut b = Vec::new();
+    for (k, v) in entries.iter().filter(|(k, _)| k.as_str() != "crc32") {
+        b.extend_from_slice(k.as_bytes());
+        b.push(0);
+        b.extend_from_slice(v.as_bytes());
+        b.push(0);
+    }
+    for (name, (shape, values)) in tensors {
+        b.extend_from_slice(name.as_bytes());
+        b.push(0);
+        b.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+        for &d in shape {
+            b.extend_from_slice(&(d as u64).to_le_bytes());
+        }
+        for x in values {
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    crate::input::crc32(&b)
+}
+
+/// A state file's entries and tensors, read with the safetensors crate.
+#[allow(clippy::type_complexity)]
+fn contents(
+    bytes: &[u8],
+) -> (
+    std::collections::BTreeMap<String, String>,
+    std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+) {
+    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).expect("the own file's header");
+    let entries = meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let file = safetensors::SafeTensors::deserialize(bytes).expect("the own file");
+    let tensors = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (name, (view.shape().to_vec(), values))
+        })
+        .collect();
+    (entries, tensors)
+}
+
+/// `own` with fuzzer edits of its entries and tensors, its `crc32` recomputed by
+/// [`spec_crc`]: hostile contents that pass the checksum. The own file's stored CRC must be
+/// [`spec_crc`]'s, so FORMAT.md section 17 and the code agree.
+fn edited(inp: &mut Input<'_>, own: &[u8]) -> Vec<u8> {
+    let (mut entries, mut tensors) = contents(own);
+    assert_eq!(
+        entries.get("crc32").map(String::as_str),
+        Some(spec_crc(&entries, &tensors).to_string().as_str()),
+        "the own file's CRC is not FORMAT.md's"
+    );
+    let names = ["a", "b", "zz"];
+    for _ in 0..8 {
+        if inp.is_empty() {
+            break;
+        }
+        let keys: Vec<String> = tensors.keys().cloned().collect();
+        let pick = |inp: &mut Input<'_>| -> Option<String> {
+            (!keys.is_empty()).then(|| keys[inp.range(0, keys.len() as u64 - 1) as usize].clone())
+        };
+        match inp.u8() % 6 {
+            0 => {
+                let key = ["step", "seed", "config", "shapes"][inp.range(0, 3) as usize];
+                let value = match inp.u8() % 3 {
+                    0 => inp.u64().to_string(),
+                    1 => {
+                        let len = inp.range(0, 40) as usize;
+                        String::from_utf8_lossy(inp.bytes(len)).into_owned()
+                    }
+                    _ => format!(
+                        "{{\"a\":[{},{}],\"b\":[{}]}}",
+                        inp.range(0, 9),
+                        inp.range(0, 9),
+                        inp.range(0, 9)
+                    ),
+                };
+                entries.insert(key.to_owned(), value);
+            }
+            1 => {
+                if let Some(k) = pick(inp)
+                    && let Some((_, values)) = tensors.get_mut(&k)
+                    && !values.is_empty()
+                {
+                    let at = inp.range(0, values.len() as u64 - 1) as usize;
+                    values[at] = inp.f32_bits();
+                }
+            }
+            2 => {
+                if let Some(k) = pick(inp) {
+                    let shape: Vec<usize> = (0..inp.range(0, 3))
+                        .map(|_| inp.range(0, 9) as usize)
+                        .collect();
+                    let n = shape.iter().product();
+                    let values = (0..n).map(|i| i as f32 / 8.0).collect();
+                    tensors.insert(k, (shape, values));
+                }
+            }
+            3 => {
+                if let Some(k) = pick(inp) {
+                    tensors.remove(&k);
+                }
+            }
+            _ => {
+                let prefix = ["q:", "residual:", "velocity:", "x:"][inp.range(0, 3) as usize];
+                let name = names[inp.range(0, 2) as usize];
+                let shape = vec![inp.range(0, 9) as usize, inp.range(1, 9) as usize];
+                let n = shape.iter().product();
+                let values = (0..n).map(|i| (i as f32 - 4.0) * 1e3).collect();
+                tensors.insert(format!("{prefix}{name}"), (shape, values));
+            }
+        }
+    }
+    entries.insert("crc32".into(), spec_crc(&entries, &tensors).to_string());
+    let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, (shape, values))| {
+            (
+                n,
+                shape,
+                values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )
+        })
+        .collect();
+    let views = data.iter().map(|(n, shape, bytes)| {
+        let view = safetensors::tensor::TensorView::new(
+            safetensors::tensor::Dtype::F32,
+            shape.clone(),
+            bytes,
+        )
+        .expect("a view of whole f32s");
+        (n.as_str(), view)
+    });
+    safetensors::serialize(views, Some(entries.into_iter().collect()))
+        .expect("serializing an edited state file")
+}
+
+/// The file the input chooses: `mode` 0 fuzzer bytes, 1 `own` damaged, 2 `own`, 3 `own`
+/// edited with a valid checksum.
 fn file(inp: &mut Input<'_>, mode: u8, own: &[u8]) -> Vec<u8> {
     match mode {
+        3 => edited(inp, own),
         0 => inp.rest().to_vec(),
         1 => {
             let mut b = own.to_vec();
@@ -88,7 +246,7 @@ fn bits(r: &Result<HashMap<String, Tensor>, gradwire::Error>) -> Result<Vec<u32>
 pub fn method_state(data: &[u8]) {
     let mut inp = Input::new(data);
     let flags = inp.u8();
-    let mode = (flags >> 1) % 3;
+    let mode = (flags >> 1) % 4;
     let before: Vec<_> = (0..3).map(|_| gradients(&mut inp)).collect();
     let after = gradients(&mut inp);
     if flags & 1 == 0 {
@@ -107,7 +265,7 @@ fn powersgd(
 ) {
     let config = || PowerSgdConfig {
         seed: 3,
-        ..PowerSgdConfig::with_rank(1 + usize::from(flags >> 3 & 1))
+        ..PowerSgdConfig::with_rank(1 + usize::from(flags >> 4 & 1))
     };
     let mut comm = LocalGroup::new(1)
         .into_communicators()

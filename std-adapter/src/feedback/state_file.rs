@@ -119,7 +119,8 @@ pub(crate) fn read(bytes: &[u8], format: &str, version: &str) -> Result<StateFil
             .iter()
             .map(|(n, (s, x))| (n.as_str(), s.as_slice(), x.as_slice())),
     );
-    if stored.parse::<u32>().ok() != Some(computed) {
+    // The decimal text `write` gives, exactly: no sign, no leading zeros.
+    if stored != computed.to_string() {
         return Err(Error::checkpoint(format!(
             "checksum mismatch (stored `{stored}`, computed {computed}): the file is corrupted"
         )));
