@@ -389,6 +389,39 @@ fn fill_named(
     Ok(())
 }
 
+/// The rank-order mean of every rank's bundle for `manifest` into `mean` (flat).
+fn mean_of_bundles(
+    aggregator: &mut Aggregator,
+    manifest: &Manifest,
+    messages: &[Vec<u8>],
+    step: u64,
+    mean: &mut Vec<f32>,
+) -> Result<(), String> {
+    aggregator
+        .aggregate_into(manifest, messages, step, Reduction::Mean, mean)
+        .map_err(|e| e.to_string())
+}
+
+/// Copies each tensor's part of the flat `mean` into `out` (name order).
+fn copy_out(
+    manifest: &Manifest,
+    mean: &[f32],
+    names: &[String],
+    out: &mut [Vec<f32>],
+) -> Result<(), String> {
+    for (name, o) in names.iter().zip(out.iter_mut()) {
+        match manifest.slice(mean, name) {
+            Some(m) if m.len() == o.len() => o.copy_from_slice(m),
+            _ => {
+                return Err(format!(
+                    "tensor {name} is missing from the mean or has another length"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A zero tensor of every parameter's shape, by name.
 fn zero_tensors(specs: &[ParamSpec]) -> Result<HashMap<String, Tensor>, gradwire::Error> {
     specs
@@ -637,22 +670,16 @@ impl GradientCodec for DgcCodec {
             return Err(self.error("output does not match the model"));
         }
         self.manifest_for(step)?;
-        self.aggregator
-            .aggregate_into(
-                &self.manifest,
-                messages,
-                step,
-                Reduction::Mean,
-                &mut self.mean,
-            )
-            .map_err(|e| self.error(e))?;
-        for (name, o) in self.names.iter().zip(out.iter_mut()) {
-            match self.manifest.slice(&self.mean, name) {
-                Some(mean) if mean.len() == o.len() => o.copy_from_slice(mean),
-                _ => return Err(self.error(format!("tensor {name} missing from the mean"))),
-            }
-        }
-        Ok(())
+        let (manifest, names) = (&self.manifest, &self.names);
+        mean_of_bundles(
+            &mut self.aggregator,
+            manifest,
+            messages,
+            step,
+            &mut self.mean,
+        )
+        .and_then(|()| copy_out(manifest, &self.mean, names, out))
+        .map_err(|m| self.error(m))
     }
 }
 
@@ -770,32 +797,16 @@ impl GradientCodec for GradwireCodec {
         if out.len() != self.names.len() {
             return Err(self.error("output does not match the model"));
         }
-        self.aggregator
-            .aggregate_into(
-                &self.manifest,
-                messages,
-                step,
-                Reduction::Mean,
-                &mut self.mean,
-            )
-            .map_err(|e| DemoError::Codec {
-                method: self.method,
-                message: e.to_string(),
-            })?;
-        for (name, o) in self.names.iter().zip(out.iter_mut()) {
-            let mean = self
-                .manifest
-                .slice(&self.mean, name)
-                .ok_or_else(|| DemoError::Codec {
-                    method: self.method,
-                    message: format!("tensor {name} missing from the manifest"),
-                })?;
-            if mean.len() != o.len() {
-                return Err(self.error(format!("tensor {name} has the wrong length")));
-            }
-            o.copy_from_slice(mean);
-        }
-        Ok(())
+        let (manifest, names) = (&self.manifest, &self.names);
+        mean_of_bundles(
+            &mut self.aggregator,
+            manifest,
+            messages,
+            step,
+            &mut self.mean,
+        )
+        .and_then(|()| copy_out(manifest, &self.mean, names, out))
+        .map_err(|m| self.error(m))
     }
 
     fn runs_own_collective(&self) -> bool {

@@ -322,7 +322,6 @@ fn checkpoint_crc(
     texts: &[&str],
 ) -> u32 {
     let mut h = crc32fast::Hasher::new();
-    let mut buf = [0u8; 4096];
     for (name, r) in residuals {
         h.update(name.as_bytes());
         h.update(&[0]);
@@ -335,12 +334,7 @@ fn checkpoint_crc(
                 h.update(&(d as u64).to_le_bytes());
             }
         }
-        for run in r.chunks(buf.len() / 4) {
-            for (b, x) in buf.chunks_exact_mut(4).zip(run) {
-                b.copy_from_slice(&x.to_le_bytes());
-            }
-            h.update(&buf[..4 * run.len()]);
-        }
+        super::state_file::update_f32(&mut h, r);
     }
     for t in texts {
         h.update(t.as_bytes());

@@ -166,7 +166,6 @@ fn crc_of<'a>(
             h.update(part);
         }
     }
-    let mut buf = [0u8; 4096];
     for (name, shape, values) in tensors {
         h.update(name.as_bytes());
         h.update(&[0]);
@@ -175,12 +174,18 @@ fn crc_of<'a>(
         for &d in shape {
             h.update(&(d as u64).to_le_bytes());
         }
-        for run in values.chunks(buf.len() / 4) {
-            for (b, x) in buf.chunks_exact_mut(4).zip(run) {
-                b.copy_from_slice(&x.to_le_bytes());
-            }
-            h.update(&buf[..4 * run.len()]);
-        }
+        update_f32(&mut h, values);
     }
     h.finalize()
+}
+
+/// Adds `values` as f32 little-endian bytes to `h`, through a stack buffer.
+pub(crate) fn update_f32(h: &mut crc32fast::Hasher, values: &[f32]) {
+    let mut buf = [0u8; 4096];
+    for run in values.chunks(buf.len() / 4) {
+        for (b, x) in buf.chunks_exact_mut(4).zip(run) {
+            b.copy_from_slice(&x.to_le_bytes());
+        }
+        h.update(&buf[..4 * run.len()]);
+    }
 }
