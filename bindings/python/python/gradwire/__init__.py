@@ -1,0 +1,160 @@
+"""gradwire: gradient compression for data-parallel training over slow links.
+
+- :mod:`gradwire.reference`: a drop-in for the reference Python compression module (top-k,
+  optional int8, error feedback) on numpy arrays or torch tensors.
+- :class:`Compressor`: one rank's compressor for every method of the library (top-k, random-k,
+  threshold, n-bit quantization, sign, f16/bf16 casts; error feedback keyed by parameter name),
+  writing one versioned, checksummed bundle per step, with rank-order aggregation of the
+  bundles of every rank and residual checkpoints.
+
+Errors: ``ValueError`` for unusable input of the caller's own (NaN or Inf in a gradient, an
+unknown method, a model that changed shape); :class:`PayloadError` for invalid bytes from
+elsewhere (a peer's bundle, a payload, a checkpoint file); ``OSError`` for files;
+:class:`GradwireError` (the base of :class:`PayloadError`) for anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from . import _native
+from ._arrays import flat_f32
+from ._native import GradwireError, PayloadError
+
+__all__ = ["Compressor", "GradwireError", "PayloadError", "reference", "__version__"]
+__version__: str = _native.__version__
+
+from . import reference  # noqa: E402  (after the names it imports from this package)
+
+
+class Compressor:
+    """One rank's compressor: ``method`` in the library's canonical text form, for example
+    ``"topk k=ratio:0.01 values=int8:256"``, ``"randomk k=ratio:0.01 values=f32"``,
+    ``"sign scale=mean-abs:1024"``, ``"quant bits=4 block=512 rounding=nearest-even"`` or
+    ``"dense values=f16"`` (the text a checkpoint records and ``gradwire`` error messages
+    print).
+
+    ``error_feedback`` keeps, per parameter name, what a step did not send and adds it to the
+    next step (refused for methods whose residual would grow without bound: unscaled sign,
+    unbiased random-k). ``seed`` keys random-k draws and stochastic rounding: every rank of a
+    job must use the same. ``shapes`` (``{name: shape}``) fixes the model up front; otherwise
+    the first :meth:`compress` does, and later calls must give the same names and shapes.
+
+    Arrays in are numpy arrays or torch tensors (converted to float32; no copy for a
+    C-contiguous float32 array); arrays out are float32 numpy arrays, or torch tensors when
+    ``as_torch=True``.
+    """
+
+    def __init__(
+        self,
+        method: str,
+        error_feedback: bool = True,
+        seed: int = 0,
+        shapes: Optional[Mapping[str, Sequence[int]]] = None,
+    ) -> None:
+        spec = None
+        if shapes is not None:
+            spec = [(str(n), [int(d) for d in s]) for n, s in shapes.items()]
+        self._inner = _native.Compressor(method, error_feedback, int(seed), spec)
+
+    @property
+    def method(self) -> str:
+        """The method's canonical text (without error feedback)."""
+        return self._inner.method
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether residuals are kept."""
+        return self._inner.error_feedback
+
+    @property
+    def seed(self) -> int:
+        """Seed of random-k draws and stochastic rounding."""
+        return self._inner.seed
+
+    @property
+    def step(self) -> int:
+        """The step the next bundle is made at (starts at 0, one per :meth:`compress`)."""
+        return self._inner.step
+
+    @property
+    def shapes(self) -> Optional[Dict[str, Tuple[int, ...]]]:
+        """The model (``{name: shape}`` in bundle order), or ``None`` before it is fixed."""
+        s = self._inner.shapes
+        return None if s is None else {n: tuple(shape) for n, shape in s}
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the model's gradient as float32."""
+        return self._inner.dense_bytes
+
+    @property
+    def last_bundle_bytes(self) -> int:
+        """Bytes of the last bundle made (0 before the first)."""
+        return self._inner.last_bundle_bytes
+
+    def compress(self, gradients: Mapping[str, Any], rank: int = 0) -> bytes:
+        """Compresses ``{name: gradient}`` into one bundle for ``rank``; the step advances.
+
+        Raises ``ValueError`` for NaN or Inf (naming the tensor and index), a model that differs
+        from the fixed one, or a value out of a cast's range; on an error nothing changes.
+        """
+        tensors = []
+        for name, g in gradients.items():
+            flat, shape = flat_f32(g)
+            tensors.append((str(name), list(shape), flat))
+        return self._inner.compress(tensors, int(rank))
+
+    def decompress(self, bundle: bytes, rank: Optional[int] = None, as_torch: bool = False) -> Dict[str, Any]:
+        """Decodes one bundle (this compressor's or a peer's: same method, seed and model) into
+        ``{name: float32 array}``. ``rank``, when given, must be the bundle's.
+
+        Raises :class:`PayloadError` for a bundle that fails any check (checksum, header,
+        model, frame).
+        """
+        return _shaped(self._inner.decompress(bytes(bundle), rank), as_torch)
+
+    def aggregate(
+        self, bundles: Sequence[bytes], reduction: str = "mean", as_torch: bool = False
+    ) -> Dict[str, Any]:
+        """Reduces every rank's bundle of one step (``bundles[r]`` is rank ``r``'s) into
+        ``{name: float32 array}``: ``"mean"``, ``"sum"`` (in rank order: bit-identical on every
+        rank holding the same bundles) or ``"majority-vote"`` (sign methods).
+
+        Raises :class:`PayloadError` when a bundle fails a check, is another rank's than its
+        position says, or is of another step than the first.
+        """
+        return _shaped(self._inner.aggregate([bytes(b) for b in bundles], reduction), as_torch)
+
+    def residuals(self, as_torch: bool = False) -> Dict[str, Any]:
+        """A copy of every residual (``{name: float32 array}`` with the gradient's shape): what
+        the steps so far have not sent yet. Empty without error feedback."""
+        return _shaped(self._inner.residuals(), as_torch)
+
+    def save(self, path: Any) -> None:
+        """Writes the residual checkpoint (residuals with their shapes, step, seed, method) to
+        ``path``. Raises ``ValueError`` when the method keeps no residuals, ``OSError`` when the
+        file cannot be written."""
+        self._inner.save(str(path))
+
+    def load(self, path: Any) -> None:
+        """Restores a checkpoint written by :meth:`save` with the same method and seed; the
+        step resumes from it. Raises :class:`PayloadError` for a file that is damaged or for
+        another setup, ``OSError`` when it cannot be read."""
+        self._inner.load(str(path))
+
+    def __repr__(self) -> str:
+        ef = ", error_feedback=True" if self.error_feedback else ""
+        return f"Compressor({self.method!r}{ef}, seed={self.seed})"
+
+
+def _shaped(decoded: List[Tuple[str, List[int], Any]], as_torch: bool) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for name, shape, flat in decoded:
+        a = flat.reshape(shape)
+        if as_torch:
+            import torch
+
+            a = torch.from_numpy(a)
+        out[name] = a
+    return out

@@ -1,0 +1,81 @@
+//! Python exceptions for the library's errors.
+//!
+//! - `ValueError`: the caller's own input is unusable (NaN or Inf in a gradient, an unknown
+//!   mode or method, a shape that differs from the model's, a bad ratio or name);
+//! - `gradwire.PayloadError` (a `gradwire.GradwireError`): bytes or arrays that came from
+//!   elsewhere (a peer's bundle, a reference payload, a checkpoint file) are invalid;
+//! - `OSError`: a file could not be read or written;
+//! - `gradwire.GradwireError`: anything else the library refuses.
+
+use gradwire::Error;
+use gradwire::reference::ReferenceError;
+use pyo3::PyErr;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyOSError, PyValueError};
+
+create_exception!(
+    gradwire,
+    GradwireError,
+    PyException,
+    "An error of the gradwire library."
+);
+create_exception!(
+    gradwire,
+    PayloadError,
+    GradwireError,
+    "Bytes or arrays from elsewhere (a bundle, a reference payload, a checkpoint) are invalid."
+);
+
+/// A reference-layout error as a Python exception: on the input side (compressing the caller's
+/// gradients) a `ValueError`; decoding, a `PayloadError` unless the mode or the receiver's own
+/// shapes are at fault.
+pub(crate) fn reference_error(e: ReferenceError, side: Side) -> PyErr {
+    let message = e.to_string();
+    match e {
+        ReferenceError::UnknownMode(_)
+        | ReferenceError::InvalidRatio(_)
+        | ReferenceError::BadName(_)
+        | ReferenceError::ShapeOverflow { .. } => PyValueError::new_err(message),
+        ReferenceError::ElementCount { .. } | ReferenceError::NonFinite { .. }
+            if side == Side::Input =>
+        {
+            PyValueError::new_err(message)
+        }
+        _ => PayloadError::new_err(message),
+    }
+}
+
+/// Which side of a call an error of the library's [`Error::Core`] kind came from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// Compressing the caller's gradients: a core error is bad input (NaN, a value beyond f16).
+    Input,
+    /// Decoding bytes from elsewhere: a core error is a bad payload.
+    Payload,
+}
+
+/// A library error as a Python exception.
+pub(crate) fn library_error(e: Error, side: Side) -> PyErr {
+    let message = e.to_string();
+    match e {
+        Error::Io { .. } => PyOSError::new_err(message),
+        Error::Core { .. } if side == Side::Input => PyValueError::new_err(message),
+        Error::Config { .. }
+        | Error::Shape { .. }
+        | Error::ShapeOverflow { .. }
+        | Error::ShapeMismatch { .. }
+        | Error::ShapeChanged { .. }
+        | Error::LengthChanged { .. }
+        | Error::MissingTensor { .. }
+        | Error::UnexpectedTensor { .. }
+        | Error::DuplicateTensor { .. }
+            if side == Side::Input =>
+        {
+            PyValueError::new_err(message)
+        }
+        Error::Internal { .. } | Error::Comm { .. } | Error::NoCommunicator { .. } => {
+            GradwireError::new_err(message)
+        }
+        _ => PayloadError::new_err(message),
+    }
+}

@@ -1,0 +1,173 @@
+"""gradwire.Compressor: bundles, rank-order aggregation, residual checkpoints, bad input."""
+
+import math
+
+import numpy as np
+import pytest
+
+import gradwire
+
+METHODS = [
+    "topk k=ratio:0.01 values=int8:256",
+    "topk k=ratio:0.01 values=f32",
+    "randomk k=ratio:0.01 values=f32 unbiased=false",
+    "sign scale=mean-abs:1024",
+    "quant bits=4 block=512 rounding=nearest-even",
+    "dense values=f16",
+]
+
+
+def rank_grads(grads, rank):
+    rng = np.random.default_rng(rank)
+    return {n: g + rng.standard_normal(g.shape).astype(np.float32) * 1e-3 for n, g in grads.items()}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_error_feedback_loses_nothing(grads_step1, method):
+    c = gradwire.Compressor(method, seed=7)
+    assert c.method == method and c.error_feedback and c.step == 0
+    bundle = c.compress(grads_step1)
+    assert c.step == 1 and c.last_bundle_bytes == len(bundle)
+    assert c.dense_bytes == 4 * sum(g.size for g in grads_step1.values())
+    assert len(bundle) < c.dense_bytes
+    sent = c.decompress(bundle, rank=0)
+    residual = c.residuals()
+    assert list(sent) == list(residual) == sorted(grads_step1)
+    for name, g in grads_step1.items():
+        assert sent[name].shape == residual[name].shape == g.shape
+        assert sent[name].dtype == np.float32
+        # Nothing lost: sent + residual == gradient (the residual started empty), to the f32
+        # rounding of r = g - sent and of the sum (half an ulp of the larger operand each).
+        bound = 2.0**-23 * (np.abs(sent[name]) + np.abs(g))
+        assert (np.abs(sent[name] + residual[name] - g) <= bound).all(), name
+        if method.startswith("topk") and "int8" not in method:
+            assert np.array_equal(sent[name] + residual[name], g)
+    # A compressor restored from another's residuals sends the same next bundle.
+    c2 = gradwire.Compressor(method, seed=7)
+    c2.compress(grads_step1)
+    assert c.compress(grads_step1) == c2.compress(grads_step1)
+    assert gradwire.Compressor(method, error_feedback=False).residuals() == {}
+
+
+@pytest.mark.parametrize("method", METHODS[:2])
+def test_checkpoint_resume_is_bit_identical(tmp_path, grads_step1, grads_step2, method):
+    a = gradwire.Compressor(method, seed=3)
+    a.compress(grads_step1)
+    a.save(tmp_path / "state.safetensors")
+    b = gradwire.Compressor(method, seed=3)
+    b.load(tmp_path / "state.safetensors")
+    assert b.step == a.step == 1
+    assert a.compress(grads_step2) == b.compress(grads_step2)
+    other_seed = gradwire.Compressor(method, seed=4)
+    with pytest.raises(gradwire.PayloadError):
+        other_seed.load(tmp_path / "state.safetensors")
+    damaged = bytearray((tmp_path / "state.safetensors").read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10
+    (tmp_path / "damaged.safetensors").write_bytes(bytes(damaged))
+    with pytest.raises(gradwire.PayloadError):
+        gradwire.Compressor(method, seed=3).load(tmp_path / "damaged.safetensors")
+    with pytest.raises(OSError):
+        gradwire.Compressor(method, seed=3).load(tmp_path / "missing.safetensors")
+
+
+def test_aggregate_is_the_rank_order_mean(grads_step1):
+    method = "topk k=ratio:0.01 values=f32"
+    ranks = [gradwire.Compressor(method, seed=1) for _ in range(4)]
+    bundles = [c.compress(rank_grads(grads_step1, r), rank=r) for r, c in enumerate(ranks)]
+    means = [c.aggregate(bundles) for c in ranks]
+    for m in means[1:]:
+        for name in m:
+            assert m[name].tobytes() == means[0][name].tobytes()
+    decoded = [ranks[0].decompress(b, rank=r) for r, b in enumerate(bundles)]
+    for name in means[0]:
+        total = np.zeros_like(decoded[0][name])
+        for d in decoded:
+            total = total + d[name]
+        np.testing.assert_allclose(means[0][name], total / 4, rtol=1e-6, atol=1e-9)
+    sums = ranks[0].aggregate(bundles, reduction="sum")
+    for name in sums:
+        np.testing.assert_allclose(sums[name], means[0][name] * 4, rtol=1e-6)
+    with pytest.raises(gradwire.PayloadError):
+        ranks[0].aggregate([bundles[1], bundles[0]] + bundles[2:])
+    with pytest.raises(ValueError, match="reduction"):
+        ranks[0].aggregate(bundles, reduction="median")
+
+
+def test_majority_vote():
+    grads = {"w": np.array([1.0, -2.0, 3.0, -4.0], np.float32)}
+    ranks = [gradwire.Compressor("sign scale=none", error_feedback=False) for _ in range(3)]
+    votes = [c.compress({"w": grads["w"] * s}, rank=r) for r, (c, s) in enumerate(zip(ranks, [1, 1, -1]))]
+    out = ranks[0].aggregate(votes, reduction="majority-vote")
+    np.testing.assert_array_equal(out["w"], [1.0, -1.0, 1.0, -1.0])
+
+
+def test_a_rank_with_other_settings_is_refused(grads_step1):
+    # Another k; another seed where decoding depends on it (random-k regenerates the indices).
+    a = gradwire.Compressor("randomk k=ratio:0.01 values=f32 unbiased=false", seed=1)
+    b = gradwire.Compressor("randomk k=ratio:0.02 values=f32 unbiased=false", seed=1)
+    c = gradwire.Compressor("randomk k=ratio:0.01 values=f32 unbiased=false", seed=2)
+    ba = a.compress(grads_step1, rank=0)
+    bb = b.compress(grads_step1, rank=1)
+    bc = c.compress(grads_step1, rank=1)
+    for other in (bb, bc):
+        with pytest.raises(gradwire.PayloadError):
+            a.aggregate([ba, other])
+        with pytest.raises(gradwire.PayloadError):
+            a.decompress(other)
+
+
+def test_bad_input(grads_step1):
+    with pytest.raises(ValueError):
+        gradwire.Compressor("topk k=sometimes")
+    with pytest.raises(ValueError, match="error feedback"):
+        gradwire.Compressor("sign scale=none", error_feedback=True)
+    c = gradwire.Compressor("topk k=ratio:0.01 values=f32")
+    with pytest.raises(ValueError, match="no model yet"):
+        c.decompress(b"")
+    bad = dict(grads_step1)
+    name = next(n for n in sorted(bad) if bad[n].ndim == 2)
+    bad[name] = bad[name].copy()
+    bad[name].reshape(-1)[17] = math.nan
+    with pytest.raises(ValueError, match="17"):
+        c.compress(bad)
+    assert c.step == 0
+    c.compress(grads_step1)
+    renamed = {("x" + n): g for n, g in grads_step1.items()}
+    with pytest.raises(ValueError):
+        c.compress(renamed)
+    reshaped = dict(grads_step1)
+    reshaped[name] = reshaped[name].reshape(-1)
+    with pytest.raises(ValueError):
+        c.compress(reshaped)
+    f16 = gradwire.Compressor("dense values=f16")
+    with pytest.raises(ValueError):
+        f16.compress({"w": np.array([1e6], np.float32)})
+    with pytest.raises(ValueError, match="error feedback"):
+        gradwire.Compressor("topk k=ratio:0.5 values=f32", error_feedback=False).save("x")
+
+
+def test_hostile_bundles(grads_step1):
+    c = gradwire.Compressor("topk k=ratio:0.01 values=int8:256", seed=5)
+    bundle = c.compress(grads_step1)
+    for cut in range(0, len(bundle), max(1, len(bundle) // 97)):
+        with pytest.raises(gradwire.PayloadError):
+            c.decompress(bundle[:cut])
+    for i in range(0, len(bundle), max(1, len(bundle) // 211)):
+        damaged = bytearray(bundle)
+        damaged[i] ^= 0x04
+        with pytest.raises(gradwire.PayloadError):
+            c.decompress(bytes(damaged))
+    with pytest.raises(gradwire.PayloadError):
+        c.decompress(bundle, rank=1)
+
+
+def test_shapes_up_front(grads_step1):
+    shapes = {n: g.shape for n, g in grads_step1.items()}
+    sender = gradwire.Compressor("topk k=ratio:0.01 values=f32")
+    receiver = gradwire.Compressor("topk k=ratio:0.01 values=f32", shapes=shapes)
+    assert receiver.shapes == dict(sorted(shapes.items()))
+    bundle = sender.compress(grads_step1)
+    a = receiver.decompress(bundle)
+    b = sender.decompress(bundle)
+    for n in a:
+        assert a[n].tobytes() == b[n].tobytes()

@@ -1,0 +1,71 @@
+"""Torch tensors in and out (the CI stage installs torch, so these run there)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gradwire  # noqa: E402
+from gradwire import reference  # noqa: E402
+
+
+def test_reference_on_torch_matches_numpy(grads_step1):
+    tg = {n: torch.from_numpy(g.copy()) for n, g in grads_step1.items()}
+    r_np, r_t = {}, {}
+    p_np = reference.compress(grads_step1, "topk-int8", 0.01, r_np)
+    p_t = reference.compress(tg, "topk-int8", 0.01, r_t)
+    assert sorted(p_np) == sorted(p_t)
+    for key in p_np:
+        assert isinstance(p_t[key], torch.Tensor)
+        np.testing.assert_array_equal(p_t[key].numpy(), p_np[key])
+    assert p_t[next(iter(grads_step1)) + "::idx"].dtype == torch.int64
+    for name in r_np:
+        assert isinstance(r_t[name], torch.Tensor) and r_t[name].shape == tg[name].shape
+        np.testing.assert_array_equal(r_t[name].numpy(), r_np[name])
+    shapes = {n: t.shape for n, t in tg.items()}
+    dense = reference.decompress(p_t, shapes, "topk-int8")
+    for name in shapes:
+        assert isinstance(dense[name], torch.Tensor) and dense[name].dtype == torch.float32
+        assert dense[name].shape == shapes[name]
+    # A second step reads the torch residuals back.
+    reference.compress(tg, "topk-int8", 0.01, r_t)
+    reference.compress(grads_step1, "topk-int8", 0.01, r_np)
+    for name in r_np:
+        np.testing.assert_array_equal(r_t[name].numpy(), r_np[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_dtypes_are_converted_to_float32(dtype):
+    g = torch.linspace(-1, 1, 64).to(dtype).reshape(8, 8)
+    p = reference.compress({"w": g}, "topk", 0.25)
+    want = reference.compress({"w": g.to(torch.float32).numpy()}, "topk", 0.25)
+    np.testing.assert_array_equal(p["w::val"].numpy(), want["w::val"])
+    assert p["w::val"].dtype == torch.float32
+
+
+def test_non_contiguous_tensors():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    t = base.t()
+    assert not t.is_contiguous()
+    p = reference.compress({"w": t}, "topk", 0.25)
+    want = reference.compress({"w": np.ascontiguousarray(t.numpy())}, "topk", 0.25)
+    np.testing.assert_array_equal(p["w::idx"].numpy(), want["w::idx"])
+
+
+def test_compressor_on_torch(grads_step1):
+    tg = {n: torch.from_numpy(g.copy()) for n, g in grads_step1.items()}
+    a = gradwire.Compressor("topk k=ratio:0.01 values=int8:256")
+    b = gradwire.Compressor("topk k=ratio:0.01 values=int8:256")
+    assert a.compress(tg) == b.compress(grads_step1)
+    out = a.decompress(b.compress(grads_step1), as_torch=True)
+    for name, t in tg.items():
+        assert isinstance(out[name], torch.Tensor) and out[name].shape == t.shape
+    res = a.residuals(as_torch=True)
+    assert all(isinstance(r, torch.Tensor) for r in res.values())
+
+
+def test_nan_in_a_torch_gradient():
+    g = torch.ones(10)
+    g[3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        reference.compress({"w": g}, "topk", 0.5, {})
