@@ -285,11 +285,20 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
     }
 }
 
-/// Every rank's `(length, limit)` checked against the smallest limit: the first rank whose
-/// length exceeds it, as the error every rank reports ([`CommError::LimitsDiffer`] when that
-/// buffer is within its sender's own, larger limit, naming the rank that passed the smallest;
-/// [`CommError::TooLarge`] otherwise).
-fn check_lengths(posted: impl Iterator<Item = (usize, usize)> + Clone) -> Result<(), CommError> {
+/// Every rank's `(length, limit)`, in rank order, checked against the smallest limit: the
+/// first rank whose length exceeds it, as the error every rank reports
+/// ([`CommError::LimitsDiffer`] when that buffer is within its sender's own, larger limit,
+/// naming the rank that passed the smallest; [`CommError::TooLarge`] otherwise).
+///
+/// The decision every transport takes after its length exchange (see "Size limits are
+/// collective" in the module docs); a [`Communicator`] written outside this crate calls it on
+/// the lengths and limits it exchanged, so that its ranks fail alike.
+///
+/// # Errors
+/// As above; `Ok` when every length is within the smallest limit (or there are no ranks).
+pub fn check_lengths(
+    posted: impl Iterator<Item = (usize, usize)> + Clone,
+) -> Result<(), CommError> {
     let Some((limit_rank, limit)) = posted
         .clone()
         .map(|(_, limit)| limit)

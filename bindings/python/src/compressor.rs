@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use gradwire::feedback::ErrorFeedback;
 use gradwire::{
-    Aggregator, BucketConfig, CompressionMethod, GradientCompressor, Manifest, Reduction, Tensor,
-    TensorSpec, method,
+    Aggregator, BucketConfig, CompressionMethod, GradientCompressor, Manifest, Tensor, TensorSpec,
+    method,
 };
 use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
@@ -33,7 +33,7 @@ pub(crate) struct Compressor {
     last_bundle_len: usize,
 }
 
-fn method_from_text(text: &str, error_feedback: bool) -> PyResult<CompressionMethod> {
+pub(crate) fn method_from_text(text: &str, error_feedback: bool) -> PyResult<CompressionMethod> {
     let core = method::parse(text).map_err(|e| library_error(e, Side::Input))?;
     let m = CompressionMethod::Core(core);
     let m = if error_feedback {
@@ -241,16 +241,7 @@ impl Compressor {
         bundles: Vec<Vec<u8>>,
         reduction: &str,
     ) -> PyResult<Vec<DecodedArray<'py>>> {
-        let reduction = match reduction {
-            "mean" => Reduction::Mean,
-            "sum" => Reduction::Sum,
-            "majority-vote" => Reduction::MajorityVote,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "unknown reduction {other:?} (expected mean, sum or majority-vote)"
-                )));
-            }
-        };
+        let reduction = crate::allreduce::parse_reduction(reduction)?;
         let manifest = self
             .manifest
             .as_ref()
@@ -280,22 +271,32 @@ impl Compressor {
     /// checkpoint of another seed is refused rather than adopted, since every rank of a job
     /// draws from the same seed).
     fn load(&mut self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        let bytes = std::fs::read(&path).map_err(|e| {
-            pyo3::exceptions::PyOSError::new_err(format!("{}: {e}", path.display()))
-        })?;
-        let feedback = py
-            .detach(|| ErrorFeedback::from_bytes(&bytes))
-            .map_err(|e| library_error(e, Side::Payload))?;
-        if feedback.seed() != self.seed {
-            return Err(PayloadError::new_err(format!(
-                "{}: the checkpoint was made with seed {}, this compressor uses seed {}",
-                path.display(),
-                feedback.seed(),
-                self.seed
-            )));
-        }
-        self.inner
-            .restore_feedback(feedback)
-            .map_err(|e| library_error(e, Side::Payload))
+        load_checked(py, &mut self.inner, self.seed, &path)
     }
+}
+
+/// Restores the residual checkpoint at `path` into `compressor`, refusing one made with
+/// another seed than `seed` (`GradientCompressor::load_feedback` would adopt it, and the
+/// manifest, made for `seed`, would then refuse every step).
+pub(crate) fn load_checked(
+    py: Python<'_>,
+    compressor: &mut GradientCompressor,
+    seed: u64,
+    path: &std::path::Path,
+) -> PyResult<()> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("{}: {e}", path.display())))?;
+    let feedback = py
+        .detach(|| ErrorFeedback::from_bytes(&bytes))
+        .map_err(|e| library_error(e, Side::Payload))?;
+    if feedback.seed() != seed {
+        return Err(PayloadError::new_err(format!(
+            "{}: the checkpoint was made with seed {}, this compressor uses seed {seed}",
+            path.display(),
+            feedback.seed(),
+        )));
+    }
+    compressor
+        .restore_feedback(feedback)
+        .map_err(|e| library_error(e, Side::Payload))
 }

@@ -45,21 +45,32 @@ pub(crate) fn reference_error(e: ReferenceError, side: Side) -> PyErr {
     }
 }
 
-/// Which side of a call an error of the library's [`Error::Core`] kind came from.
+/// Which side of a call an error came from.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Side {
     /// Compressing the caller's gradients: a core error is bad input (NaN, a value beyond f16).
     Input,
     /// Decoding bytes from elsewhere: a core error is a bad payload.
     Payload,
+    /// A collective step of this rank: a core error about its own gradients (no rank, or this
+    /// one) is bad input, about a peer's contribution a bad payload.
+    Collective {
+        /// This rank.
+        rank: usize,
+    },
 }
 
 /// A library error as a Python exception.
 pub(crate) fn library_error(e: Error, side: Side) -> PyErr {
     let message = e.to_string();
+    let input = match (&e, side) {
+        (Error::Core { rank, .. }, Side::Collective { rank: me }) => rank.is_none_or(|r| r == me),
+        (_, Side::Collective { .. }) => true,
+        (_, s) => s == Side::Input,
+    };
     match e {
         Error::Io { .. } => PyOSError::new_err(message),
-        Error::Core { .. } if side == Side::Input => PyValueError::new_err(message),
+        Error::Core { .. } if input => PyValueError::new_err(message),
         Error::Config { .. }
         | Error::Shape { .. }
         | Error::ShapeOverflow { .. }
@@ -69,13 +80,19 @@ pub(crate) fn library_error(e: Error, side: Side) -> PyErr {
         | Error::MissingTensor { .. }
         | Error::UnexpectedTensor { .. }
         | Error::DuplicateTensor { .. }
-            if side == Side::Input =>
+            if input =>
         {
             PyValueError::new_err(message)
         }
-        Error::Internal { .. } | Error::Comm { .. } | Error::NoCommunicator { .. } => {
-            GradwireError::new_err(message)
-        }
+        // A peer failed or is configured otherwise: its own error is not this rank's input,
+        // nor a damaged payload.
+        Error::Internal { .. }
+        | Error::Comm { .. }
+        | Error::NoCommunicator { .. }
+        | Error::PeerFailed { .. }
+        | Error::ConfigDiffers { .. }
+        | Error::Disagreement { .. }
+        | Error::WorldSize { .. } => GradwireError::new_err(message),
         _ => PayloadError::new_err(message),
     }
 }

@@ -7,6 +7,8 @@
 //! No `unsafe` in this crate: PyO3's and numpy's safe APIs only.
 #![forbid(unsafe_code)]
 
+mod allreduce;
+mod comm;
 mod compressor;
 mod errors;
 mod reference;
@@ -24,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reference::reference_pack, m)?)?;
     m.add_function(wrap_pyfunction!(reference::topk_count, m)?)?;
     m.add_class::<compressor::Compressor>()?;
+    m.add_class::<allreduce::AllReduce>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -2,6 +2,10 @@
 
 - :mod:`gradwire.reference`: a drop-in for the reference Python compression module (top-k,
   optional int8, error feedback) on numpy arrays or torch tensors.
+- :class:`AllReduce`: the library's compressed all-reduce over a transport of raw byte
+  collectives (:mod:`gradwire.comm`: ``torch.distributed``, ``mpi4py``), with its rules: every
+  rank returns the same error at the same call, size limits are collective, the results are
+  bit-identical on every rank; :mod:`gradwire.torch` builds a DDP comm hook on it.
 - :class:`Compressor`: one rank's compressor for every method of the library (top-k, random-k,
   threshold, n-bit quantization, sign, f16/bf16 casts; error feedback keyed by parameter name),
   writing one versioned, checksummed bundle per step, with rank-order aggregation of the
@@ -21,10 +25,10 @@ from . import _native
 from ._arrays import flat_f32
 from ._native import GradwireError, PayloadError
 
-__all__ = ["Compressor", "GradwireError", "PayloadError", "reference", "__version__"]
+__all__ = ["AllReduce", "Compressor", "GradwireError", "PayloadError", "comm", "reference", "__version__"]
 __version__: str = _native.__version__
 
-from . import reference  # noqa: E402  (after the names it imports from this package)
+from . import comm, reference  # noqa: E402  (after the names they import from this package)
 
 
 class Compressor:
@@ -146,6 +150,99 @@ class Compressor:
     def __repr__(self) -> str:
         ef = ", error_feedback=True" if self.error_feedback else ""
         return f"Compressor({self.method!r}{ef}, seed={self.seed})"
+
+
+class AllReduce:
+    """One rank's compressed all-reduce over ``communicator`` (a transport of
+    :mod:`gradwire.comm`, or any object with its two raw collectives).
+
+    Every rank calls :meth:`all_reduce` with the same names and shapes, in the same order of
+    calls. ``method`` and ``error_feedback`` as for :class:`Compressor`; ``seed`` must be the same
+    on every rank; ``collective``: ``"allgather"`` (every rank's bundle to every rank),
+    ``"two-phase"`` (shard owners reduce and re-compress: bytes per link flat as the world
+    grows; top-k, sign, quantization and casts) or ``"auto"`` (whichever moves fewer bytes for
+    this model and world size); ``reduction``: ``"mean"``, ``"sum"`` or ``"majority-vote"``.
+    Uncompressed float32 (``"dense values=f32"``) goes through the rank-order dense sum, never
+    an all-gather.
+
+    Errors: a rank whose own step fails (NaN, another model) raises its ``ValueError`` and every
+    peer a :class:`GradwireError` naming it, at the same call; ranks configured otherwise fail
+    alike naming the field; no rank waits past the transport's deadline. The step advances on
+    every rank either way, so the group can go on.
+    """
+
+    def __init__(
+        self,
+        method: str,
+        communicator: Any,
+        error_feedback: bool = True,
+        seed: int = 0,
+        collective: str = "allgather",
+        reduction: str = "mean",
+    ) -> None:
+        self._inner = _native.AllReduce(
+            method, communicator, error_feedback, int(seed), collective, reduction
+        )
+        self.communicator = communicator
+
+    @property
+    def rank(self) -> int:
+        """This rank."""
+        return self._inner.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+        return self._inner.world_size
+
+    @property
+    def step(self) -> int:
+        """The step the next call runs at."""
+        return self._inner.step
+
+    @property
+    def traffic(self) -> Tuple[int, int]:
+        """``(sent, received)``: bytes this rank's calls addressed to peers and received from
+        them so far (logical bytes, the same on every transport; each call adds its length
+        exchange of 16 bytes per peer each way)."""
+        return self._inner.traffic
+
+    @property
+    def last_message_bytes(self) -> int:
+        """Bytes of this rank's message in the last step (its bundle, or its shard messages)."""
+        return self._inner.last_message_bytes
+
+    @property
+    def collective_in_use(self) -> Optional[str]:
+        """``"allgather"`` or ``"two-phase"``: what the last step ran (``None`` before one)."""
+        return self._inner.collective_in_use
+
+    def all_reduce(self, gradients: Mapping[str, Any], as_torch: bool = False) -> Dict[str, Any]:
+        """One step: ``{name: gradient}`` compressed, exchanged and reduced; returns
+        ``{name: float32 array}``, bit-identical on every rank."""
+        tensors = []
+        for name, g in gradients.items():
+            flat, shape = flat_f32(g)
+            tensors.append((str(name), list(shape), flat))
+        return _shaped(self._inner.all_reduce(tensors), as_torch)
+
+    __call__ = all_reduce
+
+    def save(self, path: Any) -> None:
+        """Writes this rank's residual checkpoint (as :meth:`Compressor.save`)."""
+        self._inner.save(str(path))
+
+    def load(self, path: Any) -> None:
+        """Restores this rank's residual checkpoint (same method and seed)."""
+        self._inner.load(str(path))
+
+    def save_server_residuals(self, path: Any) -> None:
+        """Writes this rank's server residuals (two-phase: what it owns and has not sent)."""
+        self._inner.save_server_residuals(str(path))
+
+    def load_server_residuals(self, path: Any) -> None:
+        """Restores server residuals written by this rank at the same world size."""
+        self._inner.load_server_residuals(str(path))
 
 
 def _shaped(decoded: List[Tuple[str, List[int], Any]], as_torch: bool) -> Dict[str, Any]:

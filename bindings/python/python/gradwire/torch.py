@@ -1,0 +1,105 @@
+"""gradwire for PyTorch training: compress every parameter's gradient by name, exchange it
+through ``torch.distributed`` and write back the mean, bit-identical on every rank.
+
+Two ways in:
+
+- :func:`all_reduce_gradients`, called after ``loss.backward()`` (no DDP needed);
+- :func:`comm_hook` with :class:`HookState`, registered on a ``DistributedDataParallel``
+  model: ``model.register_comm_hook(HookState(model, allreduce), comm_hook)``.
+
+The hook keys error feedback by parameter name, not by bucket index, so residuals survive
+DDP's bucket rebuilds, and saves them with :meth:`HookState.save`. It holds DDP's buckets until
+the last one of the step arrives, then runs **one** compressed all-reduce of the whole model
+(one bundle per rank per step, whatever the bucketing) and completes every bucket's future.
+What that means:
+
+- the backward pass does not overlap with communication (DDP's own all-reduce starts each
+  bucket as soon as it is ready): gradwire is for slow links, where the bytes dominate; on
+  NVLink or InfiniBand with NCCL a dense all-reduce is usually faster;
+- under ``no_sync()`` no hook runs (DDP accumulates locally); the next synchronized step
+  compresses the accumulated gradients;
+- float16 and bfloat16 buckets are compressed as float32 and the mean is written back in the
+  bucket's dtype; ``gradient_as_bucket_view=True`` needs nothing else (the gradients are the
+  bucket's views);
+- an error (a NaN on one rank, a rank with other settings, a damaged bundle) is raised by
+  every rank's backward pass at the same step, never a hang.
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import AllReduce
+
+__all__ = ["all_reduce_gradients", "HookState", "comm_hook"]
+
+
+def all_reduce_gradients(model: torch.nn.Module, allreduce: AllReduce) -> None:
+    """Replaces every parameter's ``.grad`` by the mean over the ranks, compressed through
+    ``allreduce``. Parameters without a gradient are left out (every rank must have the same
+    ones: otherwise every rank raises, naming the tensor)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    mean = allreduce.all_reduce({n: p.grad for n, p in named})
+    with torch.no_grad():
+        for n, p in named:
+            p.grad.copy_(torch.from_numpy(mean[n]).view(p.grad.shape))
+
+
+class HookState:
+    """The DDP comm hook's state: the all-reduce, and each parameter's name (from
+    ``model.named_parameters()``: the keys of the residuals and of the checkpoint)."""
+
+    def __init__(self, model: torch.nn.Module, allreduce: AllReduce) -> None:
+        self.allreduce = allreduce
+        self.names: Dict[torch.nn.Parameter, str] = {p: n for n, p in model.named_parameters()}
+        self._pending: List[Tuple[torch.Tensor, List[torch.nn.Parameter], torch.futures.Future]] = []
+        self.bundle_bytes: int = 0
+
+    def save(self, path: Any) -> None:
+        """Writes this rank's residuals (keyed by parameter name), step and settings."""
+        self.allreduce.save(path)
+
+    def load(self, path: Any) -> None:
+        """Restores residuals written by :meth:`save` with the same method and seed."""
+        self.allreduce.load(path)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        grads: Dict[str, torch.Tensor] = {}
+        parts = []
+        for buf, params, fut in pending:
+            at = 0
+            for p in params:
+                n = p.numel()
+                name = self.names.get(p)
+                if name is None:
+                    raise ValueError("a bucket holds a parameter HookState was not given")
+                grads[name] = buf[at : at + n].view(p.shape)
+                parts.append((buf, at, n, name))
+                at += n
+            if at != buf.numel():
+                raise ValueError(f"a bucket of {buf.numel()} elements holds parameters of {at}")
+        try:
+            mean = self.allreduce.all_reduce(grads)
+            self.bundle_bytes = self.allreduce.last_message_bytes
+            with torch.no_grad():
+                for buf, at, n, name in parts:
+                    buf[at : at + n].copy_(torch.from_numpy(mean[name].reshape(-1)))
+        except Exception as e:  # every bucket's future carries the step's error
+            for _, _, fut in pending:
+                fut.set_exception(e)
+            return
+        for buf, _, fut in pending:
+            fut.set_result(buf)
+
+
+# Annotations as objects, not strings: DDP's register_comm_hook checks them.
+def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: ``model.register_comm_hook(state, comm_hook)``. Returns a future that
+    completes with the bucket's mean once the step's last bucket has been all-reduced."""
+    fut: torch.futures.Future = torch.futures.Future()
+    state._pending.append((bucket.buffer(), list(bucket.parameters()), fut))
+    if bucket.is_last():
+        state._flush()
+    return fut

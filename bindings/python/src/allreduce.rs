@@ -1,0 +1,202 @@
+//! `gradwire.AllReduce`: the library's [`CompressedAllReduce`] over a Python transport
+//! ([`PyCommunicator`]), so that the collective rules hold unchanged: every rank returns the
+//! same error at the same call (a rank whose own step fails still takes part), size limits are
+//! collective, and every rank holds bit-identical results.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use gradwire::comm::Communicator;
+use gradwire::{Collective, CompressedAllReduce, Reduction, Tensor};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::comm::PyCommunicator;
+use crate::compressor::{load_checked, method_from_text};
+use crate::errors::{Side, library_error};
+
+/// A tensor as the Python half passes it: name, shape, flat C-contiguous float32 data.
+type NamedArray<'py> = (String, Vec<usize>, PyReadonlyArray1<'py, f32>);
+
+/// A result tensor: name, shape, flat float32 data.
+type ResultArray<'py> = (String, Vec<usize>, Bound<'py, PyArray1<f32>>);
+
+pub(crate) fn parse_reduction(text: &str) -> PyResult<Reduction> {
+    match text {
+        "mean" => Ok(Reduction::Mean),
+        "sum" => Ok(Reduction::Sum),
+        "majority-vote" => Ok(Reduction::MajorityVote),
+        other => Err(PyValueError::new_err(format!(
+            "unknown reduction {other:?} (expected mean, sum or majority-vote)"
+        ))),
+    }
+}
+
+fn parse_collective(text: &str) -> PyResult<Collective> {
+    match text {
+        "allgather" => Ok(Collective::AllGather),
+        "two-phase" => Ok(Collective::TwoPhase),
+        "auto" => Ok(Collective::Auto),
+        other => Err(PyValueError::new_err(format!(
+            "unknown collective {other:?} (expected allgather, two-phase or auto)"
+        ))),
+    }
+}
+
+/// One rank's compressed all-reduce (see `gradwire/__init__.py` for the Python-facing docs).
+#[pyclass(module = "gradwire._native", name = "AllReduce")]
+pub(crate) struct AllReduce {
+    /// In a mutex only so that the class is `Sync` (the communicator is `Send` only); every
+    /// method takes `&mut self` and reaches it with `get_mut`, without locking.
+    inner: Mutex<CompressedAllReduce>,
+    rank: usize,
+    world_size: usize,
+    seed: u64,
+}
+
+impl AllReduce {
+    fn inner(&mut self) -> &mut CompressedAllReduce {
+        // A panic while the mutex was held cannot happen (it is never locked); take the value
+        // either way.
+        self.inner
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[pymethods]
+impl AllReduce {
+    #[new]
+    #[pyo3(signature = (method, communicator, error_feedback = true, seed = 0, collective = "allgather", reduction = "mean"))]
+    fn new(
+        method: &str,
+        communicator: Bound<'_, PyAny>,
+        error_feedback: bool,
+        seed: u64,
+        collective: &str,
+        reduction: &str,
+    ) -> PyResult<Self> {
+        let method = method_from_text(method, error_feedback)?;
+        let collective = parse_collective(collective)?;
+        let reduction = parse_reduction(reduction)?;
+        let comm = PyCommunicator::new(communicator)?;
+        let (rank, world_size) = (comm.rank(), comm.world_size());
+        let inner = CompressedAllReduce::with_communicator(method, Box::new(comm))
+            .with_seed(seed)
+            .with_collective(collective)
+            .with_reduction(reduction);
+        Ok(AllReduce {
+            inner: Mutex::new(inner),
+            rank,
+            world_size,
+            seed,
+        })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the group.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The step the next call runs at.
+    #[getter]
+    fn step(&mut self) -> u64 {
+        self.inner().compressor().step()
+    }
+
+    /// `(sent, received)` bytes this rank's calls moved so far.
+    #[getter]
+    fn traffic(&mut self) -> (u64, u64) {
+        let t = self.inner().traffic();
+        (t.sent, t.received)
+    }
+
+    /// Bytes of this rank's message of the last step (its bundle, or its shard messages).
+    #[getter]
+    fn last_message_bytes(&mut self) -> usize {
+        self.inner().last_message_bytes()
+    }
+
+    /// The collective the last step ran (`allgather` or `two-phase`), `None` before one ran.
+    #[getter]
+    fn collective_in_use(&mut self) -> Option<&'static str> {
+        self.inner().collective_in_use().map(|c| match c {
+            Collective::AllGather => "allgather",
+            Collective::TwoPhase => "two-phase",
+            Collective::Auto => "auto",
+        })
+    }
+
+    /// One step: every rank's gradients compressed, exchanged and reduced; the result on every
+    /// rank, bit-identical.
+    fn all_reduce<'py>(
+        &mut self,
+        py: Python<'py>,
+        tensors: Vec<NamedArray<'py>>,
+    ) -> PyResult<Vec<ResultArray<'py>>> {
+        let mut grads = HashMap::with_capacity(tensors.len());
+        for (name, shape, array) in &tensors {
+            let t = Tensor::new(shape.clone(), array.as_slice()?.to_vec())
+                .map_err(|e| library_error(e, Side::Input))?;
+            if grads.insert(name.clone(), t).is_some() {
+                return Err(PyValueError::new_err(format!(
+                    "tensor {name:?} given twice"
+                )));
+            }
+        }
+        let side = Side::Collective { rank: self.rank };
+        let inner = self.inner();
+        let out = py
+            .detach(|| inner.all_reduce(&grads))
+            .map_err(|e| library_error(e, side))?;
+        let mut names: Vec<String> = out.keys().cloned().collect();
+        names.sort();
+        let mut out = out;
+        Ok(names
+            .into_iter()
+            .map(|name| {
+                let t = out.remove(&name).expect("listed above");
+                let shape = t.shape().to_vec();
+                (name, shape, t.data().to_vec().into_pyarray(py))
+            })
+            .collect())
+    }
+
+    /// Writes this rank's residual checkpoint to `path`.
+    fn save(&mut self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        let c = self.inner().compressor_mut();
+        py.detach(|| c.save_feedback(&path))
+            .map_err(|e| library_error(e, Side::Input))
+    }
+
+    /// Restores this rank's residual checkpoint from `path` (made with this method and seed).
+    fn load(&mut self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        let seed = self.seed;
+        load_checked(py, self.inner().compressor_mut(), seed, &path)
+    }
+
+    /// Writes this rank's server residuals (two-phase) to `path`.
+    fn save_server_residuals(&mut self, path: PathBuf) -> PyResult<()> {
+        // With the GIL held: `&CompressedAllReduce` is not `Send` (its communicator is not
+        // `Sync`), and the file is one shard's residuals.
+        self.inner()
+            .save_server_residuals(&path)
+            .map_err(|e| library_error(e, Side::Input))
+    }
+
+    /// Restores this rank's server residuals (two-phase) from `path`.
+    fn load_server_residuals(&mut self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
+        let inner = self.inner();
+        py.detach(|| inner.load_server_residuals(&path))
+            .map_err(|e| library_error(e, Side::Payload))
+    }
+}

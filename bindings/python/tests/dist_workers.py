@@ -1,0 +1,237 @@
+"""Worker processes for test_distributed.py (gloo on CPU, one process per rank): each writes
+what it saw to ``out/rank{R}.json`` for the parent to compare."""
+
+import hashlib
+import json
+import math
+import os
+import traceback
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import gradwire
+import gradwire.torch as gwt
+from gradwire.comm import TorchDistributed
+
+
+def init(rank, world_size, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    # The deadline of every collective (gradwire's raw calls included).
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+
+
+def digest(model):
+    h = hashlib.sha256()
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().to(torch.float32).numpy().tobytes())
+    return h.hexdigest()
+
+
+def data(rank, n=256, features=32, classes=4):
+    """A fixed learnable task (the same weights on every rank), each rank its own samples."""
+    g = torch.Generator().manual_seed(1234)
+    w = torch.randn(features, classes, generator=g)
+    gr = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(n, features, generator=gr)
+    y = (x @ w).argmax(dim=1)
+    return x, y
+
+
+def model_of(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).to(dtype)
+
+
+def write(out, rank, result):
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def train(rank, world_size, port, out, mode, method, steps, collective, dtype_name, bucket_view, accumulate):
+    result = {"rank": rank}
+    try:
+        init(rank, world_size, port)
+        dtype = getattr(torch, dtype_name)
+        model = model_of(dtype)
+        ar = gradwire.AllReduce(method, TorchDistributed(), seed=5, collective=collective)
+        if mode == "hook":
+            ddp = nn.parallel.DistributedDataParallel(
+                model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.004
+            )
+            state = gwt.HookState(ddp, ar)
+            ddp.register_comm_hook(state, gwt.comm_hook)
+            net = ddp
+        elif mode == "ddp":
+            net = nn.parallel.DistributedDataParallel(model)
+        else:
+            net = model
+        opt = torch.optim.SGD(net.parameters(), lr=0.3)
+        x, y = data(rank)
+        x = x.to(dtype)
+        losses, digests = [], []
+        for step in range(steps):
+            i = (step * 32) % x.shape[0]
+            opt.zero_grad()
+            if accumulate and mode == "hook":
+                with net.no_sync():
+                    nn.functional.cross_entropy(net(x[i : i + 16]).float(), y[i : i + 16]).backward()
+                loss = nn.functional.cross_entropy(net(x[i + 16 : i + 32]).float(), y[i + 16 : i + 32])
+            else:
+                loss = nn.functional.cross_entropy(net(x[i : i + 32]).float(), y[i : i + 32])
+            loss.backward()
+            if mode == "function":
+                gwt.all_reduce_gradients(model, ar)
+            opt.step()
+            with torch.no_grad():
+                full = nn.functional.cross_entropy(net(x).float(), y).item()
+            losses.append(full)
+            digests.append(digest(model))
+        result.update(losses=losses, digests=digests, traffic=list(ar.traffic), step=ar.step,
+                      bundle=ar.last_message_bytes, dense=sum(p.numel() * 4 for p in model.parameters()))
+    except Exception as e:  # reported to the parent, which fails the test
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["trace"] = traceback.format_exc()
+    finally:
+        write(out, rank, result)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def faults(rank, world_size, port, out):
+    """Steps where one rank is at fault; every rank must raise at the same call, none hang."""
+    result = {"rank": rank, "steps": []}
+    try:
+        init(rank, world_size, port)
+        g = {"w": np.linspace(-1, 1, 400, dtype=np.float32).reshape(20, 20), "b": np.ones(20, np.float32)}
+        ar = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", TorchDistributed(), seed=3)
+
+        def attempt(label, grads, allreduce=ar):
+            try:
+                allreduce.all_reduce(grads)
+                result["steps"].append([label, "ok", ""])
+            except Exception as e:
+                result["steps"].append([label, type(e).__name__, str(e)])
+
+        attempt("clean", g)
+        bad = {k: v.copy() for k, v in g.items()}
+        if rank == 1:
+            bad["w"][3, 4] = math.nan
+        attempt("nan on rank 1", bad)
+        attempt("after", g)
+        other = {k: v for k, v in g.items()}
+        if rank == 1:
+            other = {"w": g["w"].reshape(-1), "b": g["b"]}
+        attempt("shape on rank 1", other)
+        attempt("after shape", g)
+        # A rank with another ratio: its own all-reduce, the same call sequence.
+        text = "topk k=ratio:0.2 values=int8:256" if rank == world_size - 1 else "topk k=ratio:0.1 values=int8:256"
+        ar2 = gradwire.AllReduce(text, TorchDistributed(), seed=3)
+        attempt("ratio on last rank", g, ar2)
+        attempt("final", g)
+        # A transport that damages rank 2's bundle once, on its way out.
+        corrupt = Corrupting(TorchDistributed(), damage=(rank == 2))
+        ar3 = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", corrupt, seed=3)
+        attempt("damaged bundle from rank 2", g, ar3)
+        attempt("after damage", g, ar3)
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["trace"] = traceback.format_exc()
+    finally:
+        write(out, rank, result)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Corrupting:
+    """A transport that flips one bit of the first bundle-sized buffer this rank sends."""
+
+    def __init__(self, inner, damage):
+        self.inner, self.damage = inner, damage
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    def all_gather(self, data, lengths):
+        if self.damage and len(data) > 64:
+            self.damage = False
+            b = bytearray(data)
+            b[len(b) // 2] ^= 0x10
+            data = bytes(b)
+        return self.inner.all_gather(data, lengths)
+
+    def all_to_all(self, send, recv_lengths):
+        return self.inner.all_to_all(send, recv_lengths)
+
+
+def dense_and_two_phase(rank, world_size, port, out):
+    """The rank-order dense sum and the two-phase collective over torch.distributed."""
+    result = {"rank": rank}
+    try:
+        init(rank, world_size, port)
+        rng = np.random.default_rng(rank)
+        g = {"a": rng.standard_normal((64, 48)).astype(np.float32), "b": rng.standard_normal(700).astype(np.float32)}
+        dense = gradwire.AllReduce("dense values=f32", TorchDistributed(), error_feedback=False)
+        m = dense.all_reduce(g)
+        result["dense"] = {k: v.tobytes().hex() for k, v in m.items()}
+        two = gradwire.AllReduce("quant bits=4 block=512 rounding=nearest-even", TorchDistributed(), collective="two-phase")
+        outs = [two.all_reduce(g) for _ in range(3)]
+        result["two_phase"] = [{k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in o.items()} for o in outs]
+        result["collective"] = two.collective_in_use
+        result["traffic"] = list(two.traffic)
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["trace"] = traceback.format_exc()
+    finally:
+        write(out, rank, result)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resume(rank, world_size, port, out):
+    """20 steps straight, against 10 steps, a checkpoint (model, optimizer, the hook's
+    residuals), a new DDP model, all-reduce and hook state that load it, and 10 more steps."""
+    result = {"rank": rank}
+    try:
+        init(rank, world_size, port)
+        x, y = data(rank)
+        method = "topk k=ratio:0.05 values=int8:256"
+
+        def fresh():
+            model = model_of()
+            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+            state = gwt.HookState(ddp, gradwire.AllReduce(method, TorchDistributed(), seed=5))
+            ddp.register_comm_hook(state, gwt.comm_hook)
+            return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.3)
+
+        def steps(ddp, opt, start, count):
+            for step in range(start, start + count):
+                i = (step * 32) % x.shape[0]
+                opt.zero_grad()
+                nn.functional.cross_entropy(ddp(x[i : i + 32]), y[i : i + 32]).backward()
+                opt.step()
+
+        model, ddp, state, opt = fresh()
+        steps(ddp, opt, 0, 20)
+        straight = digest(model)
+        model, ddp, state, opt = fresh()
+        steps(ddp, opt, 0, 10)
+        path = os.path.join(out, f"state{rank}.safetensors")
+        state.save(path)
+        saved = (model.state_dict(), opt.state_dict())
+        model, ddp, state, opt = fresh()
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        state.load(path)
+        steps(ddp, opt, 10, 10)
+        result.update(straight=straight, resumed=digest(model), step=state.allreduce.step)
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["trace"] = traceback.format_exc()
+    finally:
+        write(out, rank, result)
+        if dist.is_initialized():
+            dist.destroy_process_group()

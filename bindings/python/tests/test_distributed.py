@@ -1,0 +1,127 @@
+"""gradwire over torch.distributed (gloo on CPU): 2 and 4 processes, the DDP comm hook, the
+function after backward, faults on one rank, the dense sum and the two-phase collective."""
+
+import json
+import socket
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.multiprocessing as mp  # noqa: E402
+
+import dist_workers  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(fn, world_size, tmp_path, *args):
+    mp.start_processes(fn, args=(world_size, free_port(), str(tmp_path)) + args, nprocs=world_size,
+                       join=True, start_method="spawn")
+    results = []
+    for r in range(world_size):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "error" not in res, res.get("trace")
+        results.append(res)
+    return results
+
+
+def check_training(results, steps):
+    for r in results[1:]:
+        assert r["digests"] == results[0]["digests"], "ranks' parameters differ"
+    losses = results[0]["losses"]
+    assert len(losses) == steps
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hook_trains_bit_identically(tmp_path, world_size):
+    steps = 25
+    res = launch(dist_workers.train, world_size, tmp_path, "hook", "topk k=ratio:0.05 values=int8:256",
+                 steps, "allgather", "float32", False, False)
+    check_training(res, steps)
+    r = res[0]
+    assert r["step"] == steps  # one all-reduce per step, however many buckets
+    assert r["bundle"] < r["dense"] / 5
+
+
+def test_function_after_backward_and_two_phase(tmp_path):
+    steps = 20
+    res = launch(dist_workers.train, 4, tmp_path, "function", "sign scale=mean-abs:1024", steps,
+                 "two-phase", "float32", False, False)
+    check_training(res, steps)
+
+
+def test_hook_with_bucket_views_accumulation_and_bfloat16(tmp_path):
+    steps = 20
+    res = launch(dist_workers.train, 2, tmp_path, "hook", "topk k=ratio:0.1 values=f32", steps,
+                 "allgather", "bfloat16", True, True)
+    check_training(res, steps)
+
+
+def test_compressed_hook_is_close_to_plain_ddp(tmp_path):
+    steps = 25
+    plain = launch(dist_workers.train, 2, tmp_path, "ddp", "dense values=f32", steps, "allgather",
+                   "float32", False, False)
+    (tmp_path / "hook").mkdir()
+    hooked = launch(dist_workers.train, 2, tmp_path / "hook", "hook", "dense values=f32", steps,
+                    "allgather", "float32", False, False)
+    # The dense rank-order mean against DDP's own all-reduce: the same up to f32 rounding.
+    np.testing.assert_allclose(hooked[0]["losses"], plain[0]["losses"], rtol=1e-4)
+
+
+def test_faults_fail_every_rank_at_the_same_call(tmp_path):
+    res = launch(dist_workers.faults, 4, tmp_path)
+    labels = [s[0] for s in res[0]["steps"]]
+    assert labels == ["clean", "nan on rank 1", "after", "shape on rank 1", "after shape",
+                      "ratio on last rank", "final", "damaged bundle from rank 2", "after damage"]
+    for r in res:
+        outcome = {label: (kind, msg) for label, kind, msg in r["steps"]}
+        assert outcome["clean"][0] == outcome["after"][0] == outcome["after shape"][0] == "ok"
+        assert outcome["final"][0] == "ok"
+        nan_kind, nan_msg = outcome["nan on rank 1"]
+        if r["rank"] == 1:
+            assert nan_kind == "ValueError" and "NaN" in nan_msg
+        else:
+            assert nan_kind == "GradwireError" and "rank 1 could not take part" in nan_msg, nan_msg
+        shape_kind, shape_msg = outcome["shape on rank 1"]
+        if r["rank"] == 1:
+            assert shape_kind == "ValueError" and "shape" in shape_msg, shape_msg
+        else:
+            assert shape_kind == "GradwireError" and "rank 1" in shape_msg, shape_msg
+        kind, msg = outcome["ratio on last rank"]
+        assert kind == "GradwireError" and "rank 3 is configured differently" in msg, msg
+        kind, msg = outcome["damaged bundle from rank 2"]
+        assert kind == "PayloadError" and "rank 2" in msg, msg
+        assert outcome["after damage"][0] == "ok"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dense_sum_and_two_phase_are_the_same_bits_everywhere(tmp_path, world_size):
+    res = launch(dist_workers.dense_and_two_phase, world_size, tmp_path)
+    for r in res[1:]:
+        assert r["dense"] == res[0]["dense"]
+        assert r["two_phase"] == res[0]["two_phase"]
+    assert res[0]["collective"] == "two-phase"
+    # The dense mean: the rank-order sum of every rank's gradient, divided by W.
+    want = {}
+    for rank in range(world_size):
+        rng = np.random.default_rng(rank)
+        g = {"a": rng.standard_normal((64, 48)).astype(np.float32), "b": rng.standard_normal(700).astype(np.float32)}
+        for k, v in g.items():
+            want[k] = v.reshape(-1) if k not in want else want[k] + v.reshape(-1)
+    for k, v in want.items():
+        got = np.frombuffer(bytes.fromhex(res[0]["dense"][k]), dtype=np.float32)
+        np.testing.assert_allclose(got, v / world_size, rtol=1e-5, atol=1e-6)
+
+
+def test_hook_checkpoint_resumes_bit_identically(tmp_path):
+    res = launch(dist_workers.resume, 2, tmp_path)
+    for r in res:
+        assert r["resumed"] == r["straight"]
+        assert r["step"] == 20
+    assert res[0]["straight"] == res[1]["straight"]

@@ -1,0 +1,20 @@
+"""The README's DDP example (examples/ddp_digits.py) on 4 gloo processes, one seed (the full
+run of 3 seeds is the documented one: docs/python.md)."""
+
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import ddp_digits  # noqa: E402
+
+
+def test_ddp_example_matches_plain_ddp_within_a_point():
+    r = ddp_digits.main(["--seeds", "1", "--steps", "300", "--workers", "4"])
+    assert r["identical"]
+    assert r["gap"] <= 1.0, r
+    assert r["ratio"] > 50, r
