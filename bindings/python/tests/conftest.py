@@ -54,3 +54,18 @@ def grads_step1():
 @pytest.fixture(scope="session")
 def grads_step2():
     return read_safetensors(TESTDATA / "minilm_small_grads_step2.safetensors")
+
+
+def seeded_grads(rank, a_shape, b_len):
+    """Rank ``rank``'s gradients in the dense-sum tests (the workers draw the same)."""
+    rng = np.random.default_rng(rank)
+    return {"a": rng.standard_normal(a_shape).astype(np.float32), "b": rng.standard_normal(b_len).astype(np.float32)}
+
+
+def expected_dense_mean(world_size, a_shape, b_len):
+    """The mean of every rank's :func:`seeded_grads`, flat, summed in rank order."""
+    total = {}
+    for rank in range(world_size):
+        for k, v in seeded_grads(rank, a_shape, b_len).items():
+            total[k] = v.reshape(-1) if k not in total else total[k] + v.reshape(-1)
+    return {k: v / world_size for k, v in total.items()}

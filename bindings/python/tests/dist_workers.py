@@ -1,6 +1,7 @@
 """Worker processes for test_distributed.py (gloo on CPU, one process per rank): each writes
 what it saw to ``out/rank{R}.json`` for the parent to compare."""
 
+import functools
 import hashlib
 import json
 import math
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import gradwire
+from conftest import seeded_grads
 import gradwire.torch as gwt
 from gradwire.comm import TorchDistributed
 
@@ -53,99 +55,105 @@ def write(out, rank, result):
         json.dump(result, f)
 
 
-def train(rank, world_size, port, out, mode, method, steps, collective, dtype_name, bucket_view, accumulate):
-    result = {"rank": rank}
-    try:
-        init(rank, world_size, port)
-        dtype = getattr(torch, dtype_name)
-        model = model_of(dtype)
-        ar = gradwire.AllReduce(method, TorchDistributed(), seed=5, collective=collective)
-        if mode == "hook":
-            ddp = nn.parallel.DistributedDataParallel(
-                model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.004
-            )
-            state = gwt.HookState(ddp, ar)
-            ddp.register_comm_hook(state, gwt.comm_hook)
-            net = ddp
-        elif mode == "ddp":
-            net = nn.parallel.DistributedDataParallel(model)
+def worker(body):
+    """A rank's process: ``body(rank, world_size, out, result, *args)`` between the process
+    group's start and end; ``result`` (with any exception and its trace) goes to
+    ``out/rank{R}.json`` for the parent, which fails the test on an error."""
+
+    @functools.wraps(body)
+    def run(rank, world_size, port, out, *args):
+        result = {"rank": rank}
+        try:
+            init(rank, world_size, port)
+            body(rank, world_size, out, result, *args)
+        except Exception as e:
+            result["error"] = f"{type(e).__name__}: {e}"
+            result["trace"] = traceback.format_exc()
+        finally:
+            write(out, rank, result)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    return run
+
+
+@worker
+def train(rank, world_size, out, result, mode, method, steps, collective, dtype_name, bucket_view, accumulate):
+
+    dtype = getattr(torch, dtype_name)
+    model = model_of(dtype)
+    ar = gradwire.AllReduce(method, TorchDistributed(), seed=5, collective=collective)
+    if mode == "hook":
+        ddp = nn.parallel.DistributedDataParallel(
+            model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.004
+        )
+        state = gwt.HookState(ddp, ar)
+        ddp.register_comm_hook(state, gwt.comm_hook)
+        net = ddp
+    elif mode == "ddp":
+        net = nn.parallel.DistributedDataParallel(model)
+    else:
+        net = model
+    opt = torch.optim.SGD(net.parameters(), lr=0.3)
+    x, y = data(rank)
+    x = x.to(dtype)
+    losses, digests = [], []
+    for step in range(steps):
+        i = (step * 32) % x.shape[0]
+        opt.zero_grad()
+        if accumulate and mode == "hook":
+            with net.no_sync():
+                nn.functional.cross_entropy(net(x[i : i + 16]).float(), y[i : i + 16]).backward()
+            loss = nn.functional.cross_entropy(net(x[i + 16 : i + 32]).float(), y[i + 16 : i + 32])
         else:
-            net = model
-        opt = torch.optim.SGD(net.parameters(), lr=0.3)
-        x, y = data(rank)
-        x = x.to(dtype)
-        losses, digests = [], []
-        for step in range(steps):
-            i = (step * 32) % x.shape[0]
-            opt.zero_grad()
-            if accumulate and mode == "hook":
-                with net.no_sync():
-                    nn.functional.cross_entropy(net(x[i : i + 16]).float(), y[i : i + 16]).backward()
-                loss = nn.functional.cross_entropy(net(x[i + 16 : i + 32]).float(), y[i + 16 : i + 32])
-            else:
-                loss = nn.functional.cross_entropy(net(x[i : i + 32]).float(), y[i : i + 32])
-            loss.backward()
-            if mode == "function":
-                gwt.all_reduce_gradients(model, ar)
-            opt.step()
-            with torch.no_grad():
-                full = nn.functional.cross_entropy(net(x).float(), y).item()
-            losses.append(full)
-            digests.append(digest(model))
-        result.update(losses=losses, digests=digests, traffic=list(ar.traffic), step=ar.step,
-                      bundle=ar.last_message_bytes, dense=sum(p.numel() * 4 for p in model.parameters()))
-    except Exception as e:  # reported to the parent, which fails the test
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["trace"] = traceback.format_exc()
-    finally:
-        write(out, rank, result)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            loss = nn.functional.cross_entropy(net(x[i : i + 32]).float(), y[i : i + 32])
+        loss.backward()
+        if mode == "function":
+            gwt.all_reduce_gradients(model, ar)
+        opt.step()
+        with torch.no_grad():
+            full = nn.functional.cross_entropy(net(x).float(), y).item()
+        losses.append(full)
+        digests.append(digest(model))
+    result.update(losses=losses, digests=digests, traffic=list(ar.traffic), step=ar.step,
+                  bundle=ar.last_message_bytes, dense=sum(p.numel() * 4 for p in model.parameters()))
 
 
-def faults(rank, world_size, port, out):
+@worker
+def faults(rank, world_size, out, result):
     """Steps where one rank is at fault; every rank must raise at the same call, none hang."""
-    result = {"rank": rank, "steps": []}
-    try:
-        init(rank, world_size, port)
-        g = {"w": np.linspace(-1, 1, 400, dtype=np.float32).reshape(20, 20), "b": np.ones(20, np.float32)}
-        ar = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", TorchDistributed(), seed=3)
+    result["steps"] = []
+    g = {"w": np.linspace(-1, 1, 400, dtype=np.float32).reshape(20, 20), "b": np.ones(20, np.float32)}
+    ar = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", TorchDistributed(), seed=3)
 
-        def attempt(label, grads, allreduce=ar):
-            try:
-                allreduce.all_reduce(grads)
-                result["steps"].append([label, "ok", ""])
-            except Exception as e:
-                result["steps"].append([label, type(e).__name__, str(e)])
+    def attempt(label, grads, allreduce=ar):
+        try:
+            allreduce.all_reduce(grads)
+            result["steps"].append([label, "ok", ""])
+        except Exception as e:
+            result["steps"].append([label, type(e).__name__, str(e)])
 
-        attempt("clean", g)
-        bad = {k: v.copy() for k, v in g.items()}
-        if rank == 1:
-            bad["w"][3, 4] = math.nan
-        attempt("nan on rank 1", bad)
-        attempt("after", g)
-        other = {k: v for k, v in g.items()}
-        if rank == 1:
-            other = {"w": g["w"].reshape(-1), "b": g["b"]}
-        attempt("shape on rank 1", other)
-        attempt("after shape", g)
-        # A rank with another ratio: its own all-reduce, the same call sequence.
-        text = "topk k=ratio:0.2 values=int8:256" if rank == world_size - 1 else "topk k=ratio:0.1 values=int8:256"
-        ar2 = gradwire.AllReduce(text, TorchDistributed(), seed=3)
-        attempt("ratio on last rank", g, ar2)
-        attempt("final", g)
-        # A transport that damages rank 2's bundle once, on its way out.
-        corrupt = Corrupting(TorchDistributed(), damage=(rank == 2))
-        ar3 = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", corrupt, seed=3)
-        attempt("damaged bundle from rank 2", g, ar3)
-        attempt("after damage", g, ar3)
-    except Exception as e:
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["trace"] = traceback.format_exc()
-    finally:
-        write(out, rank, result)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    attempt("clean", g)
+    bad = {k: v.copy() for k, v in g.items()}
+    if rank == 1:
+        bad["w"][3, 4] = math.nan
+    attempt("nan on rank 1", bad)
+    attempt("after", g)
+    other = {k: v for k, v in g.items()}
+    if rank == 1:
+        other = {"w": g["w"].reshape(-1), "b": g["b"]}
+    attempt("shape on rank 1", other)
+    attempt("after shape", g)
+    # A rank with another ratio: its own all-reduce, the same call sequence.
+    text = "topk k=ratio:0.2 values=int8:256" if rank == world_size - 1 else "topk k=ratio:0.1 values=int8:256"
+    ar2 = gradwire.AllReduce(text, TorchDistributed(), seed=3)
+    attempt("ratio on last rank", g, ar2)
+    attempt("final", g)
+    # A transport that damages rank 2's bundle once, on its way out.
+    corrupt = Corrupting(TorchDistributed(), damage=(rank == 2))
+    ar3 = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", corrupt, seed=3)
+    attempt("damaged bundle from rank 2", g, ar3)
+    attempt("after damage", g, ar3)
 
 
 class Corrupting:
@@ -167,71 +175,52 @@ class Corrupting:
         return self.inner.all_to_all(send, recv_lengths)
 
 
-def dense_and_two_phase(rank, world_size, port, out):
+@worker
+def dense_and_two_phase(rank, world_size, out, result):
     """The rank-order dense sum and the two-phase collective over torch.distributed."""
-    result = {"rank": rank}
-    try:
-        init(rank, world_size, port)
-        rng = np.random.default_rng(rank)
-        g = {"a": rng.standard_normal((64, 48)).astype(np.float32), "b": rng.standard_normal(700).astype(np.float32)}
-        dense = gradwire.AllReduce("dense values=f32", TorchDistributed(), error_feedback=False)
-        m = dense.all_reduce(g)
-        result["dense"] = {k: v.tobytes().hex() for k, v in m.items()}
-        two = gradwire.AllReduce("quant bits=4 block=512 rounding=nearest-even", TorchDistributed(), collective="two-phase")
-        outs = [two.all_reduce(g) for _ in range(3)]
-        result["two_phase"] = [{k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in o.items()} for o in outs]
-        result["collective"] = two.collective_in_use
-        result["traffic"] = list(two.traffic)
-    except Exception as e:
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["trace"] = traceback.format_exc()
-    finally:
-        write(out, rank, result)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    g = seeded_grads(rank, (64, 48), 700)
+    dense = gradwire.AllReduce("dense values=f32", TorchDistributed(), error_feedback=False)
+    m = dense.all_reduce(g)
+    result["dense"] = {k: v.tobytes().hex() for k, v in m.items()}
+    two = gradwire.AllReduce("quant bits=4 block=512 rounding=nearest-even", TorchDistributed(), collective="two-phase")
+    outs = [two.all_reduce(g) for _ in range(3)]
+    result["two_phase"] = [{k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in o.items()} for o in outs]
+    result["collective"] = two.collective_in_use
+    result["traffic"] = list(two.traffic)
 
 
-def resume(rank, world_size, port, out):
+@worker
+def resume(rank, world_size, out, result):
     """20 steps straight, against 10 steps, a checkpoint (model, optimizer, the hook's
     residuals), a new DDP model, all-reduce and hook state that load it, and 10 more steps."""
-    result = {"rank": rank}
-    try:
-        init(rank, world_size, port)
-        x, y = data(rank)
-        method = "topk k=ratio:0.05 values=int8:256"
+    x, y = data(rank)
+    method = "topk k=ratio:0.05 values=int8:256"
 
-        def fresh():
-            model = model_of()
-            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
-            state = gwt.HookState(ddp, gradwire.AllReduce(method, TorchDistributed(), seed=5))
-            ddp.register_comm_hook(state, gwt.comm_hook)
-            return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.3)
+    def fresh():
+        model = model_of()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+        state = gwt.HookState(ddp, gradwire.AllReduce(method, TorchDistributed(), seed=5))
+        ddp.register_comm_hook(state, gwt.comm_hook)
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.3)
 
-        def steps(ddp, opt, start, count):
-            for step in range(start, start + count):
-                i = (step * 32) % x.shape[0]
-                opt.zero_grad()
-                nn.functional.cross_entropy(ddp(x[i : i + 32]), y[i : i + 32]).backward()
-                opt.step()
+    def steps(ddp, opt, start, count):
+        for step in range(start, start + count):
+            i = (step * 32) % x.shape[0]
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x[i : i + 32]), y[i : i + 32]).backward()
+            opt.step()
 
-        model, ddp, state, opt = fresh()
-        steps(ddp, opt, 0, 20)
-        straight = digest(model)
-        model, ddp, state, opt = fresh()
-        steps(ddp, opt, 0, 10)
-        path = os.path.join(out, f"state{rank}.safetensors")
-        state.save(path)
-        saved = (model.state_dict(), opt.state_dict())
-        model, ddp, state, opt = fresh()
-        model.load_state_dict(saved[0])
-        opt.load_state_dict(saved[1])
-        state.load(path)
-        steps(ddp, opt, 10, 10)
-        result.update(straight=straight, resumed=digest(model), step=state.allreduce.step)
-    except Exception as e:
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["trace"] = traceback.format_exc()
-    finally:
-        write(out, rank, result)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    model, ddp, state, opt = fresh()
+    steps(ddp, opt, 0, 20)
+    straight = digest(model)
+    model, ddp, state, opt = fresh()
+    steps(ddp, opt, 0, 10)
+    path = os.path.join(out, f"state{rank}.safetensors")
+    state.save(path)
+    saved = (model.state_dict(), opt.state_dict())
+    model, ddp, state, opt = fresh()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    state.load(path)
+    steps(ddp, opt, 10, 10)
+    result.update(straight=straight, resumed=digest(model), step=state.allreduce.step)

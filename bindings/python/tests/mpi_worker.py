@@ -10,14 +10,14 @@ import sys
 import numpy as np
 
 import gradwire
+from conftest import seeded_grads
 from gradwire.comm import Mpi4py
 
 
 def main(out):
     t = Mpi4py()
     rank, w = t.rank, t.world_size
-    rng = np.random.default_rng(rank)
-    g = {"a": rng.standard_normal((40, 30)).astype(np.float32), "b": rng.standard_normal(333).astype(np.float32)}
+    g = seeded_grads(rank, (40, 30), 333)
     res = {"rank": rank}
     dense = gradwire.AllReduce("dense values=f32", t, error_feedback=False).all_reduce(g)
     res["dense"] = {k: v.tobytes().hex() for k, v in dense.items()}

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 import torch.multiprocessing as mp  # noqa: E402
 
 import dist_workers  # noqa: E402
+from conftest import expected_dense_mean  # noqa: E402
 
 
 def free_port():
@@ -108,15 +109,10 @@ def test_dense_sum_and_two_phase_are_the_same_bits_everywhere(tmp_path, world_si
         assert r["two_phase"] == res[0]["two_phase"]
     assert res[0]["collective"] == "two-phase"
     # The dense mean: the rank-order sum of every rank's gradient, divided by W.
-    want = {}
-    for rank in range(world_size):
-        rng = np.random.default_rng(rank)
-        g = {"a": rng.standard_normal((64, 48)).astype(np.float32), "b": rng.standard_normal(700).astype(np.float32)}
-        for k, v in g.items():
-            want[k] = v.reshape(-1) if k not in want else want[k] + v.reshape(-1)
+    want = expected_dense_mean(world_size, (64, 48), 700)
     for k, v in want.items():
         got = np.frombuffer(bytes.fromhex(res[0]["dense"][k]), dtype=np.float32)
-        np.testing.assert_allclose(got, v / world_size, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, v, rtol=1e-5, atol=1e-6)
 
 
 def test_hook_checkpoint_resumes_bit_identically(tmp_path):
