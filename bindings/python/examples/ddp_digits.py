@@ -14,6 +14,7 @@ import json
 import math
 import os
 import socket
+import sys
 import tempfile
 from datetime import timedelta
 
@@ -89,6 +90,11 @@ def worker(rank, world_size, port, out, compressed, steps, seed):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+    # Leave without the interpreter's shutdown: gloo's worker thread may still be freeing the
+    # last collective's tensors, and a thread that asks for the GIL during shutdown aborts the
+    # process (a PyTorch race at exit: docs/python.md, "Ending a process").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def run(world_size, compressed, steps, seed):

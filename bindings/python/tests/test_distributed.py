@@ -57,10 +57,11 @@ def test_function_after_backward_and_two_phase(tmp_path):
     check_training(res, steps)
 
 
-def test_hook_with_bucket_views_accumulation_and_bfloat16(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_hook_with_bucket_views_accumulation_and_half_buckets(tmp_path, dtype):
     steps = 20
     res = launch(dist_workers.train, 2, tmp_path, "hook", "topk k=ratio:0.1 values=f32", steps,
-                 "allgather", "bfloat16", True, True)
+                 "allgather", dtype, True, True)
     check_training(res, steps)
 
 
