@@ -44,8 +44,8 @@ class Compressor:
     job must use the same. ``shapes`` (``{name: shape}``) fixes the model up front; otherwise
     the first :meth:`compress` does, and later calls must give the same names and shapes.
 
-    Arrays in are numpy arrays or torch tensors (converted to float32; no copy for a
-    C-contiguous float32 array); arrays out are float32 numpy arrays, or torch tensors when
+    Arrays in are numpy arrays or torch tensors (converted to float32, then copied once into
+    the library's tensors); arrays out are float32 numpy arrays, or torch tensors when
     ``as_torch=True``.
     """
 
