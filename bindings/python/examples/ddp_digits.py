@@ -94,6 +94,7 @@ def worker(rank, world_size, port, out, compressed, steps, seed):
     # last collective's tensors, and a thread that asks for the GIL during shutdown aborts the
     # process (a PyTorch race at exit: docs/python.md, "Ending a process").
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 

@@ -83,8 +83,8 @@ def exit_now():
     """Ends a worker without the interpreter's shutdown: gloo's worker thread may still be
     freeing the last collective's tensors, which needs the GIL, and a thread that asks for it
     while the interpreter shuts down aborts the process ("terminate called without an active
-    exception"; about 1 run in 10 of a 2-rank hook run on torch 2.15). The results are written
-    and closed before this."""
+    exception"; docs/python.md, "Ending a process", has the measurements). The results are
+    written and closed before this."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
