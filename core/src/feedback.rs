@@ -512,10 +512,12 @@ fn subtract_sent(
         && let Ok((_, Body::Sparse { v, count, vals, .. })) = parse_trusted(frame)
         && let Some(idx) = scratch.get(..count as usize)
     {
+        // Random-k frames have no segments.
+        let mut runs = values::ValueRuns::new(v, vals, count as usize, &[]);
         let mut buf = [0.0f32; 64];
         for (j, idx) in idx.chunks(buf.len()).enumerate() {
             let x = &mut buf[..idx.len()];
-            values::decode_run(v, vals, count as usize, j * 64, x);
+            runs.read(j * 64, x);
             for (&i, &x) in idx.iter().zip(x.iter()) {
                 residual[i as usize] += -x; // -1 * x: accumulate_into with weight -1
             }
@@ -580,16 +582,24 @@ fn feedback_update(
 /// The sparse part of [`feedback_update`]: `r += g` up to each run of entries, then
 /// `r[i] += -decoded[i]` for the run, while the stretch is in cache.
 fn update_sparse(h: &Header, body: &Body<'_>, kept: Option<&[u32]>, g: &[f32], r: &mut [f32]) {
-    let Body::Sparse { v, count, vals, .. } = *body else {
+    let Body::Sparse {
+        v,
+        count,
+        segs,
+        vals,
+        ..
+    } = *body
+    else {
         return;
     };
     let mut done = 0usize;
     match kept.filter(|kept| kept.len() as u64 == count) {
         Some(kept) => {
+            let mut runs = values::ValueRuns::new(v, vals, kept.len(), segs);
             let mut vb = [0.0f32; index::BATCH];
             for (j, ib) in kept.chunks(index::BATCH).enumerate() {
                 let vb = &mut vb[..ib.len()];
-                values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
+                runs.read(j * index::BATCH, vb);
                 update_run(r, g, &mut done, ib.iter().map(|&i| i as usize), vb);
             }
         }
@@ -625,7 +635,17 @@ fn subtract_kept(frame: &[u8], kept: &[u32], r: &mut [f32]) -> Result<f32, Error
     let (h, body) = parse_trusted(frame)?;
     // The frame was just written from these lists: a mismatch here is a bug, reported as the
     // frame's element count.
-    let (Body::Sparse { v, count, vals, .. }, true) = (body, h.n == r.len() as u64) else {
+    let (
+        Body::Sparse {
+            v,
+            count,
+            segs,
+            vals,
+            ..
+        },
+        true,
+    ) = (body, h.n == r.len() as u64)
+    else {
         return Err(Error::ElementCount {
             expected: r.len() as u64,
             got: h.n,
@@ -641,10 +661,11 @@ fn subtract_kept(frame: &[u8], kept: &[u32], r: &mut [f32]) -> Result<f32, Error
     // the line of the entry 32 places ahead, so that the misses overlap.
     const AHEAD_KEPT: usize = 32;
     let mut max = 0.0f32;
+    let mut runs = values::ValueRuns::new(v, vals, kept.len(), segs);
     let mut vb = [0.0f32; index::BATCH];
     for (j, ib) in kept.chunks(index::BATCH).enumerate() {
         let vb = &mut vb[..ib.len()];
-        values::decode_run(v, vals, kept.len(), j * index::BATCH, vb);
+        runs.read(j * index::BATCH, vb);
         let ahead = kept.get(j * index::BATCH + AHEAD_KEPT..).unwrap_or(&[]);
         for (t, (&i, &x)) in ib.iter().zip(vb.iter()).enumerate() {
             if let Some(&a) = ahead.get(t) {

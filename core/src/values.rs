@@ -433,31 +433,117 @@ pub fn decode_plain(values: Values, bytes: &[u8], out: &mut [f32], weight: Optio
     }
 }
 
-/// Decodes `out.len()` consecutive values of a validated sparse values section of `count`
-/// values, starting at value `first`, into `out` (int8 codes with their block scales).
-pub fn decode_run(values: Values, section: &[u8], count: usize, first: usize, out: &mut [f32]) {
-    match values {
-        Values::Int8 { block } => {
-            let block = block as usize;
-            let s_len = count.div_ceil(block) * 4;
-            let codes = &section[s_len + first..s_len + first + out.len()];
-            let mut j = first;
-            let mut o = 0usize;
-            while o < out.len() {
-                let b = j / block;
-                let end = ((b + 1) * block - j).min(out.len() - o);
-                let s = &section[4 * b..4 * b + 4];
-                let m = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                for (v, &c) in out[o..o + end].iter_mut().zip(&codes[o..o + end]) {
-                    *v = int8_value(c as i8, m);
-                }
-                o += end;
-                j += end;
-            }
+/// Reads a validated LEB128 varint from the start of `b`: its value and its length in bytes.
+/// The frame parser checked every varint of a segment table, so this never runs past `b`.
+pub fn read_varint(b: &[u8]) -> (u64, usize) {
+    let mut v = 0u64;
+    for (i, &byte) in b.iter().enumerate().take(10) {
+        v |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return (v, i + 1);
         }
-        v => {
-            let vb = v.value_bytes();
-            decode_plain(v, &section[first * vb..], out, None);
+    }
+    (v, b.len().min(10))
+}
+
+/// Sequential reader of a validated sparse values section of `count` values: plain values,
+/// or int8 codes with their block scales, where a segmented top-k frame (FORMAT.md 3.2.1)
+/// restarts the scale blocks at every segment. Reads in ascending order cost one pass over
+/// the segment table in all; a read before the previous one starts the table again.
+#[derive(Clone, Copy, Debug)]
+pub struct ValueRuns<'a> {
+    values: Values,
+    section: &'a [u8],
+    count: usize,
+    table: &'a [u8],
+    /// The rest of the table after the current segment.
+    rest: &'a [u8],
+    seg_start: usize,
+    seg_end: usize,
+    /// Scale index of the current segment's first block.
+    seg_scale: usize,
+    /// Scale blocks in the whole section (`section.len() - count` over 4).
+    scales: usize,
+}
+
+impl<'a> ValueRuns<'a> {
+    /// A reader of `section` (`count` values of codec `values`) with the segment table
+    /// `table` (LEB128 kept counts; empty for a frame without segments).
+    pub fn new(values: Values, section: &'a [u8], count: usize, table: &'a [u8]) -> Self {
+        let scales = match values {
+            Values::Int8 { .. } => section.len().saturating_sub(count) / 4,
+            _ => 0,
+        };
+        let mut r = ValueRuns {
+            values,
+            section,
+            count,
+            table,
+            rest: table,
+            seg_start: 0,
+            seg_end: 0,
+            seg_scale: 0,
+            scales,
+        };
+        r.rewind();
+        r
+    }
+
+    fn rewind(&mut self) {
+        self.rest = self.table;
+        self.seg_start = 0;
+        self.seg_scale = 0;
+        self.seg_end = if self.table.is_empty() { self.count } else { 0 };
+        if !self.table.is_empty() {
+            self.next_segment();
+        }
+    }
+
+    fn next_segment(&mut self) {
+        if let Values::Int8 { block } = self.values {
+            let len = self.seg_end - self.seg_start;
+            self.seg_scale += len.div_ceil(block as usize);
+        }
+        self.seg_start = self.seg_end;
+        if self.rest.is_empty() {
+            self.seg_end = self.count;
+            return;
+        }
+        let (len, used) = read_varint(self.rest);
+        self.rest = &self.rest[used..];
+        self.seg_end = self.seg_start.saturating_add(len as usize).min(self.count);
+    }
+
+    /// Decodes values `first..first + out.len()` into `out` (`first + out.len() <= count`).
+    pub fn read(&mut self, first: usize, out: &mut [f32]) {
+        let Values::Int8 { block } = self.values else {
+            let vb = self.values.value_bytes();
+            decode_plain(self.values, &self.section[first * vb..], out, None);
+            return;
+        };
+        let block = block as usize;
+        if first < self.seg_start {
+            self.rewind();
+        }
+        let s_len = 4 * self.scales;
+        let codes = &self.section[s_len + first..s_len + first + out.len()];
+        let mut j = first;
+        let mut o = 0usize;
+        while o < out.len() {
+            while j >= self.seg_end && self.seg_end < self.count {
+                self.next_segment();
+            }
+            let in_seg = j - self.seg_start;
+            let b = self.seg_scale + in_seg / block;
+            let block_end = self.seg_start + (in_seg / block + 1) * block;
+            let end = block_end.min(self.seg_end).min(first + out.len()) - j;
+            let s = &self.section[4 * b..4 * b + 4];
+            let m = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+            for (v, &c) in out[o..o + end].iter_mut().zip(&codes[o..o + end]) {
+                *v = int8_value(c as i8, m);
+            }
+            o += end;
+            j += end;
         }
     }
 }

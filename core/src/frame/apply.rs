@@ -16,6 +16,7 @@ pub(crate) fn sparse_batches(h: &Header, body: &Body<'_>, mut f: impl FnMut(&[us
     let Body::Sparse {
         v,
         count,
+        segs,
         codec,
         idx,
         vals,
@@ -25,12 +26,13 @@ pub(crate) fn sparse_batches(h: &Header, body: &Body<'_>, mut f: impl FnMut(&[us
         return;
     };
     let total = count as usize;
+    let mut runs = values::ValueRuns::new(v, vals, total, segs);
     let mut vb = [0.0f32; index::BATCH];
     let mut j = 0usize;
     match codec {
         Some(codec) => index::for_each_batch(codec, h.n, count, idx, |ib| {
             let m = ib.len().min(total - j);
-            values::decode_run(v, vals, total, j, &mut vb[..m]);
+            runs.read(j, &mut vb[..m]);
             f(&ib[..m], &vb[..m]);
             j += m;
         }),
@@ -42,7 +44,7 @@ pub(crate) fn sparse_batches(h: &Header, body: &Body<'_>, mut f: impl FnMut(&[us
             let mut fill = 0usize;
             let mut flush = |ib: &[usize], j: &mut usize| {
                 let m = ib.len();
-                values::decode_run(v, vals, total, *j, &mut vb[..m]);
+                runs.read(*j, &mut vb[..m]);
                 for x in &mut vb[..m] {
                     *x *= scale;
                 }

@@ -374,6 +374,8 @@ pub(crate) fn at_tensor_index(e: Error, start: usize) -> Error {
 pub struct SparseFrame<'f> {
     header: Header,
     v: Values,
+    /// The segment table of a segmented top-k frame (empty otherwise).
+    segs: &'f [u8],
     codec: Option<u8>,
     idx: &'f [u8],
     vals: &'f [u8],
@@ -398,6 +400,7 @@ impl<'f> SparseFrame<'f> {
         let (header, body) = decode_checked(frame, expected, n)?;
         let Body::Sparse {
             v,
+            segs,
             codec,
             idx,
             vals,
@@ -412,6 +415,7 @@ impl<'f> SparseFrame<'f> {
         Ok(SparseFrame {
             header,
             v,
+            segs,
             codec,
             idx,
             vals,
@@ -476,7 +480,8 @@ impl<'f> SparseFrame<'f> {
     /// Writes the decoded values of entries `first..first + out.len()` into `out`, as the
     /// decoder does: plain values converted to f32, int8 codes times their block's scale, and
     /// for unbiased random-k each value times `s = n / k` (computed in f64, rounded once to
-    /// f32): `fl(v * s)`. Any range of entries decodes on its own (for decoding in chunks).
+    /// f32): `fl(v * s)`. Any range of entries decodes on its own (for decoding in chunks); in
+    /// a segmented frame each call reads the segment table up to `first`.
     ///
     /// # Errors
     /// [`Error::BadChunk`] when the range runs past [`SparseFrame::kept`].
@@ -486,7 +491,7 @@ impl<'f> SparseFrame<'f> {
         if end > count {
             return Err(Error::BadChunk { start: first, end });
         }
-        values::decode_run(self.v, self.vals, count, first, out);
+        values::ValueRuns::new(self.v, self.vals, count, self.segs).read(first, out);
         if let Some(s) = unbiased_scale(&self.header, self.header.kept) {
             for x in out.iter_mut() {
                 *x *= s;

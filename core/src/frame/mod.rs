@@ -28,7 +28,10 @@ use crate::{quant, scalar, select, sign, values, zero_mask};
 
 pub use apply::{accumulate_into, decode_into, validate};
 pub use encode::encode_into;
-pub use sparse::{encode_kept_into, encode_selected_into};
+pub use sparse::{
+    encode_kept_into, encode_segmented_into, encode_selected_into, segmented_frame_len,
+    segmented_scratch_len,
+};
 
 pub(crate) use apply::{apply, sparse_batches};
 pub(crate) use encode::{encode_checked, encode_src, is_fused};

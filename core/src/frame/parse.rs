@@ -5,8 +5,8 @@
 
 use super::shape::Shape;
 use super::wire::{
-    self, FLAG_UNBIASED, FLAG_ZERO_MASK, Fixed, Get, M_DENSE, M_QUANT, M_RANDOMK, M_SIGN,
-    M_THRESHOLD, M_TOPK,
+    self, FLAG_SEGMENTED, FLAG_UNBIASED, FLAG_ZERO_MASK, Fixed, Get, M_DENSE, M_QUANT, M_RANDOMK,
+    M_SIGN, M_THRESHOLD, M_TOPK,
 };
 use super::{FORMAT_VERSION, Header};
 use crate::error::{Error, Param};
@@ -35,10 +35,12 @@ pub(crate) enum Body<'a> {
         mixed: usize,
         off: usize,
     },
-    /// Top-k, threshold (with an index section of codec `codec`) and random-k (none).
+    /// Top-k, threshold (with an index section of codec `codec`) and random-k (none); `segs`
+    /// is the segment table of a segmented top-k frame (empty otherwise).
     Sparse {
         v: Values,
         count: u64,
+        segs: &'a [u8],
         codec: Option<u8>,
         idx: &'a [u8],
         idx_off: usize,
@@ -117,6 +119,15 @@ fn parse_selected<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
         _ => None,
     };
     let count = r.count(f.n)?;
+    // A segmented top-k frame (int8 values only): the segment count and table.
+    let (segs, scale_blocks) = match (f.flags == FLAG_SEGMENTED, v) {
+        (false, _) => (&[][..], None),
+        (true, Values::Int8 { block }) => {
+            let (table, blocks) = r.segments(count, block)?;
+            (table, Some(blocks))
+        }
+        (true, _) => return Err(Error::Malformed { offset: 6 }),
+    };
     let codec = r.index_codec()?;
     let method = match threshold {
         Some(threshold) => Method::Threshold {
@@ -134,10 +145,19 @@ fn parse_selected<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
         .map_err(|_| Error::BadIndex { offset: idx_off })?;
     let (idx, _) = r.section(idx_len)?;
     let count_usize = usize::try_from(count).map_err(|_| Error::TooLarge { n: f.n })?;
-    let (vals, vals_off) = r.section(v.section_len(count_usize))?;
+    let vals_len = match scale_blocks {
+        Some(blocks) => usize::try_from(blocks)
+            .ok()
+            .and_then(|b| b.checked_mul(4))
+            .and_then(|b| b.checked_add(count_usize))
+            .ok_or(Error::TooLarge { n: f.n })?,
+        None => v.section_len(count_usize),
+    };
+    let (vals, vals_off) = r.section(vals_len)?;
     let body = Body::Sparse {
         v,
         count,
+        segs,
         codec: Some(codec),
         idx,
         idx_off,
@@ -162,6 +182,7 @@ fn parse_randomk<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
     let body = Body::Sparse {
         v,
         count: k,
+        segs: &[],
         codec: None,
         idx: &[],
         idx_off: vals_off,
@@ -358,6 +379,7 @@ pub(crate) fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
             idx_off,
             vals,
             vals_off,
+            ..
         } => {
             if let Some(codec) = codec {
                 index::validate(codec, n, count, idx)
@@ -370,8 +392,9 @@ pub(crate) fn validate_body(n: u64, body: &Body<'_>) -> Result<(), Error> {
 
 fn validate_values(v: Values, count: usize, vals: &[u8], off: usize) -> Result<(), Error> {
     match v {
-        Values::Int8 { block } => {
-            let s_len = count.div_ceil(block as usize) * 4;
+        Values::Int8 { .. } => {
+            // Scales, then one code per value (segmented frames have more scale blocks).
+            let s_len = vals.len() - count;
             for (j, s) in vals[..s_len].chunks_exact(4).enumerate() {
                 let m = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
                 if !(m.is_finite() && m >= 0.0) {
@@ -410,16 +433,24 @@ pub(crate) fn unbiased_scale(h: &Header, count: u64) -> Option<f32> {
 
 /// The first entry of an unbiased random-k body whose decoded value times n/k is not finite.
 pub(crate) fn first_unbiased_overflow(h: &Header, body: &Body<'_>) -> Option<usize> {
-    let Body::Sparse { v, count, vals, .. } = *body else {
+    let Body::Sparse {
+        v,
+        count,
+        segs,
+        vals,
+        ..
+    } = *body
+    else {
         return None;
     };
     let scale = unbiased_scale(h, count)?;
     let total = count as usize;
+    let mut runs = values::ValueRuns::new(v, vals, total, segs);
     let mut buf = [0.0f32; index::BATCH];
     let mut j = 0usize;
     while j < total {
         let m = (total - j).min(index::BATCH);
-        values::decode_run(v, vals, total, j, &mut buf[..m]);
+        runs.read(j, &mut buf[..m]);
         if let Some(p) = buf[..m].iter().position(|&x| !(x * scale).is_finite()) {
             return Some(j + p);
         }
@@ -441,12 +472,16 @@ pub(crate) fn decode_checked<'a>(
     if let (
         Some(j),
         Body::Sparse {
-            v, count, vals_off, ..
+            v,
+            count,
+            vals,
+            vals_off,
+            ..
         },
     ) = (first_unbiased_overflow(&h, &body), &body)
     {
         let at = match *v {
-            Values::Int8 { .. } => v.section_len(*count as usize) - *count as usize + j,
+            Values::Int8 { .. } => vals.len() - *count as usize + j,
             _ => j * v.value_bytes(),
         };
         return Err(Error::BadValue {

@@ -3,7 +3,9 @@
 //! values section.
 
 use super::parse::{first_unbiased_overflow, parse_trusted};
-use super::wire::{M_THRESHOLD, M_TOPK, Put, break_trailer, write_fixed, write_method};
+use super::wire::{
+    FLAG_SEGMENTED, M_THRESHOLD, M_TOPK, Put, break_trailer, write_fixed, write_method,
+};
 use super::{check_encode, check_input, max_frame_len, no_frame_on_error};
 use crate::error::{Error, Param};
 use crate::index::{self, IndexSizer, IndexWriter};
@@ -36,12 +38,83 @@ pub fn encode_selected_into(
     scratch: &mut [u32],
     out: &mut [u8],
 ) -> Result<usize, Error> {
-    no_frame_on_error(out, |out| encode_selected(grad, kept, values, scratch, out))
+    no_frame_on_error(out, |out| {
+        encode_selected(grad, kept, &[], values, scratch, out)
+    })
+}
+
+/// [`encode_selected_into`] with int8 scale blocks that never span two segments: `segments`
+/// holds the kept count of each consecutive run of `kept` (for example one per tensor of a
+/// fused shard; zeros are skipped), summing to `kept.len()`, and every segment starts a new
+/// scale block (FORMAT.md 3.2.1). With other values than int8, or fewer than two non-empty
+/// segments, the frame is the one [`encode_selected_into`] writes. Decoders need nothing new:
+/// the frame decodes with the same `Method::TopK { k: K::Count(kept.len() as u64), values }`.
+///
+/// `scratch` and `out` are sized by [`segmented_scratch_len`] and [`segmented_frame_len`].
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when `segments` does not sum to `kept.len()`; otherwise as
+/// [`encode_selected_into`].
+///
+/// # Panics
+/// Never.
+pub fn encode_segmented_into(
+    grad: &[f32],
+    kept: &[u32],
+    segments: &[u32],
+    values: Values,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    no_frame_on_error(out, |out| {
+        let sum: u64 = segments.iter().map(|&l| u64::from(l)).sum();
+        if sum != kept.len() as u64 {
+            return Err(Error::LengthMismatch {
+                expected: kept.len(),
+                got: usize::try_from(sum).unwrap_or(usize::MAX),
+            });
+        }
+        let non_empty = segments.iter().filter(|&&l| l > 0).count();
+        let segs = match values {
+            Values::Int8 { .. } if non_empty >= 2 => segments,
+            _ => &[],
+        };
+        encode_selected(grad, kept, segs, values, scratch, out)
+    })
+}
+
+/// Words of scratch [`encode_segmented_into`] needs for `kept` of `n` entries in `segments`
+/// segments (saturating).
+pub const fn segmented_scratch_len(
+    n: usize,
+    kept: usize,
+    values: Values,
+    segments: usize,
+) -> usize {
+    let method = Method::TopK {
+        k: K::Count(kept as u64),
+        values,
+    };
+    super::scratch_len(n, &method).saturating_add(segments)
+}
+
+/// The largest frame [`encode_segmented_into`] writes for `kept` of `n` entries in `segments`
+/// segments, in bytes (saturating): the unsegmented frame's, the segment count (4 bytes), and
+/// per segment a table entry (at most 10 bytes) and one more scale block (4 bytes).
+pub const fn segmented_frame_len(n: usize, kept: usize, values: Values, segments: usize) -> usize {
+    let method = Method::TopK {
+        k: K::Count(kept as u64),
+        values,
+    };
+    max_frame_len(n, &method)
+        .saturating_add(4)
+        .saturating_add(segments.saturating_mul(14))
 }
 
 fn encode_selected(
     grad: &[f32],
     kept: &[u32],
+    segs: &[u32],
     values: Values,
     scratch: &mut [u32],
     out: &mut [u8],
@@ -50,7 +123,31 @@ fn encode_selected(
         k: K::Count(kept.len() as u64),
         values,
     });
-    check_encode(grad.len(), &params, scratch.len(), out.len())?;
+    let n = grad.len();
+    let (need_scratch, need_out) = if segs.is_empty() {
+        (
+            super::scratch_len(n, &params.method),
+            max_frame_len(n, &params.method),
+        )
+    } else {
+        (
+            segmented_scratch_len(n, kept.len(), values, segs.len()),
+            segmented_frame_len(n, kept.len(), values, segs.len()),
+        )
+    };
+    check_encode(n, &params, scratch.len(), out.len())?;
+    if scratch.len() < need_scratch {
+        return Err(Error::ScratchTooSmall {
+            needed: need_scratch,
+            got: scratch.len(),
+        });
+    }
+    if out.len() < need_out {
+        return Err(Error::BufferTooSmall {
+            needed: need_out,
+            got: out.len(),
+        });
+    }
     check_input(grad, &params.method)?;
     let mut next_min = 0usize;
     for (position, &i) in kept.iter().enumerate() {
@@ -60,15 +157,22 @@ fn encode_selected(
         }
         next_min = i + 1;
     }
-    let n = grad.len();
     let mut p = Put::new(out);
-    write_fixed(&mut p, M_TOPK, 0, n);
+    let flags = if segs.is_empty() { 0 } else { FLAG_SEGMENTED };
+    write_fixed(&mut p, M_TOPK, flags, n);
     p.values(values);
     let sel = select::kept_scratch_len(n, kept.len());
     let int8_scratch = &mut scratch[sel..];
     let e = Picked { g: grad, idx: kept };
-    let (count, codec, idx_len) = measure(n, &e, values, int8_scratch);
+    let (count, codec, idx_len) = measure(n, &e, values, segs, int8_scratch);
     p.u64(count);
+    if !segs.is_empty() {
+        let non_empty = segs.iter().filter(|&&l| l > 0);
+        p.u32(non_empty.clone().count() as u32);
+        for &len in non_empty {
+            p.varint(u64::from(len));
+        }
+    }
     p.u8(codec);
     write_sparse_body(
         n,
@@ -78,6 +182,7 @@ fn encode_selected(
         codec,
         idx_len,
         &mut p,
+        segs,
         int8_scratch,
     );
     Ok(p.finish())
@@ -480,31 +585,55 @@ fn kept_body(n: usize, kept: &Kept<'_>, v: Values, p: &mut Put<'_>) {
 
 /// Count and codec, then index and values sections.
 fn sparse_body<E: Entries>(n: usize, e: &E, v: Values, p: &mut Put<'_>, int8_scratch: &mut [u32]) {
-    let (count, codec, idx_len) = measure(n, e, v, int8_scratch);
+    let (count, codec, idx_len) = measure(n, e, v, &[], int8_scratch);
     p.u64(count);
     p.u8(codec);
-    write_sparse_body(n, e, v, count as usize, codec, idx_len, p, int8_scratch);
+    write_sparse_body(
+        n,
+        e,
+        v,
+        count as usize,
+        codec,
+        idx_len,
+        p,
+        &[],
+        int8_scratch,
+    );
 }
 
 /// First pass: the kept count, the smallest index codec and, for int8, each block's absmax
 /// magnitude key (into `int8_scratch`).
-fn measure<E: Entries>(n: usize, e: &E, v: Values, int8_scratch: &mut [u32]) -> (u64, u8, usize) {
+fn measure<E: Entries>(
+    n: usize,
+    e: &E,
+    v: Values,
+    segs: &[u32],
+    int8_scratch: &mut [u32],
+) -> (u64, u8, usize) {
     let mut sizer = IndexSizer::new(n as u64);
     e.each(|i, _| sizer.push(i as u64));
     if let Values::Int8 { block } = v {
-        int8_absmax(e, block as usize, int8_scratch);
+        int8_absmax(e, block as usize, segs, int8_scratch);
     }
     let count = sizer.count();
     let (codec, len) = sizer.choose();
     (count, codec, len)
 }
 
-/// Each int8 block's absmax magnitude key, for blocks of `block` consecutive entries.
-fn int8_absmax<E: Entries>(e: &E, block: usize, scratch: &mut [u32]) {
+/// Each int8 block's absmax magnitude key, for blocks of `block` consecutive entries that
+/// restart at every segment of `segs` (kept counts; empty: one segment).
+fn int8_absmax<E: Entries>(e: &E, block: usize, segs: &[u32], scratch: &mut [u32]) {
     let mut c = 0usize;
     let mut b = 0usize;
     let mut m = 0u32;
+    let mut segs = Segments::new(segs);
     e.each(|_, x| {
+        if segs.starts_one() && c > 0 {
+            scratch[b] = m;
+            b += 1;
+            c = 0;
+            m = 0;
+        }
         m = m.max(magnitude_key(x));
         c += 1;
         if c == block {
@@ -528,13 +657,23 @@ fn write_sparse_body<E: Entries>(
     codec: u8,
     idx_len: usize,
     p: &mut Put<'_>,
+    segs: &[u32],
     int8_scratch: &[u32],
 ) {
-    let v_len = v.section_len(count);
+    let v_len = match v {
+        Values::Int8 { block } if !segs.is_empty() => {
+            let blocks: usize = segs
+                .iter()
+                .map(|&l| (l as usize).div_ceil(block as usize))
+                .sum();
+            4 * blocks + count
+        }
+        _ => v.section_len(count),
+    };
     let (idx, rest) = p.buf[p.pos..].split_at_mut(idx_len);
     let vals = &mut rest[..v_len];
     let mut iw = IndexWriter::new(codec, n as u64, idx);
-    let mut vw = ValueWriter::new(v, count, vals, int8_scratch);
+    let mut vw = ValueWriter::new(v, count, vals, segs, int8_scratch);
     e.each(|i, x| {
         iw.push(i as u64);
         vw.push(x);
@@ -546,10 +685,10 @@ fn write_sparse_body<E: Entries>(
 /// Random-k body: values only.
 fn write_values<E: Entries>(e: &E, v: Values, k: usize, p: &mut Put<'_>, scratch: &mut [u32]) {
     if let Values::Int8 { block } = v {
-        int8_absmax(e, block as usize, scratch);
+        int8_absmax(e, block as usize, &[], scratch);
     }
     let v_len = v.section_len(k);
-    let mut vw = ValueWriter::new(v, k, &mut p.buf[p.pos..p.pos + v_len], scratch);
+    let mut vw = ValueWriter::new(v, k, &mut p.buf[p.pos..p.pos + v_len], &[], scratch);
     e.each(|_, x| vw.push(x));
     p.pos += v_len;
 }
@@ -567,13 +706,20 @@ struct ValueWriter<'a> {
     left: usize,
     m: f32,
     inv: f32,
+    segs: Segments<'a>,
 }
 
 impl<'a> ValueWriter<'a> {
-    fn new(v: Values, count: usize, out: &'a mut [u8], absmax: &'a [u32]) -> Self {
+    fn new(v: Values, count: usize, out: &'a mut [u8], segs: &'a [u32], absmax: &'a [u32]) -> Self {
         let codes_at = match v {
             Values::Int8 { block } => {
-                let blocks = count.div_ceil(block as usize);
+                let blocks = if segs.is_empty() {
+                    count.div_ceil(block as usize)
+                } else {
+                    segs.iter()
+                        .map(|&l| (l as usize).div_ceil(block as usize))
+                        .sum()
+                };
                 for b in 0..blocks {
                     out[4 * b..4 * b + 4].copy_from_slice(&absmax[b].to_le_bytes());
                 }
@@ -591,6 +737,7 @@ impl<'a> ValueWriter<'a> {
             left: 0,
             m: 0.0,
             inv: 0.0,
+            segs: Segments::new(segs),
         }
     }
 
@@ -598,6 +745,9 @@ impl<'a> ValueWriter<'a> {
     fn push(&mut self, x: f32) {
         match self.v {
             Values::Int8 { block } => {
+                if self.segs.starts_one() {
+                    self.left = 0;
+                }
                 if self.left == 0 {
                     // No division per value: blocks are counted down.
                     self.m = f32::from_bits(self.absmax[self.block_at]);
@@ -612,5 +762,38 @@ impl<'a> ValueWriter<'a> {
             v => values::write_plain(v, x, &mut self.out[self.j * v.value_bytes()..]),
         }
         self.j += 1;
+    }
+}
+
+/// Counts kept entries down through a segment table (kept counts; zeros skipped; empty: one
+/// segment of every entry).
+struct Segments<'a> {
+    rest: &'a [u32],
+    left: u64,
+}
+
+impl<'a> Segments<'a> {
+    fn new(segs: &'a [u32]) -> Self {
+        Segments {
+            rest: segs,
+            left: if segs.is_empty() { u64::MAX } else { 0 },
+        }
+    }
+
+    /// Called once per entry, in order: true when this entry opens a segment.
+    #[inline]
+    fn starts_one(&mut self) -> bool {
+        let opens = self.left == 0;
+        while self.left == 0 {
+            match self.rest.split_first() {
+                Some((&len, rest)) => {
+                    self.left = u64::from(len);
+                    self.rest = rest;
+                }
+                None => self.left = u64::MAX,
+            }
+        }
+        self.left -= 1;
+        opens
     }
 }

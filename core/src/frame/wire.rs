@@ -34,6 +34,8 @@ pub(crate) const M_SIGN: u8 = 5;
 pub(crate) const FLAG_UNBIASED: u8 = 1;
 /// Flag of a sign frame with a zero mask (FORMAT.md 2.3).
 pub(crate) const FLAG_ZERO_MASK: u8 = 2;
+/// Flag of a top-k frame whose int8 scale blocks restart at every segment (FORMAT.md 3.2.1).
+pub(crate) const FLAG_SEGMENTED: u8 = 4;
 
 const fn values_spec_len(v: Values) -> usize {
     match v {
@@ -94,6 +96,18 @@ impl<'a> Put<'a> {
         self.bytes(&v.to_le_bytes());
     }
     /// The value spec (FORMAT.md 2.4).
+    /// An unsigned LEB128 varint (7 bits per byte, low first; the shortest form).
+    pub(crate) fn varint(&mut self, mut v: u64) {
+        loop {
+            let byte = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                self.u8(byte);
+                return;
+            }
+            self.u8(byte | 0x80);
+        }
+    }
     pub(crate) fn values(&mut self, v: Values) {
         self.u8(values::id(v));
         if let Values::Int8 { block } = v {
@@ -301,7 +315,8 @@ impl<'a> Get<'a> {
             });
         }
         let allowed = (id == M_RANDOMK && flags == FLAG_UNBIASED)
-            || (id == M_SIGN && flags == FLAG_ZERO_MASK);
+            || (id == M_SIGN && flags == FLAG_ZERO_MASK)
+            || (id == M_TOPK && flags == FLAG_SEGMENTED);
         if flags != 0 && !allowed {
             return Err(Error::Malformed { offset: FLAGS_AT });
         }
@@ -360,6 +375,49 @@ impl<'a> Get<'a> {
             return Err(Error::Malformed { offset: at });
         }
         Ok(count)
+    }
+
+    /// A segmented frame's segment count and table (FORMAT.md 3.2.1): `2 <= S <= count`
+    /// LEB128 kept counts, each `>= 1`, in their shortest form, summing to `count`. Returns the
+    /// table and the number of int8 scale blocks of `block` values it gives.
+    pub(crate) fn segments(&mut self, count: u64, block: u32) -> Result<(&'a [u8], u64), Error> {
+        let at = self.pos;
+        let s = u64::from(self.u32()?);
+        if s < 2 || s > count {
+            return Err(Error::Malformed { offset: at });
+        }
+        let start = self.pos;
+        let (mut sum, mut blocks) = (0u64, 0u64);
+        for _ in 0..s {
+            let at = self.pos;
+            let mut v = 0u64;
+            let mut i = 0u32;
+            loop {
+                let byte = self.u8()?;
+                // At most 10 bytes, the last one of a longer form not zero (shortest form),
+                // and no bits above 64.
+                if i == 9 && byte > 1 {
+                    return Err(Error::Malformed { offset: at });
+                }
+                v |= u64::from(byte & 0x7f) << (7 * i);
+                if byte & 0x80 == 0 {
+                    if byte == 0 && i > 0 {
+                        return Err(Error::Malformed { offset: at });
+                    }
+                    break;
+                }
+                i += 1;
+            }
+            sum = sum.saturating_add(v);
+            if v == 0 || sum > count {
+                return Err(Error::Malformed { offset: at });
+            }
+            blocks += v.div_ceil(u64::from(block));
+        }
+        if sum != count {
+            return Err(Error::Malformed { offset: at });
+        }
+        Ok((&self.buf[start..self.pos], blocks))
     }
 
     /// An index codec id.

@@ -489,6 +489,55 @@ pub fn roundtrip(data: &[u8]) {
     }
 }
 
+/// A segmented frame of `idx` (segments of 1, 2, 3, ... entries, FORMAT.md 3.2.1) decodes
+/// each segment's entries exactly as a frame of that segment alone does.
+fn check_segmented(grad: &[f32], idx: &[u32], values: Values) {
+    let n = grad.len();
+    let mut segs = Vec::new();
+    let (mut left, mut len) = (idx.len() as u32, 1u32);
+    while left > 0 {
+        segs.push(len.min(left));
+        left -= len.min(left);
+        len += 1;
+    }
+    let k = idx.len();
+    let mut f = vec![0u8; gradwire_core::segmented_frame_len(n, k, values, segs.len())];
+    let mut s = vec![0u32; gradwire_core::segmented_scratch_len(n, k, values, segs.len())];
+    let len = gradwire_core::encode_segmented_into(grad, idx, &segs, values, &mut s, &mut f)
+        .expect("encode_segmented_into");
+    let whole = decode_sparse(&f[..len], n, k, values);
+    let mut at = 0usize;
+    for &c in &segs {
+        let part = &idx[at..at + c as usize];
+        let m = Method::TopK {
+            k: K::Count(part.len() as u64),
+            values,
+        };
+        let mut f1 = vec![0u8; max_frame_len(n, &m)];
+        let mut s1 = vec![0u32; scratch_len(n, &m)];
+        let l1 = encode_selected_into(grad, part, values, &mut s1, &mut f1).expect("segment");
+        let own = decode_sparse(&f1[..l1], n, part.len(), values);
+        for &i in part {
+            assert_eq!(
+                whole[i as usize].to_bits(),
+                own[i as usize].to_bits(),
+                "segmented frame at {i}"
+            );
+        }
+        at += c as usize;
+    }
+}
+
+fn decode_sparse(frame: &[u8], n: usize, k: usize, values: Values) -> Vec<f32> {
+    let p = Params::new(Method::TopK {
+        k: K::Count(k as u64),
+        values,
+    });
+    let mut out = vec![0.0f32; n];
+    decode_into(frame, &p, &mut out).expect("decode");
+    out
+}
+
 fn check_bound(grad: &[f32], params: &Params, out: &[f32], kept: u64, frame: &[u8]) {
     let n = grad.len();
     match params.method {
@@ -522,6 +571,7 @@ fn check_bound(grad: &[f32], params: &Params, out: &[f32], kept: u64, frame: &[u
                     Err(Error::UnsortedIndices { position: 1 })
                 );
             }
+            check_segmented(grad, &idx, values);
         }
         Method::Threshold { threshold, values } => {
             let set: Vec<usize> = (0..n).filter(|&i| grad[i].abs() > threshold).collect();
@@ -1186,12 +1236,12 @@ fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
                 block: block as u32,
             };
             let mut out = vec![f32::from_bits(SENTINEL); len];
-            values::decode_run(v, &section, count, first, &mut out);
+            values::ValueRuns::new(v, &section, count, &[]).read(first, &mut out);
             for (o, j) in out.iter().zip(first..) {
                 let b = j / block;
                 let m = f32::from_le_bytes(section[4 * b..4 * b + 4].try_into().unwrap());
                 let want = values::int8_value(section[4 * blocks + j] as i8, m);
-                assert_eq!(o.to_bits(), want.to_bits(), "decode_run at {j}");
+                assert_eq!(o.to_bits(), want.to_bits(), "ValueRuns::read at {j}");
             }
         }
     }

@@ -131,6 +131,29 @@ pub fn frames() -> Vec<Vec<u8>> {
             }
         }
     }
+    // Segmented top-k frames (int8 scale blocks restarting at each segment): every third
+    // entry kept, cut into segments of 1, 2, 3, ... entries.
+    for g in &grads {
+        let kept: Vec<u32> = (0..g.len() as u32).step_by(3).collect();
+        let mut segs = Vec::new();
+        let (mut left, mut len) = (kept.len() as u32, 1u32);
+        while left > 0 {
+            segs.push(len.min(left));
+            left -= len.min(left);
+            len += 1;
+        }
+        let values = Values::Int8 { block: 3 };
+        let (n, k) = (g.len(), kept.len());
+        let mut out = vec![0u8; gradwire_core::segmented_frame_len(n, k, values, segs.len())];
+        let mut scratch =
+            vec![0u32; gradwire_core::segmented_scratch_len(n, k, values, segs.len())];
+        if let Ok(len) =
+            gradwire_core::encode_segmented_into(g, &kept, &segs, values, &mut scratch, &mut out)
+        {
+            out.truncate(len);
+            v.push(out);
+        }
+    }
     v
 }
 
