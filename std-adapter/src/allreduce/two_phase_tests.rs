@@ -380,6 +380,62 @@ fn top_k_budgets_sum_to_k_and_the_result_keeps_about_k_per_tensor() {
     }
 }
 
+/// A tensor of large entries beside one of small entries, both dealt over the same owners:
+/// with int8 values, a scale block shared across the two would round the small tensor's
+/// entries to zero (127 x 0.001 / 1000 < 0.5). Each tensor's kept values decode to within half
+/// an int8 step of its own block's absmax, on the worker's frames and on the owners'.
+#[test]
+fn int8_scale_blocks_never_span_two_tensors() {
+    let grads_of = |r: usize, _s: u64| {
+        let mut rng = Rng(7 + r as u64);
+        let big: Vec<f32> = rng.vec(4096, 1.0).iter().map(|x| 1000.0 + x).collect();
+        let small: Vec<f32> = rng
+            .vec(4096, 1.0)
+            .iter()
+            .map(|x| 0.001 * (1.5 + x))
+            .collect();
+        grads(&[("a.big", &[4096], big), ("b.small", &[4096], small)])
+    };
+    let runs = run_group(
+        2,
+        1,
+        |c| {
+            CompressedAllReduce::with_communicator(
+                CompressionMethod::Core(Method::TopK {
+                    k: K::Ratio(0.05),
+                    values: Values::Int8 { block: 256 },
+                }),
+                c,
+            )
+            .with_collective(Collective::TwoPhase)
+        },
+        grads_of,
+    );
+    let out = runs[0][0].0.as_ref().unwrap();
+    let small = out["b.small"].data();
+    let k = gradwire::core::k_from_ratio(4096, 0.05) as usize;
+    let kept = small.iter().filter(|x| **x != 0.0).count();
+    assert_eq!(kept, k, "every kept small entry decodes to a non-zero");
+    // Owner j holds blocks j and j + 2 (1024 elements each) of the tensor: its kept values
+    // (fewer than 256) are one int8 block whose scale is their own absmax, so each is an
+    // integer code times absmax / 127.
+    for j in 0..2 {
+        let part: Vec<f32> = [j, j + 2]
+            .iter()
+            .flat_map(|b| small[b * 1024..(b + 1) * 1024].iter().copied())
+            .filter(|x| *x != 0.0)
+            .collect();
+        let m = part.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        for x in part {
+            let code = x * 127.0 / m;
+            assert!(
+                (code - code.round()).abs() < 1e-3,
+                "owner {j}: {x} over {m}"
+            );
+        }
+    }
+}
+
 #[test]
 fn resume_with_server_residuals_is_bit_identical() {
     const W: usize = 3;

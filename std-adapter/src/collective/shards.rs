@@ -15,7 +15,10 @@
 //! owner), so the budgets sum to `k_t` exactly; worker and owner keep the same budget, each
 //! tensor's own top-k inside the shard's one frame (as the per-tensor top-k of a bucket).
 
-use gradwire_core::{K, Method, SignScale, Values, max_frame_len, scratch_len, tensor_id};
+use gradwire_core::{
+    K, Method, SignScale, Values, max_frame_len, scratch_len, segmented_frame_len,
+    segmented_scratch_len, tensor_id,
+};
 
 use crate::error::{Error, Result};
 use crate::layout::{EntryKind, Manifest};
@@ -222,8 +225,19 @@ impl ShardLayout {
             .collect();
         let (mut max_frame, mut max_scratch) = (0, 0);
         for j in 0..world {
-            max_frame = max_frame.max(max_frame_len(shard_lens[j], &methods[j]));
-            max_scratch = max_scratch.max(scratch_len(shard_lens[j], &methods[j]));
+            // Top-k frames carry one segment per tensor (int8 scale blocks restart at each).
+            let (frame, scratch) = match methods[j] {
+                Method::TopK { values, .. } => (
+                    segmented_frame_len(shard_lens[j], kept[j] as usize, values, tensors.len()),
+                    segmented_scratch_len(shard_lens[j], kept[j] as usize, values, tensors.len()),
+                ),
+                ref m => (
+                    max_frame_len(shard_lens[j], m),
+                    scratch_len(shard_lens[j], m),
+                ),
+            };
+            max_frame = max_frame.max(frame);
+            max_scratch = max_scratch.max(scratch);
         }
         let salt = manifest.layout_id();
         Ok(ShardLayout {

@@ -31,8 +31,8 @@ use gradwire_core::feedback::sparse_update;
 use gradwire_core::frame::chunk::SparseFrame;
 use gradwire_core::values::{first_non_finite, magnitude_limit};
 use gradwire_core::{
-    Method, Params, accumulate_into, decode_into, encode_into, encode_selected_into, feedback_step,
-    max_frame_len, scratch_len, select,
+    Method, Params, accumulate_into, decode_into, encode_into, encode_segmented_into,
+    feedback_step, select,
 };
 
 use super::shard_message::{self, Phase};
@@ -96,6 +96,7 @@ pub(crate) struct TwoPhase {
     scratch: Vec<u32>,
     select: Vec<u32>,
     kept: Vec<u32>,
+    segments: Vec<u32>,
     sent: Vec<f32>,
     frame: Vec<u8>,
 }
@@ -621,6 +622,7 @@ impl TwoPhase {
                 scratch: &mut self.scratch,
                 select: &mut self.select,
                 kept: &mut self.kept,
+                segments: &mut self.segments,
                 sum: &mut self.sum,
                 sent: &mut self.sent,
                 frame: &mut self.frame,
@@ -796,6 +798,7 @@ impl TwoPhase {
                 scratch: &mut self.scratch,
                 select: &mut self.select,
                 kept: &mut self.kept,
+                segments: &mut self.segments,
                 sum: &mut self.sum,
                 sent: &mut self.sent,
                 frame: &mut self.frame,
@@ -814,6 +817,7 @@ struct Buffers<'b> {
     scratch: &'b mut Vec<u32>,
     select: &'b mut Vec<u32>,
     kept: &'b mut Vec<u32>,
+    segments: &'b mut Vec<u32>,
     sum: &'b mut Vec<f32>,
     sent: &'b mut Vec<f32>,
     frame: &'b mut Vec<u8>,
@@ -834,8 +838,9 @@ fn encode_shard(
 ) -> Result<usize> {
     let method = params.method;
     let n = input.len();
-    let scratch = &mut bufs.scratch[..scratch_len(n, &method)];
-    let frame = &mut bufs.frame[..max_frame_len(n, &method)];
+    // Buffers hold the layout's largest frame (top-k: one int8 segment per tensor).
+    let scratch = &mut bufs.scratch[..];
+    let frame = &mut bufs.frame[..];
     let at = |e: gradwire_core::Error| -> Error {
         let index = match e {
             gradwire_core::Error::NonFinite { index }
@@ -879,6 +884,7 @@ fn encode_shard(
     }
     let limit = magnitude_limit(Some(values));
     bufs.kept.clear();
+    bufs.segments.clear();
     for ts in &layout.tensors {
         let (start, len, k) = (ts.starts[j], ts.lens[j], ts.budgets[j] as usize);
         if len == 0 || k == 0 {
@@ -897,8 +903,11 @@ fn encode_shard(
             at(gradwire_core::Error::ValueOutOfRange { index: start + i })
         })?;
         bufs.kept.extend(kept.idx.iter().map(|&i| i + start as u32));
+        bufs.segments.push(kept.idx.len() as u32);
     }
-    let written = encode_selected_into(x, bufs.kept, values, scratch, frame).map_err(at)?;
+    // One segment per tensor: int8 scale blocks never span two tensors (FORMAT.md 3.2.1).
+    let written =
+        encode_segmented_into(x, bufs.kept, bufs.segments, values, scratch, frame).map_err(at)?;
     if let Some(r) = residual {
         // What the frame delivers, then `residual = (residual + input) - sent` by the core.
         let sparse = SparseFrame::parse(&frame[..written], params, n).map_err(at)?;
