@@ -470,7 +470,10 @@ impl<'a> ValueRuns<'a> {
     /// A reader of `section` (`count` values of codec `values`) with the segment table
     /// `table` (LEB128 kept counts; empty for a frame without segments).
     pub fn new(values: Values, section: &'a [u8], count: usize, table: &'a [u8]) -> Self {
+        // Without a table the blocks follow from the count alone; with one, the parser sized
+        // the section as the table's blocks and the codes.
         let scales = match values {
+            Values::Int8 { block } if table.is_empty() => count.div_ceil(block.max(1) as usize),
             Values::Int8 { .. } => section.len().saturating_sub(count) / 4,
             _ => 0,
         };

@@ -481,7 +481,8 @@ impl<'f> SparseFrame<'f> {
     /// decoder does: plain values converted to f32, int8 codes times their block's scale, and
     /// for unbiased random-k each value times `s = n / k` (computed in f64, rounded once to
     /// f32): `fl(v * s)`. Any range of entries decodes on its own (for decoding in chunks); in
-    /// a segmented frame each call reads the segment table up to `first`.
+    /// a segmented frame (FORMAT.md 3.2.1) each call reads the segment table up to `first`,
+    /// so decode one in a few large chunks, not entry by entry.
     ///
     /// # Errors
     /// [`Error::BadChunk`] when the range runs past [`SparseFrame::kept`].

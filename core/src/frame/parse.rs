@@ -126,7 +126,7 @@ fn parse_selected<'a>(r: &mut Get<'a>, f: Fixed) -> Result<Parsed<'a>, Error> {
             let (table, blocks) = r.segments(count, block)?;
             (table, Some(blocks))
         }
-        (true, _) => return Err(Error::Malformed { offset: 6 }),
+        (true, _) => return Err(wire::flags_malformed()),
     };
     let codec = r.index_codec()?;
     let method = match threshold {

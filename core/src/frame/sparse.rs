@@ -50,10 +50,12 @@ pub fn encode_selected_into(
 /// segments, the frame is the one [`encode_selected_into`] writes. Decoders need nothing new:
 /// the frame decodes with the same `Method::TopK { k: K::Count(kept.len() as u64), values }`.
 ///
-/// `scratch` and `out` are sized by [`segmented_scratch_len`] and [`segmented_frame_len`].
+/// `scratch` and `out` are sized by [`segmented_scratch_len`] and [`segmented_frame_len`]
+/// with `segments.len()` (zeros included).
 ///
 /// # Errors
-/// [`Error::LengthMismatch`] when `segments` does not sum to `kept.len()`; otherwise as
+/// [`Error::LengthMismatch`] when `segments` does not sum to `kept.len()`;
+/// [`Error::TooLarge`] for more than `u32::MAX` non-empty segments; otherwise as
 /// [`encode_selected_into`].
 ///
 /// # Panics
@@ -75,6 +77,12 @@ pub fn encode_segmented_into(
             });
         }
         let non_empty = segments.iter().filter(|&&l| l > 0).count();
+        // The segment count is a `u32` on the wire.
+        if u32::try_from(non_empty).is_err() {
+            return Err(Error::TooLarge {
+                n: grad.len() as u64,
+            });
+        }
         let segs = match values {
             Values::Int8 { .. } if non_empty >= 2 => segments,
             _ => &[],

@@ -269,6 +269,11 @@ pub(crate) const fn unknown_method() -> Error {
     Error::Malformed { offset: METHOD_AT }
 }
 
+/// The error of a flags byte the method or its parameters do not allow.
+pub(crate) fn flags_malformed() -> Error {
+    Error::Malformed { offset: FLAGS_AT }
+}
+
 /// Checked little-endian reader over the header.
 pub(crate) struct Get<'a> {
     pub(crate) buf: &'a [u8],

@@ -436,6 +436,47 @@ fn int8_scale_blocks_never_span_two_tensors() {
     }
 }
 
+/// Segmented int8 frames are larger than the plain top-k bound when the index section is as
+/// large as it can be (a dense ratio, where the bitmap wins; budgets of one entry per tensor
+/// part): the shard messages' size limit counts the segment table, so such steps succeed.
+#[test]
+fn segmented_int8_shards_fit_their_message_limit_at_any_density() {
+    let grads_of = |r: usize, _s: u64| {
+        let mut rng = Rng(11 + r as u64);
+        grads(&[
+            ("a", &[4096], rng.vec(4096, 1.0)),
+            ("b", &[4096], rng.vec(4096, 0.01)),
+            ("c", &[2048], rng.vec(2048, 3.0)),
+        ])
+    };
+    for ratio in [0.5, 0.9, 0.0005] {
+        let runs = run_group(
+            2,
+            2,
+            move |c| {
+                CompressedAllReduce::with_communicator(
+                    CompressionMethod::Core(Method::TopK {
+                        k: K::Ratio(ratio),
+                        values: Values::Int8 { block: 64 },
+                    })
+                    .with_error_feedback(),
+                    c,
+                )
+                .with_collective(Collective::TwoPhase)
+            },
+            grads_of,
+        );
+        for (rank, steps) in runs.iter().enumerate() {
+            for (s, (result, _)) in steps.iter().enumerate() {
+                let out = result
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("ratio {ratio}, rank {rank}, step {s}: {e}"));
+                assert_eq!(flat(out), flat(runs[0][s].0.as_ref().unwrap()));
+            }
+        }
+    }
+}
+
 #[test]
 fn resume_with_server_residuals_is_bit_identical() {
     const W: usize = 3;

@@ -65,6 +65,8 @@ pub(crate) struct ShardLayout {
     pub(crate) owner_ids: Vec<u64>,
     /// Largest shard frame, largest scratch (encode plus top-k selection), longest shard.
     pub(crate) max_frame: usize,
+    /// The largest frame of each owner's shard, in bytes.
+    pub(crate) frame_bounds: Vec<usize>,
     pub(crate) max_scratch: usize,
     pub(crate) max_select: usize,
     /// The manifest's layout id (the cache key, with the world size).
@@ -224,18 +226,10 @@ impl ShardLayout {
             })
             .collect();
         let (mut max_frame, mut max_scratch) = (0, 0);
+        let mut frame_bounds = Vec::with_capacity(world);
         for j in 0..world {
-            // Top-k frames carry one segment per tensor (int8 scale blocks restart at each).
-            let (frame, scratch) = match methods[j] {
-                Method::TopK { values, .. } => (
-                    segmented_frame_len(shard_lens[j], kept[j] as usize, values, tensors.len()),
-                    segmented_scratch_len(shard_lens[j], kept[j] as usize, values, tensors.len()),
-                ),
-                ref m => (
-                    max_frame_len(shard_lens[j], m),
-                    scratch_len(shard_lens[j], m),
-                ),
-            };
+            let (frame, scratch) = frame_and_scratch(shard_lens[j], &methods[j], &tensors, j);
+            frame_bounds.push(frame);
             max_frame = max_frame.max(frame);
             max_scratch = max_scratch.max(scratch);
         }
@@ -253,6 +247,7 @@ impl ShardLayout {
             shard_lens,
             methods,
             max_frame,
+            frame_bounds,
             max_scratch,
             max_select,
             layout_id: salt,
@@ -310,7 +305,7 @@ impl ShardLayout {
     pub(crate) fn max_message_len(&self, j: usize) -> usize {
         super::shard_message::HEADER_LEN
             + if self.shard_lens[j] > 0 {
-                4 + max_frame_len(self.shard_lens[j], &self.methods[j])
+                4 + self.frame_bounds[j]
             } else {
                 0
             }
@@ -319,6 +314,33 @@ impl ShardLayout {
     /// Frames in owner `j`'s messages (one, or none for an empty shard).
     pub(crate) fn frames_of(&self, j: usize) -> usize {
         usize::from(self.shard_lens[j] > 0)
+    }
+}
+
+/// The largest frame and the scratch words of owner `j`'s shard of `n` elements with
+/// `method`: a top-k frame with int8 values has one segment per tensor part with a budget
+/// (FORMAT.md 3.2.1), every other frame is the core's plain bound.
+fn frame_and_scratch(
+    n: usize,
+    method: &Method,
+    tensors: &[TensorShards],
+    j: usize,
+) -> (usize, usize) {
+    match *method {
+        Method::TopK {
+            k: K::Count(kept),
+            values: values @ Values::Int8 { .. },
+        } => {
+            let parts = tensors
+                .iter()
+                .filter(|ts| ts.lens[j] > 0 && ts.budgets[j] > 0)
+                .count();
+            (
+                segmented_frame_len(n, kept as usize, values, parts),
+                segmented_scratch_len(n, kept as usize, values, parts),
+            )
+        }
+        ref m => (max_frame_len(n, m), scratch_len(n, m)),
     }
 }
 
