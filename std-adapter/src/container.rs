@@ -54,18 +54,18 @@ use crate::tensor::Tensor;
 /// The first four bytes of a container.
 pub(crate) const CONTAINER_MAGIC: [u8; 4] = *b"GWCT";
 /// The container version this crate writes and reads.
-pub const CONTAINER_VERSION: u8 = 1;
+pub(crate) const CONTAINER_VERSION: u8 = 1;
 const PREFIX_LEN: usize = 12;
 const CRC_LEN: usize = 4;
 
 /// True when `bytes` starts with the container magic.
-pub fn is_container(bytes: &[u8]) -> bool {
+pub(crate) fn is_container(bytes: &[u8]) -> bool {
     bytes.starts_with(&CONTAINER_MAGIC)
 }
 
 /// What a container's manifest section declares.
 #[derive(Clone, Debug, PartialEq)]
-pub struct ContainerHeader {
+pub(crate) struct ContainerHeader {
     /// The method of every frame.
     pub method: Method,
     /// The run's seed.
@@ -93,6 +93,7 @@ fn manifest_of(specs: Vec<TensorSpec>, method: Method, seed: u64) -> Result<Mani
     )
 }
 
+#[cfg(test)] // a whole-model helper of the unit tests; the tool streams (`compress_each`)
 fn specs_of(model: &[(String, Tensor)]) -> Vec<TensorSpec> {
     model
         .iter()
@@ -111,7 +112,13 @@ fn grads_of(model: &[(String, Tensor)]) -> HashMap<String, Tensor> {
 /// # Errors
 /// [`Error::Container`] when the method text, a name, a shape's rank or the tensor list is
 /// too long for the layout's length fields.
-pub fn write(specs: &[TensorSpec], method: &Method, seed: u64, bundle: &[u8]) -> Result<Vec<u8>> {
+#[cfg(test)] // a whole-model helper of the unit tests; the tool streams (`compress_each`)
+pub(crate) fn write(
+    specs: &[TensorSpec],
+    method: &Method,
+    seed: u64,
+    bundle: &[u8],
+) -> Result<Vec<u8>> {
     let mut out = head(specs, method, seed)?;
     out.reserve_exact(bundle.len());
     out.extend_from_slice(bundle);
@@ -159,7 +166,8 @@ fn head(specs: &[TensorSpec], method: &Method, seed: u64) -> Result<Vec<u8>> {
 ///
 /// # Errors
 /// As [`compress_each`].
-pub fn compress(
+#[cfg(test)] // a whole-model helper of the unit tests; the tool streams (`compress_each`)
+pub(crate) fn compress(
     model: &[(String, Tensor)],
     method: Method,
     seed: u64,
@@ -189,7 +197,7 @@ pub fn compress(
 /// another shape; as [`crate::GradientCompressor::compress_bundle`] for each tensor (a NaN,
 /// a value beyond the method's range, a residual of another length or shape); any error of
 /// `next`; as [`write()`].
-pub fn compress_each<E: From<Error>>(
+pub(crate) fn compress_each<E: From<Error>>(
     specs: &[TensorSpec],
     method: Method,
     seed: u64,
@@ -350,12 +358,12 @@ fn le8(c: &[u8]) -> [u8; 8] {
 /// Elements charged to a model's bound for each tensor, whatever its size: what its metadata
 /// costs a reader (its entries in the manifest, the bundle's entry list and the output's
 /// safetensors header, with the allocator's overhead): 256 elements, 1 KiB.
-pub const TENSOR_CHARGE: u64 = 256;
+pub(crate) const TENSOR_CHARGE: u64 = 256;
 /// Elements charged per byte of a tensor's name (held several times, and escaped up to six
 /// bytes per byte in a JSON header).
-pub const NAME_BYTE_CHARGE: u64 = 4;
+pub(crate) const NAME_BYTE_CHARGE: u64 = 4;
 /// Elements charged per dimension of a tensor's shape.
-pub const DIMENSION_CHARGE: u64 = 16;
+pub(crate) const DIMENSION_CHARGE: u64 = 16;
 
 /// What a tensor of `numel` elements, a name of `name_len` bytes and `rank` dimensions counts
 /// against a reader's element bound (`--max-elements`): its elements plus [`TENSOR_CHARGE`],
@@ -372,7 +380,7 @@ pub(crate) fn charged_elements(name_len: usize, rank: usize, numel: u64) -> u64 
 /// The sum over `specs` of each tensor's elements plus [`TENSOR_CHARGE`], [`NAME_BYTE_CHARGE`]
 /// per name byte and [`DIMENSION_CHARGE`] per dimension: the smallest `max_elements` that admits a
 /// container of exactly this model.
-pub fn model_charge(specs: &[TensorSpec]) -> u64 {
+pub(crate) fn model_charge(specs: &[TensorSpec]) -> u64 {
     specs.iter().fold(0u64, |acc, s| {
         let numel = s
             .shape
@@ -626,7 +634,8 @@ impl ContainerHeader {
 /// # Errors
 /// [`Error::Container`] for an invalid container or one of another model; every error of
 /// [`ContainerHeader::decode_each`].
-pub fn decompress(
+#[cfg(test)] // a whole-model helper of the unit tests; the tool streams (`compress_each`)
+pub(crate) fn decompress(
     bytes: &[u8],
     specs: Option<&[TensorSpec]>,
     max_elements: u64,

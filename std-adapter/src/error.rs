@@ -405,7 +405,7 @@ pub enum Error {
         /// Elements asked for.
         elements: usize,
     },
-    /// A container file is invalid or describes another model (see [`crate::container`]).
+    /// A container file is invalid or describes another model (FORMAT.md section 13).
     #[error("{reason}")]
     Container {
         /// What is wrong.

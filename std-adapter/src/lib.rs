@@ -18,9 +18,10 @@
 //! thread.
 //!
 //! The modules are layers, each using only those listed before it: [`comm`], `error`,
-//! [`safetensors_reader`], [`tensor`], [`method`], [`layout`], [`feedback`], `engine` (the one
+//! `safetensors_reader`, [`tensor`], [`method`], [`layout`], [`feedback`], `engine` (the one
 //! encoder), `aggregate`, `collective`, [`powersgd`], [`reference`](mod@reference),
-//! [`compressor`], [`dgc`], `allreduce`, [`container`] (`docs/architecture.md`; a test checks the order).
+//! [`compressor`], [`dgc`], `allreduce`, `container` (the tool's file format), [`cli`] (the
+//! `gradwire` tool) (`docs/architecture.md`; a test checks the order).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -31,7 +32,7 @@ extern crate self as gradwire;
 
 pub mod comm;
 mod error;
-pub mod safetensors_reader;
+mod safetensors_reader;
 pub mod tensor;
 
 pub mod method;
@@ -56,7 +57,9 @@ pub mod dgc;
 
 mod allreduce;
 
-pub mod container;
+mod container;
+
+pub mod cli;
 
 pub use gradwire_core as core;
 

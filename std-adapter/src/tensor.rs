@@ -124,7 +124,7 @@ impl Tensor {
 
 /// The tensors of a safetensors file of float32 tensors (a model's gradients, as
 /// `safetensors.torch.save_file` writes them), sorted by name. The bytes are treated as
-/// untrusted (read through [`crate::safetensors_reader::deserialize`]).
+/// untrusted (its header is parsed with every length and offset checked before the `safetensors` crate reads it).
 ///
 /// ```
 /// use std::collections::HashMap;
@@ -202,7 +202,7 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
 /// [`Error::DuplicateTensor`], [`Error::Config`] as [`write_safetensors`];
 /// [`Error::ShapeOverflow`] for a model whose byte length overflows; [`Error::Safetensors`] for
 /// a header longer than safetensors allows.
-pub fn f32_safetensors_header<'a>(
+pub(crate) fn f32_safetensors_header<'a>(
     tensors: impl ExactSizeIterator<Item = (&'a str, &'a [usize])>,
 ) -> Result<Vec<u8>> {
     use safetensors::tensor::{Metadata, TensorInfo};

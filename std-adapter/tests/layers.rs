@@ -46,6 +46,7 @@ const STD: &[&str] = &[
     "dgc",
     "allreduce",
     "container",
+    "cli",
 ];
 
 fn root(krate: &str) -> PathBuf {

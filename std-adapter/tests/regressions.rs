@@ -71,7 +71,7 @@ fn reference_payload_with_offsets_near_usize_max_is_an_error() {
         assert!(decode(&bytes, mode, &specs).is_err(), "{mode:?}");
     }
     assert!(summarize(&bytes).is_err());
-    assert!(gradwire::safetensors_reader::deserialize(&bytes).is_err());
+    assert!(gradwire::tensor::read_safetensors(&bytes).is_err());
 }
 
 /// Issue 24 item 2 (an abort on a 39-byte frame): `decompress` allocated the output from the

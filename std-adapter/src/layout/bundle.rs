@@ -49,7 +49,7 @@ pub(crate) const BUNDLE_VERSION: u8 = 2;
 /// Bytes of the bundle header.
 pub(crate) const HEADER_LEN: usize = 24;
 /// Bytes of an entry's id and length.
-pub const ENTRY_HEADER_LEN: usize = 12;
+pub(crate) const ENTRY_HEADER_LEN: usize = 12;
 /// Bytes of the CRC-32 trailer.
 pub(crate) const TRAILER_LEN: usize = 4;
 

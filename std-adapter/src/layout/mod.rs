@@ -18,7 +18,8 @@ use std::collections::HashMap;
 use gradwire_core::{K, Method, Params, max_frame_len, scratch_len, tensor_id};
 
 pub use self::bucket::{BucketConfig, TopKScope};
-pub use self::bundle::{BundleHeader, ENTRY_HEADER_LEN};
+pub use self::bundle::BundleHeader;
+use self::bundle::ENTRY_HEADER_LEN;
 pub use self::frames::CompressedGradient;
 pub(crate) use self::frames::{check_frame_of, frame_error};
 

@@ -7,10 +7,10 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-use gradwire::TensorSpec;
-use gradwire::tensor::Tensor;
+use crate::TensorSpec;
+use crate::tensor::Tensor;
 
-use crate::CliError;
+use super::CliError;
 
 /// Reads a whole file, naming it in the error.
 pub fn read(path: &Path) -> Result<Vec<u8>, CliError> {
@@ -21,12 +21,12 @@ pub fn read(path: &Path) -> Result<Vec<u8>, CliError> {
 pub type Model = Vec<(String, Tensor)>;
 
 /// `path: what: ` followed by the safetensors error with its hint
-/// ([`gradwire::safetensors_reader::describe`]).
+/// ([`crate::safetensors_reader::describe`]).
 pub fn safetensors_error(path: &Path, what: &str, e: &safetensors::SafeTensorError) -> CliError {
     CliError::new(format!(
         "{}: {what}: {}",
         path.display(),
-        gradwire::safetensors_reader::describe(e)
+        crate::safetensors_reader::describe(e)
     ))
 }
 
@@ -43,7 +43,7 @@ pub struct Input {
 impl Input {
     /// Opens `path` and reads its header: every tensor must be float32 (the first that is not,
     /// in file order, is named), and the model (elements, and the metadata charge of
-    /// [`gradwire::container::charged_elements`]) at most `max_elements`, checked before any
+    /// [`crate::container::charged_elements`]) at most `max_elements`, checked before any
     /// tensor data is read.
     pub fn open(path: &Path, max_elements: u64) -> Result<Input, CliError> {
         let mut file = File::open(path).map_err(|e| CliError::io("cannot read", path, &e))?;
@@ -64,7 +64,7 @@ impl Input {
                 path.display()
             )));
         }
-        let (meta, data_start) = gradwire::safetensors_reader::read_header_from(&mut file, len)
+        let (meta, data_start) = crate::safetensors_reader::read_header_from(&mut file, len)
             .map_err(|e| match e {
                 safetensors::SafeTensorError::IoError(e) => CliError::io("cannot read", path, &e),
                 e => safetensors_error(path, "not a valid safetensors file", &e),
@@ -78,7 +78,7 @@ impl Input {
                 return Err(CliError::new(format!(
                     "{}: {}",
                     path.display(),
-                    gradwire::Error::Dtype {
+                    crate::Error::Dtype {
                         tensor: name,
                         dtype: format!("{:?}", info.dtype),
                     }
@@ -89,16 +89,16 @@ impl Input {
         }
         tensors.sort_by(|a, b| a.0.name.cmp(&b.0.name));
         let specs: Vec<TensorSpec> = tensors.iter().map(|(s, _)| s.clone()).collect();
-        let charge = gradwire::container::model_charge(&specs);
+        let charge = crate::container::model_charge(&specs);
         if charge > max_elements {
             return Err(CliError::new(format!(
                 "{}: the model has more than {max_elements} elements (counting {} per tensor, {} \
                  per byte of its name and {} per dimension for its metadata; see \
                  --max-elements)",
                 path.display(),
-                gradwire::container::TENSOR_CHARGE,
-                gradwire::container::NAME_BYTE_CHARGE,
-                gradwire::container::DIMENSION_CHARGE,
+                crate::container::TENSOR_CHARGE,
+                crate::container::NAME_BYTE_CHARGE,
+                crate::container::DIMENSION_CHARGE,
             )));
         }
         Ok(Input {
@@ -164,7 +164,7 @@ pub fn read_shapes(path: &Path) -> Result<Vec<(String, Vec<usize>)>, CliError> {
         .map_err(|e| CliError::io("cannot read", path, &e))?
         .len();
     let (meta, _) =
-        gradwire::safetensors_reader::read_header_from(&mut file, len).map_err(|e| match e {
+        crate::safetensors_reader::read_header_from(&mut file, len).map_err(|e| match e {
             safetensors::SafeTensorError::IoError(e) => CliError::io("cannot read", path, &e),
             e => safetensors_error(path, "not a valid safetensors file", &e),
         })?;
@@ -178,11 +178,11 @@ pub fn read_shapes(path: &Path) -> Result<Vec<(String, Vec<usize>)>, CliError> {
 }
 
 /// The header of a float32 safetensors file of `tensors` (`(name, shape)`, in data order;
-/// [`gradwire::tensor::f32_safetensors_header`]).
+/// [`crate::tensor::f32_safetensors_header`]).
 pub fn model_header<'a>(
     tensors: impl ExactSizeIterator<Item = (&'a str, &'a [usize])>,
 ) -> Result<Vec<u8>, CliError> {
-    gradwire::tensor::f32_safetensors_header(tensors)
+    crate::tensor::f32_safetensors_header(tensors)
         .map_err(|e| CliError::new(format!("cannot serialize safetensors: {e}")))
 }
 

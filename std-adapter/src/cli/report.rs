@@ -3,13 +3,13 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use gradwire::TensorSpec;
-use gradwire::container::{CONTAINER_VERSION, ContainerHeader};
-use gradwire::core::peek;
-use gradwire::layout::ENTRY_HEADER_LEN;
-use gradwire::reference;
+use crate::TensorSpec;
+use crate::container::{CONTAINER_VERSION, ContainerHeader};
+use crate::layout::bundle::ENTRY_HEADER_LEN;
+use crate::reference;
+use gradwire_core::peek;
 
-use crate::CliError;
+use super::CliError;
 
 /// One tensor of a compressed file.
 #[derive(Clone, Debug)]
@@ -310,7 +310,7 @@ pub fn reference(
 /// The `inspect` report of a container: every frame is checked (headers, checksums, element
 /// counts, parameters) but not decoded.
 pub fn container(path: &Path, bytes: &[u8], max_elements: u64) -> Result<Report, CliError> {
-    let at = |e: gradwire::Error| CliError::from(e).in_file(path);
+    let at = |e: crate::Error| CliError::from(e).in_file(path);
     let header = ContainerHeader::read_for(bytes, None, max_elements).map_err(at)?;
     let manifest = header.manifest().map_err(at)?;
     let bundle = &bytes[header.bundle_offset..];
@@ -318,7 +318,7 @@ pub fn container(path: &Path, bytes: &[u8], max_elements: u64) -> Result<Report,
     let bh = manifest
         .check_bundle_with(bundle, None, None, |e, frame, _| {
             let entry = &manifest.entries()[e];
-            let h = peek(frame).map_err(|source| gradwire::Error::Core {
+            let h = peek(frame).map_err(|source| crate::Error::Core {
                 tensor: entry.label.clone(),
                 rank: None,
                 source,
@@ -328,7 +328,7 @@ pub fn container(path: &Path, bytes: &[u8], max_elements: u64) -> Result<Report,
                 rows.push(Row {
                     name: t.name.clone(),
                     shape: Some(t.shape.clone()),
-                    method: gradwire::method::format(&h.params.method),
+                    method: crate::method::format(&h.params.method),
                     n: Some(t.numel as u64),
                     kept: h.kept,
                     bytes: (frame.len() + ENTRY_HEADER_LEN) as u64,
@@ -340,7 +340,7 @@ pub fn container(path: &Path, bytes: &[u8], max_elements: u64) -> Result<Report,
     Ok(Report {
         layout: "gradwire",
         facts: vec![
-            ("method", gradwire::method::format(&header.method)),
+            ("method", crate::method::format(&header.method)),
             ("seed", header.seed.to_string()),
             ("step", bh.step.to_string()),
             ("container_version", CONTAINER_VERSION.to_string()),
