@@ -124,7 +124,8 @@ impl Tensor {
 
 /// The tensors of a safetensors file of float32 tensors (a model's gradients, as
 /// `safetensors.torch.save_file` writes them), sorted by name. The bytes are treated as
-/// untrusted (its header is parsed with every length and offset checked before the `safetensors` crate reads it).
+/// untrusted: the header is parsed with every length and offset checked before the
+/// `safetensors` crate reads it.
 ///
 /// ```
 /// use std::collections::HashMap;

@@ -1321,6 +1321,8 @@ fn container_of(model: &[(String, Tensor)], method: Method) -> Vec<u8> {
         .iter()
         .map(|(name, t)| TensorSpec::new(name.clone(), t.shape().to_vec()))
         .collect();
+    // FORMAT.md 13: tensors in bundle order, sorted by name.
+    assert!(specs.windows(2).all(|w| w[0].name < w[1].name));
     let cm = CompressionMethod::Core(method);
     let manifest = Manifest::new(specs.clone(), &cm, 0, BucketConfig::none()).unwrap();
     let grads: HashMap<String, Tensor> = model.iter().cloned().collect();
