@@ -28,7 +28,8 @@
 //! positive f32: every payload written decodes to finite values.
 //!
 //! # Error feedback: where gradwire differs from the reference
-//! [`feedback_step`] adds the residual to the gradient, compresses the sum `x`, and leaves in
+//! Each error-feedback step ([`compress_with_residuals`], [`compress_with_error_feedback`])
+//! adds the residual to the gradient of each tensor, compresses the sum `x`, and leaves in
 //! the residual what was not delivered:
 //! - [`Mode::TopK`]: `x` with the kept entries set to zero, identical to the reference;
 //! - [`Mode::TopKInt8`]: additionally, at each kept entry, the int8 rounding error
@@ -427,24 +428,6 @@ fn compress_checked(x: &[f32], mode: Mode, ratio: f64) -> Entry {
             scale,
         }
     }
-}
-
-/// One error-feedback step on one tensor: `residual += grad`, compress the sum, and leave in
-/// the residual what the entry does not deliver (see the module docs for how this differs from
-/// the reference in [`Mode::TopKInt8`]). All checks run first: on error `residual` is untouched.
-///
-/// # Errors
-/// [`ReferenceError::InvalidRatio`]; [`ReferenceError::ElementCount`] when the lengths differ;
-/// [`ReferenceError::NonFinite`] naming the first index where `grad` or `grad + residual` is not
-/// finite.
-pub fn feedback_step(
-    grad: &[f32],
-    residual: &mut [f32],
-    mode: Mode,
-    ratio: f64,
-) -> Result<Entry, ReferenceError> {
-    check_step("", grad, residual, ratio)?;
-    Ok(feedback_checked(grad, residual, mode, ratio))
 }
 
 fn check_step(

@@ -408,17 +408,18 @@ fn the_first_bad_position_of_either_kind_is_named() {
     // An overflowing gradient + residual at 0 comes before a NaN gradient at 2, in one tensor
     // and across tensors.
     let big = f32::MAX * 0.75;
-    let mut r = vec![big, 0.0, 0.0];
+    let mut r = vec![vec![big, 0.0, 0.0]];
     let g = [big, 1.0, f32::NAN];
-    let e = reference::feedback_step(&g, &mut r, Mode::TopK, 0.5).unwrap_err();
+    let one: Vec<(&str, &[usize], &[f32])> = vec![("g", &[3], &g)];
+    let e = reference::compress_with_residuals(&one, &mut r, Mode::TopK, 0.5).unwrap_err();
     assert_eq!(
         e,
         Error::NonFinite {
-            key: String::new(),
+            key: "g".into(),
             position: 0
         }
     );
-    assert_eq!(r, vec![big, 0.0, 0.0]);
+    assert_eq!(r, vec![vec![big, 0.0, 0.0]]);
     let a = [big, 1.0];
     let nan = [1.0f32, f32::NAN, 1.0];
     let t: Vec<(&str, &[usize], &[f32])> = vec![("a", &[2], &a), ("b", &[3], &nan)];
