@@ -159,7 +159,7 @@ fn pick(
         _ => {
             let c = match choice {
                 Collective::Auto if world_size > 1 => {
-                    match crate::collective::shards::ShardLayout::new(manifest, world_size) {
+                    match crate::layout::shards::ShardLayout::new(manifest, world_size) {
                         Ok(layout) => {
                             let all_gather = (world_size - 1)
                                 * (crate::collective::ENVELOPE_LEN + manifest.max_bundle_len());

@@ -24,7 +24,6 @@ use crate::layout::Manifest;
 
 pub(crate) mod dense;
 pub(crate) mod shard_message;
-pub(crate) mod shards;
 pub(crate) mod two_phase;
 
 /// Which collective [`crate::CompressedAllReduce`] runs on its communicator.

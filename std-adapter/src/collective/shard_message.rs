@@ -17,6 +17,7 @@
 //! ```
 
 use crate::error::{Error, Result};
+use crate::layout::shards::ShardLayout;
 
 /// The first four bytes.
 const MAGIC: [u8; 4] = *b"GWSH";
@@ -24,6 +25,15 @@ const MAGIC: [u8; 4] = *b"GWSH";
 const VERSION: u8 = 1;
 /// Bytes of the header.
 pub(crate) const HEADER_LEN: usize = 28;
+
+/// Bytes of the shard message for owner `j` of `layout` at most (header, then the frame's
+/// length and the frame when the shard is not empty; no envelope).
+pub(crate) fn max_len(layout: &ShardLayout, j: usize) -> usize {
+    match layout.max_frame_len(j) {
+        0 => HEADER_LEN,
+        frame => HEADER_LEN + 4 + frame,
+    }
+}
 
 /// Phase of a shard message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,9 +1,10 @@
 //! The two-phase shard-owner compressed all-reduce (DeepSpeed's 1-bit all-reduce, Bagua's
 //! ByteGrad, CocktailSGD, in one shape for every method it covers).
 //!
-//! 1. Phase 1, all-to-all: each rank cuts every tensor into the shards of [`super::shards`],
-//!    compresses shard `j` with its worker error feedback (the residual keyed by the tensor's
-//!    name, as for the all-gather) and sends it to rank `j` (`FORMAT.md` section 15).
+//! 1. Phase 1, all-to-all: each rank cuts every tensor into the shards of
+//!    [`crate::layout::shards`], compresses shard `j` with its worker error feedback (the
+//!    residual keyed by the tensor's name, as for the all-gather; the engine's
+//!    [`crate::engine::shard`]) and sends it to rank `j` (`FORMAT.md` section 15).
 //! 2. The owner of shard `j` decodes the W contributions, adds them in rank order into zeros,
 //!    applies the reduction once (the mean divided once by W, before any cast), adds its server
 //!    residual (keyed by name and shard), compresses with the same method (a tensor id distinct
@@ -27,25 +28,21 @@
 
 use std::collections::HashMap;
 
-use gradwire_core::feedback::sparse_update;
-use gradwire_core::frame::chunk::SparseFrame;
-use gradwire_core::values::{first_non_finite, magnitude_limit};
-use gradwire_core::{
-    Method, Params, accumulate_into, decode_into, encode_into, encode_segmented_into,
-    feedback_step, select,
-};
+use gradwire_core::values::first_non_finite;
+use gradwire_core::{Method, Params, accumulate_into, decode_into};
 
 use super::shard_message::{self, Phase};
-use super::shards::ShardLayout;
 use super::{
     Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, RELAY_BAD, RELAY_FAILED, RELAY_OVERFLOW,
     agree, fingerprint_at, open, seal, seal_failure, seal_relay,
 };
 use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator};
+use crate::engine::shard::{Buffers, encode_shard};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::layout::Manifest;
+use crate::layout::shards::ShardLayout;
 use crate::tensor::Tensor;
 
 /// This rank's part of a step.
@@ -319,10 +316,10 @@ impl TwoPhase {
     /// Bytes this rank receives per step at most (both phases, envelopes included).
     pub(crate) fn received_bytes(layout: &ShardLayout, rank: usize) -> usize {
         let w = layout.world;
-        let own = ENVELOPE_LEN + layout.max_message_len(rank);
+        let own = ENVELOPE_LEN + shard_message::max_len(layout, rank);
         let others: usize = (0..w)
             .filter(|&j| j != rank)
-            .map(|j| ENVELOPE_LEN + layout.max_message_len(j))
+            .map(|j| ENVELOPE_LEN + shard_message::max_len(layout, j))
             .sum();
         (w - 1) * own + others
     }
@@ -373,7 +370,7 @@ impl TwoPhase {
             (Some(l), Some(_)) => {
                 ENVELOPE_LEN
                     + (0..world)
-                        .map(|j| l.max_message_len(j))
+                        .map(|j| shard_message::max_len(l, j))
                         .max()
                         .unwrap_or(0)
                         .max(MAX_REASON_LEN + 5)
@@ -810,115 +807,6 @@ impl TwoPhase {
         shard_message::finish(&mut self.phase2, ENVELOPE_LEN);
         Ok(())
     }
-}
-
-/// Work buffers of [`encode_shard`].
-struct Buffers<'b> {
-    scratch: &'b mut Vec<u32>,
-    select: &'b mut Vec<u32>,
-    kept: &'b mut Vec<u32>,
-    segments: &'b mut Vec<u32>,
-    sum: &'b mut Vec<f32>,
-    sent: &'b mut Vec<f32>,
-    frame: &'b mut Vec<u8>,
-}
-
-/// Encodes owner `j`'s shard `input` into `bufs.frame` with `params` and returns the frame's
-/// length; with a `residual` (the shard's, same length) through error feedback, so that
-/// `sent + residual_new == input + residual_old` per element. Top-k keeps each tensor's budget
-/// of its own part (the per-tensor top-k of a bucket); the other methods encode the shard
-/// whole. Errors name the tensor and its element index.
-fn encode_shard(
-    layout: &ShardLayout,
-    j: usize,
-    input: &[f32],
-    residual: Option<&mut Vec<f32>>,
-    params: &Params,
-    bufs: &mut Buffers<'_>,
-) -> Result<usize> {
-    let method = params.method;
-    let n = input.len();
-    // Buffers hold the layout's largest frame (top-k: one int8 segment per tensor).
-    let scratch = &mut bufs.scratch[..];
-    let frame = &mut bufs.frame[..];
-    let at = |e: gradwire_core::Error| -> Error {
-        let index = match e {
-            gradwire_core::Error::NonFinite { index }
-            | gradwire_core::Error::ValueOutOfRange { index } => Some(index),
-            _ => None,
-        };
-        match index {
-            Some(i) if i < n => {
-                let (t, index) = layout.locate(j, i);
-                let e = match e {
-                    gradwire_core::Error::NonFinite { .. } => {
-                        gradwire_core::Error::NonFinite { index }
-                    }
-                    _ => gradwire_core::Error::ValueOutOfRange { index },
-                };
-                Error::core(&layout.tensors[t].name, None, e)
-            }
-            _ => Error::core(&format!("two-phase shard {j}"), None, e),
-        }
-    };
-    let Method::TopK { values, .. } = method else {
-        return match residual {
-            Some(r) => feedback_step(input, r, params, scratch, frame),
-            None => encode_into(input, params, scratch, frame),
-        }
-        .map_err(at);
-    };
-    // Top-k: the sums `input + residual` (what error feedback encodes), each tensor's own
-    // top-k of its part, one frame; then the core's sparse residual update.
-    let x: &[f32] = match &residual {
-        Some(r) => {
-            bufs.sum.clear();
-            bufs.sum
-                .extend(input.iter().zip(r.iter()).map(|(g, r)| r + g));
-            bufs.sum
-        }
-        None => input,
-    };
-    if let Some(index) = first_non_finite(x) {
-        return Err(at(gradwire_core::Error::NonFinite { index }));
-    }
-    let limit = magnitude_limit(Some(values));
-    bufs.kept.clear();
-    bufs.segments.clear();
-    for ts in &layout.tensors {
-        let (start, len, k) = (ts.starts[j], ts.lens[j], ts.budgets[j] as usize);
-        if len == 0 || k == 0 {
-            continue;
-        }
-        let part = &x[start..start + len];
-        let need = select::kept_scratch_len(len, k);
-        if bufs.select.len() < need {
-            bufs.select.resize(need, 0);
-        }
-        let kept = select::topk_kept(part, k, limit, &mut bufs.select[..need]).map_err(|_| {
-            let i = part
-                .iter()
-                .position(|v| v.abs() >= limit || v.is_nan())
-                .unwrap_or(0);
-            at(gradwire_core::Error::ValueOutOfRange { index: start + i })
-        })?;
-        bufs.kept.extend(kept.idx.iter().map(|&i| i + start as u32));
-        bufs.segments.push(kept.idx.len() as u32);
-    }
-    // One segment per tensor: int8 scale blocks never span two tensors (FORMAT.md 3.2.1).
-    let written =
-        encode_segmented_into(x, bufs.kept, bufs.segments, values, scratch, frame).map_err(at)?;
-    if let Some(r) = residual {
-        // What the frame delivers, then `residual = (residual + input) - sent` by the core.
-        let sparse = SparseFrame::parse(&frame[..written], params, n).map_err(at)?;
-        let kept = sparse.kept();
-        bufs.kept.resize(kept, 0);
-        bufs.sent.resize(kept, 0.0);
-        sparse.indices(bufs.kept).map_err(at)?;
-        sparse.values(0, bufs.sent).map_err(at)?;
-        sparse_update(bufs.kept, bufs.sent, 0, input, r).map_err(at)?;
-    }
-    Ok(written)
 }
 
 /// Metadata key of a server-residual checkpoint's shard layout, and of its CRC-32.

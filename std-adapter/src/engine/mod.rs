@@ -27,6 +27,7 @@ pub(crate) mod dense_chunks;
 mod entry;
 mod exec;
 pub(crate) mod randomk_draw;
+pub(crate) mod shard;
 pub(crate) mod sparse_chunks;
 pub(crate) mod sparse_list;
 mod steps;

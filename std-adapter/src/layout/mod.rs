@@ -12,6 +12,7 @@ mod bucket;
 pub(crate) mod bundle;
 mod frames;
 pub(crate) mod plan;
+pub(crate) mod shards;
 
 use std::collections::HashMap;
 

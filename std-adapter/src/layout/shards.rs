@@ -1,4 +1,4 @@
-//! The shard layout of the two-phase collective: every tensor of a manifest cut into blocks,
+//! The shard layout of the two-phase collective (`crate::collective`): every tensor of a manifest cut into blocks,
 //! dealt round-robin to the `W` owners (block-cyclic), so that clustered entries (a gradient
 //! whose non-zeros sit in a few rows) spread over every owner.
 //!
@@ -20,8 +20,8 @@ use gradwire_core::{
     segmented_scratch_len, tensor_id,
 };
 
+use super::{EntryKind, Manifest};
 use crate::error::{Error, Result};
-use crate::layout::{EntryKind, Manifest};
 
 /// Elements per block, before rounding up to the method's block.
 pub(crate) const TARGET_BLOCK: usize = 1024;
@@ -300,15 +300,13 @@ impl ShardLayout {
         (t, 0)
     }
 
-    /// Bytes of the shard message for owner `j` at most (lean header, length and frame; no
-    /// envelope).
-    pub(crate) fn max_message_len(&self, j: usize) -> usize {
-        super::shard_message::HEADER_LEN
-            + if self.shard_lens[j] > 0 {
-                4 + self.frame_bounds[j]
-            } else {
-                0
-            }
+    /// Bytes of owner `j`'s frame at most; 0 for an empty shard (no frame).
+    pub(crate) fn max_frame_len(&self, j: usize) -> usize {
+        if self.shard_lens[j] > 0 {
+            self.frame_bounds[j]
+        } else {
+            0
+        }
     }
 
     /// Frames in owner `j`'s messages (one, or none for an empty shard).
