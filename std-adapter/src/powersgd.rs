@@ -35,6 +35,7 @@ use gradwire_core::tensor_id;
 use gradwire_core::values::first_non_finite;
 
 use crate::comm::Communicator;
+use crate::engine::low_rank;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -492,19 +493,13 @@ impl PowerSgd {
                 continue;
             };
             let m = &mut self.buffers.m[span.slot];
-            m.clear();
-            m.extend_from_slice(t.data());
-            if ef && state.residual.len() == m.len() {
-                for (x, e) in m.iter_mut().zip(&state.residual) {
-                    *x += e;
-                }
-                if let Some(index) = first_non_finite(m) {
-                    return Err(Error::core(
-                        name,
-                        None,
-                        gradwire_core::Error::NonFinite { index },
-                    ));
-                }
+            let residual: &[f32] = if ef { &state.residual } else { &[] };
+            if let Some(index) = low_rank::feedback_input(m, t.data(), residual) {
+                return Err(Error::core(
+                    name,
+                    None,
+                    gradwire_core::Error::NonFinite { index },
+                ));
             }
             project(m, rows, cols, &state.q, out).map_err(|e| Error::core(name, None, e))?;
         }
@@ -578,10 +573,9 @@ impl PowerSgd {
             back_project(m, rows, cols, p, q).map_err(|e| Error::core(name, None, e))?;
             if ef {
                 let residual = &mut self.buffers.residual[span.slot];
-                residual.clone_from(m);
-                reconstruct(p, q, rows, cols, residual, Some(-1.0))
+                let finite = low_rank::residual_after(m, p, q, rows, cols, residual)
                     .map_err(|e| Error::core(name, None, e))?;
-                if first_non_finite(residual).is_some() {
+                if !finite {
                     // This rank could not keep what it does not send. A NaN in its Q makes
                     // every rank's sum, and so every rank's result, fail at this tensor.
                     q[0] = f32::NAN;
@@ -665,7 +659,7 @@ impl PowerSgd {
             if let (Some(state), Some(m)) =
                 (self.tensors.get_mut(*name), self.buffers.m.get(span.slot))
             {
-                state.residual.clone_from(m);
+                low_rank::residual_unsent(m, &mut state.residual);
             }
         }
     }

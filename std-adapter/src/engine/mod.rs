@@ -26,6 +26,7 @@ mod check;
 pub(crate) mod dense_chunks;
 mod entry;
 mod exec;
+pub(crate) mod low_rank;
 pub(crate) mod randomk_draw;
 pub(crate) mod shard;
 pub(crate) mod sparse_chunks;
