@@ -493,7 +493,7 @@ impl PowerSgd {
                 continue;
             };
             let m = &mut self.buffers.m[span.slot];
-            let residual: &[f32] = if ef { &state.residual } else { &[] };
+            let residual = ef.then_some(state.residual.as_slice());
             if let Some(index) = low_rank::feedback_input(m, t.data(), residual) {
                 return Err(Error::core(
                     name,

@@ -5,15 +5,17 @@
 use gradwire_core::powersgd::reconstruct;
 use gradwire_core::values::first_non_finite;
 
-/// Sets `m` to the matrix a step compresses: the gradient `g` plus `residual`, or `g` alone
-/// when `residual` has another length (none yet). Returns the first index whose sum is not
-/// finite.
-pub(crate) fn feedback_input(m: &mut Vec<f32>, g: &[f32], residual: &[f32]) -> Option<usize> {
+/// Sets `m` to the matrix a step compresses: the gradient `g`, plus the `residual` with error
+/// feedback when it has `g`'s length (a tensor's first step has none yet). Returns the first
+/// index whose sum is not finite.
+pub(crate) fn feedback_input(
+    m: &mut Vec<f32>,
+    g: &[f32],
+    residual: Option<&[f32]>,
+) -> Option<usize> {
     m.clear();
     m.extend_from_slice(g);
-    if residual.len() != m.len() {
-        return None;
-    }
+    let residual = residual.filter(|r| r.len() == g.len())?;
     for (x, e) in m.iter_mut().zip(residual) {
         *x += e;
     }
@@ -34,8 +36,8 @@ pub(crate) fn residual_after(
     cols: usize,
     residual: &mut Vec<f32>,
 ) -> Result<bool, gradwire_core::Error> {
-    residual.clear();
-    residual.extend_from_slice(m);
+    // Start from all of `m`, then take away what the factors carry.
+    residual_unsent(m, residual);
     reconstruct(p, q, rows, cols, residual, Some(-1.0))?;
     Ok(first_non_finite(residual).is_none())
 }
