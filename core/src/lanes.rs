@@ -53,12 +53,37 @@ pub(crate) fn prefetch(x: &[f32], i: usize) {
     let _ = (x, i);
 }
 
+/// [`prefetch`] of the two cache lines that hold `x[i]` and `x[i + 16]`, with one bounds check
+/// for both: nothing happens unless both are in bounds.
+#[inline(always)]
+pub(crate) fn prefetch2(x: &[f32], i: usize) {
+    #[cfg(all(
+        any(target_arch = "x86", target_arch = "x86_64"),
+        target_feature = "sse"
+    ))]
+    {
+        // One compare in the loop: `last` does not change with `i`.
+        let last = x.len().wrapping_sub(2 * LANES + 1);
+        if i <= last && last < x.len() {
+            safe_arch::prefetch_t0(&x[i]);
+            safe_arch::prefetch_t0(&x[i + 2 * LANES]);
+        }
+    }
+    #[cfg(not(all(
+        any(target_arch = "x86", target_arch = "x86_64"),
+        target_feature = "sse"
+    )))]
+    let _ = (x, i);
+}
+
 /// Where a scan reads its elements from: one slice, or the lane-wise f32 sum of two.
 pub(crate) trait Source {
     /// Element count.
     fn len(&self) -> usize;
     /// [`prefetch`] of element `i` (of every slice the source reads).
     fn prefetch(&self, i: usize);
+    /// [`prefetch2`] of elements `i` and `i + 16` (of every slice the source reads).
+    fn prefetch2(&self, i: usize);
     /// Elements `i..i + 8` (`i + 8 <= len`).
     fn chunk(&self, i: usize) -> f32x8;
     /// Elements `i..len` (`len - i <= 8`), zero-padded.
@@ -68,6 +93,8 @@ pub(crate) trait Source {
     /// Elements `start..start + 16 * (len / 16)` sixteen at a time, as two vectors (`start +
     /// len <= len()`): the bounds are checked once, not per chunk.
     fn pairs(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]>;
+    /// As [`Source::pairs`], thirty-two elements at a time (`start..start + 32 * (len / 32)`).
+    fn quads(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]>;
 }
 
 /// The elements of one slice.
@@ -82,6 +109,10 @@ impl Source for One<'_> {
     #[inline(always)]
     fn prefetch(&self, i: usize) {
         prefetch(self.0, i);
+    }
+    #[inline(always)]
+    fn prefetch2(&self, i: usize) {
+        prefetch2(self.0, i);
     }
     #[inline]
     fn chunk(&self, i: usize) -> f32x8 {
@@ -101,6 +132,17 @@ impl Source for One<'_> {
             .chunks_exact(2 * LANES)
             .map(|c| [load(c), load(&c[LANES..])])
     }
+    #[inline]
+    fn quads(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]> {
+        self.0[start..start + len].chunks_exact(4 * LANES).map(|c| {
+            [
+                load(c),
+                load(&c[LANES..]),
+                load(&c[2 * LANES..]),
+                load(&c[3 * LANES..]),
+            ]
+        })
+    }
 }
 
 /// `g[i] + r[i]` in f32 (the input of an error-feedback step); both slices have one length.
@@ -116,6 +158,11 @@ impl Source for Sum<'_> {
     fn prefetch(&self, i: usize) {
         prefetch(self.0, i);
         prefetch(self.1, i);
+    }
+    #[inline(always)]
+    fn prefetch2(&self, i: usize) {
+        prefetch2(self.0, i);
+        prefetch2(self.1, i);
     }
     #[inline]
     fn chunk(&self, i: usize) -> f32x8 {
@@ -136,6 +183,19 @@ impl Source for Sum<'_> {
         g.zip(r)
             .map(|(a, b)| [load(a) + load(b), load(&a[LANES..]) + load(&b[LANES..])])
     }
+    #[inline]
+    fn quads(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]> {
+        let g = self.0[start..start + len].chunks_exact(4 * LANES);
+        let r = self.1[start..start + len].chunks_exact(4 * LANES);
+        g.zip(r).map(|(a, b)| {
+            [
+                load(a) + load(b),
+                load(&a[LANES..]) + load(&b[LANES..]),
+                load(&a[2 * LANES..]) + load(&b[2 * LANES..]),
+                load(&a[3 * LANES..]) + load(&b[3 * LANES..]),
+            ]
+        })
+    }
 }
 
 /// Elements `start..start + len` of a source, as a source.
@@ -149,6 +209,10 @@ impl<S: Source> Source for Range<'_, S> {
     #[inline(always)]
     fn prefetch(&self, i: usize) {
         self.0.prefetch(self.1 + i);
+    }
+    #[inline(always)]
+    fn prefetch2(&self, i: usize) {
+        self.0.prefetch2(self.1 + i);
     }
     #[inline]
     fn chunk(&self, i: usize) -> f32x8 {
@@ -170,5 +234,9 @@ impl<S: Source> Source for Range<'_, S> {
     #[inline]
     fn pairs(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]> {
         self.0.pairs(self.1 + start, len)
+    }
+    #[inline]
+    fn quads(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]> {
+        self.0.quads(self.1 + start, len)
     }
 }

@@ -12,7 +12,7 @@ use crate::rng;
 use crate::scalar::{dequant, quant_inv, quant_levels};
 use crate::select::OutOfLimit;
 use wide::bytemuck::cast;
-use wide::{f32x8, i16x8, i32x8, u8x16};
+use wide::{f32x8, i8x16, i16x8, i32x8, u8x16};
 
 /// Bytes of the scales section: 4 per block.
 pub const fn scales_len(n: usize, block: usize) -> usize {
@@ -107,10 +107,9 @@ pub fn try_encode(
 /// The SIMD kernel over any element source (one slice, or the sum `g + r` of an
 /// error-feedback step), for configurations where [`is_fast`] holds. Per block: the absmax
 /// (SIMD max of |x|, which also checks that the block is finite), one division `inv = l / m`,
-/// then `x * inv` (or `(x / m) * l` when `inv` overflows) rounded by the same addition of
-/// 1.5 * 2^23 as [`crate::scalar::round_ties_even`], the code read from the sum's bits (see
-/// `Coder::code_scaled`), and narrowed to bytes by saturating packs (8 bits) or packed two
-/// codes per byte (4 bits).
+/// then `x * inv` (or `(x / m) * l` when `inv` overflows) rounded to nearest even as
+/// [`crate::scalar::round_ties_even`] (see `Coder::code_scaled`), narrowed to bytes by
+/// saturating packs with `l` added (8 bits) or then packed two codes per byte (4 bits).
 ///
 /// The two passes are software-pipelined: while block `b` is coded (from the L1 cache), the
 /// absmax of block `b + 1` is taken (from memory), so the arithmetic overlaps the loads. On a
@@ -208,7 +207,9 @@ fn code_pipelined<S: Source, const STEP: usize>(
     let mut acc = f32x8::splat(0.0);
     // A NaN or an infinity makes this sum non-finite (one addition per vector, where a compare
     // and a mask would take two, and unlike a max the same on every target); so may finite
-    // values that overflow it, which the exact check below then clears.
+    // values that overflow it, which the exact check below then clears. Both vectors go
+    // straight into the accumulators: `u + v` first would cost a register copy per vector in
+    // the default build's two-operand instructions.
     let mut sum = f32x8::splat(0.0);
     let inv = f32x8::splat(coder.inv);
     let now = src.pairs(start, block);
@@ -217,8 +218,8 @@ fn code_pipelined<S: Source, const STEP: usize>(
         // The line AHEAD elements past the one the absmax reads.
         src.prefetch(start + block + 2 * LANES * t + AHEAD);
         let (u, v) = (q[0].abs(), q[1].abs());
-        sum += u + v;
-        acc = acc.fast_max(u.fast_max(v));
+        sum = (sum + u) + v;
+        acc = acc.fast_max(u).fast_max(v);
         let c = coder.bytes16_scaled(p[0] * inv, p[1] * inv);
         if STEP == 16 {
             o.copy_from_slice(&c[..STEP]);
@@ -249,6 +250,7 @@ struct Coder {
 }
 
 /// `1.5 * 2^23`, the rounding constant of [`crate::scalar::round_ties_even`].
+#[cfg(not(target_feature = "sse2"))]
 const MAGIC: f32 = 12_582_912.0;
 
 impl Coder {
@@ -267,7 +269,7 @@ impl Coder {
         })
     }
 
-    /// The codes `q + l` of eight elements of the block.
+    /// The rounded positions `q` (codes minus `l`) of eight elements of the block.
     #[inline]
     fn code(&self, v: f32x8) -> i32x8 {
         let y = if self.exact {
@@ -278,19 +280,29 @@ impl Coder {
         self.code_scaled(y)
     }
 
-    /// The codes `q + l` of eight scaled positions `y` (`x * inv`, or `(x / m) * l`).
+    /// The rounded positions `q = round(y)` (ties to even, as
+    /// [`crate::scalar::round_ties_even`]) of eight scaled positions `y` (`x * inv`, or
+    /// `(x / m) * l`); the code is `q + l`, added by [`code_bytes`] after narrowing.
     ///
-    /// `t = y + 1.5 * 2^23` is the rounding step of [`crate::scalar::round_ties_even`]: it holds
-    /// `1.5 * 2^23 + round(y)` exactly, a float in `[2^23, 2^24)` whose unit in the last place
-    /// is 1, so its bits are those of `1.5 * 2^23` plus `round(y)`, and one integer subtraction
-    /// gives `round(y) + l` (where a float subtraction and a conversion took two operations).
-    /// The specification's clamp to `[-l, l]` never binds: every element has `|x| <= m`, so
-    /// `|x * fl(l / m)| <= l * (1 + 2^-24)` rounded, and `|fl(x / m)| <= 1`, both far below
-    /// `l + 1/2`.
+    /// On x86 one conversion per vector (`cvtps2dq`, which rounds to nearest even in the
+    /// default floating-point environment that Rust guarantees). Elsewhere `t = y + 1.5 * 2^23`
+    /// is the rounding step of [`crate::scalar::round_ties_even`]: it holds `1.5 * 2^23 +
+    /// round(y)` exactly, a float in `[2^23, 2^24)` whose unit in the last place is 1, so one
+    /// integer subtraction of its bits gives `round(y)`. The specification's clamp to `[-l, l]`
+    /// never binds: every element has `|x| <= m`, so `|x * fl(l / m)| <= l * (1 + 2^-24)`
+    /// rounded, and `|fl(x / m)| <= 1`, both far below `l + 1/2`.
     #[inline]
     fn code_scaled(&self, y: f32x8) -> i32x8 {
-        let t: i32x8 = cast(y + f32x8::splat(MAGIC));
-        t - i32x8::splat(MAGIC.to_bits() as i32 - self.l as i32)
+        #[cfg(target_feature = "sse2")]
+        {
+            // |y| <= l + 1/2 is far inside i32, and y is never NaN: no fix-up is needed.
+            y.fast_round_int()
+        }
+        #[cfg(not(target_feature = "sse2"))]
+        {
+            let t: i32x8 = cast(y + f32x8::splat(MAGIC));
+            t - i32x8::splat(MAGIC.to_bits() as i32)
+        }
     }
 
     /// The codes of elements `i..end` (`end - i < 16`), zero-padded, as bytes.
@@ -308,24 +320,26 @@ impl Coder {
     /// Sixteen codes (each 0..=254) as bytes.
     #[inline]
     fn bytes16(&self, a: f32x8, b: f32x8) -> [u8; 16] {
-        code_bytes(self.code(a), self.code(b))
+        code_bytes(self.code(a), self.code(b), self.l)
     }
 
     /// [`Coder::bytes16`] of sixteen scaled positions.
     #[inline]
     fn bytes16_scaled(&self, a: f32x8, b: f32x8) -> [u8; 16] {
-        code_bytes(self.code_scaled(a), self.code_scaled(b))
+        code_bytes(self.code_scaled(a), self.code_scaled(b), self.l)
     }
 }
 
-/// Sixteen codes in `0..=254` narrowed to bytes by saturating packs.
+/// Sixteen rounded positions `q` in `[-l, l]` (`l <= 127`) as the code bytes `q + l`: two
+/// saturating packs (which leave every `q` as it is), then one byte addition of `l` for all
+/// sixteen (where adding `l` to each 32-bit lane would take four).
 #[inline]
-fn code_bytes(lo: i32x8, hi: i32x8) -> [u8; 16] {
-    u8x16::narrow_i16x8(
+fn code_bytes(lo: i32x8, hi: i32x8, l: u32) -> [u8; 16] {
+    let q = i8x16::from_i16x16_saturate(cast([
         i16x8::from_i32x8_saturate(lo),
         i16x8::from_i32x8_saturate(hi),
-    )
-    .to_array()
+    ]));
+    cast(q + i8x16::splat(l as u8 as i8))
 }
 
 /// 8-bit codes of elements `start..start + len` into `out` (`len` bytes).

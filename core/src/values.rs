@@ -93,25 +93,58 @@ pub fn magnitude_limit(values: Option<Values>) -> f32 {
 }
 
 /// Whether every element of the source is below `limit` in magnitude (NaN never is).
+///
+/// One addition per vector instead of a compare and a mask: the lanes add |x| over runs of
+/// [`SUM_RUN`] elements, and a run whose every lane sum is below `limit` has every element
+/// below it (a rounded sum of non-negative floats is never below one of its terms; a NaN makes
+/// its lane NaN, which is not below). A run that fails this, holding a large element or merely
+/// large sums, is decided element by element.
 pub(crate) fn all_below<S: Source>(src: &S, limit: f32) -> bool {
     let n = src.len();
     let lim8 = f32x8::splat(limit);
-    let mut ok = f32x8::splat(0.0).simd_eq(f32x8::splat(0.0));
-    // Groups of 32 through `pairs`, whose bounds are checked once per group, not once per vector:
-    // the pass is only a few instructions per element, so a checked load per vector would show.
-    let full = n / (4 * LANES) * (4 * LANES);
-    let mut pairs = src.pairs(0, full);
-    let mut i = 0usize;
-    while let (Some(p), Some(q)) = (pairs.next(), pairs.next()) {
-        src.prefetch(i + AHEAD);
-        src.prefetch(i + AHEAD + 2 * LANES);
-        let a = p[0].abs().simd_lt(lim8) & p[1].abs().simd_lt(lim8);
-        let b = q[0].abs().simd_lt(lim8) & q[1].abs().simd_lt(lim8);
-        ok &= a & b;
-        i += 4 * LANES;
+    let mut start = 0usize;
+    while start < n {
+        let len = SUM_RUN.min(n - start);
+        if !run_sums_below(src, start, len, lim8) && !run_below(src, start, len, lim8) {
+            return false;
+        }
+        start += len;
     }
-    while i < n {
-        let x = if n - i >= LANES {
+    true
+}
+
+/// Elements per run of [`all_below`]'s sums.
+const SUM_RUN: usize = 1024;
+
+/// Whether every lane sum of |x| over elements `start..start + len` is below `lim8`.
+#[inline]
+fn run_sums_below<S: Source>(src: &S, start: usize, len: usize, lim8: f32x8) -> bool {
+    let mut acc = [f32x8::splat(0.0); 2];
+    let full = len / (4 * LANES) * (4 * LANES);
+    for (t, q) in src.quads(start, full).enumerate() {
+        src.prefetch2(start + 4 * LANES * t + AHEAD);
+        acc[0] = (acc[0] + q[0].abs()) + q[2].abs();
+        acc[1] = (acc[1] + q[1].abs()) + q[3].abs();
+    }
+    let mut i = start + full;
+    while i < start + len {
+        let x = if start + len - i >= LANES {
+            src.chunk(i)
+        } else {
+            src.tail(i)
+        };
+        acc[0] += x.abs();
+        i += LANES;
+    }
+    acc[0].simd_lt(lim8).all() && acc[1].simd_lt(lim8).all()
+}
+
+/// Whether every element `start..start + len` is below `lim8` in magnitude, element by element.
+fn run_below<S: Source>(src: &S, start: usize, len: usize, lim8: f32x8) -> bool {
+    let mut ok = f32x8::splat(0.0).simd_eq(f32x8::splat(0.0));
+    let mut i = start;
+    while i < start + len {
+        let x = if start + len - i >= LANES {
             src.chunk(i)
         } else {
             src.tail(i)

@@ -471,6 +471,48 @@ fn first_non_finite_matches_scalar() {
     qc(prop);
 }
 
+/// The first index with `!(|x| < limit)`, by definition.
+fn first_at_or_above_by_definition(x: &[f32], limit: f32) -> Option<usize> {
+    x.iter().position(|v| !(v.abs() < limit))
+}
+
+#[test]
+fn limit_checks_are_exact_where_the_sums_reach_the_limit() {
+    // Runs of large elements, each below the limit, whose sums pass it (or overflow): the
+    // check's fast path (sums of |x|) cannot decide them and its element-by-element path must.
+    for limit in [65_520.0f32, f32::from_bits(0x7f00_0000), f32::INFINITY] {
+        let big = if limit.is_finite() {
+            limit * 0.9
+        } else {
+            f32::MAX
+        };
+        for n in [7, 1000, 1024, 3001] {
+            let mut x: Vec<f32> = (0..n)
+                .map(|i| if i % 3 == 0 { -big } else { big })
+                .collect();
+            assert_eq!(
+                values::first_at_or_above(&x, limit),
+                None,
+                "n {n} limit {limit}"
+            );
+            for at in [0, n / 2, n - 1] {
+                for bad in [limit, -limit, f32::NAN] {
+                    let keep = x[at];
+                    x[at] = bad;
+                    let want = first_at_or_above_by_definition(&x, limit);
+                    assert_eq!(want, Some(at));
+                    assert_eq!(
+                        values::first_at_or_above(&x, limit),
+                        want,
+                        "n {n} limit {limit} at {at} value {bad}"
+                    );
+                    x[at] = keep;
+                }
+            }
+        }
+    }
+}
+
 fn frame(x: &[f32], p: &Params) -> Result<Vec<u8>, gradwire_core::Error> {
     let mut out = vec![0u8; max_frame_len(x.len(), &p.method)];
     let mut scratch = vec![0u32; scratch_len(x.len(), &p.method)];
