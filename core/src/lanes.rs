@@ -53,37 +53,38 @@ pub(crate) fn prefetch(x: &[f32], i: usize) {
     let _ = (x, i);
 }
 
-/// [`prefetch`] of the two cache lines that hold `x[i]` and `x[i + 16]`, with one bounds check
-/// for both: nothing happens unless both are in bounds.
+/// Asks for the cache line that holds `v` (see [`prefetch`]); for loops that take `v` from a
+/// slice cut once for many prefetches, so that none needs a bounds check of its own.
 #[inline(always)]
-pub(crate) fn prefetch2(x: &[f32], i: usize) {
+pub(crate) fn prefetch_line(v: &f32) {
     #[cfg(all(
         any(target_arch = "x86", target_arch = "x86_64"),
         target_feature = "sse"
     ))]
-    {
-        // One compare in the loop: `last` does not change with `i`.
-        let last = x.len().wrapping_sub(2 * LANES + 1);
-        if i <= last && last < x.len() {
-            safe_arch::prefetch_t0(&x[i]);
-            safe_arch::prefetch_t0(&x[i + 2 * LANES]);
-        }
-    }
+    safe_arch::prefetch_t0(v);
     #[cfg(not(all(
         any(target_arch = "x86", target_arch = "x86_64"),
         target_feature = "sse"
     )))]
-    let _ = (x, i);
+    let _ = v;
+}
+
+/// The region of `x` whose lines a streaming loop over `start..start + len` asks for: the
+/// same length, [`AHEAD`] elements on; where that would run past `x`, the loop's own elements
+/// (in cache by then: a hint either way). `start..start + len` must be in bounds.
+#[inline(always)]
+fn region_ahead(x: &[f32], start: usize, len: usize) -> &[f32] {
+    let from = start.saturating_add(AHEAD);
+    match x.get(from..from.saturating_add(len)) {
+        Some(ahead) => ahead,
+        None => &x[start..start + len],
+    }
 }
 
 /// Where a scan reads its elements from: one slice, or the lane-wise f32 sum of two.
 pub(crate) trait Source {
     /// Element count.
     fn len(&self) -> usize;
-    /// [`prefetch`] of element `i` (of every slice the source reads).
-    fn prefetch(&self, i: usize);
-    /// [`prefetch2`] of elements `i` and `i + 16` (of every slice the source reads).
-    fn prefetch2(&self, i: usize);
     /// Elements `i..i + 8` (`i + 8 <= len`).
     fn chunk(&self, i: usize) -> f32x8;
     /// Elements `i..len` (`len - i <= 8`), zero-padded.
@@ -93,8 +94,13 @@ pub(crate) trait Source {
     /// Elements `start..start + 16 * (len / 16)` sixteen at a time, as two vectors (`start +
     /// len <= len()`): the bounds are checked once, not per chunk.
     fn pairs(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]>;
-    /// As [`Source::pairs`], thirty-two elements at a time (`start..start + 32 * (len / 32)`).
-    fn quads(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]>;
+    /// [`Source::pairs`] that also asks for the line [`AHEAD`] elements past each pair, in
+    /// every slice the source reads, from a region cut once (see `region_ahead`), so that no
+    /// prefetch needs a bounds check of its own.
+    fn pairs_ahead(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]>;
+    /// [`Source::pairs_ahead`] thirty-two elements at a time, two lines per slice
+    /// (`start..start + 32 * (len / 32)`).
+    fn quads_ahead(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]>;
 }
 
 /// The elements of one slice.
@@ -105,14 +111,6 @@ impl Source for One<'_> {
     #[inline]
     fn len(&self) -> usize {
         self.0.len()
-    }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self.0, i);
-    }
-    #[inline(always)]
-    fn prefetch2(&self, i: usize) {
-        prefetch2(self.0, i);
     }
     #[inline]
     fn chunk(&self, i: usize) -> f32x8 {
@@ -133,15 +131,32 @@ impl Source for One<'_> {
             .map(|c| [load(c), load(&c[LANES..])])
     }
     #[inline]
-    fn quads(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]> {
-        self.0[start..start + len].chunks_exact(4 * LANES).map(|c| {
-            [
-                load(c),
-                load(&c[LANES..]),
-                load(&c[2 * LANES..]),
-                load(&c[3 * LANES..]),
-            ]
-        })
+    fn pairs_ahead(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]> {
+        let ahead = region_ahead(self.0, start, len).chunks_exact(2 * LANES);
+        self.0[start..start + len]
+            .chunks_exact(2 * LANES)
+            .zip(ahead)
+            .map(|(c, p)| {
+                prefetch_line(&p[0]);
+                [load(c), load(&c[LANES..])]
+            })
+    }
+    #[inline]
+    fn quads_ahead(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]> {
+        let ahead = region_ahead(self.0, start, len).chunks_exact(4 * LANES);
+        self.0[start..start + len]
+            .chunks_exact(4 * LANES)
+            .zip(ahead)
+            .map(|(c, p)| {
+                prefetch_line(&p[0]);
+                prefetch_line(&p[2 * LANES]);
+                [
+                    load(c),
+                    load(&c[LANES..]),
+                    load(&c[2 * LANES..]),
+                    load(&c[3 * LANES..]),
+                ]
+            })
     }
 }
 
@@ -153,16 +168,6 @@ impl Source for Sum<'_> {
     #[inline]
     fn len(&self) -> usize {
         self.0.len()
-    }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        prefetch(self.0, i);
-        prefetch(self.1, i);
-    }
-    #[inline(always)]
-    fn prefetch2(&self, i: usize) {
-        prefetch2(self.0, i);
-        prefetch2(self.1, i);
     }
     #[inline]
     fn chunk(&self, i: usize) -> f32x8 {
@@ -184,10 +189,28 @@ impl Source for Sum<'_> {
             .map(|(a, b)| [load(a) + load(b), load(&a[LANES..]) + load(&b[LANES..])])
     }
     #[inline]
-    fn quads(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]> {
+    fn pairs_ahead(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]> {
+        let ahead = region_ahead(self.0, start, len)
+            .chunks_exact(2 * LANES)
+            .zip(region_ahead(self.1, start, len).chunks_exact(2 * LANES));
+        self.pairs(start, len).zip(ahead).map(|(x, (pg, pr))| {
+            prefetch_line(&pg[0]);
+            prefetch_line(&pr[0]);
+            x
+        })
+    }
+    #[inline]
+    fn quads_ahead(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]> {
         let g = self.0[start..start + len].chunks_exact(4 * LANES);
         let r = self.1[start..start + len].chunks_exact(4 * LANES);
-        g.zip(r).map(|(a, b)| {
+        let ahead = region_ahead(self.0, start, len)
+            .chunks_exact(4 * LANES)
+            .zip(region_ahead(self.1, start, len).chunks_exact(4 * LANES));
+        g.zip(r).zip(ahead).map(|((a, b), (pg, pr))| {
+            prefetch_line(&pg[0]);
+            prefetch_line(&pg[2 * LANES]);
+            prefetch_line(&pr[0]);
+            prefetch_line(&pr[2 * LANES]);
             [
                 load(a) + load(b),
                 load(&a[LANES..]) + load(&b[LANES..]),
@@ -198,21 +221,14 @@ impl Source for Sum<'_> {
     }
 }
 
-/// Elements `start..start + len` of a source, as a source.
+/// Elements `start..start + len` of a source, as a source (its prefetches reach past `len`,
+/// into the rest of the underlying source).
 pub(crate) struct Range<'a, S>(pub(crate) &'a S, pub(crate) usize, pub(crate) usize);
 
 impl<S: Source> Source for Range<'_, S> {
     #[inline]
     fn len(&self) -> usize {
         self.2
-    }
-    #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        self.0.prefetch(self.1 + i);
-    }
-    #[inline(always)]
-    fn prefetch2(&self, i: usize) {
-        self.0.prefetch2(self.1 + i);
     }
     #[inline]
     fn chunk(&self, i: usize) -> f32x8 {
@@ -236,7 +252,11 @@ impl<S: Source> Source for Range<'_, S> {
         self.0.pairs(self.1 + start, len)
     }
     #[inline]
-    fn quads(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]> {
-        self.0.quads(self.1 + start, len)
+    fn pairs_ahead(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 2]> {
+        self.0.pairs_ahead(self.1 + start, len)
+    }
+    #[inline]
+    fn quads_ahead(&self, start: usize, len: usize) -> impl Iterator<Item = [f32x8; 4]> {
+        self.0.quads_ahead(self.1 + start, len)
     }
 }

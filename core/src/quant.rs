@@ -6,7 +6,7 @@
 //! see [`crate::scalar::quant_scaled`]) and the value decoded is `(q / l) * m`, so that the
 //! extremes and constant blocks are exact.
 
-use crate::lanes::{AHEAD, LANES, One, Source, load, load_padded};
+use crate::lanes::{LANES, One, Source, load, load_padded};
 use crate::method::Rounding;
 use crate::rng;
 use crate::scalar::{dequant, quant_inv, quant_levels};
@@ -212,11 +212,11 @@ fn code_pipelined<S: Source, const STEP: usize>(
     // the default build's two-operand instructions.
     let mut sum = f32x8::splat(0.0);
     let inv = f32x8::splat(coder.inv);
-    let now = src.pairs(start, block);
-    let ahead = src.pairs(start + block, block);
-    for (t, ((p, q), o)) in now.zip(ahead).zip(out.chunks_exact_mut(STEP)).enumerate() {
-        // The line AHEAD elements past the one the absmax reads.
-        src.prefetch(start + block + 2 * LANES * t + AHEAD);
+    let mut now = src.pairs(start, block).zip(out.chunks_exact_mut(STEP));
+    // With the line AHEAD elements past the one the absmax reads. (One zip deeper, and the
+    // compiler no longer inlines the loop's `next`.)
+    for q in src.pairs_ahead(start + block, block) {
+        let Some((p, o)) = now.next() else { break };
         let (u, v) = (q[0].abs(), q[1].abs());
         sum = (sum + u) + v;
         acc = acc.fast_max(u).fast_max(v);

@@ -12,7 +12,7 @@
 //! radix select of [`crate::scalar::topk_cut`]. Either way the result is the exact top-k, ties to
 //! the lower index: the sample only decides how fast it gets there.
 
-use crate::lanes::{AHEAD, LANES, One, Source, Sum, load, prefetch};
+use crate::lanes::{LANES, One, Source, Sum, load, prefetch_line};
 use crate::rng;
 pub use crate::scalar::{Cut, Selection};
 use crate::scalar::{TOPK_HIST, magnitude_key};
@@ -677,15 +677,12 @@ fn scan<S: Source>(
         // of them at k = 1%.
         let mut pending = 0usize;
         let mut base = block;
-        let mut pairs = src.pairs(block, len);
-        while let (Some(p), Some(q)) = (pairs.next(), pairs.next()) {
-            src.prefetch(base + AHEAD);
-            src.prefetch(base + AHEAD + 2 * LANES);
+        for x in src.quads_ahead(block, len) {
             // Bit set: |x| < min(lo, limit), the lane needs no second look.
-            let below = p[0].abs().simd_lt(either).to_bitmask()
-                | (p[1].abs().simd_lt(either).to_bitmask() << 8)
-                | (q[0].abs().simd_lt(either).to_bitmask() << 16)
-                | (q[1].abs().simd_lt(either).to_bitmask() << 24);
+            let below = x[0].abs().simd_lt(either).to_bitmask()
+                | (x[1].abs().simd_lt(either).to_bitmask() << 8)
+                | (x[2].abs().simd_lt(either).to_bitmask() << 16)
+                | (x[3].abs().simd_lt(either).to_bitmask() << 24);
             let m = !below;
             // `pending` is below PENDING here (one slot per group of the block at most): the
             // modulo only spares a bounds check.
@@ -764,17 +761,31 @@ fn scan_update(
     for block in (0..full).step_by(PENDING * group) {
         let len = (full - block).min(PENDING * group);
         let mut pending = 0usize;
-        // The block is written through `cur`; the prefetches of r (AHEAD past the block's
-        // groups, beyond the block's end) read `ahead`.
+        // The prefetches read the lines UPDATE_AHEAD elements on, from slices cut once per
+        // block, so that no prefetch needs a bounds check of its own; near the end, where that
+        // region is past the buffers, they touch the block itself (in cache, harmless).
+        let g_ahead = g
+            .get(block + UPDATE_AHEAD..block + len + UPDATE_AHEAD)
+            .unwrap_or(&g[block..block + len]);
+        // r is written through `cur`; its lines ahead are read from `ahead`, the part of r past
+        // the block (UPDATE_AHEAD >= the block's length, so the region starts inside it).
         let (cur, ahead) = r[block..].split_at_mut(len);
         let ahead: &[f32] = ahead;
+        let r_ahead = ahead
+            .get(UPDATE_AHEAD - len..UPDATE_AHEAD)
+            .unwrap_or(&g_ahead[..len]);
         let groups = g[block..block + len].chunks_exact(group);
-        for (j, (gs, rs)) in groups.zip(cur.chunks_exact_mut(group)).enumerate() {
+        let lines = g_ahead.chunks_exact(group).zip(r_ahead.chunks_exact(group));
+        for (j, ((gs, rs), (pg, pr))) in groups
+            .zip(cur.chunks_exact_mut(group))
+            .zip(lines)
+            .enumerate()
+        {
             let base = block + j * group;
-            prefetch(g, base + UPDATE_AHEAD);
-            prefetch(g, base + UPDATE_AHEAD + 2 * LANES);
-            prefetch(ahead, j * group + UPDATE_AHEAD - len);
-            prefetch(ahead, j * group + UPDATE_AHEAD - len + 2 * LANES);
+            prefetch_line(&pg[0]);
+            prefetch_line(&pg[2 * LANES]);
+            prefetch_line(&pr[0]);
+            prefetch_line(&pr[2 * LANES]);
             let mut x = [f32x8::splat(0.0); 4];
             for (l, x) in x.iter_mut().enumerate() {
                 let at = l * LANES..(l + 1) * LANES;

@@ -2,7 +2,7 @@
 //! block (the block's mean |g|, EF-signSGD, Karimireddy et al. 2019) or none (signSGD with
 //! majority vote, Bernstein et al. 2018).
 
-use crate::lanes::{AHEAD, LANES, One, Range, Source, load, load_padded};
+use crate::lanes::{LANES, One, Range, Source, load, load_padded};
 use crate::scalar::magnitude_key;
 use crate::select::OutOfLimit;
 use wide::{f32x8, u32x8};
@@ -161,21 +161,18 @@ fn quad_pass<S: Source>(src: &S, start: usize, per: usize, out: &mut [u8]) -> [f
     let (o0, rest) = out.split_at_mut(per / LANES);
     let (o1, rest) = rest.split_at_mut(per / LANES);
     let (o2, o3) = rest.split_at_mut(per / LANES);
+    // With one cache line of each stream, AHEAD elements on.
     let x = src
-        .pairs(start, per)
-        .zip(src.pairs(start + per, per))
-        .zip(src.pairs(start + 2 * per, per))
-        .zip(src.pairs(start + 3 * per, per));
+        .pairs_ahead(start, per)
+        .zip(src.pairs_ahead(start + per, per))
+        .zip(src.pairs_ahead(start + 2 * per, per))
+        .zip(src.pairs_ahead(start + 3 * per, per));
     let o = o0
         .chunks_exact_mut(2)
         .zip(o1.chunks_exact_mut(2))
         .zip(o2.chunks_exact_mut(2))
         .zip(o3.chunks_exact_mut(2));
-    for (t, ((((p0, p1), p2), p3), (((q0, q1), q2), q3))) in x.zip(o).enumerate() {
-        // One cache line of each stream, AHEAD elements on.
-        for s in 0..4 {
-            src.prefetch(start + s * per + 2 * LANES * t + AHEAD);
-        }
+    for ((((p0, p1), p2), p3), (((q0, q1), q2), q3)) in x.zip(o) {
         for (a, (p, q)) in acc.iter_mut().zip([(p0, q0), (p1, q1), (p2, q2), (p3, q3)]) {
             *a = (*a + p[0].abs()) + p[1].abs();
             let m = p[0].simd_lt(zero).to_bitmask() | (p[1].simd_lt(zero).to_bitmask() << 8);

@@ -1,7 +1,7 @@
 //! Value codecs: f32, f16, bf16 (crate `half`, round to nearest even) and int8 with a per-block
 //! absmax scale.
 
-use crate::lanes::{AHEAD, LANES, One, Range, Source, load, load_padded};
+use crate::lanes::{LANES, One, Range, Source, load, load_padded};
 use crate::method::Values;
 use crate::scalar::{dequant, quant_code};
 use crate::select::OutOfLimit;
@@ -121,8 +121,7 @@ const SUM_RUN: usize = 1024;
 fn run_sums_below<S: Source>(src: &S, start: usize, len: usize, lim8: f32x8) -> bool {
     let mut acc = [f32x8::splat(0.0); 2];
     let full = len / (4 * LANES) * (4 * LANES);
-    for (t, q) in src.quads(start, full).enumerate() {
-        src.prefetch2(start + 4 * LANES * t + AHEAD);
+    for q in src.quads_ahead(start, full) {
         acc[0] = (acc[0] + q[0].abs()) + q[2].abs();
         acc[1] = (acc[1] + q[1].abs()) + q[3].abs();
     }

@@ -473,7 +473,8 @@ fn first_non_finite_matches_scalar() {
 
 /// The first index with `!(|x| < limit)`, by definition.
 fn first_at_or_above_by_definition(x: &[f32], limit: f32) -> Option<usize> {
-    x.iter().position(|v| !(v.abs() < limit))
+    x.iter()
+        .position(|v| v.abs().partial_cmp(&limit) != Some(std::cmp::Ordering::Less))
 }
 
 #[test]
