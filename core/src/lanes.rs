@@ -9,7 +9,8 @@
 //! hardware prefetcher may keep too few lines in flight for a loop that does more per element
 //! than add.
 
-use wide::f32x8;
+use wide::bytemuck::cast;
+use wide::{f32x8, i8x16, i16x8};
 
 /// Lanes per vector.
 pub(crate) const LANES: usize = 8;
@@ -79,6 +80,21 @@ fn region_ahead(x: &[f32], start: usize, len: usize) -> &[f32] {
         Some(ahead) => ahead,
         None => &x[start..start + len],
     }
+}
+
+/// The lane masks of four vectors (every lane all ones or all zeros), lane `j` of vector `v`
+/// as bit `8 * v + j`: two saturating packs per pair of vectors and one byte mask per sixteen
+/// lanes (what `to_bitmask` per vector, shifted and or-ed, compiles to in more instructions).
+#[inline(always)]
+pub(crate) fn bitmask32(m: [f32x8; 4]) -> u32 {
+    let bytes = |a: f32x8, b: f32x8| {
+        i8x16::from_i16x16_saturate(cast([
+            i16x8::from_i32x8_saturate(cast(a)),
+            i16x8::from_i32x8_saturate(cast(b)),
+        ]))
+        .to_bitmask()
+    };
+    bytes(m[0], m[1]) | (bytes(m[2], m[3]) << 16)
 }
 
 /// Where a scan reads its elements from: one slice, or the lane-wise f32 sum of two.

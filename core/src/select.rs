@@ -12,8 +12,7 @@
 //! radix select of [`crate::scalar::topk_cut`]. Either way the result is the exact top-k, ties to
 //! the lower index: the sample only decides how fast it gets there.
 
-use crate::lanes::{LANES, One, Source, Sum, load, prefetch_line};
-use crate::rng;
+use crate::lanes::{LANES, One, Source, Sum, bitmask32, load, prefetch_line};
 pub use crate::scalar::{Cut, Selection};
 use crate::scalar::{TOPK_HIST, magnitude_key};
 use wide::f32x8;
@@ -517,8 +516,16 @@ fn sample_threshold<S: Source>(src: &S, k: usize, samples: &mut [u32]) -> u32 {
     let n = src.len() as u64;
     let s = samples.len();
     let stride = n / s as u64;
+    // One position per stratum of `stride` elements, its offset from a 64-bit linear
+    // congruential generator (Knuth's MMIX constants; the high 32 bits): three instructions a
+    // sample where a hash of the index took about twelve. The sample only decides how fast the
+    // exact selection gets there, never what it selects.
+    let mut state = 0x5eed_5a3b_1e00_0000u64;
     for (j, slot) in samples.iter_mut().enumerate() {
-        let h = rng::mix64(0x5eed_5a3b_1e00_0000 ^ j as u64) >> 32;
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let h = state >> 32;
         let pos = j as u64 * stride + ((h * stride) >> 32);
         *slot = magnitude_key(src.at(pos as usize));
     }
@@ -679,10 +686,7 @@ fn scan<S: Source>(
         let mut base = block;
         for x in src.quads_ahead(block, len) {
             // Bit set: |x| < min(lo, limit), the lane needs no second look.
-            let below = x[0].abs().simd_lt(either).to_bitmask()
-                | (x[1].abs().simd_lt(either).to_bitmask() << 8)
-                | (x[2].abs().simd_lt(either).to_bitmask() << 16)
-                | (x[3].abs().simd_lt(either).to_bitmask() << 24);
+            let below = bitmask32(x.map(|x| x.abs().simd_lt(either)));
             let m = !below;
             // `pending` is below PENDING here (one slot per group of the block at most): the
             // modulo only spares a bounds check.
@@ -792,10 +796,7 @@ fn scan_update(
                 *x = load(&gs[at.clone()]) + load(&rs[at.clone()]);
                 rs[at].copy_from_slice(&x.to_array());
             }
-            let below = x[0].abs().simd_lt(either).to_bitmask()
-                | (x[1].abs().simd_lt(either).to_bitmask() << 8)
-                | (x[2].abs().simd_lt(either).to_bitmask() << 16)
-                | (x[3].abs().simd_lt(either).to_bitmask() << 24);
+            let below = bitmask32(x.map(|x| x.abs().simd_lt(either)));
             let m = !below;
             masks[pending % PENDING] = m;
             starts[pending % PENDING] = base;

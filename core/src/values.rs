@@ -119,11 +119,12 @@ const SUM_RUN: usize = 1024;
 /// Whether every lane sum of |x| over elements `start..start + len` is below `lim8`.
 #[inline]
 fn run_sums_below<S: Source>(src: &S, start: usize, len: usize, lim8: f32x8) -> bool {
-    let mut acc = [f32x8::splat(0.0); 2];
+    let mut acc = [f32x8::splat(0.0); 4];
     let full = len / (4 * LANES) * (4 * LANES);
     for q in src.quads_ahead(start, full) {
-        acc[0] = (acc[0] + q[0].abs()) + q[2].abs();
-        acc[1] = (acc[1] + q[1].abs()) + q[3].abs();
+        for (a, x) in acc.iter_mut().zip(q) {
+            *a += x.abs();
+        }
     }
     let mut i = start + full;
     while i < start + len {
@@ -135,7 +136,7 @@ fn run_sums_below<S: Source>(src: &S, start: usize, len: usize, lim8: f32x8) -> 
         acc[0] += x.abs();
         i += LANES;
     }
-    acc[0].simd_lt(lim8).all() && acc[1].simd_lt(lim8).all()
+    acc.iter().all(|a| a.simd_lt(lim8).all())
 }
 
 /// Whether every element `start..start + len` is below `lim8` in magnitude, element by element.
