@@ -521,6 +521,15 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
         );
         if n < 25_000_000 {
             println!("(the targets are defined at n = 2.5e7; this buffer may sit in cache)");
+        } else if l3
+            .as_deref()
+            .and_then(cache_bytes)
+            .is_some_and(|c| c >= n * 4)
+        {
+            println!(
+                "(this buffer of {} MB fits in the L3: the read pass measures the cache, not main memory; compare rows within this table only)",
+                n * 4 / 1_000_000
+            );
         }
         println!(
             "{:<42} {:>11} {:>9} {:>12} {:>8}",
@@ -569,6 +578,18 @@ fn run(data: &str, x: &[f32], reps: usize, json: bool, only: &[String], clock: C
             );
         }
     }
+}
+
+/// Bytes of a cache size as `/sys` writes it (`32768K`, `300M`, or plain bytes).
+fn cache_bytes(size: &str) -> Option<usize> {
+    let (digits, unit) = match size.strip_suffix('K') {
+        Some(d) => (d, 1 << 10),
+        None => match size.strip_suffix('M') {
+            Some(d) => (d, 1 << 20),
+            None => (size, 1),
+        },
+    };
+    digits.parse::<usize>().ok()?.checked_mul(unit)
 }
 
 /// The size of the last-level (L3) cache of CPU 0 as Linux reports it (`/sys`, e.g. `32768K`),
