@@ -12,7 +12,7 @@
 //! radix select of [`crate::scalar::topk_cut`]. Either way the result is the exact top-k, ties to
 //! the lower index: the sample only decides how fast it gets there.
 
-use crate::lanes::{LANES, One, Source, Sum, bitmask32, load, prefetch_line};
+use crate::lanes::{LANES, One, Source, Sum, bitmask32, load, prefetch_line, region_ahead};
 pub use crate::scalar::{Cut, Selection};
 use crate::scalar::{TOPK_HIST, magnitude_key};
 use wide::f32x8;
@@ -768,9 +768,7 @@ fn scan_update(
         // The prefetches read the lines UPDATE_AHEAD elements on, from slices cut once per
         // block, so that no prefetch needs a bounds check of its own; near the end, where that
         // region is past the buffers, they touch the block itself (in cache, harmless).
-        let g_ahead = g
-            .get(block + UPDATE_AHEAD..block + len + UPDATE_AHEAD)
-            .unwrap_or(&g[block..block + len]);
+        let g_ahead = region_ahead(g, block, len, UPDATE_AHEAD);
         // r is written through `cur`; its lines ahead are read from `ahead`, the part of r past
         // the block (UPDATE_AHEAD >= the block's length, so the region starts inside it).
         let (cur, ahead) = r[block..].split_at_mut(len);
