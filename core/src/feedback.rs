@@ -94,7 +94,7 @@ impl ResidualBound {
         let mut finite = true;
         for &x in residual {
             finite &= x.is_finite();
-            max = max.max(x.abs());
+            max = larger(max, x.abs());
         }
         if finite {
             Self { max_abs: max }
@@ -354,6 +354,13 @@ fn entries_in<'e>(
     Ok((&idx[lo..hi], &val[lo..hi]))
 }
 
+/// The larger of a running maximum `max` (never NaN) and `a`, which a NaN `a` leaves as it is:
+/// what `f32::max` gives for such a `max`, in one `maxss` instead of its NaN handling.
+#[inline(always)]
+fn larger(max: f32, a: f32) -> f32 {
+    if a > max { a } else { max }
+}
+
 /// `r[i - start] += -v` for the entries of a chunk starting at `start`; the largest `|r|` left
 /// there (0 for none).
 fn subtract_entries(idx: &[u32], val: &[f32], start: usize, r: &mut [f32]) -> f32 {
@@ -361,7 +368,7 @@ fn subtract_entries(idx: &[u32], val: &[f32], start: usize, r: &mut [f32]) -> f3
     for (&i, &v) in idx.iter().zip(val) {
         if let Some(r) = (i as usize).checked_sub(start).and_then(|j| r.get_mut(j)) {
             *r += -v; // -1 * v, exactly
-            max = max.max(r.abs());
+            max = larger(max, r.abs());
         }
     }
     max
@@ -673,7 +680,7 @@ fn subtract_kept(frame: &[u8], kept: &[u32], r: &mut [f32]) -> Result<f32, Error
             }
             if let Some(r) = r.get_mut(i as usize) {
                 *r += -x;
-                max = max.max(r.abs());
+                max = larger(max, r.abs());
             }
         }
     }
