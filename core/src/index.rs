@@ -134,9 +134,117 @@ pub fn choose_for(n: u64, idx: &[u32]) -> (u8, usize) {
     choose_sizes(n, idx.len() as u64, delta)
 }
 
+/// Full delta blocks at a width known when compiling: [`DELTA_BLOCK`] gaps of `W` bits (1..=32)
+/// fill exactly `W` little-endian 32-bit words, and gap `t` sits at bit `t * W` of that stream
+/// (LSB first). With `W` a constant every shift and word index is one, so the compiler unrolls
+/// a block into a few instructions per gap, where a width read from the frame costs a variable
+/// shift, a window load and its bounds check per gap. [`by_width`] picks the copy for a width.
+mod full_block {
+    use super::DELTA_BLOCK;
+
+    /// `$body` once for each gap `$t` of a block, 0 to 31, written out: a loop over a constant
+    /// range is not always unrolled, and its shifts stay variable when it is not.
+    macro_rules! each_gap {
+        ($t:ident => $body:block) => {
+            each_gap!(@ $t $body; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15
+                16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31)
+        };
+        (@ $t:ident $body:block; $($n:literal)*) => {
+            $({
+                let $t: usize = $n;
+                $body
+            })*
+        };
+    }
+
+    /// Word `j` of a block's bytes (`b.len() == 4 * W`, so a constant `j < W` needs no check).
+    #[inline(always)]
+    fn word(b: &[u8], j: usize) -> u32 {
+        let mut le = [0u8; 4];
+        le.copy_from_slice(&b[4 * j..4 * j + 4]);
+        u32::from_le_bytes(le)
+    }
+
+    /// Gap `t` of a block of `W`-bit gaps in `b` (`4 * W` bytes).
+    #[inline(always)]
+    fn gap<const W: usize>(b: &[u8], t: usize) -> u32 {
+        let bit = t * W;
+        let (j, s) = (bit / 32, bit % 32);
+        let mut v = word(b, j) >> s;
+        if s + W > 32 {
+            v |= word(b, j + 1) << (32 - s);
+        }
+        v & (u32::MAX >> (32 - W))
+    }
+
+    /// The sum of the block's gaps (`b.len() == 4 * W`).
+    #[inline(never)]
+    pub(super) fn sum<const W: usize>(b: &[u8]) -> u64 {
+        let b = &b[..4 * W];
+        let mut s = 0u64;
+        each_gap!(t => {
+            s += u64::from(gap::<W>(b, t));
+        });
+        s
+    }
+
+    /// The block's indices into `out`, the first `next` plus its gap, each later one its
+    /// predecessor plus one plus its gap; returns one past the last (wrapping, as the callers'
+    /// unchecked decode does).
+    #[inline(never)]
+    pub(super) fn unpack<const W: usize>(
+        b: &[u8],
+        mut next: usize,
+        out: &mut [usize; DELTA_BLOCK],
+    ) -> usize {
+        let b = &b[..4 * W];
+        each_gap!(t => {
+            out[t] = next.wrapping_add(gap::<W>(b, t) as usize);
+            next = out[t].wrapping_add(1);
+        });
+        next
+    }
+
+    /// Packs the gaps of one block, each below `2^W`, into `out` (`4 * W` bytes).
+    #[inline(never)]
+    pub(super) fn pack<const W: usize>(gaps: &[u32; DELTA_BLOCK], out: &mut [u8]) {
+        let out = &mut out[..4 * W];
+        let mut acc = 0u64;
+        each_gap!(t => {
+            let s = (t * W) % 32;
+            acc |= u64::from(gaps[t]) << s;
+            if s + W >= 32 {
+                let j = t * W / 32;
+                out[4 * j..4 * j + 4].copy_from_slice(&(acc as u32).to_le_bytes());
+                acc >>= 32;
+            }
+        });
+        // 32 gaps of W bits end on a word boundary: every bit has left.
+        debug_assert_eq!(acc, 0);
+    }
+}
+
+/// `full_block::$f::<W> $args` for `W = $w` in 1..=32, `$other` for any other width.
+macro_rules! by_width {
+    ($w:expr, $f:ident, $args:tt, $other:expr) => {
+        by_width!(@arms $w, $f, $args, $other;
+            1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32)
+    };
+    (@arms $w:expr, $f:ident, $args:tt, $other:expr; $($n:literal)*) => {
+        match $w {
+            $($n => by_width!(@call $f, $n, $args),)*
+            _ => $other,
+        }
+    };
+    (@call $f:ident, $n:literal, ($($a:expr),*)) => {
+        full_block::$f::<$n>($($a),*)
+    };
+}
+
 /// Writes a strictly ascending list of indices below `n` in `codec` into `section` (exactly the
-/// length [`choose_for`] gives for that codec): the same bytes as [`IndexWriter`], with delta
-/// gaps packed 32 bits at a time.
+/// length [`choose_for`] gives for that codec): the same bytes as [`IndexWriter`], with a full
+/// delta block's gaps packed by the copy of the packer for its width, other blocks 32 bits at a
+/// time.
 ///
 /// # Panics
 /// When `section` is shorter than that length, or when `idx` breaks its contract so that a
@@ -159,6 +267,21 @@ pub fn write_u32(codec: u8, n: u64, idx: &[u32], section: &mut [u8]) {
             let mut pos = 0usize;
             let mut next = 0u32;
             for block in idx.chunks(DELTA_BLOCK) {
+                if let Ok(full) = <&[u32; DELTA_BLOCK]>::try_from(block) {
+                    let mut gaps = [0u32; DELTA_BLOCK];
+                    let mut or = 0u32;
+                    for (g, &i) in gaps.iter_mut().zip(full) {
+                        *g = i.wrapping_sub(next);
+                        or |= *g;
+                        next = i.wrapping_add(1);
+                    }
+                    let w = (32 - or.leading_zeros()) as usize;
+                    section[pos] = w as u8;
+                    pos += 1;
+                    by_width!(w, pack, (&gaps, &mut section[pos..]), ());
+                    pos += 4 * w;
+                    continue;
+                }
                 let w = 32 - block_gaps(block, next, |_| {}).leading_zeros();
                 section[pos] = w as u8;
                 pos += 1;
@@ -242,6 +365,16 @@ impl<'a> IndexWriter<'a> {
         let w = bit_width(gaps.iter().fold(0, |a, &g| a | g));
         self.buf[self.pos] = w as u8;
         self.pos += 1;
+        if gaps.len() == DELTA_BLOCK && w <= 32 {
+            let mut narrow = [0u32; DELTA_BLOCK];
+            for (n, &g) in narrow.iter_mut().zip(gaps) {
+                *n = g as u32;
+            }
+            by_width!(w, pack, (&narrow, &mut self.buf[self.pos..]), ());
+            self.pos += 4 * w as usize;
+            self.block_len = 0;
+            return;
+        }
         let mut bw = BitWriter::new(&mut self.buf[self.pos..]);
         for &g in gaps {
             bw.write(g, w);
@@ -477,25 +610,29 @@ pub fn validate(codec: u8, n: u64, count: u64, section: &[u8]) -> Result<(), Inv
                 if bytes > body.len() {
                     return Err(InvalidSection);
                 }
-                let sum: u128 = if w <= 56 && bytes + 8 <= body.len() {
-                    // Each gap < 2^56, so 32 of them sum without overflow in a u64.
-                    let mask = (1u64 << w) - 1;
-                    let mut s = 0u64;
-                    for t in 0..len {
-                        let bit = t * w as usize;
-                        let mut le = [0u8; 8];
-                        le.copy_from_slice(&body[bit / 8..bit / 8 + 8]);
-                        s += (u64::from_le_bytes(le) >> (bit % 8)) & mask;
-                    }
-                    u128::from(s)
-                } else {
-                    let mut br = BitReader::new(&body[..bytes]);
-                    let mut s = 0u128;
-                    for _ in 0..len {
-                        s += u128::from(br.read(w).ok_or(InvalidSection)?);
-                    }
-                    s
-                };
+                let sum: u128 =
+                    if len == DELTA_BLOCK && (1..=32).contains(&w) && bytes <= body.len() {
+                        // (The guard leaves no width for the last arm.)
+                        u128::from(by_width!(w, sum, (body), 0))
+                    } else if w <= 56 && bytes + 8 <= body.len() {
+                        // Each gap < 2^56, so 32 of them sum without overflow in a u64.
+                        let mask = (1u64 << w) - 1;
+                        let mut s = 0u64;
+                        for t in 0..len {
+                            let bit = t * w as usize;
+                            let mut le = [0u8; 8];
+                            le.copy_from_slice(&body[bit / 8..bit / 8 + 8]);
+                            s += (u64::from_le_bytes(le) >> (bit % 8)) & mask;
+                        }
+                        u128::from(s)
+                    } else {
+                        let mut br = BitReader::new(&body[..bytes]);
+                        let mut s = 0u128;
+                        for _ in 0..len {
+                            s += u128::from(br.read(w).ok_or(InvalidSection)?);
+                        }
+                        s
+                    };
                 if !used.is_multiple_of(8) && body[used / 8] >> (used % 8) != 0 {
                     return Err(InvalidSection);
                 }
@@ -560,6 +697,18 @@ pub fn for_each_batch(codec: u8, n: u64, count: u64, section: &[u8], mut f: impl
                     return;
                 };
                 let bytes = (len * w as usize).div_ceil(8);
+                if len == DELTA_BLOCK
+                    && (1..=32).contains(&w)
+                    && bytes <= body.len()
+                    && let Some(out) = buf.first_chunk_mut::<DELTA_BLOCK>()
+                {
+                    // (The guard leaves no width for the last arm.)
+                    next = by_width!(w, unpack, (body, next, out), next);
+                    f(out);
+                    pos += bytes;
+                    left -= len as u64;
+                    continue;
+                }
                 let out = &mut buf[..len];
                 if w <= 56 && bytes + 8 <= body.len() {
                     let mask = (1u64 << w) - 1;

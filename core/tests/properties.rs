@@ -879,6 +879,83 @@ fn index_validate_agrees_with_the_full_decode() {
     );
 }
 
+/// Full delta blocks (32 gaps) at every width take the unrolled paths of `index::write_u32`,
+/// `index::validate` and `index::for_each_batch` (one copy per width 1..=32): at each width
+/// 0..=34, the bytes equal the oracle's and the streaming writer's, every decoder gives the
+/// indices back, and the validation's sum of the gaps rejects an `n` one short of the last
+/// index.
+#[test]
+fn index_full_delta_blocks_at_every_width() {
+    let mut d = Data(29);
+    for w in 0..=34u32 {
+        let below = |d: &mut Data, bits: u32| match bits {
+            0 => 0,
+            b => d.below(1u64 << b),
+        };
+        // Three full blocks and a partial one, random gaps below 2^w, gap 5 of each block at
+        // the full width.
+        let mut gaps: Vec<u64> = (0..3 * 32 + 7).map(|_| below(&mut d, w)).collect();
+        for b in 0..4 {
+            if w > 0 {
+                gaps[32 * b + 5] |= 1 << (w - 1);
+            }
+        }
+        // The same widths with indices that fit a u32, for the u32 writer: one full block whose
+        // other gaps stay below 2^(w - 6), and a partial one.
+        let mut small: Vec<u64> = (0..32 + 3)
+            .map(|_| below(&mut d, w.saturating_sub(6).min(w.saturating_sub(1))))
+            .collect();
+        if (1..=32).contains(&w) {
+            small[5] = 1 << (w - 1);
+        }
+        for (case, gaps) in [gaps, small].iter().enumerate() {
+            let mut idx = Vec::new();
+            let mut next = 0u64;
+            for &g in gaps {
+                next += g;
+                idx.push(next);
+                next += 1;
+            }
+            let n = next;
+            let (_, want, _) = index_oracle(n, &idx);
+            let mut section = vec![0xa5u8; want.len()];
+            let mut writer = IndexWriter::new(index::DELTA, n, &mut section);
+            idx.iter().for_each(|&i| writer.push(i));
+            writer.finish();
+            assert_eq!(section, want, "width {w} case {case}: streaming writer");
+            if let Ok(idx32) = idx
+                .iter()
+                .map(|&i| u32::try_from(i))
+                .collect::<Result<Vec<_>, _>>()
+            {
+                let mut packed = vec![0xa5u8; want.len()];
+                index::write_u32(index::DELTA, n, &idx32, &mut packed);
+                assert_eq!(packed, want, "width {w} case {case}: write_u32");
+            } else {
+                assert!(case == 0 || w > 32, "width {w}: the u32 case must fit");
+            }
+            let count = idx.len() as u64;
+            assert_eq!(
+                index::validate(index::DELTA, n, count, &want),
+                Ok(()),
+                "width {w}"
+            );
+            let mut batched = Vec::new();
+            index::for_each_batch(index::DELTA, n, count, &want, |b| {
+                batched.extend(b.iter().map(|&i| i as u64))
+            });
+            assert_eq!(batched, idx, "width {w} case {case}: batches");
+            let mut full = Vec::new();
+            index::for_each_index(index::DELTA, n, count, &want, |i| full.push(i)).unwrap();
+            assert_eq!(full, idx, "width {w} case {case}: full decode");
+            assert!(
+                index::validate(index::DELTA, n - 1, count, &want).is_err(),
+                "width {w} case {case}: the last index must be below n"
+            );
+        }
+    }
+}
+
 #[test]
 fn index_large() {
     let mut d = Data(15);
