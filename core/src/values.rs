@@ -6,7 +6,7 @@ use crate::method::Values;
 use crate::scalar::{dequant, quant_code};
 use crate::select::OutOfLimit;
 use half::{bf16, f16};
-use wide::{f32x8, u32x8};
+use wide::{f32x8, u16x16, u32x8};
 
 /// Wire id of a value codec.
 pub const fn id(values: Values) -> u8 {
@@ -374,16 +374,18 @@ pub fn first_bad_plain(values: Values, bytes: &[u8]) -> Option<usize> {
 
 /// Whether some little-endian u16 of `bytes` has every bit of `mask` set.
 fn any_all_ones_u16(bytes: &[u8], mask: u16) -> bool {
-    let mut chunks = bytes.chunks_exact(16);
-    let mut bad = false;
+    // As `any_all_ones_u32`, sixteen lanes at a time.
+    let m = u16x16::splat(mask);
+    let mut hits = u16x16::splat(0);
+    let mut chunks = bytes.chunks_exact(32);
     for c in &mut chunks {
-        let mut acc = 0u16;
-        for j in 0..8 {
-            let h = u16::from_le_bytes([c[2 * j], c[2 * j + 1]]);
-            acc |= u16::from(h & mask == mask);
+        let mut a = [0u16; 16];
+        for (x, b) in a.iter_mut().zip(c.chunks_exact(2)) {
+            *x = u16::from_le_bytes([b[0], b[1]]);
         }
-        bad |= acc != 0;
+        hits |= (u16x16::new(a) & m).simd_eq(m);
     }
+    let mut bad = hits.any();
     for c in chunks.remainder().chunks_exact(2) {
         bad |= u16::from_le_bytes([c[0], c[1]]) & mask == mask;
     }
@@ -392,16 +394,19 @@ fn any_all_ones_u16(bytes: &[u8], mask: u16) -> bool {
 
 /// Whether some little-endian u32 of `bytes` has every bit of `mask` set.
 fn any_all_ones_u32(bytes: &[u8], mask: u32) -> bool {
+    // Eight lanes at a time, the lane masks or-ed: one load, `and`, compare and `or` per four
+    // values (the compiler's own vectorization of the scalar form shuffles bytes into lanes).
+    let m = u32x8::splat(mask);
+    let mut hits = u32x8::splat(0);
     let mut chunks = bytes.chunks_exact(32);
-    let mut bad = false;
     for c in &mut chunks {
-        let mut acc = 0u32;
-        for j in 0..8 {
-            let h = u32::from_le_bytes([c[4 * j], c[4 * j + 1], c[4 * j + 2], c[4 * j + 3]]);
-            acc |= u32::from(h & mask == mask);
+        let mut a = [0u32; LANES];
+        for (x, b) in a.iter_mut().zip(c.chunks_exact(4)) {
+            *x = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
-        bad |= acc != 0;
+        hits |= (u32x8::new(a) & m).simd_eq(m);
     }
+    let mut bad = hits.any();
     for c in chunks.remainder().chunks_exact(4) {
         bad |= u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & mask == mask;
     }

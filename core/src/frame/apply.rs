@@ -109,12 +109,13 @@ fn add_sparse(h: &Header, body: &Body<'_>, out: &mut [f32], w: f32) {
     let mut held = 0usize;
     // Validated indices are < out.len(): `get_mut` skips nothing, it only spares the panic path
     // (fewer instructions per entry than indexing).
-    let add_one = |out: &mut [f32], i: usize, x: f32| {
+    // `move`: the weight in a register, not read through a reference per entry.
+    let add_one = move |out: &mut [f32], i: usize, x: f32| {
         if let Some(o) = out.get_mut(i) {
             *o += w * x;
         }
     };
-    let add = |out: &mut [f32], i: &[usize], x: &[f32]| {
+    let add = move |out: &mut [f32], i: &[usize], x: &[f32]| {
         for (&i, &x) in i.iter().zip(x) {
             add_one(out, i, x);
         }
