@@ -58,9 +58,13 @@ impl<'a> BitReader<'a> {
         BitReader { buf, bitpos: 0 }
     }
 
-    /// Reads `width` bits (`width <= 64`), or `None` past the end.
+    /// Reads `width` bits, or `None` past the end or for a `width` over 64 (a width byte of an
+    /// unchecked section).
     #[inline]
     pub(crate) fn read(&mut self, width: u32) -> Option<u64> {
+        if width > 64 {
+            return None;
+        }
         let width = width as usize;
         if self.bitpos.checked_add(width)? > self.buf.len().checked_mul(8)? {
             return None;

@@ -594,3 +594,29 @@ fn each_value_rule_is_enforced() {
         );
     }
 }
+
+/// The index decoders that document "never panics" on an unchecked section keep that promise
+/// for delta width bytes over 64 (the bit reader refuses such a width instead of shifting by
+/// it, which overflow checks would stop on), and for full blocks whose bytes run short.
+#[test]
+fn index_decoders_take_any_width_byte() {
+    use gradwire_core::index;
+    for w in [0u8, 1, 31, 32, 33, 64, 65, 200, 255] {
+        for len in [0usize, 1, 4 * 31, 4 * 32, 300] {
+            let mut section = vec![0xffu8; 1 + len];
+            section[0] = w;
+            for count in [1u64, 32, 33] {
+                index::for_each_batch(index::DELTA, 1 << 40, count, &section, |b| {
+                    assert!(b.len() <= index::BATCH);
+                });
+                let full = index::for_each_index(index::DELTA, 1 << 40, count, &section, |_| {});
+                // validate gives the full decode's verdict on any section
+                assert_eq!(
+                    index::validate(index::DELTA, 1 << 40, count, &section).is_ok(),
+                    full.is_ok(),
+                    "width {w}, {len} bytes, count {count}"
+                );
+            }
+        }
+    }
+}
