@@ -612,8 +612,9 @@ pub fn validate(codec: u8, n: u64, count: u64, section: &[u8]) -> Result<(), Inv
                 }
                 let sum: u128 =
                     if len == DELTA_BLOCK && (1..=32).contains(&w) && bytes <= body.len() {
-                        // (The guard leaves no width for the last arm.)
-                        u128::from(by_width!(w, sum, (body), 0))
+                        // The guard leaves no width for the last arm; were it reached, a sum
+                        // past any n refuses the section.
+                        u128::from(by_width!(w, sum, (body), u64::MAX))
                     } else if w <= 56 && bytes + 8 <= body.len() {
                         // Each gap < 2^56, so 32 of them sum without overflow in a u64.
                         let mask = (1u64 << w) - 1;
