@@ -241,6 +241,15 @@ macro_rules! by_width {
     };
 }
 
+/// Writes a full delta block (its width byte, then its gaps packed at that width) into the front
+/// of `out`, from its gaps and their bitwise OR; returns the bytes written (`1 + 4 * width`).
+fn put_full_block(gaps: &[u32; DELTA_BLOCK], or: u32, out: &mut [u8]) -> usize {
+    let w = (32 - or.leading_zeros()) as usize;
+    out[0] = w as u8;
+    by_width!(w, pack, (gaps, &mut out[1..]), ());
+    1 + 4 * w
+}
+
 /// Writes a strictly ascending list of indices below `n` in `codec` into `section` (exactly the
 /// length [`choose_for`] gives for that codec): the same bytes as [`IndexWriter`], with a full
 /// delta block's gaps packed by the copy of the packer for its width, other blocks 32 bits at a
@@ -275,11 +284,7 @@ pub fn write_u32(codec: u8, n: u64, idx: &[u32], section: &mut [u8]) {
                         or |= *g;
                         next = i.wrapping_add(1);
                     }
-                    let w = (32 - or.leading_zeros()) as usize;
-                    section[pos] = w as u8;
-                    pos += 1;
-                    by_width!(w, pack, (&gaps, &mut section[pos..]), ());
-                    pos += 4 * w;
+                    pos += put_full_block(&gaps, or, &mut section[pos..]);
                     continue;
                 }
                 let w = 32 - block_gaps(block, next, |_| {}).leading_zeros();
@@ -362,19 +367,21 @@ impl<'a> IndexWriter<'a> {
             return;
         }
         let gaps = &self.block[..self.block_len];
-        let w = bit_width(gaps.iter().fold(0, |a, &g| a | g));
-        self.buf[self.pos] = w as u8;
-        self.pos += 1;
-        if gaps.len() == DELTA_BLOCK && w <= 32 {
+        let or = gaps.iter().fold(0, |a, &g| a | g);
+        if gaps.len() == DELTA_BLOCK
+            && let Ok(or) = u32::try_from(or)
+        {
             let mut narrow = [0u32; DELTA_BLOCK];
             for (n, &g) in narrow.iter_mut().zip(gaps) {
                 *n = g as u32;
             }
-            by_width!(w, pack, (&narrow, &mut self.buf[self.pos..]), ());
-            self.pos += 4 * w as usize;
+            self.pos += put_full_block(&narrow, or, &mut self.buf[self.pos..]);
             self.block_len = 0;
             return;
         }
+        let w = bit_width(or);
+        self.buf[self.pos] = w as u8;
+        self.pos += 1;
         let mut bw = BitWriter::new(&mut self.buf[self.pos..]);
         for &g in gaps {
             bw.write(g, w);
@@ -610,30 +617,29 @@ pub fn validate(codec: u8, n: u64, count: u64, section: &[u8]) -> Result<(), Inv
                 if bytes > body.len() {
                     return Err(InvalidSection);
                 }
-                let sum: u128 =
-                    if len == DELTA_BLOCK && (1..=32).contains(&w) && bytes <= body.len() {
-                        // The guard leaves no width for the last arm; were it reached, a sum
-                        // past any n refuses the section.
-                        u128::from(by_width!(w, sum, (body), u64::MAX))
-                    } else if w <= 56 && bytes + 8 <= body.len() {
-                        // Each gap < 2^56, so 32 of them sum without overflow in a u64.
-                        let mask = (1u64 << w) - 1;
-                        let mut s = 0u64;
-                        for t in 0..len {
-                            let bit = t * w as usize;
-                            let mut le = [0u8; 8];
-                            le.copy_from_slice(&body[bit / 8..bit / 8 + 8]);
-                            s += (u64::from_le_bytes(le) >> (bit % 8)) & mask;
-                        }
-                        u128::from(s)
-                    } else {
-                        let mut br = BitReader::new(&body[..bytes]);
-                        let mut s = 0u128;
-                        for _ in 0..len {
-                            s += u128::from(br.read(w).ok_or(InvalidSection)?);
-                        }
-                        s
-                    };
+                let sum: u128 = if len == DELTA_BLOCK && (1..=32).contains(&w) {
+                    // The guard leaves no width for the last arm; were it reached, a sum
+                    // past any n refuses the section.
+                    u128::from(by_width!(w, sum, (body), u64::MAX))
+                } else if w <= 56 && bytes + 8 <= body.len() {
+                    // Each gap < 2^56, so 32 of them sum without overflow in a u64.
+                    let mask = (1u64 << w) - 1;
+                    let mut s = 0u64;
+                    for t in 0..len {
+                        let bit = t * w as usize;
+                        let mut le = [0u8; 8];
+                        le.copy_from_slice(&body[bit / 8..bit / 8 + 8]);
+                        s += (u64::from_le_bytes(le) >> (bit % 8)) & mask;
+                    }
+                    u128::from(s)
+                } else {
+                    let mut br = BitReader::new(&body[..bytes]);
+                    let mut s = 0u128;
+                    for _ in 0..len {
+                        s += u128::from(br.read(w).ok_or(InvalidSection)?);
+                    }
+                    s
+                };
                 if !used.is_multiple_of(8) && body[used / 8] >> (used % 8) != 0 {
                     return Err(InvalidSection);
                 }
