@@ -101,9 +101,14 @@ pub struct CompressedAllReduce {
     rank_seen: usize,
     /// Bytes of this rank's compressed gradient in the last step.
     message_bytes: usize,
+    /// The largest buffer the dense route passes to the communicator, in bytes.
+    chunk_bytes: usize,
     flat: Vec<f32>,
     aggregator: Aggregator,
 }
+
+/// The chunk bound of [`CompressedAllReduce::with_chunk_bytes`] by default: 8 MiB.
+const DEFAULT_CHUNK_BYTES: usize = 8 << 20;
 
 /// The configuration every rank must share for a collective step of `manifest` (checked
 /// through the collective's fingerprints).
@@ -230,6 +235,7 @@ impl CompressedAllReduce {
             picked: None,
             rank_seen: 0,
             message_bytes: 0,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
             flat: Vec::new(),
             aggregator: Aggregator::new(),
         }
@@ -315,6 +321,16 @@ impl CompressedAllReduce {
     pub fn with_collective(mut self, collective: Collective) -> Self {
         self.choice = collective;
         self.picked = None;
+        self
+    }
+
+    /// The same all-reduce passing buffers of at most `bytes` (8 MiB by default, at least one
+    /// element) to the communicator on the uncompressed f32 route: the model crosses it in
+    /// chunks of that size (one [`Communicator::all_reduce_sum_f32`] each, summed in rank order
+    /// as one call over the whole model would be: the same bits), and the step keeps one chunk,
+    /// not a copy of the model. Every rank should use the same bound (the calls must match).
+    pub fn with_chunk_bytes(mut self, bytes: usize) -> Self {
+        self.chunk_bytes = bytes;
         self
     }
 
@@ -481,7 +497,10 @@ impl CompressedAllReduce {
     /// As [`CompressedAllReduce::all_reduce`], writing into `out` and reusing its tensors.
     ///
     /// # Errors
-    /// As [`CompressedAllReduce::all_reduce`].
+    /// As [`CompressedAllReduce::all_reduce`]. After an error `out`'s values are unspecified:
+    /// the uncompressed f32 route writes the model chunk by chunk
+    /// ([`CompressedAllReduce::with_chunk_bytes`]), so a failure in a later chunk leaves it
+    /// partly written.
     pub fn all_reduce_into(
         &mut self,
         gradients: &HashMap<String, Tensor>,
@@ -680,15 +699,22 @@ impl CompressedAllReduce {
             Err(e) => (None, Some(e)),
         };
         let config = manifest.map(|m| group_config(world_size, m, reduction, &bucketing, name));
+        if route == Route::Dense {
+            let local = match (manifest, &config, manifest_error) {
+                (Some(m), Some(c), _) => check_finite(gradients).map(|()| (m, gradients, c, step)),
+                (_, _, error) => Err(error.unwrap_or_else(|| Error::internal("no configuration"))),
+            };
+            let result = self
+                .dense
+                .run(comm, local, reduction, self.chunk_bytes, out);
+            self.compressor.set_step(step.wrapping_add(1));
+            self.message_bytes = match (manifest, &result) {
+                (Some(m), Ok(())) => 4 * m.flat_len(),
+                _ => 0,
+            };
+            return result;
+        }
         let result = match (route, manifest, &config, manifest_error) {
-            (Route::Dense, Some(m), Some(c), _) => {
-                let local = check_finite(gradients).map(|()| (m, gradients, c, step));
-                self.dense.run(comm, local, reduction, &mut self.flat)
-            }
-            (Route::Dense, _, _, error) => {
-                let error = error.unwrap_or_else(|| Error::internal("no configuration"));
-                self.dense.run(comm, Err(error), reduction, &mut self.flat)
-            }
             (_, Some(m), Some(c), _) => {
                 let local = self
                     .compressor
@@ -711,7 +737,6 @@ impl CompressedAllReduce {
         };
         self.compressor.set_step(step.wrapping_add(1));
         self.message_bytes = match (route, manifest, &result) {
-            (Route::Dense, Some(m), Ok(())) => 4 * m.flat_len(),
             (Route::TwoPhase, Some(_), Ok(())) => self.two_phase.sent_payload_bytes(),
             _ => 0,
         };

@@ -99,6 +99,22 @@ impl Tensor {
         &self.data
     }
 
+    /// The elements, row-major, to write in place (the engine's outputs).
+    pub(crate) fn data_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+
+    /// Sets the shape to `shape` of `n` elements (`n` checked by the caller), reusing this
+    /// tensor's buffers: the elements are unspecified afterwards (kept where the length did not
+    /// change, zeros where it grew), for a caller that writes every one of them.
+    pub(crate) fn reshape_for_overwrite(&mut self, shape: &[usize], n: usize) {
+        if self.shape != shape {
+            self.shape.clear();
+            self.shape.extend_from_slice(shape);
+        }
+        self.data.resize(n, 0.0);
+    }
+
     /// Sets the shape and copies `data` in, reusing this tensor's buffers (no allocation when
     /// the capacities suffice).
     ///

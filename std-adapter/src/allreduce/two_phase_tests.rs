@@ -888,6 +888,134 @@ fn an_oversized_phase_2_message_changes_no_residual() {
     }
 }
 
+/// Rank `r`'s gradients for the chunked dense tests: the tensors of [`gradients`] and one of
+/// 70,000 elements (280 KB), so that a 64 KiB chunk bound cuts it and the chunks straddle
+/// tensor boundaries; magnitudes spread over 40 binades, so that the order of additions shows.
+fn chunked_gradients(r: usize, s: u64) -> HashMap<String, Tensor> {
+    let mut g = gradients(r, s);
+    g.insert(
+        "e.big".into(),
+        Tensor::new(vec![70, 1000], common::contribution_like(r, 70_000)).unwrap(),
+    );
+    g
+}
+
+/// Issue 46: the dense f32 route moves the model in chunks of at most the chunk bound (every
+/// buffer passed to the communicator within it), and the chunks' sums are the rank-order sums
+/// of the whole model: the same bits on every rank, for every bound, as one unchunked call.
+/// With one rank the mean is the gradient, and no f32 sum is called.
+#[test]
+fn dense_f32_in_chunks_is_the_same_bits_with_every_message_within_the_bound() {
+    const W: usize = 3;
+    let run = |w: usize, chunk: usize, reduction: Reduction| {
+        let comms = LocalGroup::new(w).into_communicators();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                std::thread::spawn(move || {
+                    let (comm, largest) = common::Recording::new(comm);
+                    let mut ar = CompressedAllReduce::with_communicator(
+                        CompressionMethod::Core(Method::Dense {
+                            values: Values::F32,
+                        }),
+                        Box::new(comm),
+                    )
+                    .with_reduction(reduction)
+                    .with_chunk_bytes(chunk);
+                    let mut out = HashMap::new();
+                    let mut steps = Vec::new();
+                    for s in 0..2 {
+                        ar.all_reduce_into(&chunked_gradients(rank, s), &mut out)
+                            .unwrap();
+                        steps.push(flat(&out));
+                    }
+                    (steps, largest.load(std::sync::atomic::Ordering::Relaxed))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    };
+    for reduction in [Reduction::Mean, Reduction::Sum] {
+        // The rank-order sum (then the mean, divided once), element by element.
+        let expected: Vec<Vec<f32>> = (0..2)
+            .map(|s| {
+                let ranks: Vec<Vec<f32>> = (0..W).map(|r| flat(&chunked_gradients(r, s))).collect();
+                (0..ranks[0].len())
+                    .map(|i| {
+                        let sum = (1..W).fold(ranks[0][i], |acc, r| acc + ranks[r][i]);
+                        match reduction {
+                            Reduction::Mean => sum / W as f32,
+                            _ => sum,
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        for chunk in [usize::MAX, 64 << 10, 4 << 10, 1000] {
+            for (rank, (steps, largest)) in run(W, chunk, reduction).into_iter().enumerate() {
+                let what = format!("{reduction:?}, chunk {chunk}, rank {rank}");
+                for (s, got) in steps.iter().enumerate() {
+                    assert!(same_bits(got, &expected[s]), "{what}, step {s}");
+                }
+                if chunk != usize::MAX {
+                    assert!(largest <= chunk, "{what}: a buffer of {largest} bytes");
+                }
+            }
+        }
+    }
+    // One rank: the gradient itself; only the 20-byte envelope crosses the communicator.
+    for (steps, largest) in run(1, 64 << 10, Reduction::Mean) {
+        for (s, got) in steps.iter().enumerate() {
+            assert!(same_bits(got, &flat(&chunked_gradients(0, s as u64))));
+        }
+        assert!(largest < 64, "a buffer of {largest} bytes at W = 1");
+    }
+}
+
+/// Issue 46: a sum that overflows in a later chunk of the dense route is the same
+/// `Error::Overflow` on every rank, naming the tensor and the element within it; the group
+/// stays in step (the next step succeeds).
+#[test]
+fn a_dense_overflow_in_a_later_chunk_names_the_element_on_every_rank() {
+    const W: usize = 3;
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(
+                    CompressionMethod::Core(Method::Dense {
+                        values: Values::F32,
+                    }),
+                    Box::new(comm),
+                )
+                .with_chunk_bytes(64 << 10);
+                let mut g = chunked_gradients(rank, 0);
+                let mut d = g["e.big"].data().to_vec();
+                d[50_001] = 3e38;
+                g.insert("e.big".into(), Tensor::new(vec![70, 1000], d).unwrap());
+                let mut out = HashMap::new();
+                let first = match ar.all_reduce_into(&g, &mut out) {
+                    Err(Error::Overflow { tensor, index }) => Ok((tensor, index)),
+                    other => Err(format!("{:?}", other.map(|_| ()))),
+                };
+                let next = ar.all_reduce_into(&chunked_gradients(rank, 1), &mut out);
+                (first, next.map_err(|e| e.to_string()))
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let (first, next) = h.join().unwrap();
+        assert_eq!(first, Ok(("e.big".to_string(), 50_001)), "rank {rank}");
+        assert_eq!(next, Ok(()), "rank {rank}");
+    }
+}
+
 /// Review findings: the reduced values overflow at one owner: every rank returns
 /// `Error::Overflow` naming the tensor and index (as the all-gather does), not one rank an
 /// overflow and the others a peer's failure.

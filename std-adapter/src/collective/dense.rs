@@ -33,26 +33,34 @@ pub(crate) fn applies(manifest: &Manifest, reduction: Reduction) -> bool {
 /// This rank's part of a step: its manifest, gradients, configuration and step.
 pub(crate) type Part<'a> = (&'a Manifest, &'a HashMap<String, Tensor>, &'a Config, u64);
 
-/// Buffers kept between calls.
+/// Buffers kept between calls: one chunk of the flat gradient, and the envelopes.
 #[derive(Debug, Default)]
 pub(crate) struct DenseAllReduce {
     send: Vec<u8>,
     gathered: Vec<Vec<u8>>,
+    chunk: Vec<f32>,
 }
 
 impl DenseAllReduce {
     /// One step: `local` is this rank's gradients with their manifest and configuration, or
-    /// the error that stopped it; `out` receives the reduced flat layout.
+    /// the error that stopped it; `out` receives the reduced tensors, written in place (its
+    /// tensors reused). The flat gradient (the manifest's tensors in order) crosses the
+    /// communicator in chunks of at most `chunk_bytes` (at least one element each), one
+    /// [`Communicator::all_reduce_sum_f32`] per chunk, so that no buffer of the model's size is
+    /// made: the sums are the same rank-order sums as one call over the whole model. With one
+    /// rank the mean is the gradient (checked finite), copied into `out`.
     ///
     /// # Errors
     /// As the all-gather's: this rank's own error; [`Error::PeerFailed`];
     /// [`Error::ConfigDiffers`]; [`Error::Comm`]; [`Error::Overflow`] when the sum overflows.
+    /// After an error that follows the envelopes' check, `out` is partly written.
     pub(crate) fn run(
         &mut self,
         comm: &mut dyn Communicator,
         local: std::result::Result<Part<'_>, Error>,
         reduction: Reduction,
-        out: &mut Vec<f32>,
+        chunk_bytes: usize,
+        out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
         let own = match local {
             Ok((manifest, grads, config, step)) => {
@@ -78,29 +86,83 @@ impl DenseAllReduce {
             return Err(Error::internal("a failed rank's own message was not found"));
         };
         check_fingerprints(comm, &fingerprints, config, step, &mut self.gathered)?;
-        out.clear();
-        out.resize(manifest.flat_len(), 0.0);
-        for t in manifest.tensors() {
-            let g = grads
-                .get(&t.name)
-                .ok_or_else(|| Error::internal("a checked gradient is missing"))?;
-            out[t.offset..t.offset + t.numel].copy_from_slice(g.data());
-        }
-        comm.all_reduce_sum_f32(out)?;
-        if reduction == Reduction::Mean {
-            let w = comm.world_size() as f32;
-            for x in out.iter_mut() {
-                *x /= w;
+        manifest.shape_outputs(out);
+        let tensors = manifest.tensors();
+        let gradient = |i: usize| {
+            grads
+                .get(&tensors[i].name)
+                .map(Tensor::data)
+                .ok_or_else(|| Error::internal("a checked gradient is missing"))
+        };
+        let w = comm.world_size();
+        if w == 1 {
+            // One rank's sum is its values, and x / 1 is x: the mean is the (finite) gradient.
+            for (i, t) in tensors.iter().enumerate() {
+                let g = gradient(i)?;
+                output(out, &t.name)?.copy_from_slice(g);
             }
+            return Ok(());
         }
-        if let Some(at) = first_non_finite(out) {
-            let (tensor, index) = manifest
-                .tensors()
-                .iter()
-                .find(|t| (t.offset..t.offset + t.numel).contains(&at))
-                .map_or((String::new(), at), |t| (t.name.clone(), at - t.offset));
-            return Err(Error::Overflow { tensor, index });
+        let chunk_len = (chunk_bytes / 4).max(1);
+        let n = manifest.flat_len();
+        // The tensor holding the chunk's first element, and that element's index within it.
+        let (mut first, mut within) = (0usize, 0usize);
+        let mut at = 0usize;
+        while at < n {
+            let len = chunk_len.min(n - at);
+            self.chunk.clear();
+            let (mut t, mut i) = (first, within);
+            while self.chunk.len() < len {
+                let g = gradient(t)?;
+                let take = (g.len() - i).min(len - self.chunk.len());
+                self.chunk.extend_from_slice(&g[i..i + take]);
+                (t, i) = if i + take == g.len() {
+                    (t + 1, 0)
+                } else {
+                    (t, i + take)
+                };
+            }
+            comm.all_reduce_sum_f32(&mut self.chunk)?;
+            if reduction == Reduction::Mean {
+                let w = w as f32;
+                for x in &mut self.chunk {
+                    *x /= w;
+                }
+            }
+            if let Some(k) = first_non_finite(&self.chunk) {
+                // Element `k` of the chunk: walk the tensors from the chunk's first.
+                let (mut t, mut i, mut k) = (first, within, k);
+                while i + k >= tensors[t].numel {
+                    k -= tensors[t].numel - i;
+                    (t, i) = (t + 1, 0);
+                }
+                return Err(Error::Overflow {
+                    tensor: tensors[t].name.clone(),
+                    index: i + k,
+                });
+            }
+            let mut from = 0;
+            while from < len {
+                let t = &tensors[first];
+                let dst = &mut output(out, &t.name)?[within..];
+                let take = dst.len().min(len - from);
+                dst[..take].copy_from_slice(&self.chunk[from..from + take]);
+                from += take;
+                (first, within) = if within + take == t.numel {
+                    (first + 1, 0)
+                } else {
+                    (first, within + take)
+                };
+            }
+            at += len;
         }
         Ok(())
     }
+}
+
+/// The elements of `out`'s tensor `name` (shaped by [`Manifest::shape_outputs`]).
+fn output<'o>(out: &'o mut HashMap<String, Tensor>, name: &str) -> Result<&'o mut [f32]> {
+    out.get_mut(name)
+        .map(Tensor::data_mut)
+        .ok_or_else(|| Error::internal("a shaped output is missing"))
 }

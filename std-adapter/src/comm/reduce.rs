@@ -37,12 +37,34 @@ pub(crate) fn logical_traffic(n: usize, w: usize, me: usize) -> super::Traffic {
     }
 }
 
-/// Appends `x` to `out` as little-endian bytes.
+/// Appends `x` to `out` as little-endian bytes: one copy on a little-endian target.
 fn append_bytes(x: &[f32], out: &mut Vec<u8>) {
-    out.reserve(4 * x.len());
-    for v in x {
-        out.extend_from_slice(&v.to_le_bytes());
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(x));
+    } else {
+        out.reserve(4 * x.len());
+        for v in x {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
     }
+}
+
+/// Little-endian f32 `bytes` (a multiple of 4 long) as a slice of f32, where they can be read
+/// as one without a copy: on a little-endian target, when the bytes are aligned for f32 (a
+/// message's values follow its 8-byte word, and allocators align buffers at least that far).
+fn as_values(bytes: &[u8]) -> Option<&[f32]> {
+    if cfg!(target_endian = "little") {
+        bytemuck::try_cast_slice(bytes).ok()
+    } else {
+        None
+    }
+}
+
+/// The f32 values of little-endian `bytes` (a multiple of 4 long), decoded one by one.
+fn le_values(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
 }
 
 /// The default [`Communicator::all_reduce_sum_f32`].
@@ -81,10 +103,10 @@ pub(crate) fn sum_f32<C: Communicator + ?Sized>(
     let mut sum = vec![0.0f32; mine.len()];
     if first_bad.is_none() {
         for (r, b) in got.iter().enumerate() {
-            let vals = b[8..]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-            add_in_rank_order(&mut sum, r, vals);
+            match as_values(&b[8..]) {
+                Some(vals) => add_in_rank_order(&mut sum, r, vals.iter().copied()),
+                None => add_in_rank_order(&mut sum, r, le_values(&b[8..])),
+            }
         }
     }
     // Phase 2: the sums, behind a verdict word: 0 when every length matched, else 1 + the
@@ -119,8 +141,13 @@ pub(crate) fn sum_f32<C: Communicator + ?Sized>(
         });
     }
     for (j, b) in all.iter().enumerate() {
-        for (d, c) in x[shard(n, w, j)].iter_mut().zip(b[8..].chunks_exact(4)) {
-            *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        let dst = &mut x[shard(n, w, j)];
+        match as_values(&b[8..]) {
+            Some(vals) => dst.copy_from_slice(vals),
+            None => dst
+                .iter_mut()
+                .zip(le_values(&b[8..]))
+                .for_each(|(d, v)| *d = v),
         }
     }
     Ok(())

@@ -452,6 +452,23 @@ impl Manifest {
         Ok(())
     }
 
+    /// Makes `out` hold exactly the manifest's tensors with their shapes, reusing the tensors
+    /// already there (no allocation when `out` came from a previous step); their elements are
+    /// unspecified, for a caller that writes every one of them.
+    pub(crate) fn shape_outputs(&self, out: &mut HashMap<String, Tensor>) {
+        out.retain(|name, _| self.tensor(name).is_some());
+        for t in &self.tensors {
+            match out.get_mut(&t.name) {
+                Some(tensor) => tensor.reshape_for_overwrite(&t.shape, t.numel),
+                None => {
+                    let mut tensor = Tensor::default();
+                    tensor.reshape_for_overwrite(&t.shape, t.numel);
+                    out.insert(t.name.clone(), tensor);
+                }
+            }
+        }
+    }
+
     /// Checks that `grads` holds exactly the manifest's tensors with their shapes.
     ///
     /// # Errors

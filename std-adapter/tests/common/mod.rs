@@ -121,6 +121,82 @@ pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
+/// `n` values for rank `r` whose magnitudes spread over 40 binades (signs mixed), so that
+/// the order in which ranks' values are added shows in the bits of a sum.
+pub fn contribution_like(r: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let e = ((i * 7 + r * 13) % 40) as i32 - 20;
+            let sign = if (i + r).is_multiple_of(3) { -1.0 } else { 1.0 };
+            sign * (1.0 + (i % 17) as f32 / 17.0) * 2f32.powi(e)
+        })
+        .collect()
+}
+
+/// A communicator that records the largest buffer passed to it in any call, in bytes
+/// (`all_gather`'s local buffer, each of `all_to_all`'s, `all_reduce_sum_f32`'s f32 slice),
+/// into `largest`, which the test keeps a clone of.
+pub struct Recording<C> {
+    pub inner: C,
+    pub largest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl<C: gradwire::comm::Communicator> Recording<C> {
+    /// `inner`, recording into a new counter (returned beside it).
+    pub fn new(inner: C) -> (Self, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        let largest = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let me = Recording {
+            inner,
+            largest: largest.clone(),
+        };
+        (me, largest)
+    }
+
+    fn note(&self, bytes: usize) {
+        self.largest
+            .fetch_max(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl<C: gradwire::comm::Communicator> gradwire::comm::Communicator for Recording<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn all_gather(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), gradwire::comm::CommError> {
+        self.note(local.len());
+        self.inner.all_gather(local, max_len, out)
+    }
+
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), gradwire::comm::CommError> {
+        self.note(send.iter().map(Vec::len).max().unwrap_or(0));
+        self.inner.all_to_all(send, max_len, out)
+    }
+
+    fn traffic(&self) -> gradwire::comm::Traffic {
+        self.inner.traffic()
+    }
+
+    fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), gradwire::comm::CommError> {
+        self.note(4 * x.len());
+        self.inner.all_reduce_sum_f32(x)
+    }
+}
+
 /// Per-step gradients: `base` plus seeded noise that changes every step, cheap to make in debug
 /// builds (one noise table, read at a step-dependent rotation).
 pub struct Stepper {
