@@ -262,6 +262,42 @@ impl Aggregator {
         out: &mut Vec<f32>,
     ) -> Result<()> {
         check_reduction(manifest, reduction, bundles.len())?;
+        self.aggregate(manifest, bundles, step, reduction, Dest::Flat(out))
+    }
+
+    /// As [`Aggregator::aggregate_into`], writing entry `e`'s result into `outs[e]` (one slice
+    /// of the entry's length per entry of `manifest`, in manifest order: for a manifest without
+    /// buckets, the output tensors themselves), with no buffer of the model's size of its own.
+    ///
+    /// # Errors
+    /// As [`Aggregator::aggregate_into`] (the slices zeroed where it zeroes `out`);
+    /// [`Error::Internal`] when `outs` does not match the manifest's entries.
+    pub(crate) fn aggregate_into_each<B: AsRef<[u8]> + Sync>(
+        &mut self,
+        manifest: &Manifest,
+        bundles: &[B],
+        step: u64,
+        reduction: Reduction,
+        outs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        check_reduction(manifest, reduction, bundles.len())?;
+        let entries = manifest.entries();
+        if outs.len() != entries.len() || outs.iter().zip(entries).any(|(o, e)| o.len() != e.len)
+        {
+            return Err(Error::internal("output slices that do not match the entries"));
+        }
+        self.aggregate(manifest, bundles, step, reduction, Dest::Each(outs))
+    }
+
+    /// The checks of every bundle, then the job (see [`Aggregator::aggregate_into`]).
+    fn aggregate<B: AsRef<[u8]> + Sync>(
+        &mut self,
+        manifest: &Manifest,
+        bundles: &[B],
+        step: u64,
+        reduction: Reduction,
+        dest: Dest<'_, '_>,
+    ) -> Result<()> {
         let exec = self.parallelism.exec_for(manifest.flat_len());
         exec.install(|| {
             exec.first_err(bundles, |rank, b| {
@@ -282,6 +318,15 @@ impl Aggregator {
                 reduction,
                 exec,
                 lists: &self.lists,
+            };
+            let out = match dest {
+                Dest::Flat(out) => {
+                    // Every entry writes all of its range (from zeros), so a reused buffer is
+                    // not zeroed first: for a large model that would be one more pass.
+                    out.resize(manifest.flat_len(), 0.0);
+                    Out::Flat { out, base: 0 }
+                }
+                Dest::Each(outs) => Out::Each(outs),
             };
             job.run(&frame, out)
         })
@@ -346,7 +391,60 @@ impl Aggregator {
             exec,
             lists: &self.lists,
         };
-        exec.install(|| job.run(&frame, out))
+        out.resize(manifest.flat_len(), 0.0);
+        exec.install(|| job.run(&frame, Out::Flat { out, base: 0 }))
+    }
+}
+
+/// Where an aggregation writes: the flat layout (resized once the checks pass), or one slice
+/// per entry.
+enum Dest<'a, 'b> {
+    Flat(&'a mut Vec<f32>),
+    Each(&'a mut [&'b mut [f32]]),
+}
+
+/// Where a job writes its entries' results.
+enum Out<'a, 'b> {
+    /// The manifest's flat layout from element `base` on (entries tile it from there).
+    Flat { out: &'a mut [f32], base: usize },
+    /// One slice per entry, in order.
+    Each(&'a mut [&'b mut [f32]]),
+}
+
+impl<'a> Out<'a, '_> {
+    /// The outputs of `entries[..mid]` and of `entries[mid..]` (`entries`: the ones `self`
+    /// holds).
+    fn split(self, entries: &[Entry], mid: usize) -> (Self, Self) {
+        match self {
+            Out::Flat { out, base } => {
+                let at = entries[mid].offset;
+                let (a, b) = out.split_at_mut(at.saturating_sub(base).min(out.len()));
+                (Out::Flat { out: a, base }, Out::Flat { out: b, base: at })
+            }
+            Out::Each(outs) => {
+                let (a, b) = outs.split_at_mut(mid.min(outs.len()));
+                (Out::Each(a), Out::Each(b))
+            }
+        }
+    }
+
+    /// The output of the one entry `self` holds.
+    fn one(self) -> &'a mut [f32] {
+        match self {
+            Out::Flat { out, .. } => out,
+            Out::Each(outs) => match outs {
+                [one] => one,
+                _ => &mut [],
+            },
+        }
+    }
+
+    /// Zeros every output.
+    fn zero(&mut self) {
+        match self {
+            Out::Flat { out, .. } => out.fill(0.0),
+            Out::Each(outs) => outs.iter_mut().for_each(|o| o.fill(0.0)),
+        }
     }
 }
 
@@ -367,14 +465,15 @@ impl Job<'_> {
     fn run<'f>(
         &self,
         frame: &(impl Fn(usize, usize) -> &'f [u8] + Sync),
-        out: &mut Vec<f32>,
+        mut out: Out<'_, '_>,
     ) -> Result<()> {
-        // Every entry writes all of its range (from zeros), so a reused buffer is not zeroed
-        // first: for a large model that would be one more pass over the output.
-        out.resize(self.manifest.flat_len(), 0.0);
         let first: Mutex<Option<(usize, Error)>> = Mutex::new(None);
         let entries = self.manifest.entries();
-        self.for_each_entry(entries, 0, out, 0, &|e, acc| {
+        let whole = match &mut out {
+            Out::Flat { out, base } => Out::Flat { out, base: *base },
+            Out::Each(outs) => Out::Each(outs),
+        };
+        self.for_each_entry(entries, 0, whole, &|e, acc| {
             if let Err(err) = self.entry(e, acc, frame) {
                 let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
                 if first.as_ref().is_none_or(|(f, _)| e < *f) {
@@ -385,35 +484,27 @@ impl Job<'_> {
         match first.into_inner().unwrap_or_else(PoisonError::into_inner) {
             None => Ok(()),
             Some((_, err)) => {
-                out.fill(0.0);
+                out.zero();
                 Err(err)
             }
         }
     }
 
-    /// Calls `f(e, range of entry e)` for entries `first..first + entries.len()`, whose ranges
-    /// tile `out` from flat offset `base` (halving the entries recursively, each half a task
-    /// on the pool).
-    fn for_each_entry<F>(
-        &self,
-        entries: &[Entry],
-        first: usize,
-        out: &mut [f32],
-        base: usize,
-        f: &F,
-    ) where
+    /// Calls `f(e, output of entry e)` for entries `first..first + entries.len()`, whose
+    /// outputs `out` holds (halving the entries recursively, each half a task on the pool).
+    fn for_each_entry<F>(&self, entries: &[Entry], first: usize, out: Out<'_, '_>, f: &F)
+    where
         F: Fn(usize, &mut [f32]) + Sync,
     {
         match entries.len() {
             0 => {}
-            1 => f(first, out),
+            1 => f(first, out.one()),
             len => {
                 let mid = len / 2;
-                let at = entries[mid].offset;
-                let (a, b) = out.split_at_mut(at.saturating_sub(base).min(out.len()));
+                let (a, b) = out.split(entries, mid);
                 self.exec.join(
-                    || self.for_each_entry(&entries[..mid], first, a, base, f),
-                    || self.for_each_entry(&entries[mid..], first + mid, b, at, f),
+                    || self.for_each_entry(&entries[..mid], first, a, f),
+                    || self.for_each_entry(&entries[mid..], first + mid, b, f),
                 );
             }
         }

@@ -623,7 +623,7 @@ impl CompressedAllReduce {
                     failed,
                     self.reduction,
                     &mut self.aggregator,
-                    &mut self.flat,
+                    out,
                 );
                 // The collective reports this rank's own error (or an earlier rank's).
                 return result;
@@ -646,17 +646,14 @@ impl CompressedAllReduce {
         // The collective's checks name the rank and the field or tensor at fault: a rank that
         // failed, another configuration, another element count or shape (the entry ids hash
         // the shapes), a corrupted bundle.
-        let result = self
-            .collective
-            .run(
-                comm,
-                self.world_size,
-                local,
-                self.reduction,
-                &mut self.aggregator,
-                &mut self.flat,
-            )
-            .and_then(|()| manifest.to_tensors_into(&self.flat, out));
+        let result = self.collective.run(
+            comm,
+            self.world_size,
+            local,
+            self.reduction,
+            &mut self.aggregator,
+            out,
+        );
         // The residuals gave up what this rank sent. When the step failed after the
         // all-gather, every rank saw the same messages and failed alike, so they take it back
         // (the error of the step is the one to report; the own bundle always decodes). After a

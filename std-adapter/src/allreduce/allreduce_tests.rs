@@ -12,7 +12,7 @@ use gradwire::Manifest;
 use gradwire::Reduction;
 use gradwire::comm::{Communicator, LocalCommunicator, LocalGroup};
 use gradwire::tensor::Tensor;
-use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor};
+use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor, Parallelism};
 
 #[test]
 fn test_compressed_all_reduce() {
@@ -168,13 +168,25 @@ fn run_group(
     reduction: Reduction,
     per_rank: &[Vec<HashMap<String, Tensor>>],
 ) -> Vec<Vec<HashMap<String, Tensor>>> {
+    run_group_with(w, method, bucketing, reduction, Parallelism::Auto, per_rank)
+}
+
+fn run_group_with(
+    w: usize,
+    method: &CompressionMethod,
+    bucketing: BucketConfig,
+    reduction: Reduction,
+    parallelism: Parallelism,
+    per_rank: &[Vec<HashMap<String, Tensor>>],
+) -> Vec<Vec<HashMap<String, Tensor>>> {
     let (method, per_rank) = (method.clone(), per_rank.to_vec());
     on_every_rank(w, move |comm| {
         let steps = &per_rank[comm.rank()];
         let mut ar = CompressedAllReduce::with_communicator(method.clone(), Box::new(comm))
             .with_seed(9)
             .with_bucketing(bucketing)
-            .with_reduction(reduction);
+            .with_reduction(reduction)
+            .with_parallelism(parallelism);
         let mut outs = Vec::new();
         let mut out = HashMap::new();
         for g in steps {
@@ -186,9 +198,21 @@ fn run_group(
 }
 
 /// Four ranks as threads: every rank gets bit-identical results, equal to aggregating the
-/// bundles the ranks send, step after step (error feedback included).
+/// bundles the ranks send, step after step (error feedback included), with buckets (through
+/// the flat layout) and without (straight into the output tensors), serial and pooled.
 #[test]
 fn local_group_all_reduce() {
+    for (bucketing, parallelism) in [
+        (BucketConfig::fused(64 << 10), Parallelism::Auto),
+        (BucketConfig::none(), Parallelism::Auto),
+        (BucketConfig::none(), Parallelism::Serial),
+        (BucketConfig::none(), Parallelism::Parallel),
+    ] {
+        local_group_all_reduce_with(bucketing, parallelism);
+    }
+}
+
+fn local_group_all_reduce_with(bucketing: BucketConfig, parallelism: Parallelism) {
     let base = minilm();
     let w = 4;
     let steps = 3;
@@ -200,8 +224,14 @@ fn local_group_all_reduce() {
         })
         .collect();
     let method = CompressionMethod::top_k_int8(0.01).with_error_feedback();
-    let bucketing = BucketConfig::fused(64 << 10);
-    let results = run_group(w, &method, bucketing, Reduction::Mean, &per_rank);
+    let results = run_group_with(
+        w,
+        &method,
+        bucketing,
+        Reduction::Mean,
+        parallelism,
+        &per_rank,
+    );
 
     // The same computation by hand: each rank's compressor makes its bundle, aggregated.
     let manifest = Manifest::for_gradients(&base, &method, 9, bucketing).unwrap();
@@ -225,9 +255,58 @@ fn local_group_all_reduce() {
                 assert_eq!(result[s][name].shape(), t.shape());
                 assert!(
                     same_bits(result[s][name].data(), t.data()),
-                    "rank {r} step {s} {name}"
+                    "{bucketing:?} {parallelism:?}: rank {r} step {s} {name}"
                 );
             }
+        }
+    }
+}
+
+/// An all-gather whose f32 sum overflows, aggregated straight into the output tensors: every
+/// rank returns the same `Error::Overflow` naming the tensor and element, its outputs zeroed,
+/// serial and pooled; the next step runs.
+#[test]
+fn an_all_gather_overflow_names_the_element_and_zeroes_the_outputs() {
+    let keep_all = gradwire::core::Method::TopK {
+        k: gradwire::core::K::Ratio(1.0),
+        values: gradwire::core::Values::F32,
+    };
+    for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+        let results = on_every_rank(3, move |comm| {
+            let rank = comm.rank();
+            let mut ar = CompressedAllReduce::with_communicator(
+                CompressionMethod::Core(keep_all),
+                Box::new(comm),
+            )
+            .with_parallelism(parallelism);
+            let mut big = vec![0.25f32; 100_000];
+            big[70_001] = 3e38;
+            let g = grads(&[
+                ("a", &[3], vec![1.0, 2.0, rank as f32]),
+                ("big", &[100_000], big),
+            ]);
+            let mut out = HashMap::new();
+            let err = ar.all_reduce_into(&g, &mut out);
+            let zeroed = out.values().all(|t| t.data().iter().all(|&x| x == 0.0));
+            let next = ar
+                .all_reduce_into(
+                    &grads(&[
+                        ("a", &[3], vec![1.0; 3]),
+                        ("big", &[100_000], vec![0.5; 100_000]),
+                    ]),
+                    &mut out,
+                )
+                .map(|()| out["big"].data()[70_001]);
+            (err, zeroed, next.map_err(|e| e.to_string()))
+        });
+        for (rank, (err, zeroed, next)) in results.into_iter().enumerate() {
+            let what = format!("{parallelism:?} rank {rank}");
+            assert!(
+                matches!(&err, Err(Error::Overflow { tensor, index }) if tensor == "big" && *index == 70_001),
+                "{what}: {err:?}"
+            );
+            assert!(zeroed, "{what}: outputs zeroed");
+            assert_eq!(next, Ok(0.5), "{what}: the next step");
         }
     }
 }

@@ -17,10 +17,13 @@
 //! exchange of the configurations, which every rank makes, since every rank sees the
 //! fingerprints differ); no rank waits for a message that never comes.
 
+use std::collections::HashMap;
+
 use crate::aggregate::{Aggregator, Reduction};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::layout::Manifest;
+use crate::tensor::Tensor;
 
 pub(crate) mod dense;
 pub(crate) mod shard_message;
@@ -257,12 +260,15 @@ pub(crate) enum Local<'b> {
 pub(crate) struct AllGather {
     send: Vec<u8>,
     gathered: Vec<Vec<u8>>,
+    /// The flat layout of a bucketed manifest's result (an entry spanning several tensors).
+    flat: Vec<f32>,
 }
 
 impl AllGather {
     /// Exchanges this rank's part with every rank of `comm` and, when every rank sent a
-    /// bundle made with the same configuration, aggregates them into `out` (the flat layout of
-    /// the manifest).
+    /// bundle made with the same configuration, aggregates them into `out`'s tensors (reused),
+    /// through a flat buffer of the manifest's layout only when the manifest has buckets. After
+    /// an error `out`'s values are unspecified.
     ///
     /// # Errors
     /// This rank's own error when its step failed; [`Error::PeerFailed`] naming the first
@@ -277,7 +283,7 @@ impl AllGather {
         local: Local<'_>,
         reduction: Reduction,
         aggregator: &mut Aggregator,
-        out: &mut Vec<f32>,
+        out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
         let (limit, own_error, ours) = match local {
             Local::Bundle {
@@ -320,7 +326,19 @@ impl AllGather {
         };
         check_fingerprints(comm, &fingerprints, config, step, &mut self.gathered)?;
         let bundles: Vec<&[u8]> = self.gathered.iter().map(|m| &m[ENVELOPE_LEN..]).collect();
-        aggregator.aggregate_into(manifest, &bundles, step, reduction, out)
+        // Straight into the output tensors, one entry each; a bucket spans several tensors,
+        // so a bucketed manifest goes through the flat layout.
+        manifest.shape_outputs(out);
+        match manifest.entry_outputs(out) {
+            Some(mut outs) => {
+                aggregator.aggregate_into_each(manifest, &bundles, step, reduction, &mut outs)
+            }
+            None => {
+                let flat = &mut self.flat;
+                aggregator.aggregate_into(manifest, &bundles, step, reduction, flat)?;
+                manifest.to_tensors_into(flat, out)
+            }
+        }
     }
 }
 

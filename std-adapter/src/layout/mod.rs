@@ -469,6 +469,34 @@ impl Manifest {
         }
     }
 
+    /// Each entry's output slice in `out` (shaped by [`Manifest::shape_outputs`]), in entry
+    /// order: the tensors' own elements. `None` for a manifest with buckets (an entry spanning
+    /// several tensors has no one slice) or an `out` that is not shaped for it.
+    pub(crate) fn entry_outputs<'o>(
+        &self,
+        out: &'o mut HashMap<String, Tensor>,
+    ) -> Option<Vec<&'o mut [f32]>> {
+        let mut slots: Vec<Option<&'o mut [f32]>> = Vec::new();
+        slots.resize_with(self.tensors.len(), || None);
+        for (name, tensor) in out.iter_mut() {
+            let at = self
+                .by_name
+                .binary_search_by(|&t| self.tensors[t].name.as_str().cmp(name))
+                .ok()?;
+            let data = tensor.data_mut();
+            let t = self.by_name[at];
+            (data.len() == self.tensors[t].numel).then_some(())?;
+            slots[t] = Some(data);
+        }
+        self.entries
+            .iter()
+            .map(|e| match e.members[..] {
+                [t] if e.kind == EntryKind::Tensor => slots.get_mut(t)?.take(),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Checks that `grads` holds exactly the manifest's tensors with their shapes.
     ///
     /// # Errors
