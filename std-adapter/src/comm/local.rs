@@ -88,6 +88,8 @@ impl LocalGroup {
                 rank,
                 shared: Arc::clone(&shared),
                 traffic: Traffic::default(),
+                staging: Vec::new(),
+                incoming: Vec::new(),
             })
             .collect()
     }
@@ -98,6 +100,11 @@ pub struct LocalCommunicator {
     rank: usize,
     shared: Arc<Shared>,
     traffic: Traffic,
+    /// This rank's copies of its next post, made outside the lock; after the post, its
+    /// previous one (no peer holds it any more: that round closed), reused.
+    staging: Vec<Arc<Vec<u8>>>,
+    /// The posts this rank reads in the current round, held while it copies them unlocked.
+    incoming: Vec<Arc<Vec<u8>>>,
 }
 
 impl fmt::Debug for LocalCommunicator {
@@ -120,13 +127,14 @@ enum Op {
 
 /// What one rank posted in a round: its collective, its limit and its buffers (one for an
 /// all-gather; one per destination for an all-to-all), each copied only when within its own
-/// limit; lengths are kept either way.
+/// limit; lengths are kept either way. The buffers are shared, so that readers copy them
+/// outside the lock, all at once.
 #[derive(Default)]
 struct Slot {
     op: Op,
     limit: usize,
     lens: Vec<usize>,
-    bufs: Vec<Vec<u8>>,
+    bufs: Vec<Arc<Vec<u8>>>,
 }
 
 struct Shared {
@@ -226,9 +234,10 @@ fn unset(flags: &[bool]) -> Vec<usize> {
 }
 
 impl LocalCommunicator {
-    /// One round: posts `op` with `limit` and `bufs` (copying each within the limit), waits for
-    /// every rank, checks every length, and copies into `out[src]` what `pick(src, slot)`
-    /// selects of each rank's post. Returns the bytes received (payload).
+    /// One round: copies `bufs` (each within `limit`) and posts them with `op` and `limit`,
+    /// waits for every rank, checks every length, and copies into `out[src]` what each rank
+    /// posted for this one. Returns the bytes received (payload). The copies are made outside
+    /// the group's lock, so the ranks make them at the same time.
     fn round(
         &mut self,
         op: Op,
@@ -236,10 +245,22 @@ impl LocalCommunicator {
         bufs: &[&[u8]],
         out: &mut Vec<Vec<u8>>,
     ) -> Result<usize, CommError> {
-        let shared = &*self.shared;
+        let shared = Arc::clone(&self.shared);
         let w = shared.world_size;
         let me = self.rank;
         let started = Instant::now();
+        self.staging.resize_with(bufs.len(), Default::default);
+        for (dst, src) in self.staging.iter_mut().zip(bufs) {
+            if Arc::get_mut(dst).is_none() {
+                *dst = Arc::default();
+            }
+            if let Some(dst) = Arc::get_mut(dst) {
+                dst.clear();
+                if src.len() <= limit {
+                    dst.extend_from_slice(src);
+                }
+            }
+        }
         let guard = shared.lock()?;
         if let Some(why) = &guard.broken {
             return Err(copy(why));
@@ -253,13 +274,8 @@ impl LocalCommunicator {
         slot.limit = limit;
         slot.lens.clear();
         slot.lens.extend(bufs.iter().map(|b| b.len()));
-        slot.bufs.resize_with(bufs.len(), Vec::new);
-        for (dst, src) in slot.bufs.iter_mut().zip(bufs) {
-            dst.clear();
-            if src.len() <= limit {
-                dst.extend_from_slice(src);
-            }
-        }
+        // This rank's previous post comes back to `staging`, for the next call's copies.
+        std::mem::swap(&mut slot.bufs, &mut self.staging);
         state.posted[me] = true;
         state.arrived += 1;
         if state.arrived == w {
@@ -269,17 +285,22 @@ impl LocalCommunicator {
 
         // The round cannot close before this rank has read it, so `arrived` stays at `w` until
         // then.
-        let mut state =
-            shared.wait_while(state, started, |s| s.arrived < w, |s| unset(&s.posted))?;
-
-        let result = check_round(&state.slots, op, state.round).map(|()| {
-            reset_out(out, w);
-            let mut received = 0;
-            for (src, (dst, slot)) in out.iter_mut().zip(&state.slots).enumerate() {
-                let buf = match op {
+        let state = shared.wait_while(state, started, |s| s.arrived < w, |s| unset(&s.posted))?;
+        let verdict = check_round(&state.slots, op, state.round);
+        self.incoming.clear();
+        if verdict.is_ok() {
+            self.incoming.extend(state.slots.iter().map(|slot| {
+                Arc::clone(match op {
                     Op::AllGather => &slot.bufs[0],
                     Op::AllToAll => &slot.bufs[me],
-                };
+                })
+            }));
+        }
+        drop(state);
+        let result = verdict.map(|()| {
+            reset_out(out, w);
+            let mut received = 0;
+            for (src, (dst, buf)) in out.iter_mut().zip(&self.incoming).enumerate() {
                 dst.extend_from_slice(buf);
                 if src != me {
                     received += buf.len();
@@ -287,7 +308,10 @@ impl LocalCommunicator {
             }
             received
         });
+        // Released before the round closes, so that each post's owner gets it back alone.
+        self.incoming.clear();
 
+        let mut state = shared.lock()?;
         state.read[me] = true;
         state.departed += 1;
         if state.departed == w {
