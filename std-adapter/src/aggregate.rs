@@ -282,9 +282,10 @@ impl Aggregator {
     ) -> Result<()> {
         check_reduction(manifest, reduction, bundles.len())?;
         let entries = manifest.entries();
-        if outs.len() != entries.len() || outs.iter().zip(entries).any(|(o, e)| o.len() != e.len)
-        {
-            return Err(Error::internal("output slices that do not match the entries"));
+        if outs.len() != entries.len() || outs.iter().zip(entries).any(|(o, e)| o.len() != e.len) {
+            return Err(Error::internal(
+                "output slices that do not match the entries",
+            ));
         }
         self.aggregate(manifest, bundles, step, reduction, Dest::Each(outs))
     }
