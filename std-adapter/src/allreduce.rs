@@ -153,14 +153,15 @@ fn pick(
     choice: Collective,
     world_size: usize,
     manifest: &Manifest,
-    holds_server_residuals: bool,
+    holds_server_residuals: impl FnOnce() -> bool,
 ) -> Route {
     let key = (manifest.layout_id(), world_size);
     let c = match *picked {
         Some((id, w, c)) if (id, w) == key => c,
         // `Auto` never leaves the two-phase collective while server residuals are held: the
-        // step stays there and reports them (they belong to the old layout).
-        Some((_, _, Collective::TwoPhase)) if holds_server_residuals => Collective::TwoPhase,
+        // step stays there and reports them (they belong to the old layout). Asked only on a
+        // change of layout: the answer reads every server residual.
+        Some((_, _, Collective::TwoPhase)) if holds_server_residuals() => Collective::TwoPhase,
         _ => {
             let c = match choice {
                 Collective::Auto if world_size > 1 => {
@@ -578,13 +579,9 @@ impl CompressedAllReduce {
         // configuration alone when it has no manifest), so that all call the same primitives.
         let route = match (method_ok, &manifest) {
             (_, Ok(m)) if dense::applies(m, self.reduction) => Route::Dense,
-            (_, Ok(m)) => pick(
-                &mut self.picked,
-                self.choice,
-                self.world_size,
-                m,
-                self.two_phase.holds_server_residuals(),
-            ),
+            (_, Ok(m)) => pick(&mut self.picked, self.choice, self.world_size, m, || {
+                self.two_phase.holds_server_residuals()
+            }),
             (
                 Some(Method::Dense {
                     values: Values::F32,
@@ -725,11 +722,11 @@ impl CompressedAllReduce {
                         config: c,
                         reduction,
                     });
-                self.two_phase.run(comm, local, &mut self.flat)
+                self.two_phase.run(comm, local, out)
             }
             (_, _, _, error) => {
                 let error = error.unwrap_or_else(|| Error::internal("no configuration"));
-                self.two_phase.run(comm, Err(error), &mut self.flat)
+                self.two_phase.run(comm, Err(error), out)
             }
         };
         self.compressor.set_step(step.wrapping_add(1));
@@ -737,11 +734,7 @@ impl CompressedAllReduce {
             (Route::TwoPhase, Some(_), Ok(())) => self.two_phase.sent_payload_bytes(),
             _ => 0,
         };
-        result?;
-        match manifest {
-            Some(m) => m.to_tensors_into(&self.flat, out),
-            None => Err(Error::internal("a step without a manifest succeeded")),
-        }
+        result
     }
 
     /// Aggregates the local gradients with the peers' compressed gradients, the local rank

@@ -324,7 +324,8 @@ impl TwoPhase {
         (w - 1) * own + others
     }
 
-    /// One step (see the module docs); `out` receives the reduced flat layout.
+    /// One step (see the module docs); `out`'s tensors (reused) receive the result, written in
+    /// place; after an error their values are unspecified.
     ///
     /// # Errors
     /// This rank's own error when its step failed; [`Error::PeerFailed`] naming the first rank
@@ -336,7 +337,7 @@ impl TwoPhase {
         &mut self,
         comm: &mut dyn Communicator,
         local: std::result::Result<Step<'_>, Error>,
-        out: &mut Vec<f32>,
+        out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
         let world = comm.world_size();
         let me = comm.rank();
@@ -466,7 +467,7 @@ impl TwoPhase {
         me: usize,
         mut own_error: Option<Error>,
         step: Option<&Step<'_>>,
-        out: &mut Vec<f32>,
+        out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
         if self.gathered.len() != self.recv.len() {
             return Err(Error::WorldSize {
@@ -519,8 +520,13 @@ impl TwoPhase {
         let (Some(step), Some(layout)) = (step, &self.layout) else {
             return Err(Error::internal("a failed rank's own message was not found"));
         };
-        out.clear();
-        out.resize(step.manifest.flat_len(), 0.0);
+        // Every element of every tensor is in one owner's shard: the outputs are written
+        // whole, in place.
+        step.manifest.shape_outputs(out);
+        let mut outs = step
+            .manifest
+            .entry_outputs(out)
+            .ok_or_else(|| Error::internal("two-phase outputs of another layout"))?;
         for (owner, msg) in self.gathered.iter().enumerate() {
             let mut frames = shard_message::open(
                 &msg[ENVELOPE_LEN..],
@@ -542,9 +548,9 @@ impl TwoPhase {
                 rank: owner,
                 reason: format!("its reduced shard: {e}"),
             })?;
-            for (t, ts) in layout.tensors.iter().enumerate() {
+            for ((t, ts), tensor) in layout.tensors.iter().enumerate().zip(outs.iter_mut()) {
                 if ts.lens[owner] > 0 {
-                    layout.scatter(t, owner, &self.shard, &mut out[ts.offset..ts.offset + ts.n]);
+                    layout.scatter(t, owner, &self.shard, tensor);
                 }
             }
         }
