@@ -69,6 +69,13 @@
 //! - `step_cpu_per_rank_s`: each step's process CPU time divided by W;
 //! - `median_cpu_s` / `median_wall_s`: medians over steps 2..=S (table: "cpu/rank");
 //! - `first_step_over_later`: step 1's wall time over `median_wall_s`;
+//! - `state_bytes_per_rank`: the state the method keeps per rank (the worker's f32 residual
+//!   with error feedback, plus the owner's n / W on the two-phase collective; 0 without);
+//!   `fresh_write_s`: after the steps, all W ranks at once allocate that much and write it once
+//!   (fresh pages: the first touch of a new state), wall time, median of 3;
+//!   `first_step_over_allowance`: step 1's wall time over `median_wall_s + fresh_write_s`
+//!   (the first-step target: at most a later step plus one write pass over the fresh state;
+//!   table: "1st/allow");
 //! - `read_pass_s`: after the steps, all W ranks at once run `read_pass` over every tensor of
 //!   their gradient, timed as a step (process CPU time / W between barriers), the median of 3;
 //!   `read_passes` = `median_cpu_s` / `read_pass_s` (table: "reads");
@@ -155,6 +162,9 @@ const FIELDS: &[&str] = &[
     "median_cpu_s",
     "median_wall_s",
     "first_step_over_later",
+    "state_bytes_per_rank",
+    "fresh_write_s",
+    "first_step_over_allowance",
     "read_pass_s",
     "read_passes",
     "kernel_floor_s",
@@ -1015,6 +1025,10 @@ struct Timing {
     hwm: Option<u64>,
     /// The read passes' process CPU time.
     read: Vec<f64>,
+    /// The fresh-memory write passes' wall time.
+    fresh_write: Vec<f64>,
+    /// Elements of the state a rank keeps (the fresh write pass's length).
+    state: Option<usize>,
     /// The floor's process CPU time.
     floor: Vec<f64>,
     /// Rank 0's generation time.
@@ -1138,6 +1152,27 @@ fn rank_main(
         }
     }
 
+    // One write pass over fresh memory the size of the state the method keeps (the worker's
+    // residual; the owner's n / W more on the two-phase collective), W ranks at once: what the
+    // first step may cost beyond a later one. A new allocation each time (freed to the system:
+    // it is far above the allocator's mapping threshold).
+    let state = state_len(&order, m.ef, in_use == Some(Collective::TwoPhase), w);
+    if lead {
+        timing.state = Some(state);
+    }
+    for _ in 0..REPS {
+        shared.barrier.wait();
+        let t0 = Instant::now();
+        let mut fresh = vec![0.0f32; state];
+        fresh.fill(1.0);
+        black_box(&mut fresh);
+        shared.barrier.wait();
+        if lead {
+            timing.fresh_write.push(t0.elapsed().as_secs_f64());
+        }
+        drop(fresh);
+    }
+
     // The kernel floor, W ranks at once.
     let kind = if m.dense_f32() {
         FloorKind::Dense
@@ -1160,6 +1195,17 @@ fn rank_main(
         }
     }
     Ok(result(timing))
+}
+
+/// Elements of the state a rank keeps: the worker's residual (`n`) with error feedback, and the
+/// owner's server residual (`n / W`, rounded up) on the two-phase collective.
+fn state_len(tensors: &[&[f32]], ef: bool, two_phase: bool, w: usize) -> usize {
+    let n: usize = tensors.iter().map(|t| t.len()).sum();
+    match (ef, two_phase) {
+        (false, _) => 0,
+        (true, false) => n,
+        (true, true) => n + n.div_ceil(w.max(1)),
+    }
 }
 
 /// Runs row `spec` in this process and returns its JSON object.
@@ -1234,6 +1280,19 @@ fn run_row(spec: &RowSpec) -> Map<String, Value> {
         "first_step_over_later".into(),
         json!(ratio(timing.step_wall.first().copied(), median_wall)),
     );
+    let fresh = median(&timing.fresh_write);
+    row.insert(
+        "state_bytes_per_rank".into(),
+        json!(timing.state.map(|e| 4 * e)),
+    );
+    row.insert(
+        "first_step_over_allowance".into(),
+        json!(ratio(
+            timing.step_wall.first().copied(),
+            median_wall.zip(fresh).map(|(a, b)| a + b)
+        )),
+    );
+    row.insert("fresh_write_s".into(), json!(fresh));
     row.insert("read_pass_s".into(), json!(read));
     row.insert("read_passes".into(), json!(ratio(median_cpu, read)));
     row.insert("kernel_floor_s".into(), json!(floor));
@@ -1402,7 +1461,7 @@ fn mb(row: &Map<String, Value>, key: &str) -> String {
 /// The table's header, the method column `width` wide.
 fn print_header(width: usize) {
     println!(
-        "{:<width$} {:<22} {:>2} {:<7} {:<28} {:>9} {:>7} {:>7} {:>10} {:>21} {:>8} {:>9}",
+        "{:<width$} {:<22} {:>2} {:<7} {:<28} {:>9} {:>7} {:>7} {:>9} {:>10} {:>21} {:>8} {:>9}",
         "method",
         "collective",
         "W",
@@ -1411,6 +1470,7 @@ fn print_header(width: usize) {
         "cpu/rank",
         "reads",
         "floor x",
+        "1st/allow",
         "max msg MB",
         "sent/recv MB",
         "B/param",
@@ -1441,7 +1501,7 @@ fn print_row(row: &Map<String, Value>, width: usize) {
         None => "-",
     };
     println!(
-        "{:<width$} {:<22} {:>2} {:<7} {:<28} {:>9} {:>7} {:>7} {:>10} {:>21} {:>8} {:>9}",
+        "{:<width$} {:<22} {:>2} {:<7} {:<28} {:>9} {:>7} {:>7} {:>9} {:>10} {:>21} {:>8} {:>9}",
         s("label"),
         collective,
         row.get("workers").and_then(Value::as_u64).unwrap_or(0),
@@ -1450,6 +1510,7 @@ fn print_row(row: &Map<String, Value>, width: usize) {
         num(row, "median_cpu_s", 4),
         num(row, "read_passes", 1),
         num(row, "floor_ratio", 2),
+        num(row, "first_step_over_allowance", 2),
         mb(row, "max_message_bytes"),
         format!("{}/{}", mb(row, "sent_bytes"), mb(row, "received_bytes")),
         num(row, "bytes_per_param_beyond", 2),
