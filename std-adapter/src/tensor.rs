@@ -18,6 +18,18 @@ use safetensors::tensor::{Dtype, TensorView};
 
 use crate::error::{Error, Result};
 
+/// `n` zeros, written: the pages are the process's own from the start. A `vec![0.0; n]` of a
+/// large `n` maps the shared zero page, so a buffer that is read before it is written (a
+/// residual) faults twice per page, and the second fault flushes that page from the TLB of
+/// every thread of the process: a first step of W ranks as threads spent most of its time in
+/// those flushes.
+pub(crate) fn written_zeros(n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    // An opaque zero, so that the fill is not turned back into a zeroed allocation.
+    v.resize(n, std::hint::black_box(0.0f32));
+    v
+}
+
 /// A dense row-major f32 tensor: a shape and `product(shape)` elements.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Tensor {

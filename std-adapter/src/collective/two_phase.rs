@@ -566,7 +566,7 @@ impl TwoPhase {
             return Err(Error::internal("layout"));
         };
         if self.server.len() != layout.shard_lens[me] {
-            self.server = vec![0.0; layout.shard_lens[me]];
+            self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
         }
         self.apply_pending(me)?;
         let Some(layout) = &self.layout else {
