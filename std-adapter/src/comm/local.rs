@@ -19,6 +19,7 @@ use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::reduce::{add_in_rank_order, logical_traffic, shard};
 use super::{CommError, Communicator, DEFAULT_DEADLINE, Traffic, check_lengths, reset_out};
 
 /// A group of `world_size` ranks living as threads of one process.
@@ -90,6 +91,7 @@ impl LocalGroup {
                 traffic: Traffic::default(),
                 staging: Vec::new(),
                 incoming: Vec::new(),
+                sum: Vec::new(),
             })
             .collect()
     }
@@ -105,6 +107,8 @@ pub struct LocalCommunicator {
     staging: Vec<Arc<Vec<u8>>>,
     /// The posts this rank reads in the current round, held while it copies them unlocked.
     incoming: Vec<Arc<Vec<u8>>>,
+    /// This rank's shard sum of [`Communicator::all_reduce_sum_f32`], kept between calls.
+    sum: Vec<f32>,
 }
 
 impl fmt::Debug for LocalCommunicator {
@@ -123,6 +127,10 @@ enum Op {
     #[default]
     AllGather,
     AllToAll,
+    /// Phase 1 of [`Communicator::all_reduce_sum_f32`]: every rank's whole f32 buffer.
+    SumInputs,
+    /// Phase 2: each rank's sum of its shard.
+    SumShards,
 }
 
 /// What one rank posted in a round: its collective, its limit and its buffers (one for an
@@ -245,6 +253,30 @@ impl LocalCommunicator {
         bufs: &[&[u8]],
         out: &mut Vec<Vec<u8>>,
     ) -> Result<usize, CommError> {
+        let w = self.shared.world_size;
+        let me = self.rank;
+        self.round_with(op, limit, bufs, |posts| {
+            reset_out(out, w);
+            let mut received = 0;
+            for (src, (dst, buf)) in out.iter_mut().zip(posts).enumerate() {
+                dst.extend_from_slice(buf);
+                if src != me {
+                    received += buf.len();
+                }
+            }
+            Ok(received)
+        })
+    }
+
+    /// One round as [`LocalCommunicator::round`], reading the posts with `read` (each rank's
+    /// buffer for this one, in rank order) outside the lock, when the round's verdict allows.
+    fn round_with<R>(
+        &mut self,
+        op: Op,
+        limit: usize,
+        bufs: &[&[u8]],
+        read: impl FnOnce(&[Arc<Vec<u8>>]) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
         let shared = Arc::clone(&self.shared);
         let w = shared.world_size;
         let me = self.rank;
@@ -291,23 +323,13 @@ impl LocalCommunicator {
         if verdict.is_ok() {
             self.incoming.extend(state.slots.iter().map(|slot| {
                 Arc::clone(match op {
-                    Op::AllGather => &slot.bufs[0],
                     Op::AllToAll => &slot.bufs[me],
+                    Op::AllGather | Op::SumInputs | Op::SumShards => &slot.bufs[0],
                 })
             }));
         }
         drop(state);
-        let result = verdict.map(|()| {
-            reset_out(out, w);
-            let mut received = 0;
-            for (src, (dst, buf)) in out.iter_mut().zip(&self.incoming).enumerate() {
-                dst.extend_from_slice(buf);
-                if src != me {
-                    received += buf.len();
-                }
-            }
-            received
-        });
+        let result = verdict.and_then(|()| read(&self.incoming));
         // Released before the round closes, so that each post's owner gets it back alone.
         self.incoming.clear();
 
@@ -333,7 +355,7 @@ fn check_round(slots: &[Slot], op: Op, round: u64) -> Result<(), CommError> {
     if let Some((r, s)) = slots
         .iter()
         .enumerate()
-        .find(|(_, s)| s.op != op || s.lens.len() != if op == Op::AllGather { 1 } else { w })
+        .find(|(_, s)| s.op != op || s.lens.len() != if op == Op::AllToAll { w } else { 1 })
     {
         return Err(CommError::Mismatch {
             round,
@@ -349,6 +371,19 @@ fn check_round(slots: &[Slot], op: Op, round: u64) -> Result<(), CommError> {
         Op::AllToAll => {
             (0..w).try_for_each(|dst| check_lengths(slots.iter().map(|s| (s.lens[dst], s.limit))))
         }
+        // Every rank passes its element count: the readers compare them.
+        Op::SumInputs | Op::SumShards => Ok(()),
+    }
+}
+
+/// The f32 values of a post made from f32 values (a cast back where the allocation is aligned
+/// for f32, as allocators align it; decoded otherwise), passed to `f`.
+fn with_f32<R>(post: &[u8], f: impl FnOnce(&mut dyn Iterator<Item = f32>) -> R) -> R {
+    match bytemuck::try_cast_slice::<u8, f32>(post) {
+        Ok(values) => f(&mut values.iter().copied()),
+        Err(_) => f(&mut post
+            .chunks_exact(4)
+            .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))),
     }
 }
 
@@ -394,6 +429,67 @@ impl Communicator for LocalCommunicator {
 
     fn traffic(&self) -> Traffic {
         self.traffic
+    }
+
+    /// The rank-order sum of [`Communicator::all_reduce_sum_f32`], with the same bits and the
+    /// same traffic counts as the default path, moving f32 between the threads without
+    /// messages: each rank posts `x`, sums its shard of every rank's post in place, posts that
+    /// sum, and copies every rank's sum into `x`.
+    fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
+        let (w, me, n) = (self.shared.world_size, self.rank, x.len());
+        let mut sum = std::mem::take(&mut self.sum);
+        let any = usize::MAX;
+        let phase1 = self.round_with(Op::SumInputs, any, &[bytemuck::cast_slice(x)], |posts| {
+            if let Some(r) = posts.iter().position(|p| p.len() != 4 * n) {
+                return Err(CommError::Mismatch {
+                    round: 0,
+                    detail: format!(
+                        "all_reduce_sum_f32: rank {r} passed {} elements, rank {me} {n}",
+                        posts[r].len() / 4
+                    ),
+                });
+            }
+            let mine = shard(n, w, me);
+            sum.clear();
+            sum.resize(mine.len(), 0.0);
+            for (r, post) in posts.iter().enumerate() {
+                let part = post.get(4 * mine.start..4 * mine.end).unwrap_or(&[]);
+                with_f32(part, |vals| add_in_rank_order(&mut sum, r, vals));
+            }
+            Ok(())
+        });
+        // Every rank takes part in the second round, whatever the first gave, so that no rank
+        // waits for a peer that returned.
+        let sum_bytes: &[u8] = if phase1.is_ok() {
+            bytemuck::cast_slice(&sum)
+        } else {
+            &[]
+        };
+        let phase2 = self.round_with(Op::SumShards, any, &[sum_bytes], |posts| {
+            if let Some(j) = (0..w).find(|&j| posts[j].len() != 4 * shard(n, w, j).len()) {
+                return Err(CommError::Mismatch {
+                    round: 0,
+                    detail: format!(
+                        "all_reduce_sum_f32: rank {j} got another element count, or sent a sum \
+                         of another length"
+                    ),
+                });
+            }
+            for (j, post) in posts.iter().enumerate() {
+                let dst = &mut x[shard(n, w, j)];
+                with_f32(post, |vals| {
+                    dst.iter_mut().zip(vals).for_each(|(d, v)| *d = v)
+                });
+            }
+            Ok(())
+        });
+        self.sum = sum;
+        phase1?;
+        phase2?;
+        let t = logical_traffic(n, w, me);
+        self.traffic.sent = self.traffic.sent.saturating_add(t.sent);
+        self.traffic.received = self.traffic.received.saturating_add(t.received);
+        Ok(())
     }
 }
 

@@ -25,7 +25,6 @@ pub(crate) fn add_in_rank_order(sum: &mut [f32], r: usize, vals: impl Iterator<I
 /// The bytes one [`Communicator::all_reduce_sum_f32`] of `n` elements counts on rank `me` of
 /// `w`, each way (sent and received are equal): the all-to-all's shards and the all-gather's
 /// sums, each with its 8-byte length or verdict word, and both calls' length exchanges.
-#[cfg(any(test, feature = "mpi"))]
 pub(crate) fn logical_traffic(n: usize, w: usize, me: usize) -> super::Traffic {
     let message = |j: usize| 8 + 4 * shard(n, w, j).len() as u64;
     let peers = w.saturating_sub(1) as u64;
@@ -158,29 +157,92 @@ mod tests {
     use super::{logical_traffic, shard};
     use crate::comm::{Communicator, LocalGroup};
 
-    /// What a transport that moves the shards on its own schedule counts is what the
-    /// all-to-all and all-gather of the default path count.
+    /// A communicator with only the byte collectives of `LocalCommunicator`: its
+    /// `all_reduce_sum_f32` is the trait's default path.
+    struct Plain(crate::comm::LocalCommunicator);
+
+    impl Communicator for Plain {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.0.world_size()
+        }
+        fn all_gather(
+            &mut self,
+            local: &[u8],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), crate::comm::CommError> {
+            self.0.all_gather(local, max_len, out)
+        }
+        fn all_to_all(
+            &mut self,
+            send: &[Vec<u8>],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), crate::comm::CommError> {
+            self.0.all_to_all(send, max_len, out)
+        }
+        fn traffic(&self) -> crate::comm::Traffic {
+            self.0.traffic()
+        }
+    }
+
+    /// Rank `r`'s values: magnitudes far apart, so that the order of additions shows.
+    fn values(r: usize, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let e = ((i * 7 + r * 13) % 40) as i32 - 20;
+                let sign = if (i + r).is_multiple_of(3) { -1.0 } else { 1.0 };
+                sign * (1.0 + (i % 17) as f32 / 17.0) * 2f32.powi(e)
+            })
+            .collect()
+    }
+
+    /// What a transport that moves the shards on its own schedule (`LocalGroup`'s typed sum,
+    /// MPI's pairwise exchange) counts is what the all-to-all and all-gather of the default
+    /// path count, and both give the same bits.
     #[test]
     fn logical_traffic_is_the_default_paths_count() {
         for (n, w) in [(0, 1), (1, 3), (10, 4), (1001, 5)] {
-            let handles: Vec<_> = LocalGroup::new(w)
-                .into_communicators()
-                .into_iter()
-                .map(|mut comm| {
-                    std::thread::spawn(move || {
-                        let mut x = vec![1.0f32; n];
-                        comm.all_reduce_sum_f32(&mut x).unwrap();
-                        (comm.rank(), comm.traffic())
+            let run = |plain: bool| {
+                let handles: Vec<_> = LocalGroup::new(w)
+                    .into_communicators()
+                    .into_iter()
+                    .map(|comm| {
+                        std::thread::spawn(move || {
+                            let me = comm.rank();
+                            let mut x = values(me, n);
+                            let traffic = if plain {
+                                let mut comm = Plain(comm);
+                                comm.all_reduce_sum_f32(&mut x).unwrap();
+                                comm.traffic()
+                            } else {
+                                let mut comm = comm;
+                                comm.all_reduce_sum_f32(&mut x).unwrap();
+                                comm.traffic()
+                            };
+                            (me, traffic, x)
+                        })
                     })
-                })
-                .collect();
-            for h in handles {
-                let (me, traffic) = h.join().unwrap();
-                assert_eq!(
-                    traffic,
-                    logical_traffic(n, w, me),
-                    "n {n}, w {w}, rank {me}"
-                );
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            };
+            let (default, typed) = (run(true), run(false));
+            for ((me, traffic, x), (_, typed_traffic, typed_x)) in default.iter().zip(&typed) {
+                let what = format!("n {n}, w {w}, rank {me}");
+                assert_eq!(*traffic, logical_traffic(n, w, *me), "{what}");
+                assert_eq!(*typed_traffic, *traffic, "{what}");
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(typed_x), bits(x), "{what}");
+                let expected: Vec<f32> = (0..n)
+                    .map(|i| (1..w).fold(values(0, n)[i], |acc, r| acc + values(r, n)[i]))
+                    .collect();
+                assert_eq!(bits(x), bits(&expected), "{what}");
             }
         }
     }
