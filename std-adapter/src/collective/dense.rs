@@ -123,30 +123,27 @@ impl DenseAllReduce {
                 };
             }
             comm.all_reduce_sum_f32(&mut self.chunk)?;
-            if reduction == Reduction::Mean {
-                let w = w as f32;
-                for x in &mut self.chunk {
-                    *x /= w;
-                }
-            }
-            if let Some(k) = first_non_finite(&self.chunk) {
-                // Element `k` of the chunk: walk the tensors from the chunk's first.
-                let (mut t, mut i, mut k) = (first, within, k);
-                while i + k >= tensors[t].numel {
-                    k -= tensors[t].numel - i;
-                    (t, i) = (t + 1, 0);
-                }
-                return Err(Error::Overflow {
-                    tensor: tensors[t].name.clone(),
-                    index: i + k,
-                });
-            }
+            // Each tensor's piece of the chunk: the mean written into the output, then checked
+            // there while it is in the cache (the first non-finite element in chunk order is the
+            // first in the model).
             let mut from = 0;
             while from < len {
                 let t = &tensors[first];
                 let dst = &mut output(out, &t.name)?[within..];
                 let take = dst.len().min(len - from);
-                dst[..take].copy_from_slice(&self.chunk[from..from + take]);
+                let (dst, src) = (&mut dst[..take], &self.chunk[from..from + take]);
+                if reduction == Reduction::Mean {
+                    let w = w as f32;
+                    dst.iter_mut().zip(src).for_each(|(d, s)| *d = s / w);
+                } else {
+                    dst.copy_from_slice(src);
+                }
+                if let Some(k) = first_non_finite(dst) {
+                    return Err(Error::Overflow {
+                        tensor: t.name.clone(),
+                        index: within + k,
+                    });
+                }
                 from += take;
                 (first, within) = if within + take == t.numel {
                     (first + 1, 0)
