@@ -676,10 +676,15 @@ impl CompressedAllReduce {
         let step = self.compressor.step();
         let seed = self.compressor.seed();
         let reduction = self.reduction;
+        // The dense route's chunk bound is part of its configuration: ranks with other bounds
+        // would make calls of other lengths.
         let name = if route == Route::Dense {
-            "all-reduce-f32"
+            format!(
+                "all-reduce-f32 in chunks of at most {} bytes",
+                self.chunk_bytes
+            )
         } else {
-            "two-phase"
+            "two-phase".to_owned()
         };
         let world_size = self.world_size;
         let bucketing = self.bucketing;
@@ -692,7 +697,7 @@ impl CompressedAllReduce {
             Ok(m) => (Some(m), None),
             Err(e) => (None, Some(e)),
         };
-        let config = manifest.map(|m| group_config(world_size, m, reduction, &bucketing, name));
+        let config = manifest.map(|m| group_config(world_size, m, reduction, &bucketing, &name));
         if route == Route::Dense {
             let local = match (manifest, &config, manifest_error) {
                 (Some(m), Some(c), _) => check_finite(gradients).map(|()| (m, gradients, c, step)),

@@ -41,6 +41,39 @@ fn gathers_in_rank_order_for_several_world_sizes() {
     }
 }
 
+/// Review finding: a rank that sums while its peer all-gathers fails at that call with the
+/// peer, and both stay in step: the next all-gathers pair with each other, not with a second
+/// round of the failed sum.
+#[test]
+fn a_sum_against_another_collective_fails_alike_and_the_group_stays_in_step() {
+    let results = run_ranks(LocalGroup::new(2).into_communicators(), |mut comm| {
+        let rank = comm.rank();
+        let mut out = Vec::new();
+        let first = if rank == 0 {
+            comm.all_reduce_sum_f32(&mut [1.0, 2.0]).is_err()
+        } else {
+            comm.all_gather(&[9], 16, &mut out).is_err()
+        };
+        let mut later = Vec::new();
+        for k in 1..=3u8 {
+            comm.all_gather(&[k * 10 + rank as u8], 16, &mut out)
+                .unwrap();
+            later.push(out.clone());
+        }
+        (first, later)
+    });
+    for (rank, (failed, later)) in results.into_iter().enumerate() {
+        assert!(failed, "rank {rank}: the mismatched call fails");
+        for (k, got) in (1..=3u8).zip(later) {
+            assert_eq!(
+                got,
+                vec![vec![k * 10], vec![k * 10 + 1]],
+                "rank {rank}, call {k}"
+            );
+        }
+    }
+}
+
 #[test]
 fn communicators_report_rank_and_world_size() {
     let comms = LocalGroup::new(5).into_communicators();

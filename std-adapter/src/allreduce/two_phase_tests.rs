@@ -976,6 +976,35 @@ fn dense_f32_in_chunks_is_the_same_bits_with_every_message_within_the_bound() {
     }
 }
 
+/// Review finding: ranks with other chunk bounds on the dense route fail on every rank naming
+/// the configuration, not with a transport's length mismatch.
+#[test]
+fn ranks_with_other_chunk_bounds_are_told_their_configurations_differ() {
+    let comms = LocalGroup::new(2).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(
+                    CompressionMethod::Core(Method::Dense {
+                        values: Values::F32,
+                    }),
+                    Box::new(comm),
+                )
+                .with_chunk_bytes(if rank == 0 { 4096 } else { 8192 });
+                ar.all_reduce(&chunked_gradients(rank, 0))
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let err = h.join().unwrap().unwrap_err();
+        assert!(err.contains("chunks of at most"), "rank {rank}: {err}");
+    }
+}
+
 /// Issue 46: a sum that overflows in a later chunk of the dense route is the same
 /// `Error::Overflow` on every rank, naming the tensor and the element within it; the group
 /// stays in step (the next step succeeds).

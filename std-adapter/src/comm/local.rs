@@ -431,8 +431,9 @@ impl Communicator for LocalCommunicator {
         self.traffic
     }
 
-    /// The rank-order sum of [`Communicator::all_reduce_sum_f32`], with the same bits and the
-    /// same traffic counts as the default path, moving f32 between the threads without
+    /// The rank-order sum of [`Communicator::all_reduce_sum_f32`], with the same bits and, for
+    /// a call that succeeds, the same traffic counts as the default path (a failed call counts
+    /// nothing: it moved no message), moving f32 between the threads without
     /// messages: each rank posts `x`, sums its shard of every rank's post in place, posts that
     /// sum, and copies every rank's sum into `x`.
     fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
@@ -458,13 +459,13 @@ impl Communicator for LocalCommunicator {
             }
             Ok(())
         });
-        // Every rank takes part in the second round, whatever the first gave, so that no rank
-        // waits for a peer that returned.
-        let sum_bytes: &[u8] = if phase1.is_ok() {
-            bytemuck::cast_slice(&sum)
-        } else {
-            &[]
-        };
+        // A failed first round fails alike on every rank (every rank reads every post, and the
+        // round's verdict is common), so every rank returns here and the group stays in step.
+        if let Err(e) = phase1 {
+            self.sum = sum;
+            return Err(e);
+        }
+        let sum_bytes: &[u8] = bytemuck::cast_slice(&sum);
         let phase2 = self.round_with(Op::SumShards, any, &[sum_bytes], |posts| {
             if let Some(j) = (0..w).find(|&j| posts[j].len() != 4 * shard(n, w, j).len()) {
                 return Err(CommError::Mismatch {
@@ -484,7 +485,6 @@ impl Communicator for LocalCommunicator {
             Ok(())
         });
         self.sum = sum;
-        phase1?;
         phase2?;
         let t = logical_traffic(n, w, me);
         self.traffic.sent = self.traffic.sent.saturating_add(t.sent);
