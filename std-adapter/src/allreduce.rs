@@ -857,6 +857,12 @@ impl CompressedAllReduce {
 #[path = "../tests/common/mod.rs"]
 mod test_common;
 
+/// The transports' shared checks and their test values (`contribution`), for the unit tests below.
+#[cfg(test)]
+#[allow(dead_code)]
+#[path = "../tests/common/collectives.rs"]
+mod test_collectives;
+
 #[cfg(test)]
 mod allreduce_tests;
 

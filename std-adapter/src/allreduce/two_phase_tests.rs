@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 
+use super::test_collectives::contribution;
 use super::test_common::{self as common, Rng, grads, minilm, same_bits};
 use gradwire::comm::{CommError, Communicator, LocalGroup, Traffic};
 use gradwire::core::{K, Method, Values};
@@ -895,9 +896,18 @@ fn chunked_gradients(r: usize, s: u64) -> HashMap<String, Tensor> {
     let mut g = gradients(r, s);
     g.insert(
         "e.big".into(),
-        Tensor::new(vec![70, 1000], common::contribution_like(r, 70_000)).unwrap(),
+        Tensor::new(vec![70, 1000], contribution(0, r, 70_000)).unwrap(),
     );
     g
+}
+
+/// The uncompressed f32 all-reduce over `comm`, passing buffers of at most `chunk_bytes`.
+fn dense_f32(comm: Box<dyn Communicator>, chunk_bytes: usize) -> CompressedAllReduce {
+    let dense = Method::Dense {
+        values: Values::F32,
+    };
+    CompressedAllReduce::with_communicator(CompressionMethod::Core(dense), comm)
+        .with_chunk_bytes(chunk_bytes)
 }
 
 /// Issue 46: the dense f32 route moves the model in chunks of at most the chunk bound (every
@@ -915,14 +925,7 @@ fn dense_f32_in_chunks_is_the_same_bits_with_every_message_within_the_bound() {
             .map(|(rank, comm)| {
                 std::thread::spawn(move || {
                     let (comm, largest) = common::Recording::new(comm);
-                    let mut ar = CompressedAllReduce::with_communicator(
-                        CompressionMethod::Core(Method::Dense {
-                            values: Values::F32,
-                        }),
-                        Box::new(comm),
-                    )
-                    .with_reduction(reduction)
-                    .with_chunk_bytes(chunk);
+                    let mut ar = dense_f32(Box::new(comm), chunk).with_reduction(reduction);
                     let mut out = HashMap::new();
                     let mut steps = Vec::new();
                     for s in 0..2 {
@@ -980,27 +983,12 @@ fn dense_f32_in_chunks_is_the_same_bits_with_every_message_within_the_bound() {
 /// the configuration, not with a transport's length mismatch.
 #[test]
 fn ranks_with_other_chunk_bounds_are_told_their_configurations_differ() {
-    let comms = LocalGroup::new(2).into_communicators();
-    let handles: Vec<_> = comms
-        .into_iter()
-        .enumerate()
-        .map(|(rank, comm)| {
-            std::thread::spawn(move || {
-                let mut ar = CompressedAllReduce::with_communicator(
-                    CompressionMethod::Core(Method::Dense {
-                        values: Values::F32,
-                    }),
-                    Box::new(comm),
-                )
-                .with_chunk_bytes(if rank == 0 { 4096 } else { 8192 });
-                ar.all_reduce(&chunked_gradients(rank, 0))
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            })
-        })
-        .collect();
-    for (rank, h) in handles.into_iter().enumerate() {
-        let err = h.join().unwrap().unwrap_err();
+    let make = |c: Box<dyn Communicator>| {
+        let bound = if c.rank() == 0 { 4096 } else { 8192 };
+        dense_f32(c, bound)
+    };
+    for (rank, steps) in run_group(2, 1, make, chunked_gradients).iter().enumerate() {
+        let err = steps[0].0.as_ref().unwrap_err();
         assert!(err.contains("chunks of at most"), "rank {rank}: {err}");
     }
 }
@@ -1017,13 +1005,7 @@ fn a_dense_overflow_in_a_later_chunk_names_the_element_on_every_rank() {
         .enumerate()
         .map(|(rank, comm)| {
             std::thread::spawn(move || {
-                let mut ar = CompressedAllReduce::with_communicator(
-                    CompressionMethod::Core(Method::Dense {
-                        values: Values::F32,
-                    }),
-                    Box::new(comm),
-                )
-                .with_chunk_bytes(64 << 10);
+                let mut ar = dense_f32(Box::new(comm), 64 << 10);
                 let mut g = chunked_gradients(rank, 0);
                 let mut d = g["e.big"].data().to_vec();
                 d[50_001] = 3e38;

@@ -121,18 +121,6 @@ pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-/// `n` values for rank `r` whose magnitudes spread over 40 binades (signs mixed), so that
-/// the order in which ranks' values are added shows in the bits of a sum.
-pub fn contribution_like(r: usize, n: usize) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let e = ((i * 7 + r * 13) % 40) as i32 - 20;
-            let sign = if (i + r).is_multiple_of(3) { -1.0 } else { 1.0 };
-            sign * (1.0 + (i % 17) as f32 / 17.0) * 2f32.powi(e)
-        })
-        .collect()
-}
-
 /// A communicator that records the largest buffer passed to it in any call, in bytes
 /// (`all_gather`'s local buffer, each of `all_to_all`'s, `all_reduce_sum_f32`'s f32 slice),
 /// into `largest`, which the test keeps a clone of.
