@@ -354,7 +354,7 @@ impl CompressedAllReduce {
             .server_residuals()
             .find(|(n, _)| *n == name)?
             .1;
-        let indices = layout.ranges(t, rank).flat_map(|(a, b)| a..b).collect();
+        let indices = layout.range(t, rank).collect();
         Some((indices, values))
     }
 

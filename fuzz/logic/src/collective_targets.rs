@@ -46,7 +46,7 @@ fn repair(msg: &mut Vec<u8>, fingerprint: &[u8], phase: u8, step: u64, shard: u3
     msg[16..20].copy_from_slice(&crc.to_le_bytes());
     let body = &mut msg[20..];
     body[..4].copy_from_slice(b"GWSH");
-    body[4..8].copy_from_slice(&[1, phase, 0, 0]);
+    body[4..8].copy_from_slice(&[2, phase, 0, 0]);
     body[8..16].copy_from_slice(&step.to_le_bytes());
     body[16..20].copy_from_slice(&shard.to_le_bytes());
     body[20..24].copy_from_slice(&1u32.to_le_bytes());

@@ -6,7 +6,7 @@
 //! ```text
 //! offset size field
 //!  0     4   magic "GWSH"
-//!  4     1   version (1)
+//!  4     1   version (2)
 //!  5     1   phase: 1 = a worker's shard for its owner, 2 = an owner's reduced shard
 //!  6     2   reserved, 0
 //!  8     8   step (u64 LE)
@@ -22,7 +22,7 @@ use crate::layout::shards::ShardLayout;
 /// The first four bytes.
 const MAGIC: [u8; 4] = *b"GWSH";
 /// The version.
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 /// Bytes of the header.
 pub(crate) const HEADER_LEN: usize = 28;
 
@@ -99,7 +99,9 @@ pub(crate) fn open(
     };
     let u32_at = |i: usize| u32::from_le_bytes([head[i], head[i + 1], head[i + 2], head[i + 3]]);
     if head[..4] != MAGIC || head[4] != VERSION || head[6..8] != [0, 0] {
-        return Err(bad("not a gradwire shard message (version 1)".into()));
+        return Err(bad(format!(
+            "not a gradwire shard message (version {VERSION})"
+        )));
     }
     let crc = u32_at(24);
     if crc_of(msg) != crc {

@@ -228,6 +228,21 @@ impl TwoPhase {
                 .parse()
                 .map_err(|_| Error::checkpoint(format!("shard layout: `{key}` is not a number")))
         };
+        match field("version").ok().map(str::parse::<u64>) {
+            Some(Ok(SHARDS_VERSION)) => {}
+            Some(Ok(v)) => {
+                return Err(Error::checkpoint(format!(
+                    "shard layout version {v}; this gradwire reads version {SHARDS_VERSION}"
+                )));
+            }
+            _ => {
+                return Err(Error::checkpoint(format!(
+                    "shard layout version 1 (block-cyclic shards, an earlier gradwire): its \
+                     residual parts hold other elements than this version's (version \
+                     {SHARDS_VERSION}); discard the server residuals to resume"
+                )));
+            }
+        }
         let (saved_world, saved_rank, block) = (num("world_size")?, num("rank")?, num("block")?);
         let layout_id = u64::from_str_radix(field("layout")?, 16)
             .map_err(|_| Error::checkpoint("shard layout: `layout` is not hex"))?;
@@ -550,7 +565,8 @@ impl TwoPhase {
             })?;
             for ((t, ts), tensor) in layout.tensors.iter().enumerate().zip(outs.iter_mut()) {
                 if ts.lens[owner] > 0 {
-                    layout.scatter(t, owner, &self.shard, tensor);
+                    tensor[layout.range(t, owner)]
+                        .copy_from_slice(&self.shard[layout.shard_range(t, owner)]);
                 }
             }
         }
@@ -602,14 +618,14 @@ impl TwoPhase {
             }
             self.shard.clear();
             for (t, grad) in grads.iter().enumerate() {
-                layout.gather(t, j, grad, &mut self.shard);
+                self.shard.extend_from_slice(&grad[layout.range(t, j)]);
             }
             let residual = match step.feedback.as_deref_mut() {
                 Some(fb) => {
                     self.residual.clear();
                     for (t, ts) in layout.tensors.iter().enumerate() {
                         let r = fb.residual_for(&ts.name, ts.n)?;
-                        layout.gather(t, j, r, &mut self.residual);
+                        self.residual.extend_from_slice(&r[layout.range(t, j)]);
                     }
                     Some(&mut self.residual)
                 }
@@ -636,7 +652,7 @@ impl TwoPhase {
             if let Some(fb) = step.feedback.as_deref_mut() {
                 for (t, ts) in layout.tensors.iter().enumerate() {
                     let r = fb.residual_for(&ts.name, ts.n)?;
-                    layout.scatter(t, j, &self.residual, r);
+                    r[layout.range(t, j)].copy_from_slice(&self.residual[layout.shard_range(t, j)]);
                 }
             }
         }
@@ -818,10 +834,16 @@ impl TwoPhase {
 /// Metadata key of a server-residual checkpoint's shard layout, and of its CRC-32.
 const SHARDS_KEY: &str = "server_shards";
 const SHARDS_CRC_KEY: &str = "server_shards_crc32";
+/// The shard layout's version in a server-residual checkpoint: 2, contiguous runs per tensor
+/// (`FORMAT.md` section 15). Files without it were saved with version 1's block-cyclic shards,
+/// whose residual parts hold other elements: they are refused.
+const SHARDS_VERSION: u64 = 2;
 
 /// The shard layout's text in a server-residual checkpoint.
 fn shard_text(world: usize, rank: usize, block: usize, layout_id: u64) -> String {
-    format!("world_size={world};rank={rank};block={block};layout={layout_id:016x}")
+    format!(
+        "version={SHARDS_VERSION};world_size={world};rank={rank};block={block};layout={layout_id:016x}"
+    )
 }
 
 /// The parameters of an owner's frame.

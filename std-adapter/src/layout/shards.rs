@@ -1,17 +1,18 @@
-//! The shard layout of the two-phase collective (`crate::collective`): every tensor of a manifest cut into blocks,
-//! dealt round-robin to the `W` owners (block-cyclic), so that clustered entries (a gradient
-//! whose non-zeros sit in a few rows) spread over every owner.
+//! The shard layout of the two-phase collective (`crate::collective`): every tensor of a manifest
+//! cut into `W` contiguous runs of blocks, one per owner, the first run going to the owner that
+//! the tensor's own id names (`tensor_id(name) mod W`), the next to the owner after it, and so
+//! on. So an owner's part of a tensor is one contiguous range of it (an error-feedback step runs
+//! on the tensor's residual in place), and where a tensor's parts lie depends on the tensor
+//! alone (its name, length, the block and `W`), not on the tensors before it.
 //!
 //! Blocks: `B` elements, the smallest multiple of the method's own block (quantization scales,
-//! sign scales, int8 scales of a sparse method) that is at least [`TARGET_BLOCK`]; so no scale
-//! block of a shard frame spans two blocks of the tensor except at the tensor's end. The dealing
-//! goes on from one tensor to the next (the first block of a tensor goes to the owner after the
-//! one that got the last block of the tensor before), so that small tensors do not all land on
-//! rank 0. A tensor of fewer than `W` blocks leaves some owners an empty shard: they get no
-//! frame of it.
+//! sign scales, int8 scales of a sparse method) that is at least [`TARGET_BLOCK`]; a tensor of
+//! `b` blocks gives each run `b / W` blocks, the first `b mod W` runs one more, so the runs
+//! differ by at most one block and a run ends on a block boundary except at the tensor's end.
+//! A tensor of fewer than `W` blocks leaves some owners an empty part: they get no segment of it.
 //!
 //! Top-k: tensor `t` keeps `k_t` entries (the method's `k` resolved for the whole tensor), split
-//! over its shards by largest-remainder rounding of `k_t * len_j / n_t` (ties to the lower
+//! over its parts by largest-remainder rounding of `k_t * len_j / n_t` (ties to the lower
 //! owner), so the budgets sum to `k_t` exactly; worker and owner keep the same budget, each
 //! tensor's own top-k inside the shard's one frame (as the per-tensor top-k of a bucket).
 
@@ -37,9 +38,12 @@ pub(crate) struct TensorShards {
     pub(crate) offset: usize,
     /// Elements.
     pub(crate) n: usize,
-    /// Owner of block 0.
+    /// Owner of the first run (block 0): `tensor_id(name) mod W`.
     pub(crate) first_owner: usize,
-    /// Elements of each owner's shard of this tensor.
+    /// Where each owner's part starts in the tensor (its elements `begins[j]..begins[j] +
+    /// lens[j]`).
+    pub(crate) begins: Vec<usize>,
+    /// Elements of each owner's part of this tensor.
     pub(crate) lens: Vec<usize>,
     /// Where this tensor's part starts in each owner's shard (the concatenation of every
     /// tensor's part, in manifest order).
@@ -170,7 +174,6 @@ impl ShardLayout {
             )));
         }
         let block = block_for(&method);
-        let mut next_owner = 0usize;
         let mut tensors = Vec::with_capacity(manifest.entries().len());
         let mut shard_lens = vec![0usize; world];
         let mut kept = vec![0u64; world];
@@ -178,13 +181,7 @@ impl ShardLayout {
         for entry in manifest.entries() {
             let tensor = &manifest.tensors()[entry.members[0]];
             let n = entry.len;
-            let blocks = n.div_ceil(block);
-            let first_owner = next_owner;
-            next_owner = (next_owner + blocks) % world;
-            let mut lens = vec![0usize; world];
-            for b in 0..blocks {
-                lens[(first_owner + b) % world] += block.min(n - b * block);
-            }
+            let (first_owner, begins, lens) = runs(&tensor.name, n, block, world);
             let budgets = match method {
                 Method::TopK { k, .. } => budgets(k.resolve(n as u64), &lens, n),
                 _ => Vec::new(),
@@ -204,6 +201,7 @@ impl ShardLayout {
                 offset: entry.offset,
                 n,
                 first_owner,
+                begins,
                 lens,
                 starts,
                 budgets,
@@ -255,32 +253,17 @@ impl ShardLayout {
         })
     }
 
-    /// The element ranges (of the tensor) of owner `j`'s part of tensor `t`, in order.
-    pub(crate) fn ranges(&self, t: usize, j: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    /// The element range (of the tensor) of owner `j`'s part of tensor `t` (empty when the
+    /// owner has no part of it).
+    pub(crate) fn range(&self, t: usize, j: usize) -> std::ops::Range<usize> {
         let ts = &self.tensors[t];
-        let (w, b) = (self.world, self.block);
-        let blocks = ts.n.div_ceil(b);
-        let first = (j + w - ts.first_owner % w) % w;
-        (first..blocks)
-            .step_by(w)
-            .map(move |blk| (blk * b, ts.n.min((blk + 1) * b)))
+        ts.begins[j]..ts.begins[j] + ts.lens[j]
     }
 
-    /// Appends owner `j`'s part of tensor `t` (`tensor`: the whole tensor) to `dst`.
-    pub(crate) fn gather(&self, t: usize, j: usize, tensor: &[f32], dst: &mut Vec<f32>) {
-        for (a, b) in self.ranges(t, j) {
-            dst.extend_from_slice(&tensor[a..b]);
-        }
-    }
-
-    /// Copies owner `j`'s part of tensor `t` from `shard` (owner `j`'s whole shard) back into
-    /// `tensor` (the whole tensor).
-    pub(crate) fn scatter(&self, t: usize, j: usize, shard: &[f32], tensor: &mut [f32]) {
-        let mut at = self.tensors[t].starts[j];
-        for (a, b) in self.ranges(t, j) {
-            tensor[a..b].copy_from_slice(&shard[at..at + (b - a)]);
-            at += b - a;
-        }
+    /// The range of owner `j`'s shard that holds its part of tensor `t`.
+    pub(crate) fn shard_range(&self, t: usize, j: usize) -> std::ops::Range<usize> {
+        let ts = &self.tensors[t];
+        ts.starts[j]..ts.starts[j] + ts.lens[j]
     }
 
     /// The tensor and its element index at index `i` of owner `j`'s shard.
@@ -290,14 +273,8 @@ impl ShardLayout {
             .iter()
             .rposition(|ts| ts.starts[j] <= i && ts.lens[j] > 0)
             .unwrap_or(0);
-        let mut left = i.saturating_sub(self.tensors[t].starts[j]);
-        for (a, b) in self.ranges(t, j) {
-            if left < b - a {
-                return (t, a + left);
-            }
-            left -= b - a;
-        }
-        (t, 0)
+        let ts = &self.tensors[t];
+        (t, ts.begins[j] + i.saturating_sub(ts.starts[j]))
     }
 
     /// Bytes of owner `j`'s frame at most; 0 for an empty shard (no frame).
@@ -313,6 +290,32 @@ impl ShardLayout {
     pub(crate) fn frames_of(&self, j: usize) -> usize {
         usize::from(self.shard_lens[j] > 0)
     }
+}
+
+/// The runs of a tensor `name` of `n` elements in blocks of `block` over `world` owners: the
+/// owner of the first run, then each owner's start and length in the tensor (see the module
+/// docs).
+pub(crate) fn runs(
+    name: &str,
+    n: usize,
+    block: usize,
+    world: usize,
+) -> (usize, Vec<usize>, Vec<usize>) {
+    let first_owner = (tensor_id(name) % world as u64) as usize;
+    let blocks = n.div_ceil(block);
+    let (each, extra) = (blocks / world, blocks % world);
+    let mut begins = vec![0usize; world];
+    let mut lens = vec![0usize; world];
+    let mut at = 0usize;
+    for i in 0..world {
+        let owner = (first_owner + i) % world;
+        let run = (each + usize::from(i < extra)).saturating_mul(block);
+        let len = run.min(n - at);
+        begins[owner] = at;
+        lens[owner] = len;
+        at += len;
+    }
+    (first_owner, begins, lens)
 }
 
 /// The largest frame and the scratch words of owner `j`'s shard of `n` elements with
