@@ -238,7 +238,7 @@ pub fn step_chunk(
     let (scales, body) = sections.pieces_of(start, grad.len(), scales, body)?;
     let limit = crate::values::magnitude_limit(params.method.values());
     if !all_below(&Sum(grad, residual), limit)
-        && let Some(e) = first_bad_sum(grad, residual, &params.method)
+        && let Some(e) = first_bad_sum_of(grad, residual, &params.method)
     {
         return Err(at_tensor_index(e, start));
     }
@@ -476,7 +476,7 @@ fn step(
         subtract_sent(&out[..len], params, scratch, residual)?;
         return Ok(len);
     }
-    if let Some(e) = first_bad_sum(grad, residual, &params.method) {
+    if let Some(e) = first_bad_sum_of(grad, residual, &params.method) {
         return Err(e);
     }
     add_into(residual, grad);
@@ -490,7 +490,34 @@ fn step(
 /// specified order: the first NaN or infinity (a NaN or an infinity in `grad` makes its sum
 /// non-finite too, so one walk over the sums names the first index of either kind), else the
 /// first sum out of the value type's range. `None` when every sum is fine.
-fn first_bad_sum(grad: &[f32], residual: &[f32], method: &Method) -> Option<Error> {
+/// The first element whose `grad[i] + residual[i]` an error-feedback step with `values` (the
+/// method's value type; `None` for methods without one) cannot encode: [`Error::NonFinite`]
+/// for a NaN or infinite sum (checked first, over the whole tensor), else
+/// [`Error::ValueOutOfRange`] for a sum beyond the range of f16 or bf16. `None` when every sum
+/// is in range. One vectorised read of both slices when they are; a scalar scan names the
+/// element otherwise. A step that checks first changes nothing on a bad sum.
+///
+/// # Panics
+/// Never (the slices are compared up to the shorter length).
+pub fn first_bad_sum(grad: &[f32], residual: &[f32], values: Option<Values>) -> Option<Error> {
+    let n = grad.len().min(residual.len());
+    let (grad, residual) = (&grad[..n], &residual[..n]);
+    let limit = crate::values::magnitude_limit(values);
+    if all_below(&Sum(grad, residual), limit) {
+        return None;
+    }
+    if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
+        return Some(Error::NonFinite { index });
+    }
+    let v = values?;
+    let index = grad
+        .iter()
+        .zip(residual.iter())
+        .position(|(&g, &r)| !crate::values::fits(v, g + r))?;
+    Some(Error::ValueOutOfRange { index })
+}
+
+fn first_bad_sum_of(grad: &[f32], residual: &[f32], method: &Method) -> Option<Error> {
     if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
         return Some(Error::NonFinite { index });
     }

@@ -108,8 +108,9 @@ pub use error::{Error, Param};
 pub use feedback::{ResidualBound, feedback_step, feedback_step_bounded};
 pub use frame::{
     FORMAT_VERSION, FrameInfo, Header, MAGIC, accumulate_into, decode_into, encode_into,
-    encode_kept_into, encode_segmented_into, encode_selected_into, max_frame_len, peek,
-    scratch_len, segmented_frame_len, segmented_scratch_len, validate,
+    encode_kept_into, encode_kept_segmented_into, encode_segmented_into, encode_selected_into,
+    kept_segmented_scratch_len, max_frame_len, peek, scratch_len, segmented_frame_len,
+    segmented_scratch_len, validate,
 };
 pub use method::{
     K, Method, Params, Rounding, SignScale, UNSCALED_MASK_BLOCK, Values, k_from_ratio, tensor_id,

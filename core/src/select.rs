@@ -405,7 +405,10 @@ pub(crate) fn topk_kept_src<'s, S: Source>(
         });
     }
     if sample > 0 {
-        let t = sample_threshold(src, k, samples);
+        // A sample of zeros (a sparse input: a sum of sparse frames) floors at the smallest
+        // non-zero key, so that the candidates are the non-zeros rather than every element;
+        // with fewer than k of them the exact selection below runs, as for any miss.
+        let t = sample_threshold(src, k, samples).max(1);
         let (count, ok) = scan(src, f32::from_bits(t), limit, idx, bits, |_| true);
         if !ok {
             return Err(OutOfLimit);
@@ -460,6 +463,45 @@ fn kept_by_radix<'s, S: Source>(
     })
 }
 
+/// Exact top-k of `x = g + r` (`k` clamped to the length) for an error-feedback step run in
+/// place: stores every sum in `r` (`r[i] = g[i] + r[i]`, the f32 addition) and returns the
+/// kept entries of the sums, as [`topk_kept`] of the sums would (ties to the lower index). On
+/// tensors of at least [`SAMPLED_MIN`] elements with `0 < k < n`, `g` and `r` are read once and
+/// `r` written once while the candidates are collected; otherwise the sums are stored, then
+/// selected.
+///
+/// The caller checks the sums first (for example [`crate::feedback::first_bad_sum`], or a
+/// [`crate::ResidualBound`] that proves them in range): the selection still checks every
+/// `|x| < limit`, but `r` holds the sums when it fails.
+///
+/// `scratch` holds at least [`kept_scratch_len`]`(g.len(), k)` words.
+///
+/// # Errors
+/// [`OutOfLimit`] when some sum is NaN or `|x| >= limit` (`r` holds the sums then).
+///
+/// # Panics
+/// When `g` and `r` differ in length, `scratch` is too short, or the length exceeds
+/// `u32::MAX`.
+pub fn topk_kept_sum_into<'s>(
+    g: &[f32],
+    r: &mut [f32],
+    k: usize,
+    limit: f32,
+    scratch: &'s mut [u32],
+) -> Result<Kept<'s>, OutOfLimit> {
+    assert_eq!(g.len(), r.len(), "residual length");
+    let n = r.len();
+    assert!(u32::try_from(n).is_ok(), "length beyond u32");
+    if n >= SAMPLED_MIN && 0 < k && k < n {
+        assert!(scratch.len() >= kept_scratch_len(n, k), "scratch too short");
+        return topk_kept_update(g, r, k, limit, scratch);
+    }
+    for (x, &y) in r.iter_mut().zip(g) {
+        *x += y;
+    }
+    topk_kept(r, k, limit, scratch)
+}
+
 /// [`topk_kept_src`] of `g + r` for an error-feedback step that has already checked that no
 /// sum can be out of limit: the pass that collects the candidates also stores each sum in `r`
 /// (`r[i] = g[i] + r[i]`, the f32 addition of [`Sum`]), so the step reads `g` and `r` once and
@@ -483,7 +525,8 @@ pub(crate) fn topk_kept_update<'s>(
     let (samples, rest) = rest.split_at_mut(sample_len(n));
     let (idx, rest) = rest.split_at_mut(cap);
     let bits = &mut rest[..cap];
-    let t = sample_threshold(&Sum(g, r), k, samples);
+    // As in `topk_kept_src`: a sample of zeros floors at the smallest non-zero key.
+    let t = sample_threshold(&Sum(g, r), k, samples).max(1);
     let (count, ok) = scan_update(g, r, f32::from_bits(t), limit, idx, bits);
     if !ok {
         return Err(OutOfLimit);

@@ -29,8 +29,8 @@ use crate::{quant, scalar, select, sign, values, zero_mask};
 pub use apply::{accumulate_into, decode_into, validate};
 pub use encode::encode_into;
 pub use sparse::{
-    encode_kept_into, encode_segmented_into, encode_selected_into, segmented_frame_len,
-    segmented_scratch_len,
+    encode_kept_into, encode_kept_segmented_into, encode_segmented_into, encode_selected_into,
+    kept_segmented_scratch_len, segmented_frame_len, segmented_scratch_len,
 };
 
 pub(crate) use apply::{apply, sparse_batches};

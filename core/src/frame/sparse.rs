@@ -91,6 +91,121 @@ pub fn encode_segmented_into(
     })
 }
 
+/// [`encode_segmented_into`] from the kept entries alone: `kept.idx` (strictly ascending,
+/// `< n`) and the f32 bits of their values `kept.bits`, so that a caller whose values live in
+/// several buffers (the parts of a shard, each selected in place) needs no copy of the
+/// `n`-element input. The bytes are those [`encode_segmented_into`] writes for an input whose
+/// entry at `kept.idx[j]` is `f32::from_bits(kept.bits[j])`.
+///
+/// `scratch` holds at least [`kept_segmented_scratch_len`] words and `out` at least
+/// [`segmented_frame_len`]`(n, kept.idx.len(), values, s)` bytes, where `s` counts the
+/// non-empty segments (empty ones take no room). On error `out` holds no valid frame (its
+/// magic is cleared).
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when `kept.idx` and `kept.bits` differ in length or `segments`
+/// does not sum to the kept count; [`Error::TooLarge`] when `n` exceeds `u32::MAX`;
+/// [`Error::UnsortedIndices`]; [`Error::NonFinite`] and [`Error::ValueOutOfRange`] naming the
+/// index of a bad value; [`Error::ScratchTooSmall`], [`Error::BufferTooSmall`].
+///
+/// # Panics
+/// Never.
+pub fn encode_kept_segmented_into(
+    n: usize,
+    kept: Kept<'_>,
+    segments: &[u32],
+    values: Values,
+    scratch: &mut [u32],
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    no_frame_on_error(out, |out| {
+        if kept.idx.len() != kept.bits.len() {
+            return Err(Error::LengthMismatch {
+                expected: kept.idx.len(),
+                got: kept.bits.len(),
+            });
+        }
+        let count = kept.idx.len();
+        let sum: u64 = segments.iter().map(|&l| u64::from(l)).sum();
+        if sum != count as u64 {
+            return Err(Error::LengthMismatch {
+                expected: count,
+                got: usize::try_from(sum).unwrap_or(usize::MAX),
+            });
+        }
+        if u32::try_from(n).is_err() {
+            return Err(Error::TooLarge { n: n as u64 });
+        }
+        let non_empty = segments.iter().filter(|&&l| l > 0).count();
+        let segs = match values {
+            Values::Int8 { .. } if non_empty >= 2 => segments,
+            _ => &[],
+        };
+        let method = Method::TopK {
+            k: K::Count(count as u64),
+            values,
+        };
+        method.validate()?;
+        let need_out = if segs.is_empty() {
+            max_frame_len(n, &method)
+        } else {
+            segmented_frame_len(n, count, values, non_empty)
+        };
+        if out.len() < need_out {
+            return Err(Error::BufferTooSmall {
+                needed: need_out,
+                got: out.len(),
+            });
+        }
+        let need_scratch = kept_segmented_scratch_len(count, values, non_empty);
+        if scratch.len() < need_scratch {
+            return Err(Error::ScratchTooSmall {
+                needed: need_scratch,
+                got: scratch.len(),
+            });
+        }
+        check_kept_entries(n, &kept, values, None)?;
+        let mut p = Put::new(out);
+        let flags = if segs.is_empty() { 0 } else { FLAG_SEGMENTED };
+        write_fixed(&mut p, M_TOPK, flags, n);
+        p.values(values);
+        let (count, codec, idx_len) = measure(n, &kept, values, segs, scratch);
+        p.u64(count);
+        if !segs.is_empty() {
+            let non_empty = segs.iter().filter(|&&l| l > 0);
+            p.u32(non_empty.clone().count() as u32);
+            for &len in non_empty {
+                p.varint(u64::from(len));
+            }
+        }
+        p.u8(codec);
+        write_sparse_body(
+            n,
+            &kept,
+            values,
+            count as usize,
+            codec,
+            idx_len,
+            &mut p,
+            segs,
+            scratch,
+        );
+        Ok(p.finish())
+    })
+}
+
+/// Words of scratch [`encode_kept_segmented_into`] needs for `kept` entries in `segments`
+/// segments (saturating): one per int8 scale block, none for other values.
+pub const fn kept_segmented_scratch_len(kept: usize, values: Values, segments: usize) -> usize {
+    match values {
+        Values::Int8 { block } => kept
+            .div_ceil(if block == 0 { 1 } else { block as usize })
+            .saturating_add(segments)
+            .saturating_add(1),
+        _ => 0,
+    }
+}
+
 /// Words of scratch [`encode_segmented_into`] needs for `kept` of `n` entries in `segments`
 /// segments (saturating).
 pub const fn segmented_scratch_len(

@@ -45,7 +45,7 @@ pub(crate) enum Phase {
 }
 
 /// Starts a message at the end of `out`: the header with a zero CRC; frames follow by
-/// [`push_frame`], then [`finish`].
+/// [`reserve_frame`] and [`commit_frame`], then [`finish`].
 pub(crate) fn start(out: &mut Vec<u8>, phase: Phase, step: u64, shard: usize, frames: usize) {
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&[VERSION, phase as u8, 0, 0]);
@@ -55,10 +55,20 @@ pub(crate) fn start(out: &mut Vec<u8>, phase: Phase, step: u64, shard: usize, fr
     out.extend_from_slice(&[0; 4]);
 }
 
-/// Appends a frame's length and the frame.
-pub(crate) fn push_frame(out: &mut Vec<u8>, frame: &[u8]) {
-    out.extend_from_slice(&(frame.len() as u32).to_le_bytes());
-    out.extend_from_slice(frame);
+/// Appends a frame's length field and `bound` bytes for the frame, and returns where the frame
+/// starts: the caller writes the frame there, then [`commit_frame`] its length.
+pub(crate) fn reserve_frame(out: &mut Vec<u8>, bound: usize) -> usize {
+    out.extend_from_slice(&[0; 4]);
+    let at = out.len();
+    out.resize(at + bound, 0);
+    at
+}
+
+/// Ends a frame that [`reserve_frame`] made room for at `at`: its length, and the message
+/// cut after it.
+pub(crate) fn commit_frame(out: &mut Vec<u8>, at: usize, written: usize) {
+    out[at - 4..at].copy_from_slice(&(written as u32).to_le_bytes());
+    out.truncate(at + written);
 }
 
 /// Writes the CRC of a message that [`start`] began at `at` in `out`.
@@ -178,8 +188,11 @@ mod tests {
     fn messages_round_trip_and_refuse_damage() {
         let mut msg = Vec::new();
         start(&mut msg, Phase::Contribution, 7, 2, 2);
-        push_frame(&mut msg, b"abc");
-        push_frame(&mut msg, b"");
+        let at = reserve_frame(&mut msg, 8);
+        msg[at..at + 3].copy_from_slice(b"abc");
+        commit_frame(&mut msg, at, 3);
+        let at = reserve_frame(&mut msg, 5);
+        commit_frame(&mut msg, at, 0);
         finish(&mut msg, 0);
         let mut f = open(&msg, 1, Phase::Contribution, 7, 2, 2).unwrap();
         assert_eq!(f.next_frame().unwrap(), b"abc");

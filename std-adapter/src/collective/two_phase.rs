@@ -23,13 +23,17 @@
 //! that never comes. A rank that fails before phase 1 sends its reason to every owner; an owner
 //! that finds a rank's message bad, a rank failed, or a fingerprint differing from rank 0's,
 //! sends that in phase 2 instead of its shard, so every rank sees it and returns the same error.
-//! A failed step leaves worker and server residuals as they were before it (copies taken before
-//! they change: `n` floats of the worker's, `n / W` of the owner's).
+//! A step's local errors (a NaN or infinite `gradient + residual`, a value beyond the value
+//! type's range) are found before any residual changes. After a failure the group sees (a
+//! peer's error, a bad message, an overflow, a limit), the worker's residuals take back what
+//! this rank sent (its frames decoded and added back: the step's gradient is delayed, not lost,
+//! up to f32 rounding, as on the all-gather) and the server residual returns exactly to its
+//! value before the step (from a copy of this rank's `n / W` elements).
 
 use std::collections::HashMap;
 
 use gradwire_core::values::first_non_finite;
-use gradwire_core::{Method, Params, accumulate_into, decode_into};
+use gradwire_core::{Method, Params};
 
 use super::shard_message::{self, Phase};
 use super::{
@@ -38,7 +42,7 @@ use super::{
 };
 use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator};
-use crate::engine::shard::{Buffers, encode_shard};
+use crate::engine::shard::{Buffers, Part, Target, add_frame, check_parts, encode_parts};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::layout::Manifest;
@@ -82,20 +86,16 @@ pub(crate) struct TwoPhase {
     /// This rank (of the last step).
     rank: usize,
     server_undo: Vec<f32>,
-    worker_undo: Vec<f32>,
+    /// Owners whose phase-1 frames this rank made in the current step (what a failed step
+    /// gives back to the worker's residuals).
+    made: usize,
+    /// The worker's residuals, moved out of its error feedback while a step works on them.
+    taken: Vec<Vec<f32>>,
     send: Vec<Vec<u8>>,
     recv: Vec<Vec<u8>>,
     phase2: Vec<u8>,
     gathered: Vec<Vec<u8>>,
-    shard: Vec<f32>,
-    residual: Vec<f32>,
-    sum: Vec<f32>,
-    scratch: Vec<u32>,
-    select: Vec<u32>,
-    kept: Vec<u32>,
-    segments: Vec<u32>,
-    sent: Vec<f32>,
-    frame: Vec<u8>,
+    bufs: Buffers,
 }
 
 impl TwoPhase {
@@ -357,7 +357,7 @@ impl TwoPhase {
         let world = comm.world_size();
         let me = comm.rank();
         self.rank = me;
-        self.worker_undo.clear();
+        self.made = 0;
         self.server_undo.clear();
         // The agreement round, before anything changes: every route of a step starts with this
         // all-gather of envelopes (the all-gather's bundles, the dense all-reduce's envelopes),
@@ -370,9 +370,7 @@ impl TwoPhase {
         match self.phase1_local(&mut step, world, me) {
             Ok(()) => step_data = Some(step),
             Err(e) => {
-                if let Some(fb) = step.feedback.as_deref_mut() {
-                    self.restore_worker(fb);
-                }
+                // Phase 1 gave back what it had made before the error.
                 own_error = Some(e);
             }
         }
@@ -401,9 +399,8 @@ impl TwoPhase {
                 e,
                 CommError::TooLarge { .. } | CommError::LimitsDiffer { .. }
             ) && let Some(mut step) = step_data
-                && let Some(fb) = step.feedback.as_deref_mut()
             {
-                self.restore_worker(fb);
+                self.give_back(&mut step);
             }
             return Err(e.into());
         }
@@ -417,7 +414,7 @@ impl TwoPhase {
         // The owner's part.
         let verdict = match (own_error.take(), &step_data) {
             (Some(e), _) => Some(Verdict::Own(e)),
-            (None, Some(step)) => self.reduce_own_shard(step, world, me).err(),
+            (None, Some(step)) => self.reduce_own_shard(step, world, me, out).err(),
             (None, None) => Some(Verdict::Own(Error::internal("no step and no error"))),
         };
         let mut own_error = None;
@@ -456,9 +453,7 @@ impl TwoPhase {
                 CommError::TooLarge { .. } | CommError::LimitsDiffer { .. }
             ) && let Some(mut step) = step_data
             {
-                if let Some(fb) = step.feedback.as_deref_mut() {
-                    self.restore_worker(fb);
-                }
+                self.give_back(&mut step);
                 self.restore_server(me);
             }
             return Err(e.into());
@@ -468,9 +463,7 @@ impl TwoPhase {
         if result.is_err()
             && let Some(mut step) = step_data
         {
-            if let Some(fb) = step.feedback.as_deref_mut() {
-                self.restore_worker(fb);
-            }
+            self.give_back(&mut step);
             self.restore_server(me);
         }
         result
@@ -536,7 +529,7 @@ impl TwoPhase {
             return Err(Error::internal("a failed rank's own message was not found"));
         };
         // Every element of every tensor is in one owner's shard: the outputs are written
-        // whole, in place.
+        // whole, in place, each owner's frame decoded into its parts.
         step.manifest.shape_outputs(out);
         let mut outs = step
             .manifest
@@ -551,30 +544,28 @@ impl TwoPhase {
                 owner,
                 layout.frames_of(owner),
             )?;
-            let len = layout.shard_lens[owner];
-            if len == 0 {
+            if layout.shard_lens[owner] == 0 {
                 continue;
             }
             let frame = frames.next_frame()?;
             let params = owner_params(layout.methods[owner], step, layout.owner_ids[owner]);
-            self.shard.clear();
-            self.shard.resize(len, 0.0);
-            decode_into(frame, &params, &mut self.shard).map_err(|e| Error::Collective {
-                rank: owner,
-                reason: format!("its reduced shard: {e}"),
-            })?;
-            for ((t, ts), tensor) in layout.tensors.iter().enumerate().zip(outs.iter_mut()) {
-                if ts.lens[owner] > 0 {
-                    tensor[layout.range(t, owner)]
-                        .copy_from_slice(&self.shard[layout.shard_range(t, owner)]);
-                }
+            let mut targets = targets_of(layout, owner, &mut outs);
+            for t in &mut targets {
+                t.data.fill(0.0);
             }
+            add_frame(layout, owner, frame, &params, &mut targets, &mut self.bufs).map_err(
+                |e| Error::Collective {
+                    rank: owner,
+                    reason: format!("its reduced shard: {e}"),
+                },
+            )?;
         }
         Ok(())
     }
 
-    /// Compresses this rank's shards into `self.send` (phase 1), keeping a copy of the worker
-    /// residuals first.
+    /// Compresses this rank's shards into `self.send` (phase 1), in place on the gradients
+    /// and the worker's residuals, after checking every tensor (a local error changes no
+    /// residual).
     fn phase1_local(&mut self, step: &mut Step<'_>, world: usize, me: usize) -> Result<()> {
         crate::aggregate::check_reduction(step.manifest, step.reduction, world)?;
         self.layout_for(step.manifest, world)?;
@@ -585,13 +576,66 @@ impl TwoPhase {
             self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
         }
         self.apply_pending(me)?;
+        if let (Some(fb), Some(layout)) = (step.feedback.as_deref(), &self.layout) {
+            for ts in &layout.tensors {
+                fb.check_shape(&ts.name, &ts.shape)?;
+            }
+        }
+        self.take_residuals(step)?;
+        let result = self.encode_phase1(step, world);
+        if result.is_err() {
+            // Only a frame that could not be made after the checks passed: the owners'
+            // frames made before it are given back.
+            self.give_back_taken(step);
+        }
+        self.put_residuals(step);
+        if result.is_ok()
+            && let (Some(fb), Some(layout)) = (step.feedback.as_deref_mut(), &self.layout)
+        {
+            for ts in &layout.tensors {
+                fb.remember_shape(&ts.name, &ts.shape);
+            }
+        }
+        result
+    }
+
+    /// Moves the worker's residuals (zeros for a tensor without one) into `self.taken`, one
+    /// per tensor of the layout; none without error feedback.
+    fn take_residuals(&mut self, step: &mut Step<'_>) -> Result<()> {
         let Some(layout) = &self.layout else {
             return Err(Error::internal("layout"));
         };
-        self.scratch.resize(layout.max_scratch, 0);
-        self.select.resize(layout.max_select, 0);
-        self.frame.resize(layout.max_frame, 0);
-        // The worker's residuals, checked and copied before anything changes.
+        let Some(fb) = step.feedback.as_deref_mut() else {
+            self.taken.clear();
+            return Ok(());
+        };
+        self.taken.resize_with(layout.tensors.len(), Vec::new);
+        for (t, ts) in layout.tensors.iter().enumerate() {
+            if let Err(e) = fb.take_residual(&ts.name, ts.n, &mut self.taken[t]) {
+                for (u, ts) in layout.tensors.iter().enumerate().take(t) {
+                    fb.put_residual(&ts.name, &mut self.taken[u]);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives the residuals [`TwoPhase::take_residuals`] moved out back to the feedback.
+    fn put_residuals(&mut self, step: &mut Step<'_>) {
+        let (Some(fb), Some(layout)) = (step.feedback.as_deref_mut(), &self.layout) else {
+            return;
+        };
+        for (ts, r) in layout.tensors.iter().zip(self.taken.iter_mut()) {
+            fb.put_residual(&ts.name, r);
+        }
+    }
+
+    /// Checks every tensor, then writes each owner's message into `self.send`.
+    fn encode_phase1(&mut self, step: &Step<'_>, world: usize) -> Result<()> {
+        let Some(layout) = &self.layout else {
+            return Err(Error::internal("layout"));
+        };
         let mut grads = Vec::with_capacity(layout.tensors.len());
         for ts in &layout.tensors {
             let grad = step
@@ -600,84 +644,102 @@ impl TwoPhase {
                 .ok_or_else(|| Error::internal("a checked gradient is missing"))?
                 .data();
             grads.push(grad);
-            if let Some(fb) = step.feedback.as_deref_mut() {
-                fb.check_shape(&ts.name, &ts.shape)?;
-                let r = fb.residual_for(&ts.name, ts.n)?;
-                self.worker_undo.extend_from_slice(r);
+        }
+        // Every sum checked before any residual changes: one read of each gradient and
+        // residual.
+        let values = layout.method.values();
+        for (t, ts) in layout.tensors.iter().enumerate() {
+            let bad = match self.taken.get(t) {
+                Some(r) => gradwire_core::feedback::first_bad_sum(grads[t], r, values),
+                None => crate::engine::shard::first_bad(grads[t], values),
+            };
+            if let Some(e) = bad {
+                return Err(Error::core(&ts.name, None, e));
             }
         }
         let fingerprint = fingerprint_at(step.config, step.step);
         self.send.resize_with(world, Vec::new);
         for j in 0..world {
             let msg = &mut self.send[j];
+            msg.clear();
             seal(PAYLOAD, fingerprint, &[], msg);
             shard_message::start(msg, Phase::Contribution, step.step, j, layout.frames_of(j));
             if layout.shard_lens[j] == 0 {
                 shard_message::finish(msg, ENVELOPE_LEN);
+                self.made = j + 1;
                 continue;
             }
-            self.shard.clear();
-            for (t, grad) in grads.iter().enumerate() {
-                self.shard.extend_from_slice(&grad[layout.range(t, j)]);
-            }
-            let residual = match step.feedback.as_deref_mut() {
-                Some(fb) => {
-                    self.residual.clear();
-                    for (t, ts) in layout.tensors.iter().enumerate() {
-                        let r = fb.residual_for(&ts.name, ts.n)?;
-                        self.residual.extend_from_slice(&r[layout.range(t, j)]);
-                    }
-                    Some(&mut self.residual)
-                }
-                None => None,
-            };
-            let params = Params {
-                method: layout.methods[j],
-                seed: step.seed,
-                step: step.step,
-                tensor_id: layout.worker_ids[j],
-            };
-            let mut bufs = Buffers {
-                scratch: &mut self.scratch,
-                select: &mut self.select,
-                kept: &mut self.kept,
-                segments: &mut self.segments,
-                sum: &mut self.sum,
-                sent: &mut self.sent,
-                frame: &mut self.frame,
-            };
-            let written = encode_shard(layout, j, &self.shard, residual, &params, &mut bufs)?;
-            shard_message::push_frame(msg, &self.frame[..written]);
+            let mut parts = parts_of(layout, j, &grads, &mut self.taken);
+            let params = worker_params(layout, step, j);
+            let at = shard_message::reserve_frame(msg, layout.max_frame_len(j));
+            let written = encode_parts(
+                layout,
+                j,
+                &mut parts,
+                &params,
+                &mut self.bufs,
+                &mut msg[at..],
+            )?;
+            shard_message::commit_frame(msg, at, written);
             shard_message::finish(msg, ENVELOPE_LEN);
-            if let Some(fb) = step.feedback.as_deref_mut() {
-                for (t, ts) in layout.tensors.iter().enumerate() {
-                    let r = fb.residual_for(&ts.name, ts.n)?;
-                    r[layout.range(t, j)].copy_from_slice(&self.residual[layout.shard_range(t, j)]);
-                }
-            }
-        }
-        if let Some(fb) = step.feedback.as_deref_mut() {
-            for ts in &layout.tensors {
-                fb.remember_shape(&ts.name, &ts.shape);
-            }
+            self.made = j + 1;
         }
         Ok(())
     }
 
-    /// Puts back the worker residuals copied by [`TwoPhase::phase1_local`].
-    fn restore_worker(&mut self, fb: &mut ErrorFeedback) {
-        let Some(layout) = &self.layout else { return };
-        let mut at = 0;
-        for ts in &layout.tensors {
-            if at + ts.n > self.worker_undo.len() {
-                break;
-            }
-            if let Ok(r) = fb.residual_for(&ts.name, ts.n) {
-                r.copy_from_slice(&self.worker_undo[at..at + ts.n]);
-            }
-            at += ts.n;
+    /// After a failed step: the worker's residuals take back what this rank's phase-1 frames
+    /// sent (each frame decoded and added back into the residual it came from).
+    fn give_back(&mut self, step: &mut Step<'_>) {
+        if step.feedback.is_none() || self.made == 0 {
+            return;
         }
-        self.worker_undo.clear();
+        if self.take_residuals(step).is_ok() {
+            self.give_back_taken(step);
+            self.put_residuals(step);
+        }
+    }
+
+    /// [`TwoPhase::give_back`] on the residuals in `self.taken`.
+    fn give_back_taken(&mut self, step: &Step<'_>) {
+        let Some(layout) = &self.layout else { return };
+        if self.taken.len() != layout.tensors.len() {
+            return;
+        }
+        for j in 0..self.made.min(self.send.len()) {
+            if layout.shard_lens[j] == 0 {
+                continue;
+            }
+            let Some(body) = self.send[j].get(ENVELOPE_LEN..) else {
+                continue;
+            };
+            let Ok(mut frames) = shard_message::open(
+                body,
+                j,
+                Phase::Contribution,
+                step.step,
+                j,
+                layout.frames_of(j),
+            ) else {
+                continue;
+            };
+            let Ok(frame) = frames.next_frame() else {
+                continue;
+            };
+            let params = worker_params(layout, step, j);
+            let mut targets: Vec<Target<'_>> = layout
+                .tensors
+                .iter()
+                .zip(self.taken.iter_mut())
+                .filter(|(ts, _)| ts.lens[j] > 0)
+                .map(|(ts, r)| Target {
+                    at: ts.starts[j],
+                    data: &mut r[ts.begins[j]..ts.begins[j] + ts.lens[j]],
+                })
+                .collect();
+            // This rank's own frame, just made: it decodes.
+            let _ = add_frame(layout, j, frame, &params, &mut targets, &mut self.bufs);
+        }
+        self.made = 0;
     }
 
     /// Puts back the server residuals copied by [`TwoPhase::reduce_own_shard`].
@@ -695,6 +757,7 @@ impl TwoPhase {
         step: &Step<'_>,
         world: usize,
         me: usize,
+        out: &mut HashMap<String, Tensor>,
     ) -> std::result::Result<(), Verdict> {
         let own = |e: Error| Verdict::Own(e);
         let bad = |rank: usize, e: Error| Verdict::Relay {
@@ -768,63 +831,93 @@ impl TwoPhase {
             me,
             layout.frames_of(me),
         );
-        let len = layout.shard_lens[me];
-        if len > 0 {
-            let worker = Params {
-                method: layout.methods[me],
-                seed: step.seed,
-                step: step.step,
-                tensor_id: layout.worker_ids[me],
-            };
-            self.shard.clear();
-            self.shard.resize(len, 0.0);
+        if layout.shard_lens[me] > 0 {
+            // The W contributions added in rank order into zeros, in this rank's parts of the
+            // output tensors (every rank overwrites them with the decoded shards in `finish`).
+            let worker = worker_params(layout, step, me);
+            step.manifest.shape_outputs(out);
+            let mut outs = step
+                .manifest
+                .entry_outputs(out)
+                .ok_or_else(|| own(Error::internal("two-phase outputs of another layout")))?;
+            let mut targets = targets_of(layout, me, &mut outs);
+            for t in &mut targets {
+                t.data.fill(0.0);
+            }
             for (rank, frames) in opened.iter_mut().enumerate() {
                 let frame = frames.next_frame().map_err(|e| bad(rank, e))?;
-                accumulate_into(frame, &worker, &mut self.shard, 1.0).map_err(|e| {
-                    bad(
-                        rank,
-                        Error::Collective {
+                add_frame(layout, me, frame, &worker, &mut targets, &mut self.bufs).map_err(
+                    |e| {
+                        bad(
                             rank,
-                            reason: format!("its shard for owner {me}: {e}"),
-                        },
-                    )
-                })?;
+                            Error::Collective {
+                                rank,
+                                reason: format!("its shard for owner {me}: {e}"),
+                            },
+                        )
+                    },
+                )?;
             }
-            match step.reduction {
-                Reduction::Sum => {}
-                Reduction::Mean => {
-                    let w = world as f32;
-                    for x in &mut self.shard {
-                        *x /= w;
+            for (t, target) in layout
+                .tensors
+                .iter()
+                .enumerate()
+                .filter(|(_, ts)| ts.lens[me] > 0)
+                .zip(targets.iter_mut())
+            {
+                match step.reduction {
+                    Reduction::Sum => {}
+                    Reduction::Mean => {
+                        let w = world as f32;
+                        for x in target.data.iter_mut() {
+                            *x /= w;
+                        }
                     }
+                    Reduction::MajorityVote => majority(target.data, &worker.method),
                 }
-                Reduction::MajorityVote => majority(&mut self.shard, &worker.method),
+                if let Some(i) = first_non_finite(target.data) {
+                    return Err(own(Error::Overflow {
+                        tensor: t.1.name.clone(),
+                        index: t.1.begins[me] + i,
+                    }));
+                }
             }
-            if let Some(i) = first_non_finite(&self.shard) {
-                let (t, index) = layout.locate(me, i);
-                return Err(own(Error::Overflow {
-                    tensor: layout.tensors[t].name.clone(),
-                    index,
-                }));
-            }
+            drop(targets);
             let params = owner_params(layout.methods[me], step, layout.owner_ids[me]);
-            let residual = if server_feedback {
-                Some(&mut self.server)
-            } else {
-                None
-            };
-            let mut bufs = Buffers {
-                scratch: &mut self.scratch,
-                select: &mut self.select,
-                kept: &mut self.kept,
-                segments: &mut self.segments,
-                sum: &mut self.sum,
-                sent: &mut self.sent,
-                frame: &mut self.frame,
-            };
-            let written =
-                encode_shard(layout, me, &self.shard, residual, &params, &mut bufs).map_err(own)?;
-            shard_message::push_frame(&mut self.phase2, &self.frame[..written]);
+            let mut server_parts = Vec::new();
+            let mut rest = &mut self.server[..];
+            let mut parts = Vec::new();
+            for (t, ts) in layout.tensors.iter().enumerate() {
+                if ts.lens[me] == 0 {
+                    continue;
+                }
+                let (part, tail) = std::mem::take(&mut rest).split_at_mut(ts.lens[me]);
+                rest = tail;
+                server_parts.push((t, part));
+            }
+            let reduced: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
+            for (t, part) in server_parts {
+                let ts = &layout.tensors[t];
+                parts.push(Part {
+                    tensor: t,
+                    at: ts.starts[me],
+                    x: &reduced[t][ts.begins[me]..ts.begins[me] + ts.lens[me]],
+                    residual: server_feedback.then_some(part),
+                });
+            }
+            check_parts(layout, me, &parts).map_err(own)?;
+            let msg = &mut self.phase2;
+            let at = shard_message::reserve_frame(msg, layout.max_frame_len(me));
+            let written = encode_parts(
+                layout,
+                me,
+                &mut parts,
+                &params,
+                &mut self.bufs,
+                &mut msg[at..],
+            )
+            .map_err(own)?;
+            shard_message::commit_frame(msg, at, written);
         }
         shard_message::finish(&mut self.phase2, ENVELOPE_LEN);
         Ok(())
@@ -844,6 +937,63 @@ fn shard_text(world: usize, rank: usize, block: usize, layout_id: u64) -> String
     format!(
         "version={SHARDS_VERSION};world_size={world};rank={rank};block={block};layout={layout_id:016x}"
     )
+}
+
+/// Owner `j`'s parts of the tensors in `outs` (one slice per tensor of the layout), as targets
+/// in shard order.
+fn targets_of<'o>(layout: &ShardLayout, j: usize, outs: &'o mut [&mut [f32]]) -> Vec<Target<'o>> {
+    layout
+        .tensors
+        .iter()
+        .zip(outs.iter_mut())
+        .enumerate()
+        .filter(|(_, (ts, _))| ts.lens[j] > 0)
+        .map(|(t, (ts, o))| Target {
+            at: ts.starts[j],
+            data: &mut o[layout.range(t, j)],
+        })
+        .collect()
+}
+
+/// Owner `j`'s parts of the gradients (and of the worker's residuals, when `taken` holds one
+/// per tensor), in shard order.
+fn parts_of<'a>(
+    layout: &ShardLayout,
+    j: usize,
+    grads: &[&'a [f32]],
+    taken: &'a mut [Vec<f32>],
+) -> Vec<Part<'a>> {
+    let with_residual = taken.len() == layout.tensors.len();
+    let mut residuals = taken.iter_mut();
+    let mut parts = Vec::new();
+    for (t, ts) in layout.tensors.iter().enumerate() {
+        let r = if with_residual {
+            residuals.next()
+        } else {
+            None
+        };
+        if ts.lens[j] == 0 {
+            continue;
+        }
+        let range = layout.range(t, j);
+        parts.push(Part {
+            tensor: t,
+            at: ts.starts[j],
+            x: &grads[t][range.clone()],
+            residual: r.map(|r| &mut r[range]),
+        });
+    }
+    parts
+}
+
+/// The parameters of a worker's frame for owner `j`.
+fn worker_params(layout: &ShardLayout, step: &Step<'_>, j: usize) -> Params {
+    Params {
+        method: layout.methods[j],
+        seed: step.seed,
+        step: step.step,
+        tensor_id: layout.worker_ids[j],
+    }
 }
 
 /// The parameters of an owner's frame.

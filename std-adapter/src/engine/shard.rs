@@ -1,121 +1,777 @@
-//! The two-phase collective's shard frames (`crate::collective`, `FORMAT.md` section 15): one
-//! owner's part of every tensor as one frame, written and its residual updated by the core, one
-//! call per shard. Top-k keeps each tensor's budget of its own part, as one segment per tensor
-//! (`FORMAT.md` 3.2.1), so that an int8 scale block never spans two tensors.
+//! The two-phase collective's shard frames (`crate::collective`, `FORMAT.md` section 15), run
+//! in place on the tensors: owner `j`'s shard is its part of every tensor (a contiguous range
+//! of each, [`crate::layout::shards`]), and one frame carries them all, in manifest order.
+//!
+//! - [`encode_parts`] writes the frame from the parts where they are (the worker's gradients
+//!   and residuals, the owner's reduced values in the output tensors and its server residual),
+//!   with error feedback in place: top-k keeps each tensor's budget of its own part, selected
+//!   on the part's residual as it takes the sums (one segment per tensor part, `FORMAT.md`
+//!   3.2.1, so that an int8 scale block never spans two tensors), then the kept entries are
+//!   fixed up; dense, quantization and sign frames are written chunk by chunk
+//!   ([`gradwire_core::frame::chunk::Sections`]), each chunk on the part's own slices, or on a
+//!   chunk-sized copy where it spans two parts. Sign with the zero mask has no chunked
+//!   sections: its shard is encoded whole from copies (its shard's size in memory).
+//! - [`add_frame`] adds a frame's decoded values into the parts (the owner's sum of the
+//!   workers' frames, every rank's decode of the owners' frames into zeros, and the worker's
+//!   give-back of what it sent after a failed step), the same way.
+//!
+//! Nothing here is sized by the model but the zero-mask sign copies: the buffers are the kept
+//! entries of one frame and two chunks.
 
-use gradwire_core::feedback::sparse_update;
-use gradwire_core::frame::chunk::SparseFrame;
-use gradwire_core::values::{first_non_finite, magnitude_limit};
-use gradwire_core::{Method, Params, encode_into, encode_segmented_into, feedback_step, select};
+use gradwire_core::feedback::{first_bad_sum, sparse_fix_up, step_chunk};
+use gradwire_core::frame::chunk::{Sections, SparseFrame};
+use gradwire_core::select::{Kept, topk_kept, topk_kept_sum_into};
+use gradwire_core::values::{first_at_or_above, magnitude_limit};
+use gradwire_core::{Method, Params, encode_kept_segmented_into, peek};
 
 use crate::error::{Error, Result};
 use crate::layout::shards::ShardLayout;
 
-/// Work buffers of [`encode_shard`].
-pub(crate) struct Buffers<'b> {
-    pub(crate) scratch: &'b mut Vec<u32>,
-    pub(crate) select: &'b mut Vec<u32>,
-    pub(crate) kept: &'b mut Vec<u32>,
-    pub(crate) segments: &'b mut Vec<u32>,
-    pub(crate) sum: &'b mut Vec<f32>,
-    pub(crate) sent: &'b mut Vec<f32>,
-    pub(crate) frame: &'b mut Vec<u8>,
+/// Elements per chunk of a dense, quantization or sign frame's walk (rounded up to the
+/// frame's alignment): 256 KiB of f32, in cache while a chunk is encoded and its residual
+/// updated.
+const CHUNK: usize = 1 << 16;
+
+/// One tensor's part of a shard, where it lies: elements `at..at + x.len()` of the shard.
+pub(crate) struct Part<'a> {
+    /// The tensor (index in the layout).
+    pub(crate) tensor: usize,
+    /// Where the part starts in the shard.
+    pub(crate) at: usize,
+    /// The values the frame encodes (without error feedback) or adds to the residual.
+    pub(crate) x: &'a [f32],
+    /// The part's residual (worker or server), when the step uses error feedback.
+    pub(crate) residual: Option<&'a mut [f32]>,
 }
 
-/// Encodes owner `j`'s shard `input` into `bufs.frame` with `params` and returns the frame's
-/// length; with a `residual` (the shard's, same length) through error feedback, so that
-/// `sent + residual_new == input + residual_old` per element. Top-k keeps each tensor's budget
-/// of its own part (the per-tensor top-k of a bucket); the other methods encode the shard
-/// whole. Errors name the tensor and its element index.
-pub(crate) fn encode_shard(
+/// A part of a shard that a decoded frame is added into: elements `at..at + data.len()`.
+pub(crate) struct Target<'a> {
+    pub(crate) at: usize,
+    pub(crate) data: &'a mut [f32],
+}
+
+/// Work buffers of [`encode_parts`] and [`add_frame`], kept between steps.
+#[derive(Debug, Default)]
+pub(crate) struct Buffers {
+    scratch: Vec<u32>,
+    select: Vec<u32>,
+    kept: Vec<u32>,
+    bits: Vec<u32>,
+    segments: Vec<u32>,
+    values: Vec<f32>,
+    chunk_x: Vec<f32>,
+    chunk_r: Vec<f32>,
+}
+
+/// The error of element `i` of `part` (a core error naming an index in the part) as the
+/// tensor's error at its own index.
+fn at_part(layout: &ShardLayout, j: usize, part: &Part<'_>, e: gradwire_core::Error) -> Error {
+    at_tensor(layout, j, part.tensor, e)
+}
+
+fn at_tensor(layout: &ShardLayout, j: usize, t: usize, e: gradwire_core::Error) -> Error {
+    let ts = &layout.tensors[t];
+    let e = match e {
+        gradwire_core::Error::NonFinite { index } => gradwire_core::Error::NonFinite {
+            index: ts.begins[j] + index,
+        },
+        gradwire_core::Error::ValueOutOfRange { index } => gradwire_core::Error::ValueOutOfRange {
+            index: ts.begins[j] + index,
+        },
+        e => e,
+    };
+    Error::core(&ts.name, None, e)
+}
+
+/// Checks that every part can be encoded: each `x + residual` (or `x` without a residual)
+/// finite and within the method's value range. Run before anything changes, so that a local
+/// error leaves every residual as it was.
+///
+/// # Errors
+/// [`Error::Core`] naming the tensor and its element index ([`gradwire_core::Error::NonFinite`]
+/// first within a part, then [`gradwire_core::Error::ValueOutOfRange`]).
+pub(crate) fn check_parts(layout: &ShardLayout, j: usize, parts: &[Part<'_>]) -> Result<()> {
+    let values = layout.method.values();
+    for part in parts {
+        let bad = match &part.residual {
+            Some(r) => first_bad_sum(part.x, r, values),
+            None => first_bad(part.x, values),
+        };
+        if let Some(e) = bad {
+            return Err(at_part(layout, j, part, e));
+        }
+    }
+    Ok(())
+}
+
+/// [`first_bad_sum`] of `x` alone.
+pub(crate) fn first_bad(
+    x: &[f32],
+    values: Option<gradwire_core::Values>,
+) -> Option<gradwire_core::Error> {
+    first_at_or_above(x, magnitude_limit(values))?;
+    if let Some(index) = gradwire_core::values::first_non_finite(x) {
+        return Some(gradwire_core::Error::NonFinite { index });
+    }
+    let index = first_at_or_above(x, magnitude_limit(values))?;
+    Some(gradwire_core::Error::ValueOutOfRange { index })
+}
+
+/// Encodes owner `j`'s shard from `parts` (every tensor part of the shard with elements, in
+/// shard order; checked by [`check_parts`]) into `frame` (at least the layout's frame bound for
+/// `j`) with `params`, and returns the frame's length. With residuals, through error feedback:
+/// `sent + residual_new == x + residual_old` per element, bit-exact for f32 values. Top-k keeps
+/// each tensor's budget of its own part.
+///
+/// # Errors
+/// Core errors named by tensor and index (after [`check_parts`] passed, only a broken buffer
+/// bound); the residuals of parts already encoded have changed then.
+pub(crate) fn encode_parts(
     layout: &ShardLayout,
     j: usize,
-    input: &[f32],
-    residual: Option<&mut Vec<f32>>,
+    parts: &mut [Part<'_>],
     params: &Params,
-    bufs: &mut Buffers<'_>,
+    bufs: &mut Buffers,
+    frame: &mut [u8],
 ) -> Result<usize> {
-    let method = params.method;
-    let n = input.len();
-    // Buffers hold the layout's largest frame (top-k: one int8 segment per tensor).
-    let scratch = &mut bufs.scratch[..];
-    let frame = &mut bufs.frame[..];
-    let at = |e: gradwire_core::Error| -> Error {
-        let index = match e {
-            gradwire_core::Error::NonFinite { index }
-            | gradwire_core::Error::ValueOutOfRange { index } => Some(index),
-            _ => None,
+    let n = layout.shard_lens[j];
+    let shard_err = |e: gradwire_core::Error| Error::core(&format!("two-phase shard {j}"), None, e);
+    let Method::TopK { values, .. } = params.method else {
+        let Some(sections) = Sections::of(n, &params.method) else {
+            return encode_gathered(layout, j, parts, params, bufs, frame);
         };
-        match index {
-            Some(i) if i < n => {
-                let (t, index) = layout.locate(j, i);
-                let e = match e {
-                    gradwire_core::Error::NonFinite { .. } => {
-                        gradwire_core::Error::NonFinite { index }
-                    }
-                    _ => gradwire_core::Error::ValueOutOfRange { index },
-                };
-                Error::core(&layout.tensors[t].name, None, e)
-            }
-            _ => Error::core(&format!("two-phase shard {j}"), None, e),
-        }
+        sections.write_header(frame).map_err(shard_err)?;
+        let step = walk_chunks(
+            &sections,
+            parts,
+            bufs,
+            |start, x, residual, frame_pieces: &mut (&mut [u8], &mut [u8])| {
+                let (scales, body) = frame_pieces;
+                match residual {
+                    Some(r) => step_chunk(&sections, params, start, x, r, scales, body),
+                    None => sections.encode(params, start, x, scales, body),
+                }
+            },
+            frame,
+        );
+        step.map_err(|(t, e)| match t {
+            Some(t) => at_tensor(layout, j, t, e),
+            None => shard_err(e),
+        })?;
+        return sections.finish(frame, None).map_err(shard_err);
     };
-    let Method::TopK { values, .. } = method else {
-        return match residual {
-            Some(r) => feedback_step(input, r, params, scratch, frame),
-            None => encode_into(input, params, scratch, frame),
-        }
-        .map_err(at);
-    };
-    // Top-k: the sums `input + residual` (what error feedback encodes), each tensor's own
-    // top-k of its part, one frame; then the core's sparse residual update.
-    let x: &[f32] = match &residual {
-        Some(r) => {
-            bufs.sum.clear();
-            bufs.sum
-                .extend(input.iter().zip(r.iter()).map(|(g, r)| r + g));
-            bufs.sum
-        }
-        None => input,
-    };
-    if let Some(index) = first_non_finite(x) {
-        return Err(at(gradwire_core::Error::NonFinite { index }));
-    }
+    // Top-k: each part's own top-k of its sums, selected on its residual in place.
     let limit = magnitude_limit(Some(values));
     bufs.kept.clear();
+    bufs.bits.clear();
     bufs.segments.clear();
-    for ts in &layout.tensors {
-        let (start, len, k) = (ts.starts[j], ts.lens[j], ts.budgets[j] as usize);
-        if len == 0 || k == 0 {
-            continue;
-        }
-        let part = &x[start..start + len];
-        let need = select::kept_scratch_len(len, k);
+    for part in parts.iter_mut() {
+        let ts = &layout.tensors[part.tensor];
+        let k = ts.budgets[j] as usize;
+        let need = gradwire_core::select::kept_scratch_len(part.x.len(), k);
         if bufs.select.len() < need {
             bufs.select.resize(need, 0);
         }
-        let kept = select::topk_kept(part, k, limit, &mut bufs.select[..need]).map_err(|_| {
-            let i = part
-                .iter()
-                .position(|v| v.abs() >= limit || v.is_nan())
-                .unwrap_or(0);
-            at(gradwire_core::Error::ValueOutOfRange { index: start + i })
-        })?;
-        bufs.kept.extend(kept.idx.iter().map(|&i| i + start as u32));
+        let sel = &mut bufs.select[..need];
+        let kept = match part.residual.as_deref_mut() {
+            Some(r) => topk_kept_sum_into(part.x, r, k, limit, sel),
+            None => topk_kept(part.x, k, limit, sel),
+        };
+        let Ok(kept) = kept else {
+            // Only when the check did not run: name the element.
+            let x = part.residual.as_deref().unwrap_or(part.x);
+            let e =
+                first_bad(x, Some(values)).unwrap_or(gradwire_core::Error::NonFinite { index: 0 });
+            return Err(at_part(layout, j, part, e));
+        };
+        let at = part.at as u32;
+        bufs.kept.extend(kept.idx.iter().map(|&i| i + at));
+        bufs.bits.extend_from_slice(kept.bits);
         bufs.segments.push(kept.idx.len() as u32);
     }
-    // One segment per tensor: int8 scale blocks never span two tensors (FORMAT.md 3.2.1).
-    let written =
-        encode_segmented_into(x, bufs.kept, bufs.segments, values, scratch, frame).map_err(at)?;
-    if let Some(r) = residual {
-        // What the frame delivers, then `residual = (residual + input) - sent` by the core.
-        let sparse = SparseFrame::parse(&frame[..written], params, n).map_err(at)?;
-        let kept = sparse.kept();
-        bufs.kept.resize(kept, 0);
-        bufs.sent.resize(kept, 0.0);
-        sparse.indices(bufs.kept).map_err(at)?;
-        sparse.values(0, bufs.sent).map_err(at)?;
-        sparse_update(bufs.kept, bufs.sent, 0, input, r).map_err(at)?;
+    let need =
+        gradwire_core::kept_segmented_scratch_len(bufs.kept.len(), values, bufs.segments.len());
+    if bufs.scratch.len() < need {
+        bufs.scratch.resize(need, 0);
+    }
+    let entries = Kept {
+        idx: &bufs.kept,
+        bits: &bufs.bits,
+    };
+    let written = encode_kept_segmented_into(
+        n,
+        entries,
+        &bufs.segments,
+        values,
+        &mut bufs.scratch[..need],
+        frame,
+    )
+    .map_err(shard_err)?;
+    if parts.iter().any(|p| p.residual.is_some()) {
+        // What the frame delivers, taken from each part's residual (which holds the sums).
+        let sparse = SparseFrame::parse(&frame[..written], params, n).map_err(shard_err)?;
+        bufs.values.resize(sparse.kept(), 0.0);
+        sparse.values(0, &mut bufs.values).map_err(shard_err)?;
+        let mut from = 0usize;
+        for (part, &count) in parts.iter_mut().zip(&bufs.segments) {
+            let to = from + count as usize;
+            if let Some(r) = part.residual.as_deref_mut() {
+                sparse_fix_up(&bufs.kept[from..to], &bufs.values[from..to], part.at, r)
+                    .map_err(shard_err)?;
+            }
+            from = to;
+        }
     }
     Ok(written)
+}
+
+/// [`encode_parts`] for a frame without chunked sections (sign with the zero mask): the shard
+/// gathered into copies (the parts' values and residuals), encoded whole by the core, the
+/// residual copied back.
+fn encode_gathered(
+    layout: &ShardLayout,
+    j: usize,
+    parts: &mut [Part<'_>],
+    params: &Params,
+    bufs: &mut Buffers,
+    frame: &mut [u8],
+) -> Result<usize> {
+    let n = layout.shard_lens[j];
+    bufs.chunk_x.clear();
+    bufs.chunk_r.clear();
+    for p in parts.iter() {
+        bufs.chunk_x.extend_from_slice(p.x);
+        if let Some(r) = p.residual.as_deref() {
+            bufs.chunk_r.extend_from_slice(r);
+        }
+    }
+    let need = gradwire_core::scratch_len(n, &params.method);
+    if bufs.scratch.len() < need {
+        bufs.scratch.resize(need, 0);
+    }
+    let with_residual = parts.iter().any(|p| p.residual.is_some());
+    let written = if with_residual {
+        gradwire_core::feedback_step(
+            &bufs.chunk_x,
+            &mut bufs.chunk_r,
+            params,
+            &mut bufs.scratch,
+            frame,
+        )
+    } else {
+        gradwire_core::encode_into(&bufs.chunk_x, params, &mut bufs.scratch, frame)
+    }
+    .map_err(|e| match e {
+        gradwire_core::Error::NonFinite { index }
+        | gradwire_core::Error::ValueOutOfRange { index } => {
+            match parts.iter().find(|p| index < p.at + p.x.len()) {
+                Some(p) => {
+                    let local = index - p.at;
+                    let e = match e {
+                        gradwire_core::Error::NonFinite { .. } => {
+                            gradwire_core::Error::NonFinite { index: local }
+                        }
+                        _ => gradwire_core::Error::ValueOutOfRange { index: local },
+                    };
+                    at_part(layout, j, p, e)
+                }
+                None => Error::core(&format!("two-phase shard {j}"), None, e),
+            }
+        }
+        e => Error::core(&format!("two-phase shard {j}"), None, e),
+    })?;
+    let mut from = 0usize;
+    for p in parts.iter_mut() {
+        if let Some(r) = p.residual.as_deref_mut() {
+            r.copy_from_slice(&bufs.chunk_r[from..from + r.len()]);
+            from += r.len();
+        }
+    }
+    Ok(written)
+}
+
+/// The targets' values, one after the other, into `into`.
+fn gather_targets(targets: &[Target<'_>], into: &mut Vec<f32>) {
+    into.clear();
+    for t in targets {
+        into.extend_from_slice(t.data);
+    }
+}
+
+/// The inverse of [`gather_targets`].
+fn scatter_targets(from: &[f32], targets: &mut [Target<'_>]) {
+    let mut at = 0usize;
+    for t in targets {
+        let len = t.data.len();
+        t.data.copy_from_slice(&from[at..at + len]);
+        at += len;
+    }
+}
+
+/// Calls `f(start, x, residual, pieces)` for each chunk of the shard (`CHUNK` elements rounded
+/// to the frame's alignment): on the part's own slices when the chunk lies in one part, on
+/// chunk copies otherwise (the residual's copy written back).
+fn walk_chunks<F>(
+    sections: &Sections,
+    parts: &mut [Part<'_>],
+    bufs: &mut Buffers,
+    mut f: F,
+    frame: &mut [u8],
+) -> std::result::Result<(), (Option<usize>, gradwire_core::Error)>
+where
+    F: FnMut(
+        usize,
+        &[f32],
+        Option<&mut [f32]>,
+        &mut (&mut [u8], &mut [u8]),
+    ) -> std::result::Result<(), gradwire_core::Error>,
+{
+    let n = sections.n();
+    let chunk = CHUNK.div_ceil(sections.align()).max(1) * sections.align();
+    let mut first = 0usize;
+    let mut start = 0usize;
+    while start < n {
+        let end = (start + chunk).min(n);
+        while first < parts.len() && parts[first].at + parts[first].x.len() <= start {
+            first += 1;
+        }
+        let mut pieces = sections
+            .pieces_mut(frame, start, end)
+            .map_err(|e| (None, e))?;
+        let part = parts.get_mut(first).ok_or((
+            None,
+            gradwire_core::Error::LengthMismatch {
+                expected: n,
+                got: start,
+            },
+        ))?;
+        if part.at <= start && end <= part.at + part.x.len() {
+            let (a, b) = (start - part.at, end - part.at);
+            let r = part.residual.as_deref_mut().map(|r| &mut r[a..b]);
+            f(start, &part.x[a..b], r, &mut pieces).map_err(|e| (Some(part.tensor), e))?;
+        } else {
+            let with_residual = part.residual.is_some();
+            bufs.chunk_x.clear();
+            bufs.chunk_r.clear();
+            for p in parts[first..].iter() {
+                if p.at >= end {
+                    break;
+                }
+                let (a, b) = (start.max(p.at) - p.at, end.min(p.at + p.x.len()) - p.at);
+                bufs.chunk_x.extend_from_slice(&p.x[a..b]);
+                if let Some(r) = p.residual.as_deref() {
+                    bufs.chunk_r.extend_from_slice(&r[a..b]);
+                }
+            }
+            let r = with_residual.then_some(&mut bufs.chunk_r[..]);
+            f(start, &bufs.chunk_x, r, &mut pieces).map_err(|e| {
+                // Name the tensor of the chunk's bad element.
+                let located = match e {
+                    gradwire_core::Error::NonFinite { index }
+                    | gradwire_core::Error::ValueOutOfRange { index } => parts[first..]
+                        .iter()
+                        .find(|p| index < p.at + p.x.len())
+                        .map(|p| {
+                            let local = index - p.at;
+                            let e = match e {
+                                gradwire_core::Error::NonFinite { .. } => {
+                                    gradwire_core::Error::NonFinite { index: local }
+                                }
+                                _ => gradwire_core::Error::ValueOutOfRange { index: local },
+                            };
+                            (Some(p.tensor), e)
+                        }),
+                    _ => None,
+                };
+                located.unwrap_or((None, e))
+            })?;
+            if with_residual {
+                let mut from = 0usize;
+                for p in parts[first..].iter_mut() {
+                    if p.at >= end {
+                        break;
+                    }
+                    let (a, b) = (start.max(p.at) - p.at, end.min(p.at + p.x.len()) - p.at);
+                    if let Some(r) = p.residual.as_deref_mut() {
+                        r[a..b].copy_from_slice(&bufs.chunk_r[from..from + (b - a)]);
+                    }
+                    from += b - a;
+                }
+            }
+        }
+        start = end;
+    }
+    Ok(())
+}
+
+/// Adds `frame`'s decoded values (a frame of owner `j`'s shard, checked here against `params`
+/// as the core's decoder checks it) into `targets` (the shard's parts with elements, in shard
+/// order, covering the shard): per element what [`gradwire_core::accumulate_into`] with weight 1
+/// adds. Over zeros this is the decode.
+///
+/// # Errors
+/// The core's error for a frame that does not decode as expected; with a dense-shaped frame,
+/// targets before the failing chunk have their values added then.
+pub(crate) fn add_frame(
+    layout: &ShardLayout,
+    j: usize,
+    frame: &[u8],
+    params: &Params,
+    targets: &mut [Target<'_>],
+    bufs: &mut Buffers,
+) -> std::result::Result<(), gradwire_core::Error> {
+    let n = layout.shard_lens[j];
+    if matches!(params.method, Method::TopK { .. }) {
+        let sparse = SparseFrame::parse(frame, params, n)?;
+        let kept = sparse.kept();
+        bufs.kept.resize(kept, 0);
+        bufs.values.resize(kept, 0.0);
+        sparse.indices(&mut bufs.kept)?;
+        sparse.values(0, &mut bufs.values)?;
+        let mut t = 0usize;
+        for (&i, &v) in bufs.kept.iter().zip(&bufs.values) {
+            let i = i as usize;
+            while t < targets.len() && targets[t].at + targets[t].data.len() <= i {
+                t += 1;
+            }
+            if let Some(target) = targets.get_mut(t)
+                && let Some(x) = target.data.get_mut(i.wrapping_sub(target.at))
+            {
+                *x += v;
+            }
+        }
+        return Ok(());
+    }
+    let Some(sections) = Sections::of(n, &params.method) else {
+        // A frame without chunked sections (sign with the zero mask): decoded whole, through
+        // a copy of the shard.
+        gather_targets(targets, &mut bufs.chunk_x);
+        gradwire_core::accumulate_into(frame, params, &mut bufs.chunk_x, 1.0)?;
+        scatter_targets(&bufs.chunk_x, targets);
+        return Ok(());
+    };
+    peek(frame)?.check(params, n)?;
+    let chunk = CHUNK.div_ceil(sections.align()).max(1) * sections.align();
+    let mut first = 0usize;
+    let mut start = 0usize;
+    while start < n {
+        let end = (start + chunk).min(n);
+        while first < targets.len() && targets[first].at + targets[first].data.len() <= start {
+            first += 1;
+        }
+        let Some(target) = targets.get_mut(first) else {
+            break;
+        };
+        if target.at <= start && end <= target.at + target.data.len() {
+            let acc = &mut target.data[start - target.at..end - target.at];
+            sections.accumulate(frame, start, acc, 1.0)?;
+        } else {
+            bufs.chunk_x.clear();
+            for t in targets[first..].iter() {
+                if t.at >= end {
+                    break;
+                }
+                let (a, b) = (start.max(t.at) - t.at, end.min(t.at + t.data.len()) - t.at);
+                bufs.chunk_x.extend_from_slice(&t.data[a..b]);
+            }
+            sections.accumulate(frame, start, &mut bufs.chunk_x, 1.0)?;
+            let mut from = 0usize;
+            for t in targets[first..].iter_mut() {
+                if t.at >= end {
+                    break;
+                }
+                let (a, b) = (start.max(t.at) - t.at, end.min(t.at + t.data.len()) - t.at);
+                t.data[a..b].copy_from_slice(&bufs.chunk_x[from..from + (b - a)]);
+                from += b - a;
+            }
+        }
+        start = end;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    //! The in-place shard step against the straightforward one: each shard gathered into a
+    //! copy (gradient and residual), encoded whole by the core (`feedback_step`, or for top-k
+    //! each part's top-k of the sums, `encode_segmented_into`, `sparse_update`), the residual
+    //! scattered back. Same frame bytes, same residual bits, same decode, at shard sizes that
+    //! span several chunks and parts that start and end inside chunks.
+    use gradwire_core::feedback::{feedback_step, sparse_update};
+    use gradwire_core::select::kept_scratch_len;
+    use gradwire_core::{
+        K, Rounding, SignScale, Values, decode_into, encode_into, encode_segmented_into,
+        max_frame_len, scratch_len, segmented_frame_len, segmented_scratch_len,
+    };
+
+    use super::*;
+    use crate::layout::{BucketConfig, Manifest, TensorSpec};
+    use crate::method::CompressionMethod;
+
+    fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                scale * u * u * u * 8.0
+            })
+            .collect()
+    }
+
+    /// The shard of `j` gathered from whole tensors.
+    fn gather(layout: &ShardLayout, j: usize, tensors: &[Vec<f32>]) -> Vec<f32> {
+        let mut out = Vec::new();
+        for (t, x) in tensors.iter().enumerate() {
+            out.extend_from_slice(&x[layout.range(t, j)]);
+        }
+        out
+    }
+
+    /// The straightforward step on a gathered shard: the frame, and the residual after it.
+    fn reference(
+        layout: &ShardLayout,
+        j: usize,
+        x: &[f32],
+        residual: Option<&mut [f32]>,
+        params: &Params,
+    ) -> Vec<u8> {
+        let n = x.len();
+        let Method::TopK { values, .. } = params.method else {
+            let mut scratch = vec![0u32; scratch_len(n, &params.method)];
+            let mut frame = vec![0u8; max_frame_len(n, &params.method)];
+            let len = match residual {
+                Some(r) => feedback_step(x, r, params, &mut scratch, &mut frame),
+                None => encode_into(x, params, &mut scratch, &mut frame),
+            }
+            .unwrap();
+            frame.truncate(len);
+            return frame;
+        };
+        let sums: Vec<f32> = match &residual {
+            Some(r) => x.iter().zip(r.iter()).map(|(g, r)| r + g).collect(),
+            None => x.to_vec(),
+        };
+        let (mut kept, mut segments) = (Vec::new(), Vec::new());
+        for (t, ts) in layout.tensors.iter().enumerate() {
+            if ts.lens[j] == 0 {
+                continue;
+            }
+            let k = ts.budgets[j] as usize;
+            let part = &sums[ts.starts[j]..ts.starts[j] + ts.lens[j]];
+            let mut sel = vec![0u32; kept_scratch_len(part.len(), k)];
+            let got = topk_kept(part, k, f32::INFINITY, &mut sel).unwrap();
+            kept.extend(got.idx.iter().map(|&i| i + ts.starts[j] as u32));
+            segments.push(got.idx.len() as u32);
+            let _ = t;
+        }
+        let k = kept.len();
+        let mut scratch = vec![0u32; segmented_scratch_len(n, k, values, segments.len())];
+        let mut frame = vec![0u8; segmented_frame_len(n, k, values, segments.len())];
+        let len = encode_segmented_into(&sums, &kept, &segments, values, &mut scratch, &mut frame)
+            .unwrap();
+        frame.truncate(len);
+        if let Some(r) = residual {
+            let sparse = SparseFrame::parse(&frame, params, n).unwrap();
+            let mut idx = vec![0u32; sparse.kept()];
+            let mut val = vec![0.0f32; sparse.kept()];
+            sparse.indices(&mut idx).unwrap();
+            sparse.values(0, &mut val).unwrap();
+            sparse_update(&idx, &val, 0, x, r).unwrap();
+        }
+        frame
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn in_place_parts_match_the_gathered_shard() {
+        // Parts that start and end inside the walk's chunks, a part longer than two chunks,
+        // tensors smaller than a block, one of one element.
+        let sizes = [150_000usize, 3_000, 1, 70_001, 900, 131_072];
+        let methods = [
+            Method::TopK {
+                k: K::Ratio(0.01),
+                values: Values::Int8 { block: 256 },
+            },
+            Method::TopK {
+                k: K::Ratio(0.02),
+                values: Values::F16,
+            },
+            Method::Quant {
+                bits: 4,
+                block: 64,
+                rounding: Rounding::Stochastic,
+            },
+            Method::Sign {
+                scale: SignScale::MeanAbs { block: 128 },
+                zero_mask: false,
+            },
+            Method::Sign {
+                scale: SignScale::MeanAbs { block: 64 },
+                zero_mask: true,
+            },
+            Method::Dense {
+                values: Values::Bf16,
+            },
+        ];
+        for method in methods {
+            for world in [1usize, 3] {
+                for with_residual in [true, false] {
+                    let specs: Vec<TensorSpec> = sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &n)| TensorSpec::new(format!("t{i}"), [n]))
+                        .collect();
+                    let manifest = Manifest::new(
+                        specs,
+                        &CompressionMethod::Core(method),
+                        5,
+                        BucketConfig::none(),
+                    )
+                    .unwrap();
+                    let layout = ShardLayout::new(&manifest, world).unwrap();
+                    let grads: Vec<Vec<f32>> = sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &n)| values(i as u64 + 1, n, 1.0))
+                        .collect();
+                    let mut residuals: Vec<Vec<f32>> = sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &n)| values(i as u64 + 100, n, 0.3))
+                        .collect();
+                    let what = format!("{method:?} W {world} residual {with_residual}");
+                    let mut bufs = Buffers::default();
+                    for j in 0..world {
+                        let n = layout.shard_lens[j];
+                        if n == 0 {
+                            continue;
+                        }
+                        let params = Params {
+                            method: layout.methods[j],
+                            seed: 5,
+                            step: 3,
+                            tensor_id: layout.worker_ids[j],
+                        };
+                        let x = gather(&layout, j, &grads);
+                        let mut r_ref = gather(&layout, j, &residuals);
+                        let want = reference(
+                            &layout,
+                            j,
+                            &x,
+                            with_residual.then_some(&mut r_ref[..]),
+                            &params,
+                        );
+                        let mut frame = vec![0u8; layout.max_frame_len(j)];
+                        let mut parts: Vec<Part<'_>> = Vec::new();
+                        for ((t, ts), r) in
+                            layout.tensors.iter().enumerate().zip(residuals.iter_mut())
+                        {
+                            if ts.lens[j] == 0 {
+                                continue;
+                            }
+                            parts.push(Part {
+                                tensor: t,
+                                at: ts.starts[j],
+                                x: &grads[t][layout.range(t, j)],
+                                residual: with_residual.then(|| &mut r[layout.range(t, j)]),
+                            });
+                        }
+                        check_parts(&layout, j, &parts).unwrap();
+                        let len =
+                            encode_parts(&layout, j, &mut parts, &params, &mut bufs, &mut frame)
+                                .unwrap();
+                        drop(parts);
+                        assert_eq!(&frame[..len], &want[..], "{what}: owner {j}'s frame");
+                        if with_residual {
+                            assert_eq!(
+                                bits(&gather(&layout, j, &residuals)),
+                                bits(&r_ref),
+                                "{what}: owner {j}'s residual"
+                            );
+                        }
+                        // The decode into the parts (over a non-zero start: an add) against
+                        // the core's decode of the whole shard.
+                        let mut whole = vec![0.0f32; n];
+                        decode_into(&frame[..len], &params, &mut whole).unwrap();
+                        let mut outs: Vec<Vec<f32>> =
+                            sizes.iter().map(|&n| vec![0.5f32; n]).collect();
+                        let mut targets: Vec<Target<'_>> = layout
+                            .tensors
+                            .iter()
+                            .enumerate()
+                            .zip(outs.iter_mut())
+                            .filter(|((_, ts), _)| ts.lens[j] > 0)
+                            .map(|((t, ts), o)| Target {
+                                at: ts.starts[j],
+                                data: &mut o[layout.range(t, j)],
+                            })
+                            .collect();
+                        add_frame(&layout, j, &frame[..len], &params, &mut targets, &mut bufs)
+                            .unwrap();
+                        drop(targets);
+                        let added: Vec<f32> = whole.iter().map(|v| 0.5 + v).collect();
+                        assert_eq!(
+                            bits(&gather(&layout, j, &outs)),
+                            bits(&added),
+                            "{what}: owner {j}'s decode"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_bad_sum_is_named_by_its_tensor_and_changes_nothing() {
+        let method = Method::Quant {
+            bits: 4,
+            block: 64,
+            rounding: Rounding::NearestEven,
+        };
+        let specs = vec![
+            TensorSpec::new("a".to_owned(), [5000]),
+            TensorSpec::new("b".to_owned(), [7000]),
+        ];
+        let manifest = Manifest::new(
+            specs,
+            &CompressionMethod::Core(method),
+            1,
+            BucketConfig::none(),
+        )
+        .unwrap();
+        let layout = ShardLayout::new(&manifest, 2).unwrap();
+        let grads = [values(1, 5000, 1.0), values(2, 7000, 1.0)];
+        let mut residuals = [vec![0.0f32; 5000], vec![0.0f32; 7000]];
+        let j = 1;
+        let bad_at = layout.range(1, j).start + 17;
+        residuals[1][bad_at] = f32::INFINITY;
+        let before = residuals.clone();
+        let mut parts: Vec<Part<'_>> = Vec::new();
+        for ((t, ts), r) in layout.tensors.iter().enumerate().zip(residuals.iter_mut()) {
+            if ts.lens[j] > 0 {
+                parts.push(Part {
+                    tensor: t,
+                    at: ts.starts[j],
+                    x: &grads[t][layout.range(t, j)],
+                    residual: Some(&mut r[layout.range(t, j)]),
+                });
+            }
+        }
+        let e = check_parts(&layout, j, &parts).unwrap_err();
+        drop(parts);
+        match e {
+            Error::Core { tensor, source, .. } => {
+                assert_eq!(tensor, "b");
+                assert_eq!(source, gradwire_core::Error::NonFinite { index: bad_at });
+            }
+            e => panic!("{e}"),
+        }
+        assert_eq!(residuals, before);
+    }
 }

@@ -260,23 +260,6 @@ impl ShardLayout {
         ts.begins[j]..ts.begins[j] + ts.lens[j]
     }
 
-    /// The range of owner `j`'s shard that holds its part of tensor `t`.
-    pub(crate) fn shard_range(&self, t: usize, j: usize) -> std::ops::Range<usize> {
-        let ts = &self.tensors[t];
-        ts.starts[j]..ts.starts[j] + ts.lens[j]
-    }
-
-    /// The tensor and its element index at index `i` of owner `j`'s shard.
-    pub(crate) fn locate(&self, j: usize, i: usize) -> (usize, usize) {
-        let t = self
-            .tensors
-            .iter()
-            .rposition(|ts| ts.starts[j] <= i && ts.lens[j] > 0)
-            .unwrap_or(0);
-        let ts = &self.tensors[t];
-        (t, ts.begins[j] + i.saturating_sub(ts.starts[j]))
-    }
-
     /// Bytes of owner `j`'s frame at most; 0 for an empty shard (no frame).
     pub(crate) fn max_frame_len(&self, j: usize) -> usize {
         if self.shard_lens[j] > 0 {
