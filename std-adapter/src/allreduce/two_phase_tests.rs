@@ -846,6 +846,20 @@ fn server_residual_checkpoints_resume_bit_for_bit_and_refuse_another_layout() {
     // The worker's own checkpoint is not a server-residual checkpoint.
     let err = ar.load_server_residuals(dir.join("worker-0")).unwrap_err();
     assert!(err.to_string().contains("server-residual"), "{err}");
+    // A file of shard layout version 1 (block-cyclic parts: other elements under the same
+    // names and lengths), its checksums right: refused with the reason.
+    let bytes = std::fs::read(dir.join("server-0")).unwrap();
+    let (header, _) = crate::safetensors_reader::read_header(&bytes).unwrap();
+    let text = header.metadata().as_ref().unwrap()["server_shards"].clone();
+    let old = text.strip_prefix("version=2;").expect("a version 2 text");
+    let crc = format!("{:08x}", crc32fast::hash(old.as_bytes()));
+    let fb = crate::feedback::ErrorFeedback::from_bytes(&bytes).unwrap();
+    let v1 = fb
+        .to_bytes_with_metadata(&[("server_shards", old), ("server_shards_crc32", &crc)])
+        .unwrap();
+    std::fs::write(dir.join("version-1"), v1).unwrap();
+    let err = ar.load_server_residuals(dir.join("version-1")).unwrap_err();
+    assert!(err.to_string().contains("version 1"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -333,6 +333,69 @@ mod tests {
     use super::*;
 
     #[test]
+    fn each_tensor_is_cut_into_contiguous_runs_owned_from_its_own_id() {
+        for &(n, block, world) in &[
+            (0usize, 1024usize, 3usize),
+            (1, 1024, 1),
+            (1, 1024, 4),
+            (5000, 1024, 4),
+            (4096, 1024, 4),
+            (10_000, 1024, 3),
+            (1_000_000, 1024, 7),
+        ] {
+            let (first, begins, lens) = runs("h.3.mlp.c_fc.weight", n, block, world);
+            assert_eq!(
+                first as u64,
+                tensor_id("h.3.mlp.c_fc.weight") % world as u64
+            );
+            assert_eq!(lens.iter().sum::<usize>(), n);
+            // In run order from the first owner: contiguous, on block boundaries (but the
+            // tensor's end), at most one block apart.
+            let mut at = 0;
+            let blocks = n.div_ceil(block);
+            for i in 0..world {
+                let j = (first + i) % world;
+                assert_eq!(begins[j], at, "n {n} W {world} run {i}");
+                assert!(at % block == 0 || at == n, "n {n} W {world} run {i}");
+                let want = (blocks / world + usize::from(i < blocks % world)) * block;
+                assert_eq!(lens[j], want.min(n - at), "n {n} W {world} run {i}");
+                at += lens[j];
+            }
+        }
+    }
+
+    #[test]
+    fn a_tensors_parts_do_not_depend_on_the_tensors_before_it() {
+        let method = crate::method::CompressionMethod::top_k_int8(0.01);
+        let layout = |specs: Vec<crate::layout::TensorSpec>| {
+            let m = crate::layout::Manifest::new(
+                specs,
+                &method,
+                1,
+                crate::layout::BucketConfig::none(),
+            )
+            .unwrap();
+            ShardLayout::new(&m, 4).unwrap()
+        };
+        use crate::layout::TensorSpec;
+        let a = layout(vec![
+            TensorSpec::new("a", [3000]),
+            TensorSpec::new("z", [50_000]),
+        ]);
+        let b = layout(vec![
+            TensorSpec::new("b", [70_000]),
+            TensorSpec::new("c", [10]),
+            TensorSpec::new("z", [50_000]),
+        ]);
+        let (za, zb) = (&a.tensors[1], &b.tensors[2]);
+        assert_eq!(
+            (za.first_owner, &za.begins, &za.lens),
+            (zb.first_owner, &zb.begins, &zb.lens)
+        );
+        assert_eq!(za.budgets, zb.budgets);
+    }
+
+    #[test]
     fn budgets_sum_to_k_by_largest_remainder() {
         assert_eq!(budgets(10, &[4, 3, 3], 10), vec![4, 3, 3]);
         assert_eq!(budgets(1, &[4, 3, 3], 10), vec![1, 0, 0]);
