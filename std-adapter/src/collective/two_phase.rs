@@ -33,7 +33,7 @@
 use std::collections::HashMap;
 
 use gradwire_core::values::first_non_finite;
-use gradwire_core::{Method, Params};
+use gradwire_core::{Method, Params, ResidualBound};
 
 use super::shard_message::{self, Phase};
 use super::{
@@ -91,6 +91,15 @@ pub(crate) struct TwoPhase {
     made: usize,
     /// The worker's residuals, moved out of its error feedback while a step works on them.
     taken: Vec<Vec<f32>>,
+    /// The bounds the worker's error feedback kept for its residuals before the step (one per
+    /// tensor), and the step's new ones.
+    worker_bounds: Vec<ResidualBound>,
+    new_bounds: Vec<f32>,
+    /// A bound on the magnitudes of each tensor's part of the server residual (infinite:
+    /// unknown), so that a step proves its sums in range by one read of the reduced values.
+    server_bounds: Vec<f32>,
+    /// Tensors whose owner sums a step could not prove in range (checked one by one).
+    unproven: Vec<usize>,
     send: Vec<Vec<u8>>,
     recv: Vec<Vec<u8>>,
     phase2: Vec<u8>,
@@ -134,6 +143,12 @@ impl TwoPhase {
                 .pending
                 .as_ref()
                 .is_some_and(|p| p.values().flatten().any(|&x| x != 0.0))
+    }
+
+    /// The bound kept on this rank's server residual part of tensor `t` (infinite: unknown).
+    #[cfg(test)]
+    pub(crate) fn server_bound(&self, t: usize) -> f32 {
+        self.server_bounds.get(t).copied().unwrap_or(f32::INFINITY)
     }
 
     /// The layout in use, if any.
@@ -307,6 +322,7 @@ impl TwoPhase {
             server[t.starts[rank]..t.starts[rank] + t.lens[rank]].copy_from_slice(values);
         }
         self.server = server;
+        self.server_bounds = vec![f32::INFINITY; layout.tensors.len()];
         self.pending = None;
         self.pending_layout = None;
         Ok(())
@@ -315,6 +331,7 @@ impl TwoPhase {
     /// Drops every server residual (for example before a restart at another world size).
     pub(crate) fn discard_server_residuals(&mut self) {
         self.server.clear();
+        self.server_bounds.clear();
         self.pending = None;
         self.pending_layout = None;
     }
@@ -574,12 +591,18 @@ impl TwoPhase {
         };
         if self.server.len() != layout.shard_lens[me] {
             self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
+            self.server_bounds = vec![0.0; layout.tensors.len()];
         }
         self.apply_pending(me)?;
         if let (Some(fb), Some(layout)) = (step.feedback.as_deref(), &self.layout) {
             for ts in &layout.tensors {
                 fb.check_shape(&ts.name, &ts.shape)?;
             }
+        }
+        self.worker_bounds.clear();
+        if let (Some(fb), Some(layout)) = (step.feedback.as_deref(), &self.layout) {
+            self.worker_bounds
+                .extend(layout.tensors.iter().map(|ts| fb.residual_bound(&ts.name)));
         }
         self.take_residuals(step)?;
         let result = self.encode_phase1(step, world);
@@ -592,8 +615,9 @@ impl TwoPhase {
         if result.is_ok()
             && let (Some(fb), Some(layout)) = (step.feedback.as_deref_mut(), &self.layout)
         {
-            for ts in &layout.tensors {
+            for (ts, &bound) in layout.tensors.iter().zip(&self.new_bounds) {
                 fb.remember_shape(&ts.name, &ts.shape);
+                fb.keep_bound(&ts.name, ResidualBound::at_most(bound));
             }
         }
         result
@@ -649,6 +673,15 @@ impl TwoPhase {
         // residual.
         let values = layout.method.values();
         for (t, ts) in layout.tensors.iter().enumerate() {
+            // A kept bound (top-k) proves the sums in range by one read of the gradient.
+            let proven = self.taken.get(t).is_some()
+                && self
+                    .worker_bounds
+                    .get(t)
+                    .is_some_and(|b| b.proves_in_range(grads[t], values));
+            if proven {
+                continue;
+            }
             let bad = match self.taken.get(t) {
                 Some(r) => gradwire_core::feedback::first_bad_sum(grads[t], r, values),
                 None => crate::engine::shard::first_bad(grads[t], values),
@@ -659,6 +692,8 @@ impl TwoPhase {
         }
         let fingerprint = fingerprint_at(step.config, step.step);
         self.send.resize_with(world, Vec::new);
+        self.new_bounds.clear();
+        self.new_bounds.resize(layout.tensors.len(), 0.0);
         for j in 0..world {
             let msg = &mut self.send[j];
             msg.clear();
@@ -680,6 +715,10 @@ impl TwoPhase {
                 &mut self.bufs,
                 &mut msg[at..],
             )?;
+            for (part, &bound) in parts.iter().zip(self.bufs.part_bounds()) {
+                let b = &mut self.new_bounds[part.tensor];
+                *b = b.max(bound);
+            }
             shard_message::commit_frame(msg, at, written);
             shard_message::finish(msg, ENVELOPE_LEN);
             self.made = j + 1;
@@ -747,6 +786,7 @@ impl TwoPhase {
         if self.server_undo.len() == self.server.len() {
             self.server.copy_from_slice(&self.server_undo);
         }
+        self.server_bounds.fill(f32::INFINITY);
         self.server_undo.clear();
     }
 
@@ -840,6 +880,7 @@ impl TwoPhase {
                 .manifest
                 .entry_outputs(out)
                 .ok_or_else(|| own(Error::internal("two-phase outputs of another layout")))?;
+            self.unproven.clear();
             let mut targets = targets_of(layout, me, &mut outs);
             for t in &mut targets {
                 t.data.fill(0.0);
@@ -867,6 +908,8 @@ impl TwoPhase {
             {
                 match step.reduction {
                     Reduction::Sum => {}
+                    // Division by 1 is exact: one rank's mean is its sum.
+                    Reduction::Mean if world == 1 => {}
                     Reduction::Mean => {
                         let w = world as f32;
                         for x in target.data.iter_mut() {
@@ -875,12 +918,23 @@ impl TwoPhase {
                     }
                     Reduction::MajorityVote => majority(target.data, &worker.method),
                 }
+                // The reduced values and the server residual's bound prove every sum the
+                // owner encodes in range by one read; otherwise each is checked.
+                let bound = match self.server_bounds.get(t.0) {
+                    Some(&b) if server_feedback => ResidualBound::at_most(b),
+                    _ if !server_feedback => ResidualBound::ZERO,
+                    _ => ResidualBound::UNKNOWN,
+                };
+                if bound.proves_in_range(target.data, layout.method.values()) {
+                    continue;
+                }
                 if let Some(i) = first_non_finite(target.data) {
                     return Err(own(Error::Overflow {
                         tensor: t.1.name.clone(),
                         index: t.1.begins[me] + i,
                     }));
                 }
+                self.unproven.push(t.0);
             }
             drop(targets);
             let params = owner_params(layout.methods[me], step, layout.owner_ids[me]);
@@ -905,7 +959,9 @@ impl TwoPhase {
                     residual: server_feedback.then_some(part),
                 });
             }
-            check_parts(layout, me, &parts).map_err(own)?;
+            for part in parts.iter().filter(|p| self.unproven.contains(&p.tensor)) {
+                check_parts(layout, me, std::slice::from_ref(part)).map_err(own)?;
+            }
             let msg = &mut self.phase2;
             let at = shard_message::reserve_frame(msg, layout.max_frame_len(me));
             let written = encode_parts(
@@ -918,6 +974,11 @@ impl TwoPhase {
             )
             .map_err(own)?;
             shard_message::commit_frame(msg, at, written);
+            if server_feedback {
+                for (part, &bound) in parts.iter().zip(self.bufs.part_bounds()) {
+                    self.server_bounds[part.tensor] = bound;
+                }
+            }
         }
         shard_message::finish(&mut self.phase2, ENVELOPE_LEN);
         Ok(())

@@ -61,6 +61,17 @@ pub(crate) struct Buffers {
     values: Vec<f32>,
     chunk_x: Vec<f32>,
     chunk_r: Vec<f32>,
+    bounds: Vec<f32>,
+}
+
+impl Buffers {
+    /// After [`encode_parts`] with residuals: each part's bound on its new residual's
+    /// magnitudes, in the order of the parts (top-k: no unsent element is larger than the
+    /// smallest kept one, and the kept entries keep their fix-up; infinite, unknown, for the
+    /// other methods).
+    pub(crate) fn part_bounds(&self) -> &[f32] {
+        &self.bounds
+    }
 }
 
 /// The error of element `i` of `part` (a core error naming an index in the part) as the
@@ -137,6 +148,8 @@ pub(crate) fn encode_parts(
     let n = layout.shard_lens[j];
     let shard_err = |e: gradwire_core::Error| Error::core(&format!("two-phase shard {j}"), None, e);
     let Method::TopK { values, .. } = params.method else {
+        bufs.bounds.clear();
+        bufs.bounds.resize(parts.len(), f32::INFINITY);
         let Some(sections) = Sections::of(n, &params.method) else {
             return encode_gathered(layout, j, parts, params, bufs, frame);
         };
@@ -162,6 +175,8 @@ pub(crate) fn encode_parts(
     };
     // Top-k: each part's own top-k of its sums, selected on its residual in place.
     let limit = magnitude_limit(Some(values));
+    bufs.bounds.clear();
+    bufs.bounds.resize(parts.len(), f32::INFINITY);
     bufs.kept.clear();
     bufs.bits.clear();
     bufs.segments.clear();
@@ -213,11 +228,27 @@ pub(crate) fn encode_parts(
         bufs.values.resize(sparse.kept(), 0.0);
         sparse.values(0, &mut bufs.values).map_err(shard_err)?;
         let mut from = 0usize;
-        for (part, &count) in parts.iter_mut().zip(&bufs.segments) {
+        for ((part, &count), bound) in parts
+            .iter_mut()
+            .zip(&bufs.segments)
+            .zip(bufs.bounds.iter_mut())
+        {
             let to = from + count as usize;
             if let Some(r) = part.residual.as_deref_mut() {
-                sparse_fix_up(&bufs.kept[from..to], &bufs.values[from..to], part.at, r)
+                let fixed = sparse_fix_up(&bufs.kept[from..to], &bufs.values[from..to], part.at, r)
                     .map_err(shard_err)?;
+                // No element left unsent is larger than the smallest kept sum.
+                let unsent = if count == 0 {
+                    gradwire_core::ResidualBound::of(r).max_abs()
+                } else if (count as usize) < r.len() {
+                    bufs.bits[from..to]
+                        .iter()
+                        .map(|&b| f32::from_bits(b & 0x7fff_ffff))
+                        .fold(f32::INFINITY, f32::min)
+                } else {
+                    0.0
+                };
+                *bound = unsent.max(fixed);
             }
             from = to;
         }
