@@ -1172,9 +1172,9 @@ fn ranks_that_cannot_agree_on_the_route_fail_alike_and_none_waits() {
     assert!(errs[1].contains("rank 0"), "{}", errs[1]);
 }
 
-/// The bounds the two-phase step keeps (the worker's residual bound per tensor, the owner's per
-/// server part) hold: no residual element is larger, step after step, so that a later step's
-/// one-read proof of its sums is sound. Checked at W = 3 with top-k, whose steps keep them.
+/// The bounds the two-phase step keeps on the worker's residuals hold: no residual element is
+/// larger, step after step, so that a later step's one-read proof of its sums is sound.
+/// Checked at W = 3 with top-k, whose steps keep them.
 #[test]
 fn the_residual_bounds_a_two_phase_step_keeps_hold() {
     const W: usize = 3;
@@ -1197,23 +1197,6 @@ fn the_residual_bounds_a_two_phase_step_keeps_hold() {
                         let bound = fb.residual_bound(name).max_abs();
                         assert!(bound.is_finite(), "rank {rank} step {s} {name}: a bound");
                         assert!(largest <= bound, "rank {rank} step {s} {name}");
-                    }
-                    for (name, (_, server)) in gradients(0, 0)
-                        .keys()
-                        .filter_map(|n| ar.server_residual(n).map(|v| (n.clone(), v)))
-                    {
-                        let largest = server.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-                        let t = ar
-                            .two_phase
-                            .layout()
-                            .unwrap()
-                            .tensors
-                            .iter()
-                            .position(|t| t.name == name)
-                            .unwrap();
-                        let bound = ar.two_phase.server_bound(t);
-                        assert!(bound.is_finite(), "rank {rank} step {s} {name}: a bound");
-                        assert!(largest <= bound, "rank {rank} step {s} server {name}");
                     }
                 }
             })

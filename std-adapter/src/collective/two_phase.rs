@@ -42,7 +42,7 @@ use super::{
 };
 use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator};
-use crate::engine::shard::{Buffers, Part, Target, add_frame, check_parts, encode_parts};
+use crate::engine::shard::{Buffers, Part, Target, add_frame, encode_parts};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::layout::Manifest;
@@ -95,11 +95,7 @@ pub(crate) struct TwoPhase {
     /// tensor), and the step's new ones.
     worker_bounds: Vec<ResidualBound>,
     new_bounds: Vec<f32>,
-    /// A bound on the magnitudes of each tensor's part of the server residual (infinite:
-    /// unknown), so that a step proves its sums in range by one read of the reduced values.
-    server_bounds: Vec<f32>,
-    /// Tensors whose owner sums a step could not prove in range (checked one by one).
-    unproven: Vec<usize>,
+
     send: Vec<Vec<u8>>,
     recv: Vec<Vec<u8>>,
     phase2: Vec<u8>,
@@ -143,12 +139,6 @@ impl TwoPhase {
                 .pending
                 .as_ref()
                 .is_some_and(|p| p.values().flatten().any(|&x| x != 0.0))
-    }
-
-    /// The bound kept on this rank's server residual part of tensor `t` (infinite: unknown).
-    #[cfg(test)]
-    pub(crate) fn server_bound(&self, t: usize) -> f32 {
-        self.server_bounds.get(t).copied().unwrap_or(f32::INFINITY)
     }
 
     /// The layout in use, if any.
@@ -322,7 +312,6 @@ impl TwoPhase {
             server[t.starts[rank]..t.starts[rank] + t.lens[rank]].copy_from_slice(values);
         }
         self.server = server;
-        self.server_bounds = vec![f32::INFINITY; layout.tensors.len()];
         self.pending = None;
         self.pending_layout = None;
         Ok(())
@@ -331,7 +320,6 @@ impl TwoPhase {
     /// Drops every server residual (for example before a restart at another world size).
     pub(crate) fn discard_server_residuals(&mut self) {
         self.server.clear();
-        self.server_bounds.clear();
         self.pending = None;
         self.pending_layout = None;
     }
@@ -591,7 +579,6 @@ impl TwoPhase {
         };
         if self.server.len() != layout.shard_lens[me] {
             self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
-            self.server_bounds = vec![0.0; layout.tensors.len()];
         }
         self.apply_pending(me)?;
         if let (Some(fb), Some(layout)) = (step.feedback.as_deref(), &self.layout) {
@@ -786,7 +773,6 @@ impl TwoPhase {
         if self.server_undo.len() == self.server.len() {
             self.server.copy_from_slice(&self.server_undo);
         }
-        self.server_bounds.fill(f32::INFINITY);
         self.server_undo.clear();
     }
 
@@ -880,7 +866,6 @@ impl TwoPhase {
                 .manifest
                 .entry_outputs(out)
                 .ok_or_else(|| own(Error::internal("two-phase outputs of another layout")))?;
-            self.unproven.clear();
             let mut targets = targets_of(layout, me, &mut outs);
             for t in &mut targets {
                 t.data.fill(0.0);
@@ -918,23 +903,7 @@ impl TwoPhase {
                     }
                     Reduction::MajorityVote => majority(target.data, &worker.method),
                 }
-                // The reduced values and the server residual's bound prove every sum the
-                // owner encodes in range by one read; otherwise each is checked.
-                let bound = match self.server_bounds.get(t.0) {
-                    Some(&b) if server_feedback => ResidualBound::at_most(b),
-                    _ if !server_feedback => ResidualBound::ZERO,
-                    _ => ResidualBound::UNKNOWN,
-                };
-                if bound.proves_in_range(target.data, layout.method.values()) {
-                    continue;
-                }
-                if let Some(i) = first_non_finite(target.data) {
-                    return Err(own(Error::Overflow {
-                        tensor: t.1.name.clone(),
-                        index: t.1.begins[me] + i,
-                    }));
-                }
-                self.unproven.push(t.0);
+                let _ = t;
             }
             drop(targets);
             let params = owner_params(layout.methods[me], step, layout.owner_ids[me]);
@@ -959,9 +928,10 @@ impl TwoPhase {
                     residual: server_feedback.then_some(part),
                 });
             }
-            for part in parts.iter().filter(|p| self.unproven.contains(&p.tensor)) {
-                check_parts(layout, me, std::slice::from_ref(part)).map_err(own)?;
-            }
+            // No check before the encode: the encoders check every sum on their way (a chunk
+            // before it changes), and a failed step restores the server residual from its copy.
+            // Only a failure names its cause: reduced values beyond f32 are the group's
+            // overflow; a sum with the server residual out of range is this owner's error.
             let msg = &mut self.phase2;
             let at = shard_message::reserve_frame(msg, layout.max_frame_len(me));
             let written = encode_parts(
@@ -971,14 +941,22 @@ impl TwoPhase {
                 &params,
                 &mut self.bufs,
                 &mut msg[at..],
-            )
-            .map_err(own)?;
-            shard_message::commit_frame(msg, at, written);
-            if server_feedback {
-                for (part, &bound) in parts.iter().zip(self.bufs.part_bounds()) {
-                    self.server_bounds[part.tensor] = bound;
+            );
+            let written = match written {
+                Ok(w) => w,
+                Err(e) => {
+                    let overflow = parts.iter().find_map(|p| {
+                        let i = first_non_finite(p.x)?;
+                        let ts = &layout.tensors[p.tensor];
+                        Some(Error::Overflow {
+                            tensor: ts.name.clone(),
+                            index: ts.begins[me] + i,
+                        })
+                    });
+                    return Err(own(overflow.unwrap_or(e)));
                 }
-            }
+            };
+            shard_message::commit_frame(msg, at, written);
         }
         shard_message::finish(&mut self.phase2, ENVELOPE_LEN);
         Ok(())

@@ -18,7 +18,7 @@
 //! Nothing here is sized by the model but the zero-mask sign copies: the buffers are the kept
 //! entries of one frame and two chunks.
 
-use gradwire_core::feedback::{first_bad_sum, sparse_fix_up, step_chunk};
+use gradwire_core::feedback::{sparse_fix_up, step_chunk};
 use gradwire_core::frame::chunk::{Sections, SparseFrame};
 use gradwire_core::select::{Kept, topk_kept, topk_kept_sum_into};
 use gradwire_core::values::{first_at_or_above, magnitude_limit};
@@ -94,28 +94,7 @@ fn at_tensor(layout: &ShardLayout, j: usize, t: usize, e: gradwire_core::Error) 
     Error::core(&ts.name, None, e)
 }
 
-/// Checks that every part can be encoded: each `x + residual` (or `x` without a residual)
-/// finite and within the method's value range. Run before anything changes, so that a local
-/// error leaves every residual as it was.
-///
-/// # Errors
-/// [`Error::Core`] naming the tensor and its element index ([`gradwire_core::Error::NonFinite`]
-/// first within a part, then [`gradwire_core::Error::ValueOutOfRange`]).
-pub(crate) fn check_parts(layout: &ShardLayout, j: usize, parts: &[Part<'_>]) -> Result<()> {
-    let values = layout.method.values();
-    for part in parts {
-        let bad = match &part.residual {
-            Some(r) => first_bad_sum(part.x, r, values),
-            None => first_bad(part.x, values),
-        };
-        if let Some(e) = bad {
-            return Err(at_part(layout, j, part, e));
-        }
-    }
-    Ok(())
-}
-
-/// [`first_bad_sum`] of `x` alone.
+/// [`gradwire_core::feedback::first_bad_sum`] of `x` alone.
 pub(crate) fn first_bad(
     x: &[f32],
     values: Option<gradwire_core::Values>,
@@ -713,7 +692,6 @@ mod tests {
                                 residual: with_residual.then(|| &mut r[layout.range(t, j)]),
                             });
                         }
-                        check_parts(&layout, j, &parts).unwrap();
                         let len =
                             encode_parts(&layout, j, &mut parts, &params, &mut bufs, &mut frame)
                                 .unwrap();
@@ -756,53 +734,5 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn a_bad_sum_is_named_by_its_tensor_and_changes_nothing() {
-        let method = Method::Quant {
-            bits: 4,
-            block: 64,
-            rounding: Rounding::NearestEven,
-        };
-        let specs = vec![
-            TensorSpec::new("a".to_owned(), [5000]),
-            TensorSpec::new("b".to_owned(), [7000]),
-        ];
-        let manifest = Manifest::new(
-            specs,
-            &CompressionMethod::Core(method),
-            1,
-            BucketConfig::none(),
-        )
-        .unwrap();
-        let layout = ShardLayout::new(&manifest, 2).unwrap();
-        let grads = [values(1, 5000, 1.0), values(2, 7000, 1.0)];
-        let mut residuals = [vec![0.0f32; 5000], vec![0.0f32; 7000]];
-        let j = 1;
-        let bad_at = layout.range(1, j).start + 17;
-        residuals[1][bad_at] = f32::INFINITY;
-        let before = residuals.clone();
-        let mut parts: Vec<Part<'_>> = Vec::new();
-        for ((t, ts), r) in layout.tensors.iter().enumerate().zip(residuals.iter_mut()) {
-            if ts.lens[j] > 0 {
-                parts.push(Part {
-                    tensor: t,
-                    at: ts.starts[j],
-                    x: &grads[t][layout.range(t, j)],
-                    residual: Some(&mut r[layout.range(t, j)]),
-                });
-            }
-        }
-        let e = check_parts(&layout, j, &parts).unwrap_err();
-        drop(parts);
-        match e {
-            Error::Core { tensor, source, .. } => {
-                assert_eq!(tensor, "b");
-                assert_eq!(source, gradwire_core::Error::NonFinite { index: bad_at });
-            }
-            e => panic!("{e}"),
-        }
-        assert_eq!(residuals, before);
     }
 }
