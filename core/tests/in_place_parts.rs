@@ -151,3 +151,59 @@ fn the_sums_are_checked_before_anything_changes() {
         Some(Error::NonFinite { index: 9_999 })
     ));
 }
+
+#[test]
+fn a_frame_decoded_chunk_by_chunk_is_decoded_whole() {
+    use gradwire_core::frame::chunk::Sections;
+    use gradwire_core::{
+        Method, Params, Rounding, SignScale, decode_into, encode_into, max_frame_len, scratch_len,
+    };
+    let mut x = vec_of(4, 10_000, 1.0);
+    // Zeros, negative zeros and a block of them: decoded values of either sign of zero.
+    for v in &mut x[100..300] {
+        *v = -0.0;
+    }
+    x[5] = 0.0;
+    for method in [
+        Method::Quant {
+            bits: 4,
+            block: 64,
+            rounding: Rounding::Stochastic,
+        },
+        Method::Sign {
+            scale: SignScale::MeanAbs { block: 128 },
+            zero_mask: false,
+        },
+        Method::Sign {
+            scale: SignScale::None,
+            zero_mask: false,
+        },
+        Method::Dense {
+            values: Values::F16,
+        },
+    ] {
+        let params = Params::new(method).with_seed(3).at_step(2).for_tensor(9);
+        let mut frame = vec![0u8; max_frame_len(x.len(), &method)];
+        let mut scratch = vec![0u32; scratch_len(x.len(), &method)];
+        let len = encode_into(&x, &params, &mut scratch, &mut frame).unwrap();
+        let frame = &frame[..len];
+        let mut whole = vec![7.0f32; x.len()];
+        decode_into(frame, &params, &mut whole).unwrap();
+        let sections = Sections::of(x.len(), &method).unwrap();
+        let chunk = 3 * sections.align();
+        let mut pieces = vec![7.0f32; x.len()];
+        for start in (0..x.len()).step_by(chunk) {
+            let end = (start + chunk).min(x.len());
+            sections
+                .decode(frame, start, &mut pieces[start..end])
+                .unwrap();
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&pieces), bits(&whole), "{method:?}");
+        // A chunk off the boundaries is refused (dense frames have a boundary at every
+        // element).
+        if sections.align() > 1 {
+            assert!(sections.decode(frame, 1, &mut pieces[1..10]).is_err());
+        }
+    }
+}

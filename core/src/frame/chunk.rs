@@ -269,6 +269,20 @@ impl Sections {
         Ok(())
     }
 
+    /// Writes the values of elements `start..start + out.len()` of a received `frame` into
+    /// `out`, after checking their pieces as [`Sections::check`] does: per element what
+    /// [`crate::decode_into`] writes for the whole frame.
+    ///
+    /// # Errors
+    /// As [`Sections::check`]. On error `out` is untouched.
+    pub fn decode(&self, frame: &[u8], start: usize, out: &mut [f32]) -> Result<(), Error> {
+        let end = chunk_end(start, out.len())?;
+        self.check(frame, start, end)?;
+        let (s, b) = self.ranges(start, end)?;
+        self.shape.decode(&frame[s], &frame[b], out, None);
+        Ok(())
+    }
+
     /// Ends a frame whose header and every chunk are written: stores `crc` (the CRC-32 of the
     /// first [`Sections::checksummed_len`] bytes, computed by the caller, for example in
     /// pieces combined with `crc32fast::Hasher::combine`) or, for `None`, the CRC computed here

@@ -42,7 +42,7 @@ use super::{
 };
 use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator};
-use crate::engine::shard::{Buffers, Part, Target, add_frame, encode_parts};
+use crate::engine::shard::{Apply, Buffers, Part, Target, apply_frame, encode_parts};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::layout::Manifest;
@@ -555,15 +555,19 @@ impl TwoPhase {
             let frame = frames.next_frame()?;
             let params = owner_params(layout.methods[owner], step, layout.owner_ids[owner]);
             let mut targets = targets_of(layout, owner, &mut outs);
-            for t in &mut targets {
-                t.data.fill(0.0);
-            }
-            add_frame(layout, owner, frame, &params, &mut targets, &mut self.bufs).map_err(
-                |e| Error::Collective {
-                    rank: owner,
-                    reason: format!("its reduced shard: {e}"),
-                },
-            )?;
+            let decoded = apply_frame(
+                layout,
+                owner,
+                frame,
+                &params,
+                &mut targets,
+                Apply::Write,
+                &mut self.bufs,
+            );
+            decoded.map_err(|e| Error::Collective {
+                rank: owner,
+                reason: format!("its reduced shard: {e}"),
+            })?;
         }
         Ok(())
     }
@@ -763,7 +767,15 @@ impl TwoPhase {
                 })
                 .collect();
             // This rank's own frame, just made: it decodes.
-            let _ = add_frame(layout, j, frame, &params, &mut targets, &mut self.bufs);
+            let _ = apply_frame(
+                layout,
+                j,
+                frame,
+                &params,
+                &mut targets,
+                Apply::Add,
+                &mut self.bufs,
+            );
         }
         self.made = 0;
     }
@@ -872,17 +884,24 @@ impl TwoPhase {
             }
             for (rank, frames) in opened.iter_mut().enumerate() {
                 let frame = frames.next_frame().map_err(|e| bad(rank, e))?;
-                add_frame(layout, me, frame, &worker, &mut targets, &mut self.bufs).map_err(
-                    |e| {
-                        bad(
+                apply_frame(
+                    layout,
+                    me,
+                    frame,
+                    &worker,
+                    &mut targets,
+                    Apply::Add,
+                    &mut self.bufs,
+                )
+                .map_err(|e| {
+                    bad(
+                        rank,
+                        Error::Collective {
                             rank,
-                            Error::Collective {
-                                rank,
-                                reason: format!("its shard for owner {me}: {e}"),
-                            },
-                        )
-                    },
-                )?;
+                            reason: format!("its shard for owner {me}: {e}"),
+                        },
+                    )
+                })?;
             }
             for (t, target) in layout
                 .tensors

@@ -11,9 +11,9 @@
 //!   ([`gradwire_core::frame::chunk::Sections`]), each chunk on the part's own slices, or on a
 //!   chunk-sized copy where it spans two parts. Sign with the zero mask has no chunked
 //!   sections: its shard is encoded whole from copies (its shard's size in memory).
-//! - [`add_frame`] adds a frame's decoded values into the parts (the owner's sum of the
-//!   workers' frames, every rank's decode of the owners' frames into zeros, and the worker's
-//!   give-back of what it sent after a failed step), the same way.
+//! - [`apply_frame`] adds a frame's decoded values into the parts (the owner's sum of the
+//!   workers' frames, the worker's give-back of what it sent after a failed step) or writes
+//!   them (every rank's decode of the owners' frames into the outputs), the same way.
 //!
 //! Nothing here is sized by the model but the zero-mask sign copies: the buffers are the kept
 //! entries of one frame and two chunks.
@@ -50,7 +50,7 @@ pub(crate) struct Target<'a> {
     pub(crate) data: &'a mut [f32],
 }
 
-/// Work buffers of [`encode_parts`] and [`add_frame`], kept between steps.
+/// Work buffers of [`encode_parts`] and [`apply_frame`], kept between steps.
 #[derive(Debug, Default)]
 pub(crate) struct Buffers {
     scratch: Vec<u32>,
@@ -414,20 +414,30 @@ where
     Ok(())
 }
 
-/// Adds `frame`'s decoded values (a frame of owner `j`'s shard, checked here against `params`
+/// How [`apply_frame`] puts a frame's values into its targets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Apply {
+    /// Adds them, per element what [`gradwire_core::accumulate_into`] with weight 1 adds.
+    Add,
+    /// Writes them, per element what [`gradwire_core::decode_into`] writes (zeros where a
+    /// sparse frame carries no entry).
+    Write,
+}
+
+/// Puts `frame`'s decoded values (a frame of owner `j`'s shard, checked here against `params`
 /// as the core's decoder checks it) into `targets` (the shard's parts with elements, in shard
-/// order, covering the shard): per element what [`gradwire_core::accumulate_into`] with weight 1
-/// adds. Over zeros this is the decode.
+/// order, covering the shard), as `how` says.
 ///
 /// # Errors
 /// The core's error for a frame that does not decode as expected; with a dense-shaped frame,
-/// targets before the failing chunk have their values added then.
-pub(crate) fn add_frame(
+/// targets before the failing chunk have their values then.
+pub(crate) fn apply_frame(
     layout: &ShardLayout,
     j: usize,
     frame: &[u8],
     params: &Params,
     targets: &mut [Target<'_>],
+    how: Apply,
     bufs: &mut Buffers,
 ) -> std::result::Result<(), gradwire_core::Error> {
     let n = layout.shard_lens[j];
@@ -438,6 +448,11 @@ pub(crate) fn add_frame(
         bufs.values.resize(kept, 0.0);
         sparse.indices(&mut bufs.kept)?;
         sparse.values(0, &mut bufs.values)?;
+        if how == Apply::Write {
+            for target in targets.iter_mut() {
+                target.data.fill(0.0);
+            }
+        }
         let mut t = 0usize;
         for (&i, &v) in bufs.kept.iter().zip(&bufs.values) {
             let i = i as usize;
@@ -447,7 +462,10 @@ pub(crate) fn add_frame(
             if let Some(target) = targets.get_mut(t)
                 && let Some(x) = target.data.get_mut(i.wrapping_sub(target.at))
             {
-                *x += v;
+                match how {
+                    Apply::Add => *x += v,
+                    Apply::Write => *x = v,
+                }
             }
         }
         return Ok(());
@@ -456,7 +474,10 @@ pub(crate) fn add_frame(
         // A frame without chunked sections (sign with the zero mask): decoded whole, through
         // a copy of the shard.
         gather_targets(targets, &mut bufs.chunk_x);
-        gradwire_core::accumulate_into(frame, params, &mut bufs.chunk_x, 1.0)?;
+        match how {
+            Apply::Add => gradwire_core::accumulate_into(frame, params, &mut bufs.chunk_x, 1.0)?,
+            Apply::Write => gradwire_core::decode_into(frame, params, &mut bufs.chunk_x)?,
+        };
         scatter_targets(&bufs.chunk_x, targets);
         return Ok(());
     };
@@ -473,18 +494,29 @@ pub(crate) fn add_frame(
             break;
         };
         if target.at <= start && end <= target.at + target.data.len() {
-            let acc = &mut target.data[start - target.at..end - target.at];
-            sections.accumulate(frame, start, acc, 1.0)?;
+            let out = &mut target.data[start - target.at..end - target.at];
+            match how {
+                Apply::Add => sections.accumulate(frame, start, out, 1.0)?,
+                Apply::Write => sections.decode(frame, start, out)?,
+            }
         } else {
             bufs.chunk_x.clear();
-            for t in targets[first..].iter() {
-                if t.at >= end {
-                    break;
+            match how {
+                Apply::Add => {
+                    for t in targets[first..].iter() {
+                        if t.at >= end {
+                            break;
+                        }
+                        let (a, b) = (start.max(t.at) - t.at, end.min(t.at + t.data.len()) - t.at);
+                        bufs.chunk_x.extend_from_slice(&t.data[a..b]);
+                    }
+                    sections.accumulate(frame, start, &mut bufs.chunk_x, 1.0)?;
                 }
-                let (a, b) = (start.max(t.at) - t.at, end.min(t.at + t.data.len()) - t.at);
-                bufs.chunk_x.extend_from_slice(&t.data[a..b]);
+                Apply::Write => {
+                    bufs.chunk_x.resize(end - start, 0.0);
+                    sections.decode(frame, start, &mut bufs.chunk_x)?;
+                }
             }
-            sections.accumulate(frame, start, &mut bufs.chunk_x, 1.0)?;
             let mut from = 0usize;
             for t in targets[first..].iter_mut() {
                 if t.at >= end {
@@ -721,14 +753,49 @@ mod tests {
                                 data: &mut o[layout.range(t, j)],
                             })
                             .collect();
-                        add_frame(&layout, j, &frame[..len], &params, &mut targets, &mut bufs)
-                            .unwrap();
+                        apply_frame(
+                            &layout,
+                            j,
+                            &frame[..len],
+                            &params,
+                            &mut targets,
+                            Apply::Add,
+                            &mut bufs,
+                        )
+                        .unwrap();
                         drop(targets);
                         let added: Vec<f32> = whole.iter().map(|v| 0.5 + v).collect();
                         assert_eq!(
                             bits(&gather(&layout, j, &outs)),
                             bits(&added),
-                            "{what}: owner {j}'s decode"
+                            "{what}: owner {j}'s frame added"
+                        );
+                        let mut targets: Vec<Target<'_>> = layout
+                            .tensors
+                            .iter()
+                            .enumerate()
+                            .zip(outs.iter_mut())
+                            .filter(|((_, ts), _)| ts.lens[j] > 0)
+                            .map(|((t, ts), o)| Target {
+                                at: ts.starts[j],
+                                data: &mut o[layout.range(t, j)],
+                            })
+                            .collect();
+                        apply_frame(
+                            &layout,
+                            j,
+                            &frame[..len],
+                            &params,
+                            &mut targets,
+                            Apply::Write,
+                            &mut bufs,
+                        )
+                        .unwrap();
+                        drop(targets);
+                        assert_eq!(
+                            bits(&gather(&layout, j, &outs)),
+                            bits(&whole),
+                            "{what}: owner {j}'s frame decoded"
                         );
                     }
                 }
