@@ -1,8 +1,9 @@
 //! The `scale` binary as `--small --json PATH` runs it (about 5 s in a release build on two
 //! cores): it exits 0, writes the `gradwire-scale/1` document, every row has every field with
 //! its JSON type, the small set's rows are all there (every method and collective at W = 1 and
-//! 3, dense f32 once per W), and every row without an error is bit-identical across ranks. No
-//! timing is asserted beyond "positive".
+//! 3, dense f32 once per W), every row without an error is bit-identical across ranks, and its
+//! memory per rank beyond the gradients and outputs stays within the state its method keeps
+//! plus 64 MB. No timing is asserted beyond "positive".
 
 mod common;
 
@@ -123,6 +124,27 @@ fn scale_small_json_has_every_row_and_field() {
         if obj["label"] == "dense-f32" {
             let largest = obj["max_message_bytes"].as_u64().expect("max message");
             assert!(largest <= 8 << 20, "{row}");
+        }
+        // The memory bound of issue 46 per rank beyond the caller's gradients and outputs:
+        // the state the method keeps (with error feedback 4 bytes per parameter on the
+        // all-gather, 4 + 8/W on the two-phase collective: worker residual, server residual
+        // and its copy) plus 64 MB.
+        if let Some(beyond) = obj["bytes_per_param_beyond"].as_f64() {
+            let params = obj["parameters"].as_f64().expect("parameters");
+            let w = obj["workers"].as_f64().expect("workers");
+            let state = match (
+                obj["error_feedback"].as_bool(),
+                obj["collective_in_use"].as_str(),
+            ) {
+                (Some(true), Some("two-phase")) => 4.0 + 8.0 / w,
+                (Some(true), _) => 4.0,
+                _ => 0.0,
+            };
+            let allowed = state * params + 64e6;
+            assert!(
+                beyond * params <= allowed,
+                "memory beyond the bound in {row}"
+            );
         }
         let hash = obj["output_hash"].as_str().expect("hash");
         assert!(
