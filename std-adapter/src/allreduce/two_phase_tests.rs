@@ -1174,35 +1174,86 @@ fn ranks_that_cannot_agree_on_the_route_fail_alike_and_none_waits() {
 
 /// The bounds the two-phase step keeps on the worker's residuals hold: no residual element is
 /// larger, step after step, so that a later step's one-read proof of its sums is sound.
-/// Checked at W = 3 with top-k, whose steps keep them.
+/// Checked at W = 3 with top-k, sign and 4-bit quantization, whose steps keep them.
 #[test]
 fn the_residual_bounds_a_two_phase_step_keeps_hold() {
     const W: usize = 3;
-    let comms = LocalGroup::new(W).into_communicators();
-    let handles: Vec<_> = comms
-        .into_iter()
-        .enumerate()
-        .map(|(rank, comm)| {
-            std::thread::spawn(move || {
-                let mut ar = CompressedAllReduce::with_communicator(
-                    CompressionMethod::top_k_int8(0.05).with_error_feedback(),
-                    Box::new(comm),
-                )
-                .with_collective(Collective::TwoPhase);
-                for s in 0..4 {
-                    ar.all_reduce(&gradients(rank, s)).unwrap();
-                    let fb = ar.compressor().feedback().unwrap();
-                    for (name, r) in fb.residuals() {
-                        let largest = r.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-                        let bound = fb.residual_bound(name).max_abs();
-                        assert!(bound.is_finite(), "rank {rank} step {s} {name}: a bound");
-                        assert!(largest <= bound, "rank {rank} step {s} {name}");
+    for method in [
+        CompressionMethod::top_k_int8(0.05).with_error_feedback(),
+        CompressionMethod::SignSGD.with_error_feedback(),
+        CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+    ] {
+        let comms = LocalGroup::new(W).into_communicators();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let method = method.clone();
+                std::thread::spawn(move || {
+                    let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
+                        .with_collective(Collective::TwoPhase);
+                    for s in 0..4 {
+                        ar.all_reduce(&gradients(rank, s)).unwrap();
+                        let fb = ar.compressor().feedback().unwrap();
+                        for (name, r) in fb.residuals() {
+                            let largest = r.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                            let bound = fb.residual_bound(name).max_abs();
+                            assert!(bound.is_finite(), "rank {rank} step {s} {name}: a bound");
+                            assert!(largest <= bound, "rank {rank} step {s} {name}");
+                        }
                     }
-                }
+                })
             })
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap();
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+}
+
+/// An owner whose reduced values do not fit the frame's value type (f16 sums beyond 65504,
+/// no error feedback) fails the step on every rank, naming the tensor and the element's index
+/// in the tensor, wherever the element sits in the owner's chunks (here in a chunk of one part,
+/// and in one spanning two parts).
+#[test]
+fn an_owner_sum_out_of_range_names_the_tensor_element() {
+    const W: usize = 2;
+    // `c.big2[140_000]` sits in a chunk inside the second part of its owner's shard.
+    for (tensor, at) in [("a.big", 40_000usize), ("b.small", 70), ("c.big2", 140_000)] {
+        let grads_of = move |_r: usize, _s: u64| {
+            let mut big = vec![0.001f32; 150_000];
+            let mut small = vec![0.001f32; 3_000];
+            let mut big2 = vec![0.001f32; 150_000];
+            match tensor {
+                "a.big" => big[at] = 40_000.0,
+                "b.small" => small[at] = 40_000.0,
+                _ => big2[at] = 40_000.0,
+            }
+            grads(&[
+                ("a.big", &[150_000], big),
+                ("b.small", &[3_000], small),
+                ("c.big2", &[150_000], big2),
+            ])
+        };
+        let runs = run_group(
+            W,
+            1,
+            |c| {
+                CompressedAllReduce::with_communicator(CompressionMethod::Float16, c)
+                    .with_reduction(Reduction::Sum)
+                    .with_collective(Collective::TwoPhase)
+            },
+            grads_of,
+        );
+        // The owner returns its own error, its peer names the owner with the same reason.
+        for (rank, steps) in runs.iter().enumerate() {
+            let err = steps[0].0.as_ref().unwrap_err();
+            assert!(
+                err.contains(&format!(
+                    "tensor `{tensor}`: value at index {at} is out of range"
+                )),
+                "rank {rank}, {tensor}[{at}]: {err}"
+            );
+        }
     }
 }

@@ -67,8 +67,9 @@ pub(crate) struct Buffers {
 impl Buffers {
     /// After [`encode_parts`] with residuals: each part's bound on its new residual's
     /// magnitudes, in the order of the parts (top-k: no unsent element is larger than the
-    /// smallest kept one, and the kept entries keep their fix-up; infinite, unknown, for the
-    /// other methods).
+    /// smallest kept one, and the kept entries keep their fix-up; dense, quantization and sign:
+    /// the largest magnitude of each chunk's residual; infinite, unknown, for sign with the
+    /// zero mask).
     pub(crate) fn part_bounds(&self) -> &[f32] {
         &self.bounds
     }
@@ -127,9 +128,12 @@ pub(crate) fn encode_parts(
     let n = layout.shard_lens[j];
     let shard_err = |e: gradwire_core::Error| Error::core(&format!("two-phase shard {j}"), None, e);
     let Method::TopK { values, .. } = params.method else {
+        // Each part's bound: the largest of its chunks' (a chunk spanning two parts counts
+        // for both), measured as each chunk's residual is updated.
         bufs.bounds.clear();
-        bufs.bounds.resize(parts.len(), f32::INFINITY);
+        bufs.bounds.resize(parts.len(), 0.0);
         let Some(sections) = Sections::of(n, &params.method) else {
+            bufs.bounds.fill(f32::INFINITY);
             return encode_gathered(layout, j, parts, params, bufs, frame);
         };
         sections.write_header(frame).map_err(shard_err)?;
@@ -357,8 +361,14 @@ where
         ))?;
         if part.at <= start && end <= part.at + part.x.len() {
             let (a, b) = (start - part.at, end - part.at);
-            let r = part.residual.as_deref_mut().map(|r| &mut r[a..b]);
-            f(start, &part.x[a..b], r, &mut pieces).map_err(|e| (Some(part.tensor), e))?;
+            let mut r = part.residual.as_deref_mut().map(|r| &mut r[a..b]);
+            f(start, &part.x[a..b], r.as_deref_mut(), &mut pieces)
+                .map_err(|e| (Some(part.tensor), to_part(e, part.at)))?;
+            if let Some(r) = r {
+                // The chunk's residual is in cache: its bound costs little.
+                let m = gradwire_core::ResidualBound::of(r).max_abs();
+                bufs.bounds[first] = bufs.bounds[first].max(m);
+            }
         } else {
             let with_residual = part.residual.is_some();
             bufs.chunk_x.clear();
@@ -396,11 +406,13 @@ where
                 located.unwrap_or((None, e))
             })?;
             if with_residual {
+                let m = gradwire_core::ResidualBound::of(&bufs.chunk_r).max_abs();
                 let mut from = 0usize;
-                for p in parts[first..].iter_mut() {
+                for (i, p) in parts.iter_mut().enumerate().skip(first) {
                     if p.at >= end {
                         break;
                     }
+                    bufs.bounds[i] = bufs.bounds[i].max(m);
                     let (a, b) = (start.max(p.at) - p.at, end.min(p.at + p.x.len()) - p.at);
                     if let Some(r) = p.residual.as_deref_mut() {
                         r[a..b].copy_from_slice(&bufs.chunk_r[from..from + (b - a)]);
@@ -412,6 +424,20 @@ where
         start = end;
     }
     Ok(())
+}
+
+/// A core error naming shard index `index` as the error naming `index - at` (the index in the
+/// part that starts at `at`).
+fn to_part(e: gradwire_core::Error, at: usize) -> gradwire_core::Error {
+    match e {
+        gradwire_core::Error::NonFinite { index } => gradwire_core::Error::NonFinite {
+            index: index.saturating_sub(at),
+        },
+        gradwire_core::Error::ValueOutOfRange { index } => gradwire_core::Error::ValueOutOfRange {
+            index: index.saturating_sub(at),
+        },
+        e => e,
+    }
 }
 
 /// How [`apply_frame`] puts a frame's values into its targets.
@@ -727,6 +753,23 @@ mod tests {
                         let len =
                             encode_parts(&layout, j, &mut parts, &params, &mut bufs, &mut frame)
                                 .unwrap();
+                        // Each part's bound holds for its new residual (zero-mask sign keeps
+                        // none: infinite).
+                        if with_residual {
+                            for (part, &bound) in parts.iter().zip(bufs.part_bounds()) {
+                                let r = part.residual.as_deref().unwrap();
+                                let largest = r.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                                assert!(largest <= bound, "{what}: owner {j}'s bound");
+                                let zero_mask = matches!(
+                                    method,
+                                    Method::Sign {
+                                        zero_mask: true,
+                                        ..
+                                    }
+                                );
+                                assert!(bound.is_finite() || zero_mask, "{what}: a bound");
+                            }
+                        }
                         drop(parts);
                         assert_eq!(&frame[..len], &want[..], "{what}: owner {j}'s frame");
                         if with_residual {
