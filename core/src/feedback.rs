@@ -21,6 +21,7 @@ use crate::lanes::{LANES, One, Sum};
 use crate::method::{Method, Params, SignScale, Values};
 use crate::values::all_below;
 use crate::{index, select, values};
+use wide::f32x8;
 
 /// One error-feedback step on one tensor: `residual += grad`, encode `residual` into `out`,
 /// then `residual -= decoded(out)`. Returns the frame length in bytes.
@@ -90,11 +91,28 @@ impl ResidualBound {
     /// The bound of `residual` (any length), by one read pass: its largest magnitude, or
     /// [`ResidualBound::UNKNOWN`] when an element is NaN or infinite.
     pub fn of(residual: &[f32]) -> Self {
+        // Four independent lanes of maxima (a chain of scalar maxima runs at one element a
+        // cycle); the largest magnitude is the same in any order.
+        let inf = f32x8::splat(f32::INFINITY);
+        let mut acc = [f32x8::splat(0.0); 4];
+        let mut finite_lanes = inf.simd_eq(inf);
+        let mut blocks = residual.chunks_exact(4 * LANES);
+        for b in &mut blocks {
+            for (t, a) in acc.iter_mut().enumerate() {
+                let v = crate::lanes::load(&b[t * LANES..]).abs();
+                finite_lanes &= v.simd_lt(inf);
+                *a = a.fast_max(v);
+            }
+        }
         let mut max = 0.0f32;
-        let mut finite = true;
-        for &x in residual {
+        let mut finite = finite_lanes.all();
+        for &x in blocks.remainder() {
             finite &= x.is_finite();
             max = larger(max, x.abs());
+        }
+        let m = acc[0].fast_max(acc[1]).fast_max(acc[2].fast_max(acc[3]));
+        for &x in m.to_array().iter() {
+            max = larger(max, x);
         }
         if finite {
             Self { max_abs: max }
@@ -486,22 +504,23 @@ fn step(
     Ok(len)
 }
 
-/// The error naming the first `grad[i] + residual[i]` that `method` cannot encode, in the
-/// specified order: the first NaN or infinity (a NaN or an infinity in `grad` makes its sum
-/// non-finite too, so one walk over the sums names the first index of either kind), else the
-/// first sum out of the value type's range. `None` when every sum is fine.
 /// The first element whose `grad[i] + residual[i]` an error-feedback step with `values` (the
 /// method's value type; `None` for methods without one) cannot encode: [`Error::NonFinite`]
 /// for a NaN or infinite sum (checked first, over the whole tensor), else
 /// [`Error::ValueOutOfRange`] for a sum beyond the range of f16 or bf16. `None` when every sum
 /// is in range. One vectorised read of both slices when they are; a scalar scan names the
-/// element otherwise. A step that checks first changes nothing on a bad sum.
+/// element otherwise. A step that checks first changes nothing on a bad sum. Slices of other
+/// lengths: [`Error::LengthMismatch`] (nothing is checked).
 ///
 /// # Panics
-/// Never (the slices are compared up to the shorter length).
+/// Never.
 pub fn first_bad_sum(grad: &[f32], residual: &[f32], values: Option<Values>) -> Option<Error> {
-    let n = grad.len().min(residual.len());
-    let (grad, residual) = (&grad[..n], &residual[..n]);
+    if grad.len() != residual.len() {
+        return Some(Error::LengthMismatch {
+            expected: grad.len(),
+            got: residual.len(),
+        });
+    }
     let limit = crate::values::magnitude_limit(values);
     if all_below(&Sum(grad, residual), limit) {
         return None;
@@ -517,6 +536,10 @@ pub fn first_bad_sum(grad: &[f32], residual: &[f32], values: Option<Values>) -> 
     Some(Error::ValueOutOfRange { index })
 }
 
+/// The error naming the first `grad[i] + residual[i]` that `method` cannot encode, in the
+/// specified order: the first NaN or infinity (a NaN or an infinity in `grad` makes its sum
+/// non-finite too, so one walk over the sums names the first index of either kind), else the
+/// first sum out of the value type's range. `None` when every sum is fine.
 fn first_bad_sum_of(grad: &[f32], residual: &[f32], method: &Method) -> Option<Error> {
     if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
         return Some(Error::NonFinite { index });

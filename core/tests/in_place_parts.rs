@@ -143,6 +143,13 @@ fn the_sums_are_checked_before_anything_changes() {
     ));
     assert!(first_bad_sum(&g[..4], &r[..4], Some(Values::F32)).is_none());
     assert!(first_bad_sum(&g[..4], &r[..4], None).is_none());
+    assert!(matches!(
+        first_bad_sum(&g[..4], &r[..3], None),
+        Some(Error::LengthMismatch {
+            expected: 4,
+            got: 3
+        })
+    ));
     let long = vec![0.5f32; 10_000];
     let mut bad = vec![0.25f32; 10_000];
     bad[9_999] = f32::NEG_INFINITY;
@@ -204,6 +211,34 @@ fn a_frame_decoded_chunk_by_chunk_is_decoded_whole() {
         // element).
         if sections.align() > 1 {
             assert!(sections.decode(frame, 1, &mut pieces[1..10]).is_err());
+        }
+    }
+}
+
+#[test]
+fn a_residual_bound_is_the_largest_magnitude_or_unknown() {
+    use gradwire_core::ResidualBound;
+    for n in [0usize, 1, 7, 8, 31, 32, 33, 100, 1000, 4099] {
+        let x = vec_of(n as u64 + 17, n, 3.0);
+        let want = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert_eq!(
+            ResidualBound::of(&x).max_abs().to_bits(),
+            want.to_bits(),
+            "n {n}"
+        );
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, n / 2, n.saturating_sub(1)] {
+                if n == 0 {
+                    continue;
+                }
+                let mut y = x.clone();
+                y[at] = bad;
+                assert_eq!(
+                    ResidualBound::of(&y),
+                    ResidualBound::UNKNOWN,
+                    "n {n} at {at}"
+                );
+            }
         }
     }
 }

@@ -240,7 +240,10 @@ impl TwoPhase {
                     "shard layout version {v}; this gradwire reads version {SHARDS_VERSION}"
                 )));
             }
-            _ => {
+            Some(Err(_)) => {
+                return Err(Error::checkpoint("shard layout: `version` is not a number"));
+            }
+            None => {
                 return Err(Error::checkpoint(format!(
                     "shard layout version 1 (block-cyclic shards, an earlier gradwire): its \
                      residual parts hold other elements than this version's (version \
@@ -459,7 +462,7 @@ impl TwoPhase {
             ) && let Some(mut step) = step_data
             {
                 self.give_back(&mut step);
-                self.restore_server(me);
+                self.restore_server();
             }
             return Err(e.into());
         }
@@ -469,7 +472,7 @@ impl TwoPhase {
             && let Some(mut step) = step_data
         {
             self.give_back(&mut step);
-            self.restore_server(me);
+            self.restore_server();
         }
         result
     }
@@ -767,7 +770,7 @@ impl TwoPhase {
                 })
                 .collect();
             // This rank's own frame, just made: it decodes.
-            let _ = apply_frame(
+            let given = apply_frame(
                 layout,
                 j,
                 frame,
@@ -776,12 +779,13 @@ impl TwoPhase {
                 Apply::Add,
                 &mut self.bufs,
             );
+            debug_assert!(given.is_ok(), "{given:?}");
         }
         self.made = 0;
     }
 
     /// Puts back the server residuals copied by [`TwoPhase::reduce_own_shard`].
-    fn restore_server(&mut self, _me: usize) {
+    fn restore_server(&mut self) {
         if self.server_undo.len() == self.server.len() {
             self.server.copy_from_slice(&self.server_undo);
         }
@@ -903,13 +907,7 @@ impl TwoPhase {
                     )
                 })?;
             }
-            for (t, target) in layout
-                .tensors
-                .iter()
-                .enumerate()
-                .filter(|(_, ts)| ts.lens[me] > 0)
-                .zip(targets.iter_mut())
-            {
+            for target in targets.iter_mut() {
                 match step.reduction {
                     Reduction::Sum => {}
                     // Division by 1 is exact: one rank's mean is its sum.
@@ -922,7 +920,6 @@ impl TwoPhase {
                     }
                     Reduction::MajorityVote => majority(target.data, &worker.method),
                 }
-                let _ = t;
             }
             drop(targets);
             let params = owner_params(layout.methods[me], step, layout.owner_ids[me]);

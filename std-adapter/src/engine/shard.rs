@@ -100,23 +100,25 @@ pub(crate) fn first_bad(
     x: &[f32],
     values: Option<gradwire_core::Values>,
 ) -> Option<gradwire_core::Error> {
-    first_at_or_above(x, magnitude_limit(values))?;
-    if let Some(index) = gradwire_core::values::first_non_finite(x) {
-        return Some(gradwire_core::Error::NonFinite { index });
-    }
     let index = first_at_or_above(x, magnitude_limit(values))?;
-    Some(gradwire_core::Error::ValueOutOfRange { index })
+    // NaN and infinity first, over the whole slice; else the first at or above the limit.
+    Some(match gradwire_core::values::first_non_finite(x) {
+        Some(index) => gradwire_core::Error::NonFinite { index },
+        None => gradwire_core::Error::ValueOutOfRange { index },
+    })
 }
 
 /// Encodes owner `j`'s shard from `parts` (every tensor part of the shard with elements, in
-/// shard order; checked by [`check_parts`]) into `frame` (at least the layout's frame bound for
-/// `j`) with `params`, and returns the frame's length. With residuals, through error feedback:
-/// `sent + residual_new == x + residual_old` per element, bit-exact for f32 values. Top-k keeps
-/// each tensor's budget of its own part.
+/// shard order) into `frame` (at least the layout's frame bound for `j`) with `params`, and
+/// returns the frame's length. With residuals, through error feedback: `sent + residual_new
+/// == x + residual_old` per element, bit-exact for f32 values. Top-k keeps each tensor's
+/// budget of its own part.
 ///
 /// # Errors
-/// Core errors named by tensor and index (after [`check_parts`] passed, only a broken buffer
-/// bound); the residuals of parts already encoded have changed then.
+/// Core errors named by tensor and index: a NaN or infinite `x + residual`, or one beyond the
+/// value type's range (the worker checks its sums first, so only the owner meets these);
+/// residuals of parts and chunks already encoded have changed then (the owner restores its
+/// server residual from a copy).
 pub(crate) fn encode_parts(
     layout: &ShardLayout,
     j: usize,
@@ -499,10 +501,16 @@ pub(crate) fn apply_frame(
     let Some(sections) = Sections::of(n, &params.method) else {
         // A frame without chunked sections (sign with the zero mask): decoded whole, through
         // a copy of the shard.
-        gather_targets(targets, &mut bufs.chunk_x);
         match how {
-            Apply::Add => gradwire_core::accumulate_into(frame, params, &mut bufs.chunk_x, 1.0)?,
-            Apply::Write => gradwire_core::decode_into(frame, params, &mut bufs.chunk_x)?,
+            Apply::Add => {
+                gather_targets(targets, &mut bufs.chunk_x);
+                gradwire_core::accumulate_into(frame, params, &mut bufs.chunk_x, 1.0)?
+            }
+            Apply::Write => {
+                bufs.chunk_x.clear();
+                bufs.chunk_x.resize(n, 0.0);
+                gradwire_core::decode_into(frame, params, &mut bufs.chunk_x)?
+            }
         };
         scatter_targets(&bufs.chunk_x, targets);
         return Ok(());
@@ -623,7 +631,7 @@ mod tests {
             None => x.to_vec(),
         };
         let (mut kept, mut segments) = (Vec::new(), Vec::new());
-        for (t, ts) in layout.tensors.iter().enumerate() {
+        for ts in &layout.tensors {
             if ts.lens[j] == 0 {
                 continue;
             }
@@ -633,7 +641,6 @@ mod tests {
             let got = topk_kept(part, k, f32::INFINITY, &mut sel).unwrap();
             kept.extend(got.idx.iter().map(|&i| i + ts.starts[j] as u32));
             segments.push(got.idx.len() as u32);
-            let _ = t;
         }
         let k = kept.len();
         let mut scratch = vec![0u32; segmented_scratch_len(n, k, values, segments.len())];
