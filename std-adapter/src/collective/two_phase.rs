@@ -95,7 +95,6 @@ pub(crate) struct TwoPhase {
     /// tensor), and the step's new ones.
     worker_bounds: Vec<ResidualBound>,
     new_bounds: Vec<f32>,
-
     send: Vec<Vec<u8>>,
     recv: Vec<Vec<u8>>,
     phase2: Vec<u8>,
