@@ -852,10 +852,11 @@ impl CompressedAllReduce {
     }
 }
 
-/// The integration tests' helpers (MiniLM gradients, seeded noise), for the unit tests below.
+/// The integration tests' helpers (MiniLM gradients, seeded noise), for the unit tests below
+/// and the engine's.
 #[cfg(test)]
 #[path = "../tests/common/mod.rs"]
-mod test_common;
+pub(crate) mod test_common;
 
 /// The transports' shared checks and their test values (`contribution`), for the unit tests below.
 #[cfg(test)]

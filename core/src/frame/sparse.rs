@@ -69,26 +69,78 @@ pub fn encode_segmented_into(
     out: &mut [u8],
 ) -> Result<usize, Error> {
     no_frame_on_error(out, |out| {
-        let sum: u64 = segments.iter().map(|&l| u64::from(l)).sum();
-        if sum != kept.len() as u64 {
-            return Err(Error::LengthMismatch {
-                expected: kept.len(),
-                got: usize::try_from(sum).unwrap_or(usize::MAX),
-            });
-        }
-        let non_empty = segments.iter().filter(|&&l| l > 0).count();
-        // The segment count is a `u32` on the wire.
-        if u32::try_from(non_empty).is_err() {
-            return Err(Error::TooLarge {
-                n: grad.len() as u64,
-            });
-        }
-        let segs = match values {
-            Values::Int8 { .. } if non_empty >= 2 => segments,
-            _ => &[],
-        };
+        let (segs, _) = segments_on_wire(segments, kept.len(), grad.len(), values)?;
         encode_selected(grad, kept, segs, values, scratch, out)
     })
+}
+
+/// The segments a frame of `count` kept entries of `n` carries (`segments` when int8 values
+/// and at least two non-empty ones, none otherwise) and how many are non-empty.
+///
+/// # Errors
+/// [`Error::LengthMismatch`] when `segments` does not sum to `count`; [`Error::TooLarge`] for
+/// more non-empty segments than a `u32` counts (the wire's field).
+fn segments_on_wire(
+    segments: &[u32],
+    count: usize,
+    n: usize,
+    values: Values,
+) -> Result<(&[u32], usize), Error> {
+    let sum: u64 = segments.iter().map(|&l| u64::from(l)).sum();
+    if sum != count as u64 {
+        return Err(Error::LengthMismatch {
+            expected: count,
+            got: usize::try_from(sum).unwrap_or(usize::MAX),
+        });
+    }
+    let non_empty = segments.iter().filter(|&&l| l > 0).count();
+    if u32::try_from(non_empty).is_err() {
+        return Err(Error::TooLarge { n: n as u64 });
+    }
+    let segs = match values {
+        Values::Int8 { .. } if non_empty >= 2 => segments,
+        _ => &[],
+    };
+    Ok((segs, non_empty))
+}
+
+/// Writes a top-k frame of `n` elements carrying the entries `e` (checked by the caller) with
+/// `values` and the int8 segments `segs` (none: an unsegmented frame), from the header on;
+/// `int8_scratch` holds a word per int8 scale block. Returns the frame length.
+fn write_selected<E: Entries>(
+    n: usize,
+    e: &E,
+    values: Values,
+    segs: &[u32],
+    int8_scratch: &mut [u32],
+    out: &mut [u8],
+) -> usize {
+    let mut p = Put::new(out);
+    let flags = if segs.is_empty() { 0 } else { FLAG_SEGMENTED };
+    write_fixed(&mut p, M_TOPK, flags, n);
+    p.values(values);
+    let (count, codec, idx_len) = measure(n, e, values, segs, int8_scratch);
+    p.u64(count);
+    if !segs.is_empty() {
+        let non_empty = segs.iter().filter(|&&l| l > 0);
+        p.u32(non_empty.clone().count() as u32);
+        for &len in non_empty {
+            p.varint(u64::from(len));
+        }
+    }
+    p.u8(codec);
+    write_sparse_body(
+        n,
+        e,
+        values,
+        count as usize,
+        codec,
+        idx_len,
+        &mut p,
+        segs,
+        int8_scratch,
+    );
+    p.finish()
 }
 
 /// [`encode_segmented_into`] from the kept entries alone: `kept.idx` (strictly ascending,
@@ -126,21 +178,10 @@ pub fn encode_kept_segmented_into(
             });
         }
         let count = kept.idx.len();
-        let sum: u64 = segments.iter().map(|&l| u64::from(l)).sum();
-        if sum != count as u64 {
-            return Err(Error::LengthMismatch {
-                expected: count,
-                got: usize::try_from(sum).unwrap_or(usize::MAX),
-            });
-        }
+        let (segs, non_empty) = segments_on_wire(segments, count, n, values)?;
         if u32::try_from(n).is_err() {
             return Err(Error::TooLarge { n: n as u64 });
         }
-        let non_empty = segments.iter().filter(|&&l| l > 0).count();
-        let segs = match values {
-            Values::Int8 { .. } if non_empty >= 2 => segments,
-            _ => &[],
-        };
         let method = Method::TopK {
             k: K::Count(count as u64),
             values,
@@ -165,32 +206,7 @@ pub fn encode_kept_segmented_into(
             });
         }
         check_kept_entries(n, &kept, values, None)?;
-        let mut p = Put::new(out);
-        let flags = if segs.is_empty() { 0 } else { FLAG_SEGMENTED };
-        write_fixed(&mut p, M_TOPK, flags, n);
-        p.values(values);
-        let (count, codec, idx_len) = measure(n, &kept, values, segs, scratch);
-        p.u64(count);
-        if !segs.is_empty() {
-            let non_empty = segs.iter().filter(|&&l| l > 0);
-            p.u32(non_empty.clone().count() as u32);
-            for &len in non_empty {
-                p.varint(u64::from(len));
-            }
-        }
-        p.u8(codec);
-        write_sparse_body(
-            n,
-            &kept,
-            values,
-            count as usize,
-            codec,
-            idx_len,
-            &mut p,
-            segs,
-            scratch,
-        );
-        Ok(p.finish())
+        Ok(write_selected(n, &kept, values, segs, scratch, out))
     })
 }
 
@@ -280,35 +296,16 @@ fn encode_selected(
         }
         next_min = i + 1;
     }
-    let mut p = Put::new(out);
-    let flags = if segs.is_empty() { 0 } else { FLAG_SEGMENTED };
-    write_fixed(&mut p, M_TOPK, flags, n);
-    p.values(values);
     let sel = select::kept_scratch_len(n, kept.len());
-    let int8_scratch = &mut scratch[sel..];
     let e = Picked { g: grad, idx: kept };
-    let (count, codec, idx_len) = measure(n, &e, values, segs, int8_scratch);
-    p.u64(count);
-    if !segs.is_empty() {
-        let non_empty = segs.iter().filter(|&&l| l > 0);
-        p.u32(non_empty.clone().count() as u32);
-        for &len in non_empty {
-            p.varint(u64::from(len));
-        }
-    }
-    p.u8(codec);
-    write_sparse_body(
+    Ok(write_selected(
         n,
         &e,
         values,
-        count as usize,
-        codec,
-        idx_len,
-        &mut p,
         segs,
-        int8_scratch,
-    );
-    Ok(p.finish())
+        &mut scratch[sel..],
+        out,
+    ))
 }
 
 /// Encodes a top-k, threshold or random-k frame of an `n`-element tensor from its kept entries

@@ -42,7 +42,7 @@ use super::{
 };
 use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator};
-use crate::engine::shard::{Apply, Buffers, Part, Target, apply_frame, encode_parts};
+use crate::engine::shard::{Apply, Buffers, Part, apply_frame, encode_parts, parts_of, targets_of};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::layout::Manifest;
@@ -758,16 +758,7 @@ impl TwoPhase {
                 continue;
             };
             let params = worker_params(layout, step, j);
-            let mut targets: Vec<Target<'_>> = layout
-                .tensors
-                .iter()
-                .zip(self.taken.iter_mut())
-                .filter(|(ts, _)| ts.lens[j] > 0)
-                .map(|(ts, r)| Target {
-                    at: ts.starts[j],
-                    data: &mut r[ts.begins[j]..ts.begins[j] + ts.lens[j]],
-                })
-                .collect();
+            let mut targets = targets_of(layout, j, &mut self.taken);
             // This rank's own frame, just made: it decodes.
             let given = apply_frame(
                 layout,
@@ -991,53 +982,6 @@ fn shard_text(world: usize, rank: usize, block: usize, layout_id: u64) -> String
     format!(
         "version={SHARDS_VERSION};world_size={world};rank={rank};block={block};layout={layout_id:016x}"
     )
-}
-
-/// Owner `j`'s parts of the tensors in `outs` (one slice per tensor of the layout), as targets
-/// in shard order.
-fn targets_of<'o>(layout: &ShardLayout, j: usize, outs: &'o mut [&mut [f32]]) -> Vec<Target<'o>> {
-    layout
-        .tensors
-        .iter()
-        .zip(outs.iter_mut())
-        .enumerate()
-        .filter(|(_, (ts, _))| ts.lens[j] > 0)
-        .map(|(t, (ts, o))| Target {
-            at: ts.starts[j],
-            data: &mut o[layout.range(t, j)],
-        })
-        .collect()
-}
-
-/// Owner `j`'s parts of the gradients (and of the worker's residuals, when `taken` holds one
-/// per tensor), in shard order.
-fn parts_of<'a>(
-    layout: &ShardLayout,
-    j: usize,
-    grads: &[&'a [f32]],
-    taken: &'a mut [Vec<f32>],
-) -> Vec<Part<'a>> {
-    let with_residual = taken.len() == layout.tensors.len();
-    let mut residuals = taken.iter_mut();
-    let mut parts = Vec::new();
-    for (t, ts) in layout.tensors.iter().enumerate() {
-        let r = if with_residual {
-            residuals.next()
-        } else {
-            None
-        };
-        if ts.lens[j] == 0 {
-            continue;
-        }
-        let range = layout.range(t, j);
-        parts.push(Part {
-            tensor: t,
-            at: ts.starts[j],
-            x: &grads[t][range.clone()],
-            residual: r.map(|r| &mut r[range]),
-        });
-    }
-    parts
 }
 
 /// The parameters of a worker's frame for owner `j`.

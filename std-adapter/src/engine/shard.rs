@@ -50,6 +50,57 @@ pub(crate) struct Target<'a> {
     pub(crate) data: &'a mut [f32],
 }
 
+/// Owner `j`'s parts of the gradients (and of the worker's residuals, when `taken` holds one
+/// per tensor of the layout; none when it is empty), in shard order.
+pub(crate) fn parts_of<'a>(
+    layout: &ShardLayout,
+    j: usize,
+    grads: &[&'a [f32]],
+    taken: &'a mut [Vec<f32>],
+) -> Vec<Part<'a>> {
+    let with_residual = taken.len() == layout.tensors.len();
+    let mut residuals = taken.iter_mut();
+    let mut parts = Vec::new();
+    for (t, ts) in layout.tensors.iter().enumerate() {
+        let r = if with_residual {
+            residuals.next()
+        } else {
+            None
+        };
+        if ts.lens[j] == 0 {
+            continue;
+        }
+        let range = layout.range(t, j);
+        parts.push(Part {
+            tensor: t,
+            at: ts.starts[j],
+            x: &grads[t][range.clone()],
+            residual: r.map(|r| &mut r[range]),
+        });
+    }
+    parts
+}
+
+/// Owner `j`'s parts of the tensors `tensors` (one per tensor of the layout, whole: outputs,
+/// residuals), as targets in shard order.
+pub(crate) fn targets_of<'o, T: AsMut<[f32]>>(
+    layout: &ShardLayout,
+    j: usize,
+    tensors: &'o mut [T],
+) -> Vec<Target<'o>> {
+    layout
+        .tensors
+        .iter()
+        .zip(tensors.iter_mut())
+        .enumerate()
+        .filter(|(_, (ts, _))| ts.lens[j] > 0)
+        .map(|(t, (ts, o))| Target {
+            at: ts.starts[j],
+            data: &mut o.as_mut()[layout.range(t, j)],
+        })
+        .collect()
+}
+
 /// Work buffers of [`encode_parts`] and [`apply_frame`], kept between steps.
 #[derive(Debug, Default)]
 pub(crate) struct Buffers {
@@ -585,16 +636,7 @@ mod tests {
     use crate::method::CompressionMethod;
 
     fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                scale * u * u * u * 8.0
-            })
-            .collect()
+        crate::allreduce::test_common::Rng(seed).vec(n, scale)
     }
 
     /// The shard of `j` gathered from whole tensors.
@@ -743,20 +785,13 @@ mod tests {
                             &params,
                         );
                         let mut frame = vec![0u8; layout.max_frame_len(j)];
-                        let mut parts: Vec<Part<'_>> = Vec::new();
-                        for ((t, ts), r) in
-                            layout.tensors.iter().enumerate().zip(residuals.iter_mut())
-                        {
-                            if ts.lens[j] == 0 {
-                                continue;
-                            }
-                            parts.push(Part {
-                                tensor: t,
-                                at: ts.starts[j],
-                                x: &grads[t][layout.range(t, j)],
-                                residual: with_residual.then(|| &mut r[layout.range(t, j)]),
-                            });
-                        }
+                        let slices: Vec<&[f32]> = grads.iter().map(|g| &g[..]).collect();
+                        let taken = if with_residual {
+                            &mut residuals[..]
+                        } else {
+                            &mut []
+                        };
+                        let mut parts = parts_of(&layout, j, &slices, taken);
                         let len =
                             encode_parts(&layout, j, &mut parts, &params, &mut bufs, &mut frame)
                                 .unwrap();
@@ -792,17 +827,7 @@ mod tests {
                         decode_into(&frame[..len], &params, &mut whole).unwrap();
                         let mut outs: Vec<Vec<f32>> =
                             sizes.iter().map(|&n| vec![0.5f32; n]).collect();
-                        let mut targets: Vec<Target<'_>> = layout
-                            .tensors
-                            .iter()
-                            .enumerate()
-                            .zip(outs.iter_mut())
-                            .filter(|((_, ts), _)| ts.lens[j] > 0)
-                            .map(|((t, ts), o)| Target {
-                                at: ts.starts[j],
-                                data: &mut o[layout.range(t, j)],
-                            })
-                            .collect();
+                        let mut targets = targets_of(&layout, j, &mut outs);
                         apply_frame(
                             &layout,
                             j,
@@ -820,17 +845,7 @@ mod tests {
                             bits(&added),
                             "{what}: owner {j}'s frame added"
                         );
-                        let mut targets: Vec<Target<'_>> = layout
-                            .tensors
-                            .iter()
-                            .enumerate()
-                            .zip(outs.iter_mut())
-                            .filter(|((_, ts), _)| ts.lens[j] > 0)
-                            .map(|((t, ts), o)| Target {
-                                at: ts.starts[j],
-                                data: &mut o[layout.range(t, j)],
-                            })
-                            .collect();
+                        let mut targets = targets_of(&layout, j, &mut outs);
                         apply_frame(
                             &layout,
                             j,
