@@ -852,11 +852,10 @@ impl CompressedAllReduce {
     }
 }
 
-/// The integration tests' helpers (MiniLM gradients, seeded noise), for the unit tests below
-/// and the engine's.
+/// The integration tests' helpers (MiniLM gradients, seeded noise), for the unit tests below.
 #[cfg(test)]
 #[path = "../tests/common/mod.rs"]
-pub(crate) mod test_common;
+mod test_common;
 
 /// The transports' shared checks and their test values (`contribution`), for the unit tests below.
 #[cfg(test)]
