@@ -3,7 +3,8 @@
 //! its JSON type, the small set's rows are all there (every method and collective at W = 1 and
 //! 3, dense f32 once per W), every row without an error is bit-identical across ranks, and its
 //! memory per rank beyond the gradients and outputs stays within the state its method keeps
-//! plus 64 MB. No timing is asserted beyond "positive".
+//! plus 64 MB, and its checkpoints (rows with error feedback) are saved and loaded within 64 MB of
+//! the step phase's peak. No timing is asserted beyond "positive".
 
 mod common;
 
@@ -59,6 +60,12 @@ const FIELDS: &[(&str, Kind, bool)] = &[
     ("rss_note", Kind::Str, true),
     ("identical", Kind::Bool, false),
     ("output_hash", Kind::Str, false),
+    // Null on rows without error feedback (asserted below for the others).
+    ("checkpoint_bytes", Kind::Int, true),
+    ("checkpoint_save_s", Kind::Num, true),
+    ("checkpoint_load_s", Kind::Num, true),
+    ("checkpoint_save_over_step_mb", Kind::Num, true),
+    ("checkpoint_load_over_step_mb", Kind::Num, true),
     ("generate_s", Kind::Num, false),
     ("row_wall_s", Kind::Num, false),
     ("error", Kind::Str, true),
@@ -145,6 +152,20 @@ fn scale_small_json_has_every_row_and_field() {
                 beyond * params <= allowed,
                 "memory beyond the bound in {row}"
             );
+        }
+        // Checkpoints of the state (issue 46 scope 4): saved and loaded on every row with error
+        // feedback, each within 64 MB of the step phase's peak RSS (where it was measured).
+        if obj["error_feedback"] == true {
+            let bytes = obj["checkpoint_bytes"].as_u64().expect("checkpoint bytes");
+            assert!(bytes > 0, "{row}");
+            for key in [
+                "checkpoint_save_over_step_mb",
+                "checkpoint_load_over_step_mb",
+            ] {
+                if let Some(mb) = obj[key].as_f64() {
+                    assert!(mb <= 64.0, "{key} in {row}");
+                }
+            }
         }
         let hash = obj["output_hash"].as_str().expect("hash");
         assert!(

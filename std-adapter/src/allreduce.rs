@@ -409,13 +409,10 @@ impl CompressedAllReduce {
     /// [`Error::Config`] before the first two-phase step or for a method without server
     /// residuals (no error feedback, majority vote); [`Error::Io`] naming the file.
     pub fn save_server_residuals(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        let path = path.as_ref();
-        let bytes = self
-            .two_phase
-            .server_checkpoint(self.compressor.seed(), self.compressor.step())?;
-        std::fs::write(path, bytes).map_err(|source| Error::Io {
-            path: path.to_owned(),
-            source,
+        let seed_step = (self.compressor.seed(), self.compressor.step());
+        crate::feedback::checkpoint::write_replacing(path.as_ref(), |out, on_io| {
+            self.two_phase
+                .write_server_checkpoint(out, seed_step, on_io)
         })
     }
 
@@ -429,14 +426,16 @@ impl CompressedAllReduce {
     /// by another rank or world size (an elastic restart discards them:
     /// [`CompressedAllReduce::discard_server_residuals`]); nothing changes then.
     pub fn load_server_residuals(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        use crate::feedback::checkpoint::{io_error, open_regular};
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+        let (mut file, len) = open_regular(path)?;
         let rank = self.rank();
-        self.two_phase
-            .load_server_checkpoint(&bytes, self.world_size, rank)
+        self.two_phase.load_server_checkpoint(
+            (&mut file, len),
+            &io_error(path),
+            self.world_size,
+            rank,
+        )
     }
 
     /// Drops this rank's server residuals (two-phase), for example before a restart at another

@@ -718,9 +718,11 @@ mod tests {
     fn streamed_safetensors_header_is_write_safetensors_header() {
         let m = model();
         let whole = crate::tensor::write_safetensors(&m).unwrap();
-        let head =
-            crate::tensor::f32_safetensors_header(m.iter().map(|(n, t)| (n.as_str(), t.shape())))
-                .unwrap();
+        let head = crate::tensor::f32_safetensors_header(
+            m.iter().map(|(n, t)| (n.as_str(), t.shape())),
+            None,
+        )
+        .unwrap();
         assert_eq!(&whole[..head.len()], &head[..]);
         let data: Vec<u8> = m
             .iter()

@@ -14,7 +14,7 @@
 //! # Ok::<(), gradwire::Error>(())
 //! ```
 
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 
 use crate::error::{Error, Result};
 
@@ -223,9 +223,10 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
 
 /// The first bytes of a safetensors file of float32 tensors, up to its data: the 8-byte header
 /// length and the header, for `tensors` (`(name, shape)`) whose data follow in this order,
-/// without gaps. Listed in increasing byte-wise order of names (as the container lists them),
-/// the file is byte for byte what [`write_safetensors`] writes for the same tensors, so that a
-/// writer can stream the values after it one tensor at a time.
+/// without gaps, and `meta` (the `__metadata__` entries, written in key order so that the bytes
+/// depend on the contents alone). Listed in increasing byte-wise order of names (as the container
+/// lists them), the file is byte for byte what safetensors' own writer writes for the same
+/// tensors, so that a writer can stream the values after it one tensor at a time.
 ///
 /// # Errors
 /// [`Error::DuplicateTensor`], [`Error::Config`] as [`write_safetensors`];
@@ -233,6 +234,7 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
 /// a header longer than safetensors allows.
 pub(crate) fn f32_safetensors_header<'a>(
     tensors: impl ExactSizeIterator<Item = (&'a str, &'a [usize])>,
+    meta: Option<std::collections::HashMap<String, String>>,
 ) -> Result<Vec<u8>> {
     use safetensors::tensor::{Metadata, TensorInfo};
     let mut infos = Vec::with_capacity(tensors.len());
@@ -274,7 +276,15 @@ pub(crate) fn f32_safetensors_header<'a>(
         });
     }
     drop(names);
-    let meta = Metadata::new(None, infos)?;
+    // The metadata as safetensors writes it (a `HashMap`'s order) and sorted by key.
+    let texts = meta.as_ref().and_then(|m| {
+        let sorted: std::collections::BTreeMap<&String, &String> = m.iter().collect();
+        Some((
+            serde_json::to_string(m).ok()?,
+            serde_json::to_string(&sorted).ok()?,
+        ))
+    });
+    let meta = Metadata::new(meta, infos)?;
     let json = serde_json::to_string(&meta).map_err(|e| Error::Safetensors {
         source: safetensors::SafeTensorError::JsonError(e),
     })?;
@@ -289,35 +299,60 @@ pub(crate) fn f32_safetensors_header<'a>(
     out.extend_from_slice(&(n as u64).to_le_bytes());
     out.extend_from_slice(json.as_bytes());
     out.resize(8 + n, b' ');
-    Ok(out)
+    Ok(match texts {
+        Some((unsorted, sorted)) => with_sorted_metadata(out, &unsorted, &sorted),
+        None => out,
+    })
+}
+
+/// Elements converted at a time by [`write_f32_le`] (64 KiB of bytes).
+const WRITE_BLOCK: usize = 16 * 1024;
+
+/// Writes `values` to `out` as f32 little-endian bytes, through a 64 KiB buffer (no copy of
+/// the values' size).
+///
+/// # Errors
+/// The writer's.
+pub(crate) fn write_f32_le(out: &mut impl std::io::Write, values: &[f32]) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 4 * WRITE_BLOCK.min(values.len())];
+    for run in values.chunks(WRITE_BLOCK) {
+        let bytes = &mut buf[..4 * run.len()];
+        for (b, x) in bytes.chunks_exact_mut(4).zip(run) {
+            b.copy_from_slice(&x.to_le_bytes());
+        }
+        out.write_all(bytes)?;
+    }
+    Ok(())
 }
 
 /// Safetensors bytes of `(name, shape, values)` float32 tensors and `meta` (the checks of
-/// names are the callers'): for [`write_safetensors`] and residual checkpoints.
+/// names are the callers'): for [`write_safetensors`] and the state files. The same bytes as
+/// [`f32_safetensors_header`] of the tensors in name order followed by their values.
+///
+/// # Errors
+/// As [`f32_safetensors_header`]; [`Error::Safetensors`] for a shape that does not hold its
+/// values.
 pub(crate) fn serialize_f32<'a>(
     tensors: impl Iterator<Item = (&'a str, Vec<usize>, &'a [f32])>,
     meta: Option<std::collections::HashMap<String, String>>,
 ) -> Result<Vec<u8>> {
-    let items: Vec<(&str, Vec<usize>, Vec<u8>)> = tensors
-        .map(|(n, shape, x)| (n, shape, x.iter().flat_map(|v| v.to_le_bytes()).collect()))
-        .collect();
-    let mut views = Vec::with_capacity(items.len());
-    for (name, shape, data) in &items {
-        views.push((*name, TensorView::new(Dtype::F32, shape.clone(), data)?));
+    let mut items: Vec<(&str, Vec<usize>, &[f32])> = tensors.collect();
+    items.sort_by(|a, b| a.0.cmp(b.0));
+    if let Some((_, shape, x)) = items.iter().find(|(_, s, x)| numel(s) != Some(x.len())) {
+        return Err(Error::Safetensors {
+            source: safetensors::SafeTensorError::InvalidTensorView(
+                Dtype::F32,
+                shape.clone(),
+                4 * x.len(),
+            ),
+        });
     }
-    // The metadata as safetensors writes it (a `HashMap`'s order) and sorted by key.
-    let texts = meta.as_ref().and_then(|m| {
-        let sorted: std::collections::BTreeMap<&String, &String> = m.iter().collect();
-        Some((
-            serde_json::to_string(m).ok()?,
-            serde_json::to_string(&sorted).ok()?,
-        ))
-    });
-    let bytes = safetensors::serialize(views, meta)?;
-    Ok(match texts {
-        Some((unsorted, sorted)) => with_sorted_metadata(bytes, &unsorted, &sorted),
-        None => bytes,
-    })
+    let mut out = f32_safetensors_header(items.iter().map(|(n, s, _)| (*n, s.as_slice())), meta)?;
+    out.reserve(items.iter().map(|(_, _, x)| 4 * x.len()).sum());
+    for (_, _, x) in &items {
+        write_f32_le(&mut out, x).expect("writing into a Vec cannot fail");
+    }
+    Ok(out)
 }
 
 /// `bytes` (a safetensors file whose header starts with the `__metadata__` object serialized

@@ -516,3 +516,80 @@ fn hostile_checkpoints_allocate_within_the_input_bound() {
         hostile.len()
     );
 }
+
+/// Checkpoint files at a size where a whole-file copy shows: saving streams from the residuals
+/// (a write buffer and a conversion block, nothing of the residuals' size), loading allocates
+/// the residuals and a 64 KiB block (the file is never read whole); worker and server
+/// residuals alike. The files are byte for byte the in-memory checkpoints.
+#[test]
+fn checkpoint_files_stream_through_blocks() {
+    use gradwire::feedback::ErrorFeedback;
+    use gradwire::{Collective, CompressedAllReduce, comm::LocalGroup};
+    // A write buffer (1 MiB), a conversion block (64 KiB), the header and error messages.
+    const STREAM: usize = (1 << 20) + (64 << 10) + SLACK;
+    let n = 1 << 20;
+    let method = Method::TopK {
+        k: K::Count(1000),
+        values: Values::F32,
+    };
+    let mut fb = ErrorFeedback::new(method, 7).expect("method");
+    let mut rng = Rng(5);
+    let mut values = |len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    };
+    fb.set_residual("a.weight", values(n)).expect("finite");
+    fb.set_residual("b.bias", values(1000)).expect("finite");
+    let whole = fb.to_bytes().expect("checkpoint");
+    let dir = std::env::temp_dir().join(format!("gradwire-stream-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("worker");
+
+    let mut c = GradientCompressor::new(CompressionMethod::Core(method).with_error_feedback());
+    c.restore_feedback(fb.clone()).expect("same method");
+    let (r, p) = peak(|| c.save_feedback(&path));
+    r.expect("saved");
+    assert!(p <= STREAM, "save_feedback allocated {p} bytes");
+    assert!(
+        std::fs::read(&path).unwrap() == whole,
+        "the file is to_bytes"
+    );
+    let (r, p) = peak(|| ErrorFeedback::load(&path));
+    assert!(r.expect("loads") == fb);
+    let residuals = 4 * (n + 1000);
+    assert!(
+        p <= residuals + (64 << 10) + SLACK,
+        "load allocated {p} bytes for {residuals} bytes of residuals"
+    );
+
+    // Server residuals (two-phase, one rank: the shard is the whole model).
+    let mut comm = LocalGroup::new(1).into_communicators().pop().unwrap();
+    let grads: HashMap<String, gradwire::tensor::Tensor> = [("a.weight", n), ("b.bias", 1000)]
+        .into_iter()
+        .map(|(name, len)| {
+            let t = gradwire::tensor::Tensor::new(vec![len], values(len)).unwrap();
+            (name.to_owned(), t)
+        })
+        .collect();
+    let make = || {
+        CompressedAllReduce::new(CompressionMethod::Core(method).with_error_feedback(), 1)
+            .with_collective(Collective::TwoPhase)
+    };
+    let mut ar = make();
+    let mut out = HashMap::new();
+    ar.all_reduce_on(&mut comm, &grads, &mut out)
+        .expect("a step");
+    let server = dir.join("server");
+    let (r, p) = peak(|| ar.save_server_residuals(&server));
+    r.expect("saved");
+    assert!(p <= STREAM, "save_server_residuals allocated {p} bytes");
+    let mut resumed = make();
+    let (r, p) = peak(|| resumed.load_server_residuals(&server));
+    r.expect("loads");
+    assert!(
+        p <= residuals + (64 << 10) + SLACK,
+        "load_server_residuals allocated {p} bytes for {residuals} bytes of residuals"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

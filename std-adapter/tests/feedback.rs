@@ -659,3 +659,91 @@ fn version_3_shapes_and_unshaped_are_checked() {
 fn f32_bytes(x: &[f32]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
+
+/// Checkpoint files are read only from regular files (their length is known before anything is
+/// read: a FIFO or a device would be read until it ends or memory runs out), saved through a
+/// partial file renamed into place (a failed save leaves the file that was there, and no
+/// partial file), and never saved over a path that is not a regular file.
+#[test]
+fn checkpoint_files_are_regular_files_replaced_whole() {
+    let mut fb = ErrorFeedback::new(topk(1, Values::F32), 3).unwrap();
+    fb.set_residual("w", vec![0.25; 10]).unwrap();
+    let dir = temp("special-files");
+    std::fs::create_dir_all(&dir).unwrap();
+
+    // A directory and a FIFO are refused, the FIFO without blocking (nobody writes to it).
+    let fifo = dir.join("fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(
+        made.is_ok_and(|s| s.success()),
+        "this test needs `mkfifo` (coreutils) to make a FIFO"
+    );
+    for path in [&dir, &fifo] {
+        match ErrorFeedback::load(path) {
+            Err(Error::Checkpoint { reason }) => {
+                assert!(reason.contains("not a regular file"), "{reason}")
+            }
+            other => panic!("{}: {other:?}", path.display()),
+        }
+    }
+    let mut c = GradientCompressor::new(CompressionMethod::TopK { k: 1 }.with_error_feedback());
+    c.restore_feedback(fb.clone()).unwrap();
+    match c.save_feedback(&fifo) {
+        Err(Error::Checkpoint { reason }) => assert!(reason.contains("not a regular file")),
+        other => panic!("save over a FIFO: {other:?}"),
+    }
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+
+    // A save that fails leaves the earlier file as it was and no partial file beside it.
+    let path = dir.join("state");
+    c.save_feedback(&path).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    assert!(before == fb.to_bytes().unwrap());
+    assert!(ErrorFeedback::load(&path).unwrap() == fb);
+    let mut bad = ErrorFeedback::new(topk(1, Values::F32), 3).unwrap();
+    bad.set_residual("__metadata__", vec![1.0; 4]).unwrap();
+    let mut c2 = GradientCompressor::new(CompressionMethod::TopK { k: 1 }.with_error_feedback());
+    c2.restore_feedback(bad).unwrap();
+    assert!(matches!(
+        c2.save_feedback(&path),
+        Err(Error::Checkpoint { .. })
+    ));
+    assert!(std::fs::read(&path).unwrap() == before);
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left.len(), 2, "{left:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A checkpoint file read from its path is what `from_bytes` reads from its bytes, refusals
+/// included (the same reader runs over both): damaged, truncated and extended files.
+#[test]
+fn checkpoint_file_reads_as_its_bytes() {
+    let mut fb = ErrorFeedback::new(topk_int8(), 9).unwrap();
+    fb.set_residual_with_shape("w", &[2, 3], vec![0.5, -1.0, 2.0, 0.0, 1.5, -0.25])
+        .unwrap();
+    fb.set_residual("b", vec![3.0; 5]).unwrap();
+    let good = fb.to_bytes().unwrap();
+    let path = temp("reads-as-bytes");
+    let mut cases = vec![good.clone(), good[..good.len() - 1].to_vec()];
+    let mut longer = good.clone();
+    longer.push(0);
+    cases.push(longer);
+    let mut rng = Rng(4);
+    for _ in 0..50 {
+        let mut b = good.clone();
+        let at = (rng.next_u64() % b.len() as u64) as usize;
+        b[at] ^= 1 << (rng.next_u64() % 8);
+        cases.push(b);
+    }
+    for bytes in &cases {
+        std::fs::write(&path, bytes).unwrap();
+        let from_file = ErrorFeedback::load(&path).map_err(|e| e.to_string());
+        let from_bytes = ErrorFeedback::from_bytes(bytes).map_err(|e| e.to_string());
+        assert_eq!(from_file, from_bytes);
+    }
+    std::fs::remove_file(&path).ok();
+}

@@ -116,6 +116,15 @@
 //!   were never written); `rss_note`: why they are null, when they are (the reset failed);
 //! - `identical`: whether the W ranks' outputs are bit-identical after the last step (a hash of
 //!   every tensor's f32 bits, by name); `output_hash`: rank 0's, hex;
+//! - checkpoints, on rows with error feedback (null on the others and on failed rows), after the
+//!   steps and before the read pass: `checkpoint_bytes` (rank 0's files: worker residuals, plus
+//!   server residuals on the two-phase collective); `checkpoint_save_s`: the W ranks at once
+//!   save them (`save_feedback`, `save_server_residuals`) into a temporary directory, wall
+//!   time; `checkpoint_load_s`: after the all-reduce is dropped (its residuals freed), the W
+//!   ranks at once load them into a new compressor and a new all-reduce, as a resuming job
+//!   would (`load_feedback`, `load_server_residuals`); `checkpoint_save_over_step_mb` and
+//!   `checkpoint_load_over_step_mb`: the peak RSS of each (reset before it) minus the step
+//!   phase's `peak_rss_bytes`, MB (the target: at most 64);
 //! - `generate_s`: rank 0's wall time to generate its gradients; `row_wall_s`: the child's
 //!   whole run;
 //! - `error` (null or the text), `refused` (whether the error is the library's own).
@@ -181,6 +190,11 @@ const FIELDS: &[&str] = &[
     "rss_note",
     "identical",
     "output_hash",
+    "checkpoint_bytes",
+    "checkpoint_save_s",
+    "checkpoint_load_s",
+    "checkpoint_save_over_step_mb",
+    "checkpoint_load_over_step_mb",
     "generate_s",
     "row_wall_s",
     "error",
@@ -1033,6 +1047,23 @@ struct Timing {
     floor: Vec<f64>,
     /// Rank 0's generation time.
     generate_s: f64,
+    /// The checkpoint phase, on rows with error feedback.
+    checkpoint: Option<CheckpointTiming>,
+}
+
+/// What the checkpoint phase measured (rank 0).
+#[derive(Default)]
+struct CheckpointTiming {
+    /// Rank 0's files, bytes.
+    bytes: u64,
+    /// The W ranks' saves, wall time.
+    save_s: f64,
+    /// `VmHWM` of the saves (reset before them).
+    save_hwm: Option<u64>,
+    /// The W ranks' loads, wall time.
+    load_s: f64,
+    /// `VmHWM` of the loads (reset before them).
+    load_hwm: Option<u64>,
 }
 
 /// What each rank returns.
@@ -1053,7 +1084,7 @@ struct RankOut {
 fn rank_main(
     spec: &RowSpec,
     m: &MethodSpec,
-    comm: LocalCommunicator,
+    (comm, resume_comm): (LocalCommunicator, LocalCommunicator),
     shared: &Shared,
 ) -> Result<RankOut, String> {
     let rank = comm.rank();
@@ -1125,8 +1156,22 @@ fn rank_main(
     }
     let in_use = ar.as_ref().and_then(CompressedAllReduce::collective_in_use);
     let hash = (!failed).then(|| hash_outputs(&out));
-    // The all-reduce's own buffers (residuals, flat buffers) go before the floor's come.
-    drop(ar);
+    let checkpoint = match ar {
+        Some(ar) if m.ef && !failed => Some(checkpoint_phase(ar, m, resume_comm, shared)),
+        // The all-reduce's own buffers (residuals, flat buffers) go before the floor's come.
+        _ => None,
+    };
+    let checkpoint = match checkpoint.transpose() {
+        Ok(c) => c,
+        Err(e) => {
+            let mut first = shared.floor_error.lock().expect("error lock");
+            first.get_or_insert_with(|| format!("rank {rank}: checkpoint: {e}"));
+            None
+        }
+    };
+    if lead {
+        timing.checkpoint = checkpoint;
+    }
     let result = |timing: Timing| RankOut {
         traffic,
         max_message: max.load(Ordering::Relaxed),
@@ -1197,6 +1242,74 @@ fn rank_main(
     Ok(result(timing))
 }
 
+/// The checkpoint phase of a row with error feedback (fields `checkpoint_*`): every rank saves
+/// its residuals (and server residuals on the two-phase collective), the all-reduce is dropped,
+/// then every rank loads them into a new one, as a resuming job would. The files live in a
+/// temporary directory and are removed after. Returns rank 0's figures (others: defaults).
+fn checkpoint_phase(
+    mut ar: CompressedAllReduce,
+    m: &MethodSpec,
+    resume_comm: LocalCommunicator,
+    shared: &Shared,
+) -> Result<CheckpointTiming, String> {
+    let rank = resume_comm.rank();
+    let lead = rank == 0;
+    let dir = std::env::temp_dir().join(format!("gradwire-scale-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let worker = dir.join(format!("worker-{rank}"));
+    let server = dir.join(format!("server-{rank}"));
+    let two_phase = ar.collective_in_use() == Some(Collective::TwoPhase);
+    let mut timing = CheckpointTiming::default();
+
+    shared.barrier.wait();
+    if lead {
+        reset_peak()?;
+    }
+    shared.barrier.wait();
+    let t0 = Instant::now();
+    let saved = ar
+        .compressor_mut()
+        .save_feedback(&worker)
+        .and_then(|()| match two_phase {
+            true => ar.save_server_residuals(&server),
+            false => Ok(()),
+        });
+    shared.barrier.wait();
+    if lead {
+        timing.save_s = t0.elapsed().as_secs_f64();
+        timing.save_hwm = proc_status("VmHWM").ok();
+    }
+    drop(ar);
+
+    shared.barrier.wait();
+    if lead {
+        reset_peak()?;
+    }
+    shared.barrier.wait();
+    let t0 = Instant::now();
+    let loaded = saved.and_then(|()| {
+        let mut resumed =
+            CompressedAllReduce::with_communicator(m.method.clone(), Box::new(resume_comm));
+        resumed.compressor_mut().load_feedback(&worker)?;
+        if two_phase {
+            resumed.load_server_residuals(&server)?;
+        }
+        Ok(resumed)
+    });
+    shared.barrier.wait();
+    if lead {
+        timing.load_s = t0.elapsed().as_secs_f64();
+        timing.load_hwm = proc_status("VmHWM").ok();
+    }
+    let size = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    timing.bytes = size(&worker) + size(&server);
+    drop(loaded.map_err(|e| e.to_string())?);
+    std::fs::remove_file(&worker).ok();
+    std::fs::remove_file(&server).ok();
+    std::fs::remove_dir(&dir).ok();
+    Ok(timing)
+}
+
 /// Elements of the state a rank keeps: the worker's residual (`n`) with error feedback, and the
 /// owner's server residual (`n / W`, rounded up) on the two-phase collective.
 fn state_len(tensors: &[&[f32]], ef: bool, two_phase: bool, w: usize) -> usize {
@@ -1234,7 +1347,11 @@ fn run_row(spec: &RowSpec) -> Map<String, Value> {
         error: Mutex::new(None),
         floor_error: Mutex::new(None),
     };
-    let comms = LocalGroup::new(w).into_communicators();
+    // A second group for the checkpoint phase's resumed all-reduce (a new job's communicator).
+    let comms = LocalGroup::new(w)
+        .into_communicators()
+        .into_iter()
+        .zip(LocalGroup::new(w).into_communicators());
     let outs: Vec<Result<RankOut, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -1366,6 +1483,31 @@ fn run_row(spec: &RowSpec) -> Map<String, Value> {
             json!(outs[0].hash.map(|h| format!("{h:016x}"))),
         );
     }
+    let checkpoint = timing.checkpoint.as_ref();
+    let over_step = |hwm: Option<u64>| {
+        hwm.zip(timing.hwm)
+            .map(|(h, step)| (h as f64 - step as f64) / 1e6)
+    };
+    row.insert(
+        "checkpoint_bytes".into(),
+        json!(checkpoint.map(|c| c.bytes)),
+    );
+    row.insert(
+        "checkpoint_save_s".into(),
+        json!(checkpoint.map(|c| c.save_s)),
+    );
+    row.insert(
+        "checkpoint_load_s".into(),
+        json!(checkpoint.map(|c| c.load_s)),
+    );
+    row.insert(
+        "checkpoint_save_over_step_mb".into(),
+        json!(checkpoint.and_then(|c| over_step(c.save_hwm))),
+    );
+    row.insert(
+        "checkpoint_load_over_step_mb".into(),
+        json!(checkpoint.and_then(|c| over_step(c.load_hwm))),
+    );
     row.insert("generate_s".into(), json!(timing.generate_s));
     match (error, floor_error) {
         (Some(e), _) => {

@@ -284,10 +284,8 @@ pub(crate) fn load_checked(
     seed: u64,
     path: &std::path::Path,
 ) -> PyResult<()> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("{}: {e}", path.display())))?;
     let feedback = py
-        .detach(|| ErrorFeedback::from_bytes(&bytes))
+        .detach(|| ErrorFeedback::load(path))
         .map_err(|e| library_error(e, Side::Payload))?;
     if feedback.seed() != seed {
         return Err(PayloadError::new_err(format!(

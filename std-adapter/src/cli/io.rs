@@ -182,7 +182,7 @@ pub fn read_shapes(path: &Path) -> Result<Vec<(String, Vec<usize>)>, CliError> {
 pub fn model_header<'a>(
     tensors: impl ExactSizeIterator<Item = (&'a str, &'a [usize])>,
 ) -> Result<Vec<u8>, CliError> {
-    crate::tensor::f32_safetensors_header(tensors)
+    crate::tensor::f32_safetensors_header(tensors, None)
         .map_err(|e| CliError::new(format!("cannot serialize safetensors: {e}")))
 }
 

@@ -45,6 +45,7 @@ use crate::comm::{CommError, Communicator};
 use crate::engine::shard::{Apply, Buffers, Part, apply_frame, encode_parts, parts_of, targets_of};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
+use crate::feedback::checkpoint::{Stored, write_checkpoint};
 use crate::layout::Manifest;
 use crate::layout::shards::ShardLayout;
 use crate::tensor::Tensor;
@@ -168,104 +169,75 @@ impl TwoPhase {
         self.pending_layout = None;
     }
 
-    /// This rank's server residuals as checkpoint bytes: the error-feedback checkpoint format
-    /// (`FORMAT.md` section 12: residuals named by tensor, checksummed, value ranges checked on
-    /// load) with the shard layout in metadata (`FORMAT.md` section 15).
+    /// Writes this rank's server residuals as a checkpoint to `out`: the error-feedback
+    /// checkpoint format (`FORMAT.md` section 12: residuals named by tensor, checksummed, value
+    /// ranges checked on load) with the shard layout in metadata (`FORMAT.md` section 15),
+    /// streamed from the residuals (no copy of them).
     ///
     /// # Errors
     /// [`Error::Config`] before the first two-phase step, or for a method without server
-    /// residuals; errors of the checkpoint writer.
-    pub(crate) fn server_checkpoint(&self, seed: u64, step: u64) -> Result<Vec<u8>> {
+    /// residuals; errors of the checkpoint writer; `on_io` of the writer's error.
+    pub(crate) fn write_server_checkpoint(
+        &self,
+        out: &mut impl std::io::Write,
+        (seed, step): (u64, u64),
+        on_io: &dyn Fn(std::io::Error) -> Error,
+    ) -> Result<()> {
         let Some(layout) = &self.layout else {
             return Err(Error::config(
                 "no server residuals yet: run a two-phase step first",
             ));
         };
-        let mut fb = ErrorFeedback::new(layout.method, seed).map_err(|_| {
-            Error::config(format!(
+        if ErrorFeedback::new(layout.method, seed).is_err() {
+            return Err(Error::config(format!(
                 "{} keeps no server residuals",
                 crate::method::format(&layout.method)
-            ))
-        })?;
-        fb.set_step(step);
-        for (name, values) in self.server_residuals() {
-            fb.set_residual(name, values.to_vec())?;
+            )));
         }
+        let mut residuals: Vec<Stored<'_>> = self
+            .server_residuals()
+            .map(|(name, values)| Stored {
+                name,
+                shape: None,
+                values,
+            })
+            .collect();
+        residuals.sort_unstable_by(|a, b| a.name.cmp(b.name));
         let text = shard_text(layout.world, self.rank, layout.block, layout.layout_id);
         let crc = format!("{:08x}", crc32fast::hash(text.as_bytes()));
-        fb.to_bytes_with_metadata(&[(SHARDS_KEY, &text), (SHARDS_CRC_KEY, &crc)])
+        write_checkpoint(
+            out,
+            (&layout.method, seed, step),
+            &residuals,
+            &[(SHARDS_KEY, &text), (SHARDS_CRC_KEY, &crc)],
+            on_io,
+        )
     }
 
-    /// Reads server residuals that [`TwoPhase::server_checkpoint`] wrote, for rank `rank` of
-    /// `world` ranks; they apply at the next step, which checks the shard layout.
+    /// Reads server residuals that [`TwoPhase::write_server_checkpoint`] wrote (`len` bytes
+    /// from the start of `input`), for rank `rank` of `world` ranks; they apply at the next
+    /// step, which checks the shard layout. The shard layout's metadata is checked before any
+    /// residual is read.
     ///
     /// # Errors
     /// [`Error::Checkpoint`] for bytes that are not such a checkpoint (or damaged); for one
     /// saved by another rank or world size (discard the server residuals to restart
-    /// elsewhere); nothing changes then.
-    pub(crate) fn load_server_checkpoint(
+    /// elsewhere); `on_io` of the reader's error; nothing changes then.
+    pub(crate) fn load_server_checkpoint<R: std::io::Read + std::io::Seek>(
         &mut self,
-        bytes: &[u8],
+        (input, len): (&mut R, u64),
+        on_io: &dyn Fn(std::io::Error) -> Error,
         world: usize,
         rank: usize,
     ) -> Result<()> {
-        let fb = ErrorFeedback::from_bytes(bytes)?;
-        let (header, _) = crate::safetensors_reader::read_header(bytes)
-            .map_err(|e| Error::checkpoint(format!("not a checkpoint: {e}")))?;
-        let meta = header.metadata().as_ref();
-        let get = |k: &str| meta.and_then(|m| m.get(k)).cloned();
-        let (Some(text), Some(crc)) = (get(SHARDS_KEY), get(SHARDS_CRC_KEY)) else {
-            return Err(Error::checkpoint(
-                "not a server-residual checkpoint (no shard layout in its metadata)",
-            ));
-        };
-        if format!("{:08x}", crc32fast::hash(text.as_bytes())) != crc {
-            return Err(Error::checkpoint("shard layout: checksum mismatch"));
-        }
-        let field = |key: &str| {
-            text.split(';')
-                .find_map(|kv| kv.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
-                .ok_or_else(|| Error::checkpoint(format!("shard layout: no `{key}`")))
-        };
-        let num = |key: &str| -> Result<u64> {
-            field(key)?
-                .parse()
-                .map_err(|_| Error::checkpoint(format!("shard layout: `{key}` is not a number")))
-        };
-        match field("version").ok().map(str::parse::<u64>) {
-            Some(Ok(SHARDS_VERSION)) => {}
-            Some(Ok(v)) => {
-                return Err(Error::checkpoint(format!(
-                    "shard layout version {v}; this gradwire reads version {SHARDS_VERSION}"
-                )));
-            }
-            Some(Err(_)) => {
-                return Err(Error::checkpoint("shard layout: `version` is not a number"));
-            }
-            None => {
-                return Err(Error::checkpoint(format!(
-                    "shard layout version 1 (block-cyclic shards, an earlier gradwire): its \
-                     residual parts hold other elements than this version's (version \
-                     {SHARDS_VERSION}); discard the server residuals to resume"
-                )));
-            }
-        }
-        let (saved_world, saved_rank, block) = (num("world_size")?, num("rank")?, num("block")?);
-        let layout_id = u64::from_str_radix(field("layout")?, 16)
-            .map_err(|_| Error::checkpoint("shard layout: `layout` is not hex"))?;
-        if (saved_world, saved_rank) != (world as u64, rank as u64) {
-            return Err(Error::checkpoint(format!(
-                "server residuals saved by rank {saved_rank} of {saved_world} ranks cannot \
-                 resume rank {rank} of {world}: the shard layout differs (discard the server \
-                 residuals to restart at another world size)"
-            )));
-        }
-        self.pending = Some(
-            fb.residuals()
-                .map(|(n, r)| (n.to_owned(), r.to_vec()))
-                .collect(),
-        );
-        self.pending_layout = Some((block as usize, layout_id));
+        let mut saved_layout = None;
+        let fb = ErrorFeedback::read_from(input, len, on_io, |meta| {
+            let (block, layout_id) = shard_layout_of(meta, world, rank)?;
+            saved_layout = Some((block as usize, layout_id));
+            Ok(())
+        })?;
+        self.pending = Some(fb.into_residuals().collect());
+        self.pending_layout = saved_layout;
         Ok(())
     }
 
@@ -967,6 +939,67 @@ impl TwoPhase {
         shard_message::finish(&mut self.phase2, ENVELOPE_LEN);
         Ok(())
     }
+}
+
+/// The `(block, layout id)` of a server checkpoint's shard layout metadata (`FORMAT.md`
+/// section 15), checked: its own checksum, its version, and that it was saved by rank `rank`
+/// of `world` ranks.
+///
+/// # Errors
+/// [`Error::Checkpoint`] naming what is missing or differs.
+fn shard_layout_of(
+    meta: &HashMap<String, String>,
+    world: usize,
+    rank: usize,
+) -> Result<(u64, u64)> {
+    let get = |k: &str| meta.get(k).cloned();
+    let (Some(text), Some(crc)) = (get(SHARDS_KEY), get(SHARDS_CRC_KEY)) else {
+        return Err(Error::checkpoint(
+            "not a server-residual checkpoint (no shard layout in its metadata)",
+        ));
+    };
+    if format!("{:08x}", crc32fast::hash(text.as_bytes())) != crc {
+        return Err(Error::checkpoint("shard layout: checksum mismatch"));
+    }
+    let field = |key: &str| {
+        text.split(';')
+            .find_map(|kv| kv.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+            .ok_or_else(|| Error::checkpoint(format!("shard layout: no `{key}`")))
+    };
+    let num = |key: &str| -> Result<u64> {
+        field(key)?
+            .parse()
+            .map_err(|_| Error::checkpoint(format!("shard layout: `{key}` is not a number")))
+    };
+    match field("version").ok().map(str::parse::<u64>) {
+        Some(Ok(SHARDS_VERSION)) => {}
+        Some(Ok(v)) => {
+            return Err(Error::checkpoint(format!(
+                "shard layout version {v}; this gradwire reads version {SHARDS_VERSION}"
+            )));
+        }
+        Some(Err(_)) => {
+            return Err(Error::checkpoint("shard layout: `version` is not a number"));
+        }
+        None => {
+            return Err(Error::checkpoint(format!(
+                "shard layout version 1 (block-cyclic shards, an earlier gradwire): its \
+                         residual parts hold other elements than this version's (version \
+                         {SHARDS_VERSION}); discard the server residuals to resume"
+            )));
+        }
+    }
+    let (saved_world, saved_rank, block) = (num("world_size")?, num("rank")?, num("block")?);
+    let layout_id = u64::from_str_radix(field("layout")?, 16)
+        .map_err(|_| Error::checkpoint("shard layout: `layout` is not hex"))?;
+    if (saved_world, saved_rank) != (world as u64, rank as u64) {
+        return Err(Error::checkpoint(format!(
+            "server residuals saved by rank {saved_rank} of {saved_world} ranks cannot \
+                     resume rank {rank} of {world}: the shard layout differs (discard the server \
+                     residuals to restart at another world size)"
+        )));
+    }
+    Ok((block, layout_id))
 }
 
 /// Metadata key of a server-residual checkpoint's shard layout, and of its CRC-32.

@@ -27,8 +27,10 @@
 //! Every residual value must be finite and fit the method's value type (f16 values: at most
 //! 65504 after rounding): a residual beyond it would make every later step that sends it fail.
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Dtype;
 
@@ -60,62 +62,37 @@ impl ErrorFeedback {
     /// As [`ErrorFeedback::to_bytes`]; [`Error::Checkpoint`] for an extra key that the
     /// checkpoint uses itself, or one given twice.
     pub fn to_bytes_with_metadata(&self, extra: &[(&str, &str)]) -> Result<Vec<u8>> {
-        const OWN: [&str; 7] = [
-            "crc32", "format", "method", "seed", "step", "unshaped", "version",
-        ];
-        if self.residuals.contains_key("__metadata__") {
-            return Err(Error::checkpoint(
-                "a tensor named `__metadata__` cannot be stored in safetensors",
-            ));
-        }
-        if let Some((name, shape)) = self
-            .shapes
-            .iter()
-            .find(|(_, s)| s.len() > crate::safetensors_reader::MAX_DIMS)
-        {
-            return Err(Error::checkpoint(format!(
-                "residual `{name}` has {} dimensions; a checkpoint holds at most {}",
-                shape.len(),
-                crate::safetensors_reader::MAX_DIMS
-            )));
-        }
-        let mut meta = HashMap::new();
-        meta.insert("format".to_owned(), CHECKPOINT_FORMAT.to_owned());
-        meta.insert("version".to_owned(), CHECKPOINT_VERSION.to_owned());
-        let method = method::format(&self.method);
-        let (seed, step) = (self.seed.to_string(), self.step.to_string());
-        let unshaped: Vec<&str> = self
+        let mut out = Vec::new();
+        self.write_to(&mut out, extra, &|source| in_memory(source))?;
+        Ok(out)
+    }
+
+    /// Writes the checkpoint with `extra` metadata entries to `out`: the header, then each
+    /// residual converted 64 KiB at a time (nothing of the residuals' size is allocated).
+    ///
+    /// # Errors
+    /// As [`ErrorFeedback::to_bytes_with_metadata`]; `on_io` of the writer's error.
+    pub(crate) fn write_to(
+        &self,
+        out: &mut impl Write,
+        extra: &[(&str, &str)],
+        on_io: &dyn Fn(std::io::Error) -> Error,
+    ) -> Result<()> {
+        let residuals: Vec<Stored<'_>> = self
             .residuals
-            .keys()
-            .filter(|n| !self.shapes.contains_key(*n))
-            .map(String::as_str)
+            .iter()
+            .map(|(name, values)| Stored {
+                name,
+                shape: self.shapes.get(name).map(Vec::as_slice),
+                values,
+            })
             .collect();
-        let unshaped = serde_json::to_string(&unshaped)
-            .map_err(|e| Error::checkpoint(format!("cannot write `unshaped`: {e}")))?;
-        let crc = checkpoint_crc(
-            &self.residuals,
-            Some(&self.shapes),
-            &[&method, &seed, &step, &unshaped],
-        );
-        meta.insert("crc32".to_owned(), crc.to_string());
-        meta.insert("method".to_owned(), method);
-        meta.insert("seed".to_owned(), seed);
-        meta.insert("step".to_owned(), step);
-        meta.insert("unshaped".to_owned(), unshaped);
-        for &(key, value) in extra {
-            if OWN.contains(&key) || meta.insert(key.to_owned(), value.to_owned()).is_some() {
-                return Err(Error::checkpoint(format!(
-                    "metadata entry `{key}` is the checkpoint's own or given twice"
-                )));
-            }
-        }
-        // Each residual in the shape it remembers, else `[n]`.
-        crate::tensor::serialize_f32(
-            self.residuals.iter().map(|(n, r)| {
-                let shape = self.shapes.get(n).cloned().unwrap_or_else(|| vec![r.len()]);
-                (n.as_str(), shape, r.as_slice())
-            }),
-            Some(meta),
+        write_checkpoint(
+            out,
+            (&self.method, self.seed, self.step),
+            &residuals,
+            extra,
+            on_io,
         )
     }
 
@@ -131,7 +108,32 @@ impl ErrorFeedback {
     /// `unshaped` residual that is not 1-d, a NaN or infinite residual value or one beyond the
     /// range of the method's value type, a checksum that does not match.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
-        let (header, data) = crate::safetensors_reader::read_header(bytes)?;
+        Self::read_from(
+            &mut std::io::Cursor::new(bytes),
+            bytes.len() as u64,
+            &|source| in_memory(source),
+            |_| Ok(()),
+        )
+    }
+
+    /// Reads a checkpoint of `len` bytes from the start of `input`: the header first (its
+    /// length against `len`, its entries; `check` sees the metadata before any residual is
+    /// read), then one residual at a time through a 64 KiB buffer, each checked as it comes.
+    /// What it allocates is the residuals' size, bounded by `len`, and the header's.
+    ///
+    /// # Errors
+    /// As [`ErrorFeedback::from_bytes`]; `check`'s error; `on_io` of the reader's error.
+    pub(crate) fn read_from<R: Read + Seek>(
+        input: &mut R,
+        len: u64,
+        on_io: &dyn Fn(std::io::Error) -> Error,
+        check: impl FnOnce(&HashMap<String, String>) -> Result<()>,
+    ) -> Result<Self> {
+        let (header, data_start) = crate::safetensors_reader::read_header_from(input, len)
+            .map_err(|e| match e {
+                safetensors::SafeTensorError::IoError(source) => on_io(source),
+                source => Error::Safetensors { source },
+            })?;
         let empty = HashMap::new();
         let meta = header.metadata().as_ref().unwrap_or(&empty);
         let get = |key: &str| {
@@ -224,6 +226,13 @@ impl ErrorFeedback {
         let mut fb = ErrorFeedback::new(method, number("seed")?)
             .map_err(|e| Error::checkpoint(format!("metadata `method`: {e}")))?;
         fb.step = number("step")?;
+        let texts = [get("method")?, get("seed")?, get("step")?];
+        // Every entry is known good: the caller's check, then the bodies.
+        check(meta)?;
+        let mut crc = crc32fast::Hasher::new();
+        // No larger than the data section: a small file costs little.
+        let data_len = usize::try_from(len - data_start).unwrap_or(usize::MAX);
+        let mut block = vec![0u8; (4 * READ_BLOCK).min(data_len)];
         for (name, info) in tensors {
             let flat = match &unshaped {
                 None => true,
@@ -236,26 +245,54 @@ impl ErrorFeedback {
                     info.dtype, info.shape
                 )));
             }
+            crc.update(name.as_bytes());
+            crc.update(&[0]);
+            if unshaped.is_some() {
+                // Version 3 hashes the stored shape (`[n]` for an unshaped residual).
+                // Dimensions and their count are far below u32 / u64 (safetensors checked it).
+                crc.update(&(info.shape.len() as u32).to_le_bytes());
+                for &d in &info.shape {
+                    crc.update(&(d as u64).to_le_bytes());
+                }
+            }
             if !flat {
                 fb.shapes.insert(name.clone(), info.shape.clone());
             }
-            // In range: `read_header` checked every offset against the data section.
+            // Within the file: `read_header_from` checked every offset against its length.
             let (start, end) = info.data_offsets;
-            let raw = data.get(start..end).ok_or_else(|| {
-                Error::checkpoint(format!("residual `{name}` lies outside the file"))
-            })?;
-            let r: Vec<f32> = raw
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            if let Some(index) = gradwire_core::scalar::first_non_finite(&r) {
-                return Err(Error::checkpoint(format!(
-                    "residual `{name}` is NaN or infinite at index {index}"
-                )));
+            input
+                .seek(SeekFrom::Start(data_start + start as u64))
+                .map_err(on_io)?;
+            let len = (end - start) / 4;
+            let mut r: Vec<f32> = Vec::with_capacity(len);
+            // NaN and infinity are named before a value out of range anywhere in the residual.
+            let mut out_of_range = None;
+            while r.len() < len {
+                let count = READ_BLOCK.min(len - r.len());
+                let bytes = &mut block[..4 * count];
+                input.read_exact(bytes).map_err(on_io)?;
+                crc.update(bytes);
+                let at = r.len();
+                r.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                );
+                let got = &r[at..];
+                if let Some(index) = gradwire_core::scalar::first_non_finite(got) {
+                    return Err(Error::checkpoint(format!(
+                        "residual `{name}` is NaN or infinite at index {}",
+                        at + index
+                    )));
+                }
+                if out_of_range.is_none()
+                    && let Some(values) = fb.method.values()
+                    && let Some(index) = gradwire_core::values::first_out_of_range(values, got)
+                {
+                    out_of_range = Some((values, at + index));
+                }
             }
-            if let Some(values) = fb.method.values()
-                && let Some(index) = gradwire_core::values::first_out_of_range(values, &r)
-            {
+            if let Some((values, index)) = out_of_range {
                 return Err(Error::checkpoint(format!(
                     "residual `{name}` is {} at index {index}, beyond the range of the method's \
                      {values:?} values (every step that sends it would fail)",
@@ -264,81 +301,223 @@ impl ErrorFeedback {
             }
             fb.residuals.insert(name, r);
         }
-        {
-            let stored = stored_crc;
-            let texts = [get("method")?, get("seed")?, get("step")?];
-            let computed = match &unshaped {
-                // Version 2: no shapes.
-                None => checkpoint_crc(&fb.residuals, None, &texts),
-                Some((text, _)) => {
-                    let [method, seed, step] = texts;
-                    let texts = [method, seed, step, text];
-                    checkpoint_crc(&fb.residuals, Some(&fb.shapes), &texts)
-                }
-            };
-            if stored != computed {
-                return Err(Error::checkpoint(format!(
-                    "checksum mismatch (stored {stored}, computed {computed}): the file is \
-                     corrupted"
-                )));
-            }
+        let unshaped_text = unshaped.as_ref().map(|(text, _)| *text);
+        for text in texts.iter().copied().chain(unshaped_text) {
+            crc.update(text.as_bytes());
+            crc.update(&[0]);
+        }
+        let computed = crc.finalize();
+        if stored_crc != computed {
+            return Err(Error::checkpoint(format!(
+                "checksum mismatch (stored {stored_crc}, computed {computed}): the file is \
+                 corrupted"
+            )));
         }
         Ok(fb)
     }
 
-    /// Writes the checkpoint to `path` (layout in the module docs).
+    /// Writes the checkpoint to `path` (layout in the module docs) as [`write_replacing`]
+    /// writes files.
     ///
     /// # Errors
-    /// As [`ErrorFeedback::to_bytes`]; [`Error::Io`] naming the file when writing fails.
+    /// As [`ErrorFeedback::to_bytes`] and [`write_replacing`].
     pub(crate) fn save(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
-        let bytes = self.to_bytes()?;
-        std::fs::write(path, bytes).map_err(|source| Error::Io {
-            path: path.to_owned(),
-            source,
-        })
+        write_replacing(path.as_ref(), |out, on_io| self.write_to(out, &[], on_io))
     }
 
-    /// Reads a checkpoint that [`ErrorFeedback::save`] wrote.
+    /// Reads the checkpoint file at `path` (what [`ErrorFeedback::to_bytes`] writes, or
+    /// [`crate::GradientCompressor::save_feedback`]) as [`ErrorFeedback::from_bytes`] reads
+    /// bytes, without reading the file whole: the header is read and checked against the
+    /// file's length first, then one residual at a time through a 64 KiB buffer. Memory: the
+    /// residuals and the header.
     ///
     /// # Errors
-    /// [`Error::Io`] naming the file when reading fails; otherwise as
-    /// [`ErrorFeedback::from_bytes`].
-    pub(crate) fn load(path: impl AsRef<Path>) -> Result<Self> {
+    /// [`Error::Io`] naming the file when opening or reading fails; [`Error::Checkpoint`] for a
+    /// path that is not a regular file (a FIFO or a device: its length is not known before
+    /// reading); otherwise as [`ErrorFeedback::from_bytes`].
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::from_bytes(&bytes)
+        let (mut file, len) = open_regular(path)?;
+        Self::read_from(&mut file, len, &io_error(path), |_| Ok(()))
+    }
+
+    /// The residuals, by name, taking them out of the state.
+    pub(crate) fn into_residuals(self) -> impl Iterator<Item = (String, Vec<f32>)> {
+        self.residuals.into_iter()
     }
 }
 
-/// The `crc32` of a checkpoint (layout in the module docs): with `shapes` (the remembered ones;
-/// `[n]` for the others) as version 3 computes it, without as version 2 did.
-fn checkpoint_crc(
-    residuals: &BTreeMap<String, Vec<f32>>,
-    shapes: Option<&BTreeMap<String, Vec<usize>>>,
-    texts: &[&str],
-) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    for (name, r) in residuals {
-        h.update(name.as_bytes());
-        h.update(&[0]);
-        if let Some(shapes) = shapes {
-            let flat = [r.len()];
-            let shape = shapes.get(name).map_or(&flat[..], Vec::as_slice);
-            // Ranks and dimensions are far below u32 / u64 (safetensors checked the shape).
-            h.update(&(shape.len() as u32).to_le_bytes());
-            for &d in shape {
-                h.update(&(d as u64).to_le_bytes());
-            }
+/// Elements read at a time by [`ErrorFeedback::read_from`] (64 KiB of bytes).
+const READ_BLOCK: usize = 16 * 1024;
+
+/// A residual as a checkpoint stores it: its name, the shape it remembers (`None`: stored as
+/// `[n]` and listed in `unshaped`) and its values.
+pub(crate) struct Stored<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) shape: Option<&'a [usize]>,
+    pub(crate) values: &'a [f32],
+}
+
+/// Writes a checkpoint (layout in the module docs) of `residuals` (in increasing byte-wise
+/// order of names, each once) made with `(method, seed, step)`, with `extra` metadata entries,
+/// to `out`: the checksum first (one read of the residuals), then the header, then the values
+/// 64 KiB at a time.
+///
+/// # Errors
+/// [`Error::Checkpoint`] for a residual named `__metadata__`, one whose shape has more than 64
+/// dimensions, an extra key the checkpoint uses itself or one given twice; `on_io` of the
+/// writer's error.
+pub(crate) fn write_checkpoint(
+    out: &mut impl Write,
+    (method, seed, step): (&gradwire_core::Method, u64, u64),
+    residuals: &[Stored<'_>],
+    extra: &[(&str, &str)],
+    on_io: &dyn Fn(std::io::Error) -> Error,
+) -> Result<()> {
+    const OWN: [&str; 7] = [
+        "crc32", "format", "method", "seed", "step", "unshaped", "version",
+    ];
+    debug_assert!(residuals.windows(2).all(|w| w[0].name < w[1].name));
+    if residuals.iter().any(|r| r.name == "__metadata__") {
+        return Err(Error::checkpoint(
+            "a tensor named `__metadata__` cannot be stored in safetensors",
+        ));
+    }
+    if let Some(r) = residuals.iter().find(|r| {
+        r.shape
+            .is_some_and(|s| s.len() > crate::safetensors_reader::MAX_DIMS)
+    }) {
+        return Err(Error::checkpoint(format!(
+            "residual `{}` has {} dimensions; a checkpoint holds at most {}",
+            r.name,
+            r.shape.map_or(1, <[usize]>::len),
+            crate::safetensors_reader::MAX_DIMS
+        )));
+    }
+    let lens: Vec<[usize; 1]> = residuals.iter().map(|r| [r.values.len()]).collect();
+    let shapes: Vec<&[usize]> = residuals
+        .iter()
+        .zip(&lens)
+        .map(|(r, n)| r.shape.unwrap_or(n))
+        .collect();
+    let method = method::format(method);
+    let (seed, step) = (seed.to_string(), step.to_string());
+    let unshaped: Vec<&str> = residuals
+        .iter()
+        .filter(|r| r.shape.is_none())
+        .map(|r| r.name)
+        .collect();
+    let unshaped = serde_json::to_string(&unshaped)
+        .map_err(|e| Error::checkpoint(format!("cannot write `unshaped`: {e}")))?;
+    let mut crc = crc32fast::Hasher::new();
+    for (r, shape) in residuals.iter().zip(&shapes) {
+        crc.update(r.name.as_bytes());
+        crc.update(&[0]);
+        crc.update(&(shape.len() as u32).to_le_bytes());
+        for &d in *shape {
+            crc.update(&(d as u64).to_le_bytes());
         }
-        super::state_file::update_f32(&mut h, r);
+        super::state_file::update_f32(&mut crc, r.values);
     }
-    for t in texts {
-        h.update(t.as_bytes());
-        h.update(&[0]);
+    for text in [&method, &seed, &step, &unshaped] {
+        crc.update(text.as_bytes());
+        crc.update(&[0]);
     }
-    h.finalize()
+    let mut meta = HashMap::new();
+    meta.insert("format".to_owned(), CHECKPOINT_FORMAT.to_owned());
+    meta.insert("version".to_owned(), CHECKPOINT_VERSION.to_owned());
+    meta.insert("crc32".to_owned(), crc.finalize().to_string());
+    meta.insert("method".to_owned(), method);
+    meta.insert("seed".to_owned(), seed);
+    meta.insert("step".to_owned(), step);
+    meta.insert("unshaped".to_owned(), unshaped);
+    for &(key, value) in extra {
+        if OWN.contains(&key) || meta.insert(key.to_owned(), value.to_owned()).is_some() {
+            return Err(Error::checkpoint(format!(
+                "metadata entry `{key}` is the checkpoint's own or given twice"
+            )));
+        }
+    }
+    let header = crate::tensor::f32_safetensors_header(
+        residuals.iter().zip(&shapes).map(|(r, s)| (r.name, *s)),
+        Some(meta),
+    )?;
+    out.write_all(&header).map_err(on_io)?;
+    for r in residuals {
+        crate::tensor::write_f32_le(out, r.values).map_err(on_io)?;
+    }
+    Ok(())
+}
+
+/// The error of writing to or reading from memory, which cannot happen (lengths are checked
+/// first); named rather than unwrapped.
+fn in_memory(source: std::io::Error) -> Error {
+    Error::checkpoint(format!("reading or writing in memory: {source}"))
+}
+
+/// [`Error::Io`] naming `path`.
+pub(crate) fn io_error(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Opens `path` for reading a checkpoint and returns it with its length.
+///
+/// # Errors
+/// [`Error::Io`] naming the file when it cannot be opened; [`Error::Checkpoint`] for a path that
+/// is not a regular file (a FIFO, a device, a directory): a checkpoint's length is known before
+/// anything of it is read.
+pub(crate) fn open_regular(path: &Path) -> Result<(File, u64)> {
+    let not_regular = || Error::checkpoint(format!("{} is not a regular file", path.display()));
+    // Looked at before opening: opening a FIFO to read blocks until someone writes to it.
+    if !std::fs::metadata(path).map_err(io_error(path))?.is_file() {
+        return Err(not_regular());
+    }
+    let file = File::open(path).map_err(io_error(path))?;
+    let meta = file.metadata().map_err(io_error(path))?;
+    if !meta.is_file() {
+        return Err(not_regular());
+    }
+    Ok((file, meta.len()))
+}
+
+/// Writes a file through `write` into a new file beside `path` (`path` with `.partial-<pid>`
+/// appended), then renames it over `path`: a failed or interrupted save leaves the file that
+/// was there. Buffered 1 MiB at a time; not synced to disk (a caller that needs the file to
+/// survive a power loss syncs it).
+///
+/// # Errors
+/// [`Error::Checkpoint`] for a `path` that exists and is not a regular file (writing through a
+/// rename would replace a FIFO or a device); [`Error::Io`] naming the file when writing or
+/// renaming fails (the partial file is removed); `write`'s error.
+pub(crate) fn write_replacing(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<File>, &dyn Fn(std::io::Error) -> Error) -> Result<()>,
+) -> Result<()> {
+    if let Ok(meta) = std::fs::metadata(path)
+        && !meta.is_file()
+    {
+        return Err(Error::checkpoint(format!(
+            "{} exists and is not a regular file: not replaced",
+            path.display()
+        )));
+    }
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(format!(".partial-{}", std::process::id()));
+    let partial = PathBuf::from(partial);
+    let result = (|| {
+        let file = File::create(&partial).map_err(io_error(&partial))?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        write(&mut out, &io_error(&partial))?;
+        out.flush().map_err(io_error(&partial))?;
+        drop(out);
+        std::fs::rename(&partial, path).map_err(io_error(path))
+    })();
+    if result.is_err() {
+        // Best effort: the error that matters is the one returned.
+        let _ = std::fs::remove_file(&partial);
+    }
+    result
 }

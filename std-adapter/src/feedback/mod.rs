@@ -48,7 +48,7 @@
 //! # Ok::<(), gradwire::Error>(())
 //! ```
 
-mod checkpoint;
+pub(crate) mod checkpoint;
 pub(crate) mod state_file;
 
 use std::collections::BTreeMap;
