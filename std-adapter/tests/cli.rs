@@ -599,6 +599,21 @@ fn residual_state_is_created_then_reused_like_the_library() {
     fails(&args, "bad.safetensors");
     assert_eq!(fs::read(&bad).unwrap(), b"garbage");
     assert!(!o3.exists());
+    // A state that is not a regular file: refused before it is read (a FIFO nobody writes
+    // to would block, a device would be read until memory runs out), and left alone.
+    let fifo = dir.join("fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    assert!(
+        made.is_ok_and(|st| st.success()),
+        "this test needs `mkfifo` (coreutils)"
+    );
+    for special in [s(&fifo), "/dev/zero"] {
+        let mut args = vec!["compress", s(&g), "-o", s(&o3), "--residual", special];
+        args.extend(flags);
+        fails(&args, "not a regular file");
+        assert!(!o3.exists());
+    }
+    fs::remove_file(&fifo).unwrap();
     assert!(
         listing(&dir).iter().all(|n| !n.starts_with('.')),
         "{:?}",

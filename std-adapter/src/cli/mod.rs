@@ -567,14 +567,13 @@ impl OutputDigest {
         Some(OutputDigest { sha256: d, len })
     }
 
-    /// The digest a state's bytes record (`None` for a state written without one: by the
+    /// The digest a state's metadata records (`None` for a state written without one: by the
     /// library, or by an older build).
-    fn recorded(path: &Path, state: &[u8]) -> Result<Option<Self>, CliError> {
-        let Ok((header, _)) = crate::safetensors_reader::read_header(state) else {
-            return Ok(None);
-        };
-        let meta = header.metadata().as_ref();
-        let get = |key| meta.and_then(|m| m.get(key));
+    fn recorded(
+        path: &Path,
+        meta: &std::collections::HashMap<String, String>,
+    ) -> Result<Option<Self>, CliError> {
+        let get = |key| meta.get(key);
         match (get(OUTPUT_SHA256), get(OUTPUT_LEN)) {
             (None, None) => Ok(None),
             (Some(d), Some(l)) => OutputDigest::from_text(d, l).map(Some).ok_or_else(|| {
@@ -602,35 +601,46 @@ struct State {
 /// Loads the error-feedback state at `path` if it exists (its seed must be `seed` when one is
 /// given), or starts a new one (seed 0 unless given).
 fn load_state(path: &Path, method: Method, seed: Option<u64>) -> Result<State, CliError> {
-    match std::fs::read(path) {
-        Ok(bytes) => {
-            let fb = ErrorFeedback::from_bytes(&bytes).map_err(|e| {
-                CliError::new(format!(
-                    "{}: cannot load it as a residual state (`--residual` takes a file that \
-                     an earlier `gradwire compress --residual` wrote, or a new path): {e}",
-                    path.display()
-                ))
-            })?;
-            if let Some(seed) = seed
-                && fb.seed() != seed
-            {
-                return Err(CliError::new(format!(
-                    "{}: residual state has seed {}, this step uses seed {seed}",
-                    path.display(),
-                    fb.seed()
-                )));
-            }
-            Ok(State {
-                feedback: fb,
-                output: OutputDigest::recorded(path, &bytes)?,
-            })
+    use crate::feedback::checkpoint::{io_error, open_regular};
+    let (mut file, len) = match open_regular(path) {
+        Ok(opened) => opened,
+        Err(crate::Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(State {
+                feedback: ErrorFeedback::new(method, seed.unwrap_or(0))?,
+                output: None,
+            });
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(State {
-            feedback: ErrorFeedback::new(method, seed.unwrap_or(0))?,
-            output: None,
-        }),
-        Err(e) => Err(CliError::io("cannot read", path, &e)),
+        Err(crate::Error::Io { source, .. }) => {
+            return Err(CliError::io("cannot read", path, &source));
+        }
+        Err(e) => return Err(CliError::new(format!("{}: {e}", path.display()))),
+    };
+    // Read one residual at a time; the output digest comes from the header, read first.
+    let mut output = Ok(None);
+    let fb = ErrorFeedback::read_from(&mut file, len, &io_error(path), |meta| {
+        output = OutputDigest::recorded(path, meta);
+        Ok(())
+    })
+    .map_err(|e| {
+        CliError::new(format!(
+            "{}: cannot load it as a residual state (`--residual` takes a file that an earlier \
+             `gradwire compress --residual` wrote, or a new path): {e}",
+            path.display()
+        ))
+    })?;
+    if let Some(seed) = seed
+        && fb.seed() != seed
+    {
+        return Err(CliError::new(format!(
+            "{}: residual state has seed {}, this step uses seed {seed}",
+            path.display(),
+            fb.seed()
+        )));
     }
+    Ok(State {
+        feedback: fb,
+        output: output?,
+    })
 }
 
 /// The state and the output are one pair: the output is renamed into place first, then the
