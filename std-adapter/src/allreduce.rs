@@ -714,6 +714,7 @@ impl CompressedAllReduce {
         }
         let result = match (route, manifest, &config, manifest_error) {
             (_, Some(m), Some(c), _) => {
+                let exec = self.compressor.parallelism().exec_for(m.flat_len());
                 let local = self
                     .compressor
                     .prepare()
@@ -725,6 +726,7 @@ impl CompressedAllReduce {
                         step,
                         config: c,
                         reduction,
+                        exec,
                     });
                 self.two_phase.run(comm, local, out)
             }

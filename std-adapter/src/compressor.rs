@@ -117,6 +117,11 @@ impl GradientCompressor {
         self.parallelism = parallelism;
     }
 
+    /// Where compression runs ([`GradientCompressor::with_parallelism`]).
+    pub(crate) fn parallelism(&self) -> Parallelism {
+        self.parallelism
+    }
+
     /// The method.
     pub(crate) fn method(&self) -> &method::CompressionMethod {
         &self.method

@@ -729,3 +729,64 @@ fn threshold_lists_that_grow_equal_the_core_step() {
         }
     }
 }
+
+/// The two-phase collective on the pool: at W = 3, the parts' top-k selections and the chunks
+/// of dense-shaped frames run as pool tasks (a large tensor spans many chunks and, cut into
+/// three runs, chunks that span two parts), and every step's outputs and worker residuals are
+/// bit for bit those of the serial path, server residuals included (they feed the outputs).
+#[test]
+fn two_phase_on_the_pool_equals_serial() {
+    use gradwire::comm::{Communicator, LocalGroup};
+    use gradwire::{Collective, CompressedAllReduce};
+    let base = synthetic(&mut Rng(8));
+    let methods = [
+        CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+        CompressionMethod::SignSGD.with_error_feedback(),
+        CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+    ];
+    for method in methods {
+        let run = |parallelism: Parallelism| {
+            let comms = LocalGroup::new(3).into_communicators();
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = comms
+                    .into_iter()
+                    .map(|comm| {
+                        let (method, base) = (method.clone(), &base);
+                        scope.spawn(move || {
+                            let rank = comm.rank();
+                            let mut ar =
+                                CompressedAllReduce::with_communicator(method, Box::new(comm))
+                                    .with_collective(Collective::TwoPhase)
+                                    .with_parallelism(parallelism);
+                            let mut outs = Vec::new();
+                            for step in 0..3u64 {
+                                let grads = vary(base, 100 * step + rank as u64);
+                                let mut out = HashMap::new();
+                                ar.all_reduce_into(&grads, &mut out).expect("a step");
+                                outs.push(out);
+                            }
+                            (outs, ar.compressor().feedback().cloned())
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a rank"))
+                    .collect::<Vec<_>>()
+            })
+        };
+        let serial = run(Parallelism::Serial);
+        let pooled = run(Parallelism::Parallel);
+        for (rank, ((so, sf), (po, pf))) in serial.iter().zip(&pooled).enumerate() {
+            assert!(sf == pf, "{method:?}: rank {rank}'s residuals");
+            for (step, (s, p)) in so.iter().zip(po).enumerate() {
+                for (name, t) in s {
+                    assert!(
+                        same_bits(t.data(), p[name].data()),
+                        "{method:?}: rank {rank}, step {step}, `{name}`"
+                    );
+                }
+            }
+        }
+    }
+}

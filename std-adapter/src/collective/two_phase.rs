@@ -42,6 +42,7 @@ use super::{
 };
 use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator};
+use crate::engine::Exec;
 use crate::engine::shard::{Apply, Buffers, Part, apply_frame, encode_parts, parts_of, targets_of};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
@@ -60,6 +61,8 @@ pub(crate) struct Step<'a> {
     pub(crate) step: u64,
     pub(crate) config: &'a Config,
     pub(crate) reduction: Reduction,
+    /// Where the selection of each tensor's part runs (top-k).
+    pub(crate) exec: Exec,
 }
 
 /// What this rank sends in phase 2 when it does not send its reduced shard.
@@ -86,7 +89,10 @@ pub(crate) struct TwoPhase {
     pending_layout: Option<(usize, u64)>,
     /// This rank (of the last step).
     rank: usize,
+    /// The server residuals as they were before this step's owner encode (kept between steps:
+    /// its memory is written once), valid while `undo_valid`.
     server_undo: Vec<f32>,
+    undo_valid: bool,
     /// Owners whose phase-1 frames this rank made in the current step (what a failed step
     /// gives back to the worker's residuals).
     made: usize,
@@ -337,7 +343,7 @@ impl TwoPhase {
         let me = comm.rank();
         self.rank = me;
         self.made = 0;
-        self.server_undo.clear();
+        self.undo_valid = false;
         // The agreement round, before anything changes: every route of a step starts with this
         // all-gather of envelopes (the all-gather's bundles, the dense all-reduce's envelopes),
         // so ranks that took another route, failed before the collective or are configured
@@ -537,6 +543,7 @@ impl TwoPhase {
                 &mut targets,
                 Apply::Write,
                 &mut self.bufs,
+                step.exec,
             );
             decoded.map_err(|e| Error::Collective {
                 rank: owner,
@@ -636,25 +643,27 @@ impl TwoPhase {
         }
         // Every sum checked before any residual changes: one read of each gradient and
         // residual.
+        // The tensors at once on the pool; the first error in tensor order either way.
         let values = layout.method.values();
-        for (t, ts) in layout.tensors.iter().enumerate() {
+        let (taken, bounds) = (&self.taken, &self.worker_bounds);
+        step.exec.first_err(&layout.tensors, |t, ts| {
             // A kept bound (top-k) proves the sums in range by one read of the gradient.
-            let proven = self.taken.get(t).is_some()
-                && self
-                    .worker_bounds
+            let proven = taken.get(t).is_some()
+                && bounds
                     .get(t)
                     .is_some_and(|b| b.proves_in_range(grads[t], values));
             if proven {
-                continue;
+                return Ok(());
             }
-            let bad = match self.taken.get(t) {
+            let bad = match taken.get(t) {
                 Some(r) => gradwire_core::feedback::first_bad_sum(grads[t], r, values),
                 None => crate::engine::shard::first_bad(grads[t], values),
             };
-            if let Some(e) = bad {
-                return Err(Error::core(&ts.name, None, e));
+            match bad {
+                Some(e) => Err(Error::core(&ts.name, None, e)),
+                None => Ok(()),
             }
-        }
+        })?;
         let fingerprint = fingerprint_at(step.config, step.step);
         self.send.resize_with(world, Vec::new);
         self.new_bounds.clear();
@@ -679,6 +688,7 @@ impl TwoPhase {
                 &params,
                 &mut self.bufs,
                 &mut msg[at..],
+                step.exec,
             )?;
             for (part, &bound) in parts.iter().zip(self.bufs.part_bounds()) {
                 let b = &mut self.new_bounds[part.tensor];
@@ -740,6 +750,7 @@ impl TwoPhase {
                 &mut targets,
                 Apply::Add,
                 &mut self.bufs,
+                step.exec,
             );
             debug_assert!(given.is_ok(), "{given:?}");
         }
@@ -748,10 +759,10 @@ impl TwoPhase {
 
     /// Puts back the server residuals copied by [`TwoPhase::reduce_own_shard`].
     fn restore_server(&mut self) {
-        if self.server_undo.len() == self.server.len() {
+        if self.undo_valid && self.server_undo.len() == self.server.len() {
             self.server.copy_from_slice(&self.server_undo);
         }
-        self.server_undo.clear();
+        self.undo_valid = false;
     }
 
     /// Reduces this rank's shard from the W contributions in `self.recv` and writes its
@@ -820,8 +831,10 @@ impl TwoPhase {
             opened.push(frames);
         }
         let server_feedback = step.feedback.is_some() && step.reduction != Reduction::MajorityVote;
-        self.server_undo.clear();
-        self.server_undo.extend_from_slice(&self.server);
+        // Sized once (its zeros written at the first step only), then copied into.
+        self.server_undo.resize(self.server.len(), 0.0);
+        step.exec.copy(&self.server, &mut self.server_undo);
+        self.undo_valid = true;
         seal(
             PAYLOAD,
             fingerprint_at(step.config, step.step),
@@ -845,9 +858,7 @@ impl TwoPhase {
                 .entry_outputs(out)
                 .ok_or_else(|| own(Error::internal("two-phase outputs of another layout")))?;
             let mut targets = targets_of(layout, me, &mut outs);
-            for t in &mut targets {
-                t.data.fill(0.0);
-            }
+            step.exec.for_each(&mut targets, |_, t| t.data.fill(0.0));
             for (rank, frames) in opened.iter_mut().enumerate() {
                 let frame = frames.next_frame().map_err(|e| bad(rank, e))?;
                 apply_frame(
@@ -858,6 +869,7 @@ impl TwoPhase {
                     &mut targets,
                     Apply::Add,
                     &mut self.bufs,
+                    step.exec,
                 )
                 .map_err(|e| {
                     bad(
@@ -869,8 +881,8 @@ impl TwoPhase {
                     )
                 })?;
             }
-            for target in targets.iter_mut() {
-                match step.reduction {
+            step.exec
+                .for_each(&mut targets, |_, target| match step.reduction {
                     Reduction::Sum => {}
                     // Division by 1 is exact: one rank's mean is its sum.
                     Reduction::Mean if world == 1 => {}
@@ -881,8 +893,7 @@ impl TwoPhase {
                         }
                     }
                     Reduction::MajorityVote => majority(target.data, &worker.method),
-                }
-            }
+                });
             drop(targets);
             let params = owner_params(layout.methods[me], step, layout.owner_ids[me]);
             let mut server_parts = Vec::new();
@@ -919,6 +930,7 @@ impl TwoPhase {
                 &params,
                 &mut self.bufs,
                 &mut msg[at..],
+                step.exec,
             );
             let written = match written {
                 Ok(w) => w,

@@ -15,8 +15,12 @@
 //!   workers' frames, the worker's give-back of what it sent after a failed step) or writes
 //!   them (every rank's decode of the owners' frames into the outputs), the same way.
 //!
+//! Both run the parts (top-k) or the chunks (the others) on the caller's [`Exec`]: on the pool
+//! the same bytes as on one thread, since each piece's result depends on the piece alone.
+//!
 //! Nothing here is sized by the model but the zero-mask sign copies: the buffers are the kept
-//! entries of one frame and two chunks.
+//! entries of one frame, a selection scratch and two chunks per task running at once, and the
+//! list of a call's chunks (about n / 2^16 entries).
 
 use gradwire_core::feedback::{sparse_fix_up, step_chunk};
 use gradwire_core::frame::chunk::{Sections, SparseFrame};
@@ -24,6 +28,7 @@ use gradwire_core::select::{Kept, topk_kept, topk_kept_sum_into};
 use gradwire_core::values::{first_at_or_above, magnitude_limit};
 use gradwire_core::{Method, Params, encode_kept_segmented_into, peek};
 
+use super::Exec;
 use crate::error::{Error, Result};
 use crate::layout::shards::ShardLayout;
 
@@ -105,7 +110,13 @@ pub(crate) fn targets_of<'o, T: AsMut<[f32]>>(
 #[derive(Debug, Default)]
 pub(crate) struct Buffers {
     scratch: Vec<u32>,
-    select: Vec<u32>,
+    /// Selection scratch, one per task running at once (taken and given back by each task;
+    /// on one thread, one in all), kept between steps.
+    select: std::sync::Mutex<Vec<Vec<u32>>>,
+    /// Copies of chunks that span two parts (values, residual), one pair per task, likewise.
+    chunk_pool: std::sync::Mutex<Vec<(Vec<f32>, Vec<f32>)>>,
+    /// Each part's selection: whether it succeeded, and how many entries it kept.
+    part_kept: Vec<PartKept>,
     kept: Vec<u32>,
     bits: Vec<u32>,
     segments: Vec<u32>,
@@ -123,6 +134,52 @@ impl Buffers {
     /// zero mask).
     pub(crate) fn part_bounds(&self) -> &[f32] {
         &self.bounds
+    }
+}
+
+/// One part's top-k selection in [`encode_parts`]: whether it succeeded, and how many entries
+/// it kept (written at the part's place in the kept entries, then moved up).
+#[derive(Clone, Copy, Debug, Default)]
+struct PartKept {
+    ok: bool,
+    count: usize,
+}
+
+/// A buffer taken from one of [`Buffers`]' pools (selection scratch, chunk copies) for one task
+/// and given back when dropped, so that a pool holds one per task that ran at once, kept between
+/// steps (rayon calls a task's `init` once per piece of work it splits off, not once per call).
+struct Lease<'p, T: Default> {
+    pool: &'p std::sync::Mutex<Vec<T>>,
+    buf: T,
+}
+
+impl<'p, T: Default> Lease<'p, T> {
+    fn take(pool: &'p std::sync::Mutex<Vec<T>>) -> Self {
+        let buf = pool
+            .lock()
+            .ok()
+            .and_then(|mut free| free.pop())
+            .unwrap_or_default();
+        Lease { pool, buf }
+    }
+}
+
+impl Lease<'_, Vec<u32>> {
+    /// The first `need` words, grown to them if shorter.
+    fn get(&mut self, need: usize) -> &mut [u32] {
+        if self.buf.len() < need {
+            self.buf.resize(need, 0);
+        }
+        &mut self.buf[..need]
+    }
+}
+
+impl<T: Default> Drop for Lease<'_, T> {
+    fn drop(&mut self) {
+        // A poisoned pool (a task panicked) only loses the buffer.
+        if let Ok(mut free) = self.pool.lock() {
+            free.push(std::mem::take(&mut self.buf));
+        }
     }
 }
 
@@ -177,6 +234,7 @@ pub(crate) fn encode_parts(
     params: &Params,
     bufs: &mut Buffers,
     frame: &mut [u8],
+    exec: Exec,
 ) -> Result<usize> {
     let n = layout.shard_lens[j];
     let shard_err = |e: gradwire_core::Error| Error::core(&format!("two-phase shard {j}"), None, e);
@@ -202,6 +260,7 @@ pub(crate) fn encode_parts(
                 }
             },
             frame,
+            exec,
         );
         step.map_err(|(t, e)| match t {
             Some(t) => at_tensor(layout, j, t, e),
@@ -209,37 +268,80 @@ pub(crate) fn encode_parts(
         })?;
         return sections.finish(frame, None).map_err(shard_err);
     };
-    // Top-k: each part's own top-k of its sums, selected on its residual in place.
+    // Top-k: each part's own top-k of its sums, selected on its residual in place; the parts
+    // at once on the pool, each writing its kept entries at its own place, then moved up in
+    // part order (the same bytes either way: a part's selection depends on the part alone).
     let limit = magnitude_limit(Some(values));
     bufs.bounds.clear();
     bufs.bounds.resize(parts.len(), f32::INFINITY);
+    // Room for each part's budget at its place in the kept entries, filled by its selection.
+    let room =
+        |part: &Part<'_>| (layout.tensors[part.tensor].budgets[j] as usize).min(part.x.len());
+    let total: usize = parts.iter().map(room).sum();
     bufs.kept.clear();
+    bufs.kept.resize(total, 0);
     bufs.bits.clear();
-    bufs.segments.clear();
-    for part in parts.iter_mut() {
-        let ts = &layout.tensors[part.tensor];
-        let k = ts.budgets[j] as usize;
-        let need = gradwire_core::select::kept_scratch_len(part.x.len(), k);
-        if bufs.select.len() < need {
-            bufs.select.resize(need, 0);
+    bufs.bits.resize(total, 0);
+    bufs.part_kept.clear();
+    bufs.part_kept.resize(parts.len(), PartKept::default());
+    {
+        let pool = &bufs.select;
+        let (mut idx_rest, mut bits_rest) = (&mut bufs.kept[..], &mut bufs.bits[..]);
+        let mut jobs = Vec::with_capacity(parts.len());
+        for (part, out) in parts.iter_mut().zip(bufs.part_kept.iter_mut()) {
+            let (idx, rest) = std::mem::take(&mut idx_rest).split_at_mut(room(part));
+            idx_rest = rest;
+            let (bits, rest) = std::mem::take(&mut bits_rest).split_at_mut(idx.len());
+            bits_rest = rest;
+            jobs.push((part, idx, bits, out));
         }
-        let sel = &mut bufs.select[..need];
-        let kept = match part.residual.as_deref_mut() {
-            Some(r) => topk_kept_sum_into(part.x, r, k, limit, sel),
-            None => topk_kept(part.x, k, limit, sel),
-        };
-        let Ok(kept) = kept else {
+        exec.for_each_with(
+            &mut jobs,
+            || Lease::take(pool),
+            |lease, _, (part, idx, bits, out)| {
+                let k = layout.tensors[part.tensor].budgets[j] as usize;
+                let sel = lease.get(gradwire_core::select::kept_scratch_len(part.x.len(), k));
+                let kept = match part.residual.as_deref_mut() {
+                    Some(r) => topk_kept_sum_into(part.x, r, k, limit, sel),
+                    None => topk_kept(part.x, k, limit, sel),
+                };
+                // A selection keeps at most its budget; more would be a defect, refused below.
+                **out = match kept {
+                    Ok(kept) if kept.idx.len() <= idx.len() => {
+                        let at = part.at as u32;
+                        for (to, &i) in idx.iter_mut().zip(kept.idx) {
+                            *to = i + at;
+                        }
+                        bits[..kept.bits.len()].copy_from_slice(kept.bits);
+                        PartKept {
+                            ok: true,
+                            count: kept.idx.len(),
+                        }
+                    }
+                    _ => PartKept::default(),
+                };
+            },
+        );
+    }
+    // The kept entries moved up over the room each part left unused, in part order.
+    bufs.segments.clear();
+    let (mut from, mut to) = (0usize, 0usize);
+    for (part, out) in parts.iter().zip(&bufs.part_kept) {
+        if !out.ok {
             // Only when the check did not run: name the element.
             let x = part.residual.as_deref().unwrap_or(part.x);
             let e =
                 first_bad(x, Some(values)).unwrap_or(gradwire_core::Error::NonFinite { index: 0 });
             return Err(at_part(layout, j, part, e));
-        };
-        let at = part.at as u32;
-        bufs.kept.extend(kept.idx.iter().map(|&i| i + at));
-        bufs.bits.extend_from_slice(kept.bits);
-        bufs.segments.push(kept.idx.len() as u32);
+        }
+        bufs.kept.copy_within(from..from + out.count, to);
+        bufs.bits.copy_within(from..from + out.count, to);
+        bufs.segments.push(out.count as u32);
+        from += room(part);
+        to += out.count;
     }
+    bufs.kept.truncate(to);
+    bufs.bits.truncate(to);
     let need =
         gradwire_core::kept_segmented_scratch_len(bufs.kept.len(), values, bufs.segments.len());
     if bufs.scratch.len() < need {
@@ -375,108 +477,194 @@ fn scatter_targets(from: &[f32], targets: &mut [Target<'_>]) {
     }
 }
 
-/// Calls `f(start, x, residual, pieces)` for each chunk of the shard (`CHUNK` elements rounded
-/// to the frame's alignment): on the part's own slices when the chunk lies in one part, on
-/// chunk copies otherwise (the residual's copy written back).
+/// Runs `f(start, x, residual, (scales, body))` over the shard's chunks of [`CHUNK`]
+/// elements (whole sections' blocks), on `exec` (each chunk a job of its own: a chunk's bytes
+/// and residual depend on the chunk alone), with the chunk's values and residual where they lie
+/// in one part, or gathered into a task's copy where the chunk spans parts (the residual copied
+/// back). Updates each part's bound with the largest magnitude of its chunks' residuals.
+///
+/// # Errors
+/// The first failing chunk's error (in shard order), with the tensor of the element it names.
 fn walk_chunks<F>(
     sections: &Sections,
     parts: &mut [Part<'_>],
     bufs: &mut Buffers,
-    mut f: F,
+    f: F,
     frame: &mut [u8],
+    exec: Exec,
 ) -> std::result::Result<(), (Option<usize>, gradwire_core::Error)>
 where
-    F: FnMut(
+    F: Fn(
+            usize,
+            &[f32],
+            Option<&mut [f32]>,
+            &mut (&mut [u8], &mut [u8]),
+        ) -> std::result::Result<(), gradwire_core::Error>
+        + Sync,
+{
+    let n = sections.n();
+    let chunk = CHUNK.div_ceil(sections.align()).max(1) * sections.align();
+    let (scales, body) = sections.pieces_mut(frame, 0, n).map_err(|e| (None, e))?;
+    let (s_all, b_all) = sections.ranges(0, n).map_err(|e| (None, e))?;
+    // The jobs: each chunk's pieces of the sections, and its pieces of the parts, cut in shard
+    // order (a list of about n / 2^16 entries, made each call).
+    let spans: Vec<(usize, usize, usize)> =
+        parts.iter().map(|p| (p.at, p.x.len(), p.tensor)).collect();
+    let mut jobs: Vec<ChunkJob<'_, '_>> = Vec::with_capacity(n.div_ceil(chunk));
+    let (mut scales, mut body) = (scales, body);
+    let mut rest: Vec<Piece<'_>> = parts
+        .iter_mut()
+        .enumerate()
+        .map(|(i, p)| (i, p.x, p.residual.as_deref_mut()))
+        .collect();
+    let mut next = 0usize;
+    let mut start = 0usize;
+    while start < n {
+        let end = (start + chunk).min(n);
+        let (sr, br) = sections.ranges(start, end).map_err(|e| (None, e))?;
+        debug_assert!(sr.start - s_all.start == s_all.len() - scales.len());
+        debug_assert!(br.start - b_all.start == b_all.len() - body.len());
+        let (s_piece, s_rest) = std::mem::take(&mut scales).split_at_mut(sr.len());
+        let (b_piece, b_rest) = std::mem::take(&mut body).split_at_mut(br.len());
+        scales = s_rest;
+        body = b_rest;
+        let mut pieces = Vec::new();
+        let mut covered = start;
+        while covered < end {
+            let Some((i, x, r)) = rest.get_mut(next) else {
+                return Err((
+                    None,
+                    gradwire_core::Error::LengthMismatch {
+                        expected: n,
+                        got: covered,
+                    },
+                ));
+            };
+            let take = (end - covered).min(x.len());
+            let (xa, xb) = x.split_at(take);
+            *x = xb;
+            let ra = match r.take() {
+                Some(whole) => {
+                    let (ra, rb) = whole.split_at_mut(take);
+                    *r = Some(rb);
+                    Some(ra)
+                }
+                None => None,
+            };
+            pieces.push((*i, xa, ra));
+            covered += take;
+            if x.is_empty() {
+                next += 1;
+            }
+        }
+        jobs.push(ChunkJob {
+            start,
+            scales: s_piece,
+            body: b_piece,
+            pieces,
+            result: Ok(0.0),
+        });
+        start = end;
+    }
+    exec.for_each_with(
+        &mut jobs,
+        || Lease::take(&bufs.chunk_pool),
+        |lease, _, job| {
+            job.result = run_chunk(&f, job, &mut lease.buf);
+        },
+    );
+    for job in &jobs {
+        let m = match &job.result {
+            Ok(m) => *m,
+            Err(e) => return Err(locate(&spans, *e)),
+        };
+        for &(i, _, ref r) in &job.pieces {
+            if r.is_some() {
+                bufs.bounds[i] = bufs.bounds[i].max(m);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A piece of a part in [`walk_chunks`]: the part's index, its values, its residual.
+type Piece<'p> = (usize, &'p [f32], Option<&'p mut [f32]>);
+
+/// One chunk of [`walk_chunks`]: where it starts in the shard, its pieces of the frame's
+/// sections, its pieces of the parts (part index, values, residual), and its result (the
+/// largest magnitude of its new residual).
+struct ChunkJob<'f, 'p> {
+    start: usize,
+    scales: &'f mut [u8],
+    body: &'f mut [u8],
+    pieces: Vec<Piece<'p>>,
+    result: std::result::Result<f32, gradwire_core::Error>,
+}
+
+/// Runs one chunk: on the part's own slices when the chunk lies in one part, else on copies in
+/// `spare` (values, then residual), the residual copied back.
+fn run_chunk<F>(
+    f: &F,
+    job: &mut ChunkJob<'_, '_>,
+    spare: &mut (Vec<f32>, Vec<f32>),
+) -> std::result::Result<f32, gradwire_core::Error>
+where
+    F: Fn(
         usize,
         &[f32],
         Option<&mut [f32]>,
         &mut (&mut [u8], &mut [u8]),
     ) -> std::result::Result<(), gradwire_core::Error>,
 {
-    let n = sections.n();
-    let chunk = CHUNK.div_ceil(sections.align()).max(1) * sections.align();
-    let mut first = 0usize;
-    let mut start = 0usize;
-    while start < n {
-        let end = (start + chunk).min(n);
-        while first < parts.len() && parts[first].at + parts[first].x.len() <= start {
-            first += 1;
-        }
-        let mut pieces = sections
-            .pieces_mut(frame, start, end)
-            .map_err(|e| (None, e))?;
-        let part = parts.get_mut(first).ok_or((
-            None,
-            gradwire_core::Error::LengthMismatch {
-                expected: n,
-                got: start,
-            },
-        ))?;
-        if part.at <= start && end <= part.at + part.x.len() {
-            let (a, b) = (start - part.at, end - part.at);
-            let mut r = part.residual.as_deref_mut().map(|r| &mut r[a..b]);
-            f(start, &part.x[a..b], r.as_deref_mut(), &mut pieces)
-                .map_err(|e| (Some(part.tensor), to_part(e, part.at)))?;
-            if let Some(r) = r {
-                // The chunk's residual is in cache: its bound costs little.
-                let m = gradwire_core::ResidualBound::of(r).max_abs();
-                bufs.bounds[first] = bufs.bounds[first].max(m);
-            }
-        } else {
-            let with_residual = part.residual.is_some();
-            bufs.chunk_x.clear();
-            bufs.chunk_r.clear();
-            for p in parts[first..].iter() {
-                if p.at >= end {
-                    break;
-                }
-                let (a, b) = (start.max(p.at) - p.at, end.min(p.at + p.x.len()) - p.at);
-                bufs.chunk_x.extend_from_slice(&p.x[a..b]);
-                if let Some(r) = p.residual.as_deref() {
-                    bufs.chunk_r.extend_from_slice(&r[a..b]);
-                }
-            }
-            let r = with_residual.then_some(&mut bufs.chunk_r[..]);
-            f(start, &bufs.chunk_x, r, &mut pieces).map_err(|e| {
-                // Name the tensor of the chunk's bad element.
-                let located = match e {
-                    gradwire_core::Error::NonFinite { index }
-                    | gradwire_core::Error::ValueOutOfRange { index } => parts[first..]
-                        .iter()
-                        .find(|p| index < p.at + p.x.len())
-                        .map(|p| {
-                            let local = index - p.at;
-                            let e = match e {
-                                gradwire_core::Error::NonFinite { .. } => {
-                                    gradwire_core::Error::NonFinite { index: local }
-                                }
-                                _ => gradwire_core::Error::ValueOutOfRange { index: local },
-                            };
-                            (Some(p.tensor), e)
-                        }),
-                    _ => None,
-                };
-                located.unwrap_or((None, e))
-            })?;
-            if with_residual {
-                let m = gradwire_core::ResidualBound::of(&bufs.chunk_r).max_abs();
-                let mut from = 0usize;
-                for (i, p) in parts.iter_mut().enumerate().skip(first) {
-                    if p.at >= end {
-                        break;
-                    }
-                    bufs.bounds[i] = bufs.bounds[i].max(m);
-                    let (a, b) = (start.max(p.at) - p.at, end.min(p.at + p.x.len()) - p.at);
-                    if let Some(r) = p.residual.as_deref_mut() {
-                        r[a..b].copy_from_slice(&bufs.chunk_r[from..from + (b - a)]);
-                    }
-                    from += b - a;
-                }
-            }
-        }
-        start = end;
+    let mut frame_pieces = (&mut *job.scales, &mut *job.body);
+    if let [(_, x, r)] = &mut job.pieces[..] {
+        f(job.start, x, r.as_deref_mut(), &mut frame_pieces)?;
+        // The chunk's residual is in cache: its bound costs little.
+        return Ok(r
+            .as_deref()
+            .map_or(0.0, |r| gradwire_core::ResidualBound::of(r).max_abs()));
     }
-    Ok(())
+    let (cx, cr) = spare;
+    cx.clear();
+    cr.clear();
+    let with_residual = job.pieces.first().is_some_and(|p| p.2.is_some());
+    for (_, x, r) in &job.pieces {
+        cx.extend_from_slice(x);
+        if let Some(r) = r {
+            cr.extend_from_slice(r);
+        }
+    }
+    let r = with_residual.then_some(&mut cr[..]);
+    f(job.start, cx, r, &mut frame_pieces)?;
+    if !with_residual {
+        return Ok(0.0);
+    }
+    let m = gradwire_core::ResidualBound::of(cr).max_abs();
+    let mut from = 0usize;
+    for (_, _, r) in job.pieces.iter_mut() {
+        if let Some(r) = r {
+            r.copy_from_slice(&cr[from..from + r.len()]);
+            from += r.len();
+        }
+    }
+    Ok(m)
+}
+
+/// The error `e` of a chunk (a core error naming a shard index) as the error of the tensor whose
+/// part holds that element, naming its index in the part; `spans` holds each part's `(at, len,
+/// tensor)`.
+fn locate(
+    spans: &[(usize, usize, usize)],
+    e: gradwire_core::Error,
+) -> (Option<usize>, gradwire_core::Error) {
+    match e {
+        gradwire_core::Error::NonFinite { index }
+        | gradwire_core::Error::ValueOutOfRange { index } => spans
+            .iter()
+            .find(|&&(at, len, _)| at <= index && index < at + len)
+            .map_or((None, e), |&(at, _, tensor)| (Some(tensor), to_part(e, at))),
+        _ => (None, e),
+    }
 }
 
 /// A core error naming shard index `index` as the error naming `index - at` (the index in the
@@ -505,11 +693,12 @@ pub(crate) enum Apply {
 
 /// Puts `frame`'s decoded values (a frame of owner `j`'s shard, checked here against `params`
 /// as the core's decoder checks it) into `targets` (the shard's parts with elements, in shard
-/// order, covering the shard), as `how` says.
+/// order, covering the shard), as `how` says; a sparse frame's zeros written on `exec`.
 ///
 /// # Errors
 /// The core's error for a frame that does not decode as expected; with a dense-shaped frame,
 /// targets before the failing chunk have their values then.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn apply_frame(
     layout: &ShardLayout,
     j: usize,
@@ -518,6 +707,7 @@ pub(crate) fn apply_frame(
     targets: &mut [Target<'_>],
     how: Apply,
     bufs: &mut Buffers,
+    exec: Exec,
 ) -> std::result::Result<(), gradwire_core::Error> {
     let n = layout.shard_lens[j];
     if matches!(params.method, Method::TopK { .. }) {
@@ -528,9 +718,7 @@ pub(crate) fn apply_frame(
         sparse.indices(&mut bufs.kept)?;
         sparse.values(0, &mut bufs.values)?;
         if how == Apply::Write {
-            for target in targets.iter_mut() {
-                target.data.fill(0.0);
-            }
+            exec.for_each(targets, |_, target| target.data.fill(0.0));
         }
         let mut t = 0usize;
         for (&i, &v) in bufs.kept.iter().zip(&bufs.values) {
@@ -803,9 +991,15 @@ mod tests {
                             &mut []
                         };
                         let mut parts = parts_of(&layout, j, &slices, taken);
-                        let len =
-                            encode_parts(&layout, j, &mut parts, &params, &mut bufs, &mut frame)
-                                .unwrap();
+                        // On the pool and on one thread by turns: the same bytes either way.
+                        let exec = match (j + usize::from(with_residual)) % 2 {
+                            0 => Exec::Pool,
+                            _ => Exec::Serial,
+                        };
+                        let len = encode_parts(
+                            &layout, j, &mut parts, &params, &mut bufs, &mut frame, exec,
+                        )
+                        .unwrap();
                         // Each part's bound holds for its new residual (zero-mask sign keeps
                         // none: infinite).
                         if with_residual {
@@ -847,6 +1041,7 @@ mod tests {
                             &mut targets,
                             Apply::Add,
                             &mut bufs,
+                            exec,
                         )
                         .unwrap();
                         drop(targets);
@@ -865,6 +1060,7 @@ mod tests {
                             &mut targets,
                             Apply::Write,
                             &mut bufs,
+                            exec,
                         )
                         .unwrap();
                         drop(targets);
