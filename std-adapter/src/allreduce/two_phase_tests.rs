@@ -13,7 +13,7 @@ use gradwire::core::{K, Method, Values};
 use gradwire::tensor::Tensor;
 use gradwire::{
     Aggregator, BucketConfig, Collective, CompressedAllReduce, CompressionMethod, Error,
-    GradientCompressor, Manifest, Reduction,
+    GradientCompressor, Manifest, Parallelism, Reduction,
 };
 
 /// Rank `r`'s gradients at step `s`: a few tensors of several sizes (one smaller than a
@@ -1235,25 +1235,36 @@ fn an_owner_sum_out_of_range_names_the_tensor_element() {
                 ("c.big2", &[150_000], big2),
             ])
         };
-        let runs = run_group(
-            W,
-            1,
-            |c| {
-                CompressedAllReduce::with_communicator(CompressionMethod::Float16, c)
-                    .with_reduction(Reduction::Sum)
-                    .with_collective(Collective::TwoPhase)
-            },
-            grads_of,
-        );
-        // The owner returns its own error, its peer names the owner with the same reason.
-        for (rank, steps) in runs.iter().enumerate() {
-            let err = steps[0].0.as_ref().unwrap_err();
-            assert!(
-                err.contains(&format!(
-                    "tensor `{tensor}`: value at index {at} is out of range"
-                )),
-                "rank {rank}, {tensor}[{at}]: {err}"
+        // On one thread and on the pool (the chunks as pool tasks): the same error.
+        let mut errors = Vec::new();
+        for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+            let runs = run_group(
+                W,
+                1,
+                move |c| {
+                    CompressedAllReduce::with_communicator(CompressionMethod::Float16, c)
+                        .with_reduction(Reduction::Sum)
+                        .with_collective(Collective::TwoPhase)
+                        .with_parallelism(parallelism)
+                },
+                grads_of,
             );
+            // The owner returns its own error, its peer names the owner with the same reason.
+            for (rank, steps) in runs.iter().enumerate() {
+                let err = steps[0].0.as_ref().unwrap_err();
+                assert!(
+                    err.contains(&format!(
+                        "tensor `{tensor}`: value at index {at} is out of range"
+                    )),
+                    "rank {rank}, {tensor}[{at}], {parallelism:?}: {err}"
+                );
+                errors.push(err.clone());
+            }
         }
+        assert_eq!(
+            errors[..W],
+            errors[W..],
+            "{tensor}: serial and pooled errors"
+        );
     }
 }

@@ -224,9 +224,9 @@ pub(crate) fn first_bad(
 ///
 /// # Errors
 /// Core errors named by tensor and index: a NaN or infinite `x + residual`, or one beyond the
-/// value type's range (the worker checks its sums first, so only the owner meets these);
-/// residuals of parts and chunks already encoded have changed then (the owner restores its
-/// server residual from a copy).
+/// value type's range (the worker checks its sums first, so only the owner meets these); the
+/// first in shard order is returned, and the residuals of every other part or chunk may have
+/// changed then (the owner restores its server residual from a copy).
 pub(crate) fn encode_parts(
     layout: &ShardLayout,
     j: usize,
@@ -507,28 +507,25 @@ where
     let (scales, body) = sections.pieces_mut(frame, 0, n).map_err(|e| (None, e))?;
     let (s_all, b_all) = sections.ranges(0, n).map_err(|e| (None, e))?;
     // The jobs: each chunk's pieces of the sections, and its pieces of the parts, cut in shard
-    // order (a list of about n / 2^16 entries, made each call).
+    // order (lists of about n / 2^16 entries, made each call: a few allocations, not one a
+    // chunk).
     let spans: Vec<(usize, usize, usize)> =
         parts.iter().map(|p| (p.at, p.x.len(), p.tensor)).collect();
-    let mut jobs: Vec<ChunkJob<'_, '_>> = Vec::with_capacity(n.div_ceil(chunk));
     let (mut scales, mut body) = (scales, body);
+    // The chunks' pieces of the parts, in one list (a chunk's are consecutive), then one job
+    // per chunk holding its run of them.
     let mut rest: Vec<Piece<'_>> = parts
         .iter_mut()
         .enumerate()
         .map(|(i, p)| (i, p.x, p.residual.as_deref_mut()))
         .collect();
+    let chunks = n.div_ceil(chunk);
+    let mut pieces: Vec<Piece<'_>> = Vec::with_capacity(chunks + rest.len());
+    let mut counts: Vec<usize> = Vec::with_capacity(chunks);
     let mut next = 0usize;
-    let mut start = 0usize;
-    while start < n {
-        let end = (start + chunk).min(n);
-        let (sr, br) = sections.ranges(start, end).map_err(|e| (None, e))?;
-        debug_assert!(sr.start - s_all.start == s_all.len() - scales.len());
-        debug_assert!(br.start - b_all.start == b_all.len() - body.len());
-        let (s_piece, s_rest) = std::mem::take(&mut scales).split_at_mut(sr.len());
-        let (b_piece, b_rest) = std::mem::take(&mut body).split_at_mut(br.len());
-        scales = s_rest;
-        body = b_rest;
-        let mut pieces = Vec::new();
+    for c in 0..chunks {
+        let (start, end) = (c * chunk, ((c + 1) * chunk).min(n));
+        let before = pieces.len();
         let mut covered = start;
         while covered < end {
             let Some((i, x, r)) = rest.get_mut(next) else {
@@ -557,14 +554,29 @@ where
                 next += 1;
             }
         }
+        counts.push(pieces.len() - before);
+    }
+    let mut jobs: Vec<ChunkJob<'_, '_>> = Vec::with_capacity(chunks);
+    let mut pieces_rest = &mut pieces[..];
+    for (c, &count) in counts.iter().enumerate() {
+        let start = c * chunk;
+        let end = (start + chunk).min(n);
+        let (sr, br) = sections.ranges(start, end).map_err(|e| (None, e))?;
+        debug_assert!(sr.start - s_all.start == s_all.len() - scales.len());
+        debug_assert!(br.start - b_all.start == b_all.len() - body.len());
+        let (s_piece, s_rest) = std::mem::take(&mut scales).split_at_mut(sr.len());
+        let (b_piece, b_rest) = std::mem::take(&mut body).split_at_mut(br.len());
+        scales = s_rest;
+        body = b_rest;
+        let (mine, later) = std::mem::take(&mut pieces_rest).split_at_mut(count);
+        pieces_rest = later;
         jobs.push(ChunkJob {
             start,
             scales: s_piece,
             body: b_piece,
-            pieces,
+            pieces: mine,
             result: Ok(0.0),
         });
-        start = end;
     }
     exec.for_each_with(
         &mut jobs,
@@ -576,9 +588,15 @@ where
     for job in &jobs {
         let m = match &job.result {
             Ok(m) => *m,
-            Err(e) => return Err(locate(&spans, *e)),
+            Err(e) => {
+                return Err(match (locate(&spans, *e), &*job.pieces) {
+                    // An error without an element (a defect): the tensor of a one-part chunk.
+                    ((None, e), [(i, _, _)]) => (Some(spans[*i].2), e),
+                    (located, _) => located,
+                });
+            }
         };
-        for &(i, _, ref r) in &job.pieces {
+        for &(i, _, ref r) in job.pieces.iter() {
             if r.is_some() {
                 bufs.bounds[i] = bufs.bounds[i].max(m);
             }
@@ -597,7 +615,7 @@ struct ChunkJob<'f, 'p> {
     start: usize,
     scales: &'f mut [u8],
     body: &'f mut [u8],
-    pieces: Vec<Piece<'p>>,
+    pieces: &'f mut [Piece<'p>],
     result: std::result::Result<f32, gradwire_core::Error>,
 }
 
@@ -628,7 +646,7 @@ where
     cx.clear();
     cr.clear();
     let with_residual = job.pieces.first().is_some_and(|p| p.2.is_some());
-    for (_, x, r) in &job.pieces {
+    for (_, x, r) in job.pieces.iter() {
         cx.extend_from_slice(x);
         if let Some(r) = r {
             cr.extend_from_slice(r);

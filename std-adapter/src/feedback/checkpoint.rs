@@ -264,7 +264,13 @@ impl ErrorFeedback {
                 .seek(SeekFrom::Start(data_start + start as u64))
                 .map_err(on_io)?;
             let len = (end - start) / 4;
-            let mut r: Vec<f32> = Vec::with_capacity(len);
+            // Bounded by the file's length, and refused rather than aborting when it cannot be
+            // had (a sparse file can claim far more than memory).
+            let mut r: Vec<f32> = Vec::new();
+            r.try_reserve_exact(len).map_err(|_| Error::OutOfMemory {
+                tensor: name.clone(),
+                elements: len,
+            })?;
             // NaN and infinity are named before a value out of range anywhere in the residual.
             let mut out_of_range = None;
             while r.len() < len {
@@ -334,7 +340,8 @@ impl ErrorFeedback {
     /// # Errors
     /// [`Error::Io`] naming the file when opening or reading fails; [`Error::Checkpoint`] for a
     /// path that is not a regular file (a FIFO or a device: its length is not known before
-    /// reading); otherwise as [`ErrorFeedback::from_bytes`].
+    /// reading); [`Error::OutOfMemory`] naming a residual whose memory cannot be had (a sparse
+    /// file can claim more than the machine holds); otherwise as [`ErrorFeedback::from_bytes`].
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let (mut file, len) = open_regular(path)?;
@@ -400,6 +407,19 @@ pub(crate) fn write_checkpoint(
         .zip(&lens)
         .map(|(r, n)| r.shape.unwrap_or(n))
         .collect();
+    // The header's offsets come from the shapes, the data from the values: they must agree, or
+    // the file would not load.
+    if let Some((r, shape)) = residuals
+        .iter()
+        .zip(&shapes)
+        .find(|(r, s)| crate::tensor::numel(s) != Some(r.values.len()))
+    {
+        return Err(Error::checkpoint(format!(
+            "residual `{}` has {} values, its shape {shape:?} another count",
+            r.name,
+            r.values.len()
+        )));
+    }
     let method = method::format(method);
     let (seed, step) = (seed.to_string(), step.to_string());
     let unshaped: Vec<&str> = residuals
@@ -483,15 +503,17 @@ pub(crate) fn open_regular(path: &Path) -> Result<(File, u64)> {
     Ok((file, meta.len()))
 }
 
-/// Writes a file through `write` into a new file beside `path` (`path` with `.partial-<pid>`
-/// appended), then renames it over `path`: a failed or interrupted save leaves the file that
-/// was there. Buffered 1 MiB at a time; not synced to disk (a caller that needs the file to
-/// survive a power loss syncs it).
+/// Writes a file through `write` into a new file beside `path` (`path` with
+/// `.partial-<pid>-<count>` appended, created new: never an existing file or a link), then
+/// renames it over `path`: a failed save leaves the file that was there (a process killed
+/// mid-save leaves its partial file too). Buffered 1 MiB at a time; not synced to disk (a caller
+/// that needs the file to survive a power loss syncs it). `path` itself is replaced: a link
+/// there becomes a regular file, and the old file's mode is not kept.
 ///
 /// # Errors
 /// [`Error::Checkpoint`] for a `path` that exists and is not a regular file (writing through a
-/// rename would replace a FIFO or a device); [`Error::Io`] naming the file when writing or
-/// renaming fails (the partial file is removed); `write`'s error.
+/// rename would replace a FIFO or a device); [`Error::Io`] naming `path` when creating, writing
+/// or renaming fails (the partial file is removed); `write`'s error.
 pub(crate) fn write_replacing(
     path: &Path,
     write: impl FnOnce(&mut BufWriter<File>, &dyn Fn(std::io::Error) -> Error) -> Result<()>,
@@ -504,14 +526,22 @@ pub(crate) fn write_replacing(
             path.display()
         )));
     }
+    // A name no other save of this process uses at the same time, made new (never an existing
+    // file or a link planted there).
+    static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let save = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut partial = path.as_os_str().to_owned();
-    partial.push(format!(".partial-{}", std::process::id()));
+    partial.push(format!(".partial-{}-{save}", std::process::id()));
     let partial = PathBuf::from(partial);
+    let file = File::options()
+        .write(true)
+        .create_new(true)
+        .open(&partial)
+        .map_err(io_error(path))?;
     let result = (|| {
-        let file = File::create(&partial).map_err(io_error(&partial))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
-        write(&mut out, &io_error(&partial))?;
-        out.flush().map_err(io_error(&partial))?;
+        write(&mut out, &io_error(path))?;
+        out.flush().map_err(io_error(path))?;
         drop(out);
         std::fs::rename(&partial, path).map_err(io_error(path))
     })();
