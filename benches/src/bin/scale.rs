@@ -1255,15 +1255,19 @@ fn checkpoint_phase(
     let rank = resume_comm.rank();
     let lead = rank == 0;
     let dir = std::env::temp_dir().join(format!("gradwire-scale-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // No early return before the barriers below (every rank must reach them): a directory
+    // that cannot be made shows as the saves' error.
+    let _ = std::fs::create_dir_all(&dir);
     let worker = dir.join(format!("worker-{rank}"));
     let server = dir.join(format!("server-{rank}"));
     let two_phase = ar.collective_in_use() == Some(Collective::TwoPhase);
     let mut timing = CheckpointTiming::default();
 
+    // A failed reset leaves the peaks unknown (null), never a rank waiting at a barrier.
+    let mut reset = true;
     shared.barrier.wait();
     if lead {
-        reset_peak()?;
+        reset = reset_peak().is_ok();
     }
     shared.barrier.wait();
     let t0 = Instant::now();
@@ -1277,13 +1281,13 @@ fn checkpoint_phase(
     shared.barrier.wait();
     if lead {
         timing.save_s = t0.elapsed().as_secs_f64();
-        timing.save_hwm = proc_status("VmHWM").ok();
+        timing.save_hwm = proc_status("VmHWM").ok().filter(|_| reset);
     }
     drop(ar);
 
     shared.barrier.wait();
     if lead {
-        reset_peak()?;
+        reset = reset_peak().is_ok();
     }
     shared.barrier.wait();
     let t0 = Instant::now();
@@ -1299,14 +1303,15 @@ fn checkpoint_phase(
     shared.barrier.wait();
     if lead {
         timing.load_s = t0.elapsed().as_secs_f64();
-        timing.load_hwm = proc_status("VmHWM").ok();
+        timing.load_hwm = proc_status("VmHWM").ok().filter(|_| reset);
     }
     let size = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
     timing.bytes = size(&worker) + size(&server);
-    drop(loaded.map_err(|e| e.to_string())?);
+    // Removed whatever happened (the last rank out removes the directory).
     std::fs::remove_file(&worker).ok();
     std::fs::remove_file(&server).ok();
     std::fs::remove_dir(&dir).ok();
+    drop(loaded.map_err(|e| e.to_string())?);
     Ok(timing)
 }
 

@@ -61,7 +61,8 @@ pub(crate) struct Step<'a> {
     pub(crate) step: u64,
     pub(crate) config: &'a Config,
     pub(crate) reduction: Reduction,
-    /// Where the selection of each tensor's part runs (top-k).
+    /// Where the step's pieces run (the parts' selections, the frames' chunks, the checks and
+    /// passes over the parts): on the calling thread or on the pool, with the same results.
     pub(crate) exec: Exec,
 }
 

@@ -263,18 +263,19 @@ impl ErrorFeedback {
             input
                 .seek(SeekFrom::Start(data_start + start as u64))
                 .map_err(on_io)?;
-            let len = (end - start) / 4;
+            let elements = (end - start) / 4;
             // Bounded by the file's length, and refused rather than aborting when it cannot be
             // had (a sparse file can claim far more than memory).
             let mut r: Vec<f32> = Vec::new();
-            r.try_reserve_exact(len).map_err(|_| Error::OutOfMemory {
-                tensor: name.clone(),
-                elements: len,
-            })?;
+            r.try_reserve_exact(elements)
+                .map_err(|_| Error::OutOfMemory {
+                    tensor: name.clone(),
+                    elements,
+                })?;
             // NaN and infinity are named before a value out of range anywhere in the residual.
             let mut out_of_range = None;
-            while r.len() < len {
-                let count = READ_BLOCK.min(len - r.len());
+            while r.len() < elements {
+                let count = READ_BLOCK.min(elements - r.len());
                 let bytes = &mut block[..4 * count];
                 input.read_exact(bytes).map_err(on_io)?;
                 crc.update(bytes);
