@@ -252,7 +252,7 @@ pub(crate) fn encode_parts(
             &sections,
             parts,
             bufs,
-            |start, x, residual, frame_pieces: &mut (&mut [u8], &mut [u8])| {
+            &|start, x, residual, frame_pieces: &mut (&mut [u8], &mut [u8])| {
                 let (scales, body) = frame_pieces;
                 match residual {
                     Some(r) => step_chunk(&sections, params, start, x, r, scales, body),
@@ -485,23 +485,14 @@ fn scatter_targets(from: &[f32], targets: &mut [Target<'_>]) {
 ///
 /// # Errors
 /// The first failing chunk's error (in shard order), with the tensor of the element it names.
-fn walk_chunks<F>(
+fn walk_chunks(
     sections: &Sections,
     parts: &mut [Part<'_>],
     bufs: &mut Buffers,
-    f: F,
+    f: &ChunkStep<'_>,
     frame: &mut [u8],
     exec: Exec,
-) -> std::result::Result<(), (Option<usize>, gradwire_core::Error)>
-where
-    F: Fn(
-            usize,
-            &[f32],
-            Option<&mut [f32]>,
-            &mut (&mut [u8], &mut [u8]),
-        ) -> std::result::Result<(), gradwire_core::Error>
-        + Sync,
-{
+) -> std::result::Result<(), (Option<usize>, gradwire_core::Error)> {
     let n = sections.n();
     let chunk = CHUNK.div_ceil(sections.align()).max(1) * sections.align();
     let (scales, body) = sections.pieces_mut(frame, 0, n).map_err(|e| (None, e))?;
@@ -582,7 +573,7 @@ where
         &mut jobs,
         || Lease::take(&bufs.chunk_pool),
         |lease, _, job| {
-            job.result = run_chunk(&f, job, &mut lease.buf);
+            job.result = run_chunk(f, job, &mut lease.buf);
         },
     );
     for job in &jobs {
@@ -605,6 +596,17 @@ where
     Ok(())
 }
 
+/// What [`walk_chunks`] runs on each chunk: `(start in the shard, values, residual, (scales
+/// piece, body piece))`.
+type ChunkStep<'a> = dyn Fn(
+        usize,
+        &[f32],
+        Option<&mut [f32]>,
+        &mut (&mut [u8], &mut [u8]),
+    ) -> std::result::Result<(), gradwire_core::Error>
+    + Sync
+    + 'a;
+
 /// A piece of a part in [`walk_chunks`]: the part's index, its values, its residual.
 type Piece<'p> = (usize, &'p [f32], Option<&'p mut [f32]>);
 
@@ -621,19 +623,11 @@ struct ChunkJob<'f, 'p> {
 
 /// Runs one chunk: on the part's own slices when the chunk lies in one part, else on copies in
 /// `spare` (values, then residual), the residual copied back.
-fn run_chunk<F>(
-    f: &F,
+fn run_chunk(
+    f: &ChunkStep<'_>,
     job: &mut ChunkJob<'_, '_>,
     spare: &mut (Vec<f32>, Vec<f32>),
-) -> std::result::Result<f32, gradwire_core::Error>
-where
-    F: Fn(
-        usize,
-        &[f32],
-        Option<&mut [f32]>,
-        &mut (&mut [u8], &mut [u8]),
-    ) -> std::result::Result<(), gradwire_core::Error>,
-{
+) -> std::result::Result<f32, gradwire_core::Error> {
     let mut frame_pieces = (&mut *job.scales, &mut *job.body);
     if let [(_, x, r)] = &mut job.pieces[..] {
         f(job.start, x, r.as_deref_mut(), &mut frame_pieces)?;
