@@ -28,7 +28,7 @@ use gradwire_core::select::{Kept, topk_kept, topk_kept_sum_into};
 use gradwire_core::values::{first_at_or_above, magnitude_limit};
 use gradwire_core::{Method, Params, encode_kept_segmented_into, peek};
 
-use super::Exec;
+use super::{Exec, Pool, grow};
 use crate::error::{Error, Result};
 use crate::layout::shards::ShardLayout;
 
@@ -112,9 +112,9 @@ pub(crate) struct Buffers {
     scratch: Vec<u32>,
     /// Selection scratch, one per task running at once (taken and given back by each task;
     /// on one thread, one in all), kept between steps.
-    select: std::sync::Mutex<Vec<Vec<u32>>>,
+    select: Pool<Vec<u32>>,
     /// Copies of chunks that span two parts (values, residual), one pair per task, likewise.
-    chunk_pool: std::sync::Mutex<Vec<(Vec<f32>, Vec<f32>)>>,
+    chunk_pool: Pool<(Vec<f32>, Vec<f32>)>,
     /// Each part's selection: whether it succeeded, and how many entries it kept.
     part_kept: Vec<PartKept>,
     kept: Vec<u32>,
@@ -143,44 +143,6 @@ impl Buffers {
 struct PartKept {
     ok: bool,
     count: usize,
-}
-
-/// A buffer taken from one of [`Buffers`]' pools (selection scratch, chunk copies) for one task
-/// and given back when dropped, so that a pool holds one per task that ran at once, kept between
-/// steps (rayon calls a task's `init` once per piece of work it splits off, not once per call).
-struct Lease<'p, T: Default> {
-    pool: &'p std::sync::Mutex<Vec<T>>,
-    buf: T,
-}
-
-impl<'p, T: Default> Lease<'p, T> {
-    fn take(pool: &'p std::sync::Mutex<Vec<T>>) -> Self {
-        let buf = pool
-            .lock()
-            .ok()
-            .and_then(|mut free| free.pop())
-            .unwrap_or_default();
-        Lease { pool, buf }
-    }
-}
-
-impl Lease<'_, Vec<u32>> {
-    /// The first `need` words, grown to them if shorter.
-    fn get(&mut self, need: usize) -> &mut [u32] {
-        if self.buf.len() < need {
-            self.buf.resize(need, 0);
-        }
-        &mut self.buf[..need]
-    }
-}
-
-impl<T: Default> Drop for Lease<'_, T> {
-    fn drop(&mut self) {
-        // A poisoned pool (a task panicked) only loses the buffer.
-        if let Ok(mut free) = self.pool.lock() {
-            free.push(std::mem::take(&mut self.buf));
-        }
-    }
 }
 
 /// The error of element `i` of `part` (a core error naming an index in the part) as the
@@ -297,10 +259,13 @@ pub(crate) fn encode_parts(
         }
         exec.for_each_with(
             &mut jobs,
-            || Lease::take(pool),
+            || pool.lease(),
             |lease, _, (part, idx, bits, out)| {
                 let k = layout.tensors[part.tensor].budgets[j] as usize;
-                let sel = lease.get(gradwire_core::select::kept_scratch_len(part.x.len(), k));
+                let need = gradwire_core::select::kept_scratch_len(part.x.len(), k);
+                let scratch = lease.get();
+                grow(scratch, need);
+                let sel = &mut scratch[..need];
                 let kept = match part.residual.as_deref_mut() {
                     Some(r) => topk_kept_sum_into(part.x, r, k, limit, sel),
                     None => topk_kept(part.x, k, limit, sel),
@@ -571,9 +536,9 @@ fn walk_chunks(
     }
     exec.for_each_with(
         &mut jobs,
-        || Lease::take(&bufs.chunk_pool),
+        || bufs.chunk_pool.lease(),
         |lease, _, job| {
-            job.result = run_chunk(f, job, &mut lease.buf);
+            job.result = run_chunk(f, job, lease.get());
         },
     );
     for job in &jobs {
