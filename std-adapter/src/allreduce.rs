@@ -101,7 +101,7 @@ pub struct CompressedAllReduce {
     rank_seen: usize,
     /// Bytes of this rank's compressed gradient in the last step.
     message_bytes: usize,
-    /// The largest buffer the dense route passes to the communicator, in bytes.
+    /// The largest buffer a step passes to the communicator, in bytes (every route).
     chunk_bytes: usize,
     flat: Vec<f32>,
     aggregator: Aggregator,
@@ -118,11 +118,13 @@ fn group_config(
     reduction: Reduction,
     bucketing: &BucketConfig,
     collective: &str,
+    chunk_bytes: usize,
 ) -> Config {
     Config::new(
         [
             ("world_size", world_size.to_string()),
             ("collective", collective.to_owned()),
+            ("chunk_bytes", chunk_bytes.to_string()),
             ("method", crate::method::format(manifest.method())),
             ("seed", manifest.seed().to_string()),
             ("reduction", format!("{reduction:?}")),
@@ -325,11 +327,16 @@ impl CompressedAllReduce {
         self
     }
 
-    /// The same all-reduce passing buffers of at most `bytes` (8 MiB by default, at least one
-    /// element) to the communicator on the uncompressed f32 route: the model crosses it in
-    /// chunks of that size (one [`Communicator::all_reduce_sum_f32`] each, summed in rank order
-    /// as one call over the whole model would be: the same bits), and the step keeps one chunk,
-    /// not a copy of the model. Every rank should use the same bound (the calls must match).
+    /// The same all-reduce passing buffers of at most `bytes` (8 MiB by default) to the
+    /// communicator, on every route. Uncompressed f32: the model crosses it in chunks of that
+    /// size (at least one element; one [`Communicator::all_reduce_sum_f32`] each, summed in
+    /// rank order as one call over the whole model would be: the same bits), and the step
+    /// keeps one chunk, not a copy of the model. All-gather and two-phase: each message goes
+    /// in windows of that size, one call each, so that the transport's deadline applies per
+    /// window and not to a whole model-sized message on a slow link (a message that fits is
+    /// one call, as before; a longer one adds a header call of 16 bytes per rank, `8 (W + 1)`
+    /// on the two-phase all-to-all). The bound is part of the configuration the ranks compare:
+    /// every rank must use the same.
     pub fn with_chunk_bytes(mut self, bytes: usize) -> Self {
         self.chunk_bytes = bytes;
         self
@@ -615,9 +622,9 @@ impl CompressedAllReduce {
                 let failed = Local::Failed { manifest, error };
                 let result = self.collective.run(
                     comm,
-                    self.world_size,
                     failed,
                     self.reduction,
+                    self.chunk_bytes,
                     &mut self.aggregator,
                     out,
                 );
@@ -632,6 +639,7 @@ impl CompressedAllReduce {
             self.reduction,
             &self.bucketing,
             "all-gather",
+            self.chunk_bytes,
         );
         let local = Local::Bundle {
             manifest,
@@ -644,9 +652,9 @@ impl CompressedAllReduce {
         // the shapes), a corrupted bundle.
         let result = self.collective.run(
             comm,
-            self.world_size,
             local,
             self.reduction,
+            self.chunk_bytes,
             &mut self.aggregator,
             out,
         );
@@ -675,15 +683,10 @@ impl CompressedAllReduce {
         let step = self.compressor.step();
         let seed = self.compressor.seed();
         let reduction = self.reduction;
-        // The dense route's chunk bound is part of its configuration: ranks with other bounds
-        // would make calls of other lengths.
         let name = if route == Route::Dense {
-            format!(
-                "all-reduce-f32 in chunks of at most {} bytes",
-                self.chunk_bytes
-            )
+            "all-reduce-f32"
         } else {
-            "two-phase".to_owned()
+            "two-phase"
         };
         let world_size = self.world_size;
         let bucketing = self.bucketing;
@@ -696,7 +699,11 @@ impl CompressedAllReduce {
             Ok(m) => (Some(m), None),
             Err(e) => (None, Some(e)),
         };
-        let config = manifest.map(|m| group_config(world_size, m, reduction, &bucketing, &name));
+        // The chunk bound is part of the configuration: ranks with other bounds would make
+        // calls of other lengths.
+        let chunk_bytes = self.chunk_bytes;
+        let config =
+            manifest.map(|m| group_config(world_size, m, reduction, &bucketing, name, chunk_bytes));
         if route == Route::Dense {
             let local = match (manifest, &config, manifest_error) {
                 (Some(m), Some(c), _) => check_finite(gradients).map(|()| (m, gradients, c, step)),
@@ -728,11 +735,11 @@ impl CompressedAllReduce {
                         reduction,
                         exec,
                     });
-                self.two_phase.run(comm, local, out)
+                self.two_phase.run(comm, local, self.chunk_bytes, out)
             }
             (_, _, _, error) => {
                 let error = error.unwrap_or_else(|| Error::internal("no configuration"));
-                self.two_phase.run(comm, Err(error), out)
+                self.two_phase.run(comm, Err(error), self.chunk_bytes, out)
             }
         };
         self.compressor.set_step(step.wrapping_add(1));

@@ -54,10 +54,12 @@ mod mpi;
 mod reduce;
 #[cfg(any(test, feature = "mpi"))]
 mod rounds;
+mod windows;
 
 pub use self::local::{LocalCommunicator, LocalGroup};
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiCommunicator;
+pub(crate) use self::windows::Windows;
 
 /// How long a call waits for its peers before it fails, by default: far above one dense step of
 /// a large model over a 10 Mbit/s link.

@@ -5,12 +5,13 @@
 //!
 //! `cargo run --release -p gradwire-benches --bin scale -- [--shapes gpt2|opt1.3b|small]
 //! [--small] [--workers 1,2,4] [--methods LIST] [--collectives all-gather,two-phase,auto]
-//! [--parallelism serial,auto] [--steps 4] [--json PATH]`
+//! [--parallelism serial,auto] [--steps 4] [--chunk-bytes 8388608] [--json PATH]`
 //!
 //! Defaults: `--shapes gpt2 --workers 1,2,4 --collectives all-gather,two-phase,auto
-//! --parallelism serial,auto --steps 4` and every method. `--small` runs the `small` shapes at
-//! W = 1 and 3 for 3 steps, every method and collective, serial only (flags given beside it
-//! override those). `--methods` is a comma-separated list of names (`topk-1%-int8-ef`,
+//! --parallelism serial,auto --steps 4 --chunk-bytes 8388608` (the library's default chunk
+//! bound, `CompressedAllReduce::with_chunk_bytes`) and every method. `--small` runs the `small`
+//! shapes at W = 1 and 3 for 3 steps, every method and collective, serial only, with a chunk
+//! bound of 64 KiB (flags given beside it override those). `--methods` is a comma-separated list of names (`topk-1%-int8-ef`,
 //! `sign-ef`, `quant4-ef`, `dense-f32`, `dense-bf16`) or method texts as
 //! `gradwire::method::parse` reads them, with ` +ef` at the end for error feedback (for example
 //! `topk k=ratio:0.001 values=f32 +ef`).
@@ -105,7 +106,9 @@
 //!   map: `Tensor` has no public mutable access to its elements.
 //! - `max_message_bytes`: the largest buffer any rank passed to its communicator
 //!   (`all_gather`: the local buffer; `all_to_all`: the largest per-peer buffer;
-//!   `all_reduce_sum_f32`: 4 x the element count), over all steps (table: "max msg");
+//!   `all_reduce_sum_f32`: 4 x the element count), over all steps (table: "max msg"); at most
+//!   `chunk_bytes` (the row's chunk bound), or the two-phase all-to-all's header of
+//!   `8 (W + 1)` bytes when that is larger;
 //! - `sent_bytes` / `received_bytes`: the communicator's logical counters
 //!   (`CompressedAllReduce::traffic`) over the last step, the maximum over ranks (table:
 //!   "sent/recv");
@@ -165,6 +168,7 @@ const FIELDS: &[&str] = &[
     "collective_in_use",
     "workers",
     "parallelism",
+    "chunk_bytes",
     "steps",
     "step_wall_s",
     "step_cpu_per_rank_s",
@@ -207,7 +211,7 @@ const REPS: usize = 3;
 /// The usage line (`--help` prints it; a bad argument prints it to stderr).
 const USAGE: &str = "usage: scale [--shapes gpt2|opt1.3b|small] [--small] [--workers 1,2,4] \
      [--methods LIST] [--collectives all-gather,two-phase,auto] [--parallelism serial,auto] \
-     [--steps 4] [--json PATH]\n\
+     [--steps 4] [--chunk-bytes 8388608] [--json PATH]\n\
      methods: topk-1%-int8-ef, sign-ef, quant4-ef, dense-f32, dense-bf16, or a method text \
      (`topk k=ratio:0.01 values=int8:256`) with ` +ef` for error feedback";
 
@@ -510,6 +514,8 @@ struct RowSpec {
     workers: usize,
     /// Parallelism text.
     parallelism: String,
+    /// The chunk bound (`CompressedAllReduce::with_chunk_bytes`).
+    chunk_bytes: usize,
     /// S.
     steps: usize,
 }
@@ -523,14 +529,24 @@ impl RowSpec {
             self.collective.clone(),
             self.workers.to_string(),
             self.parallelism.clone(),
+            self.chunk_bytes.to_string(),
             self.steps.to_string(),
         ]
     }
 
     /// The row from the child's arguments.
     fn from_args(a: &[String]) -> Result<Self, String> {
-        let [shapes, method, collective, workers, parallelism, steps] = a else {
-            return Err("--row SHAPES METHOD COLLECTIVE W PARALLELISM STEPS".into());
+        let [
+            shapes,
+            method,
+            collective,
+            workers,
+            parallelism,
+            chunk,
+            steps,
+        ] = a
+        else {
+            return Err("--row SHAPES METHOD COLLECTIVE W PARALLELISM CHUNK_BYTES STEPS".into());
         };
         Ok(RowSpec {
             shapes: shapes.clone(),
@@ -538,6 +554,7 @@ impl RowSpec {
             collective: collective.clone(),
             workers: workers.parse().map_err(|e| format!("W {workers}: {e}"))?,
             parallelism: parallelism.clone(),
+            chunk_bytes: chunk.parse().map_err(|e| format!("chunk {chunk}: {e}"))?,
             steps: steps.parse().map_err(|e| format!("steps {steps}: {e}"))?,
         })
     }
@@ -549,6 +566,7 @@ impl RowSpec {
             .map(|f| ((*f).to_owned(), Value::Null))
             .collect();
         row.insert("shapes".into(), json!(self.shapes));
+        row.insert("chunk_bytes".into(), json!(self.chunk_bytes));
         if let Ok(s) = shape_set(&self.shapes) {
             let n: usize = s.iter().map(|(_, sh)| numel(sh)).sum();
             row.insert("parameters".into(), json!(n));
@@ -1132,6 +1150,7 @@ fn rank_main(
             CompressedAllReduce::with_communicator(m.method.clone(), Box::new(comm))
                 .with_collective(collective.unwrap_or(Collective::AllGather))
                 .with_parallelism(parallelism)
+                .with_chunk_bytes(spec.chunk_bytes)
         });
         let before = ar.traffic();
         let result = ar.all_reduce_into(&grads, &mut out);
@@ -1696,6 +1715,8 @@ struct Options {
     parallelism: Option<Vec<String>>,
     /// S.
     steps: Option<usize>,
+    /// `--chunk-bytes`.
+    chunk_bytes: Option<usize>,
     /// `--json PATH`.
     json: Option<String>,
 }
@@ -1737,6 +1758,10 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
                     ));
                 }
             },
+            "--chunk-bytes" => match v.parse::<usize>() {
+                Ok(c) if c >= 64 => o.chunk_bytes = Some(c),
+                _ => return Err(format!("--chunk-bytes {v}: at least 64")),
+            },
             "--json" => o.json = Some(v.clone()),
             other => return Err(format!("unknown argument {other}")),
         }
@@ -1765,6 +1790,10 @@ fn rows_of(o: &Options) -> Result<Vec<RowSpec>, String> {
     let workers = o.workers.clone().unwrap_or(workers);
     let parallelism = o.parallelism.clone().unwrap_or(parallelism);
     let steps = o.steps.unwrap_or(steps);
+    // `--small` moves its messages in windows of 64 KiB, so that CI runs the windowed path.
+    let chunk_bytes = o
+        .chunk_bytes
+        .unwrap_or(if o.small { 64 << 10 } else { 8 << 20 });
     let methods = o
         .methods
         .clone()
@@ -1812,6 +1841,7 @@ fn rows_of(o: &Options) -> Result<Vec<RowSpec>, String> {
                             collective: c.clone(),
                             workers: w,
                             parallelism: p.clone(),
+                            chunk_bytes,
                             steps,
                         });
                     }

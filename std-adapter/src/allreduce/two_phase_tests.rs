@@ -1013,7 +1013,180 @@ fn ranks_with_other_chunk_bounds_are_told_their_configurations_differ() {
     };
     for (rank, steps) in run_group(2, 1, make, chunked_gradients).iter().enumerate() {
         let err = steps[0].0.as_ref().unwrap_err();
-        assert!(err.contains("chunks of at most"), "rank {rank}: {err}");
+        assert!(err.contains("chunk_bytes is `8192`"), "rank {rank}: {err}");
+    }
+}
+
+/// Compressed methods the windowed messages are tested with: top-k int8 and sign, 4-bit
+/// quantization with error feedback, dense bf16 without.
+fn windowed_methods() -> Vec<CompressionMethod> {
+    vec![
+        CompressionMethod::Core(Method::TopK {
+            k: K::Ratio(0.2),
+            values: Values::Int8 { block: 64 },
+        })
+        .with_error_feedback(),
+        CompressionMethod::SignSGD.with_error_feedback(),
+        CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+        CompressionMethod::Core(Method::Dense {
+            values: Values::Bf16,
+        }),
+    ]
+}
+
+/// Issue 46: on the all-gather and the two-phase collective, messages longer than the chunk
+/// bound cross the communicator in windows (every buffer passed within the bound, but the
+/// two-phase all-to-all's header of 8 (W + 1) bytes), and the results and worker residuals
+/// are bit for bit those of whole messages, on every rank, step after step.
+#[test]
+fn compressed_messages_cross_in_windows_with_the_same_bits() {
+    const W: usize = 3;
+    const STEPS: usize = 3;
+    type Run = Vec<(Vec<Vec<f32>>, Vec<Vec<f32>>, usize)>;
+    let run = |method: CompressionMethod, collective: Collective, chunk: usize| -> Run {
+        let handles: Vec<_> = LocalGroup::new(W)
+            .into_communicators()
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let method = method.clone();
+                std::thread::spawn(move || {
+                    let (comm, largest) = common::Recording::new(comm);
+                    let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
+                        .with_collective(collective)
+                        .with_chunk_bytes(chunk);
+                    let mut out = HashMap::new();
+                    let (mut means, mut residuals) = (Vec::new(), Vec::new());
+                    for s in 0..STEPS {
+                        let g = chunked_gradients(rank, s as u64);
+                        ar.all_reduce_into(&g, &mut out).unwrap();
+                        means.push(flat(&out));
+                        let mut names: Vec<&String> = g.keys().collect();
+                        names.sort();
+                        let fb = ar.compressor().feedback();
+                        residuals.push(
+                            names
+                                .iter()
+                                .flat_map(|n| fb.and_then(|f| f.residual(n)).unwrap_or(&[]))
+                                .copied()
+                                .collect(),
+                        );
+                    }
+                    let largest = largest.load(std::sync::atomic::Ordering::Relaxed);
+                    (means, residuals, largest)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    };
+    for method in windowed_methods() {
+        for collective in [Collective::AllGather, Collective::TwoPhase] {
+            let whole = run(method.clone(), collective, usize::MAX);
+            let (means, residuals, largest) = &whole[0];
+            assert!(*largest > 2000, "{method:?}: messages span several windows");
+            for chunk in [16 << 10, 4096, 1000] {
+                let what = format!("{method:?}, {collective:?}, chunk {chunk}");
+                for (rank, (m, r, most)) in
+                    run(method.clone(), collective, chunk).iter().enumerate()
+                {
+                    assert!(*most <= chunk.max(8 * (W + 1)), "{what}: {most} bytes");
+                    for s in 0..STEPS {
+                        assert!(same_bits(&m[s], &means[s]), "{what}, rank {rank}, step {s}");
+                        if rank == 0 {
+                            assert!(same_bits(&r[s], &residuals[s]), "{what}, step {s}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Issue 46: a rank that stops after the first window of its message (its thread returns,
+/// dropping its communicator) makes every other rank fail, naming it, within the deadline.
+#[test]
+fn a_rank_gone_after_its_first_window_is_named_by_every_peer() {
+    const W: usize = 3;
+    /// Passes the first `calls` calls through, then fails without entering the collective.
+    struct Stops<C> {
+        inner: C,
+        calls: usize,
+    }
+    impl<C: Communicator> Stops<C> {
+        fn gone(&mut self) -> Result<(), CommError> {
+            if self.calls == 0 {
+                return Err(CommError::Transport("this rank stopped".into()));
+            }
+            self.calls -= 1;
+            Ok(())
+        }
+    }
+    impl<C: Communicator> Communicator for Stops<C> {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.inner.world_size()
+        }
+        fn all_gather(
+            &mut self,
+            local: &[u8],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            self.gone()?;
+            self.inner.all_gather(local, max_len, out)
+        }
+        fn all_to_all(
+            &mut self,
+            send: &[Vec<u8>],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            self.gone()?;
+            self.inner.all_to_all(send, max_len, out)
+        }
+        fn traffic(&self) -> Traffic {
+            self.inner.traffic()
+        }
+    }
+    let method = CompressionMethod::Core(Method::Dense {
+        values: Values::Bf16,
+    });
+    // All-gather: round 0's windows, then the header call; two-phase: the agreement round,
+    // the all-to-all's header, its first window.
+    for (collective, calls) in [(Collective::AllGather, 2), (Collective::TwoPhase, 3)] {
+        let handles: Vec<_> = LocalGroup::new(W)
+            .with_timeout(Some(std::time::Duration::from_secs(2)))
+            .into_communicators()
+            .into_iter()
+            .enumerate()
+            .map(|(rank, inner)| {
+                let method = method.clone();
+                std::thread::spawn(move || {
+                    let calls = if rank == 1 { calls } else { usize::MAX };
+                    let comm = Stops { inner, calls };
+                    let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
+                        .with_collective(collective)
+                        .with_chunk_bytes(4096);
+                    let started = std::time::Instant::now();
+                    let err = ar
+                        .all_reduce(&chunked_gradients(rank, 0))
+                        .unwrap_err()
+                        .to_string();
+                    (err, started.elapsed())
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let (err, took) = h.join().unwrap();
+            if rank == 1 {
+                assert!(err.contains("this rank stopped"), "{err}");
+            } else {
+                assert!(err.contains("rank 1"), "{collective:?}, rank {rank}: {err}");
+                assert!(took < std::time::Duration::from_secs(30), "{took:?}");
+            }
+        }
     }
 }
 

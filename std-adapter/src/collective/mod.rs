@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 
 use crate::aggregate::{Aggregator, Reduction};
-use crate::comm::Communicator;
+use crate::comm::{Communicator, Windows};
 use crate::error::{Error, Result};
 use crate::layout::Manifest;
 use crate::tensor::Tensor;
@@ -262,13 +262,16 @@ pub(crate) struct AllGather {
     gathered: Vec<Vec<u8>>,
     /// The flat layout of a bucketed manifest's result (an entry spanning several tensors).
     flat: Vec<f32>,
+    /// The windows the messages cross the communicator in.
+    windows: Windows,
 }
 
 impl AllGather {
     /// Exchanges this rank's part with every rank of `comm` and, when every rank sent a
     /// bundle made with the same configuration, aggregates them into `out`'s tensors (reused),
     /// through a flat buffer of the manifest's layout only when the manifest has buckets. After
-    /// an error `out`'s values are unspecified.
+    /// an error `out`'s values are unspecified. The messages cross `comm` in windows of at most
+    /// `chunk` bytes ([`Windows`]; every rank passes the same `chunk`).
     ///
     /// # Errors
     /// This rank's own error when its step failed; [`Error::PeerFailed`] naming the first
@@ -279,9 +282,9 @@ impl AllGather {
     pub(crate) fn run(
         &mut self,
         comm: &mut dyn Communicator,
-        world_size: usize,
         local: Local<'_>,
         reduction: Reduction,
+        chunk: usize,
         aggregator: &mut Aggregator,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
@@ -309,7 +312,9 @@ impl AllGather {
                 (limit_for(manifest), Some(error), None)
             }
         };
-        comm.all_gather(&self.send, limit, &mut self.gathered)?;
+        self.windows
+            .all_gather(comm, &self.send, limit, chunk, &mut self.gathered)?;
+        let world_size = comm.world_size();
         if self.gathered.len() != world_size {
             return Err(Error::WorldSize {
                 expected: world_size,

@@ -41,7 +41,7 @@ use super::{
     agree, fingerprint_at, open, seal, seal_failure, seal_relay,
 };
 use crate::aggregate::{Reduction, majority};
-use crate::comm::{CommError, Communicator};
+use crate::comm::{CommError, Communicator, Windows};
 use crate::engine::Exec;
 use crate::engine::shard::{Apply, Buffers, Part, apply_frame, encode_parts, parts_of, targets_of};
 use crate::error::{Error, Result};
@@ -107,6 +107,8 @@ pub(crate) struct TwoPhase {
     recv: Vec<Vec<u8>>,
     phase2: Vec<u8>,
     gathered: Vec<Vec<u8>>,
+    /// The windows the messages cross the communicator in.
+    windows: Windows,
     bufs: Buffers,
 }
 
@@ -116,6 +118,24 @@ impl TwoPhase {
     /// # Errors
     /// As [`ShardLayout::new`]; [`Error::Config`] when server residuals of another layout are
     /// held (they would be lost: see [`TwoPhase::discard_server_residuals`]).
+    /// The bytes of a collective message of a step with `manifest` over `world` ranks at most
+    /// (an envelope and the largest shard message, or a relay's reason); `usize::MAX` when
+    /// the manifest has no shard layout (every rank fails alike before the exchange).
+    fn message_limit(&self, manifest: &Manifest, world: usize) -> usize {
+        let of = |l: &ShardLayout| {
+            ENVELOPE_LEN
+                + (0..world)
+                    .map(|j| shard_message::max_len(l, j))
+                    .max()
+                    .unwrap_or(0)
+                    .max(MAX_REASON_LEN + 5)
+        };
+        match &self.layout {
+            Some(l) if l.layout_id == manifest.layout_id() && l.world == world => of(l),
+            _ => ShardLayout::new(manifest, world).map_or(usize::MAX, |l| of(&l)),
+        }
+    }
+
     pub(crate) fn layout_for(&mut self, manifest: &Manifest, world: usize) -> Result<&ShardLayout> {
         let fits = self
             .layout
@@ -326,7 +346,8 @@ impl TwoPhase {
     }
 
     /// One step (see the module docs); `out`'s tensors (reused) receive the result, written in
-    /// place; after an error their values are unspecified.
+    /// place; after an error their values are unspecified. Each message crosses `comm` in
+    /// windows of at most `chunk` bytes ([`Windows`]; every rank passes the same `chunk`).
     ///
     /// # Errors
     /// This rank's own error when its step failed; [`Error::PeerFailed`] naming the first rank
@@ -338,6 +359,7 @@ impl TwoPhase {
         &mut self,
         comm: &mut dyn Communicator,
         local: std::result::Result<Step<'_>, Error>,
+        chunk: usize,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
         let world = comm.world_size();
@@ -353,7 +375,11 @@ impl TwoPhase {
         let mut step = agree(comm, local, &mut self.phase2, &mut self.gathered)?;
         let mut step_data = None;
         let mut own_error = None;
-        match self.phase1_local(&mut step, world, me) {
+        let made = self.phase1_local(&mut step, world, me);
+        // The messages' limit, from the manifest every rank agreed on (a failed rank's too):
+        // the windowed calls a rank makes depend on it.
+        let limit = self.message_limit(step.manifest, world);
+        match made {
             Ok(()) => step_data = Some(step),
             Err(e) => {
                 // Phase 1 gave back what it had made before the error.
@@ -366,18 +392,10 @@ impl TwoPhase {
                 seal_failure(e, msg);
             }
         }
-        let limit = match (&self.layout, &step_data) {
-            (Some(l), Some(_)) => {
-                ENVELOPE_LEN
-                    + (0..world)
-                        .map(|j| shard_message::max_len(l, j))
-                        .max()
-                        .unwrap_or(0)
-                        .max(MAX_REASON_LEN + 5)
-            }
-            _ => usize::MAX,
-        };
-        if let Err(e) = comm.all_to_all(&self.send, limit, &mut self.recv) {
+        if let Err(e) = self
+            .windows
+            .all_to_all(comm, &self.send, limit, chunk, &mut self.recv)
+        {
             // A length over the limit is the group's common verdict, before anyone used a
             // byte: the step is undone. Other transport errors may strike some ranks only, and
             // peers may have completed the step with this rank's values: they stay sent.
@@ -431,7 +449,10 @@ impl TwoPhase {
                 &mut self.phase2,
             ),
         }
-        if let Err(e) = comm.all_gather(&self.phase2, limit, &mut self.gathered) {
+        if let Err(e) =
+            self.windows
+                .all_gather(comm, &self.phase2, limit, chunk, &mut self.gathered)
+        {
             // As for phase 1: a length over the limit is a common verdict, before anyone used
             // a byte of this round; the step is undone on both sides.
             if matches!(

@@ -1,0 +1,403 @@
+//! Collective calls whose buffers cross the communicator in windows of a bounded size.
+//!
+//! A compressed step's messages grow with the model (a dense bf16 bundle of GPT-2-small is
+//! 249 MB). Passed whole, one call holds every rank's message at once and runs as long as the
+//! link needs for all of it, so its deadline must cover the slowest link and the largest model.
+//! [`Windows`] moves them instead in calls of at most `chunk` bytes per buffer: every call has
+//! its own deadline, which then bounds how long a silent peer goes unnoticed whatever the
+//! model's size, and a transport never sees a buffer beyond the bound.
+//!
+//! The protocol, run alike by every rank, with no byte added to a message that fits:
+//!
+//! - **All-gather.** Round 0 gathers each rank's first window (its first `min(len, chunk)`
+//!   bytes) under the limit `min(max_len, chunk)`. When no window is full (`chunk` bytes), every
+//!   message was whole: done, exactly the single call of before. Otherwise every rank saw a
+//!   full window, so every rank goes on: a header round gathers each rank's total length and
+//!   limit (16 bytes), every rank applies [`check_lengths`] to the totals (the group's smallest
+//!   limit, the same verdict everywhere, before any buffer grows), then rounds of windows
+//!   follow until every message is whole.
+//! - **All-to-all.** No rank sees what the others receive, so the decision cannot come from
+//!   round 0. Callers pass a `max_len` that is the same on every rank (derived from the
+//!   configuration every rank agreed on): at most `chunk`, the single call of before; above it,
+//!   a header round first (each rank's limit and the length of each of its buffers: `8 (W + 1)`
+//!   bytes, the one buffer that may exceed a window smaller than that), the limits checked on
+//!   the totals receiver by receiver, then rounds of windows.
+//!
+//! A window's length is fixed by the totals, so every receiver knows what each round must
+//! bring; a peer that sends another length is named ([`CommError::Transport`]). Memory: one
+//! window per rank received (and, for the all-to-all, one per rank sent), kept between calls.
+
+use super::{CommError, Communicator, check_lengths};
+
+/// Bytes of one rank's all-gather header: total length, limit (`u64` LE each).
+const GATHER_HEADER: usize = 16;
+
+/// Buffers of windowed calls, kept between calls so that a steady-state step allocates nothing.
+#[derive(Debug, Default)]
+pub(crate) struct Windows {
+    /// The windows received in one round, one per rank.
+    received: Vec<Vec<u8>>,
+    /// The windows sent in one all-to-all round, one per rank.
+    sent: Vec<Vec<u8>>,
+    /// This rank's header.
+    header: Vec<u8>,
+    /// Every rank's header.
+    headers: Vec<Vec<u8>>,
+    /// Total lengths: per sender (all-gather) or sender-major matrix (all-to-all).
+    totals: Vec<usize>,
+}
+
+fn read_u64(bytes: &[u8], at: usize) -> usize {
+    let mut word = [0u8; 8];
+    if let Some(b) = bytes.get(at..at + 8) {
+        word.copy_from_slice(b);
+    }
+    usize::try_from(u64::from_le_bytes(word)).unwrap_or(usize::MAX)
+}
+
+fn window_error(sender: usize, got: usize, due: usize) -> CommError {
+    CommError::Transport(format!(
+        "rank {sender} sent a window of {got} bytes where {due} were due (its peers disagree on \
+         the message's length or the window size)"
+    ))
+}
+
+impl Windows {
+    /// [`Communicator::all_gather`] of `local`, each call passing at most `chunk` bytes (at
+    /// least 1). Results, limits and errors as the single call, except that after an error
+    /// `out` is unspecified.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`]; [`CommError::Transport`] naming a rank whose header or
+    /// window does not match the protocol.
+    pub(crate) fn all_gather(
+        &mut self,
+        comm: &mut dyn Communicator,
+        local: &[u8],
+        max_len: usize,
+        chunk: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        let chunk = chunk.max(1);
+        let first = local.len().min(chunk);
+        comm.all_gather(&local[..first], max_len.min(chunk), out)?;
+        if out.iter().all(|w| w.len() < chunk) {
+            return Ok(());
+        }
+        self.header.clear();
+        self.header
+            .extend_from_slice(&(local.len() as u64).to_le_bytes());
+        self.header
+            .extend_from_slice(&(max_len as u64).to_le_bytes());
+        comm.all_gather(&self.header, GATHER_HEADER, &mut self.headers)?;
+        if let Some(r) = self.headers.iter().position(|h| h.len() != GATHER_HEADER) {
+            return Err(CommError::Transport(format!(
+                "rank {r} sent a header of {} bytes, not {GATHER_HEADER}",
+                self.headers[r].len()
+            )));
+        }
+        self.totals.clear();
+        self.totals
+            .extend(self.headers.iter().map(|h| read_u64(h, 0)));
+        check_lengths(
+            self.totals
+                .iter()
+                .zip(&self.headers)
+                .map(|(&total, h)| (total, read_u64(h, 8))),
+        )?;
+        // The first window is the message's start: full exactly when the message is longer.
+        for (r, (&total, got)) in self.totals.iter().zip(out.iter_mut()).enumerate() {
+            let due = total.min(chunk);
+            if got.len() != due {
+                return Err(window_error(r, got.len(), due));
+            }
+            // Within the group's smallest limit, at most this rank's own `max_len`.
+            got.reserve_exact(total - due);
+        }
+        let mut done = first;
+        while out.iter().zip(&self.totals).any(|(m, &t)| m.len() < t) {
+            let next = local.len().min(done + chunk);
+            comm.all_gather(&local[done..next], chunk, &mut self.received)?;
+            done = next;
+            for (r, ((window, msg), &total)) in self
+                .received
+                .iter()
+                .zip(out.iter_mut())
+                .zip(&self.totals)
+                .enumerate()
+            {
+                let due = (total - msg.len()).min(chunk);
+                if window.len() != due {
+                    return Err(window_error(r, window.len(), due));
+                }
+                msg.extend_from_slice(window);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Communicator::all_to_all`] of `send`, each call passing buffers of at most `chunk`
+    /// bytes (at least 1) when `max_len` is above it. `max_len` must be the same on every
+    /// rank (the calls a rank makes depend on it). Results, limits and errors as the single
+    /// call, except that after an error `out` is unspecified.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_to_all`] (a rank whose `send` does not hold one buffer per rank
+    /// fails every rank with [`CommError::Mismatch`]); [`CommError::Transport`] naming a rank
+    /// whose header or window does not match the protocol.
+    pub(crate) fn all_to_all(
+        &mut self,
+        comm: &mut dyn Communicator,
+        send: &[Vec<u8>],
+        max_len: usize,
+        chunk: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        let chunk = chunk.max(1);
+        if max_len <= chunk {
+            return comm.all_to_all(send, max_len, out);
+        }
+        let (w, me) = (comm.world_size(), comm.rank());
+        // Header: the limit, then one length per receiver; a rank holding another number of
+        // buffers sends one word more (the limit, its count, zeros), and every rank names it.
+        let header_len = 8 * (w + 1);
+        self.header.clear();
+        self.header
+            .extend_from_slice(&(max_len as u64).to_le_bytes());
+        if send.len() == w {
+            for buf in send {
+                self.header
+                    .extend_from_slice(&(buf.len() as u64).to_le_bytes());
+            }
+        } else {
+            self.header
+                .extend_from_slice(&(send.len() as u64).to_le_bytes());
+            self.header.resize(header_len + 8, 0);
+        }
+        comm.all_gather(&self.header, header_len + 8, &mut self.headers)?;
+        if let Some(r) = self.headers.iter().position(|h| h.len() != header_len) {
+            return Err(CommError::Mismatch {
+                round: 0,
+                detail: format!(
+                    "all_to_all: rank {r} passed {} buffers to a group of {w}",
+                    read_u64(&self.headers[r], 8)
+                ),
+            });
+        }
+        // totals[s * w + d]: what rank s sends to rank d.
+        self.totals.clear();
+        for h in &self.headers {
+            self.totals.extend((0..w).map(|d| read_u64(h, 8 * (d + 1))));
+        }
+        for d in 0..w {
+            check_lengths(
+                self.headers
+                    .iter()
+                    .enumerate()
+                    .map(|(s, h)| (self.totals[s * w + d], read_u64(h, 0))),
+            )?;
+        }
+        out.truncate(w);
+        out.resize_with(w, Vec::new);
+        for (s, msg) in out.iter_mut().enumerate() {
+            msg.clear();
+            // Within the group's smallest limit, at most this rank's own `max_len`.
+            msg.reserve_exact(self.totals[s * w + me]);
+        }
+        self.sent.truncate(w);
+        self.sent.resize_with(w, Vec::new);
+        let rounds = self
+            .totals
+            .iter()
+            .map(|t| t.div_ceil(chunk))
+            .max()
+            .unwrap_or(0);
+        for round in 0..rounds {
+            let from = round * chunk;
+            for (window, buf) in self.sent.iter_mut().zip(send) {
+                window.clear();
+                window.extend_from_slice(buf.get(from..buf.len().min(from + chunk)).unwrap_or(&[]));
+            }
+            comm.all_to_all(&self.sent, chunk, &mut self.received)?;
+            for (s, (window, msg)) in self.received.iter().zip(out.iter_mut()).enumerate() {
+                let due = self.totals[s * w + me].saturating_sub(from).min(chunk);
+                if window.len() != due {
+                    return Err(window_error(s, window.len(), due));
+                }
+                msg.extend_from_slice(window);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Windows;
+    use crate::comm::{CommError, Communicator, LocalGroup, Traffic};
+
+    /// Delegates to a communicator and records the largest buffer passed to it.
+    struct Largest<C> {
+        inner: C,
+        largest: usize,
+    }
+
+    impl<C: Communicator> Communicator for Largest<C> {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.inner.world_size()
+        }
+        fn all_gather(
+            &mut self,
+            local: &[u8],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            self.largest = self.largest.max(local.len());
+            self.inner.all_gather(local, max_len, out)
+        }
+        fn all_to_all(
+            &mut self,
+            send: &[Vec<u8>],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            let most = send.iter().map(Vec::len).max().unwrap_or(0);
+            self.largest = self.largest.max(most);
+            self.inner.all_to_all(send, max_len, out)
+        }
+        fn traffic(&self) -> Traffic {
+            self.inner.traffic()
+        }
+    }
+
+    fn message(rank: usize, to: usize, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i * 31 + rank * 7 + to * 13) as u8)
+            .collect()
+    }
+
+    /// Runs `f` on every rank of a group of `w` threads and returns each rank's result and the
+    /// largest buffer it passed.
+    fn run<T: Send + 'static>(
+        w: usize,
+        f: impl Fn(&mut dyn Communicator, &mut Windows) -> T + Send + Sync + Copy + 'static,
+    ) -> Vec<(T, usize)> {
+        let handles: Vec<_> = LocalGroup::new(w)
+            .into_communicators()
+            .into_iter()
+            .map(|inner| {
+                std::thread::spawn(move || {
+                    let mut comm = Largest { inner, largest: 0 };
+                    let mut windows = Windows::default();
+                    let got = f(&mut comm, &mut windows);
+                    (got, comm.largest)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn all_gather_in_windows_equals_one_call() {
+        // Lengths below, at and above the window, with empty messages, at W = 1 and 3; twice
+        // per rank, so that kept buffers are reused.
+        for w in [1, 3] {
+            for lens in [
+                [5usize, 0, 3],
+                [16, 16, 16],
+                [100, 0, 17],
+                [0, 0, 0],
+                [33, 64, 65],
+            ] {
+                let got = run(w, move |comm, windows| {
+                    let me = comm.rank();
+                    let mut out = Vec::new();
+                    for _ in 0..2 {
+                        let local = message(me, 0, lens[me]);
+                        windows
+                            .all_gather(comm, &local, 1000, 16, &mut out)
+                            .unwrap();
+                        let want: Vec<_> = (0..w).map(|r| message(r, 0, lens[r])).collect();
+                        assert_eq!(out, want, "{lens:?}");
+                    }
+                });
+                for (_, largest) in got {
+                    assert!(largest <= 16, "{largest}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn all_to_all_in_windows_equals_one_call() {
+        for w in [1, 3] {
+            for max_len in [16, 40, 1000] {
+                let got = run(w, move |comm, windows| {
+                    let me = comm.rank();
+                    let len = |s: usize, d: usize| (s * 11 + d * 5) % max_len.min(39);
+                    let send: Vec<_> = (0..w).map(|d| message(me, d, len(me, d))).collect();
+                    let mut out = Vec::new();
+                    for _ in 0..2 {
+                        windows
+                            .all_to_all(comm, &send, max_len, 16, &mut out)
+                            .unwrap();
+                        let want: Vec<_> = (0..w).map(|s| message(s, me, len(s, me))).collect();
+                        assert_eq!(out, want);
+                    }
+                });
+                // The header round passes 8 (W + 1) bytes.
+                for (_, largest) in got {
+                    assert!(largest <= 16.max(8 * (w + 1)), "{largest}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn limits_apply_to_the_whole_message_on_every_rank() {
+        // All-gather: rank 1's 50 bytes over a limit of 40, in windows of 16.
+        let got = run(3, |comm, windows| {
+            let len = if comm.rank() == 1 { 50 } else { 20 };
+            let mut out = Vec::new();
+            windows
+                .all_gather(comm, &vec![1u8; len], 40, 16, &mut out)
+                .unwrap_err()
+                .to_string()
+        });
+        for (e, _) in &got {
+            assert_eq!(e, &got[0].0);
+            assert!(e.contains("rank 1 sent 50 bytes"), "{e}");
+        }
+        // All-to-all: rank 2 sends 41 bytes to rank 0 under a limit of 40.
+        let got = run(3, |comm, windows| {
+            let me = comm.rank();
+            let send: Vec<_> = (0..3)
+                .map(|d| vec![0u8; if me == 2 && d == 0 { 41 } else { 30 }])
+                .collect();
+            let mut out = Vec::new();
+            windows
+                .all_to_all(comm, &send, 40, 16, &mut out)
+                .unwrap_err()
+                .to_string()
+        });
+        for (e, _) in &got {
+            assert_eq!(e, &got[0].0);
+            assert!(e.contains("rank 2 sent 41 bytes"), "{e}");
+        }
+        // A rank with the wrong number of buffers: every rank names it.
+        let got = run(3, |comm, windows| {
+            let n = if comm.rank() == 1 { 2 } else { 3 };
+            let mut out = Vec::new();
+            windows
+                .all_to_all(comm, &vec![vec![0u8; 20]; n], 40, 16, &mut out)
+                .unwrap_err()
+                .to_string()
+        });
+        for (e, _) in &got {
+            assert!(e.contains("rank 1 passed 2 buffers"), "{e}");
+        }
+    }
+}
