@@ -613,6 +613,19 @@ fn residual_state_is_created_then_reused_like_the_library() {
         fails(&args, "not a regular file");
         assert!(!o3.exists());
     }
+    // An output that is not a regular file: refused, and left as it was (a rename would have
+    // replaced it with a regular file; as root `-o /dev/null` replaced /dev/null).
+    let mut args = vec!["compress", s(&g), "-o", s(&fifo)];
+    args.extend(flags);
+    fails(&args, "not a regular file");
+    fails(
+        &["decompress", s(&o1), "-o", s(&fifo)],
+        "not a regular file",
+    );
+    assert!(fs::metadata(&fifo).is_ok_and(|m| {
+        use std::os::unix::fs::FileTypeExt;
+        m.file_type().is_fifo()
+    }));
     fs::remove_file(&fifo).unwrap();
     assert!(
         listing(&dir).iter().all(|n| !n.starts_with('.')),

@@ -320,6 +320,15 @@ pub fn stage_with(
             target.display()
         )));
     }
+    // An output is replaced whole by a rename: a FIFO, a device or a socket in its place would
+    // become a regular file (as root, `-o /dev/null` replaced the machine's /dev/null).
+    if fs::metadata(target).is_ok_and(|m| !m.is_file()) {
+        return Err(CliError::new(format!(
+            "cannot write {}: not a regular file (a FIFO, a device or a socket); gradwire \
+             writes its outputs to regular files, replaced whole",
+            target.display()
+        )));
+    }
     let dir = match target.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
