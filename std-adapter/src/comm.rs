@@ -61,8 +61,11 @@ pub use self::local::{LocalCommunicator, LocalGroup};
 pub use self::mpi::MpiCommunicator;
 pub(crate) use self::windows::Windows;
 
-/// How long a call waits for its peers before it fails, by default: far above one dense step of
-/// a large model over a 10 Mbit/s link.
+/// How long a call waits for its peers before it fails, by default. `CompressedAllReduce` passes
+/// buffers of at most its chunk bound (8 MiB by default) per call, so one of its calls moves at
+/// most `(W - 1) x 8 MiB` to a rank: about 20 s at W = 4 over a 10 Mbit/s link, whatever the
+/// model's size. A caller of its own that passes whole model-sized buffers (a dense bf16 bundle
+/// of a 124M-parameter model is 249 MB, 600 s at W = 4 and 10 Mbit/s) needs a longer deadline.
 pub(crate) const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Bytes one rank's calls moved, counted as the module docs say (the same on every transport).
@@ -179,6 +182,29 @@ pub trait Communicator: Send {
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError>;
 
+    /// As [`Communicator::all_gather`], except that each rank's buffer is appended to `out[r]`
+    /// (its earlier bytes kept; `out` is first resized to `world_size()` buffers, new ones
+    /// empty), so that a message gathered in pieces is not copied again to be put together.
+    /// The default gathers into a buffer of its own and appends from it (one more copy); a
+    /// transport overrides it to write in place. After an error `out` is unspecified.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`].
+    fn all_gather_append(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        let mut got = Vec::new();
+        self.all_gather(local, max_len, &mut got)?;
+        out.resize_with(got.len(), Vec::new);
+        for (dst, src) in out.iter_mut().zip(&got) {
+            dst.extend_from_slice(src);
+        }
+        Ok(())
+    }
+
     /// Sends `send[j]` to rank `j` (`send` has `world_size()` buffers; `send[self.rank()]`
     /// stays here) and receives into `out[i]` what rank `i` sent to this rank (MPI_Alltoallv).
     /// `out` is resized to `world_size()` and its buffers are reused.
@@ -233,6 +259,15 @@ impl<C: Communicator + ?Sized> Communicator for &mut C {
         (**self).all_gather(local, max_len, out)
     }
 
+    fn all_gather_append(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        (**self).all_gather_append(local, max_len, out)
+    }
+
     fn all_to_all(
         &mut self,
         send: &[Vec<u8>],
@@ -267,6 +302,15 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
         (**self).all_gather(local, max_len, out)
+    }
+
+    fn all_gather_append(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        (**self).all_gather_append(local, max_len, out)
     }
 
     fn all_to_all(

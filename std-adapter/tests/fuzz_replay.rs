@@ -1,5 +1,5 @@
 //! Replays every file of the checked-in fuzz corpora of the std targets
-//! (`fuzz/corpus/{bundle,reference,checkpoint,two_phase,server_checkpoint,dense_sum,method_state}/`) through the same
+//! (`fuzz/corpus/{bundle,reference,checkpoint,two_phase,server_checkpoint,dense_sum,method_state,windows}/`) through the same
 //! target bodies the fuzzers run, on stable. The bodies live in `fuzz/logic/src/std_targets.rs`
 //! `collective_targets.rs` and `state_targets.rs` and are included here by path (no dependency on the fuzz crate,
 //! whose workspace is separate); see FUZZING.md.
@@ -23,6 +23,10 @@ mod collective_targets;
 #[allow(dead_code)]
 #[path = "../../fuzz/logic/src/state_targets.rs"]
 mod state_targets;
+
+#[allow(dead_code)]
+#[path = "../../fuzz/logic/src/window_targets.rs"]
+mod window_targets;
 
 use std::path::{Path, PathBuf};
 
@@ -78,6 +82,11 @@ fn replay_server_checkpoint() {
 #[test]
 fn replay_dense_sum() {
     replay("dense_sum", collective_targets::dense_sum);
+}
+
+#[test]
+fn replay_windows() {
+    replay("windows", window_targets::windows);
 }
 
 #[test]

@@ -16,3 +16,5 @@ pub mod seeds;
 pub mod state_targets;
 #[cfg(feature = "std")]
 pub mod std_targets;
+#[cfg(feature = "std")]
+pub mod window_targets;

@@ -233,6 +233,7 @@ pub fn std_seeds(data: &std::path::Path) -> Vec<(&'static str, Vec<u8>)> {
     out.extend(checkpoint_seeds());
     out.extend(dense_sum_seeds());
     out.extend(method_state_seeds());
+    out.extend(windows_seeds());
     let Ok(dir) = std::fs::read_dir(data) else {
         return out;
     };
@@ -424,6 +425,32 @@ pub fn checkpoint_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 (mix64(u64::from(sel) * 1000 + u64::from(variant) * 200 + i) & 0xff) as u8
             }));
             out.push(("checkpoint", b));
+        }
+    }
+    out
+}
+
+/// Seeds for the `windows` target: every method and collective at three chunk bounds with
+/// every message kept, and each damage mode on one of the first calls.
+#[cfg(feature = "std")]
+pub fn windows_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let mut out = Vec::new();
+    for flags in 0..6u8 {
+        for chunk in [0u8, 30, 255] {
+            out.push(("windows", vec![flags, chunk]));
+        }
+        // Kept calls, then one damaged call (cut 5 bytes; lengthen by 3; flip byte 9; 4 raw
+        // bytes), then kept ones.
+        for (call, damage) in [
+            (1usize, vec![4u8, 5]),
+            (2, vec![5, 3, 1, 2, 3]),
+            (3, vec![6, 9, 0x40]),
+            (4, vec![7, 4, 0x47, 0x57, 0x43, 0x4d]),
+        ] {
+            let mut b = vec![flags, 30];
+            b.extend(std::iter::repeat_n(0u8, call));
+            b.extend(damage);
+            out.push(("windows", b));
         }
     }
     out

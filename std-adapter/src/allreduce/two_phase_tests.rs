@@ -1003,8 +1003,8 @@ fn dense_f32_in_chunks_is_the_same_bits_with_every_message_within_the_bound() {
     }
 }
 
-/// Review finding: ranks with other chunk bounds on the dense route fail on every rank naming
-/// the configuration, not with a transport's length mismatch.
+/// Review finding: ranks with other chunk bounds fail on every rank naming the configuration,
+/// not with a transport's length mismatch (dense route, all-gather, two-phase).
 #[test]
 fn ranks_with_other_chunk_bounds_are_told_their_configurations_differ() {
     let make = |c: Box<dyn Communicator>| {
@@ -1014,6 +1014,34 @@ fn ranks_with_other_chunk_bounds_are_told_their_configurations_differ() {
     for (rank, steps) in run_group(2, 1, make, chunked_gradients).iter().enumerate() {
         let err = steps[0].0.as_ref().unwrap_err();
         assert!(err.contains("chunk_bytes is `8192`"), "rank {rank}: {err}");
+    }
+    // The compressed collectives, with messages of one window and of several.
+    for method in windowed_methods() {
+        for collective in [Collective::AllGather, Collective::TwoPhase] {
+            for bounds in [(1 << 20, 2 << 20), (1024, 2048)] {
+                let method = method.clone();
+                let make = move |c: Box<dyn Communicator>| {
+                    let bound = if c.rank() == 0 { bounds.0 } else { bounds.1 };
+                    CompressedAllReduce::with_communicator(method.clone(), c)
+                        .with_collective(collective)
+                        .with_chunk_bytes(bound)
+                };
+                // Named by the configurations' round, or (all-gather, windows of other sizes
+                // in its first call) by the limits: the same error on every rank, every step.
+                let runs = run_group(2, 2, make, chunked_gradients);
+                for steps in &runs {
+                    for (result, _) in steps {
+                        let err = result.as_ref().unwrap_err();
+                        assert_eq!(err, runs[0][0].0.as_ref().unwrap_err());
+                        assert!(
+                            err.contains("chunk_bytes is")
+                                || err.contains("so their configurations differ"),
+                            "{collective:?} {bounds:?}: {err}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -408,6 +408,31 @@ impl Communicator for LocalCommunicator {
         Ok(())
     }
 
+    /// Appends each rank's post straight to `out[r]`, as [`LocalCommunicator::all_gather`]
+    /// copies it: no buffer of its own.
+    fn all_gather_append(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        let (w, me) = (self.shared.world_size, self.rank);
+        let received = self.round_with(Op::AllGather, max_len, &[local], |posts| {
+            out.resize_with(w, Vec::new);
+            let mut received = 0;
+            for (src, (dst, post)) in out.iter_mut().zip(posts).enumerate() {
+                dst.extend_from_slice(post);
+                if src != me {
+                    received += post.len();
+                }
+            }
+            Ok(received)
+        })?;
+        let peers = w.saturating_sub(1);
+        self.traffic.add(local.len() * peers, received, peers);
+        Ok(())
+    }
+
     fn all_to_all(
         &mut self,
         send: &[Vec<u8>],

@@ -24,8 +24,9 @@
 //!   the totals receiver by receiver, then rounds of windows.
 //!
 //! A window's length is fixed by the totals, so every receiver knows what each round must
-//! bring; a peer that sends another length is named ([`CommError::Transport`]). Memory: one
-//! window per rank received (and, for the all-to-all, one per rank sent), kept between calls.
+//! bring; a peer that sends another length is named ([`CommError::Transport`]). The all-gather's
+//! windows are appended to the messages in place ([`Communicator::all_gather_append`]); the
+//! all-to-all keeps one window per rank received and one per rank sent, between calls.
 
 use super::{CommError, Communicator, check_lengths};
 
@@ -35,7 +36,7 @@ const GATHER_HEADER: usize = 16;
 /// Buffers of windowed calls, kept between calls so that a steady-state step allocates nothing.
 #[derive(Debug, Default)]
 pub(crate) struct Windows {
-    /// The windows received in one round, one per rank.
+    /// The windows received in one all-to-all round, one per rank.
     received: Vec<Vec<u8>>,
     /// The windows sent in one all-to-all round, one per rank.
     sent: Vec<Vec<u8>>,
@@ -45,6 +46,8 @@ pub(crate) struct Windows {
     headers: Vec<Vec<u8>>,
     /// Total lengths: per sender (all-gather) or sender-major matrix (all-to-all).
     totals: Vec<usize>,
+    /// Each message's length before a window round appended to it.
+    lens: Vec<usize>,
 }
 
 fn read_u64(bytes: &[u8], at: usize) -> usize {
@@ -117,20 +120,24 @@ impl Windows {
         let mut done = first;
         while out.iter().zip(&self.totals).any(|(m, &t)| m.len() < t) {
             let next = local.len().min(done + chunk);
-            comm.all_gather(&local[done..next], chunk, &mut self.received)?;
+            self.lens.clear();
+            self.lens.extend(out.iter().map(Vec::len));
+            comm.all_gather_append(&local[done..next], chunk, out)?;
             done = next;
-            for (r, ((window, msg), &total)) in self
-                .received
-                .iter()
-                .zip(out.iter_mut())
-                .zip(&self.totals)
-                .enumerate()
+            if out.len() != self.totals.len() {
+                return Err(CommError::Transport(format!(
+                    "a window round gathered {} buffers from a group of {}",
+                    out.len(),
+                    self.totals.len()
+                )));
+            }
+            for (r, ((msg, &before), &total)) in
+                out.iter().zip(&self.lens).zip(&self.totals).enumerate()
             {
-                let due = (total - msg.len()).min(chunk);
-                if window.len() != due {
-                    return Err(window_error(r, window.len(), due));
+                let due = (total - before).min(chunk);
+                if msg.len() != before + due {
+                    return Err(window_error(r, msg.len().saturating_sub(before), due));
                 }
-                msg.extend_from_slice(window);
             }
         }
         Ok(())
@@ -257,6 +264,15 @@ mod tests {
         ) -> Result<(), CommError> {
             self.largest = self.largest.max(local.len());
             self.inner.all_gather(local, max_len, out)
+        }
+        fn all_gather_append(
+            &mut self,
+            local: &[u8],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            self.largest = self.largest.max(local.len());
+            self.inner.all_gather_append(local, max_len, out)
         }
         fn all_to_all(
             &mut self,

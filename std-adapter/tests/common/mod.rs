@@ -165,6 +165,16 @@ impl<C: gradwire::comm::Communicator> gradwire::comm::Communicator for Recording
         self.inner.all_gather(local, max_len, out)
     }
 
+    fn all_gather_append(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), gradwire::comm::CommError> {
+        self.note(local.len());
+        self.inner.all_gather_append(local, max_len, out)
+    }
+
     fn all_to_all(
         &mut self,
         send: &[Vec<u8>],
