@@ -331,12 +331,15 @@ impl CompressedAllReduce {
     /// communicator, on every route. Uncompressed f32: the model crosses it in chunks of that
     /// size (at least one element; one [`Communicator::all_reduce_sum_f32`] each, summed in
     /// rank order as one call over the whole model would be: the same bits), and the step
-    /// keeps one chunk, not a copy of the model. All-gather and two-phase: each message goes
-    /// in windows of that size, one call each, so that the transport's deadline applies per
-    /// window and not to a whole model-sized message on a slow link (a message that fits is
-    /// one call, as before; a longer one adds a header call of 16 bytes per rank, `8 (W + 1)`
-    /// on the two-phase all-to-all). The bound is part of the configuration the ranks compare:
-    /// every rank must use the same.
+    /// keeps one chunk, not a copy of the model. All-gather and two-phase: each message longer
+    /// than the bound goes in windows of that size (at least 4 KiB: a smaller bound is raised
+    /// to it there), one call each, so that the transport's deadline applies per window and
+    /// not to a whole model-sized message on a slow link (`FORMAT.md` 14.1: an all-gather of
+    /// messages shorter than the bound is one call, as before; the windows add a header call
+    /// of 16 bytes per rank, and the two-phase all-to-all one of `8 (W + 1)` bytes whenever
+    /// its messages may exceed the bound). The step's first small calls (the two-phase
+    /// agreement round, the naming of a configuration difference) are not windowed. The bound
+    /// is part of the configuration the ranks compare: every rank must use the same.
     pub fn with_chunk_bytes(mut self, bytes: usize) -> Self {
         self.chunk_bytes = bytes;
         self

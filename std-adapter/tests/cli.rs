@@ -622,6 +622,29 @@ fn residual_state_is_created_then_reused_like_the_library() {
         &["decompress", s(&o1), "-o", s(&fifo)],
         "not a regular file",
     );
+    // A symbolic link to it: refused alike; a link to a regular file: the file is replaced and
+    // the link stays a link.
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&fifo, &link).unwrap();
+    let mut args = vec!["compress", s(&g), "-o", s(&link)];
+    args.extend(flags);
+    fails(&args, "not a regular file");
+    fs::remove_file(&link).unwrap();
+    let real = dir.join("real.gw");
+    fs::write(&real, b"old").unwrap();
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let mut args = vec!["compress", s(&g), "-o", s(&link)];
+    args.extend(flags);
+    ok(&args);
+    assert!(
+        fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_ne!(fs::read(&real).unwrap(), b"old");
+    fs::remove_file(&link).unwrap();
+    fs::remove_file(&real).unwrap();
     assert!(fs::metadata(&fifo).is_ok_and(|m| {
         use std::os::unix::fs::FileTypeExt;
         m.file_type().is_fifo()

@@ -107,8 +107,8 @@
 //! - `max_message_bytes`: the largest buffer any rank passed to its communicator
 //!   (`all_gather`: the local buffer; `all_to_all`: the largest per-peer buffer;
 //!   `all_reduce_sum_f32`: 4 x the element count), over all steps (table: "max msg"); at most
-//!   `chunk_bytes` (the row's chunk bound), or the two-phase all-to-all's header of
-//!   `8 (W + 1)` bytes when that is larger;
+//!   `chunk_bytes` (the row's chunk bound; the compressed collectives' windows are at least
+//!   4 KiB);
 //! - `sent_bytes` / `received_bytes`: the communicator's logical counters
 //!   (`CompressedAllReduce::traffic`) over the last step, the maximum over ranks (table:
 //!   "sent/recv");

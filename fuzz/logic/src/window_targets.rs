@@ -5,9 +5,9 @@
 //! fuzzer says.
 //!
 //! Input: a byte of flags (mod 6: the method, EF-sign, dense bf16 or top-k int8 EF, times the
-//! collective), the chunk bound (64 to 319 bytes: every message of the model's 6,000 values spans
-//! several windows, up to 190), then per call of the peer a mode (keep, four times in eight; cut; lengthen; flip a
-//! byte; raw bytes) and its operands.
+//! collective), the chunk bound (4,096 or 6,144 bytes, the smallest windows: every message of
+//! the model's 100,000 values spans several, up to 50), then per call of the peer a mode (keep,
+//! four times in eight; cut; lengthen; flip a byte; raw bytes) and its operands.
 //!
 //! Properties: no panic and no allocation sized by the peer's bytes (each delivered buffer is
 //! bounded by the call's limits, as a transport bounds it); with every message kept, the step
@@ -55,13 +55,13 @@ fn method(flags: u8) -> CompressionMethod {
     }
 }
 
-/// Rank `r`'s gradients: two tensors, 700 and 5,300 values.
+/// Rank `r`'s gradients: two tensors, 700 and 99,300 values.
 fn gradients(r: usize) -> HashMap<String, Tensor> {
     let value = |t: usize, i: usize| {
         let x = (i * 37 + t * 11 + r * 5) % 101;
         (x as f32 - 50.0) * 0.01 * if i.is_multiple_of(3) { 4.0 } else { 1.0 }
     };
-    [("a.weight", vec![35, 20]), ("b.weight", vec![5300])]
+    [("a.weight", vec![35, 20]), ("b.weight", vec![99_300])]
         .into_iter()
         .enumerate()
         .map(|(t, (name, shape))| {
@@ -286,7 +286,7 @@ impl Communicator for Replay<'_, '_> {
 pub fn windows(data: &[u8]) {
     let mut inp = Input::new(data);
     let flags = inp.u8() % 6;
-    let chunk = 64 + inp.u8() as usize;
+    let chunk = 4096 + 2048 * usize::from(inp.u8() & 1);
     let valid = transcript(flags, chunk);
     let mut replay = Replay {
         calls: valid.calls.clone(),

@@ -311,6 +311,18 @@ pub fn stage_with(
     target: &Path,
     fill: impl FnOnce(&mut File) -> Result<(), CliError>,
 ) -> Result<Staged, CliError> {
+    // A symbolic link is followed: the file it names is replaced and the link stays (a rename
+    // over the link itself would put a regular file in its place: `-o /dev/stdout` as root
+    // replaced the link in /dev).
+    let resolved;
+    let target = match fs::symlink_metadata(target) {
+        Ok(m) if m.file_type().is_symlink() => {
+            resolved =
+                fs::canonicalize(target).map_err(|e| CliError::io("cannot write", target, &e))?;
+            resolved.as_path()
+        }
+        _ => target,
+    };
     let file_name = target
         .file_name()
         .ok_or_else(|| CliError::new(format!("{}: not a file name", target.display())))?;

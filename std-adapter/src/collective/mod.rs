@@ -312,8 +312,25 @@ impl AllGather {
                 (limit_for(manifest), Some(error), None)
             }
         };
-        self.windows
-            .all_gather(comm, &self.send, limit, chunk, &mut self.gathered)?;
+        // The first windows already hold every envelope: when one is not a payload, or its
+        // fingerprint is not the first's, the step ends on every rank after one call (the
+        // verdict below), whatever the ranks' chunk bounds (another bound is another
+        // fingerprint).
+        let whole = self.windows.all_gather(
+            comm,
+            &self.send,
+            limit,
+            chunk,
+            &mut self.gathered,
+            |first| {
+                let mut fingerprints = first.iter().map(|w| match open(w) {
+                    Opened::Payload { fingerprint } => Some(fingerprint),
+                    _ => None,
+                });
+                let lead = fingerprints.next().flatten();
+                lead.is_none() || fingerprints.any(|f| f != lead)
+            },
+        )?;
         let world_size = comm.world_size();
         if self.gathered.len() != world_size {
             return Err(Error::WorldSize {
@@ -330,6 +347,12 @@ impl AllGather {
             return Err(Error::internal("a failed rank's own message was not found"));
         };
         check_fingerprints(comm, &fingerprints, config, step, &mut self.gathered)?;
+        if !whole {
+            // Unreachable: the windows stopped only on a verdict, found above.
+            return Err(Error::internal(
+                "the first windows stopped without a verdict",
+            ));
+        }
         let bundles: Vec<&[u8]> = self.gathered.iter().map(|m| &m[ENVELOPE_LEN..]).collect();
         // Straight into the output tensors, one entry each; a bucket spans several tensors,
         // so a bucketed manifest goes through the flat layout.

@@ -18,9 +18,10 @@
 //! per coordinate, and the owner's `owner_sent + server_residual_new == reduced +
 //! server_residual_old` (bit-exact for f32 values: the core's error-feedback step).
 //!
-//! Faults: every rank makes exactly one all-to-all and one all-gather per step (and one more
-//! all-gather naming a configuration difference), whatever fails, so no rank waits for a message
-//! that never comes. A rank that fails before phase 1 sends its reason to every owner; an owner
+//! Faults: every rank makes the same calls in every step, whatever fails (an agreement round,
+//! then one all-to-all and one all-gather, each in windows of the chunk bound when its messages
+//! are longer, `comm::Windows`, and one more all-gather naming a configuration difference), so
+//! no rank waits for a message that never comes. A rank that fails before phase 1 sends its reason to every owner; an owner
 //! that finds a rank's message bad, a rank failed, or a fingerprint differing from rank 0's,
 //! sends that in phase 2 instead of its shard, so every rank sees it and returns the same error.
 //! A step's local errors (a NaN or infinite `gradient + residual`, a value beyond the value
@@ -113,14 +114,9 @@ pub(crate) struct TwoPhase {
 }
 
 impl TwoPhase {
-    /// The shard layout for `manifest` over `world` ranks (built once per layout).
-    ///
-    /// # Errors
-    /// As [`ShardLayout::new`]; [`Error::Config`] when server residuals of another layout are
-    /// held (they would be lost: see [`TwoPhase::discard_server_residuals`]).
     /// The bytes of a collective message of a step with `manifest` over `world` ranks at most
-    /// (an envelope and the largest shard message, or a relay's reason); `usize::MAX` when
-    /// the manifest has no shard layout (every rank fails alike before the exchange).
+    /// (an envelope and the largest shard message, or a relay's reason); a failure's envelope
+    /// when the manifest has no shard layout (every rank then fails alike, sending only that).
     fn message_limit(&self, manifest: &Manifest, world: usize) -> usize {
         let of = |l: &ShardLayout| {
             ENVELOPE_LEN
@@ -132,10 +128,16 @@ impl TwoPhase {
         };
         match &self.layout {
             Some(l) if l.layout_id == manifest.layout_id() && l.world == world => of(l),
-            _ => ShardLayout::new(manifest, world).map_or(usize::MAX, |l| of(&l)),
+            _ => ShardLayout::new(manifest, world)
+                .map_or(ENVELOPE_LEN + MAX_REASON_LEN + 5, |l| of(&l)),
         }
     }
 
+    /// The shard layout for `manifest` over `world` ranks (built once per layout).
+    ///
+    /// # Errors
+    /// As [`ShardLayout::new`]; [`Error::Config`] when server residuals of another layout are
+    /// held (they would be lost: see [`TwoPhase::discard_server_residuals`]).
     pub(crate) fn layout_for(&mut self, manifest: &Manifest, world: usize) -> Result<&ShardLayout> {
         let fits = self
             .layout
@@ -451,7 +453,9 @@ impl TwoPhase {
         }
         if let Err(e) =
             self.windows
-                .all_gather(comm, &self.phase2, limit, chunk, &mut self.gathered)
+                .all_gather(comm, &self.phase2, limit, chunk, &mut self.gathered, |_| {
+                    false
+                })
         {
             // As for phase 1: a length over the limit is a common verdict, before anyone used
             // a byte of this round; the step is undone on both sides.

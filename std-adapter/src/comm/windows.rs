@@ -11,20 +11,25 @@
 //!
 //! - **All-gather.** Round 0 gathers each rank's first window (its first `min(len, chunk)`
 //!   bytes) under the limit `min(max_len, chunk)`. When no window is full (`chunk` bytes), every
-//!   message was whole: done, exactly the single call of before. Otherwise every rank saw a
-//!   full window, so every rank goes on: a header round gathers each rank's total length and
-//!   limit (16 bytes), every rank applies [`check_lengths`] to the totals (the group's smallest
-//!   limit, the same verdict everywhere, before any buffer grows), then rounds of windows
-//!   follow until every message is whole.
+//!   message was whole: done, exactly the single call of before. When the caller's `stop`
+//!   holds for the first windows (they show a verdict already: a failed rank, another
+//!   configuration), it ends there too, every rank alike, since every rank holds the same
+//!   windows. Otherwise every rank saw a full window, so every rank goes on: a header round
+//!   gathers each rank's total length and limit (16 bytes), every rank applies
+//!   [`check_lengths`] to the totals (the group's smallest limit, the same verdict everywhere,
+//!   before any buffer grows), then rounds of windows follow until every message is whole.
 //! - **All-to-all.** No rank sees what the others receive, so the decision cannot come from
 //!   round 0. Callers pass a `max_len` that is the same on every rank (derived from the
 //!   configuration every rank agreed on): at most `chunk`, the single call of before; above it,
 //!   a header round first (each rank's limit and the length of each of its buffers: `8 (W + 1)`
-//!   bytes, the one buffer that may exceed a window smaller than that), the limits checked on
-//!   the totals receiver by receiver, then rounds of windows.
+//!   bytes, within a window up to W = 511), the limits checked on the totals receiver by
+//!   receiver, then rounds of windows.
 //!
-//! A window's length is fixed by the totals, so every receiver knows what each round must
-//! bring; a peer that sends another length is named ([`CommError::Transport`]). The all-gather's
+//! Every rank must pass the same `chunk` (the callers make it part of the configuration they
+//! compare), at least [`MIN_WINDOW`] bytes (a smaller one is raised to it), so that a failure's
+//! envelope and the headers always fit one window. A window's length is fixed by the totals,
+//! so every receiver knows what each round must bring; a peer that sends another length is
+//! named ([`CommError::Transport`]). The all-gather's
 //! windows are appended to the messages in place ([`Communicator::all_gather_append`]); the
 //! all-to-all keeps one window per rank received and one per rank sent, between calls.
 
@@ -32,6 +37,19 @@ use super::{CommError, Communicator, check_lengths};
 
 /// Bytes of one rank's all-gather header: total length, limit (`u64` LE each).
 const GATHER_HEADER: usize = 16;
+
+/// The smallest window: a failure's envelope (20 bytes and a reason of at most 1 KiB) and the
+/// all-to-all's header of a group of up to 511 ranks fit one.
+pub(crate) const MIN_WINDOW: usize = 4096;
+
+/// `msg` grown to hold `more` bytes, or the transport error naming `sender`.
+fn reserve(msg: &mut Vec<u8>, more: usize, sender: usize) -> Result<(), CommError> {
+    msg.try_reserve_exact(more).map_err(|_| {
+        CommError::Transport(format!(
+            "cannot allocate {more} bytes for the message of rank {sender}"
+        ))
+    })
+}
 
 /// Buffers of windowed calls, kept between calls so that a steady-state step allocates nothing.
 #[derive(Debug, Default)]
@@ -67,12 +85,16 @@ fn window_error(sender: usize, got: usize, due: usize) -> CommError {
 
 impl Windows {
     /// [`Communicator::all_gather`] of `local`, each call passing at most `chunk` bytes (at
-    /// least 1). Results, limits and errors as the single call, except that after an error
-    /// `out` is unspecified.
+    /// least [`MIN_WINDOW`]). Results and limits as the single call, except that a message over
+    /// the limit may be reported by its first window's length, and that after an error `out` is
+    /// unspecified. When `stop` holds for the first windows (every rank's first `chunk` bytes at
+    /// most), nothing more is gathered and `Ok(false)` returned with `out` holding them; `stop`
+    /// must depend on those bytes alone, so that every rank decides alike. `Ok(true)`: every
+    /// message is whole.
     ///
     /// # Errors
     /// As [`Communicator::all_gather`]; [`CommError::Transport`] naming a rank whose header or
-    /// window does not match the protocol.
+    /// window does not match the protocol, or whose message cannot be allocated.
     pub(crate) fn all_gather(
         &mut self,
         comm: &mut dyn Communicator,
@@ -80,12 +102,16 @@ impl Windows {
         max_len: usize,
         chunk: usize,
         out: &mut Vec<Vec<u8>>,
-    ) -> Result<(), CommError> {
-        let chunk = chunk.max(1);
+        stop: impl Fn(&[Vec<u8>]) -> bool,
+    ) -> Result<bool, CommError> {
+        let chunk = chunk.max(MIN_WINDOW);
         let first = local.len().min(chunk);
         comm.all_gather(&local[..first], max_len.min(chunk), out)?;
         if out.iter().all(|w| w.len() < chunk) {
-            return Ok(());
+            return Ok(true);
+        }
+        if stop(out) {
+            return Ok(false);
         }
         self.header.clear();
         self.header
@@ -115,7 +141,7 @@ impl Windows {
                 return Err(window_error(r, got.len(), due));
             }
             // Within the group's smallest limit, at most this rank's own `max_len`.
-            got.reserve_exact(total - due);
+            reserve(got, total - due, r)?;
         }
         let mut done = first;
         while out.iter().zip(&self.totals).any(|(m, &t)| m.len() < t) {
@@ -140,13 +166,14 @@ impl Windows {
                 }
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// [`Communicator::all_to_all`] of `send`, each call passing buffers of at most `chunk`
-    /// bytes (at least 1) when `max_len` is above it. `max_len` must be the same on every
-    /// rank (the calls a rank makes depend on it). Results, limits and errors as the single
-    /// call, except that after an error `out` is unspecified.
+    /// bytes (at least [`MIN_WINDOW`]) when `max_len` is above it (then a header call first,
+    /// even when every buffer fits). `max_len` must be the same on every rank (the calls a rank
+    /// makes depend on it). Results, limits and errors as the single call, except that after an
+    /// error `out` is unspecified.
     ///
     /// # Errors
     /// As [`Communicator::all_to_all`] (a rank whose `send` does not hold one buffer per rank
@@ -160,7 +187,7 @@ impl Windows {
         chunk: usize,
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
-        let chunk = chunk.max(1);
+        let chunk = chunk.max(MIN_WINDOW);
         if max_len <= chunk {
             return comm.all_to_all(send, max_len, out);
         }
@@ -182,6 +209,12 @@ impl Windows {
             self.header.resize(header_len + 8, 0);
         }
         comm.all_gather(&self.header, header_len + 8, &mut self.headers)?;
+        if self.headers.len() != w {
+            return Err(CommError::Transport(format!(
+                "a header round gathered {} buffers from a group of {w}",
+                self.headers.len()
+            )));
+        }
         if let Some(r) = self.headers.iter().position(|h| h.len() != header_len) {
             return Err(CommError::Mismatch {
                 round: 0,
@@ -209,7 +242,7 @@ impl Windows {
         for (s, msg) in out.iter_mut().enumerate() {
             msg.clear();
             // Within the group's smallest limit, at most this rank's own `max_len`.
-            msg.reserve_exact(self.totals[s * w + me]);
+            reserve(msg, self.totals[s * w + me], s)?;
         }
         self.sent.truncate(w);
         self.sent.resize_with(w, Vec::new);
@@ -226,6 +259,12 @@ impl Windows {
                 window.extend_from_slice(buf.get(from..buf.len().min(from + chunk)).unwrap_or(&[]));
             }
             comm.all_to_all(&self.sent, chunk, &mut self.received)?;
+            if self.received.len() != w {
+                return Err(CommError::Transport(format!(
+                    "a window round received {} buffers in a group of {w}",
+                    self.received.len()
+                )));
+            }
             for (s, (window, msg)) in self.received.iter().zip(out.iter_mut()).enumerate() {
                 let due = self.totals[s * w + me].saturating_sub(from).min(chunk);
                 if window.len() != due {
@@ -316,57 +355,84 @@ mod tests {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     }
 
+    const C: usize = super::MIN_WINDOW;
+
     #[test]
     fn all_gather_in_windows_equals_one_call() {
         // Lengths below, at and above the window, with empty messages, at W = 1 and 3; twice
-        // per rank, so that kept buffers are reused.
+        // per rank, so that kept buffers are reused. A chunk below the smallest window is
+        // raised to it.
         for w in [1, 3] {
             for lens in [
                 [5usize, 0, 3],
-                [16, 16, 16],
-                [100, 0, 17],
+                [C, C, C],
+                [3 * C + 7, 0, 17],
                 [0, 0, 0],
-                [33, 64, 65],
+                [C - 1, 2 * C, C + 1],
             ] {
                 let got = run(w, move |comm, windows| {
                     let me = comm.rank();
                     let mut out = Vec::new();
-                    for _ in 0..2 {
+                    for chunk in [C, 16] {
                         let local = message(me, 0, lens[me]);
-                        windows
-                            .all_gather(comm, &local, 1000, 16, &mut out)
+                        let whole = windows
+                            .all_gather(comm, &local, 1 << 20, chunk, &mut out, |_| false)
                             .unwrap();
+                        assert!(whole);
                         let want: Vec<_> = (0..w).map(|r| message(r, 0, lens[r])).collect();
                         assert_eq!(out, want, "{lens:?}");
                     }
                 });
                 for (_, largest) in got {
-                    assert!(largest <= 16, "{largest}");
+                    assert!(largest <= C, "{largest}");
                 }
             }
         }
     }
 
     #[test]
+    fn all_gather_stops_after_the_first_windows_when_asked() {
+        // Rank 1's first byte says "stop": every rank stops after one call, with the first
+        // windows, and the next call pairs as it should.
+        let got = run(3, |comm, windows| {
+            let me = comm.rank();
+            let mut local = message(me, 0, 3 * C);
+            local[0] = u8::from(me == 1);
+            let mut out = Vec::new();
+            let whole = windows
+                .all_gather(comm, &local, 1 << 20, C, &mut out, |first| first[1][0] == 1)
+                .unwrap();
+            assert!(!whole);
+            assert!(out.iter().all(|m| m.len() == C));
+            windows
+                .all_gather(comm, &[me as u8], 1, C, &mut out, |_| true)
+                .unwrap();
+            out
+        });
+        for (out, _) in got {
+            assert_eq!(out, vec![vec![0], vec![1], vec![2]]);
+        }
+    }
+
+    #[test]
     fn all_to_all_in_windows_equals_one_call() {
         for w in [1, 3] {
-            for max_len in [16, 40, 1000] {
+            for max_len in [C, 3 * C, 1 << 20] {
                 let got = run(w, move |comm, windows| {
                     let me = comm.rank();
-                    let len = |s: usize, d: usize| (s * 11 + d * 5) % max_len.min(39);
+                    let len = |s: usize, d: usize| (s * 1100 + d * 2500) % max_len.min(9000);
                     let send: Vec<_> = (0..w).map(|d| message(me, d, len(me, d))).collect();
                     let mut out = Vec::new();
                     for _ in 0..2 {
                         windows
-                            .all_to_all(comm, &send, max_len, 16, &mut out)
+                            .all_to_all(comm, &send, max_len, C, &mut out)
                             .unwrap();
                         let want: Vec<_> = (0..w).map(|s| message(s, me, len(s, me))).collect();
                         assert_eq!(out, want);
                     }
                 });
-                // The header round passes 8 (W + 1) bytes.
                 for (_, largest) in got {
-                    assert!(largest <= 16.max(8 * (w + 1)), "{largest}");
+                    assert!(largest <= C, "{largest}");
                 }
             }
         }
@@ -374,41 +440,44 @@ mod tests {
 
     #[test]
     fn limits_apply_to_the_whole_message_on_every_rank() {
-        // All-gather: rank 1's 50 bytes over a limit of 40, in windows of 16.
+        // All-gather: rank 1's 3C bytes over a limit of 2C.
         let got = run(3, |comm, windows| {
-            let len = if comm.rank() == 1 { 50 } else { 20 };
+            let len = if comm.rank() == 1 { 3 * C } else { C + 20 };
             let mut out = Vec::new();
             windows
-                .all_gather(comm, &vec![1u8; len], 40, 16, &mut out)
+                .all_gather(comm, &vec![1u8; len], 2 * C, C, &mut out, |_| false)
                 .unwrap_err()
                 .to_string()
         });
         for (e, _) in &got {
             assert_eq!(e, &got[0].0);
-            assert!(e.contains("rank 1 sent 50 bytes"), "{e}");
+            assert!(e.contains(&format!("rank 1 sent {} bytes", 3 * C)), "{e}");
         }
-        // All-to-all: rank 2 sends 41 bytes to rank 0 under a limit of 40.
+        // All-to-all: rank 2 sends 2C + 1 bytes to rank 0 under a limit of 2C.
         let got = run(3, |comm, windows| {
             let me = comm.rank();
             let send: Vec<_> = (0..3)
-                .map(|d| vec![0u8; if me == 2 && d == 0 { 41 } else { 30 }])
+                .map(|d| vec![0u8; if me == 2 && d == 0 { 2 * C + 1 } else { 30 }])
                 .collect();
             let mut out = Vec::new();
             windows
-                .all_to_all(comm, &send, 40, 16, &mut out)
+                .all_to_all(comm, &send, 2 * C, C, &mut out)
                 .unwrap_err()
                 .to_string()
         });
         for (e, _) in &got {
             assert_eq!(e, &got[0].0);
-            assert!(e.contains("rank 2 sent 41 bytes"), "{e}");
+            assert!(
+                e.contains(&format!("rank 2 sent {} bytes", 2 * C + 1)),
+                "{e}"
+            );
         }
         // A rank with the wrong number of buffers: every rank names it.
         let got = run(3, |comm, windows| {
             let n = if comm.rank() == 1 { 2 } else { 3 };
             let mut out = Vec::new();
             windows
-                .all_to_all(comm, &vec![vec![0u8; 20]; n], 40, 16, &mut out)
+                .all_to_all(comm, &vec![vec![0u8; 20]; n], 2 * C, C, &mut out)
                 .unwrap_err()
                 .to_string()
         });
