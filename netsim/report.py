@@ -35,6 +35,8 @@ SPEEDUP = {
 WORKLOAD = {
     "digits-mlp": "the MLP on the digits (85,002 parameters)",
     "minilm-replay": "the MiniLM replay (789,504 values, no model)",
+    "gpt2-replay": "the GPT-2 replay (124,439,808 values: GPT-2 small's 148 shapes, MiniLM's "
+    "gradients tiled; no model)",
 }
 
 

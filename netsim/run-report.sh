@@ -14,7 +14,8 @@
 #                                # demo's --wait-barrier: comm split into waiting and transfer),
 #                                # NETSIM_SECTION (the block of docs/netsim.md to replace;
 #                                # default: the main one), NETSIM_WORKLOAD (the demo's
-#                                # --workload: digits-mlp, the default, or minilm-replay),
+#                                # --workload: digits-mlp, the default, minilm-replay or
+#                                # gpt2-replay),
 #                                # NETSIM_EVAL_EVERY (test accuracy every this many steps;
 #                                # default: once, after the last step; the time-to-accuracy
 #                                # runs use 300 steps and 10)

@@ -20,7 +20,7 @@ use crate::DemoError;
 use crate::codec::{CodecContext, Collective, GradientCodec, Method, new_codec};
 use crate::data::{Digits, Samples};
 use crate::model::{Mlp, ParamSpec, digest, init_params, param_specs, single_threaded_matmul};
-use crate::replay::{ReplayGradients, minilm_specs};
+use crate::replay::{ReplayGradients, gpt2_specs, minilm_specs};
 
 /// What the ranks train: where each step's gradients come from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -33,6 +33,10 @@ pub enum Workload {
     /// per-rank noise, every step ([`crate::replay`]); no accuracy.
     #[value(name = "minilm-replay")]
     MinilmReplay,
+    /// No model: GPT-2 small's 148 shapes (124,439,808 values) filled with the MiniLM
+    /// gradients, tiled, with per-rank noise, every step ([`crate::replay`]); no accuracy.
+    #[value(name = "gpt2-replay")]
+    Gpt2Replay,
 }
 
 impl Workload {
@@ -42,6 +46,7 @@ impl Workload {
         match self {
             Workload::DigitsMlp => "digits-mlp",
             Workload::MinilmReplay => "minilm-replay",
+            Workload::Gpt2Replay => "gpt2-replay",
         }
     }
 
@@ -53,6 +58,7 @@ impl Workload {
         match self {
             Workload::DigitsMlp => Ok(param_specs()),
             Workload::MinilmReplay => minilm_specs(),
+            Workload::Gpt2Replay => gpt2_specs(),
         }
     }
 }
@@ -369,6 +375,10 @@ impl Source {
             Workload::MinilmReplay => (
                 specs.iter().map(|s| vec![0.0; s.len()]).collect(),
                 Source::Replay(ReplayGradients::new(seed, rank)?),
+            ),
+            Workload::Gpt2Replay => (
+                specs.iter().map(|s| vec![0.0; s.len()]).collect(),
+                Source::Replay(ReplayGradients::tiled(specs, seed, rank)?),
             ),
         })
     }

@@ -227,26 +227,15 @@ fn shape_set(set: &str) -> Result<Vec<(String, Vec<usize>)>, String> {
     let mut add = |name: String, shape: &[usize]| t.push((name, shape.to_vec()));
     match set {
         "gpt2" => {
-            let d = 768;
-            add("wte".into(), &[50257, d]);
-            add("wpe".into(), &[1024, d]);
-            for i in 0..12 {
-                let h = |s: &str| format!("h.{i}.{s}");
-                add(h("ln_1.weight"), &[d]);
-                add(h("ln_1.bias"), &[d]);
-                add(h("attn.c_attn.weight"), &[d, 3 * d]);
-                add(h("attn.c_attn.bias"), &[3 * d]);
-                add(h("attn.c_proj.weight"), &[d, d]);
-                add(h("attn.c_proj.bias"), &[d]);
-                add(h("ln_2.weight"), &[d]);
-                add(h("ln_2.bias"), &[d]);
-                add(h("mlp.c_fc.weight"), &[d, 4 * d]);
-                add(h("mlp.c_fc.bias"), &[4 * d]);
-                add(h("mlp.c_proj.weight"), &[4 * d, d]);
-                add(h("mlp.c_proj.bias"), &[d]);
+            // GPT-2 small's shapes, shared with the demo's replay (testdata/README.md).
+            const GPT2: &str = include_str!("../../../testdata/shapes/gpt2-small.txt");
+            for line in GPT2.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+                let mut words = line.split_whitespace();
+                let name = words.next().unwrap_or_default();
+                let shape: Result<Vec<usize>, _> = words.map(str::parse).collect();
+                let shape = shape.map_err(|e| format!("gpt2 shapes, `{line}`: {e}"))?;
+                add(name.to_owned(), &shape);
             }
-            add("ln_f.weight".into(), &[d]);
-            add("ln_f.bias".into(), &[d]);
         }
         "opt1.3b" => {
             let (d, ffn) = (2048, 8192);
