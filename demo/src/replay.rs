@@ -142,7 +142,11 @@ impl ReplayGradients {
     ///
     /// # Errors
     /// As [`minilm`].
-    pub fn tiled(specs: &[ParamSpec], seed: u64, rank: usize) -> Result<ReplayGradients, DemoError> {
+    pub fn tiled(
+        specs: &[ParamSpec],
+        seed: u64,
+        rank: usize,
+    ) -> Result<ReplayGradients, DemoError> {
         let source = minilm_flat()?;
         let mut starts = Vec::with_capacity(specs.len());
         let mut at = 0;

@@ -229,7 +229,10 @@ fn shape_set(set: &str) -> Result<Vec<(String, Vec<usize>)>, String> {
         "gpt2" => {
             // GPT-2 small's shapes, shared with the demo's replay (testdata/README.md).
             const GPT2: &str = include_str!("../../../testdata/shapes/gpt2-small.txt");
-            for line in GPT2.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+            for line in GPT2
+                .lines()
+                .filter(|l| !l.starts_with('#') && !l.is_empty())
+            {
                 let mut words = line.split_whitespace();
                 let name = words.next().unwrap_or_default();
                 let shape: Result<Vec<usize>, _> = words.map(str::parse).collect();
