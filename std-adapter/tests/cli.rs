@@ -645,6 +645,27 @@ fn residual_state_is_created_then_reused_like_the_library() {
     assert_ne!(fs::read(&real).unwrap(), b"old");
     fs::remove_file(&link).unwrap();
     fs::remove_file(&real).unwrap();
+    // A dangling relative link: the file it names is created. A link through a process's file
+    // descriptors (`/dev/stdout` is one): refused, not followed to the file a shell redirected
+    // to (which a rename would replace instead of appending to it).
+    std::os::unix::fs::symlink("made.gw", &link).unwrap();
+    let mut args = vec!["compress", s(&g), "-o", s(&link)];
+    args.extend(flags);
+    ok(&args);
+    assert!(
+        fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert!(dir.join("made.gw").is_file());
+    fs::remove_file(&link).unwrap();
+    fs::remove_file(dir.join("made.gw")).unwrap();
+    std::os::unix::fs::symlink("/proc/self/fd/1", &link).unwrap();
+    let mut args = vec!["compress", s(&g), "-o", s(&link)];
+    args.extend(flags);
+    fails(&args, "not a regular file");
+    fs::remove_file(&link).unwrap();
     assert!(fs::metadata(&fifo).is_ok_and(|m| {
         use std::os::unix::fs::FileTypeExt;
         m.file_type().is_fifo()

@@ -299,6 +299,50 @@ pub fn stage(target: &Path, bytes: &[u8]) -> Result<Staged, CliError> {
     })
 }
 
+/// The file an output path names: `target` itself, or, for a symbolic link, the file at the
+/// end of its chain (which may not exist yet), so that the file is replaced and the link stays
+/// (a rename over the link would put a regular file in its place: `-o /dev/stdout` as root
+/// replaced the link in /dev).
+///
+/// # Errors
+/// A path that exists and is not a regular file (a pipe, a terminal, a device: `fs::metadata`
+/// follows the links); a link through a process's file descriptors (`/proc/…/fd`, `/dev/fd`:
+/// `-o /dev/stdout >> file` would replace `file` instead of appending to it); more than 40
+/// links; a link that cannot be read.
+fn resolve_output(target: &Path) -> Result<PathBuf, CliError> {
+    let not_regular = |path: &Path| {
+        CliError::new(format!(
+            "cannot write {}: not a regular file (a FIFO, a device, a socket or a process's \
+             file descriptor); gradwire writes its outputs to regular files, replaced whole",
+            path.display()
+        ))
+    };
+    if fs::metadata(target).is_ok_and(|m| !m.is_file() && !m.is_dir()) {
+        return Err(not_regular(target));
+    }
+    let mut path = target.to_path_buf();
+    for _ in 0..40 {
+        match fs::symlink_metadata(&path) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let next =
+                    fs::read_link(&path).map_err(|e| CliError::io("cannot write", target, &e))?;
+                path = match path.parent() {
+                    Some(dir) if next.is_relative() => dir.join(next),
+                    _ => next,
+                };
+                if path.starts_with("/proc") || path.starts_with("/dev/fd") {
+                    return Err(not_regular(target));
+                }
+            }
+            _ => return Ok(path),
+        }
+    }
+    Err(CliError::new(format!(
+        "cannot write {}: more than 40 symbolic links",
+        target.display()
+    )))
+}
+
 /// A new temporary file in the directory of `target`, filled by `fill` (which may write it in
 /// pieces and seek over runs of zeros: the file is new, so a hole reads as zeros), flushed to
 /// disk, to be renamed over `target` by [`Staged::commit`].
@@ -311,18 +355,8 @@ pub fn stage_with(
     target: &Path,
     fill: impl FnOnce(&mut File) -> Result<(), CliError>,
 ) -> Result<Staged, CliError> {
-    // A symbolic link is followed: the file it names is replaced and the link stays (a rename
-    // over the link itself would put a regular file in its place: `-o /dev/stdout` as root
-    // replaced the link in /dev).
-    let resolved;
-    let target = match fs::symlink_metadata(target) {
-        Ok(m) if m.file_type().is_symlink() => {
-            resolved =
-                fs::canonicalize(target).map_err(|e| CliError::io("cannot write", target, &e))?;
-            resolved.as_path()
-        }
-        _ => target,
-    };
+    let resolved = resolve_output(target)?;
+    let target = resolved.as_path();
     let file_name = target
         .file_name()
         .ok_or_else(|| CliError::new(format!("{}: not a file name", target.display())))?;

@@ -119,6 +119,13 @@ impl Windows {
         self.header
             .extend_from_slice(&(max_len as u64).to_le_bytes());
         comm.all_gather(&self.header, GATHER_HEADER, &mut self.headers)?;
+        if self.headers.len() != out.len() {
+            return Err(CommError::Transport(format!(
+                "a header round gathered {} buffers, the first windows {}",
+                self.headers.len(),
+                out.len()
+            )));
+        }
         if let Some(r) = self.headers.iter().position(|h| h.len() != GATHER_HEADER) {
             return Err(CommError::Transport(format!(
                 "rank {r} sent a header of {} bytes, not {GATHER_HEADER}",
