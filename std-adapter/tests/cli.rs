@@ -622,6 +622,16 @@ fn residual_state_is_created_then_reused_like_the_library() {
         &["decompress", s(&o1), "-o", s(&fifo)],
         "not a regular file",
     );
+    // Inputs that are not regular files: refused before they are opened (a FIFO nobody writes
+    // to blocked `inspect` forever; /dev/zero was read until memory ran out).
+    for special in [s(&fifo), "/dev/zero", s(&dir)] {
+        fails(&["inspect", special], "not a regular file");
+        fails(&["decompress", special, "-o", s(&o3)], "not a regular file");
+        let mut args = vec!["compress", special, "-o", s(&o3)];
+        args.extend(flags);
+        fails(&args, "not a regular file");
+        assert!(!o3.exists());
+    }
     // A symbolic link to it: refused alike; a link to a regular file: the file is replaced and
     // the link stays a link.
     let link = dir.join("link");

@@ -12,9 +12,37 @@ use crate::tensor::Tensor;
 
 use super::CliError;
 
-/// Reads a whole file, naming it in the error.
+/// Opens an input: a regular file only, looked at before it is opened (opening a FIFO blocks
+/// until someone writes to it; a device such as /dev/zero never ends), with its length.
+fn open_input(path: &Path) -> Result<(File, u64), CliError> {
+    match crate::feedback::checkpoint::open_regular(path) {
+        Ok(opened) => Ok(opened),
+        Err(crate::Error::Io { source, .. }) => Err(CliError::io("cannot read", path, &source)),
+        Err(_) => Err(CliError::new(format!(
+            "cannot read {}: not a regular file (a FIFO, a device, a directory); gradwire reads \
+             its inputs from regular files",
+            path.display()
+        ))),
+    }
+}
+
+/// Reads a whole regular file (its length known first, the buffer reserved once), naming it
+/// in the error.
 pub fn read(path: &Path) -> Result<Vec<u8>, CliError> {
-    fs::read(path).map_err(|e| CliError::io("cannot read", path, &e))
+    let (mut file, len) = open_input(path)?;
+    let mut bytes = Vec::new();
+    usize::try_from(len)
+        .ok()
+        .and_then(|n| bytes.try_reserve_exact(n).ok())
+        .ok_or_else(|| {
+            CliError::new(format!(
+                "cannot read {}: {len} bytes do not fit in memory",
+                path.display()
+            ))
+        })?;
+    file.read_to_end(&mut bytes)
+        .map_err(|e| CliError::io("cannot read", path, &e))?;
+    Ok(bytes)
 }
 
 /// A model's tensors: `(name, tensor)` sorted by name.
@@ -46,11 +74,7 @@ impl Input {
     /// [`crate::container::charged_elements`]) at most `max_elements`, checked before any
     /// tensor data is read.
     pub fn open(path: &Path, max_elements: u64) -> Result<Input, CliError> {
-        let mut file = File::open(path).map_err(|e| CliError::io("cannot read", path, &e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| CliError::io("cannot read", path, &e))?
-            .len();
+        let (mut file, len) = open_input(path)?;
         let mut magic = [0u8; 4];
         if len >= 4 {
             file.read_exact(&mut magic)
@@ -158,11 +182,7 @@ impl Input {
 /// Names and shapes of every tensor of the safetensors file at `path` (any dtype), sorted by
 /// name: what a receiver knows about its model. Only the header is read.
 pub fn read_shapes(path: &Path) -> Result<Vec<(String, Vec<usize>)>, CliError> {
-    let mut file = File::open(path).map_err(|e| CliError::io("cannot read", path, &e))?;
-    let len = file
-        .metadata()
-        .map_err(|e| CliError::io("cannot read", path, &e))?
-        .len();
+    let (mut file, len) = open_input(path)?;
     let (meta, _) =
         crate::safetensors_reader::read_header_from(&mut file, len).map_err(|e| match e {
             safetensors::SafeTensorError::IoError(e) => CliError::io("cannot read", path, &e),
