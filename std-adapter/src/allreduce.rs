@@ -63,6 +63,13 @@ use crate::method::CompressionMethod;
 use crate::tensor::Tensor;
 use gradwire_core::{Method, Values};
 
+/// The bundle of an all-gather message the compressor wrote after the room for its envelope.
+fn bundle_of(message: &[u8]) -> &[u8] {
+    message
+        .get(crate::collective::ENVELOPE_LEN..)
+        .unwrap_or(&[])
+}
+
 /// [`Error::Core`] naming the tensor and index of the first NaN or infinity of `gradients`.
 fn check_finite(gradients: &HashMap<String, Tensor>) -> Result<()> {
     let mut names: Vec<&String> = gradients.keys().collect();
@@ -609,7 +616,13 @@ impl CompressedAllReduce {
         let compressed = match &manifest {
             Ok(manifest) => self
                 .compressor
-                .compress_bundle(manifest, gradients, rank, &mut self.send)
+                .compress_bundle_after(
+                    manifest,
+                    gradients,
+                    rank,
+                    &mut self.send,
+                    crate::collective::ENVELOPE_LEN,
+                )
                 .map(|_| ()),
             Err(_) => Ok(()),
         };
@@ -635,7 +648,11 @@ impl CompressedAllReduce {
                 return result;
             }
         };
-        self.message_bytes = self.send.len();
+        // The bundle, after the room left for its envelope.
+        self.message_bytes = self
+            .send
+            .len()
+            .saturating_sub(crate::collective::ENVELOPE_LEN);
         let config = group_config(
             self.world_size,
             manifest,
@@ -646,7 +663,7 @@ impl CompressedAllReduce {
         );
         let local = Local::Bundle {
             manifest,
-            bundle: &self.send,
+            message: &mut self.send,
             step,
             config: &config,
         };
@@ -667,9 +684,12 @@ impl CompressedAllReduce {
         // transport error, peers may have completed the step with this rank's values: they
         // stay sent.
         if matches!(&result, Err(e) if !matches!(e, Error::Comm { .. })) {
-            let given_back =
-                self.compressor
-                    .give_back_bundle(manifest, &self.send, step, &mut self.flat);
+            let given_back = self.compressor.give_back_bundle(
+                manifest,
+                bundle_of(&self.send),
+                step,
+                &mut self.flat,
+            );
             debug_assert!(given_back.is_ok(), "{given_back:?}");
         }
         result

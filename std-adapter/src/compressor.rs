@@ -24,7 +24,6 @@ use gradwire_core::{Method, Params, max_frame_len, tensor_id};
 use crate::engine::{Engine, Parallelism, Shapes};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
-use crate::layout::bundle::BundleWriter;
 use crate::layout::{self, BucketConfig, Manifest, frame_error};
 use crate::method;
 use crate::tensor::Tensor;
@@ -283,7 +282,37 @@ impl GradientCompressor {
         rank: usize,
         out: &mut Vec<u8>,
     ) -> Result<u64> {
-        out.clear();
+        self.compress_bundle_after(manifest, gradients, rank, out, 0)
+    }
+
+    /// As [`GradientCompressor::compress_bundle`], the bundle written after the first `prefix`
+    /// bytes of `out` (left as they are, for an envelope), with no copy of a frame: the all-gather
+    /// collective sends `out` as it is. `out` is not cleared first (its bytes are overwritten),
+    /// so that a step does not write the message twice; on error it is cleared.
+    pub(crate) fn compress_bundle_after(
+        &mut self,
+        manifest: &Manifest,
+        gradients: &HashMap<String, Tensor>,
+        rank: usize,
+        out: &mut Vec<u8>,
+        prefix: usize,
+    ) -> Result<u64> {
+        let result = self.try_compress_bundle(manifest, gradients, rank, out, prefix);
+        if result.is_err() {
+            out.clear();
+        }
+        result
+    }
+
+    /// [`GradientCompressor::compress_bundle_after`], `out` left as it is on error.
+    fn try_compress_bundle(
+        &mut self,
+        manifest: &Manifest,
+        gradients: &HashMap<String, Tensor>,
+        rank: usize,
+        out: &mut Vec<u8>,
+        prefix: usize,
+    ) -> Result<u64> {
         let seed = self.seed;
         let step = self.step;
         let method = self.prepare()?.0;
@@ -302,33 +331,25 @@ impl GradientCompressor {
         }
         let rank32 = u32::try_from(rank)
             .map_err(|_| Error::config(format!("rank {rank} does not fit a u32")))?;
-        // A manifest holds at most u32::MAX entries.
-        let entries = manifest.entries().len() as u32;
         manifest.check_gradients(gradients)?;
-        if out.capacity() < manifest.max_bundle_len() {
-            out.reserve(manifest.max_bundle_len());
+        let need = prefix + manifest.max_bundle_len();
+        if out.capacity() < need {
+            out.reserve_exact(need - out.len());
         }
-        let mut writer = BundleWriter::begin(out, rank32, entries, step);
         let feedback = self
             .feedback
             .as_mut()
             .filter(|_| self.method.uses_error_feedback());
         let exec = self.parallelism.exec_for(manifest.flat_len());
-        let result = self.engine.encode(
+        let result = self.engine.encode_bundle(
             manifest,
             gradients,
             step,
             feedback,
             (exec, Shapes::Checked),
-            |e, frame| writer.push(manifest.entries()[e].id, frame),
+            (rank32, out, prefix),
         );
-        match result {
-            Ok(()) => writer.finish(),
-            Err(e) => {
-                out.clear();
-                return Err(e);
-            }
-        }
+        result?;
         self.step = self.step.wrapping_add(1);
         Ok(step)
     }
@@ -630,5 +651,173 @@ mod chunked_path_tests {
             let all = CompressionMethod::RandomK { k: 300_000 };
             assert_eq!(chunked_frames(&large, &all, parallelism, 1), 0);
         }
+    }
+
+    /// The bundle of `compress()`'s frames, written entry by entry as before frames were
+    /// written in place.
+    fn bundle_of_frames(
+        manifest: &Manifest,
+        frames: &HashMap<String, crate::layout::CompressedGradient>,
+        step: u64,
+        rank: u32,
+    ) -> Vec<u8> {
+        let mut out = Vec::new();
+        let entries = manifest.entries().len() as u32;
+        let mut w = crate::layout::bundle::BundleWriter::begin(&mut out, rank, entries, step);
+        for entry in manifest.entries() {
+            w.push(entry.id, frames[&entry.label].frame());
+        }
+        w.finish();
+        out
+    }
+
+    #[test]
+    fn frames_written_in_place_make_the_bundle_of_the_frames() {
+        let mut rng = Rng(11);
+        // Large (chunked), middle and small tensors; sparse tensors with few and many kept.
+        let mut grads = HashMap::from([
+            ("a.large".to_owned(), Tensor::vector(rng.vec(300_000, 1.0))),
+            ("b.middle".to_owned(), Tensor::vector(rng.vec(5_000, 1.0))),
+            ("c.small".to_owned(), Tensor::vector(rng.vec(7, 1.0))),
+        ]);
+        // Zeros, for the sign method's zero mask (a frame shorter than its largest).
+        if let Some(Tensor { .. }) = grads.get("b.middle") {
+            let mut v = rng.vec(5_000, 1.0);
+            v[10..2_000].fill(0.0);
+            grads.insert("b.middle".to_owned(), Tensor::vector(v));
+        }
+        let texts = [
+            "dense values=bf16",
+            "dense values=f16",
+            "topk k=ratio:0.01 values=int8:256",
+            "topk k=count:3 values=f32",
+            "threshold t=0.9 values=f16",
+            "randomk k=count:100 values=f32 unbiased=false",
+            "quant bits=4 block=256 rounding=nearest-even",
+            "sign scale=mean-abs:128 mask=zeros",
+        ];
+        for text in texts {
+            let method = CompressionMethod::Core(crate::method::parse(text).unwrap());
+            for (ef, parallelism) in [
+                (false, Parallelism::Serial),
+                (true, Parallelism::Serial),
+                (true, Parallelism::Parallel),
+            ] {
+                let method = if ef {
+                    method.clone().with_error_feedback()
+                } else {
+                    method.clone()
+                };
+                let manifest =
+                    Manifest::for_gradients(&grads, &method, 5, BucketConfig::none()).unwrap();
+                let new = || {
+                    GradientCompressor::new(method.clone())
+                        .with_seed(5)
+                        .with_parallelism(parallelism)
+                };
+                let (mut in_place, mut by_frames) = (new(), new());
+                // A message buffer reused with other bytes in it: the room before the bundle is
+                // left alone, the rest overwritten.
+                let mut message = vec![0xa5u8; 9];
+                for step in 0..3u64 {
+                    let made = in_place
+                        .compress_bundle_after(&manifest, &grads, 2, &mut message, 9)
+                        .unwrap();
+                    assert_eq!(made, step);
+                    let frames = by_frames.compress(&grads).unwrap();
+                    let expected = bundle_of_frames(&manifest, &frames, step, 2);
+                    assert_eq!(&message[..9], &[0xa5; 9], "{text} ef={ef}");
+                    assert!(message[9..] == expected[..], "{text} ef={ef} step {step}");
+                    if text.starts_with("threshold") || text.starts_with("sign") {
+                        // Frames shorter than their largest: the gaps were closed.
+                        assert!(expected.len() < manifest.max_bundle_len(), "{text}");
+                    }
+                    let mut alone = Vec::from([1u8, 2, 3]);
+                    let mut again = new();
+                    for _ in 0..=step {
+                        again
+                            .compress_bundle(&manifest, &grads, 2, &mut alone)
+                            .unwrap();
+                    }
+                    assert!(alone == expected, "{text} ef={ef} step {step}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_bad_value_left_to_the_chunked_encoder_is_named_in_manifest_order() {
+        let mut rng = Rng(12);
+        let base_a = rng.vec(300_000, 1.0);
+        let base_b = rng.vec(100, 1.0);
+        let named = |grads: &HashMap<String, Tensor>, text: &str| {
+            let method = CompressionMethod::Core(crate::method::parse(text).unwrap());
+            let manifest =
+                Manifest::for_gradients(grads, &method, 0, BucketConfig::none()).unwrap();
+            let mut results = Vec::new();
+            for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+                let mut c = GradientCompressor::new(method.clone()).with_parallelism(parallelism);
+                let mut bundle = vec![7u8; 40];
+                let err = c
+                    .compress_bundle(&manifest, grads, 0, &mut bundle)
+                    .unwrap_err();
+                assert!(bundle.is_empty());
+                assert_eq!(c.step(), 0);
+                results.push(err.to_string());
+            }
+            assert_eq!(results[0], results[1]);
+            results.swap_remove(0)
+        };
+        let with = |large: Option<(usize, f32)>, small: Option<(usize, f32)>| {
+            let mut a = base_a.clone();
+            let mut b = base_b.clone();
+            if let Some((i, v)) = large {
+                a[i] = v;
+            }
+            if let Some((i, v)) = small {
+                b[i] = v;
+            }
+            HashMap::from([
+                ("a.large".to_owned(), Tensor::vector(a)),
+                ("b.small".to_owned(), Tensor::vector(b)),
+            ])
+        };
+        let expect = |tensor: &str, e: gradwire_core::Error| {
+            crate::error::Error::core(tensor, None, e).to_string()
+        };
+        use gradwire_core::Error::{NonFinite, ValueOutOfRange};
+        // The large tensor's value comes first in manifest order, though the small tensor's
+        // check (pass 1) finds its own before the large tensor's encoder runs.
+        let both = with(Some((200_001, f32::NAN)), Some((3, f32::INFINITY)));
+        for text in [
+            "dense values=bf16",
+            "quant bits=4 block=256 rounding=nearest-even",
+        ] {
+            assert_eq!(
+                named(&both, text),
+                expect("a.large", NonFinite { index: 200_001 })
+            );
+        }
+        // The first bad value of the tensor, in the check's order: a NaN after a value out of
+        // f16 range is named first (non-finite values come first).
+        let mut a = base_a.clone();
+        a[70_000] = 70_000.0;
+        a[250_000] = f32::NEG_INFINITY;
+        let grads = HashMap::from([("a.large".to_owned(), Tensor::vector(a))]);
+        assert_eq!(
+            named(&grads, "dense values=f16"),
+            expect("a.large", NonFinite { index: 250_000 })
+        );
+        let range = with(Some((131_072, 1e6)), None);
+        assert_eq!(
+            named(&range, "dense values=f16"),
+            expect("a.large", ValueOutOfRange { index: 131_072 })
+        );
+        // Only the small tensor is bad: it is named.
+        let small = with(None, Some((3, f32::INFINITY)));
+        assert_eq!(
+            named(&small, "dense values=bf16"),
+            expect("b.small", NonFinite { index: 3 })
+        );
     }
 }

@@ -156,12 +156,27 @@ impl Config {
 /// Writes the envelope of `payload` (`kind` PAYLOAD) or of a failure `reason` into `out`.
 fn seal(kind: u8, fingerprint: u64, payload: &[u8], out: &mut Vec<u8>) {
     out.clear();
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&[VERSION, kind, 0, 0]);
-    out.extend_from_slice(&fingerprint.to_le_bytes());
-    let crc = crc32fast::hash(out);
-    out.extend_from_slice(&crc.to_le_bytes());
+    out.resize(ENVELOPE_LEN, 0);
     out.extend_from_slice(payload);
+    let sealed = seal_in_place(kind, fingerprint, out);
+    debug_assert!(sealed.is_ok());
+}
+
+/// Writes the envelope header of a payload into the first [`ENVELOPE_LEN`] bytes of `message`,
+/// which holds the payload after them: the bytes of [`seal`] with that payload.
+///
+/// # Errors
+/// [`Error::internal`] when `message` has no room for the header.
+fn seal_in_place(kind: u8, fingerprint: u64, message: &mut [u8]) -> Result<()> {
+    let head = message
+        .get_mut(..ENVELOPE_LEN)
+        .ok_or_else(|| Error::internal("a message without room for its envelope"))?;
+    head[..4].copy_from_slice(&MAGIC);
+    head[4..8].copy_from_slice(&[VERSION, kind, 0, 0]);
+    head[8..16].copy_from_slice(&fingerprint.to_le_bytes());
+    let crc = crc32fast::hash(&head[..16]);
+    head[16..20].copy_from_slice(&crc.to_le_bytes());
+    Ok(())
 }
 
 /// The failure envelope of `err`: its message, cut to [`MAX_REASON_LEN`] bytes.
@@ -240,12 +255,13 @@ fn limit_for(manifest: Option<&Manifest>) -> usize {
     }
 }
 
-/// One rank's part of an all-gather step: its bundle (made with `manifest` at `step`, with
-/// configuration `config`), or the error that stopped it before the collective.
+/// One rank's part of an all-gather step: its message, [`ENVELOPE_LEN`] bytes of room for the
+/// envelope then the bundle (made with `manifest` at `step`, with configuration `config`), or
+/// the error that stopped it before the collective.
 pub(crate) enum Local<'b> {
     Bundle {
         manifest: &'b Manifest,
-        bundle: &'b [u8],
+        message: &'b mut [u8],
         step: u64,
         config: &'b Config,
     },
@@ -288,49 +304,42 @@ impl AllGather {
         aggregator: &mut Aggregator,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
-        let (limit, own_error, ours) = match local {
+        let (limit, own_error, ours, send) = match local {
             Local::Bundle {
                 manifest,
-                bundle,
+                message,
                 step,
                 config,
             } => {
-                seal(
-                    PAYLOAD,
-                    fingerprint_at(config, step),
-                    bundle,
-                    &mut self.send,
-                );
+                // The envelope goes in the room before the bundle: the message is sent as the
+                // compressor wrote it.
+                seal_in_place(PAYLOAD, fingerprint_at(config, step), message)?;
                 (
                     limit_for(Some(manifest)),
                     None,
                     Some((manifest, step, config)),
+                    &*message,
                 )
             }
             Local::Failed { manifest, error } => {
                 seal_failure(&error, &mut self.send);
-                (limit_for(manifest), Some(error), None)
+                (limit_for(manifest), Some(error), None, self.send.as_slice())
             }
         };
         // The first windows already hold every envelope: when one is not a payload, or its
         // fingerprint is not the first's, the step ends on every rank after one call (the
         // verdict below), whatever the ranks' chunk bounds (another bound is another
         // fingerprint).
-        let whole = self.windows.all_gather(
-            comm,
-            &self.send,
-            limit,
-            chunk,
-            &mut self.gathered,
-            |first| {
-                let mut fingerprints = first.iter().map(|w| match open(w) {
-                    Opened::Payload { fingerprint } => Some(fingerprint),
-                    _ => None,
-                });
-                let lead = fingerprints.next().flatten();
-                lead.is_none() || fingerprints.any(|f| f != lead)
-            },
-        )?;
+        let whole =
+            self.windows
+                .all_gather(comm, send, limit, chunk, &mut self.gathered, |first| {
+                    let mut fingerprints = first.iter().map(|w| match open(w) {
+                        Opened::Payload { fingerprint } => Some(fingerprint),
+                        _ => None,
+                    });
+                    let lead = fingerprints.next().flatten();
+                    lead.is_none() || fingerprints.any(|f| f != lead)
+                })?;
         let world_size = comm.world_size();
         if self.gathered.len() != world_size {
             return Err(Error::WorldSize {

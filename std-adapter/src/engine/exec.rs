@@ -260,6 +260,54 @@ impl Exec {
         }
     }
 
+    /// `f(i, item i, region i)` for every item, region `i` being `buf[regions[i]]` (the
+    /// regions in order, disjoint, within `buf`; one per item): the items and the buffer are
+    /// halved recursively at a region's start, each half a task on the pool, so that every task
+    /// owns its regions without a list of slices.
+    pub(crate) fn for_each_region<T: Send>(
+        self,
+        items: &mut [T],
+        buf: &mut [u8],
+        regions: &[std::ops::Range<usize>],
+        f: &(impl Fn(usize, &mut T, &mut [u8]) + Sync),
+    ) {
+        self.regions_from(0, items, buf, 0, regions, f);
+    }
+
+    /// [`Exec::for_each_region`] over items `first..` whose regions lie in `buf`, which starts
+    /// at offset `base` of the whole buffer.
+    fn regions_from<T: Send>(
+        self,
+        first: usize,
+        items: &mut [T],
+        buf: &mut [u8],
+        base: usize,
+        regions: &[std::ops::Range<usize>],
+        f: &(impl Fn(usize, &mut T, &mut [u8]) + Sync),
+    ) {
+        let n = items.len().min(regions.len());
+        if n == 1 {
+            let region = &regions[0];
+            let piece = region
+                .start
+                .checked_sub(base)
+                .zip(region.end.checked_sub(base));
+            if let Some(r) = piece.and_then(|(a, b)| buf.get_mut(a..b)) {
+                f(first, &mut items[0], r);
+            }
+        } else if n > 1 {
+            let mid = n / 2;
+            let cut = regions[mid].start.saturating_sub(base).min(buf.len());
+            let (ia, ib) = items[..n].split_at_mut(mid);
+            let (ba, bb) = buf.split_at_mut(cut);
+            let (ra, rb) = regions[..n].split_at(mid);
+            self.join(
+                || self.regions_from(first, ia, ba, base, ra, f),
+                || self.regions_from(first + mid, ib, bb, base + cut, rb, f),
+            );
+        }
+    }
+
     /// `a()` and `b()`, both done when this returns.
     pub(crate) fn join(self, a: impl FnOnce() + Send, b: impl FnOnce() + Send) {
         match self {

@@ -7,19 +7,28 @@
 //! another shape, NaN/Inf in the gradient or in `gradient + residual`, the value type's range);
 //! a large top-k, threshold or random-k tensor is checked by its chunked selection, which writes
 //! its frame on the way, or, for top-k with error feedback whose residual bound proves every sum
-//! in range, by a check of the gradient alone. The first error in manifest order ends the step
-//! with nothing changed. Pass 2 encodes every other entry into its own frame buffer and updates
-//! the residuals, each in one core call per piece: the core's `encode_into` or
-//! `feedback_step_bounded` for a whole tensor, `feedback_step` or the core's encode and
-//! `accumulate_into(-1)` for a bucket, and for chunks the same per chunk
-//! ([`dense_chunks`], [`sparse_chunks`]). Then the frames go to the caller's sink in manifest
-//! order. Entries never share a buffer and every element sees the same operations in the same
-//! order on one thread or many, so the bytes and bits are the same.
+//! in range, by a check of the gradient alone; a large dense, quantization or sign tensor
+//! without error feedback is left to its chunked encoder, which checks each element as it
+//! writes it (nothing else changes in such a step, so the gradient is read once; a bad value is
+//! then named as the check names it, and an earlier entry left so is checked before a later
+//! entry's error is reported). The first error in manifest order ends the step with nothing
+//! changed. Pass 2 encodes every other entry into its frame's region and updates the residuals,
+//! each in one core call per piece: the core's `encode_into` or `feedback_step_bounded` for a
+//! whole tensor, `feedback_step` or the core's encode and `accumulate_into(-1)` for a bucket,
+//! and for chunks the same per chunk ([`dense_chunks`], [`sparse_chunks`]). Entries never share
+//! a buffer and every element sees the same operations in the same order on one thread or many,
+//! so the bytes and bits are the same.
 //!
-//! Memory: one frame buffer per entry ([`Manifest::max_bundle_len`] in all), one set of
-//! scratch buffers per task running at the same time, and per large top-k, threshold or random-k
-//! tensor the lists of its chunked selection; all kept between calls, so that a steady-state
-//! step allocates nothing (rayon itself may allocate for its job bookkeeping).
+//! Frames are written where they are sent from: [`Engine::encode_bundle`] lays the bundle out
+//! with each entry's largest frame, writes every frame in its place, then closes the gaps that
+//! shorter frames left (none for dense, quantization and sign frames, whose length is fixed);
+//! [`Engine::encode`] writes into the engine's own buffer and hands each frame to a sink.
+//!
+//! Memory: the frames ([`Manifest::max_bundle_len`] in all: the caller's bundle, or the
+//! engine's buffer for a sink), one set of scratch buffers per task running at the same time,
+//! and per large top-k, threshold or random-k tensor the lists of its chunked selection; all
+//! kept between calls, so that a steady-state step allocates nothing (rayon itself may allocate
+//! for its job bookkeeping).
 
 mod buffers;
 mod check;
@@ -34,6 +43,7 @@ pub(crate) mod sparse_list;
 mod steps;
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use gradwire_core::{ResidualBound, max_frame_len};
 
@@ -49,7 +59,7 @@ use self::sparse_chunks::{Selected, SparseSplit};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::layout::plan::{EncodePlan, Rule};
-use crate::layout::{Entry, Manifest};
+use crate::layout::{Entry, Manifest, bundle};
 use crate::tensor::Tensor;
 
 /// Gradients for the engine, looked up by the manifest's tensor index (checked against the
@@ -107,13 +117,17 @@ enum Pass1 {
     /// A large top-k tensor whose residual bound proved its sums in range: pass 2 encodes it
     /// in one pass over g and r.
     OnePass,
+    /// Not checked: a large dense, quantization or sign tensor without error feedback, whose
+    /// chunked encoder checks every element as it writes it (nothing else changes), so that
+    /// the gradient is read once; pass 2 names a bad value as the check would.
+    Deferred,
 }
 
 /// One entry of a step: its frame, the residuals of its tensors while it runs, and for a large
 /// sparse tensor the buffers of its chunked selection.
 #[derive(Debug)]
 struct Slot {
-    frame: Vec<u8>,
+    /// The length of the entry's frame, written in its region of the step's buffer.
     len: usize,
     res: Vec<Vec<f32>>,
     err: Option<Error>,
@@ -129,7 +143,6 @@ struct Slot {
 impl Default for Slot {
     fn default() -> Self {
         Slot {
-            frame: Vec::new(),
             len: 0,
             res: Vec::new(),
             err: None,
@@ -142,13 +155,16 @@ impl Default for Slot {
     }
 }
 
-/// Reusable buffers of the encoder: a frame (and residual slots) per entry, and a pool of
-/// scratch sets, one per task that runs at the same time.
+/// Reusable buffers of the encoder: residual slots per entry, a pool of scratch sets, one per
+/// task that runs at the same time, and the frames of [`Engine::encode`].
 #[derive(Debug, Default)]
 pub(crate) struct Engine {
     slots: Vec<Slot>,
     pool: Pool<Bufs>,
     stats: EncodeStats,
+    /// [`Engine::encode`]'s frames: entry `e`'s in `frames[regions[e]]`.
+    frames: Vec<u8>,
+    regions: Vec<Range<usize>>,
 }
 
 impl Engine {
@@ -168,11 +184,90 @@ impl Engine {
         manifest: &Manifest,
         grads: &G,
         step: u64,
-        mut feedback: Option<&mut ErrorFeedback>,
+        feedback: Option<&mut ErrorFeedback>,
         (exec, shapes): (Exec, Shapes),
         mut sink: impl FnMut(usize, &[u8]),
     ) -> Result<()> {
+        let mut frames = std::mem::take(&mut self.frames);
+        let mut regions = std::mem::take(&mut self.regions);
+        regions.clear();
+        let mut at = 0usize;
+        for entry in manifest.entries() {
+            let need = max_frame_len(entry.len, &entry.method);
+            regions.push(at..at.saturating_add(need));
+            at = at.saturating_add(need);
+        }
+        grow(&mut frames, at);
+        let result = self.encode_into(
+            manifest,
+            grads,
+            step,
+            feedback,
+            (exec, shapes),
+            &mut frames,
+            &regions,
+        );
+        if result.is_ok() {
+            for (e, region) in regions.iter().enumerate() {
+                let len = self.frame_len(e).min(region.len());
+                sink(e, &frames[region.start..region.start + len]);
+            }
+        }
+        self.frames = frames;
+        self.regions = regions;
+        result
+    }
+
+    /// As [`Engine::encode`], the frames written in place into one bundle of `manifest`'s
+    /// entries (`FORMAT.md` section 10) for `rank` at `step`, in `out` after its first `prefix`
+    /// bytes (left for an envelope): no frame is written twice. On error `out`'s bytes after
+    /// `prefix` are unspecified.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn encode_bundle<G: Gradients + ?Sized>(
+        &mut self,
+        manifest: &Manifest,
+        grads: &G,
+        step: u64,
+        feedback: Option<&mut ErrorFeedback>,
+        (exec, shapes): (Exec, Shapes),
+        (rank, out, prefix): (u32, &mut Vec<u8>, usize),
+    ) -> Result<()> {
+        let mut regions = std::mem::take(&mut self.regions);
+        bundle::lay_out_in_place(out, prefix, manifest, rank, step, &mut regions);
+        let result = self.encode_into(
+            manifest,
+            grads,
+            step,
+            feedback,
+            (exec, shapes),
+            out,
+            &regions,
+        );
+        if result.is_ok() {
+            bundle::close_in_place(out, prefix, manifest, &regions, |e| self.frame_len(e));
+        }
+        self.regions = regions;
+        result
+    }
+
+    /// As [`Engine::encode`], each entry `e`'s frame written into `buf[regions[e]]` (at least
+    /// its [`max_frame_len`] bytes; the regions in order and disjoint), its length then
+    /// [`Engine::frame_len`]`(e)`.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_into<G: Gradients + ?Sized>(
+        &mut self,
+        manifest: &Manifest,
+        grads: &G,
+        step: u64,
+        mut feedback: Option<&mut ErrorFeedback>,
+        (exec, shapes): (Exec, Shapes),
+        buf: &mut [u8],
+        regions: &[Range<usize>],
+    ) -> Result<()> {
         let entries = manifest.entries();
+        if regions.len() != entries.len() {
+            return Err(Error::internal("one frame region per entry"));
+        }
         if self.slots.len() < entries.len() {
             self.slots.resize_with(entries.len(), Slot::default);
         }
@@ -186,9 +281,8 @@ impl Engine {
             exec,
             shapes,
         };
-        exec.install(|| step_in.run(fb, slots, pool))?;
-        for (e, slot) in slots.iter().enumerate() {
-            sink(e, &slot.frame[..slot.len]);
+        exec.install(|| step_in.run(fb, slots, pool, buf, regions))?;
+        for slot in slots.iter() {
             self.stats.selected_in_chunks += slot.stats.selected_in_chunks;
             self.stats.one_pass += slot.stats.one_pass;
         }
@@ -202,6 +296,11 @@ impl Engine {
             fb.advance();
         }
         Ok(())
+    }
+
+    /// The length of entry `e`'s frame after a step that succeeded.
+    fn frame_len(&self, e: usize) -> usize {
+        self.slots.get(e).map_or(0, |slot| slot.len)
     }
 
     /// Puts `sent`, what a step sent of `name` (decoded), back into its residual in
@@ -244,12 +343,28 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         mut feedback: Option<&mut ErrorFeedback>,
         slots: &mut [Slot],
         pool: &Pool<Bufs>,
+        buf: &mut [u8],
+        regions: &[Range<usize>],
     ) -> Result<()> {
         let entries = self.manifest.entries();
         {
             let fb = feedback.as_deref();
             self.exec
-                .for_each(slots, |e, slot| self.check(&entries[e], fb, slot));
+                .for_each_region(slots, buf, regions, &|e, slot, frame| {
+                    self.check(&entries[e], fb, slot, frame);
+                });
+        }
+        // The first error in manifest order: a deferred entry before the first one found is
+        // checked now.
+        if let Some(found) = slots.iter().position(|slot| slot.err.is_some()) {
+            for (slot, entry) in slots[..found].iter_mut().zip(entries) {
+                if slot.pass1 == Pass1::Deferred
+                    && let Err(err) = check_entry(self.manifest, entry, self.grads, None, self.exec)
+                {
+                    slot.err = Some(err);
+                    break;
+                }
+            }
         }
         first_error(slots)?;
         // The residuals move into the slots, so that each task owns its entry's.
@@ -264,15 +379,13 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
             }
         }
         let ef = feedback.is_some();
-        self.exec.for_each_with(
-            slots,
-            || pool.lease(),
-            |lease, e, slot| {
-                if let Err(err) = self.encode(lease.get(), &entries[e], slot, ef) {
+        self.exec
+            .for_each_region(slots, buf, regions, &|e, slot, frame| {
+                let mut lease = pool.lease();
+                if let Err(err) = self.encode(lease.get(), &entries[e], slot, frame, ef) {
                     slot.err = Some(err);
                 }
-            },
-        );
+            });
         if let Some(fb) = feedback {
             for (slot, entry) in slots.iter_mut().zip(entries) {
                 put_members(fb, self.manifest, entry, &mut slot.res);
@@ -286,7 +399,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
 
     /// Pass 1 for one entry: its checks, or the chunked selection that checks while it writes
     /// the frame (reading the residual, not changing it).
-    fn check(&self, entry: &Entry, fb: Option<&ErrorFeedback>, slot: &mut Slot) {
+    fn check(&self, entry: &Entry, fb: Option<&ErrorFeedback>, slot: &mut Slot, frame: &mut [u8]) {
         slot.pass1 = Pass1::Checked;
         slot.bound = ResidualBound::ZERO;
         slot.bound_after = None;
@@ -310,6 +423,10 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 }
             }
         }
+        if fb.is_none() && entry.encode == EncodePlan::DenseChunks {
+            slot.pass1 = Pass1::Deferred;
+            return;
+        }
         if let EncodePlan::SparseChunks(rule) = entry.encode {
             if let Some(fb) = fb
                 && self.proves_one_pass(entry, rule, fb, slot.bound)
@@ -317,7 +434,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 slot.pass1 = Pass1::OnePass;
                 return;
             }
-            if self.select_in_chunks(entry, rule, fb, slot) {
+            if self.select_in_chunks(entry, rule, fb, slot, frame) {
                 return;
             }
         }
@@ -359,6 +476,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         rule: Rule,
         fb: Option<&ErrorFeedback>,
         slot: &mut Slot,
+        frame: &mut [u8],
     ) -> bool {
         let g = self.grad_of(entry);
         let r = match fb {
@@ -378,9 +496,14 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
             },
         };
         let need = max_frame_len(entry.len, &entry.method);
-        grow(&mut slot.frame, need);
+        let Some(frame) = frame.get_mut(..need) else {
+            slot.err = Some(Error::internal(format!(
+                "`{}`: a frame region shorter than the frame",
+                entry.label
+            )));
+            return true;
+        };
         let params = self.manifest.params(entry, self.step);
-        let frame = &mut slot.frame[..need];
         match slot.split.encode(rule, &params, g, r, frame, self.exec) {
             Selected::Frame(len) => {
                 slot.len = len;
@@ -404,7 +527,14 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
     }
 
     /// Pass 2 for one entry (checked in pass 1): its frame and residual update.
-    fn encode(&self, bufs: &mut Bufs, entry: &Entry, slot: &mut Slot, ef: bool) -> Result<()> {
+    fn encode(
+        &self,
+        bufs: &mut Bufs,
+        entry: &Entry,
+        slot: &mut Slot,
+        frame: &mut [u8],
+        ef: bool,
+    ) -> Result<()> {
         let g = self.grad_of(entry);
         let exec = self.exec;
         if slot.pass1 == Pass1::Selected {
@@ -414,12 +544,13 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
             }
             return Ok(());
         }
+        let internal = |what: &str| Error::internal(format!("`{}`: {what}", entry.label));
         let need = max_frame_len(entry.len, &entry.method);
-        grow(&mut slot.frame, need);
-        let frame = &mut slot.frame[..need];
+        let frame = frame
+            .get_mut(..need)
+            .ok_or_else(|| internal("a frame region shorter than the frame"))?;
         let params = self.manifest.params(entry, self.step);
         let residual = slot.res.first_mut().filter(|_| ef);
-        let internal = |what: &str| Error::internal(format!("`{}`: {what}", entry.label));
         slot.len = match (slot.pass1, entry.encode) {
             (Pass1::OnePass, EncodePlan::SparseChunks(rule)) => {
                 let r = residual.ok_or_else(|| internal("one pass without a residual"))?;
@@ -432,11 +563,22 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 slot.stats.selected_in_chunks += u64::from(chunked);
                 len
             }
-            (_, EncodePlan::DenseChunks) => Split::new(entry.len, &entry.method)
-                .and_then(|split| {
+            (pass1, EncodePlan::DenseChunks) => {
+                let encoded = Split::new(entry.len, &entry.method).and_then(|split| {
                     split.encode(&params, g, residual.map(Vec::as_mut_slice), frame, exec)
-                })
-                .ok_or_else(|| internal("the chunked encoder refused a checked tensor"))?,
+                });
+                match (encoded, pass1) {
+                    (Some(len), _) => len,
+                    // The encoder found a bad value: the check names it, as in pass 1.
+                    (None, Pass1::Deferred) => {
+                        check_entry(self.manifest, entry, self.grads, None, Exec::Serial)?;
+                        return Err(internal("the chunked encoder refused a tensor it checks"));
+                    }
+                    (None, _) => {
+                        return Err(internal("the chunked encoder refused a checked tensor"));
+                    }
+                }
+            }
             (_, EncodePlan::Bucket) => {
                 let res = ef.then(|| &mut slot.res[..entry.members.len()]);
                 let bufs = bufs.fit(self.manifest, ef);

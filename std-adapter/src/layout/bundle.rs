@@ -183,6 +183,73 @@ impl<'o> BundleWriter<'o> {
     }
 }
 
+/// Lays out a bundle of `manifest`'s entries in `out` after its first `prefix` bytes (left as
+/// they are, for an envelope), for frames written in place: writes the header and sets
+/// `regions[e]` to the range of `out` where entry `e`'s frame goes, its largest length
+/// ([`gradwire_core::max_frame_len`]) after room for its id and length. `out` is resized to
+/// that layout without clearing what it held (only new bytes are zeroed; every byte of the
+/// bundle is written before [`close_in_place`] keeps it). Then [`close_in_place`].
+pub(crate) fn lay_out_in_place(
+    out: &mut Vec<u8>,
+    prefix: usize,
+    manifest: &Manifest,
+    rank: u32,
+    step: u64,
+    regions: &mut Vec<std::ops::Range<usize>>,
+) {
+    regions.clear();
+    let mut at = prefix + HEADER_LEN;
+    for entry in manifest.entries() {
+        let start = at + ENTRY_HEADER_LEN;
+        let end = start + gradwire_core::max_frame_len(entry.len, &entry.method);
+        regions.push(start..end);
+        at = end;
+    }
+    let total = at + TRAILER_LEN;
+    if out.len() < total {
+        out.resize(total, 0);
+    } else {
+        out.truncate(total);
+    }
+    // A manifest holds at most u32::MAX entries.
+    let entries = manifest.entries().len() as u32;
+    let header = &mut out[prefix..prefix + HEADER_LEN];
+    header[..4].copy_from_slice(&BUNDLE_MAGIC);
+    header[4..8].copy_from_slice(&[BUNDLE_VERSION, 0, 0, 0]);
+    header[8..12].copy_from_slice(&rank.to_le_bytes());
+    header[12..16].copy_from_slice(&entries.to_le_bytes());
+    header[16..24].copy_from_slice(&step.to_le_bytes());
+}
+
+/// Completes a bundle of [`lay_out_in_place`] whose frames are written, entry `e`'s of
+/// `len_of(e)` bytes at the start of `regions[e]`: writes each entry's id and length, moves each
+/// frame forward over the room shorter frames before it left, and appends the checksum. The
+/// bytes are those of [`BundleWriter`] with the same frames.
+pub(crate) fn close_in_place(
+    out: &mut Vec<u8>,
+    prefix: usize,
+    manifest: &Manifest,
+    regions: &[std::ops::Range<usize>],
+    len_of: impl Fn(usize) -> usize,
+) {
+    let mut at = prefix + HEADER_LEN;
+    for (e, (entry, region)) in manifest.entries().iter().zip(regions).enumerate() {
+        let len = len_of(e).min(region.len());
+        // Every frame is shorter than u32::MAX: a manifest refuses larger ones.
+        let len32 = u32::try_from(len).unwrap_or(u32::MAX);
+        out[at..at + 8].copy_from_slice(&entry.id.to_le_bytes());
+        out[at + 8..at + ENTRY_HEADER_LEN].copy_from_slice(&len32.to_le_bytes());
+        let start = at + ENTRY_HEADER_LEN;
+        if start != region.start {
+            out.copy_within(region.start..region.start + len, start);
+        }
+        at = start + len;
+    }
+    out.truncate(at);
+    let crc = crc32fast::hash(&out[prefix..]);
+    out.extend_from_slice(&crc.to_le_bytes());
+}
+
 impl Manifest {
     /// Checks a bundle against the manifest without decoding its frames' bodies: the header
     /// (magic, version, reserved fields, checksum), the rank and step when given, the entry
