@@ -44,8 +44,42 @@ pub(crate) enum Phase {
     Reduced = 2,
 }
 
+/// Lays out a message in `out` after its first `prefix` bytes (room for the envelope, left as
+/// they are): the header with a zero CRC, and when `bound` is not 0 one frame's length field
+/// and `bound` bytes for the frame. Returns where the frame starts: the caller writes it there,
+/// then [`commit_frame`] (when `bound` is not 0) and [`finish`]. `out` keeps the bytes it held
+/// up to that length (only new bytes are zeroed; every byte the message keeps is written), so
+/// that a step does not write its messages twice.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn lay_out(
+    out: &mut Vec<u8>,
+    prefix: usize,
+    phase: Phase,
+    step: u64,
+    shard: usize,
+    frames: usize,
+    bound: usize,
+) -> usize {
+    let at = prefix + HEADER_LEN + if bound > 0 { 4 } else { 0 };
+    let total = at + bound;
+    if out.len() < total {
+        out.resize(total, 0);
+    } else {
+        out.truncate(total);
+    }
+    let header = &mut out[prefix..prefix + HEADER_LEN];
+    header[..4].copy_from_slice(&MAGIC);
+    header[4..8].copy_from_slice(&[VERSION, phase as u8, 0, 0]);
+    header[8..16].copy_from_slice(&step.to_le_bytes());
+    header[16..20].copy_from_slice(&(shard as u32).to_le_bytes());
+    header[20..24].copy_from_slice(&(frames as u32).to_le_bytes());
+    header[24..28].copy_from_slice(&[0; 4]);
+    at
+}
+
 /// Starts a message at the end of `out`: the header with a zero CRC; frames follow by
 /// [`reserve_frame`] and [`commit_frame`], then [`finish`].
+#[cfg(test)]
 pub(crate) fn start(out: &mut Vec<u8>, phase: Phase, step: u64, shard: usize, frames: usize) {
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&[VERSION, phase as u8, 0, 0]);
@@ -57,6 +91,7 @@ pub(crate) fn start(out: &mut Vec<u8>, phase: Phase, step: u64, shard: usize, fr
 
 /// Appends a frame's length field and `bound` bytes for the frame, and returns where the frame
 /// starts: the caller writes the frame there, then [`commit_frame`] its length.
+#[cfg(test)]
 pub(crate) fn reserve_frame(out: &mut Vec<u8>, bound: usize) -> usize {
     out.extend_from_slice(&[0; 4]);
     let at = out.len();
@@ -215,5 +250,42 @@ mod tests {
         assert!(open(&msg, 1, Phase::Contribution, 8, 2, 2).is_err());
         assert!(open(&msg, 1, Phase::Contribution, 7, 3, 2).is_err());
         assert!(open(&msg, 1, Phase::Contribution, 7, 2, 3).is_err());
+    }
+
+    #[test]
+    fn a_message_laid_out_in_place_is_the_message_built_in_order() {
+        let built = |frame: &[u8], bound: usize| {
+            let mut msg = vec![9u8; 3];
+            start(&mut msg, Phase::Reduced, 5, 1, usize::from(bound > 0));
+            if bound > 0 {
+                let at = reserve_frame(&mut msg, bound);
+                msg[at..at + frame.len()].copy_from_slice(frame);
+                commit_frame(&mut msg, at, frame.len());
+            }
+            finish(&mut msg, 3);
+            msg
+        };
+        // Reused buffers longer and shorter than the message, holding other bytes.
+        for old in [vec![0xeeu8; 100], vec![0xeeu8; 5]] {
+            for (frame, bound) in [(&b"abcd"[..], 4), (&b"ab"[..], 6), (&b""[..], 0)] {
+                let mut msg = old.clone();
+                let at = lay_out(
+                    &mut msg,
+                    3,
+                    Phase::Reduced,
+                    5,
+                    1,
+                    usize::from(bound > 0),
+                    bound,
+                );
+                msg[at..at + frame.len()].copy_from_slice(frame);
+                if bound > 0 {
+                    commit_frame(&mut msg, at, frame.len());
+                }
+                finish(&mut msg, 3);
+                msg[..3].copy_from_slice(&[9; 3]);
+                assert_eq!(msg, built(frame, bound), "{frame:?} {bound}");
+            }
+        }
     }
 }

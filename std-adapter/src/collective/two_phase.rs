@@ -39,7 +39,7 @@ use gradwire_core::{Method, Params, ResidualBound};
 use super::shard_message::{self, Phase};
 use super::{
     Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, RELAY_BAD, RELAY_FAILED, RELAY_OVERFLOW,
-    agree, fingerprint_at, open, seal, seal_failure, seal_relay,
+    agree, fingerprint_at, open, seal_failure, seal_in_place, seal_relay,
 };
 use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator, Windows};
@@ -588,7 +588,9 @@ impl TwoPhase {
         let Some(layout) = &self.layout else {
             return Err(Error::internal("layout"));
         };
-        if self.server.len() != layout.shard_lens[me] {
+        // Server residuals only where the owner's step keeps one (error feedback, a mean or
+        // sum): a method without error feedback holds none, and copies none for its undo.
+        if has_server_feedback(step) && self.server.len() != layout.shard_lens[me] {
             self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
         }
         self.apply_pending(me)?;
@@ -696,9 +698,17 @@ impl TwoPhase {
         self.new_bounds.resize(layout.tensors.len(), 0.0);
         for j in 0..world {
             let msg = &mut self.send[j];
-            msg.clear();
-            seal(PAYLOAD, fingerprint, &[], msg);
-            shard_message::start(msg, Phase::Contribution, step.step, j, layout.frames_of(j));
+            // Laid out over last step's bytes, overwritten: no write pass of zeros.
+            let at = shard_message::lay_out(
+                msg,
+                ENVELOPE_LEN,
+                Phase::Contribution,
+                step.step,
+                j,
+                layout.frames_of(j),
+                layout.max_frame_len(j),
+            );
+            seal_in_place(PAYLOAD, fingerprint, msg)?;
             if layout.shard_lens[j] == 0 {
                 shard_message::finish(msg, ENVELOPE_LEN);
                 self.made = j + 1;
@@ -706,7 +716,6 @@ impl TwoPhase {
             }
             let mut parts = parts_of(layout, j, &grads, &mut self.taken);
             let params = worker_params(layout, step, j);
-            let at = shard_message::reserve_frame(msg, layout.max_frame_len(j));
             let written = encode_parts(
                 layout,
                 j,
@@ -856,24 +865,32 @@ impl TwoPhase {
             .map_err(|e| bad(rank, e))?;
             opened.push(frames);
         }
-        let server_feedback = step.feedback.is_some() && step.reduction != Reduction::MajorityVote;
+        let server_feedback = has_server_feedback(step);
+        if server_feedback && self.server.len() != layout.shard_lens[me] {
+            return Err(own(Error::internal("a server residual of another shard")));
+        }
         // Sized once (its zeros written at the first step only), then copied into.
-        self.server_undo.resize(self.server.len(), 0.0);
-        step.exec.copy(&self.server, &mut self.server_undo);
-        self.undo_valid = true;
-        seal(
-            PAYLOAD,
-            fingerprint_at(step.config, step.step),
-            &[],
+        self.undo_valid = server_feedback;
+        if server_feedback {
+            self.server_undo.resize(self.server.len(), 0.0);
+            step.exec.copy(&self.server, &mut self.server_undo);
+        }
+        // Laid out over last step's bytes, overwritten: no write pass of zeros.
+        let at = shard_message::lay_out(
             &mut self.phase2,
-        );
-        shard_message::start(
-            &mut self.phase2,
+            ENVELOPE_LEN,
             Phase::Reduced,
             step.step,
             me,
             layout.frames_of(me),
+            layout.max_frame_len(me),
         );
+        seal_in_place(
+            PAYLOAD,
+            fingerprint_at(step.config, step.step),
+            &mut self.phase2,
+        )
+        .map_err(own)?;
         if layout.shard_lens[me] > 0 {
             // The W contributions added in rank order into zeros, in this rank's parts of the
             // output tensors (every rank overwrites them with the decoded shards in `finish`).
@@ -923,14 +940,23 @@ impl TwoPhase {
             drop(targets);
             let params = owner_params(layout.methods[me], step, layout.owner_ids[me]);
             let mut server_parts = Vec::new();
-            let mut rest = &mut self.server[..];
+            let mut rest = if server_feedback {
+                &mut self.server[..]
+            } else {
+                &mut []
+            };
             let mut parts = Vec::new();
             for (t, ts) in layout.tensors.iter().enumerate() {
                 if ts.lens[me] == 0 {
                     continue;
                 }
-                let (part, tail) = std::mem::take(&mut rest).split_at_mut(ts.lens[me]);
-                rest = tail;
+                let part = if server_feedback {
+                    let (part, tail) = std::mem::take(&mut rest).split_at_mut(ts.lens[me]);
+                    rest = tail;
+                    Some(part)
+                } else {
+                    None
+                };
                 server_parts.push((t, part));
             }
             let reduced: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
@@ -940,7 +966,7 @@ impl TwoPhase {
                     tensor: t,
                     at: ts.starts[me],
                     x: &reduced[t][ts.begins[me]..ts.begins[me] + ts.lens[me]],
-                    residual: server_feedback.then_some(part),
+                    residual: part,
                 });
             }
             // No check before the encode: the encoders check every sum on their way (a chunk
@@ -948,7 +974,6 @@ impl TwoPhase {
             // Only a failure names its cause: reduced values beyond f32 are the group's
             // overflow; a sum with the server residual out of range is this owner's error.
             let msg = &mut self.phase2;
-            let at = shard_message::reserve_frame(msg, layout.max_frame_len(me));
             let written = encode_parts(
                 layout,
                 me,
@@ -977,6 +1002,12 @@ impl TwoPhase {
         shard_message::finish(&mut self.phase2, ENVELOPE_LEN);
         Ok(())
     }
+}
+
+/// Whether the owner's step of `step` keeps a server residual: with error feedback, for a mean
+/// or a sum (a majority vote's result is a sign, with nothing to feed back).
+fn has_server_feedback(step: &Step<'_>) -> bool {
+    step.feedback.is_some() && step.reduction != Reduction::MajorityVote
 }
 
 /// The `(block, layout id)` of a server checkpoint's shard layout metadata (`FORMAT.md`
