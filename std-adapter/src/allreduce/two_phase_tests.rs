@@ -1540,3 +1540,188 @@ fn an_owner_sum_out_of_range_names_the_tensor_element() {
         );
     }
 }
+
+/// An envelope (FORMAT.md 14) of `kind` with `fingerprint` and `body`, as a hostile peer
+/// would write it: valid framing, any content.
+fn forged_envelope(kind: u8, fingerprint: u64, body: &[u8]) -> Vec<u8> {
+    let mut msg = b"GWCM".to_vec();
+    msg.extend_from_slice(&[1, kind, 0, 0]);
+    msg.extend_from_slice(&fingerprint.to_le_bytes());
+    let crc = crc32fast::hash(&msg);
+    msg.extend_from_slice(&crc.to_le_bytes());
+    msg.extend_from_slice(body);
+    msg
+}
+
+/// A relay envelope's body: the rank at fault, the kind, the reason.
+fn relay_body(rank: u32, kind: u8, reason: &[u8]) -> Vec<u8> {
+    let mut body = rank.to_le_bytes().to_vec();
+    body.push(kind);
+    body.extend_from_slice(reason);
+    body
+}
+
+/// What rank 1 sends instead of its message of an all-gather call: `forge(its real message)`.
+type Forgery = fn(&[u8]) -> Vec<u8>;
+
+/// A communicator whose rank `forger` replaces its message of each all-gather call number
+/// `call` (1-based, counted from its first call) of `forges` by `forge(its real message)`.
+struct Forge<C> {
+    inner: C,
+    forger: usize,
+    forges: Vec<(usize, Forgery)>,
+    calls: usize,
+}
+
+impl<C: Communicator> Communicator for Forge<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        self.calls += 1;
+        let forge = self.forges.iter().find(|(call, _)| *call == self.calls);
+        if let (true, Some((_, forge))) = (self.inner.rank() == self.forger, forge) {
+            let forged = forge(local);
+            return self.inner.all_gather(&forged, max_len, out);
+        }
+        self.inner.all_gather(local, max_len, out)
+    }
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        self.inner.all_to_all(send, max_len, out)
+    }
+    fn traffic(&self) -> Traffic {
+        self.inner.traffic()
+    }
+}
+
+/// Every rank's error of the first step of `method` on `collective` over 3 threads where rank
+/// 1 forges its all-gather calls as `forges` says, and whether the second step then succeeds.
+fn forged_step(
+    method: CompressionMethod,
+    collective: Collective,
+    forges: &[(usize, Forgery)],
+) -> Vec<(String, bool)> {
+    const W: usize = 3;
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let method = method.clone();
+            let forges = forges.to_vec();
+            std::thread::spawn(move || {
+                let forged = Forge {
+                    inner: comm,
+                    forger: 1,
+                    forges,
+                    calls: 0,
+                };
+                let mut ar = CompressedAllReduce::with_communicator(method, Box::new(forged))
+                    .with_collective(collective);
+                let first = ar.all_reduce(&gradients(rank, 0)).map(|_| ());
+                let err = match first {
+                    Err(e) => e.to_string(),
+                    Ok(()) => "the step succeeded".to_owned(),
+                };
+                let next = ar.all_reduce(&gradients(rank, 1)).is_ok();
+                (err, next)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Issue 48 class 6: what a peer sends reaches every rank's errors escaped and capped, and a
+/// phase-2 relay or payload the protocol cannot produce is a bad message from its sender, the
+/// same error on every rank.
+#[test]
+fn peer_text_is_escaped_and_impossible_relays_name_their_sender() {
+    let sign = || CompressionMethod::SignSGD.with_error_feedback();
+    // The two-phase step's all-gathers: the agreement round, then phase 2.
+    let phase2 = |forge| forged_step(sign(), Collective::TwoPhase, &[(2, forge)]);
+    let same_everywhere = |runs: &[(String, bool)], must: &[&str]| {
+        for (rank, (err, next)) in runs.iter().enumerate() {
+            assert_eq!(err, &runs[0].0, "rank {rank}: every rank the same error");
+            for m in must {
+                assert!(err.contains(m), "rank {rank}: `{m}` not in {err:?}");
+            }
+            assert!(
+                !err.chars().any(char::is_control),
+                "rank {rank}: a control character reached the error: {err:?}"
+            );
+            assert!(*next, "rank {rank}: the next step runs");
+        }
+    };
+    // A failure whose reason clears the screen and forges a line.
+    let runs = phase2(|_| forged_envelope(1, 0, b"\x1b[2Jforged\nreason"));
+    same_everywhere(&runs, &["rank 1", "\\u{1b}[2Jforged\\nreason"]);
+    // A reason longer than any failure's (dense bf16's bundle leaves room for it within the
+    // all-gather's limit): capped.
+    let runs = forged_step(
+        CompressionMethod::BFloat16,
+        Collective::AllGather,
+        &[(1, |_| forged_envelope(1, 0, &[b'x'; 3000]))],
+    );
+    same_everywhere(&runs, &["rank 1", "xxx..."]);
+    assert!(runs[0].0.len() < 1200, "{}", runs[0].0.len());
+    // A relay of a failure of rank 7, in a group of 3.
+    let runs = phase2(|_| forged_envelope(2, 0, &relay_body(7, 0, b"gone")));
+    same_everywhere(&runs, &["rank 1", "rank 7, outside the group of 3"]);
+    // A relay blaming rank 0, which did not fail.
+    let runs = phase2(|_| forged_envelope(2, 0, &relay_body(0, 0, b"blame")));
+    same_everywhere(
+        &runs,
+        &["rank 1", "failure of rank 0, whose own message shows none"],
+    );
+    // Overflow relays: another rank's shard; an index that is not one.
+    let runs = phase2(|_| forged_envelope(2, 0, &relay_body(2, 2, b"5\nw")));
+    same_everywhere(&runs, &["rank 1", "overflow of rank 2's shard"]);
+    let runs = phase2(|_| forged_envelope(2, 0, &relay_body(1, 2, b"five\nw")));
+    same_everywhere(&runs, &["rank 1", "does not name an index"]);
+    // A reduced shard sealed for another configuration or step.
+    fn other_fingerprint(real: &[u8]) -> Vec<u8> {
+        let mut msg = real.to_vec();
+        msg[8] ^= 1;
+        let crc = crc32fast::hash(&msg[..16]);
+        msg[16..20].copy_from_slice(&crc.to_le_bytes());
+        msg
+    }
+    let runs = phase2(other_fingerprint);
+    same_everywhere(&runs, &["rank 1", "another configuration or step"]);
+    // The all-gather collective's naming round: rank 1's first message shows another
+    // fingerprint, then its configuration text has control characters and a long value.
+    let hostile_text: Forgery = |_| {
+        let mut text = b"\x1b]0;title\x07method=x\x1b[2J".to_vec();
+        text.extend_from_slice(&[b'A'; 100_000]);
+        text.extend_from_slice(b"\x1b[31m\n");
+        text
+    };
+    let runs = forged_step(
+        sign(),
+        Collective::AllGather,
+        &[(1, other_fingerprint), (2, hostile_text)],
+    );
+    for (rank, (err, _)) in runs.iter().enumerate() {
+        assert!(
+            err.contains("rank 1 is configured differently")
+                && err.contains("x\\u{1b}[2JAAA")
+                && err.contains("AAA..."),
+            "rank {rank}: {err}"
+        );
+        assert!(!err.chars().any(char::is_control), "rank {rank}: {err:?}");
+        assert!(err.len() < 4000, "rank {rank}: {} bytes", err.len());
+    }
+}

@@ -210,9 +210,31 @@ enum Opened {
     Relay {
         rank: usize,
         kind: u8,
-        reason: String,
+        /// As sent: the reason, or for an overflow its index and tensor (see [`RELAY`]).
+        reason: Vec<u8>,
     },
     Invalid,
+}
+
+/// Text a peer sent, as this rank shows it in an error: at most [`MAX_REASON_LEN`] bytes of it
+/// (cut at a character boundary, the cut marked with `...`), bytes that are not UTF-8
+/// replaced, and control characters escaped (`\n`, `\u{1b}`), so that a peer can neither
+/// fill a log nor forge lines or terminal sequences in it.
+pub(crate) fn peer_text(bytes: &[u8]) -> String {
+    let cut = bytes.len() > MAX_REASON_LEN;
+    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(MAX_REASON_LEN)]);
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    if cut {
+        out.push_str("...");
+    }
+    out
 }
 
 fn open(msg: &[u8]) -> Opened {
@@ -234,11 +256,11 @@ fn open(msg: &[u8]) -> Opened {
         PAYLOAD => Opened::Payload {
             fingerprint: u64::from_le_bytes(fp),
         },
-        FAILURE => Opened::Failure(String::from_utf8_lossy(body).into_owned()),
+        FAILURE => Opened::Failure(peer_text(body)),
         RELAY if body.len() >= 5 && body[4] <= RELAY_OVERFLOW => Opened::Relay {
             rank: u32::from_le_bytes([body[0], body[1], body[2], body[3]]) as usize,
             kind: body[4],
-            reason: String::from_utf8_lossy(&body[5..]).into_owned(),
+            reason: body[5..].to_vec(),
         },
         _ => Opened::Invalid,
     }
@@ -496,6 +518,8 @@ fn name_difference(
         .iter()
         .map(|t| String::from_utf8_lossy(t).into_owned())
         .collect();
+    // The texts are peers': what an error shows of them is escaped and capped.
+    let shown = |t: &str| peer_text(t.as_bytes());
     let rank0 = texts.first().map_or("", String::as_str);
     match texts
         .get(rank)
@@ -503,9 +527,9 @@ fn name_difference(
     {
         Some((field, expected, got)) => Error::ConfigDiffers {
             rank,
-            field,
-            expected: expected.to_owned(),
-            got: got.to_owned(),
+            field: shown(&field),
+            expected: shown(expected),
+            got: shown(got),
         },
         None => Error::ConfigDiffers {
             rank,

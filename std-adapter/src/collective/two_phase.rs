@@ -39,7 +39,7 @@ use gradwire_core::{Method, Params, ResidualBound};
 use super::shard_message::{self, Phase};
 use super::{
     Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, RELAY_BAD, RELAY_FAILED, RELAY_OVERFLOW,
-    agree, fingerprint_at, open, seal_failure, seal_in_place, seal_relay,
+    agree, fingerprint_at, open, peer_text, seal_failure, seal_in_place, seal_relay,
 };
 use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator, Windows};
@@ -494,9 +494,22 @@ impl TwoPhase {
                 got: self.gathered.len(),
             });
         }
+        let world = self.gathered.len();
+        let fingerprint = step.map(|s| fingerprint_at(s.config, s.step));
         for (rank, msg) in self.gathered.iter().enumerate() {
             match open(msg) {
-                Opened::Payload { .. } => {}
+                // Made for this step and configuration (a rank whose step failed has neither,
+                // and returns its own error).
+                Opened::Payload { fingerprint: f } => {
+                    if fingerprint.is_some_and(|ours| ours != f) {
+                        return Err(Error::Collective {
+                            rank,
+                            reason: "its reduced shard was made for another configuration or \
+                                     step"
+                                .into(),
+                        });
+                    }
+                }
                 Opened::Failure(reason) => {
                     return Err(match own_error.take() {
                         Some(e) if rank == me => e,
@@ -508,22 +521,20 @@ impl TwoPhase {
                     kind,
                     reason,
                 } => {
-                    return Err(match own_error.take() {
-                        Some(e) if at_fault == me && kind == RELAY_FAILED => e,
-                        _ if kind == RELAY_OVERFLOW => {
-                            let (index, tensor) = reason.split_once('\n').unwrap_or(("0", ""));
-                            Error::Overflow {
-                                tensor: tensor.to_owned(),
-                                index: index.parse().unwrap_or(0),
-                            }
-                        }
-                        _ if kind == RELAY_BAD => Error::Collective {
+                    // A relay the protocol cannot produce is a bad message from its sender:
+                    // decided from the messages every rank holds, so every rank alike.
+                    let relay = check_relay(&self.gathered, rank, at_fault, kind, &reason);
+                    return Err(match (relay, own_error.take()) {
+                        (Err(why), _) => Error::Collective { rank, reason: why },
+                        (Ok(()), Some(e)) if at_fault == me && kind == RELAY_FAILED => e,
+                        (Ok(()), _) if kind == RELAY_OVERFLOW => overflow_of(&reason),
+                        (Ok(()), _) if kind == RELAY_BAD => Error::Collective {
                             rank: at_fault,
-                            reason,
+                            reason: peer_text(&reason),
                         },
-                        _ => Error::PeerFailed {
+                        (Ok(()), _) => Error::PeerFailed {
                             rank: at_fault,
-                            reason,
+                            reason: peer_text(&reason),
                         },
                     });
                 }
@@ -536,6 +547,7 @@ impl TwoPhase {
                 }
             }
         }
+        debug_assert_eq!(world, self.recv.len());
         let (Some(step), Some(layout)) = (step, &self.layout) else {
             return Err(Error::internal("a failed rank's own message was not found"));
         };
@@ -1001,6 +1013,61 @@ impl TwoPhase {
         }
         shard_message::finish(&mut self.phase2, ENVELOPE_LEN);
         Ok(())
+    }
+}
+
+/// Whether a relay from `sender` about `at_fault` of `kind` could come from a rank that follows
+/// the protocol, judged from the phase-2 messages every rank holds: the rank at fault is in
+/// the group; a relayed failure names a rank whose own phase-2 message is its failure (a rank
+/// that fails sends its failure to every owner, and again in phase 2); an overflow is the
+/// sender's own shard, its reason a decimal index, a newline and the tensor.
+///
+/// # Errors
+/// Why the relay is impossible, for [`Error::Collective`] naming the sender.
+fn check_relay(
+    gathered: &[Vec<u8>],
+    sender: usize,
+    at_fault: usize,
+    kind: u8,
+    reason: &[u8],
+) -> std::result::Result<(), String> {
+    let world = gathered.len();
+    if at_fault >= world {
+        return Err(format!(
+            "it relayed a fault of rank {at_fault}, outside the group of {world}"
+        ));
+    }
+    match kind {
+        RELAY_FAILED if !matches!(open(&gathered[at_fault]), Opened::Failure(_)) => Err(format!(
+            "it relayed a failure of rank {at_fault}, whose own message shows none"
+        )),
+        RELAY_OVERFLOW if at_fault != sender => Err(format!(
+            "it relayed an overflow of rank {at_fault}'s shard, not its own"
+        )),
+        RELAY_OVERFLOW if overflow_parts(reason).is_none() => {
+            Err("its overflow relay does not name an index and a tensor".into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The index and tensor of an overflow relay's reason (`index`, a newline, the tensor).
+fn overflow_parts(reason: &[u8]) -> Option<(usize, &[u8])> {
+    let at = reason.iter().position(|&b| b == b'\n')?;
+    let digits = &reason[..at];
+    if digits.is_empty() || digits.len() > 20 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let index = std::str::from_utf8(digits).ok()?.parse().ok()?;
+    Some((index, &reason[at + 1..]))
+}
+
+/// [`Error::Overflow`] of a checked overflow relay's reason.
+fn overflow_of(reason: &[u8]) -> Error {
+    let (index, tensor) = overflow_parts(reason).unwrap_or((0, &[]));
+    Error::Overflow {
+        tensor: peer_text(tensor),
+        index,
     }
 }
 
