@@ -49,13 +49,13 @@ use gradwire_core::{ResidualBound, max_frame_len};
 
 pub use self::exec::Parallelism;
 
-pub(crate) use self::buffers::{Pool, grow};
+pub(crate) use self::buffers::{Lease, Pool, grow};
 pub(crate) use self::exec::Exec;
 
 use self::check::check_entry;
 use self::dense_chunks::Split;
 use self::entry::{Bufs, encode_bucket, encode_whole};
-use self::sparse_chunks::{Selected, SparseSplit};
+use self::sparse_chunks::{SelectScratch, SelectSizes, Selected, SparseSplit};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::layout::plan::{EncodePlan, Rule};
@@ -132,6 +132,8 @@ struct Slot {
     res: Vec<Vec<f32>>,
     err: Option<Error>,
     split: SparseSplit,
+    /// The scratch of its chunked selection on the pool (serial steps share one set).
+    scratch: SelectScratch,
     pass1: Pass1,
     /// A whole tensor's residual bound before the step (zero for a new residual).
     bound: ResidualBound,
@@ -147,6 +149,7 @@ impl Default for Slot {
             res: Vec::new(),
             err: None,
             split: SparseSplit::default(),
+            scratch: SelectScratch::default(),
             pass1: Pass1::Checked,
             bound: ResidualBound::ZERO,
             bound_after: None,
@@ -161,6 +164,8 @@ impl Default for Slot {
 pub(crate) struct Engine {
     slots: Vec<Slot>,
     pool: Pool<Bufs>,
+    /// The chunked selections' scratch, one set per task selecting at the same time.
+    selections: Pool<SelectScratch>,
     stats: EncodeStats,
     /// [`Engine::encode`]'s frames: entry `e`'s in `frames[regions[e]]`.
     frames: Vec<u8>,
@@ -280,6 +285,8 @@ impl Engine {
             step,
             exec,
             shapes,
+            selections: &self.selections,
+            select_sizes: select_sizes(manifest),
         };
         exec.install(|| step_in.run(fb, slots, pool, buf, regions))?;
         for slot in slots.iter() {
@@ -323,9 +330,54 @@ struct Step<'a, G: ?Sized> {
     step: u64,
     exec: Exec,
     shapes: Shapes,
+    selections: &'a Pool<SelectScratch>,
+    /// What a selection's scratch holds, for any of the step's tensors.
+    select_sizes: SelectSizes,
+}
+
+/// A selection's scratch: the serial step's shared set, or an entry's own.
+enum Scratch<'s> {
+    Shared(Lease<'s, SelectScratch>),
+    Own(&'s mut SelectScratch),
+}
+
+impl Scratch<'_> {
+    fn get(&mut self) -> &mut SelectScratch {
+        match self {
+            Scratch::Shared(lease) => lease.get(),
+            Scratch::Own(own) => own,
+        }
+    }
+}
+
+/// The sizes of the chunked selections of `manifest`'s tensors.
+fn select_sizes(manifest: &Manifest) -> SelectSizes {
+    let mut sizes = SelectSizes::default();
+    for entry in manifest.entries() {
+        if let EncodePlan::SparseChunks(rule) = entry.encode {
+            sizes.add(entry.len, rule);
+        }
+    }
+    sizes
 }
 
 impl<G: Gradients + ?Sized> Step<'_, G> {
+    /// The scratch of a selection: on one thread one set for every tensor, sized for the
+    /// largest (so that a later step allocates nothing), the memory of one tensor's selection
+    /// instead of the model's; on the pool the entry's own (`own`), since a task waiting for
+    /// its chunks may run another entry's selection meanwhile, and a shared set per task would
+    /// then be made during a later step.
+    fn selection<'s>(&'s self, own: &'s mut SelectScratch) -> Scratch<'s> {
+        match self.exec {
+            Exec::Serial => {
+                let mut lease = self.selections.lease();
+                lease.get().reserve(&self.select_sizes);
+                Scratch::Shared(lease)
+            }
+            Exec::Pool => Scratch::Own(own),
+        }
+    }
+
     /// The gradient of the manifest's tensor `t`.
     fn grad(&self, t: usize) -> &[f32] {
         self.grads.grad(self.manifest, t)
@@ -491,6 +543,10 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 Some(r) => Some(r),
                 None => {
                     slot.split.reserve(entry.len, rule, self.exec);
+                    // Sized now, so that the next step's selection allocates nothing.
+                    let mut sized = SelectSizes::default();
+                    sized.add(entry.len, rule);
+                    self.selection(&mut slot.scratch).get().reserve(&sized);
                     return false;
                 }
             },
@@ -504,7 +560,12 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
             return true;
         };
         let params = self.manifest.params(entry, self.step);
-        match slot.split.encode(rule, &params, g, r, frame, self.exec) {
+        let mut scratch = self.selection(&mut slot.scratch);
+        let selected = slot
+            .split
+            .encode(scratch.get(), rule, &params, g, r, frame, self.exec);
+        drop(scratch);
+        match selected {
             Selected::Frame(len) => {
                 slot.len = len;
                 slot.pass1 = Pass1::Selected;
@@ -554,9 +615,10 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         slot.len = match (slot.pass1, entry.encode) {
             (Pass1::OnePass, EncodePlan::SparseChunks(rule)) => {
                 let r = residual.ok_or_else(|| internal("one pass without a residual"))?;
+                let mut scratch = self.selection(&mut slot.scratch);
                 let (len, bound, chunked) = slot
                     .split
-                    .encode_one_pass(rule, &params, g, r, frame, exec)
+                    .encode_one_pass(scratch.get(), rule, &params, g, r, frame, exec)
                     .ok_or_else(|| internal("the one-pass step failed after its proof"))?;
                 slot.bound_after = Some(bound);
                 slot.stats.one_pass += 1;

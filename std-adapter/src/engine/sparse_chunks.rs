@@ -132,16 +132,26 @@ impl Scan {
     }
 }
 
-/// The buffers of the chunked selection of one tensor, kept between steps.
+/// What the chunked selection of one tensor keeps from one step to the next: the sent
+/// entries (decoded, for the residual's update after every entry is encoded) and random-k's
+/// draw.
 #[derive(Debug, Default)]
 pub(crate) struct SparseSplit {
+    sent: SparseList,
+    draw: RandomKDraw,
+}
+
+/// The scratch of one chunked selection while it runs (the chunks' candidate lists, their
+/// concatenation, the sample, the radix histogram): leased by each task from the engine's pool
+/// and kept between steps, so that it grows with the largest tensor a task selects, not with
+/// the model.
+#[derive(Debug, Default)]
+pub(crate) struct SelectScratch {
     chunks: Vec<ChunkList>,
     idx: Vec<u32>,
     bits: Vec<u32>,
     hist: Vec<u32>,
     samples: Vec<u32>,
-    sent: SparseList,
-    draw: RandomKDraw,
     /// Scratch of the core's `topk_kept` for a one-pass step whose sample missed (rare).
     fallback: Vec<u32>,
 }
@@ -151,8 +161,10 @@ impl SparseSplit {
     /// frame of `params` keeps by `rule`, chunks run by `exec`, and writes the frame into
     /// `frame` (at least the method's `max_frame_len` bytes): the bytes of the core's
     /// `encode_into` of `x`. Reads `g` and `r` only.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn encode(
         &mut self,
+        scratch: &mut SelectScratch,
         rule: Rule,
         params: &Params,
         g: &[f32],
@@ -166,23 +178,26 @@ impl SparseSplit {
         }
         let limit = values::magnitude_limit(params.method.values());
         self.reserve(n, rule, exec);
+        let mut sizes = SelectSizes::default();
+        sizes.add(n, rule);
+        scratch.reserve(&sizes);
         let (floor, k) = match rule {
-            Rule::RandomK(_) => return self.encode_randomk(params, g, r, frame, exec),
+            Rule::RandomK(_) => return self.encode_randomk(scratch, params, g, r, frame, exec),
             Rule::Threshold(t) => (select::threshold_floor(t), None),
-            Rule::TopK(k) => match select::topk_floor(g, r, k, &mut self.samples) {
+            Rule::TopK(k) => match select::topk_floor(g, r, k, &mut scratch.samples) {
                 Some(floor) => (floor, Some(k)),
                 None => return Selected::Serial,
             },
         };
-        let count = match self.collect(g, r, floor, limit, rule, exec) {
+        let count = match scratch.collect(g, r, floor, limit, rule, exec) {
             Ok(Some(count)) if k.is_none_or(|k| count >= k) => count,
             Ok(_) => return Selected::Serial,
             Err(select::OutOfLimit) => return Selected::OutOfLimit,
         };
         // Step 3: the exact top-k among the candidates (threshold: all of them).
-        let (idx, bits) = (&mut self.idx[..count], &mut self.bits[..count]);
+        let (idx, bits) = (&mut scratch.idx[..count], &mut scratch.bits[..count]);
         let kept = match k {
-            Some(k) => select::topk_of_candidates(idx, bits, k, &mut self.hist),
+            Some(k) => select::topk_of_candidates(idx, bits, k, &mut scratch.hist),
             None => Kept { idx, bits },
         };
         let Ok(len) = encode_kept_into(n, params, kept, frame) else {
@@ -205,8 +220,10 @@ impl SparseSplit {
     /// residual's new bound and whether the chunked selection found the entries: the frame,
     /// residual and bound of the core's `feedback_step_bounded`. `None` only when the proof did
     /// not hold (a sum out of range; `r` holds the sums then) or the rule is not top-k.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn encode_one_pass(
         &mut self,
+        scratch: &mut SelectScratch,
         rule: Rule,
         params: &Params,
         g: &[f32],
@@ -222,21 +239,26 @@ impl SparseSplit {
         }
         let limit = values::magnitude_limit(params.method.values());
         self.reserve(n, rule, exec);
+        let mut sizes = SelectSizes::default();
+        sizes.add(n, rule);
+        scratch.reserve(&sizes);
         // The floor samples `g + r` before any chunk changes.
-        let floor = select::topk_floor(g, Some(&*r), k, &mut self.samples)?;
-        let count = self.collect_updating(g, r, floor, limit, rule, exec).ok()?;
+        let floor = select::topk_floor(g, Some(&*r), k, &mut scratch.samples)?;
+        let count = scratch
+            .collect_updating(g, r, floor, limit, rule, exec)
+            .ok()?;
         let chunked = count.filter(|&c| c >= k);
         let kept = match chunked {
             Some(c) => select::topk_of_candidates(
-                &mut self.idx[..c],
-                &mut self.bits[..c],
+                &mut scratch.idx[..c],
+                &mut scratch.bits[..c],
                 k,
-                &mut self.hist,
+                &mut scratch.hist,
             ),
             None => {
                 // The sample missed or overshot: the exact top-k of `r`, the sums.
-                grow(&mut self.fallback, select::kept_scratch_len(n, k));
-                select::topk_kept(r, k, limit, &mut self.fallback).ok()?
+                grow(&mut scratch.fallback, select::kept_scratch_len(n, k));
+                select::topk_kept(r, k, limit, &mut scratch.fallback).ok()?
             }
         };
         // No element left unsent is larger than the smallest kept.
@@ -263,6 +285,7 @@ impl SparseSplit {
     /// written from the list.
     fn encode_randomk(
         &mut self,
+        scratch: &mut SelectScratch,
         params: &Params,
         g: &[f32],
         r: Option<&[f32]>,
@@ -280,8 +303,8 @@ impl SparseSplit {
             return Selected::OutOfLimit;
         }
         let idx = self.draw.indices();
-        grow(&mut self.bits, idx.len());
-        let bits = &mut self.bits[..idx.len()];
+        grow(&mut scratch.bits, idx.len());
+        let bits = &mut scratch.bits[..idx.len()];
         for (b, &i) in bits.iter_mut().zip(idx) {
             let i = i as usize;
             *b = r.map_or(g[i], |r| g[i] + r[i]).to_bits();
@@ -297,40 +320,85 @@ impl SparseSplit {
         Selected::Frame(len)
     }
 
-    /// Sizes the buffers for a tensor of `n` elements selected by `rule` (so that a later step
-    /// allocates nothing): the sample, the radix histogram, the decoded sent entries (k, or the
-    /// threshold's capacity), one list per chunk, and the concatenation of the lists (the
-    /// serial selection's candidate capacity). A step that keeps more than that capacity
-    /// (threshold: more than `n/32 + 64` entries) grows the lists once, up to four times it.
+    /// Sizes what the tensor keeps for a tensor of `n` elements selected by `rule` (so that a
+    /// later step allocates nothing): the decoded sent entries (k, or the threshold's
+    /// capacity), random-k's draw.
     pub(crate) fn reserve(&mut self, n: usize, rule: Rule, exec: Exec) {
-        let cap = rule.capacity(n);
-        grow(&mut self.bits, cap);
         match rule {
-            Rule::TopK(k) => {
-                grow(&mut self.idx, cap);
-                grow(&mut self.samples, select::SAMPLE_LEN);
-                grow(&mut self.hist, select::candidates_hist_len(cap));
-                self.sent.reserve(k);
-            }
-            Rule::Threshold(_) => {
-                grow(&mut self.idx, cap);
-                self.sent.reserve(cap);
-            }
+            Rule::TopK(k) => self.sent.reserve(k),
+            Rule::Threshold(_) => self.sent.reserve(rule.capacity(n)),
             Rule::RandomK(k) => {
-                // The indices are the draw's; no chunk lists of candidates.
                 self.sent.reserve(k);
                 self.draw.reserve(n, k as u64, exec);
-                return;
             }
         }
-        let chunks = n.div_ceil(CHUNK);
-        if self.chunks.len() < chunks {
-            self.chunks.resize_with(chunks, ChunkList::default);
+    }
+
+    /// The residual update of an error-feedback step whose frame [`SparseSplit::encode`] wrote
+    /// from `g` and `r` (with `r` given, so that it decoded the sent values): `r = r + g`, then
+    /// `r[i] += -decoded[i]` at the kept indices, chunk by chunk. Returns the new residual's
+    /// bound, measured chunk by chunk while each is in cache (so that the next step can take
+    /// [`SparseSplit::encode_one_pass`]).
+    pub(crate) fn update_residual(&self, g: &[f32], r: &mut [f32], exec: Exec) -> ResidualBound {
+        let (idx, val) = self.sent.entries();
+        // Equal lengths: the lists come from one frame, the chunks from one tensor.
+        let max = exec.chunk_pairs_mut_max(r, g, CHUNK, |j, r, g| {
+            sparse_update(idx, val, j * CHUNK, g, r).unwrap_or(f32::INFINITY)
+        });
+        ResidualBound::at_most(max)
+    }
+}
+
+/// The sizes a [`SelectScratch`] needs for every chunked selection of a step, the largest of
+/// each over the step's tensors: any task may select any of them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct SelectSizes {
+    /// The concatenated lists (the serial selection's candidate capacity; random-k's k).
+    cap: usize,
+    /// Candidates (top-k or threshold): indices too, and one list per chunk.
+    idx: usize,
+    hist: usize,
+    samples: usize,
+    chunks: usize,
+    first: usize,
+}
+
+impl SelectSizes {
+    /// Grown to hold a tensor of `n` elements selected by `rule` too: the sample, the radix
+    /// histogram, one list per chunk of its first length, and the concatenation of the lists
+    /// (the serial selection's candidate capacity). A step that keeps more than that capacity
+    /// (threshold: more than `n/32 + 64` entries) grows the lists once, up to four times it.
+    /// Random-k needs none of it but the values' list.
+    pub(crate) fn add(&mut self, n: usize, rule: Rule) {
+        let cap = rule.capacity(n);
+        self.cap = self.cap.max(cap);
+        if let Rule::RandomK(_) = rule {
+            // The indices are the draw's; no chunk lists of candidates.
+            return;
         }
-        let first = rule.chunk_capacity(n);
-        for list in &mut self.chunks[..chunks] {
-            grow(&mut list.idx, first);
-            grow(&mut list.bits, first);
+        self.idx = self.idx.max(cap);
+        if let Rule::TopK(_) = rule {
+            self.samples = select::SAMPLE_LEN;
+            self.hist = self.hist.max(select::candidates_hist_len(cap));
+        }
+        self.chunks = self.chunks.max(n.div_ceil(CHUNK));
+        self.first = self.first.max(rule.chunk_capacity(n));
+    }
+}
+
+impl SelectScratch {
+    /// Sizes the scratch for `sizes` (so that a later step allocates nothing).
+    pub(crate) fn reserve(&mut self, sizes: &SelectSizes) {
+        grow(&mut self.bits, sizes.cap);
+        grow(&mut self.idx, sizes.idx);
+        grow(&mut self.samples, sizes.samples);
+        grow(&mut self.hist, sizes.hist);
+        if self.chunks.len() < sizes.chunks {
+            self.chunks.resize_with(sizes.chunks, ChunkList::default);
+        }
+        for list in &mut self.chunks[..sizes.chunks] {
+            grow(&mut list.idx, sizes.first);
+            grow(&mut list.bits, sizes.first);
         }
     }
 
@@ -375,7 +443,7 @@ impl SparseSplit {
         self.finish_lists(n, rule, &scan)
     }
 
-    /// [`SparseSplit::collect`] of `g + r` that stores the sums in `r` on the way
+    /// [`SelectScratch::collect`] of `g + r` that stores the sums in `r` on the way
     /// ([`select::candidates_update`]); a chunk scanned again reads its sums from `r`.
     fn collect_updating(
         &mut self,
@@ -466,19 +534,5 @@ impl SparseSplit {
                 }
             }
         }
-    }
-
-    /// The residual update of an error-feedback step whose frame [`SparseSplit::encode`] wrote
-    /// from `g` and `r` (with `r` given, so that it decoded the sent values): `r = r + g`, then
-    /// `r[i] += -decoded[i]` at the kept indices, chunk by chunk. Returns the new residual's
-    /// bound, measured chunk by chunk while each is in cache (so that the next step can take
-    /// [`SparseSplit::encode_one_pass`]).
-    pub(crate) fn update_residual(&self, g: &[f32], r: &mut [f32], exec: Exec) -> ResidualBound {
-        let (idx, val) = self.sent.entries();
-        // Equal lengths: the lists come from one frame, the chunks from one tensor.
-        let max = exec.chunk_pairs_mut_max(r, g, CHUNK, |j, r, g| {
-            sparse_update(idx, val, j * CHUNK, g, r).unwrap_or(f32::INFINITY)
-        });
-        ResidualBound::at_most(max)
     }
 }
