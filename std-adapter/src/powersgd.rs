@@ -23,7 +23,8 @@
 //! agrees): a tensor with fewer than two rows or columns, one whose compression rate
 //! `rows cols / ((rows + cols) r)` is below [`PowerSgdConfig::min_compression_rate`], and every
 //! tensor before [`PowerSgdConfig::start_step`] goes uncompressed, as PyTorch's PowerSGD
-//! hook does. Unlike that hook, error feedback and `Q` are kept by tensor name, so they do not
+//! hook does; so does a tensor whose smaller side is at most `r` (PyTorch lowers `r` to that
+//! side instead, and then sends at least the tensor's own number of values). Unlike that hook, error feedback and `Q` are kept by tensor name, so they do not
 //! depend on how buckets are formed, and every product and sum is in a fixed order
 //! ([`gradwire_core::powersgd`]): every rank and every transport gives the same bits.
 
@@ -50,7 +51,7 @@ pub struct PowerSgdConfig {
     /// `start_powerSGD_iter`, which its authors advise setting to about a tenth of training.
     pub start_step: u64,
     /// A tensor is compressed only if `rows cols / ((rows + cols) r)` is at least this
-    /// (finite, `>= 0`).
+    /// (finite, `>= 0`), and its smaller side is larger than `rank`.
     pub min_compression_rate: f64,
     /// Keep what the approximation does not send, by tensor name, and add it to the next step.
     pub error_feedback: bool,
@@ -259,10 +260,14 @@ impl PowerSgd {
         let n: usize = shape.iter().product();
         let cols = n.checked_div(rows).unwrap_or(0);
         let r = self.config.rank;
-        let rate = (rows as f64 * cols as f64) / ((rows + cols) as f64 * r as f64);
+        let rate = (rows as f64 * cols as f64) / ((rows as f64 + cols as f64) * r as f64);
+        // A rank at or above the smaller side approximates nothing (`P` and `Q` would hold at
+        // least the tensor's own values): such a tensor travels as it is, and `P` and `Q`
+        // never hold more values than the tensor, whatever the configured rank.
         if self.step < self.config.start_step
             || rows < 2
             || cols < 2
+            || r >= rows.min(cols)
             || rate < self.config.min_compression_rate
         {
             Plan::Dense

@@ -149,6 +149,61 @@ fn uncompressed_tensors_are_the_exact_rank_order_mean() {
     }
 }
 
+/// Issue 48 class 7: a rank at or above a tensor's smaller side, with no minimum compression
+/// rate to stop it, overflowed `rows * r` (`usize::MAX / 2`) or aborted on allocating `P`
+/// (`1 << 40`): such a tensor travels as it is, the exact rank-order mean, and a tensor whose
+/// sides are larger than the rank is still compressed.
+#[test]
+fn a_rank_beyond_a_tensors_sides_sends_it_as_it_is() {
+    let grads = |rank: usize, step: u64| {
+        let v = |n: usize, salt: u64| Rng(salt * 31 + rank as u64 + 7 * step).vec(n, 1.0);
+        HashMap::from([
+            ("m".to_owned(), Tensor::new(vec![8, 6], v(48, 1)).unwrap()),
+            (
+                "w".to_owned(),
+                Tensor::new(vec![40, 30], v(1200, 2)).unwrap(),
+            ),
+        ])
+    };
+    for rank in [usize::MAX / 2, 1 << 40, 6, 7] {
+        let config = move |_| PowerSgdConfig {
+            min_compression_rate: 0.0,
+            ..PowerSgdConfig::with_rank(rank)
+        };
+        let runs = run(2, config, grads);
+        for s in 0..2u64 {
+            let out = runs[0].0[s as usize].as_ref().unwrap();
+            let mut sum = [0.0f32; 48];
+            for r in 0..W {
+                for (a, x) in sum.iter_mut().zip(grads(r, s)["m"].data()) {
+                    *a += x;
+                }
+            }
+            let mean: Vec<f32> = sum.iter().map(|x| x / W as f32).collect();
+            assert!(same_bits(out["m"].data(), &mean), "rank {rank}, step {s}");
+            // `w` (40 x 30) is compressed at ranks below 30 only.
+            let w_exact = {
+                let mut sum = vec![0.0f32; 1200];
+                for r in 0..W {
+                    for (a, x) in sum.iter_mut().zip(grads(r, s)["w"].data()) {
+                        *a += x;
+                    }
+                }
+                let mean: Vec<f32> = sum.iter().map(|x| x / W as f32).collect();
+                same_bits(out["w"].data(), &mean)
+            };
+            assert_eq!(w_exact, rank >= 30, "rank {rank}, step {s}");
+            for (other, (results, _)) in runs.iter().enumerate() {
+                let theirs = results[s as usize].as_ref().unwrap();
+                assert!(
+                    same_bits(theirs["w"].data(), out["w"].data()),
+                    "rank {other}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_failed_or_misconfigured_rank_fails_every_rank_at_the_same_call() {
     let grads = |rank: usize, step: u64| {
