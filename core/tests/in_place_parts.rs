@@ -77,15 +77,19 @@ fn a_segmented_frame_from_kept_entries_is_the_one_from_the_input() {
         let mut want = vec![0u8; segmented_frame_len(n, k, values, segs.len())];
         let len = encode_segmented_into(&g, &kept, &segs, values, &mut scratch, &mut want).unwrap();
         want.truncate(len);
-        let mut scratch = vec![0u32; kept_segmented_scratch_len(k, values, segs.len())];
-        let mut got = vec![0u8; segmented_frame_len(n, k, values, segs.len())];
-        let entries = Kept {
-            idx: &kept,
-            bits: &bits,
-        };
-        let len =
-            encode_kept_segmented_into(n, entries, &segs, values, &mut scratch, &mut got).unwrap();
-        assert_eq!(&got[..len], &want[..], "{values:?}");
+        // Into zeros, and over a buffer that holds other bytes (the two-phase collective
+        // writes its frames over the previous step's message): every byte is written.
+        for fill in [0u8, 0xa5, 0xff] {
+            let mut scratch = vec![fill as u32; kept_segmented_scratch_len(k, values, segs.len())];
+            let mut got = vec![fill; segmented_frame_len(n, k, values, segs.len())];
+            let entries = Kept {
+                idx: &kept,
+                bits: &bits,
+            };
+            let len = encode_kept_segmented_into(n, entries, &segs, values, &mut scratch, &mut got)
+                .unwrap();
+            assert_eq!(&got[..len], &want[..], "{values:?}, buffers of {fill:#x}");
+        }
     }
 }
 

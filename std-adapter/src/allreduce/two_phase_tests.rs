@@ -1725,3 +1725,82 @@ fn peer_text_is_escaped_and_impossible_relays_name_their_sender() {
         assert!(err.len() < 4000, "rank {rank}: {} bytes", err.len());
     }
 }
+
+/// Review finding: a rank whose phase 1 failed (a NaN found after the agreement round) checks
+/// the phase-2 fingerprints as its peers do, so a forged reduced shard from a lower rank is the
+/// same error on every rank, the failed one included.
+#[test]
+fn a_failed_rank_checks_phase_2_fingerprints_as_its_peers_do() {
+    const W: usize = 3;
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || {
+                let forged = Forge {
+                    inner: comm,
+                    forger: 0,
+                    forges: vec![(2, |_| forged_envelope(0, 12345, b"not a shard"))],
+                    calls: 0,
+                };
+                let mut ar = CompressedAllReduce::with_communicator(
+                    CompressionMethod::SignSGD.with_error_feedback(),
+                    Box::new(forged),
+                )
+                .with_collective(Collective::TwoPhase);
+                let mut g = gradients(rank, 0);
+                if rank == 2 {
+                    let mut d = g["d.weight"].data().to_vec();
+                    d[17] = f32::NAN;
+                    g.insert("d.weight".into(), Tensor::new(vec![3000], d).unwrap());
+                }
+                ar.all_reduce(&g).map(|_| ()).unwrap_err().to_string()
+            })
+        })
+        .collect();
+    let errors: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (rank, err) in errors.iter().enumerate() {
+        assert!(
+            err.contains("rank 0") && err.contains("another configuration or step"),
+            "rank {rank}: {err}"
+        );
+    }
+}
+
+/// Review finding: a method without server residuals (no error feedback, or a majority vote)
+/// has none to save: `save_server_residuals` refuses, as documented, where it wrote a file
+/// without residuals.
+#[test]
+fn a_method_without_server_residuals_has_none_to_save() {
+    let dir = std::env::temp_dir().join(format!("gw-no-server-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (method, reduction) in [
+        (CompressionMethod::BFloat16, Reduction::Mean),
+        (CompressionMethod::SignSGDMajority, Reduction::MajorityVote),
+        (
+            CompressionMethod::SignSGD.with_error_feedback(),
+            Reduction::Mean,
+        ),
+    ] {
+        let comm = LocalGroup::new(1).into_communicators().remove(0);
+        let mut ar = CompressedAllReduce::with_communicator(method.clone(), Box::new(comm))
+            .with_reduction(reduction)
+            .with_collective(Collective::TwoPhase);
+        ar.all_reduce(&gradients(0, 0)).unwrap();
+        let path = dir.join("server.safetensors");
+        let saved = ar.save_server_residuals(&path);
+        let keeps = reduction == Reduction::Mean && method.uses_error_feedback();
+        match saved {
+            Ok(()) => assert!(keeps, "{method:?} {reduction:?} saved"),
+            Err(Error::Config { reason }) => {
+                assert!(
+                    !keeps && reason.contains("keeps no server residuals"),
+                    "{reason}"
+                )
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

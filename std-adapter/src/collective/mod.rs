@@ -217,12 +217,18 @@ enum Opened {
 }
 
 /// Text a peer sent, as this rank shows it in an error: at most [`MAX_REASON_LEN`] bytes of it
-/// (cut at a character boundary, the cut marked with `...`), bytes that are not UTF-8
-/// replaced, and control characters escaped (`\n`, `\u{1b}`), so that a peer can neither
-/// fill a log nor forge lines or terminal sequences in it.
+/// (cut before a character that would cross that length, the cut marked with `...`), bytes
+/// that are not UTF-8 replaced, and control characters escaped (`\n`, `\u{1b}`: at most six
+/// characters each), so that a peer can neither fill a log nor forge lines or terminal
+/// sequences in it.
 pub(crate) fn peer_text(bytes: &[u8]) -> String {
     let cut = bytes.len() > MAX_REASON_LEN;
-    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(MAX_REASON_LEN)]);
+    let mut end = bytes.len().min(MAX_REASON_LEN);
+    // Not inside a UTF-8 sequence (a continuation byte starts with the bits 10).
+    while cut && end > 0 && bytes[end] & 0xc0 == 0x80 {
+        end -= 1;
+    }
+    let text = String::from_utf8_lossy(&bytes[..end]);
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         if c.is_control() {
@@ -334,14 +340,25 @@ impl AllGather {
                 config,
             } => {
                 // The envelope goes in the room before the bundle: the message is sent as the
-                // compressor wrote it.
-                seal_in_place(PAYLOAD, fingerprint_at(config, step), message)?;
-                (
-                    limit_for(Some(manifest)),
-                    None,
-                    Some((manifest, step, config)),
-                    &*message,
-                )
+                // compressor wrote it. (Without that room, this rank takes part with the
+                // error, so that no peer waits.)
+                match seal_in_place(PAYLOAD, fingerprint_at(config, step), message) {
+                    Ok(()) => (
+                        limit_for(Some(manifest)),
+                        None,
+                        Some((manifest, step, config)),
+                        &*message,
+                    ),
+                    Err(error) => {
+                        seal_failure(&error, &mut self.send);
+                        (
+                            limit_for(Some(manifest)),
+                            Some(error),
+                            None,
+                            self.send.as_slice(),
+                        )
+                    }
+                }
             }
             Local::Failed { manifest, error } => {
                 seal_failure(&error, &mut self.send);
@@ -574,6 +591,20 @@ mod tests {
             Opened::Failure(r) => assert_eq!(r.len(), MAX_REASON_LEN),
             _ => panic!("not a failure"),
         }
+    }
+
+    #[test]
+    fn peer_text_is_escaped_cut_at_a_character_and_marked() {
+        assert_eq!(peer_text(b"a\x1b[2Jb\nc\xff"), "a\\u{1b}[2Jb\\nc\u{fffd}");
+        // Two-byte characters across the cut: cut before the one that would cross it.
+        let mut long = vec![b'a'; MAX_REASON_LEN - 1];
+        long.extend_from_slice("éé".as_bytes());
+        let shown = peer_text(&long);
+        assert!(shown.ends_with("a..."), "{shown}");
+        assert!(!shown.contains('\u{fffd}'));
+        assert_eq!(shown.len(), MAX_REASON_LEN - 1 + 3);
+        let exact = vec![b'x'; MAX_REASON_LEN];
+        assert_eq!(peer_text(&exact).len(), MAX_REASON_LEN);
     }
 
     #[test]

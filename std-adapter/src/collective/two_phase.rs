@@ -95,6 +95,8 @@ pub(crate) struct TwoPhase {
     /// its memory is written once), valid while `undo_valid`.
     server_undo: Vec<f32>,
     undo_valid: bool,
+    /// Whether the last step's owner kept a server residual (error feedback, mean or sum).
+    server_feedback: bool,
     /// Owners whose phase-1 frames this rank made in the current step (what a failed step
     /// gives back to the worker's residuals).
     made: usize,
@@ -217,9 +219,9 @@ impl TwoPhase {
                 "no server residuals yet: run a two-phase step first",
             ));
         };
-        if ErrorFeedback::new(layout.method, seed).is_err() {
+        if !self.server_feedback || ErrorFeedback::new(layout.method, seed).is_err() {
             return Err(Error::config(format!(
-                "{} keeps no server residuals",
+                "{} keeps no server residuals (they need error feedback, and a mean or a sum)",
                 crate::method::format(&layout.method)
             )));
         }
@@ -375,6 +377,9 @@ impl TwoPhase {
         // otherwise are found by every rank at the same call, and none waits in an all-to-all
         // that its peers do not make.
         let mut step = agree(comm, local, &mut self.phase2, &mut self.gathered)?;
+        // Every rank past the agreement holds the step's fingerprint, a rank whose phase 1
+        // fails too: it checks the phase-2 messages as its peers do.
+        let fingerprint = fingerprint_at(step.config, step.step);
         let mut step_data = None;
         let mut own_error = None;
         let made = self.phase1_local(&mut step, world, me);
@@ -470,7 +475,7 @@ impl TwoPhase {
             return Err(e.into());
         }
 
-        let result = self.finish(me, own_error, step_data.as_ref(), out);
+        let result = self.finish(me, fingerprint, own_error, step_data.as_ref(), out);
         if result.is_err()
             && let Some(mut step) = step_data
         {
@@ -484,6 +489,7 @@ impl TwoPhase {
     fn finish(
         &mut self,
         me: usize,
+        fingerprint: u64,
         mut own_error: Option<Error>,
         step: Option<&Step<'_>>,
         out: &mut HashMap<String, Tensor>,
@@ -495,13 +501,11 @@ impl TwoPhase {
             });
         }
         let world = self.gathered.len();
-        let fingerprint = step.map(|s| fingerprint_at(s.config, s.step));
         for (rank, msg) in self.gathered.iter().enumerate() {
             match open(msg) {
-                // Made for this step and configuration (a rank whose step failed has neither,
-                // and returns its own error).
+                // Made for this step and configuration.
                 Opened::Payload { fingerprint: f } => {
-                    if fingerprint.is_some_and(|ours| ours != f) {
+                    if f != fingerprint {
                         return Err(Error::Collective {
                             rank,
                             reason: "its reduced shard was made for another configuration or \
@@ -602,7 +606,8 @@ impl TwoPhase {
         };
         // Server residuals only where the owner's step keeps one (error feedback, a mean or
         // sum): a method without error feedback holds none, and copies none for its undo.
-        if has_server_feedback(step) && self.server.len() != layout.shard_lens[me] {
+        self.server_feedback = has_server_feedback(step);
+        if self.server_feedback && self.server.len() != layout.shard_lens[me] {
             self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
         }
         self.apply_pending(me)?;

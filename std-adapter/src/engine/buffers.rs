@@ -16,6 +16,17 @@ pub(crate) struct Pool<T> {
     free: Mutex<Vec<T>>,
 }
 
+impl<T> Pool<T> {
+    /// The sets not leased now.
+    #[cfg(test)]
+    pub(crate) fn free(&self) -> usize {
+        self.free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
+
 impl<T: Default> Pool<T> {
     /// A lease on this pool: it takes a set on its first [`Lease::get`] (a new one when none is
     /// free) and gives it back when dropped.

@@ -21,14 +21,16 @@
 //!
 //! Frames are written where they are sent from: [`Engine::encode_bundle`] lays the bundle out
 //! with each entry's largest frame, writes every frame in its place, then closes the gaps that
-//! shorter frames left (none for dense, quantization and sign frames, whose length is fixed);
-//! [`Engine::encode`] writes into the engine's own buffer and hands each frame to a sink.
+//! shorter frames left (none for dense, quantization, top-k and random-k frames and for sign
+//! frames without a zero mask, whose length is fixed); [`Engine::encode`] writes into the
+//! engine's own buffer and hands each frame to a sink.
 //!
 //! Memory: the frames ([`Manifest::max_bundle_len`] in all: the caller's bundle, or the
 //! engine's buffer for a sink), one set of scratch buffers per task running at the same time,
-//! and per large top-k, threshold or random-k tensor the lists of its chunked selection; all
-//! kept between calls, so that a steady-state step allocates nothing (rayon itself may allocate
-//! for its job bookkeeping).
+//! and for the chunked selections of large top-k, threshold and random-k tensors one set of
+//! lists sized for the largest of them on one thread, or per tensor on the pool (each also
+//! keeps the sent entries it decoded); all kept between calls, so that a steady-state step
+//! allocates nothing (rayon itself may allocate for its job bookkeeping).
 
 mod buffers;
 mod check;
@@ -173,6 +175,18 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
+    /// The chunked selections' scratch sets: shared ones (in the pool) and entries' own ones
+    /// that hold lists.
+    #[cfg(test)]
+    pub(crate) fn selection_sets(&self) -> (usize, usize) {
+        let own = self
+            .slots
+            .iter()
+            .filter(|s| s.scratch.holds_lists())
+            .count();
+        (self.selections.free(), own)
+    }
+
     /// What the steps so far did (see [`EncodeStats`]).
     #[cfg(test)]
     pub(crate) fn stats(&self) -> EncodeStats {
@@ -270,8 +284,21 @@ impl Engine {
         regions: &[Range<usize>],
     ) -> Result<()> {
         let entries = manifest.entries();
-        if regions.len() != entries.len() {
-            return Err(Error::internal("one frame region per entry"));
+        // One region per entry, in order, disjoint, within the buffer, and at least its
+        // largest frame: a task never finds its region missing.
+        let mut end = 0;
+        let fits = regions.len() == entries.len()
+            && regions.iter().zip(entries).all(|(r, entry)| {
+                let ok = r.start >= end
+                    && r.end <= buf.len()
+                    && r.len() >= max_frame_len(entry.len, &entry.method);
+                end = r.end;
+                ok
+            });
+        if !fits {
+            return Err(Error::internal(
+                "frame regions that do not fit the entries or the buffer",
+            ));
         }
         if self.slots.len() < entries.len() {
             self.slots.resize_with(entries.len(), Slot::default);

@@ -387,6 +387,12 @@ impl SelectSizes {
 }
 
 impl SelectScratch {
+    /// Whether it holds any list (a set never used holds none).
+    #[cfg(test)]
+    pub(crate) fn holds_lists(&self) -> bool {
+        !self.chunks.is_empty() || self.idx.capacity() > 0
+    }
+
     /// Sizes the scratch for `sizes` (so that a later step allocates nothing).
     pub(crate) fn reserve(&mut self, sizes: &SelectSizes) {
         grow(&mut self.bits, sizes.cap);
