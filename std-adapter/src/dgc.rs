@@ -485,7 +485,7 @@ impl Dgc {
             )));
         }
         let mut dgc = Dgc::new(config, file.number("seed")?)?;
-        dgc.step = file.number("step")?;
+        dgc.step = state_file::checked_step(file.number("step")?)?;
         let method = dgc.method_at(dgc.step);
         let mut fb = ErrorFeedback::new(method.core_method()?, dgc.seed)?;
         fb.set_step(dgc.step);
@@ -508,5 +508,28 @@ impl Dgc {
         dgc.compressor = dgc.new_compressor(method);
         dgc.compressor.restore_feedback(fb)?;
         Ok(dgc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DensitySchedule, Dgc, DgcConfig, DgcSelection};
+    use crate::feedback::state_file::tests::refused_as_the_last_step;
+
+    /// Issue 48 class 4: a DGC checkpoint of step `u64::MAX` (valid checksums) wrapped to step
+    /// 0 one step later; it is refused, `u64::MAX - 1` is taken.
+    #[test]
+    fn a_checkpoint_with_no_step_after_its_own_is_refused() {
+        let config = DgcConfig::new(DgcSelection::TopK, DensitySchedule::constant(0.01));
+        for (step, ok) in [(u64::MAX, false), (u64::MAX - 1, true)] {
+            let mut dgc = Dgc::new(config.clone(), 3).unwrap();
+            dgc.step = step;
+            let loaded = Dgc::from_bytes(config.clone(), &dgc.to_bytes().unwrap());
+            if ok {
+                loaded.unwrap();
+            } else {
+                refused_as_the_last_step(loaded);
+            }
+        }
     }
 }

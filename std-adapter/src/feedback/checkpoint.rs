@@ -225,7 +225,7 @@ impl ErrorFeedback {
         };
         let mut fb = ErrorFeedback::new(method, number("seed")?)
             .map_err(|e| Error::checkpoint(format!("metadata `method`: {e}")))?;
-        fb.step = number("step")?;
+        fb.step = super::state_file::checked_step(number("step")?)?;
         let texts = [get("method")?, get("seed")?, get("step")?];
         // Every entry is known good: the caller's check, then the bodies.
         check(meta)?;

@@ -154,6 +154,20 @@ impl StateFile {
     }
 }
 
+/// A checkpoint's `step`, the step its run takes next: `u64::MAX` is refused, since the step
+/// after it would wrap to 0 and repeat step 0's draws (random-k, stochastic rounding, `Q`).
+///
+/// # Errors
+/// [`Error::Checkpoint`] for `u64::MAX`.
+pub(crate) fn checked_step(step: u64) -> Result<u64> {
+    if step == u64::MAX {
+        return Err(Error::checkpoint(format!(
+            "metadata `step` = `{step}`: no step can follow it (it would wrap to 0)"
+        )));
+    }
+    Ok(step)
+}
+
 /// CRC-32 (IEEE) of: each entry in key order (key, 0, value, 0), then each tensor in name order
 /// (name, 0, dimensions as u32 LE, each dimension as u64 LE, values as f32 LE).
 fn crc_of<'a>(
@@ -187,5 +201,44 @@ pub(crate) fn update_f32(h: &mut crc32fast::Hasher, values: &[f32]) {
             b.copy_from_slice(&x.to_le_bytes());
         }
         h.update(&buf[..4 * run.len()]);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use crate::error::Error;
+    use crate::feedback::ErrorFeedback;
+
+    /// The refusal of a step with no step after it, for the tests of every state file.
+    pub(crate) fn refused_as_the_last_step<T: std::fmt::Debug>(r: Result<T, Error>) {
+        match r {
+            Err(Error::Checkpoint { reason }) => assert!(reason.contains("wrap to 0"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Issue 48 class 4: a checkpoint whose step is `u64::MAX` (valid checksums) would wrap to
+    /// step 0 after one step; an error-feedback checkpoint refuses it and takes `u64::MAX - 1`
+    /// (DGC and PowerSGD checkpoints: their own tests).
+    #[test]
+    fn a_feedback_checkpoint_with_no_step_after_its_own_is_refused() {
+        for (step, ok) in [(u64::MAX, false), (u64::MAX - 1, true)] {
+            let dir = std::env::temp_dir().join(format!("gw-step-{}-{ok}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("fb.safetensors");
+            let method = gradwire_core::Method::Dense {
+                values: gradwire_core::Values::F16,
+            };
+            let mut fb = ErrorFeedback::new(method, 1).unwrap();
+            fb.set_step(step);
+            fb.save(&path).unwrap();
+            let loaded = ErrorFeedback::load(&path);
+            std::fs::remove_dir_all(&dir).unwrap();
+            if ok {
+                loaded.unwrap();
+            } else {
+                refused_as_the_last_step(loaded);
+            }
+        }
     }
 }

@@ -84,7 +84,7 @@ impl PowerSgd {
                 "the checkpoint is of `{config_text}`, this run is `{ours}`"
             )));
         }
-        psgd.step = file.number("step")?;
+        psgd.step = crate::feedback::state_file::checked_step(file.number("step")?)?;
         let shapes: BTreeMap<String, Vec<usize>> = serde_json::from_str(file.entry("shapes")?)
             .map_err(|e| {
                 Error::checkpoint(format!(
@@ -141,5 +141,28 @@ impl PowerSgd {
             }
         }
         Ok(psgd)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{PowerSgd, PowerSgdConfig};
+    use crate::feedback::state_file::tests::refused_as_the_last_step;
+
+    /// Issue 48 class 4: a PowerSGD checkpoint of step `u64::MAX` (valid checksums) would wrap
+    /// to step 0; it is refused, `u64::MAX - 1` is taken.
+    #[test]
+    fn a_checkpoint_with_no_step_after_its_own_is_refused() {
+        for (step, ok) in [(u64::MAX, false), (u64::MAX - 1, true)] {
+            let mut psgd = PowerSgd::new(PowerSgdConfig::default()).unwrap();
+            psgd.step = step;
+            let bytes = psgd.to_bytes().unwrap();
+            let loaded = PowerSgd::from_bytes(PowerSgdConfig::default(), &bytes);
+            if ok {
+                loaded.unwrap();
+            } else {
+                refused_as_the_last_step(loaded);
+            }
+        }
     }
 }
