@@ -1804,3 +1804,68 @@ fn a_method_without_server_residuals_has_none_to_save() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 48 class 4: server residuals saved with one method are refused by a run of another
+/// (top-k 5% f32 into top-k 5% f16, where every step then failed on every rank, and into
+/// 4-bit quantization, where they were added silently): the first step fails on every rank,
+/// naming both methods; the same method resumes.
+#[test]
+fn server_residuals_of_another_method_are_refused() {
+    const W: usize = 2;
+    let topk = |values| {
+        CompressionMethod::Core(Method::TopK {
+            k: K::Ratio(0.05),
+            values,
+        })
+        .with_error_feedback()
+    };
+    let dir = std::env::temp_dir().join(format!("gw-server-method-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |method: CompressionMethod, save: bool| {
+        let comms = LocalGroup::new(W).into_communicators();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (dir, method) = (dir.clone(), method.clone());
+                std::thread::spawn(move || {
+                    let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
+                        .with_collective(Collective::TwoPhase);
+                    let path = dir.join(format!("server-{rank}"));
+                    if save {
+                        for s in 0..2 {
+                            ar.all_reduce(&gradients(rank, s)).unwrap();
+                        }
+                        ar.save_server_residuals(&path).unwrap();
+                        return Ok(());
+                    }
+                    ar.load_server_residuals(&path).unwrap();
+                    ar.all_reduce(&gradients(rank, 2))
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    };
+    run(topk(Values::F32), true);
+    for other in [
+        topk(Values::F16),
+        CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+    ] {
+        for (rank, result) in run(other.clone(), false).into_iter().enumerate() {
+            let err = result.unwrap_err();
+            assert!(
+                err.contains("saved with method `topk k=ratio:0.05 values=f32`"),
+                "{other:?}, rank {rank}: {err}"
+            );
+        }
+    }
+    for result in run(topk(Values::F32), false) {
+        result.unwrap();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

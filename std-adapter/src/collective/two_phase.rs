@@ -89,6 +89,8 @@ pub(crate) struct TwoPhase {
     pending: Option<HashMap<String, Vec<f32>>>,
     /// The shard layout pending residuals were saved with (block, layout id), when known.
     pending_layout: Option<(usize, u64)>,
+    /// The method the pending server residuals were saved with.
+    pending_method: Option<Method>,
     /// This rank (of the last step).
     rank: usize,
     /// The server residuals as they were before this step's owner encode (kept between steps:
@@ -198,6 +200,7 @@ impl TwoPhase {
     pub(crate) fn set_server_residuals(&mut self, residuals: HashMap<String, Vec<f32>>) {
         self.pending = Some(residuals);
         self.pending_layout = None;
+        self.pending_method = None;
     }
 
     /// Writes this rank's server residuals as a checkpoint to `out`: the error-feedback
@@ -267,6 +270,7 @@ impl TwoPhase {
             saved_layout = Some((block as usize, layout_id));
             Ok(())
         })?;
+        self.pending_method = Some(*fb.method());
         self.pending = Some(fb.into_residuals().collect());
         self.pending_layout = saved_layout;
         Ok(())
@@ -281,6 +285,16 @@ impl TwoPhase {
         let (Some(layout), Some(pending)) = (&self.layout, &self.pending) else {
             return Ok(());
         };
+        if let Some(saved) = &self.pending_method
+            && *saved != layout.method
+        {
+            return Err(Error::config(format!(
+                "the server residuals were saved with method `{}`; this run's is `{}`: \
+                 discard them to restart",
+                crate::method::format(saved),
+                crate::method::format(&layout.method)
+            )));
+        }
         if let Some((block, id)) = self.pending_layout
             && (block, id) != (layout.block, layout.layout_id)
         {
@@ -319,6 +333,7 @@ impl TwoPhase {
         self.server = server;
         self.pending = None;
         self.pending_layout = None;
+        self.pending_method = None;
         Ok(())
     }
 
@@ -327,6 +342,7 @@ impl TwoPhase {
         self.server.clear();
         self.pending = None;
         self.pending_layout = None;
+        self.pending_method = None;
     }
 
     /// Bytes of this rank's phase-1 shard messages of the last step (envelopes left out; 0
