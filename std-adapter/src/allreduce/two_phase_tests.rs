@@ -1808,7 +1808,8 @@ fn a_method_without_server_residuals_has_none_to_save() {
 /// Issue 48 class 4: server residuals saved with one method are refused by a run of another
 /// (top-k 5% f32 into top-k 5% f16, where every step then failed on every rank, and into
 /// 4-bit quantization, where they were added silently): the first step fails on every rank,
-/// naming both methods; the same method resumes.
+/// naming both methods; so does a run at another step (the worker's checkpoint not loaded);
+/// the same method with the worker's checkpoint resumes.
 #[test]
 fn server_residuals_of_another_method_are_refused() {
     const W: usize = 2;
@@ -1821,7 +1822,7 @@ fn server_residuals_of_another_method_are_refused() {
     };
     let dir = std::env::temp_dir().join(format!("gw-server-method-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let run = |method: CompressionMethod, save: bool| {
+    let run = |method: CompressionMethod, save: Option<bool>| {
         let comms = LocalGroup::new(W).into_communicators();
         let handles: Vec<_> = comms
             .into_iter()
@@ -1832,12 +1833,18 @@ fn server_residuals_of_another_method_are_refused() {
                     let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
                         .with_collective(Collective::TwoPhase);
                     let path = dir.join(format!("server-{rank}"));
-                    if save {
+                    let worker = dir.join(format!("worker-{rank}"));
+                    if save == Some(true) {
                         for s in 0..2 {
                             ar.all_reduce(&gradients(rank, s)).unwrap();
                         }
                         ar.save_server_residuals(&path).unwrap();
+                        ar.compressor_mut().save_feedback(&worker).unwrap();
                         return Ok(());
+                    }
+                    // `Some(false)`: with the worker's checkpoint of the same moment.
+                    if save == Some(false) {
+                        ar.compressor_mut().load_feedback(&worker).unwrap();
                     }
                     ar.load_server_residuals(&path).unwrap();
                     ar.all_reduce(&gradients(rank, 2))
@@ -1851,12 +1858,12 @@ fn server_residuals_of_another_method_are_refused() {
             .map(|h| h.join().unwrap())
             .collect::<Vec<_>>()
     };
-    run(topk(Values::F32), true);
+    run(topk(Values::F32), Some(true));
     for other in [
         topk(Values::F16),
         CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
     ] {
-        for (rank, result) in run(other.clone(), false).into_iter().enumerate() {
+        for (rank, result) in run(other.clone(), None).into_iter().enumerate() {
             let err = result.unwrap_err();
             assert!(
                 err.contains("saved with method `topk k=ratio:0.05 values=f32`"),
@@ -1864,7 +1871,16 @@ fn server_residuals_of_another_method_are_refused() {
             );
         }
     }
-    for result in run(topk(Values::F32), false) {
+    // The same method without the worker's checkpoint: the run is at step 0, the server
+    // residuals were saved before step 2.
+    for (rank, result) in run(topk(Values::F32), None).into_iter().enumerate() {
+        let err = result.unwrap_err();
+        assert!(
+            err.contains("saved before step 2; this run is at step 0"),
+            "rank {rank}: {err}"
+        );
+    }
+    for result in run(topk(Values::F32), Some(false)) {
         result.unwrap();
     }
     let _ = std::fs::remove_dir_all(&dir);

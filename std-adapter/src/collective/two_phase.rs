@@ -91,6 +91,8 @@ pub(crate) struct TwoPhase {
     pending_layout: Option<(usize, u64)>,
     /// The method the pending server residuals were saved with.
     pending_method: Option<Method>,
+    /// The step the pending server residuals were saved before (the run's next step then).
+    pending_step: Option<u64>,
     /// This rank (of the last step).
     rank: usize,
     /// The server residuals as they were before this step's owner encode (kept between steps:
@@ -201,6 +203,7 @@ impl TwoPhase {
         self.pending = Some(residuals);
         self.pending_layout = None;
         self.pending_method = None;
+        self.pending_step = None;
     }
 
     /// Writes this rank's server residuals as a checkpoint to `out`: the error-feedback
@@ -271,6 +274,7 @@ impl TwoPhase {
             Ok(())
         })?;
         self.pending_method = Some(*fb.method());
+        self.pending_step = Some(fb.step());
         self.pending = Some(fb.into_residuals().collect());
         self.pending_layout = saved_layout;
         Ok(())
@@ -279,9 +283,11 @@ impl TwoPhase {
     /// Applies pending server residuals to the layout's zeros.
     ///
     /// # Errors
-    /// [`Error::Config`] for a name the layout lacks or a length other than this rank's shard;
-    /// the residuals stay pending (every step fails until they are discarded or replaced).
-    fn apply_pending(&mut self, rank: usize) -> Result<()> {
+    /// [`Error::Config`] for residuals saved with another method, before another step than
+    /// `step` (the worker's checkpoint of another moment, or none), for another shard layout,
+    /// for a name the layout lacks or a length other than this rank's shard; the residuals stay
+    /// pending (every step fails until they are discarded or replaced).
+    fn apply_pending(&mut self, rank: usize, step: u64) -> Result<()> {
         let (Some(layout), Some(pending)) = (&self.layout, &self.pending) else {
             return Ok(());
         };
@@ -293,6 +299,14 @@ impl TwoPhase {
                  discard them to restart",
                 crate::method::format(saved),
                 crate::method::format(&layout.method)
+            )));
+        }
+        if let Some(saved) = self.pending_step
+            && saved != step
+        {
+            return Err(Error::config(format!(
+                "the server residuals were saved before step {saved}; this run is at step \
+                 {step}: load the worker's checkpoint of the same moment, or discard them"
             )));
         }
         if let Some((block, id)) = self.pending_layout
@@ -334,6 +348,7 @@ impl TwoPhase {
         self.pending = None;
         self.pending_layout = None;
         self.pending_method = None;
+        self.pending_step = None;
         Ok(())
     }
 
@@ -343,6 +358,7 @@ impl TwoPhase {
         self.pending = None;
         self.pending_layout = None;
         self.pending_method = None;
+        self.pending_step = None;
     }
 
     /// Bytes of this rank's phase-1 shard messages of the last step (envelopes left out; 0
@@ -626,7 +642,7 @@ impl TwoPhase {
         if self.server_feedback && self.server.len() != layout.shard_lens[me] {
             self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
         }
-        self.apply_pending(me)?;
+        self.apply_pending(me, step.step)?;
         if let (Some(fb), Some(layout)) = (step.feedback.as_deref(), &self.layout) {
             for ts in &layout.tensors {
                 fb.check_shape(&ts.name, &ts.shape)?;
