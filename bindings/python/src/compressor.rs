@@ -160,10 +160,16 @@ impl Compressor {
         })
     }
 
-    /// Bytes of the model's gradient as float32 (4 per element).
+    /// Bytes of the model's gradient as float32 (4 per element); `OverflowError` for a model
+    /// whose byte count does not fit a `usize` (a shape of `2**62` elements wrapped to 0).
     #[getter]
     fn dense_bytes(&self) -> PyResult<usize> {
-        Ok(self.manifest()?.flat_len() * 4)
+        let elements = self.manifest()?.flat_len();
+        elements.checked_mul(4).ok_or_else(|| {
+            pyo3::exceptions::PyOverflowError::new_err(format!(
+                "a model of {elements} float32 values is more bytes than a usize holds"
+            ))
+        })
     }
 
     /// Bytes of the last bundle this compressor made (0 before the first).

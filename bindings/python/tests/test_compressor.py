@@ -1,6 +1,7 @@
 """gradwire.Compressor: bundles, rank-order aggregation, residual checkpoints, bad input."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -171,3 +172,38 @@ def test_shapes_up_front(grads_step1):
     b = sender.decompress(bundle)
     for n in a:
         assert a[n].tobytes() == b[n].tobytes()
+
+
+def test_paths_and_bytes_take_their_types_only(tmp_path, monkeypatch, grads_step1):
+    """Issue 48 class 7: ``save(None)`` wrote ``./None``, ``load(b"/path")`` looked for
+    ``b'/path'``, ``decompress(5)`` decoded five zero bytes, and a shape of ``2**62`` elements
+    had ``dense_bytes`` 0."""
+    monkeypatch.chdir(tmp_path)
+    method = "topk k=ratio:0.01 values=f32"
+    c = gradwire.Compressor(method, seed=3)
+    bundle = c.compress(grads_step1)
+    with pytest.raises(TypeError):
+        c.save(None)
+    assert not (tmp_path / "None").exists()
+    with pytest.raises(TypeError):
+        c.load(7)
+    # bytes and os.PathLike paths name the file they spell.
+    path = tmp_path / "state.safetensors"
+    c.save(os.fsencode(path))
+    assert path.exists()
+    d = gradwire.Compressor(method, seed=3)
+    d.load(os.fsencode(path))
+    assert d.step == c.step
+    with pytest.raises(TypeError):
+        c.decompress(5)
+    with pytest.raises(TypeError):
+        c.aggregate([bundle, 5])
+    # Bytes-like objects are read as they are.
+    a = c.decompress(bytearray(bundle))
+    b = c.decompress(memoryview(bundle))
+    for n in a:
+        assert a[n].tobytes() == b[n].tobytes()
+    huge = gradwire.Compressor(method, shapes={"w": [2**62]})
+    with pytest.raises(OverflowError):
+        huge.dense_bytes
+    assert gradwire.Compressor(method, shapes={"w": [2, 3]}).dense_bytes == 24

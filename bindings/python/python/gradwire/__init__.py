@@ -19,6 +19,7 @@ elsewhere (a peer's bundle, a payload, a checkpoint file); ``OSError`` for files
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _native
@@ -116,7 +117,7 @@ class Compressor:
         Raises :class:`PayloadError` for a bundle that fails any check (checksum, header,
         model, frame).
         """
-        return _shaped(self._inner.decompress(bytes(bundle), rank), as_torch)
+        return _shaped(self._inner.decompress(_bytes_of(bundle), rank), as_torch)
 
     def aggregate(
         self, bundles: Sequence[bytes], reduction: str = "mean", as_torch: bool = False
@@ -128,7 +129,7 @@ class Compressor:
         Raises :class:`PayloadError` when a bundle fails a check, is another rank's than its
         position says, or is of another step than the first.
         """
-        return _shaped(self._inner.aggregate([bytes(b) for b in bundles], reduction), as_torch)
+        return _shaped(self._inner.aggregate([_bytes_of(b) for b in bundles], reduction), as_torch)
 
     def residuals(self, as_torch: bool = False) -> Dict[str, Any]:
         """A copy of every residual (``{name: float32 array}`` with the gradient's shape): what
@@ -139,13 +140,13 @@ class Compressor:
         """Writes the residual checkpoint (residuals with their shapes, step, seed, method) to
         ``path``. Raises ``ValueError`` when the method keeps no residuals, ``OSError`` when the
         file cannot be written."""
-        self._inner.save(str(path))
+        self._inner.save(_path_of(path))
 
     def load(self, path: Any) -> None:
         """Restores a checkpoint written by :meth:`save` with the same method and seed; the
         step resumes from it. Raises :class:`PayloadError` for a file that is damaged or for
         another setup, ``OSError`` when it cannot be read."""
-        self._inner.load(str(path))
+        self._inner.load(_path_of(path))
 
     def __repr__(self) -> str:
         ef = ", error_feedback=True" if self.error_feedback else ""
@@ -230,19 +231,31 @@ class AllReduce:
 
     def save(self, path: Any) -> None:
         """Writes this rank's residual checkpoint (as :meth:`Compressor.save`)."""
-        self._inner.save(str(path))
+        self._inner.save(_path_of(path))
 
     def load(self, path: Any) -> None:
         """Restores this rank's residual checkpoint (same method and seed)."""
-        self._inner.load(str(path))
+        self._inner.load(_path_of(path))
 
     def save_server_residuals(self, path: Any) -> None:
         """Writes this rank's server residuals (two-phase: what it owns and has not sent)."""
-        self._inner.save_server_residuals(str(path))
+        self._inner.save_server_residuals(_path_of(path))
 
     def load_server_residuals(self, path: Any) -> None:
         """Restores server residuals written by this rank at the same world size."""
-        self._inner.load_server_residuals(str(path))
+        self._inner.load_server_residuals(_path_of(path))
+
+
+def _path_of(path: Any) -> str:
+    """A file path from ``str``, ``bytes`` or ``os.PathLike`` (``os.fspath``); ``TypeError`` for
+    anything else (``None`` would otherwise become a file named ``None``)."""
+    return os.fsdecode(os.fspath(path))
+
+
+def _bytes_of(data: Any) -> bytes:
+    """The bytes of a bytes-like object (``bytes``, ``bytearray``, ``memoryview``, a numpy
+    buffer); ``TypeError`` for anything else (``bytes(5)`` is five zero bytes)."""
+    return bytes(memoryview(data))
 
 
 def _shaped(decoded: List[Tuple[str, List[int], Any]], as_torch: bool) -> Dict[str, Any]:
