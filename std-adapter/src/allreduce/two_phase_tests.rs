@@ -1691,6 +1691,23 @@ fn peer_text_is_escaped_and_impossible_relays_name_their_sender() {
     same_everywhere(&runs, &["rank 1", "overflow of rank 2's shard"]);
     let runs = phase2(|_| forged_envelope(2, 0, &relay_body(1, 2, b"five\nw")));
     same_everywhere(&runs, &["rank 1", "does not name an index"]);
+    // ... a tensor the model lacks, an element past the tensor's end.
+    let runs = phase2(|_| forged_envelope(2, 0, &relay_body(1, 2, b"5\nno.such\x1b")));
+    same_everywhere(
+        &runs,
+        &[
+            "rank 1",
+            "names `no.such\\u{1b}`, not a tensor of the model",
+        ],
+    );
+    let runs = phase2(|_| forged_envelope(2, 0, &relay_body(1, 2, b"5200\na.weight")));
+    same_everywhere(
+        &runs,
+        &["rank 1", "element 5200 of `a.weight`, which has 5200"],
+    );
+    // A well-formed one is the group's overflow, the same on every rank.
+    let runs = phase2(|_| forged_envelope(2, 0, &relay_body(1, 2, b"5199\na.weight")));
+    same_everywhere(&runs, &["a.weight", "5199"]);
     // A reduced shard sealed for another configuration or step.
     fn other_fingerprint(real: &[u8]) -> Vec<u8> {
         let mut msg = real.to_vec();

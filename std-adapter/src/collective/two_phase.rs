@@ -409,9 +409,10 @@ impl TwoPhase {
         // otherwise are found by every rank at the same call, and none waits in an all-to-all
         // that its peers do not make.
         let mut step = agree(comm, local, &mut self.phase2, &mut self.gathered)?;
-        // Every rank past the agreement holds the step's fingerprint, a rank whose phase 1
-        // fails too: it checks the phase-2 messages as its peers do.
+        // Every rank past the agreement holds the step's fingerprint and model, a rank whose
+        // phase 1 fails too: it checks the phase-2 messages as its peers do.
         let fingerprint = fingerprint_at(step.config, step.step);
+        let manifest = step.manifest;
         let mut step_data = None;
         let mut own_error = None;
         let made = self.phase1_local(&mut step, world, me);
@@ -507,7 +508,13 @@ impl TwoPhase {
             return Err(e.into());
         }
 
-        let result = self.finish(me, fingerprint, own_error, step_data.as_ref(), out);
+        let result = self.finish(
+            me,
+            (fingerprint, manifest),
+            own_error,
+            step_data.as_ref(),
+            out,
+        );
         if result.is_err()
             && let Some(mut step) = step_data
         {
@@ -521,7 +528,7 @@ impl TwoPhase {
     fn finish(
         &mut self,
         me: usize,
-        fingerprint: u64,
+        (fingerprint, manifest): (u64, &Manifest),
         mut own_error: Option<Error>,
         step: Option<&Step<'_>>,
         out: &mut HashMap<String, Tensor>,
@@ -559,7 +566,8 @@ impl TwoPhase {
                 } => {
                     // A relay the protocol cannot produce is a bad message from its sender:
                     // decided from the messages every rank holds, so every rank alike.
-                    let relay = check_relay(&self.gathered, rank, at_fault, kind, &reason);
+                    let relay =
+                        check_relay(&self.gathered, manifest, rank, at_fault, kind, &reason);
                     return Err(match (relay, own_error.take()) {
                         (Err(why), _) => Error::Collective { rank, reason: why },
                         (Ok(()), Some(e)) if at_fault == me && kind == RELAY_FAILED => e,
@@ -1054,15 +1062,17 @@ impl TwoPhase {
 }
 
 /// Whether a relay from `sender` about `at_fault` of `kind` could come from a rank that follows
-/// the protocol, judged from the phase-2 messages every rank holds: the rank at fault is in
-/// the group; a relayed failure names a rank whose own phase-2 message is its failure (a rank
-/// that fails sends its failure to every owner, and again in phase 2); an overflow is the
-/// sender's own shard, its reason a decimal index, a newline and the tensor.
+/// the protocol, judged from the phase-2 messages and the model every rank holds: the rank at
+/// fault is in the group; a relayed failure names a rank whose own phase-2 message is its
+/// failure (a rank that fails sends its failure to every owner, and again in phase 2); an
+/// overflow is the sender's own shard, its reason a decimal index, a newline and a tensor of
+/// the model that has that element.
 ///
 /// # Errors
 /// Why the relay is impossible, for [`Error::Collective`] naming the sender.
 fn check_relay(
     gathered: &[Vec<u8>],
+    manifest: &Manifest,
     sender: usize,
     at_fault: usize,
     kind: u8,
@@ -1081,9 +1091,24 @@ fn check_relay(
         RELAY_OVERFLOW if at_fault != sender => Err(format!(
             "it relayed an overflow of rank {at_fault}'s shard, not its own"
         )),
-        RELAY_OVERFLOW if overflow_parts(reason).is_none() => {
-            Err("its overflow relay does not name an index and a tensor".into())
-        }
+        RELAY_OVERFLOW => match overflow_parts(reason) {
+            None => Err("its overflow relay does not name an index and a tensor".into()),
+            Some((index, tensor)) => match manifest
+                .tensors()
+                .iter()
+                .find(|t| t.name.as_bytes() == tensor)
+            {
+                None => Err(format!(
+                    "its overflow relay names `{}`, not a tensor of the model",
+                    peer_text(tensor)
+                )),
+                Some(t) if index >= t.numel => Err(format!(
+                    "its overflow relay names element {index} of `{}`, which has {}",
+                    t.name, t.numel
+                )),
+                Some(_) => Ok(()),
+            },
+        },
         _ => Ok(()),
     }
 }
