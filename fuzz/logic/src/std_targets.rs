@@ -550,7 +550,8 @@ fn gen_residual_shape(inp: &mut Input<'_>, len: usize) -> (Vec<usize>, bool) {
 /// the fuzzer's step (rewritten as version 1, which has no checksum); one with shapes through
 /// its own version 3 checkpoint, with the fuzzer's step and a recomputed checksum when every
 /// residual has a shape, else with step 0. `None` when `to_bytes` refuses the state (a residual
-/// named `__metadata__`, checked to be the reason).
+/// named `__metadata__`, checked to be the reason), or when the checkpoint's step is
+/// `u64::MAX`, which a checkpoint refuses (no step can follow it; checked).
 pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
     let method = gen_method(inp, 64, &[]);
     let (seed, step) = match inp.u8() % 3 {
@@ -626,6 +627,10 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
                 ),
                 false => (b, fb.step()),
             };
+            if want == u64::MAX {
+                refused_as_the_last_step(ErrorFeedback::from_bytes(&b).map(|_| ()));
+                return None;
+            }
             let back = ErrorFeedback::from_bytes(&b)
                 .unwrap_or_else(|e| panic!("a checkpoint from to_bytes does not load: {e}"));
             assert_eq!(back.step(), want);
@@ -642,6 +647,10 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
             // `ErrorFeedback` has no public step setter and running `step` steps is out of
             // reach: the step goes into the checkpoint text, which must then load.
             let b = with_step(&b, &fb, step).expect("to_bytes wrote a `step` entry");
+            if step == u64::MAX {
+                refused_as_the_last_step(ErrorFeedback::from_bytes(&b).map(|_| ()));
+                return None;
+            }
             let fb = ErrorFeedback::from_bytes(&b)
                 .unwrap_or_else(|e| panic!("a checkpoint from to_bytes does not load: {e}"));
             assert_eq!(fb.step(), step);
@@ -654,6 +663,14 @@ pub fn gen_feedback(inp: &mut Input<'_>) -> Option<ErrorFeedback> {
             );
             None
         }
+    }
+}
+
+/// A checkpoint of step `u64::MAX` refused, saying why (the step after it would wrap to 0).
+fn refused_as_the_last_step(loaded: Result<(), Error>) {
+    match loaded {
+        Err(Error::Checkpoint { reason }) if reason.contains("wrap to 0") => {}
+        other => panic!("a checkpoint of step u64::MAX: {other:?}"),
     }
 }
 
