@@ -861,7 +861,8 @@ pub fn gen_checkpoint_file(inp: &mut Input<'_>) -> (Vec<u8>, Expect) {
     let step_text = number(inp);
     let seed = seed_text.as_deref().and_then(|s| s.parse::<u64>().ok());
     let step = step_text.as_deref().and_then(|s| s.parse::<u64>().ok());
-    if seed.is_none() || step.is_none() {
+    // A step of u64::MAX is refused: no step can follow it.
+    if seed.is_none() || step.is_none_or(|s| s == u64::MAX) {
         content_ok = false;
     }
     if let Some(s) = &seed_text {
