@@ -6,6 +6,12 @@
 //! (bit-exact where values travel as f32; otherwise up to one f32 rounding), and rounding and
 //! quantization error are kept, not lost.
 //!
+//! Any finite `x` can be sent: a value beyond the range of f16 or bf16 values saturates (it is
+//! sent as the type's largest finite value of its sign) and the residual keeps the excess, so
+//! a residual that grows past the value type delays its coordinate instead of failing every
+//! later step. For f16, `x - 65504` is exact while `|x| < 2^29`, so the identity above holds to
+//! the bit there (for f16's own rounding of the value sent, as everywhere).
+//!
 //! [`feedback_step`] and [`feedback_step_bounded`] run a whole step on the calling thread.
 //! [`step_chunk`], [`sparse_update`] and [`sparse_fix_up`] run one chunk of a step on a frame
 //! cut into chunks ([`crate::frame::chunk`]), for callers that run the chunks on several
@@ -14,11 +20,11 @@
 use crate::error::{Error, Param};
 use crate::frame::chunk::{Sections, at_tensor_index};
 use crate::frame::{
-    Body, Header, Shape, accumulate_into, check_encode, check_input, encode_checked, encode_src,
-    is_fused, parse_trusted, sparse_batches, topk_frame,
+    Body, Header, Shape, accumulate_into, check_encode, encode_checked, encode_src, is_fused,
+    parse_trusted, sparse_batches, topk_frame,
 };
 use crate::lanes::{LANES, One, Sum};
-use crate::method::{Method, Params, SignScale, Values};
+use crate::method::{Method, Params, SignScale};
 use crate::values::all_below;
 use crate::{index, select, values};
 use wide::f32x8;
@@ -57,12 +63,11 @@ pub fn feedback_step(
 /// element, kept by the caller next to the residual between steps of
 /// [`feedback_step_bounded`].
 ///
-/// Why: a step may change the residual only once every `gradient + residual` is known to be in
-/// range, and [`feedback_step`] reads both buffers once to check that and once more to update
-/// (20 bytes per element). With a bound below half the value type's limit, a gradient below
-/// the other half proves every sum in range (see [`feedback_step_bounded`]), so the step reads the
-/// gradient once to check it and then reads both and writes the residual in one pass
-/// (16 bytes per element).
+/// Why: a step may change the residual only once every `gradient + residual` is known to be
+/// finite, and [`feedback_step`] reads both buffers once to check that and once more to update
+/// (20 bytes per element). With a bound below 2^127, a gradient below 2^127 too proves every
+/// sum finite (see [`feedback_step_bounded`]), so the step reads the gradient once to check it
+/// and then reads both and writes the residual in one pass (16 bytes per element).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ResidualBound {
     max_abs: f32,
@@ -128,13 +133,11 @@ impl ResidualBound {
     }
 
     /// Whether this bound and `grad` prove every `grad[i] + residual[i]` (f32 addition) of the
-    /// residual it holds for below the magnitude limit of `values`
-    /// ([`crate::values::magnitude_limit`]; no limit but finiteness for f32 and int8 values,
-    /// where half means 2^127): the bound is below half the limit and every `|grad[i]|` below
-    /// the other half. One read of `grad`; `false`
-    /// says nothing (the sums may still be in range).
-    pub fn proves_in_range(self, grad: &[f32], values: Option<Values>) -> bool {
-        let half = half_limit(crate::values::magnitude_limit(values));
+    /// residual it holds for finite, which is all an error-feedback step needs of them (a sum
+    /// beyond the value type saturates): the bound and every `|grad[i]|` are below 2^127. One
+    /// read of `grad`; `false` says nothing (the sums may still be finite).
+    pub fn proves_sums_finite(self, grad: &[f32]) -> bool {
+        let half = half_limit(f32::INFINITY);
         let residual_below_half = self.max_abs < half;
         residual_below_half && all_below(&One(grad), half)
     }
@@ -156,13 +159,13 @@ fn half_limit(limit: f32) -> f32 {
 /// same errors; on success `bound` holds for the new residual.
 ///
 /// For top-k (tensors of at least [`crate::select::SAMPLED_MIN`] elements, `0 < k < n`) with
-/// `bound` below half the value type's magnitude limit, the step checks that every `|grad[i]|`
-/// is below the other half (one read of `grad`), then one pass reads `grad` and `residual`,
+/// `bound` below 2^127, the step checks that every `|grad[i]|` is below 2^127 too (one read of
+/// `grad`: every sum is then finite), then one pass reads `grad` and `residual`,
 /// stores their sum in `residual` and collects the top-k candidates; the kept entries are fixed
 /// up afterwards (`residual[i] += -decoded[i]`), and the new bound is the larger of the smallest
 /// kept magnitude (no element left unsent is larger) and the largest fixed-up residual. In every
-/// other case (another method, a small tensor, an unknown bound, a gradient at or above half the
-/// limit) the step is [`feedback_step`]'s; for top-k it then measures the bound with
+/// other case (another method, a small tensor, an unknown bound, a gradient at or above 2^127)
+/// the step is [`feedback_step`]'s; for top-k it then measures the bound with
 /// [`ResidualBound::of`] (one more read of the residual), for other methods it leaves
 /// [`ResidualBound::UNKNOWN`].
 ///
@@ -172,8 +175,8 @@ fn half_limit(limit: f32) -> f32 {
 ///
 /// # Errors
 /// As [`feedback_step`]; on error the residual and `bound` are untouched. If `bound` did not
-/// hold, a sum out of range is still reported ([`Error::NonFinite`] or
-/// [`Error::ValueOutOfRange`] with its index) but only after the residual took the sums.
+/// hold, a sum that is not finite is still reported ([`Error::NonFinite`] with its index) but
+/// only after the residual took the sums.
 ///
 /// # Panics
 /// Never.
@@ -219,8 +222,8 @@ pub fn feedback_step_bounded(
 /// `sections`, with [`Param::SignScale`] for unscaled sign (as [`feedback_step`]);
 /// [`Error::BadChunk`] when the chunk is not on chunk boundaries; [`Error::BufferTooSmall`] for
 /// a short piece; [`Error::NonFinite`] naming the tensor index of the chunk's first element
-/// whose gradient or `gradient + residual` is NaN or infinite, else [`Error::ValueOutOfRange`]
-/// naming the first sum beyond the range of f16 or bf16 values.
+/// whose gradient or `gradient + residual` is NaN or infinite (a sum beyond the range of f16 or
+/// bf16 values saturates, as in [`feedback_step`]).
 ///
 /// # Panics
 /// Never.
@@ -254,9 +257,8 @@ pub fn step_chunk(
         });
     }
     let (scales, body) = sections.pieces_of(start, grad.len(), scales, body)?;
-    let limit = crate::values::magnitude_limit(params.method.values());
-    if !all_below(&Sum(grad, residual), limit)
-        && let Some(e) = first_bad_sum_of(grad, residual, &params.method)
+    if !all_below(&Sum(grad, residual), FEEDBACK_LIMIT)
+        && let Some(e) = first_bad_sum(grad, residual)
     {
         return Err(at_tensor_index(e, start));
     }
@@ -414,18 +416,14 @@ fn topk_one_pass(
         return Ok(None);
     }
     check_encode(n, params, scratch.len(), out.len())?;
-    if !bound.proves_in_range(grad, Some(values)) {
+    if !bound.proves_sums_finite(grad) {
         return Ok(None);
     }
-    let limit = crate::values::magnitude_limit(Some(values));
     let sel = &mut scratch[..select::kept_scratch_len(n, k)];
-    let Ok(kept) = select::topk_kept_update(grad, residual, k, limit, sel) else {
+    let Ok(kept) = select::topk_kept_update(grad, residual, k, FEEDBACK_LIMIT, sel) else {
         // Only when `bound` did not hold; the residual holds the sums now.
-        let index = crate::values::first_at_or_above(residual, limit).unwrap_or(0);
-        return Err(match residual.get(index) {
-            Some(x) if x.is_finite() => Error::ValueOutOfRange { index },
-            _ => Error::NonFinite { index },
-        });
+        let index = crate::values::first_non_finite(residual).unwrap_or(0);
+        return Err(Error::NonFinite { index });
     };
     let len = topk_frame(n, &kept, values, out);
     // Every element left unsent is at most the smallest kept magnitude.
@@ -473,7 +471,7 @@ fn step(
         _ => {}
     }
     check_encode(grad.len(), params, scratch.len(), out.len())?;
-    let limit = crate::values::magnitude_limit(params.method.values());
+    let limit = FEEDBACK_LIMIT;
     if is_fused(grad.len(), &params.method) {
         // One pass over grad and residual encodes their sum and checks it; the residual
         // changes only after the frame is written.
@@ -494,62 +492,43 @@ fn step(
         subtract_sent(&out[..len], params, scratch, residual)?;
         return Ok(len);
     }
-    if let Some(e) = first_bad_sum_of(grad, residual, &params.method) {
+    if let Some(e) = first_bad_sum(grad, residual) {
         return Err(e);
     }
     add_into(residual, grad);
-    debug_assert!(check_input(residual, &params.method).is_ok());
+    debug_assert!(crate::values::first_non_finite(residual).is_none());
     let len = encode_checked(residual, params, scratch, out);
     subtract_sent(&out[..len], params, scratch, residual)?;
     Ok(len)
 }
 
-/// The first element whose `grad[i] + residual[i]` an error-feedback step with `values` (the
-/// method's value type; `None` for methods without one) cannot encode: [`Error::NonFinite`]
-/// for a NaN or infinite sum (checked first, over the whole tensor), else
-/// [`Error::ValueOutOfRange`] for a sum beyond the range of f16 or bf16. `None` when every sum
-/// is in range. One vectorised read of both slices when they are; a scalar scan names the
-/// element otherwise. A step that checks first changes nothing on a bad sum. Slices of other
-/// lengths: [`Error::LengthMismatch`] (nothing is checked).
+/// The magnitude limit of an error-feedback step's sums: finiteness only (a sum beyond the
+/// range of f16 or bf16 values saturates when it is encoded, and the residual keeps the rest).
+const FEEDBACK_LIMIT: f32 = f32::INFINITY;
+
+/// The first element whose `grad[i] + residual[i]` an error-feedback step cannot encode:
+/// [`Error::NonFinite`] for the first NaN or infinite sum (a NaN or an infinity in `grad` makes
+/// its sum non-finite too, so one walk names the first index of either kind). `None` when every
+/// sum is finite: any finite sum can be sent, a value beyond the range of f16 or bf16
+/// saturating with the excess kept in the residual (see the module's documentation). One
+/// vectorised read of both slices when they are fine; a scalar scan names the element
+/// otherwise. A step that checks first changes nothing on a bad sum. Slices of other lengths:
+/// [`Error::LengthMismatch`] (nothing is checked).
 ///
 /// # Panics
 /// Never.
-pub fn first_bad_sum(grad: &[f32], residual: &[f32], values: Option<Values>) -> Option<Error> {
+pub fn first_bad_sum(grad: &[f32], residual: &[f32]) -> Option<Error> {
     if grad.len() != residual.len() {
         return Some(Error::LengthMismatch {
             expected: grad.len(),
             got: residual.len(),
         });
     }
-    let limit = crate::values::magnitude_limit(values);
-    if all_below(&Sum(grad, residual), limit) {
+    if all_below(&Sum(grad, residual), FEEDBACK_LIMIT) {
         return None;
     }
-    if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
-        return Some(Error::NonFinite { index });
-    }
-    let v = values?;
-    let index = grad
-        .iter()
-        .zip(residual.iter())
-        .position(|(&g, &r)| !crate::values::fits(v, g + r))?;
-    Some(Error::ValueOutOfRange { index })
-}
-
-/// The error naming the first `grad[i] + residual[i]` that `method` cannot encode, in the
-/// specified order: the first NaN or infinity (a NaN or an infinity in `grad` makes its sum
-/// non-finite too, so one walk over the sums names the first index of either kind), else the
-/// first sum out of the value type's range. `None` when every sum is fine.
-fn first_bad_sum_of(grad: &[f32], residual: &[f32], method: &Method) -> Option<Error> {
-    if let Some(index) = crate::scalar::first_non_finite_sum(grad, residual) {
-        return Some(Error::NonFinite { index });
-    }
-    let v = method.values()?;
-    let index = grad
-        .iter()
-        .zip(residual.iter())
-        .position(|(&g, &r)| !crate::values::fits(v, g + r))?;
-    Some(Error::ValueOutOfRange { index })
+    let index = crate::scalar::first_non_finite_sum(grad, residual)?;
+    Some(Error::NonFinite { index })
 }
 
 /// `residual += -1 * decoded(frame)` for a frame [`encode_checked`] just wrote from `residual`

@@ -272,8 +272,8 @@ pub fn candidates(
     Ok(count)
 }
 
-/// Chunked selection, step 2 of an error-feedback step that has proved every sum in range
-/// ([`crate::ResidualBound::proves_in_range`]): [`candidates`] of `x = g + residual` that also
+/// Chunked selection, step 2 of an error-feedback step that has proved every sum finite
+/// ([`crate::ResidualBound::proves_sums_finite`]): [`candidates`] of `x = g + residual` that also
 /// stores each sum in `residual` (`residual[i] = g[i] + residual[i]`, the f32 addition, for every
 /// element), so that the chunk's `g` and residual are read once and the residual written once.
 /// The floor must be taken ([`topk_floor`]) before the first chunk changes.

@@ -29,6 +29,20 @@ pub fn fits(values: Values, x: f32) -> bool {
     }
 }
 
+/// `x` saturated to the range of `values`: a finite `x` beyond the largest finite f16 or bf16
+/// becomes that value of its sign, which it rounds to the same bits as the saturating writers
+/// ([`write_plain`], [`encode_plain`]); any other `x` (in range, NaN, f32 and int8 values) is
+/// returned as it is. For error-feedback steps that select in f32 and encode a list of kept
+/// values whose encoders refuse values out of range.
+#[inline]
+pub fn saturate(values: Values, x: f32) -> f32 {
+    match values {
+        Values::F16 => x.clamp(-f16::MAX.to_f32(), f16::MAX.to_f32()),
+        Values::Bf16 => x.clamp(-bf16::MAX.to_f32(), bf16::MAX.to_f32()),
+        _ => x,
+    }
+}
+
 /// Index of the first element of `x` that does not fit `values`.
 pub fn first_out_of_range(values: Values, x: &[f32]) -> Option<usize> {
     match values {
@@ -37,12 +51,21 @@ pub fn first_out_of_range(values: Values, x: &[f32]) -> Option<usize> {
     }
 }
 
-/// Writes `x` as an f32, f16 or bf16 (little-endian) at the start of `out`.
+/// Writes `x` as an f32, f16 or bf16 (little-endian) at the start of `out`. A finite `x`
+/// beyond the range of f16 or bf16 saturates: it is written as the type's largest finite
+/// value of its sign (an error-feedback step keeps the excess in its residual; steps without
+/// error feedback refuse such a value before they encode).
 #[inline]
 pub fn write_plain(values: Values, x: f32, out: &mut [u8]) {
     match values {
-        Values::F16 => out[..2].copy_from_slice(&f16::from_f32(x).to_bits().to_le_bytes()),
-        Values::Bf16 => out[..2].copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes()),
+        Values::F16 => {
+            let h = f16::from_f32(saturate(values, x));
+            out[..2].copy_from_slice(&h.to_bits().to_le_bytes())
+        }
+        Values::Bf16 => {
+            let h = bf16::from_f32(saturate(values, x));
+            out[..2].copy_from_slice(&h.to_bits().to_le_bytes())
+        }
         _ => out[..4].copy_from_slice(&x.to_le_bytes()),
     }
 }
@@ -175,7 +198,8 @@ pub fn first_non_finite(x: &[f32]) -> Option<usize> {
     first_at_or_above(x, f32::INFINITY)
 }
 
-/// f16 bits (round to nearest even, as `half`) of eight finite lanes with `|x| < 65520`.
+/// f16 bits (round to nearest even, as `half`) of eight finite lanes; a lane that rounds
+/// beyond f16's range (`|x| >= 65520`) saturates to 65504 of its sign, as [`write_plain`].
 #[inline]
 pub fn f16_bits_x8(x: f32x8) -> u32x8 {
     let b = x.to_bits();
@@ -187,14 +211,24 @@ pub fn f16_bits_x8(x: f32x8) -> u32x8 {
     // Subnormal f16 (|x| < 2^-14): adding 0.5 rounds to the 2^-24 grid, to nearest even.
     let sub = (f32x8::from_bits(a) + f32x8::splat(0.5)).to_bits() - u32x8::splat(0x3f00_0000);
     let is_normal = a.simd_ge(u32x8::splat(0x3880_0000));
-    is_normal.select(normal, sub) | sign
+    // 65520 (0x477ff000) and above: the largest finite f16 (0x7bff).
+    let over = a.simd_ge(u32x8::splat(0x477f_f000));
+    over.select(u32x8::splat(0x7bff), is_normal.select(normal, sub)) | sign
 }
 
-/// bf16 bits (round to nearest even, as `half`) of eight finite lanes below the bf16 limit.
+/// bf16 bits (round to nearest even, as `half`) of eight finite lanes; a lane that rounds
+/// beyond bf16's range saturates to bf16's largest finite value of its sign, as
+/// [`write_plain`].
 #[inline]
 pub fn bf16_bits_x8(x: f32x8) -> u32x8 {
     let b = x.to_bits();
-    (b + u32x8::splat(0x7fff) + ((b >> 16) & u32x8::splat(1))) >> 16
+    let rounded = (b + u32x8::splat(0x7fff) + ((b >> 16) & u32x8::splat(1))) >> 16;
+    // The first f32 that rounds to infinity (0x7f7f8000) and above: 0x7f7f, the sign kept.
+    let over = (b & u32x8::splat(0x7fff_ffff)).simd_ge(u32x8::splat(0x7f7f_8000));
+    over.select(
+        (b >> 16) & u32x8::splat(0x8000) | u32x8::splat(0x7f7f),
+        rounded,
+    )
 }
 
 /// f32 lanes of eight finite f16 bit patterns (exact).

@@ -316,7 +316,7 @@ fn zero_and_constant_tensors_quantize_exactly() {
 
 /// Row: a value beyond f16's range with f16 values is an error, not inf.
 #[test]
-fn beyond_f16_range_is_an_error() {
+fn beyond_f16_range_is_an_error_without_error_feedback_and_saturates_with_it() {
     let cases: [(f32, bool); 6] = [
         (65504.0, true),
         (65519.0, true),
@@ -363,25 +363,29 @@ fn beyond_f16_range_is_an_error() {
                 encode(&g, &p).unwrap_err(),
                 Error::ValueOutOfRange { index: first }
             );
-            // Error feedback refuses it before the residual changes.
+            // Error feedback sends a value beyond the range saturated (65504 of its sign) and
+            // keeps the excess: sent + residual == gradient, to the bit (|x| < 2^29).
             let mut r = [0.0f32; 3];
-            assert_eq!(
-                feedback(&g, &mut r, &p).unwrap_err(),
-                Error::ValueOutOfRange { index: first }
-            );
-            assert_eq!(r, [0.0; 3]);
+            let frame = feedback(&g, &mut r, &p).unwrap_or_else(|e| panic!("{v} {method:?}: {e}"));
+            let sent = decode(&frame, &p, 3).unwrap();
+            for i in 0..3 {
+                assert!(sent[i].abs() <= 65504.0, "{v} {method:?}: {sent:?}");
+                assert_eq!(
+                    (sent[i] + r[i]).to_bits(),
+                    g[i].to_bits(),
+                    "{v} {method:?} {i}"
+                );
+            }
         }
     }
-    // A residual that pushes a fitting gradient out of range is refused too.
+    // A residual that pushes a fitting gradient out of range: sent saturated, the rest kept.
     let p = Params::new(Method::Dense {
         values: Values::F16,
     });
     let mut r = [0.0f32, 60000.0];
-    assert_eq!(
-        feedback(&[1.0, 6000.0], &mut r, &p).unwrap_err(),
-        Error::ValueOutOfRange { index: 1 }
-    );
-    assert_eq!(r, [0.0, 60000.0]);
+    let frame = feedback(&[1.0, 6000.0], &mut r, &p).unwrap();
+    assert_eq!(decode(&frame, &p, 2).unwrap(), vec![1.0, 65504.0]);
+    assert_eq!(r, [0.0, 66000.0 - 65504.0]);
 }
 
 /// Row: a value below f16's smallest subnormal with f16 values encodes as 0; error feedback

@@ -336,3 +336,53 @@ fn a_restored_checkpoint_continues_bit_for_bit() {
         );
     }
 }
+
+#[test]
+fn f16_values_with_momentum_saturate_instead_of_failing() {
+    // Issue 48 class 2: DGC with f16 values, momentum 0.9, a constant gradient of 3000. The
+    // velocity tends to 30,000 and `velocity + residual` passes 65504 within a few steps;
+    // before, every step from step 6 failed. Now the value sent saturates and the residual
+    // keeps the rest: `sent + v_new == u + v_old` at every coordinate, to f32 rounding.
+    let config = DgcConfig {
+        values: gradwire::core::Values::F16,
+        ..DgcConfig::new(DgcSelection::TopK, DensitySchedule::constant(0.02))
+    };
+    let m = config.momentum;
+    let mut dgc = Dgc::new(config, 0).unwrap();
+    let grads: HashMap<String, Tensor> = specs()
+        .iter()
+        .map(|t| {
+            let n: usize = t.shape.iter().product();
+            (
+                t.name.clone(),
+                Tensor::new(t.shape.clone(), vec![3000.0; n]).unwrap(),
+            )
+        })
+        .collect();
+    let mut saturated = 0usize;
+    for s in 0..40 {
+        let before: HashMap<String, (Vec<f32>, Vec<f32>)> = specs()
+            .iter()
+            .map(|t| {
+                let n = t.shape.iter().product();
+                let u = dgc.velocity(&t.name).map_or(vec![0.0; n], <[f32]>::to_vec);
+                let v = dgc.residual(&t.name).map_or(vec![0.0; n], <[f32]>::to_vec);
+                (t.name.clone(), (u, v))
+            })
+            .collect();
+        let (_, sent) = step(&mut dgc, s, &grads);
+        for t in specs() {
+            let (u_old, v_old) = &before[&t.name];
+            let v_new = dgc.residual(&t.name).unwrap();
+            for i in 0..v_new.len() {
+                let u = m * u_old[i] + 3000.0;
+                let x = u + v_old[i];
+                let got = sent[&t.name][i];
+                assert!(got.abs() <= 65504.0, "step {s}: {got}");
+                saturated += usize::from(got == 65504.0 && x > 65520.0);
+                assert_eq!(got + v_new[i], x, "step {s} {} [{i}]", t.name);
+            }
+        }
+    }
+    assert!(saturated > 0, "no step sent a saturated value");
+}

@@ -790,3 +790,45 @@ fn two_phase_on_the_pool_equals_serial() {
         }
     }
 }
+
+#[test]
+fn sums_beyond_f16_saturate_as_the_core_step_on_every_large_path() {
+    // Issue 48 class 2 on the large tensors' own paths (selection in chunks, the one pass,
+    // random-k drawn in chunks, serial and on the pool): a gradient with 1% of its values at
+    // +-1e5 (beyond f16) sends them saturated and keeps the rest, with the frames and residuals
+    // of the core's step, step after step.
+    const N: usize = 300_001;
+    let grads = |step: u64| {
+        let mut rng = Rng(31 + step);
+        let mut v = rng.vec(N, 2.0);
+        for (i, x) in v.iter_mut().enumerate() {
+            if (i + step as usize).is_multiple_of(97) {
+                *x = if i % 2 == 0 { 1.0e5 } else { -7.0e4 };
+            }
+        }
+        HashMap::from([("w".to_owned(), Tensor::vector(v))])
+    };
+    let f16 = |method| CompressionMethod::Core(method).with_error_feedback();
+    for method in [
+        f16(Method::TopK {
+            k: K::Ratio(0.01),
+            values: Values::F16,
+        }),
+        f16(Method::Threshold {
+            threshold: 1.99,
+            values: Values::F16,
+        }),
+        f16(Method::RandomK {
+            k: K::Ratio(0.02),
+            values: Values::F16,
+            unbiased: false,
+        }),
+        f16(Method::Dense {
+            values: Values::F16,
+        }),
+    ] {
+        for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+            check_against_the_core_step(&method, parallelism, "w", 4, grads);
+        }
+    }
+}

@@ -119,14 +119,15 @@ fn a_frame_declaring_petabytes_is_out_of_memory_not_an_abort() {
 }
 
 /// Issue 24 item 7 and scope 5: a checkpoint whose residual is beyond the method's value range
-/// (1e5 under f16 values) loaded, and then every step failed for ever; now the load is refused
-/// naming the residual and index. Version 1 checkpoints (no checksum) loaded with no integrity
-/// check; now they are refused.
+/// (1e5 under f16 values) loaded, and then every step failed for ever; issue 24 refused the
+/// load. Issue 48 class 2: error feedback now sends such a value saturated (65504) and keeps
+/// the rest, so the checkpoint loads and its steps succeed. Version 1 checkpoints (no
+/// checksum) loaded with no integrity check; now they are refused.
 #[test]
-fn checkpoints_beyond_the_value_range_or_without_checksum_are_refused() {
+fn checkpoints_beyond_the_value_range_load_and_send_saturated_without_checksum_are_refused() {
     use gradwire::feedback::ErrorFeedback;
     use gradwire_core::{K, Method, Values};
-    // Built by hand: `set_residual` refuses such a residual too.
+    // Built by hand, as a step that saturated leaves it.
     let method = "topk k=count:1 values=f16";
     let values = [0.5f32, 1.0e5, 2.0];
     let mut hashed = b"w\0".to_vec();
@@ -150,15 +151,24 @@ fn checkpoints_beyond_the_value_range_or_without_checksum_are_refused() {
     values
         .iter()
         .for_each(|v| bytes.extend_from_slice(&v.to_le_bytes()));
-    let err = ErrorFeedback::from_bytes(&bytes).unwrap_err().to_string();
-    assert!(err.contains("`w`") && err.contains("index 1"), "{err}");
-    // `set_residual` refuses the residual under f16 values; under f32 values it saves and loads.
+    let mut loaded = ErrorFeedback::from_bytes(&bytes).expect("a finite residual loads");
+    let mut frame = Vec::new();
+    loaded
+        .step_with([("w", &[0.0f32; 3][..])], |_, f| frame = f.to_vec())
+        .expect("sent saturated");
     let f16_topk = Method::TopK {
         k: K::Count(1),
         values: Values::F16,
     };
+    let mut sent = [0.0f32; 3];
+    let params = gradwire_core::Params::new(f16_topk).for_tensor(gradwire_core::tensor_id("w"));
+    gradwire_core::decode_into(&frame, &params, &mut sent).expect("decodes");
+    assert_eq!(sent, [0.0, 65504.0, 0.0]);
+    assert_eq!(loaded.residual("w").unwrap(), &[0.5, 1.0e5 - 65504.0, 2.0]);
+    // `set_residual` takes it too; a NaN is refused. Under f32 values it saves and loads.
     let mut fb = ErrorFeedback::new(f16_topk, 0).expect("method");
-    assert!(fb.set_residual("w", values.to_vec()).is_err());
+    fb.set_residual("w", values.to_vec()).expect("finite");
+    assert!(fb.set_residual("w", vec![0.5, f32::NAN, 2.0]).is_err());
     let f32_topk = Method::TopK {
         k: K::Count(1),
         values: Values::F32,

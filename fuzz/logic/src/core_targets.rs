@@ -1168,13 +1168,13 @@ fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
             }
         }
         10 => {
-            // Plain value codecs: encode_plain == write_plain per element, decode_plain ==
-            // read_plain, first_bad_plain == the first non-finite read_plain.
+            // Plain value codecs: encode_plain == write_plain per element (finite values beyond
+            // f16 or bf16 saturate alike: the type's largest finite value of their sign),
+            // decode_plain == read_plain, first_bad_plain == the first non-finite read_plain.
             let v = [Values::F32, Values::F16, Values::Bf16][inp.u8() as usize % 3];
-            let lim = values::magnitude_limit(Some(v));
             let xs: Vec<f32> = x
                 .iter()
-                .map(|&a| if a.abs() < lim { a } else { 1.0 })
+                .map(|&a| if a.is_finite() { a } else { 1.0 })
                 .collect();
             let vb = v.value_bytes();
             let mut a = vec![0x5au8; n * vb + 3];
@@ -1184,6 +1184,13 @@ fn simd_more(which: u8, raw: &[f32], x: &[f32], inp: &mut Input<'_>) {
                 values::write_plain(v, e, &mut b[i * vb..]);
             }
             assert_eq!(a, b, "encode_plain {v:?}");
+            for (c, &e) in a[..n * vb].chunks_exact(vb).zip(&xs) {
+                let back = values::read_plain(v, c);
+                assert!(
+                    back.is_some(),
+                    "encode_plain {v:?} wrote {e} as a non-finite value"
+                );
+            }
             // Arbitrary bytes: the first bad value, then a decode of the valid prefix.
             let mut bytes = a[..n * vb].to_vec();
             for _ in 0..inp.u8() % 4 {

@@ -732,16 +732,17 @@ impl TwoPhase {
         let values = layout.method.values();
         let (taken, bounds) = (&self.taken, &self.worker_bounds);
         step.exec.first_err(&layout.tensors, |t, ts| {
-            // A kept bound (top-k) proves the sums in range by one read of the gradient.
+            // A kept bound (top-k) proves the sums finite by one read of the gradient (a sum
+            // beyond the value type saturates; the residual keeps the excess).
             let proven = taken.get(t).is_some()
                 && bounds
                     .get(t)
-                    .is_some_and(|b| b.proves_in_range(grads[t], values));
+                    .is_some_and(|b| b.proves_sums_finite(grads[t]));
             if proven {
                 return Ok(());
             }
             let bad = match taken.get(t) {
-                Some(r) => gradwire_core::feedback::first_bad_sum(grads[t], r, values),
+                Some(r) => gradwire_core::feedback::first_bad_sum(grads[t], r),
                 None => crate::engine::shard::first_bad(grads[t], values),
             };
             match bad {

@@ -1,6 +1,7 @@
-//! The checks of a step, before anything changes: what one error-feedback step on a tensor
-//! reads (the residual's length, NaN/Inf in the gradient and in `gradient + residual`, the
-//! value type's range), for a whole entry, in chunks on the pool when it is large.
+//! The checks of a step, before anything changes: what one step on a tensor reads (the
+//! residual's length, NaN/Inf in the gradient and in `gradient + residual`; without error
+//! feedback the value type's range: with it a value beyond the range saturates and the
+//! residual keeps the excess), for a whole entry, in chunks on the pool when it is large.
 
 use gradwire_core::{Values, values};
 
@@ -11,8 +12,9 @@ use crate::feedback::ErrorFeedback;
 use crate::layout::plan::{CHUNK, SPLIT_MIN};
 use crate::layout::{Entry, Manifest};
 
-/// Checks what one error-feedback step on `grad` would read, before anything changes: the
-/// residual's length, NaN/Inf in `grad` and in `grad + residual`, and the value type's range.
+/// Checks what one step on `grad` would read, before anything changes: the residual's length,
+/// NaN/Inf in `grad` and in `grad + residual`, and the range of `values` (pass `None` for a
+/// step with error feedback, whose encoder saturates a value beyond its type's range).
 /// Indices in errors are within the tensor, and are those the core reports.
 pub(crate) fn check_step_input(
     tensor: &str,
@@ -73,7 +75,12 @@ pub(crate) fn check_entry<G: Gradients + ?Sized>(
     feedback: Option<&ErrorFeedback>,
     exec: Exec,
 ) -> Result<()> {
-    let values = entry.method.values();
+    // With error feedback any finite sum can be sent (saturating); without, the gradient must
+    // fit the value type.
+    let values = match feedback {
+        Some(_) => None,
+        None => entry.method.values(),
+    };
     for &t in &entry.members {
         let name = &manifest.tensors()[t].name;
         let g = grads.grad(manifest, t);

@@ -103,9 +103,28 @@ pub(crate) fn encode_bucket<G: Gradients + ?Sized>(
                 *r += *x;
             }
             select_per_tensor(manifest, entry, r, k, &mut bufs.scratch, &mut bufs.kept);
+            // Any finite sum can be sent: the sums beyond the value type are saturated for the
+            // encoder (which refuses them anywhere in the bucket), then put back after the
+            // update, which left `s - s = 0` where one was sent and `s` where not: `x - (s -
+            // r)` is `x - s` there, the bits of the core's step (`x - decoded`), and `x` here.
+            // Empty, so not allocated, in every step without such a sum.
+            let limit = gradwire_core::values::magnitude_limit(Some(values));
+            let mut beyond = Vec::new();
+            if gradwire_core::values::first_at_or_above(r, limit).is_some() {
+                for (i, x) in r.iter_mut().enumerate() {
+                    let s = gradwire_core::values::saturate(values, *x);
+                    if s != *x {
+                        beyond.push((i, *x));
+                        *x = s;
+                    }
+                }
+            }
             let len = encode_selected_into(r, &bufs.kept, values, &mut bufs.scratch, frame)
                 .map_err(core)?;
             accumulate_into(&frame[..len], params, r, -1.0).map_err(core)?;
+            for (i, x) in beyond {
+                r[i] = x - (gradwire_core::values::saturate(values, x) - r[i]);
+            }
             len
         }
     };

@@ -522,7 +522,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
 
     /// Whether the large top-k tensor of `entry` can take the one-pass step: its residual (of
     /// the gradient's length; a new one is zeros) has a `bound` that, with the gradient, proves
-    /// every `g + r` in range ([`ResidualBound::proves_in_range`]).
+    /// every `g + r` finite ([`ResidualBound::proves_sums_finite`]).
     fn proves_one_pass(
         &self,
         entry: &Entry,
@@ -537,11 +537,10 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         let same_len = fb
             .residual(&self.manifest.tensors()[t].name)
             .is_none_or(|r| r.len() == g.len());
-        let values = entry.method.values();
         same_len
             && g.len() == entry.len
             && self.exec.chunks_all(g, crate::layout::plan::CHUNK, |c| {
-                bound.proves_in_range(c, values)
+                bound.proves_sums_finite(c)
             })
     }
 

@@ -25,7 +25,7 @@
 use gradwire_core::feedback::{sparse_fix_up, step_chunk};
 use gradwire_core::frame::chunk::{Sections, SparseFrame};
 use gradwire_core::select::{Kept, topk_kept, topk_kept_sum_into};
-use gradwire_core::values::{first_at_or_above, magnitude_limit};
+use gradwire_core::values::{first_at_or_above, magnitude_limit, saturate as saturate_value};
 use gradwire_core::{Method, Params, encode_kept_segmented_into, peek};
 
 use super::{Exec, Pool, grow};
@@ -233,7 +233,12 @@ pub(crate) fn encode_parts(
     // Top-k: each part's own top-k of its sums, selected on its residual in place; the parts
     // at once on the pool, each writing its kept entries at its own place, then moved up in
     // part order (the same bytes either way: a part's selection depends on the part alone).
-    let limit = magnitude_limit(Some(values));
+    // Without a residual the sums must fit the value type; with one (error feedback) any finite
+    // sum can be sent, saturating, and the residual keeps the excess.
+    let limit_of = |part: &Part<'_>| match part.residual {
+        Some(_) => magnitude_limit(None),
+        None => magnitude_limit(Some(values)),
+    };
     bufs.bounds.clear();
     bufs.bounds.resize(parts.len(), f32::INFINITY);
     // Room for each part's budget at its place in the kept entries, filled by its selection.
@@ -266,6 +271,8 @@ pub(crate) fn encode_parts(
                 let scratch = lease.get();
                 grow(scratch, need);
                 let sel = &mut scratch[..need];
+                let limit = limit_of(part);
+                let saturate = part.residual.is_some();
                 let kept = match part.residual.as_deref_mut() {
                     Some(r) => topk_kept_sum_into(part.x, r, k, limit, sel),
                     None => topk_kept(part.x, k, limit, sel),
@@ -278,6 +285,11 @@ pub(crate) fn encode_parts(
                             *to = i + at;
                         }
                         bits[..kept.bits.len()].copy_from_slice(kept.bits);
+                        if saturate {
+                            for b in &mut bits[..kept.bits.len()] {
+                                *b = saturate_value(values, f32::from_bits(*b)).to_bits();
+                            }
+                        }
                         PartKept {
                             ok: true,
                             count: kept.idx.len(),
@@ -294,9 +306,11 @@ pub(crate) fn encode_parts(
     for (part, out) in parts.iter().zip(&bufs.part_kept) {
         if !out.ok {
             // Only when the check did not run: name the element.
-            let x = part.residual.as_deref().unwrap_or(part.x);
-            let e =
-                first_bad(x, Some(values)).unwrap_or(gradwire_core::Error::NonFinite { index: 0 });
+            let (x, range) = match part.residual.as_deref() {
+                Some(r) => (r, None),
+                None => (part.x, Some(values)),
+            };
+            let e = first_bad(x, range).unwrap_or(gradwire_core::Error::NonFinite { index: 0 });
             return Err(at_part(layout, j, part, e));
         }
         bufs.kept.copy_within(from..from + out.count, to);

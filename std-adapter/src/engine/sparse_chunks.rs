@@ -10,8 +10,9 @@
 //! 1. top-k: a magnitude floor from the same stratified sample the serial selection takes;
 //!    threshold: the next float above `t`;
 //! 2. every chunk of [`CHUNK`] elements collects its candidates (`|x| >= floor`) into its own
-//!    list, checking on the way that every `x` is finite and within the value type's range:
-//!    the one full read of the tensor;
+//!    list, checking on the way that every `x` is finite (and, without error feedback, within
+//!    the value type's range; with it a sum beyond is sent saturated): the one full read of the
+//!    tensor;
 //! 3. the lists, concatenated in chunk order, hold every element at or above the floor; with at
 //!    least k of them, an exact radix select among them (1-2% of the tensor) keeps the top-k,
 //!    ties to the lower index: the same entries as the serial selection, so
@@ -25,9 +26,9 @@
 //!
 //! **One pass with a residual bound.** When the error feedback knows a bound on the residual's
 //! magnitudes ([`gradwire_core::ResidualBound`], left by the tensor's last step; zero for a new
-//! residual) and the step's check pass finds every `|g|` below the other half of the value
-//! type's range, no `g + r` can be out of range, so the residual may change while the tensor
-//! is scanned: [`SparseSplit::encode_one_pass`] stores `r = g + r` as each chunk collects its
+//! residual) and the step's check pass finds the bound and every `|g|` below 2^127, no `g + r`
+//! can overflow (a finite sum beyond the value type is sent saturated), so the residual may
+//! change while the tensor is scanned: [`SparseSplit::encode_one_pass`] stores `r = g + r` as each chunk collects its
 //! candidates ([`select::candidates_update`]), writes the frame, then fixes up the kept
 //! entries: g and r are read once after the check, as in the core's `feedback_step_bounded`,
 //! with the same frame, residual and bound.
@@ -154,6 +155,30 @@ pub(crate) struct SelectScratch {
     samples: Vec<u32>,
     /// Scratch of the core's `topk_kept` for a one-pass step whose sample missed (rare).
     fallback: Vec<u32>,
+    /// The kept values saturated to the value type, in the (rare) steps with error feedback
+    /// that send a sum beyond it ([`saturated`]).
+    saturated: Vec<u32>,
+}
+
+/// `kept` with its values saturated to the range of `params`' value type: with error feedback
+/// any finite sum can be sent, a value beyond f16 or bf16 going as the type's largest
+/// ([`values::saturate`]) and the residual, updated from the decoded frame, keeping the rest.
+/// `kept` itself when every value is in range (every step but rare ones), else its values
+/// saturated into `buf`.
+fn saturated<'k>(params: &Params, kept: Kept<'k>, buf: &'k mut Vec<u32>) -> Kept<'k> {
+    let Some(v) = params.method.values() else {
+        return kept;
+    };
+    let sat = |b: u32| values::saturate(v, f32::from_bits(b)).to_bits();
+    if kept.bits.iter().all(|&b| sat(b) == b) {
+        return kept;
+    }
+    buf.clear();
+    buf.extend(kept.bits.iter().map(|&b| sat(b)));
+    Kept {
+        idx: kept.idx,
+        bits: buf,
+    }
 }
 
 impl SparseSplit {
@@ -176,7 +201,8 @@ impl SparseSplit {
         if r.is_some_and(|r| r.len() != n) {
             return Selected::Serial;
         }
-        let limit = values::magnitude_limit(params.method.values());
+        // With error feedback (a residual) any finite sum can be sent, saturating.
+        let limit = values::magnitude_limit(params.method.values().filter(|_| r.is_none()));
         self.reserve(n, rule, exec);
         let mut sizes = SelectSizes::default();
         sizes.add(n, rule);
@@ -200,6 +226,10 @@ impl SparseSplit {
             Some(k) => select::topk_of_candidates(idx, bits, k, &mut scratch.hist),
             None => Kept { idx, bits },
         };
+        let kept = match r {
+            Some(_) => saturated(params, kept, &mut scratch.saturated),
+            None => kept,
+        };
         let Ok(len) = encode_kept_into(n, params, kept, frame) else {
             return Selected::Serial;
         };
@@ -212,7 +242,7 @@ impl SparseSplit {
     }
 
     /// Top-k (`rule`) of `x = g + r` for an error-feedback step whose residual bound proved
-    /// every sum in range (`ResidualBound::proves_in_range`, in the step's check pass): each
+    /// every sum finite (`ResidualBound::proves_sums_finite`, in the step's check pass): each
     /// chunk is read once, storing `r = g + r` as it collects its candidates
     /// ([`select::candidates_update`]); the exact top-k among them (when the sample missed,
     /// among all of `r`, which holds the sums by then) is written as the frame into `frame`,
@@ -237,7 +267,8 @@ impl SparseSplit {
         if r.len() != n {
             return None;
         }
-        let limit = values::magnitude_limit(params.method.values());
+        // Error feedback: any finite sum can be sent, saturating.
+        let limit = values::magnitude_limit(None);
         self.reserve(n, rule, exec);
         let mut sizes = SelectSizes::default();
         sizes.add(n, rule);
@@ -267,6 +298,7 @@ impl SparseSplit {
             .iter()
             .map(|&b| f32::from_bits(b & 0x7fff_ffff))
             .fold(f32::INFINITY, f32::min);
+        let kept = saturated(params, kept, &mut scratch.saturated);
         let len = encode_kept_into(n, params, kept, frame).ok()?;
         if !self.sent.decode(&frame[..len], n, params) {
             return None;
@@ -295,7 +327,8 @@ impl SparseSplit {
         let n = g.len();
         // The serial path's input check, chunk by chunk (a failing chunk: the serial check
         // names the element).
-        let values = params.method.values();
+        // With error feedback any finite sum can be sent (saturating).
+        let values = params.method.values().filter(|_| r.is_none());
         let check = |a: usize, e: usize| {
             check_step_input("", &g[a..e], r.map(|r| &r[a..e]), values).is_ok()
         };
@@ -310,6 +343,10 @@ impl SparseSplit {
             *b = r.map_or(g[i], |r| g[i] + r[i]).to_bits();
         }
         let kept = Kept { idx, bits };
+        let kept = match r {
+            Some(_) => saturated(params, kept, &mut scratch.saturated),
+            None => kept,
+        };
         let Ok(len) = encode_kept_into(n, params, kept, frame) else {
             // Unbiased values whose n/k multiple overflows: the serial encoder names one.
             return Selected::Serial;

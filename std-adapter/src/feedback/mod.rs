@@ -23,11 +23,11 @@
 //!   added to the wrong coordinates. [`ErrorFeedback::step_with`] gives no shapes: it checks
 //!   element counts only, and a residual it creates has no shape until a shaped step gives one;
 //! - a step is all or nothing: every tensor is checked (lengths, NaN/Inf in the gradient and in
-//!   `gradient + residual`, the value type's range) before any residual changes, so a NaN in one
-//!   tensor leaves every residual, and the step counter, unchanged. Each residual keeps the
-//!   bound its last step left ([`gradwire_core::ResidualBound`]), so that for top-k a gradient
-//!   below half the value type's range is checked alone (one read), where the sums would be
-//!   read; a residual set, restored or loaded starts with an unknown bound or its measured one;
+//!   `gradient + residual`) before any residual changes, so a NaN in one tensor leaves every
+//!   residual, and the step counter, unchanged. A finite sum beyond the value type (f16, bf16)
+//!   is sent saturated, its excess kept in the residual. Each residual keeps the bound its last
+//!   step left ([`gradwire_core::ResidualBound`]), so that for top-k a gradient below 2^127 is
+//!   checked alone (one read), where the sums would be read; a residual set, restored or loaded starts with an unknown bound or its measured one;
 //! - [`ErrorFeedback::to_bytes`] writes a safetensors file holding every residual (f32, exact
 //!   bits, in its tensor's shape) and, in its `__metadata__`, the step, the seed and the method;
 //!   a run restored with [`ErrorFeedback::from_bytes`] continues bit-identically to one that was never
@@ -218,24 +218,16 @@ impl ErrorFeedback {
     ///
     /// # Errors
     /// [`Error::Core`] with [`gradwire_core::Error::NonFinite`] when a value is NaN or
-    /// infinite, with [`gradwire_core::Error::ValueOutOfRange`] when one is beyond the range of
-    /// the method's value type (f16 values: beyond 65504 after rounding; a step would refuse
-    /// to send it, and no step leaves one); nothing changes then.
+    /// infinite; nothing changes then. Any finite value is accepted, also one beyond the range
+    /// of the method's value type: a step sends such a coordinate saturated and keeps the rest
+    /// (as a step leaves it); a state that makes `gradient + residual` overflow f32 fails that
+    /// step, as any non-finite sum does.
     pub fn set_residual(&mut self, name: &str, residual: Vec<f32>) -> Result<()> {
         if let Some(index) = scalar::first_non_finite(&residual) {
             return Err(Error::core(
                 name,
                 None,
                 gradwire_core::Error::NonFinite { index },
-            ));
-        }
-        if let Some(values) = self.method.values()
-            && let Some(index) = gradwire_core::values::first_out_of_range(values, &residual)
-        {
-            return Err(Error::core(
-                name,
-                None,
-                gradwire_core::Error::ValueOutOfRange { index },
             ));
         }
         self.bounds
