@@ -202,7 +202,10 @@ pub fn first_non_finite(x: &[f32]) -> Option<usize> {
 /// beyond f16's range (`|x| >= 65520`) saturates to 65504 of its sign, as [`write_plain`].
 #[inline]
 pub fn f16_bits_x8(x: f32x8) -> u32x8 {
-    let b = x.to_bits();
+    // Clamped to 65504 first (two instructions; a finite lane only, NaN is the caller's to
+    // refuse): 65504 rounds to 0x7bff, and every lane in (65504, 65520) rounds to it too.
+    let top = f32x8::splat(65504.0);
+    let b = x.fast_max(-top).fast_min(top).to_bits();
     let sign = (b >> 16) & u32x8::splat(0x8000);
     let a = b & u32x8::splat(0x7fff_ffff);
     // Normal f16: rebias the exponent, round the mantissa from 23 to 10 bits to nearest even.
@@ -211,9 +214,7 @@ pub fn f16_bits_x8(x: f32x8) -> u32x8 {
     // Subnormal f16 (|x| < 2^-14): adding 0.5 rounds to the 2^-24 grid, to nearest even.
     let sub = (f32x8::from_bits(a) + f32x8::splat(0.5)).to_bits() - u32x8::splat(0x3f00_0000);
     let is_normal = a.simd_ge(u32x8::splat(0x3880_0000));
-    // 65520 (0x477ff000) and above: the largest finite f16 (0x7bff).
-    let over = a.simd_ge(u32x8::splat(0x477f_f000));
-    over.select(u32x8::splat(0x7bff), is_normal.select(normal, sub)) | sign
+    is_normal.select(normal, sub) | sign
 }
 
 /// bf16 bits (round to nearest even, as `half`) of eight finite lanes; a lane that rounds
@@ -221,14 +222,11 @@ pub fn f16_bits_x8(x: f32x8) -> u32x8 {
 /// [`write_plain`].
 #[inline]
 pub fn bf16_bits_x8(x: f32x8) -> u32x8 {
-    let b = x.to_bits();
-    let rounded = (b + u32x8::splat(0x7fff) + ((b >> 16) & u32x8::splat(1))) >> 16;
-    // The first f32 that rounds to infinity (0x7f7f8000) and above: 0x7f7f, the sign kept.
-    let over = (b & u32x8::splat(0x7fff_ffff)).simd_ge(u32x8::splat(0x7f7f_8000));
-    over.select(
-        (b >> 16) & u32x8::splat(0x8000) | u32x8::splat(0x7f7f),
-        rounded,
-    )
+    // Clamped to bf16's largest finite value first (a finite lane only; NaN is the caller's to
+    // refuse): it rounds to 0x7f7f, and so does every lane below 0x7f7f8000 above it.
+    let top = f32x8::from_bits(u32x8::splat(0x7f7f_0000));
+    let b = x.fast_max(-top).fast_min(top).to_bits();
+    (b + u32x8::splat(0x7fff) + ((b >> 16) & u32x8::splat(1))) >> 16
 }
 
 /// f32 lanes of eight finite f16 bit patterns (exact).

@@ -359,6 +359,49 @@ fn in_range(v: Values, x: f32) -> f32 {
 }
 
 #[test]
+fn finite_values_beyond_f16_and_bf16_saturate_alike_on_every_path() {
+    // Error feedback sends a sum beyond the value type as its largest finite value: the SIMD
+    // cast, the scalar writer and `saturate` then `half` agree at and around each boundary.
+    let edges = |top: f32, first_inf: f32| {
+        let below = f32::from_bits(first_inf.to_bits() - 1);
+        let mid = top + (first_inf - top) * 0.5;
+        let mut v = vec![top, mid, below, first_inf, 1.0e10, 3.0e38, f32::MAX, 1.0];
+        v.extend(v.clone().iter().map(|x| -x));
+        v
+    };
+    for (v, top, first_inf) in [
+        (Values::F16, 65504.0f32, 65520.0f32),
+        (
+            Values::Bf16,
+            f32::from_bits(0x7f7f_0000),
+            f32::from_bits(0x7f7f_8000),
+        ),
+    ] {
+        let x = edges(top, first_inf);
+        let mut got = vec![0u8; 2 * x.len()];
+        values::encode_plain(v, &x, &mut got);
+        for (j, &a) in x.iter().enumerate() {
+            let mut one = [0u8; 2];
+            values::write_plain(v, a, &mut one);
+            assert_eq!(got[2 * j..2 * j + 2], one, "{v:?} {a}");
+            let back = values::read_plain(v, &one).expect("finite");
+            let want = if a.abs() >= first_inf {
+                top.copysign(a)
+            } else {
+                values::read_plain(v, &{
+                    let mut w = [0u8; 2];
+                    values::write_plain(v, values::saturate(v, a), &mut w);
+                    w
+                })
+                .unwrap()
+            };
+            assert_eq!(back, want, "{v:?} {a}");
+            assert!(back.abs() <= top, "{v:?} {a}");
+        }
+    }
+}
+
+#[test]
 fn f16_and_bf16_casts_match_half() {
     fn prop(inp: Input) -> TestResult {
         for v in [Values::F16, Values::Bf16, Values::F32] {

@@ -166,8 +166,9 @@ pub(crate) struct SelectScratch {
 /// `kept` itself when every value is in range (every step but rare ones), else its values
 /// saturated into `buf`.
 fn saturated<'k>(params: &Params, kept: Kept<'k>, buf: &'k mut Vec<u32>) -> Kept<'k> {
-    let Some(v) = params.method.values() else {
-        return kept;
+    let v = match params.method.values() {
+        Some(v @ (gradwire_core::Values::F16 | gradwire_core::Values::Bf16)) => v,
+        _ => return kept,
     };
     let sat = |b: u32| values::saturate(v, f32::from_bits(b)).to_bits();
     if kept.bits.iter().all(|&b| sat(b) == b) {
