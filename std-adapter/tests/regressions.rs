@@ -301,3 +301,123 @@ fn a_cut_shard_fails_the_rank_order_sum_on_every_rank() {
         assert!(unchanged);
     }
 }
+
+/// Issue 48 class 1: the collective changed the outcome. `dense values=f16` (no error
+/// feedback), a sum over W = 4 ranks, element 40,000 of a 65,536-element tensor 30,000 on
+/// every rank: the all-gather returned 120,000 (it sums in f32), while the two-phase collective
+/// and `Auto` failed on every rank, every step, blaming the owner (it re-encoded its reduced
+/// shard in f16). Now the owner sends such a shard escaped, with f32 values: every collective
+/// gives the same success and, without error feedback, the same values (the escaped shard is
+/// exact). The same for top-k with f16 values, and with error feedback (W = 3, a sum: the
+/// owner's server residual is kept, and the shard still goes escaped, not saturated); with a
+/// mean and error feedback (top-k of 3, three large means a step reaching one owner, which
+/// sends one) every collective succeeds alike.
+#[test]
+fn every_collective_returns_a_reduced_value_beyond_f16() {
+    use gradwire::comm::{Communicator as _, LocalGroup};
+    use gradwire::core::{K, Method, Values};
+    use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Reduction, Tensor};
+    use std::collections::HashMap;
+    let dense = Method::Dense {
+        values: Values::F16,
+    };
+    let topk = Method::TopK {
+        k: K::Ratio(0.01),
+        values: Values::F16,
+    };
+    let top3 = Method::TopK {
+        k: K::Count(3),
+        values: Values::F16,
+    };
+    const STEPS: usize = 6;
+    let cases = [
+        (CompressionMethod::Core(dense), 4usize, Reduction::Sum),
+        (CompressionMethod::Core(topk), 4, Reduction::Sum),
+        (
+            CompressionMethod::Core(dense).with_error_feedback(),
+            3,
+            Reduction::Sum,
+        ),
+        (
+            CompressionMethod::Core(topk).with_error_feedback(),
+            3,
+            Reduction::Sum,
+        ),
+        (
+            CompressionMethod::Core(top3).with_error_feedback(),
+            3,
+            Reduction::Mean,
+        ),
+    ];
+    for (method, w, reduction) in cases {
+        let ef = matches!(method, CompressionMethod::ErrorFeedback { .. });
+        let mut per_collective = Vec::new();
+        for collective in [
+            Collective::AllGather,
+            Collective::TwoPhase,
+            Collective::Auto,
+        ] {
+            let each = method.clone();
+            let outs = run_ranks(LocalGroup::new(w).into_communicators(), move |mut comm| {
+                let mut ar = CompressedAllReduce::new(each.clone(), w)
+                    .with_collective(collective)
+                    .with_reduction(reduction);
+                let mut g = vec![0.001f32; 65_536];
+                g[40_000] = 30_000.0;
+                if reduction == Reduction::Mean {
+                    // Each rank's own large value in the first owner's part, where top-k of 3
+                    // keeps one a step: the owner receives three means of 20,000 a step and
+                    // sends one, its server residual holding the rest.
+                    g[comm.rank()] = 60_000.0;
+                }
+                let grads = HashMap::from([("w".to_owned(), Tensor::vector(g))]);
+                let mut out = HashMap::new();
+                let mut steps = Vec::new();
+                for step in 0..STEPS {
+                    ar.all_reduce_on(&mut comm, &grads, &mut out)
+                        .unwrap_or_else(|e| panic!("{collective:?} W={w} step {step}: {e}"));
+                    steps.push(out["w"].data().to_vec());
+                }
+                steps
+            });
+            for o in &outs[1..] {
+                assert!(o == &outs[0], "{method:?} {collective:?}: ranks differ");
+            }
+            per_collective.push(outs.into_iter().next().unwrap());
+        }
+        assert!(
+            per_collective
+                .iter()
+                .flatten()
+                .flatten()
+                .all(|x| x.is_finite())
+        );
+        if !ef {
+            // Without error feedback: the same values, escaped shards exact.
+            let (all_gather, others) = per_collective.split_first().unwrap();
+            for (step, want) in all_gather.iter().enumerate() {
+                assert_eq!(want[40_000], 30_000.0 * w as f32);
+                for other in others {
+                    assert_eq!(other[step][40_000], want[40_000]);
+                    // Dense: every value within f16 rounding (top-k's owners select again).
+                    if matches!(method, CompressionMethod::Core(Method::Dense { .. })) {
+                        for (a, b) in other[step].iter().zip(want) {
+                            assert!((a - b).abs() <= b.abs() / 1024.0, "{method:?} {a} {b}");
+                        }
+                    }
+                }
+            }
+        }
+        // With a sum the two-phase collective sent a value beyond f16: only an escaped shard
+        // holds one. (With a mean each value sent is at most 65504, and the owner's server
+        // residual stays below the range here: the top-k of 3 sends one of three means of
+        // 20,000 a step, so none waits more than three steps.)
+        let two_phase_max = per_collective[1]
+            .iter()
+            .flatten()
+            .fold(0.0f32, |m, x| m.max(x.abs()));
+        if reduction == Reduction::Sum {
+            assert!(two_phase_max > 65_504.0, "{method:?}: {two_phase_max}");
+        }
+    }
+}

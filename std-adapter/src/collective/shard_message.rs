@@ -21,15 +21,26 @@ use crate::layout::shards::ShardLayout;
 
 /// The first four bytes.
 const MAGIC: [u8; 4] = *b"GWSH";
-/// The version.
-const VERSION: u8 = 2;
+/// The version (3: an owner's reduced shard may travel escaped, FORMAT.md 15).
+const VERSION: u8 = 3;
 /// Bytes of the header.
 pub(crate) const HEADER_LEN: usize = 28;
 
 /// Bytes of the shard message for owner `j` of `layout` at most (header, then the frame's
-/// length and the frame when the shard is not empty; no envelope).
+/// length and the frame when the shard is not empty; no envelope), without the escape: what
+/// a step sends unless an owner's reduced values leave the value type.
 pub(crate) fn max_len(layout: &ShardLayout, j: usize) -> usize {
-    match layout.max_frame_len(j) {
+    with_frame(layout.max_frame_len(j))
+}
+
+/// As [`max_len`], counting an owner's escaped frame too (FORMAT.md 15): the limit a receiver
+/// enforces.
+pub(crate) fn limit_len(layout: &ShardLayout, j: usize) -> usize {
+    with_frame(layout.max_frame_len(j).max(layout.max_escaped_frame_len(j)))
+}
+
+fn with_frame(frame: usize) -> usize {
+    match frame {
         0 => HEADER_LEN,
         frame => HEADER_LEN + 4 + frame,
     }

@@ -127,7 +127,7 @@ impl TwoPhase {
         let of = |l: &ShardLayout| {
             ENVELOPE_LEN
                 + (0..world)
-                    .map(|j| shard_message::max_len(l, j))
+                    .map(|j| shard_message::limit_len(l, j))
                     .max()
                     .unwrap_or(0)
                     .max(MAX_REASON_LEN + 5)
@@ -617,7 +617,7 @@ impl TwoPhase {
             let frame = frames.next_frame()?;
             let params = owner_params(layout.methods[owner], step, layout.owner_ids[owner]);
             let mut targets = targets_of(layout, owner, &mut outs);
-            let decoded = apply_frame(
+            let mut decoded = apply_frame(
                 layout,
                 owner,
                 frame,
@@ -627,6 +627,31 @@ impl TwoPhase {
                 &mut self.bufs,
                 step.exec,
             );
+            // An owner whose reduced values left f16 or bf16 sent its shard escaped, with f32
+            // values (FORMAT.md 15): the method's frame is refused at its header, before a
+            // value is written, and the escaped one is tried. Another fault is named as the
+            // method's frame found it.
+            if decoded.is_err()
+                && let Some(escape) = crate::layout::shards::escaped(&params.method)
+            {
+                let escaped = Params {
+                    method: escape,
+                    ..params
+                };
+                let again = apply_frame(
+                    layout,
+                    owner,
+                    frame,
+                    &escaped,
+                    &mut targets,
+                    Apply::Write,
+                    &mut self.bufs,
+                    step.exec,
+                );
+                if again.is_ok() {
+                    decoded = again;
+                }
+            }
             decoded.map_err(|e| Error::Collective {
                 rank: owner,
                 reason: format!("its reduced shard: {e}"),
@@ -934,7 +959,7 @@ impl TwoPhase {
             step.exec.copy(&self.server, &mut self.server_undo);
         }
         // Laid out over last step's bytes, overwritten: no write pass of zeros.
-        let at = shard_message::lay_out(
+        let mut at = shard_message::lay_out(
             &mut self.phase2,
             ENVELOPE_LEN,
             Phase::Reduced,
@@ -1030,17 +1055,64 @@ impl TwoPhase {
             // No check before the encode: the encoders check every sum on their way (a chunk
             // before it changes), and a failed step restores the server residual from its copy.
             // Only a failure names its cause: reduced values beyond f32 are the group's
-            // overflow; a sum with the server residual out of range is this owner's error.
-            let msg = &mut self.phase2;
-            let written = encode_parts(
+            // overflow. Owners never clamp what the ranks summed (FORMAT.md 15): a reduced
+            // value beyond f16 or bf16 sends the shard escaped, with f32 values. Without a
+            // server residual the encoder finds it (nothing has changed then: the shard is
+            // encoded again, escaped); with one, an error-feedback encode would saturate it,
+            // so the sums are looked at first (f16 and bf16 methods only).
+            let escape = crate::layout::shards::escaped(&params.method);
+            let mut params = params;
+            if let (Some(escape), Some(values)) = (escape, params.method.values())
+                && server_feedback
+                && parts
+                    .iter()
+                    .any(|p| crate::engine::shard::beyond(values, p.x, p.residual.as_deref()))
+            {
+                params.method = escape;
+                at = shard_message::lay_out(
+                    &mut self.phase2,
+                    ENVELOPE_LEN,
+                    Phase::Reduced,
+                    step.step,
+                    me,
+                    layout.frames_of(me),
+                    layout.max_escaped_frame_len(me),
+                );
+            }
+            let mut written = encode_parts(
                 layout,
                 me,
                 &mut parts,
                 &params,
                 &mut self.bufs,
-                &mut msg[at..],
+                &mut self.phase2[at..],
                 step.exec,
             );
+            if let (Some(escape), false, Err(Error::Core { source, .. })) =
+                (escape, server_feedback, &written)
+                && matches!(source, gradwire_core::Error::ValueOutOfRange { .. })
+            {
+                params.method = escape;
+                at = shard_message::lay_out(
+                    &mut self.phase2,
+                    ENVELOPE_LEN,
+                    Phase::Reduced,
+                    step.step,
+                    me,
+                    layout.frames_of(me),
+                    layout.max_escaped_frame_len(me),
+                );
+                written = encode_parts(
+                    layout,
+                    me,
+                    &mut parts,
+                    &params,
+                    &mut self.bufs,
+                    &mut self.phase2[at..],
+                    step.exec,
+                );
+            }
+            let msg = &mut self.phase2;
             let written = match written {
                 Ok(w) => w,
                 Err(e) => {

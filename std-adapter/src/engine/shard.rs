@@ -165,6 +165,12 @@ fn at_tensor(layout: &ShardLayout, j: usize, t: usize, e: gradwire_core::Error) 
     Error::core(&ts.name, None, e)
 }
 
+/// Whether some `x[i] + r[i]` (`x[i]` without `r`) is NaN, infinite or beyond the range of
+/// `values`: an owner's reduced shard that travels escaped (FORMAT.md 15).
+pub(crate) fn beyond(values: gradwire_core::Values, x: &[f32], r: Option<&[f32]>) -> bool {
+    super::check::check_step_input("", x, r, Some(values)).is_err()
+}
+
 /// [`gradwire_core::feedback::first_bad_sum`] of `x` alone.
 pub(crate) fn first_bad(
     x: &[f32],

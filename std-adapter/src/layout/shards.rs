@@ -71,6 +71,9 @@ pub(crate) struct ShardLayout {
     pub(crate) max_frame: usize,
     /// The largest frame of each owner's shard, in bytes.
     pub(crate) frame_bounds: Vec<usize>,
+    /// The largest escaped frame of each owner's reduced shard ([`escaped`]: f32 values), in
+    /// bytes; 0 where the method has no escape.
+    pub(crate) escape_bounds: Vec<usize>,
     pub(crate) max_scratch: usize,
     pub(crate) max_select: usize,
     /// The manifest's layout id (the cache key, with the world size).
@@ -225,10 +228,17 @@ impl ShardLayout {
             .collect();
         let (mut max_frame, mut max_scratch) = (0, 0);
         let mut frame_bounds = Vec::with_capacity(world);
+        let mut escape_bounds = Vec::with_capacity(world);
         for j in 0..world {
             let (frame, scratch) = frame_and_scratch(shard_lens[j], &methods[j], &tensors, j);
             frame_bounds.push(frame);
             max_frame = max_frame.max(frame);
+            max_scratch = max_scratch.max(scratch);
+            let (escape, scratch) = escaped(&methods[j]).map_or((0, 0), |m| {
+                frame_and_scratch(shard_lens[j], &m, &tensors, j)
+            });
+            escape_bounds.push(escape);
+            max_frame = max_frame.max(escape);
             max_scratch = max_scratch.max(scratch);
         }
         let salt = manifest.layout_id();
@@ -246,6 +256,7 @@ impl ShardLayout {
             methods,
             max_frame,
             frame_bounds,
+            escape_bounds,
             max_scratch,
             max_select,
             layout_id: salt,
@@ -264,6 +275,16 @@ impl ShardLayout {
     pub(crate) fn max_frame_len(&self, j: usize) -> usize {
         if self.shard_lens[j] > 0 {
             self.frame_bounds[j]
+        } else {
+            0
+        }
+    }
+
+    /// The largest escaped frame of owner `j`'s reduced shard ([`escaped`]), in bytes: 0 for an
+    /// empty shard or a method without an escape.
+    pub(crate) fn max_escaped_frame_len(&self, j: usize) -> usize {
+        if self.shard_lens[j] > 0 {
+            self.escape_bounds[j]
         } else {
             0
         }
@@ -299,6 +320,28 @@ pub(crate) fn runs(
         at += len;
     }
     (first_owner, begins, lens)
+}
+
+/// The escape of an owner's frame (FORMAT.md 15): a dense or top-k method with f16 or bf16
+/// values sends a reduced shard holding a value beyond its value type with f32 values instead
+/// (the same method otherwise), so that the owner never clamps what the ranks summed. `None`
+/// for every other method (f32 and int8 values, quantization, sign: nothing to escape).
+pub(crate) fn escaped(method: &Method) -> Option<Method> {
+    match *method {
+        Method::Dense {
+            values: Values::F16 | Values::Bf16,
+        } => Some(Method::Dense {
+            values: Values::F32,
+        }),
+        Method::TopK {
+            k,
+            values: Values::F16 | Values::Bf16,
+        } => Some(Method::TopK {
+            k,
+            values: Values::F32,
+        }),
+        _ => None,
+    }
 }
 
 /// The largest frame and the scratch words of owner `j`'s shard of `n` elements with
