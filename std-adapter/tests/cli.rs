@@ -1768,3 +1768,67 @@ fn sparse_round_trip(name: &str, n: u64) {
     assert_eq!(element_at(&d, n - 2), 0.0);
     fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 48 class 5: a file that begins like a container was read whole before it was
+/// refused (a 3 GiB sparse file cost 3 GiB of memory, whatever `--max-elements` said). Now its
+/// header is read first: a manifest section beyond `--max-elements`, or a file longer than its
+/// model's largest bundle, is refused naming the bound, before the rest is read. The children
+/// run under a 1 GiB address-space limit, so that reading such a file whole cannot pass.
+#[test]
+fn a_huge_file_that_begins_like_a_container_is_refused_by_its_header() {
+    let dir = scratch("huge-container");
+    let g = grads_path();
+    let small = dir.join("small.gw");
+    ok(&["compress", s(&g), "-o", s(&small), "--ratio", "0.01"]);
+    let limited = |args: &[&str]| {
+        let line = args
+            .iter()
+            .map(|a| format!("'{a}'"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("ulimit -v 1048576 && exec '{BIN}' {line}"))
+            .output()
+            .expect("run gradwire under sh")
+    };
+    let refused = |args: &[&str], want: &str| {
+        let out = limited(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(want), "{args:?}: {err}");
+    };
+    // The container, then 3 GiB of holes.
+    let huge = dir.join("huge.gw");
+    fs::copy(&small, &huge).unwrap();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&huge)
+        .unwrap()
+        .set_len(3 << 30)
+        .unwrap();
+    let out = dir.join("out.safetensors");
+    for args in [
+        vec!["inspect", s(&huge)],
+        vec!["decompress", s(&huge), "-o", s(&out)],
+    ] {
+        refused(&args, "more than its model's largest bundle allows");
+    }
+    assert!(!out.exists());
+    // A manifest section that claims 4 GiB: beyond what `--max-elements` allows.
+    let mut bytes = fs::read(&small).unwrap();
+    bytes[8..12].copy_from_slice(&0xffff_fff0u32.to_le_bytes());
+    let claims = dir.join("claims.gw");
+    fs::write(&claims, &bytes).unwrap();
+    refused(
+        &["inspect", s(&claims), "--max-elements", "100000"],
+        "describes a model of more than 100000 elements",
+    );
+    // The small container itself still reads, under the same limit.
+    let report = limited(&["inspect", s(&small)]);
+    assert!(
+        report.status.success(),
+        "{}",
+        String::from_utf8_lossy(&report.stderr)
+    );
+}

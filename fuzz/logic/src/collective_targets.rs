@@ -178,12 +178,15 @@ pub fn two_phase(data: &[u8]) {
     let repair = flags & 8 != 0;
     let mirror = flags & 16 != 0;
     let disagree = flags & 32 != 0;
+    // Values up to 40,000: with f16 values a mirrored sum leaves the type, and the owner sends
+    // its shard escaped (FORMAT.md 15).
+    let scale = if flags & 64 != 0 { 8000.0 } else { 1.0 };
     let sizes = [inp.range(1, 3000) as usize, inp.range(1, 1500) as usize];
     let seed = u64::from(inp.u8());
     let mut grads = HashMap::new();
     for (t, &n) in sizes.iter().enumerate() {
         let data: Vec<f32> = (0..n)
-            .map(|i| (((i * 7919 + t * 104_729) % 1000) as f32 - 500.0) / 100.0)
+            .map(|i| scale * (((i * 7919 + t * 104_729) % 1000) as f32 - 500.0) / 100.0)
             .collect();
         grads.insert(format!("t{t}"), Tensor::new(vec![n], data).expect("shape"));
     }

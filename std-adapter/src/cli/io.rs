@@ -26,23 +26,81 @@ fn open_input(path: &Path) -> Result<(File, u64), CliError> {
     }
 }
 
-/// Reads a whole regular file (its length known first, the buffer reserved once), naming it
-/// in the error.
-pub fn read(path: &Path) -> Result<Vec<u8>, CliError> {
+/// The bytes of a manifest section (container, FORMAT.md 11) beyond its model's element
+/// charge at most: a method text of up to 65,535 bytes and the fixed fields. Every tensor's
+/// entry takes fewer bytes than the elements it is charged
+/// ([`crate::container::charged_elements`]: 256 a tensor, 4 a name byte, 16 a dimension).
+const SECTION_SLACK: u64 = 2 + 65_535 + 8 + 4;
+
+/// Reads a whole regular file (its length known first, the buffer reserved once), naming it in
+/// the error; a gradwire container is looked at by its header first: its manifest section must fit `max_elements` (the model's charge,
+/// as the container reader counts it), is read and checked, and the file may be no longer
+/// than the largest bundle of that model; only then is the rest read. A file that begins like
+/// a container, however long (a sparse file of gigabytes), costs at most what a model within
+/// `max_elements` may.
+pub fn read_bounded(path: &Path, max_elements: u64) -> Result<Vec<u8>, CliError> {
     let (mut file, len) = open_input(path)?;
+    let too_large = || {
+        CliError::new(format!(
+            "cannot read {}: {len} bytes do not fit in memory",
+            path.display()
+        ))
+    };
     let mut bytes = Vec::new();
-    usize::try_from(len)
-        .ok()
-        .and_then(|n| bytes.try_reserve_exact(n).ok())
-        .ok_or_else(|| {
-            CliError::new(format!(
-                "cannot read {}: {len} bytes do not fit in memory",
-                path.display()
-            ))
-        })?;
-    file.read_to_end(&mut bytes)
+    let prefix = len.min(12) as usize;
+    bytes.resize(prefix, 0);
+    file.read_exact(&mut bytes)
         .map_err(|e| CliError::io("cannot read", path, &e))?;
+    if prefix == 12 && crate::container::is_container(&bytes) {
+        let m = u64::from(u32::from_le_bytes([
+            bytes[8], bytes[9], bytes[10], bytes[11],
+        ]));
+        if m > max_elements.saturating_add(SECTION_SLACK) {
+            return Err(CliError::new(format!(
+                "{}: invalid container: a manifest section of {m} bytes describes a model of \
+                 more than {max_elements} elements (see --max-elements)",
+                path.display()
+            )));
+        }
+        // The section and its CRC, or what the file has of them (a short file is the
+        // header reader's to name).
+        let head = (12 + m + 4).min(len);
+        read_more(&mut file, &mut bytes, head, path).ok_or_else(too_large)??;
+        let header = crate::container::ContainerHeader::read_for(&bytes, None, max_elements)
+            .map_err(|e| CliError::from(e).in_file(path))?;
+        let manifest = header
+            .manifest()
+            .map_err(|e| CliError::from(e).in_file(path))?;
+        let bound = (header.bundle_offset as u64).saturating_add(manifest.max_bundle_len() as u64);
+        if len > bound {
+            return Err(CliError::new(format!(
+                "{}: invalid container: {len} bytes, more than its model's largest bundle \
+                 allows ({bound} bytes)",
+                path.display()
+            )));
+        }
+    }
+    read_more(&mut file, &mut bytes, len, path).ok_or_else(too_large)??;
     Ok(bytes)
+}
+
+/// Reads from `file` until `bytes` holds `total` bytes (reserved once). `None` when they do
+/// not fit in memory.
+fn read_more(
+    file: &mut File,
+    bytes: &mut Vec<u8>,
+    total: u64,
+    path: &Path,
+) -> Option<Result<(), CliError>> {
+    let total = usize::try_from(total).ok()?;
+    let more = total.saturating_sub(bytes.len());
+    bytes.try_reserve_exact(more).ok()?;
+    let at = bytes.len();
+    bytes.resize(total, 0);
+    Some(
+        file.read_exact(&mut bytes[at..])
+            .map_err(|e| CliError::io("cannot read", path, &e)),
+    )
 }
 
 /// A model's tensors: `(name, tensor)` sorted by name.

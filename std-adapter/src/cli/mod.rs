@@ -950,22 +950,22 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
         .filter(|(_, p)| p.exists())
         .collect();
     check_output(&a.output, &inputs)?;
-    let bytes = io::read(&a.input)?;
+    // With the receiver's model, a container must describe exactly that model (checked before
+    // anything is allocated), so the model bounds the output; without one, the container's
+    // own declaration is capped. Either way the bound counts the metadata too, and is checked
+    // on the container's header before the rest of the file is read.
+    let specs = a.shapes.as_deref().map(specs_from).transpose()?;
+    let max = match &specs {
+        Some(specs) => container::model_charge(specs).max(a.max_elements),
+        None => a.max_elements,
+    };
+    let bytes = io::read_bounded(&a.input, max)?;
     let layout = layout_of(&a.input, &bytes, a.layout)?;
     if layout == Layout::Gradwire && a.mode.is_some() {
         return Err(CliError::usage("--mode applies to the reference layout"));
     }
     match layout {
         Layout::Gradwire => {
-            let specs = a.shapes.as_deref().map(specs_from).transpose()?;
-            // With the receiver's model, the container must describe exactly that model
-            // (checked before anything is allocated), so the model bounds the output; without
-            // one, the container's own declaration is capped. Either way the bound counts the
-            // metadata too, and is checked before anything is allocated from the manifest.
-            let max = match &specs {
-                Some(specs) => container::model_charge(specs).max(a.max_elements),
-                None => a.max_elements,
-            };
             let in_input = |e: crate::Error| CliError::from(e).in_file(&a.input);
             let header = container::ContainerHeader::read_for(&bytes, specs.as_deref(), max)
                 .map_err(in_input)?;
@@ -994,7 +994,10 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
                      --shapes MODEL.safetensors",
                 ));
             };
-            let specs = specs_from(shapes)?;
+            let specs = match specs {
+                Some(specs) => specs,
+                None => specs_from(shapes)?,
+            };
             let mode = match &a.mode {
                 Some(m) => m.parse::<Mode>()?,
                 None => {
@@ -1021,7 +1024,7 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
 }
 
 fn inspect(a: &InspectArgs) -> Result<(), CliError> {
-    let bytes = io::read(&a.input)?;
+    let bytes = io::read_bounded(&a.input, a.max_elements)?;
     let layout = layout_of(&a.input, &bytes, a.layout)?;
     let rep = match layout {
         Layout::Gradwire => {
