@@ -44,8 +44,9 @@ use wide::f32x8;
 /// # Errors
 /// [`Error::LengthMismatch`] when the lengths differ; [`Error::InvalidParams`] for unbiased
 /// random-k or unscaled sign (their residual would grow without bound); [`Error::NonFinite`]
-/// naming the first index where the gradient or `gradient + residual` is NaN or infinite;
-/// every error of [`crate::encode_into`].
+/// naming the first index where the gradient or `gradient + residual` is NaN or infinite (a
+/// finite sum beyond f16 or bf16 values is sent saturated, see the module's documentation);
+/// every error of [`crate::encode_into`] but [`Error::ValueOutOfRange`].
 ///
 /// # Panics
 /// Never.

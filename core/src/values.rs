@@ -43,6 +43,21 @@ pub fn saturate(values: Values, x: f32) -> f32 {
     }
 }
 
+/// [`saturate`] of every value in `bits` (`f32::to_bits` of kept values, as the selection
+/// writes them), in place; whether any changed. Only f16 and bf16 values change anything.
+pub fn saturate_bits(values: Values, bits: &mut [u32]) -> bool {
+    if !matches!(values, Values::F16 | Values::Bf16) {
+        return false;
+    }
+    let mut changed = false;
+    for b in bits {
+        let s = saturate(values, f32::from_bits(*b)).to_bits();
+        changed |= s != *b;
+        *b = s;
+    }
+    changed
+}
+
 /// Index of the first element of `x` that does not fit `values`.
 pub fn first_out_of_range(values: Values, x: &[f32]) -> Option<usize> {
     match values {
@@ -204,8 +219,11 @@ pub fn first_non_finite(x: &[f32]) -> Option<usize> {
 pub fn f16_bits_x8(x: f32x8) -> u32x8 {
     // Clamped to 65504 first (two instructions; a finite lane only, NaN is the caller's to
     // refuse): 65504 rounds to 0x7bff, and every lane in (65504, 65520) rounds to it too.
+    // The lane as the second operand: x86's max/min give the second when either is NaN, so a
+    // NaN lane is not made a finite one here (what a NaN lane becomes is unspecified: callers
+    // refuse NaN before they encode).
     let top = f32x8::splat(65504.0);
-    let b = x.fast_max(-top).fast_min(top).to_bits();
+    let b = top.fast_min((-top).fast_max(x)).to_bits();
     let sign = (b >> 16) & u32x8::splat(0x8000);
     let a = b & u32x8::splat(0x7fff_ffff);
     // Normal f16: rebias the exponent, round the mantissa from 23 to 10 bits to nearest even.
@@ -225,7 +243,7 @@ pub fn bf16_bits_x8(x: f32x8) -> u32x8 {
     // Clamped to bf16's largest finite value first (a finite lane only; NaN is the caller's to
     // refuse): it rounds to 0x7f7f, and so does every lane below 0x7f7f8000 above it.
     let top = f32x8::from_bits(u32x8::splat(0x7f7f_0000));
-    let b = x.fast_max(-top).fast_min(top).to_bits();
+    let b = top.fast_min((-top).fast_max(x)).to_bits();
     (b + u32x8::splat(0x7fff) + ((b >> 16) & u32x8::splat(1))) >> 16
 }
 
@@ -264,8 +282,9 @@ fn store_u16x8(h: u32x8, out: &mut [u8]) {
 }
 
 /// Writes every element of `x` as an f32, f16 or bf16 (little-endian) into
-/// `out[..x.len() * value_bytes]`, the same bytes as [`write_plain`] per element. `x` must be
-/// finite and fit `values` (see [`magnitude_limit`]); int8 is not a plain type.
+/// `out[..x.len() * value_bytes]`, the same bytes as [`write_plain`] per element (a finite
+/// value beyond f16 or bf16 saturated). `x` must be finite (what a NaN or an infinity becomes is
+/// unspecified); int8 is not a plain type.
 ///
 /// # Panics
 /// When `out` is too short or `values` is int8.
@@ -326,8 +345,8 @@ pub fn try_encode_plain(values: Values, x: &[f32], out: &mut [u8]) -> Result<(),
     Ok(())
 }
 
-/// Writes the values section of sparse entries given as f32 bits (finite, within the range of
-/// `values`), in order: the bytes of [`write_plain`] per value, or for int8 the scales (each
+/// Writes the values section of sparse entries given as f32 bits (finite; a value beyond f16 or
+/// bf16 saturates as in [`write_plain`]), in order: the bytes of [`write_plain`] per value, or for int8 the scales (each
 /// block's absmax) then the codes of [`int8_code`].
 ///
 /// # Panics

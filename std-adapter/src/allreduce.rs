@@ -439,7 +439,7 @@ impl CompressedAllReduce {
     ///
     /// # Errors
     /// [`Error::Io`] naming the file; [`Error::Checkpoint`] for a file that is not such a
-    /// checkpoint, is damaged (checksums), holds values beyond the method's range, or was saved
+    /// checkpoint, is damaged (checksums), holds a NaN or infinite value, or was saved
     /// by another rank or world size (an elastic restart discards them:
     /// [`CompressedAllReduce::discard_server_residuals`]); nothing changes then.
     pub fn load_server_residuals(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {

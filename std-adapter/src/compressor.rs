@@ -187,7 +187,9 @@ impl GradientCompressor {
     ///
     /// # Errors
     /// [`Error::Config`] for an invalid method; [`Error::Core`] naming the tensor for NaN/Inf
-    /// (with the first bad index) or a value beyond the range of f16/bf16;
+    /// (with the first bad index) or, without error feedback, a value beyond the range of
+    /// f16/bf16 (with error feedback such a sum is sent saturated and the residual keeps the
+    /// rest);
     /// [`Error::LengthChanged`] when a tensor with a residual changed its element count,
     /// [`Error::ShapeChanged`] when it kept the count in another shape (a transposed weight:
     /// each residual remembers its tensor's shape, see [`crate::feedback`]). On error nothing

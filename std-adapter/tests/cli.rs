@@ -1775,6 +1775,7 @@ fn sparse_round_trip(name: &str, n: u64) {
 /// model's largest bundle, is refused naming the bound, before the rest is read. The children
 /// run under a 1 GiB address-space limit, so that reading such a file whole cannot pass.
 #[test]
+#[cfg(target_os = "linux")]
 fn a_huge_file_that_begins_like_a_container_is_refused_by_its_header() {
     let dir = scratch("huge-container");
     let g = grads_path();

@@ -1446,14 +1446,27 @@ fn ranks_that_cannot_agree_on_the_route_fail_alike_and_none_waits() {
 
 /// The bounds the two-phase step keeps on the worker's residuals hold: no residual element is
 /// larger, step after step, so that a later step's one-read proof of its sums is sound.
-/// Checked at W = 3 with top-k, sign and 4-bit quantization, whose steps keep them.
+/// Checked at W = 3 with top-k, sign and 4-bit quantization, whose steps keep them, and with
+/// top-k of f16 values on gradients beyond 65504 (the kept sums are sent saturated: the bound
+/// counts the sums, not what was sent).
 #[test]
 fn the_residual_bounds_a_two_phase_step_keeps_hold() {
     const W: usize = 3;
-    for method in [
-        CompressionMethod::top_k_int8(0.05).with_error_feedback(),
-        CompressionMethod::SignSGD.with_error_feedback(),
-        CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+    let f16_topk = CompressionMethod::Core(gradwire_core::Method::TopK {
+        k: gradwire_core::K::Ratio(0.05),
+        values: gradwire_core::Values::F16,
+    });
+    for (method, scale) in [
+        (
+            CompressionMethod::top_k_int8(0.05).with_error_feedback(),
+            1.0f32,
+        ),
+        (CompressionMethod::SignSGD.with_error_feedback(), 1.0),
+        (
+            CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+            1.0,
+        ),
+        (f16_topk.with_error_feedback(), 1.0e5),
     ] {
         let comms = LocalGroup::new(W).into_communicators();
         let handles: Vec<_> = comms
@@ -1465,7 +1478,11 @@ fn the_residual_bounds_a_two_phase_step_keeps_hold() {
                     let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
                         .with_collective(Collective::TwoPhase);
                     for s in 0..4 {
-                        ar.all_reduce(&gradients(rank, s)).unwrap();
+                        let mut g = gradients(rank, s);
+                        for t in g.values_mut() {
+                            t.data_mut().iter_mut().for_each(|x| *x *= scale);
+                        }
+                        ar.all_reduce(&g).unwrap();
                         let fb = ar.compressor().feedback().unwrap();
                         for (name, r) in fb.residuals() {
                             let largest = r.iter().fold(0.0f32, |m, x| m.max(x.abs()));

@@ -26,16 +26,17 @@ fn open_input(path: &Path) -> Result<(File, u64), CliError> {
     }
 }
 
-/// The bytes of a manifest section (container, FORMAT.md 11) beyond its model's element
+/// The bytes of a manifest section (container, FORMAT.md 13) beyond its model's element
 /// charge at most: a method text of up to 65,535 bytes and the fixed fields. Every tensor's
 /// entry takes fewer bytes than the elements it is charged
 /// ([`crate::container::charged_elements`]: 256 a tensor, 4 a name byte, 16 a dimension).
 const SECTION_SLACK: u64 = 2 + 65_535 + 8 + 4;
 
 /// Reads a whole regular file (its length known first, the buffer reserved once), naming it in
-/// the error; a gradwire container is looked at by its header first: its manifest section must fit `max_elements` (the model's charge,
-/// as the container reader counts it), is read and checked, and the file may be no longer
-/// than the largest bundle of that model; only then is the rest read. A file that begins like
+/// the error; a gradwire container is looked at by its header first: its manifest section
+/// must fit `max_elements` (the model's charge, as the container reader counts it), is read
+/// and checked, and the file may be no longer than the largest bundle of that model; only then
+/// is the rest read. A file that begins like
 /// a container, however long (a sparse file of gigabytes), costs at most what a model within
 /// `max_elements` may.
 pub fn read_bounded(path: &Path, max_elements: u64) -> Result<Vec<u8>, CliError> {

@@ -6,7 +6,7 @@
 //! ```text
 //! offset size field
 //!  0     4   magic "GWSH"
-//!  4     1   version (2)
+//!  4     1   version (3: an owner's frame may go escaped, with f32 values)
 //!  5     1   phase: 1 = a worker's shard for its owner, 2 = an owner's reduced shard
 //!  6     2   reserved, 0
 //!  8     8   step (u64 LE)

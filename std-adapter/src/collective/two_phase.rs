@@ -24,8 +24,9 @@
 //! no rank waits for a message that never comes. A rank that fails before phase 1 sends its reason to every owner; an owner
 //! that finds a rank's message bad, a rank failed, or a fingerprint differing from rank 0's,
 //! sends that in phase 2 instead of its shard, so every rank sees it and returns the same error.
-//! A step's local errors (a NaN or infinite `gradient + residual`, a value beyond the value
-//! type's range) are found before any residual changes. After a failure the group sees (a
+//! A step's local errors (a NaN or infinite `gradient + residual`; without error feedback a
+//! value beyond the value type's range, which error feedback sends saturated) are found before
+//! any residual changes. After a failure the group sees (a
 //! peer's error, a bad message, an overflow, a limit), the worker's residuals take back what
 //! this rank sent (its frames decoded and added back: the step's gradient is delayed, not lost,
 //! up to f32 rounding, as on the all-gather) and the server residual returns exactly to its
@@ -370,7 +371,8 @@ impl TwoPhase {
             .sum()
     }
 
-    /// Bytes this rank receives per step at most (both phases, envelopes included).
+    /// Bytes this rank receives per step at most (both phases, envelopes included), unless an
+    /// owner's shard goes escaped (FORMAT.md 15: f32 values, a step of values beyond f16/bf16).
     pub(crate) fn received_bytes(layout: &ShardLayout, rank: usize) -> usize {
         let w = layout.world;
         let own = ENVELOPE_LEN + shard_message::max_len(layout, rank);
@@ -628,10 +630,12 @@ impl TwoPhase {
                 step.exec,
             );
             // An owner whose reduced values left f16 or bf16 sent its shard escaped, with f32
-            // values (FORMAT.md 15): the method's frame is refused at its header, before a
-            // value is written, and the escaped one is tried. Another fault is named as the
-            // method's frame found it.
-            if decoded.is_err()
+            // values (FORMAT.md 15): the method's frame is refused at its header for its value
+            // codec, before a value is written, and the escaped one is tried. Another fault is
+            // named as the method's frame found it.
+            if let Err(gradwire_core::Error::ParamMismatch {
+                param: gradwire_core::Param::Values,
+            }) = decoded
                 && let Some(escape) = crate::layout::shards::escaped(&params.method)
             {
                 let escaped = Params {
@@ -959,15 +963,7 @@ impl TwoPhase {
             step.exec.copy(&self.server, &mut self.server_undo);
         }
         // Laid out over last step's bytes, overwritten: no write pass of zeros.
-        let mut at = shard_message::lay_out(
-            &mut self.phase2,
-            ENVELOPE_LEN,
-            Phase::Reduced,
-            step.step,
-            me,
-            layout.frames_of(me),
-            layout.max_frame_len(me),
-        );
+        let mut at = lay_out_reduced(&mut self.phase2, layout, step, me, false);
         seal_in_place(
             PAYLOAD,
             fingerprint_at(step.config, step.step),
@@ -1069,15 +1065,7 @@ impl TwoPhase {
                     .any(|p| crate::engine::shard::beyond(values, p.x, p.residual.as_deref()))
             {
                 params.method = escape;
-                at = shard_message::lay_out(
-                    &mut self.phase2,
-                    ENVELOPE_LEN,
-                    Phase::Reduced,
-                    step.step,
-                    me,
-                    layout.frames_of(me),
-                    layout.max_escaped_frame_len(me),
-                );
+                at = lay_out_reduced(&mut self.phase2, layout, step, me, true);
             }
             let mut written = encode_parts(
                 layout,
@@ -1093,15 +1081,7 @@ impl TwoPhase {
                 && matches!(source, gradwire_core::Error::ValueOutOfRange { .. })
             {
                 params.method = escape;
-                at = shard_message::lay_out(
-                    &mut self.phase2,
-                    ENVELOPE_LEN,
-                    Phase::Reduced,
-                    step.step,
-                    me,
-                    layout.frames_of(me),
-                    layout.max_escaped_frame_len(me),
-                );
+                at = lay_out_reduced(&mut self.phase2, layout, step, me, true);
                 written = encode_parts(
                     layout,
                     me,
@@ -1204,6 +1184,32 @@ fn overflow_of(reason: &[u8]) -> Error {
         tensor: peer_text(tensor),
         index,
     }
+}
+
+/// Lays out owner `me`'s phase-2 message over `msg`'s bytes ([`shard_message::lay_out`]) with
+/// room for its frame, or with `escaped` for its escaped frame (FORMAT.md 15); returns where
+/// the frame goes.
+fn lay_out_reduced(
+    msg: &mut Vec<u8>,
+    layout: &ShardLayout,
+    step: &Step<'_>,
+    me: usize,
+    escaped: bool,
+) -> usize {
+    let bound = if escaped {
+        layout.max_escaped_frame_len(me)
+    } else {
+        layout.max_frame_len(me)
+    };
+    shard_message::lay_out(
+        msg,
+        ENVELOPE_LEN,
+        Phase::Reduced,
+        step.step,
+        me,
+        layout.frames_of(me),
+        bound,
+    )
 }
 
 /// Whether the owner's step of `step` keeps a server residual: with error feedback, for a mean

@@ -110,7 +110,9 @@ pub(crate) fn encode_bucket<G: Gradients + ?Sized>(
             // Empty, so not allocated, in every step without such a sum.
             let limit = gradwire_core::values::magnitude_limit(Some(values));
             let mut beyond = Vec::new();
-            if gradwire_core::values::first_at_or_above(r, limit).is_some() {
+            if matches!(values, Values::F16 | Values::Bf16)
+                && gradwire_core::values::first_at_or_above(r, limit).is_some()
+            {
                 for (i, x) in r.iter_mut().enumerate() {
                     let s = gradwire_core::values::saturate(values, *x);
                     if s != *x {

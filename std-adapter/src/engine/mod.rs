@@ -4,10 +4,11 @@
 //! error-feedback steps ([`ErrorFeedback::step_with`]) all run it.
 //!
 //! A step has two passes. Pass 1 checks every entry before anything changes (a residual kept in
-//! another shape, NaN/Inf in the gradient or in `gradient + residual`, the value type's range);
+//! another shape, NaN/Inf in the gradient or in `gradient + residual`, without error feedback the
+//! value type's range);
 //! a large top-k, threshold or random-k tensor is checked by its chunked selection, which writes
 //! its frame on the way, or, for top-k with error feedback whose residual bound proves every sum
-//! in range, by a check of the gradient alone; a large dense, quantization or sign tensor
+//! finite, by a check of the gradient alone; a large dense, quantization or sign tensor
 //! without error feedback is left to its chunked encoder, which checks each element as it
 //! writes it (nothing else changes in such a step, so the gradient is read once; a bad value is
 //! then named as the check names it, and an earlier entry left so is checked before a later

@@ -25,7 +25,7 @@
 use gradwire_core::feedback::{sparse_fix_up, step_chunk};
 use gradwire_core::frame::chunk::{Sections, SparseFrame};
 use gradwire_core::select::{Kept, topk_kept, topk_kept_sum_into};
-use gradwire_core::values::{first_at_or_above, magnitude_limit, saturate as saturate_value};
+use gradwire_core::values::{first_at_or_above, magnitude_limit, saturate_bits};
 use gradwire_core::{Method, Params, encode_kept_segmented_into, peek};
 
 use super::{Exec, Pool, grow};
@@ -143,6 +143,9 @@ impl Buffers {
 struct PartKept {
     ok: bool,
     count: usize,
+    /// The smallest kept magnitude of the sums, before they were saturated to the value type
+    /// (no element left unsent is larger: the residual's bound).
+    smallest: f32,
 }
 
 /// The error of element `i` of `part` (a core error naming an index in the part) as the
@@ -171,7 +174,8 @@ pub(crate) fn beyond(values: gradwire_core::Values, x: &[f32], r: Option<&[f32]>
     super::check::check_step_input("", x, r, Some(values)).is_err()
 }
 
-/// [`gradwire_core::feedback::first_bad_sum`] of `x` alone.
+/// The first element of `x` that is NaN or infinite (named first, over the whole slice), else
+/// the first beyond the range of `values` (`None`: finiteness only).
 pub(crate) fn first_bad(
     x: &[f32],
     values: Option<gradwire_core::Values>,
@@ -191,8 +195,9 @@ pub(crate) fn first_bad(
 /// budget of its own part.
 ///
 /// # Errors
-/// Core errors named by tensor and index: a NaN or infinite `x + residual`, or one beyond the
-/// value type's range (the worker checks its sums first, so only the owner meets these); the
+/// Core errors named by tensor and index: a NaN or infinite `x + residual`, or without a
+/// residual a value beyond the value type's range (with one it is sent saturated; the worker
+/// checks its sums first, so only the owner meets these, and sends such a shard escaped); the
 /// first in shard order is returned, and the residuals of every other part or chunk may have
 /// changed then (the owner restores its server residual from a copy).
 pub(crate) fn encode_parts(
@@ -291,14 +296,18 @@ pub(crate) fn encode_parts(
                             *to = i + at;
                         }
                         bits[..kept.bits.len()].copy_from_slice(kept.bits);
+                        let smallest = kept
+                            .bits
+                            .iter()
+                            .map(|&b| f32::from_bits(b & 0x7fff_ffff))
+                            .fold(f32::INFINITY, f32::min);
                         if saturate {
-                            for b in &mut bits[..kept.bits.len()] {
-                                *b = saturate_value(values, f32::from_bits(*b)).to_bits();
-                            }
+                            saturate_bits(values, &mut bits[..kept.bits.len()]);
                         }
                         PartKept {
                             ok: true,
                             count: kept.idx.len(),
+                            smallest,
                         }
                     }
                     _ => PartKept::default(),
@@ -351,10 +360,11 @@ pub(crate) fn encode_parts(
         bufs.values.resize(sparse.kept(), 0.0);
         sparse.values(0, &mut bufs.values).map_err(shard_err)?;
         let mut from = 0usize;
-        for ((part, &count), bound) in parts
+        for (((part, &count), bound), kept) in parts
             .iter_mut()
             .zip(&bufs.segments)
             .zip(bufs.bounds.iter_mut())
+            .zip(&bufs.part_kept)
         {
             let to = from + count as usize;
             if let Some(r) = part.residual.as_deref_mut() {
@@ -364,10 +374,7 @@ pub(crate) fn encode_parts(
                 let unsent = if count == 0 {
                     gradwire_core::ResidualBound::of(r).max_abs()
                 } else if (count as usize) < r.len() {
-                    bufs.bits[from..to]
-                        .iter()
-                        .map(|&b| f32::from_bits(b & 0x7fff_ffff))
-                        .fold(f32::INFINITY, f32::min)
+                    kept.smallest
                 } else {
                     0.0
                 };

@@ -28,8 +28,9 @@
 //! magnitudes ([`gradwire_core::ResidualBound`], left by the tensor's last step; zero for a new
 //! residual) and the step's check pass finds the bound and every `|g|` below 2^127, no `g + r`
 //! can overflow (a finite sum beyond the value type is sent saturated), so the residual may
-//! change while the tensor is scanned: [`SparseSplit::encode_one_pass`] stores `r = g + r` as each chunk collects its
-//! candidates ([`select::candidates_update`]), writes the frame, then fixes up the kept
+//! change while the tensor is scanned: [`SparseSplit::encode_one_pass`] stores `r = g + r` as
+//! each chunk collects its candidates ([`select::candidates_update`]), writes the frame, then
+//! fixes up the kept
 //! entries: g and r are read once after the check, as in the core's `feedback_step_bounded`,
 //! with the same frame, residual and bound.
 //!

@@ -24,8 +24,8 @@ impl ErrorFeedback {
     /// [`crate::Error::DuplicateTensor`] for a name given twice;
     /// [`crate::Error::LengthChanged`] when a tensor's element count differs from its
     /// residual's; [`crate::Error::Core`] naming the tensor for NaN/Inf in the gradient or in
-    /// `gradient + residual` ([`gradwire_core::Error::NonFinite`], with the first bad index) or
-    /// a value beyond the range of f16/bf16 values ([`gradwire_core::Error::ValueOutOfRange`]).
+    /// `gradient + residual` ([`gradwire_core::Error::NonFinite`], with the first bad index; a
+    /// finite sum beyond the range of f16/bf16 values is sent saturated, its excess kept).
     pub fn step_with<'a, I>(&mut self, grads: I, sink: impl FnMut(&str, &[u8])) -> Result<()>
     where
         I: IntoIterator<Item = (&'a str, &'a [f32])>,

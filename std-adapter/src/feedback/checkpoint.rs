@@ -24,8 +24,9 @@
 //! shaped step gives one. Version 1 files (no `crc32`) are refused: nothing would tell a
 //! corrupted residual from a good one.
 //!
-//! Every residual value must be finite and fit the method's value type (f16 values: at most
-//! 65504 after rounding): a residual beyond it would make every later step that sends it fail.
+//! Every residual value must be finite. One beyond the method's value type (f16 values: beyond
+//! 65504) is read: a step sends that coordinate saturated and keeps the rest, as the step that
+//! left it did.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -105,8 +106,8 @@ impl ErrorFeedback {
     /// increasing order, or naming one the file lacks), a version 1 file (no checksum), a
     /// `crc32` entry in a version 1 file or an `unshaped` entry in a version 1 or 2 file (a
     /// damaged version number), a tensor that is not F32 (or, in version 2, not 1-d), an
-    /// `unshaped` residual that is not 1-d, a NaN or infinite residual value or one beyond the
-    /// range of the method's value type, a checksum that does not match.
+    /// `unshaped` residual that is not 1-d, a NaN or infinite residual value, a checksum that
+    /// does not match.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         Self::read_from(
             &mut std::io::Cursor::new(bytes),

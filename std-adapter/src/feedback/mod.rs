@@ -27,7 +27,8 @@
 //!   residual, and the step counter, unchanged. A finite sum beyond the value type (f16, bf16)
 //!   is sent saturated, its excess kept in the residual. Each residual keeps the bound its last
 //!   step left ([`gradwire_core::ResidualBound`]), so that for top-k a gradient below 2^127 is
-//!   checked alone (one read), where the sums would be read; a residual set, restored or loaded starts with an unknown bound or its measured one;
+//!   checked alone (one read), where the sums would be read; a residual set, restored or
+//!   loaded starts with an unknown bound or its measured one;
 //! - [`ErrorFeedback::to_bytes`] writes a safetensors file holding every residual (f32, exact
 //!   bits, in its tensor's shape) and, in its `__metadata__`, the step, the seed and the method;
 //!   a run restored with [`ErrorFeedback::from_bytes`] continues bit-identically to one that was never
@@ -240,7 +241,7 @@ impl ErrorFeedback {
     /// The bound on the magnitudes of `name`'s residual that this error feedback keeps
     /// ([`ResidualBound::UNKNOWN`] when it keeps none: no residual, a residual loaded from a
     /// checkpoint and not stepped yet, or one a step could not bound). A top-k step whose
-    /// gradient and bound prove every sum in range reads the gradient and the residual once
+    /// gradient and bound prove every sum finite reads the gradient and the residual once
     /// after its check (see [`gradwire_core::feedback_step_bounded`]).
     pub(crate) fn residual_bound(&self, name: &str) -> ResidualBound {
         self.bounds
