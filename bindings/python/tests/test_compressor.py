@@ -140,9 +140,14 @@ def test_bad_input(grads_step1):
     reshaped[name] = reshaped[name].reshape(-1)
     with pytest.raises(ValueError):
         c.compress(reshaped)
-    f16 = gradwire.Compressor("dense values=f16")
+    # Beyond f16: the caller's error without error feedback; with it (the default) the value
+    # is sent saturated, 65504, and the residual keeps the rest.
+    f16 = gradwire.Compressor("dense values=f16", error_feedback=False)
     with pytest.raises(ValueError):
         f16.compress({"w": np.array([1e6], np.float32)})
+    f16 = gradwire.Compressor("dense values=f16")
+    sent = f16.decompress(f16.compress({"w": np.array([1e6], np.float32)}))
+    assert sent["w"].tolist() == [65504.0]
     with pytest.raises(ValueError, match="error feedback"):
         gradwire.Compressor("topk k=ratio:0.5 values=f32", error_feedback=False).save("x")
 
