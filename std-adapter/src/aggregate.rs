@@ -244,7 +244,8 @@ impl Aggregator {
     ///
     /// # Errors
     /// [`Error::Config`] for no bundle, or a majority vote over frames that are not unscaled
-    /// sign; every error of [`Manifest::check_bundle`], naming the rank (and the tensor or
+    /// sign; [`Error::OutOfMemory`] when the model's elements cannot be allocated (a manifest
+    /// may describe more than the machine holds; `out` untouched); every error of [`Manifest::check_bundle`], naming the rank (and the tensor or
     /// bucket where an entry is at fault): the first failing rank. Those checks run on every
     /// bundle before anything is accumulated, so `out` is untouched on those errors. A frame
     /// whose body turns out invalid while accumulating is an [`Error::Core`] naming tensor and
@@ -324,7 +325,7 @@ impl Aggregator {
                 Dest::Flat(out) => {
                     // Every entry writes all of its range (from zeros), so a reused buffer is
                     // not zeroed first: for a large model that would be one more pass.
-                    out.resize(manifest.flat_len(), 0.0);
+                    crate::tensor::resize_or_refuse(out, manifest.flat_len(), "the model")?;
                     Out::Flat { out, base: 0 }
                 }
                 Dest::Each(outs) => Out::Each(outs),
@@ -363,7 +364,7 @@ impl Aggregator {
     /// frames that are not unscaled sign; the errors of [`check_contribution`] for the first
     /// failing rank. All checks run before anything is accumulated; a frame body found invalid
     /// while accumulating leaves `out` zeroed. [`Error::Overflow`] when the result is not
-    /// finite, as for [`Aggregator::aggregate_into`] (`out` zeroed).
+    /// finite, as for [`Aggregator::aggregate_into`] (`out` zeroed); [`Error::OutOfMemory`].
     pub(crate) fn aggregate_compressed_into(
         &mut self,
         manifest: &Manifest,
@@ -392,7 +393,7 @@ impl Aggregator {
             exec,
             lists: &self.lists,
         };
-        out.resize(manifest.flat_len(), 0.0);
+        crate::tensor::resize_or_refuse(out, manifest.flat_len(), "the model")?;
         exec.install(|| job.run(&frame, Out::Flat { out, base: 0 }))
     }
 }
@@ -628,4 +629,57 @@ pub(crate) fn check_contribution(
         check_frame_of(&info.name, Some(rank), cg.frame(), &params, info.numel)?;
     }
     Ok(())
+}
+
+/// A model larger than memory, declared by a manifest (a receiver's `shapes`) and a tiny bundle
+/// of empty top-k frames: decoding and aggregating it is [`Error::OutOfMemory`], not an abort
+/// (issue 48 class 7: the Python bindings raise `MemoryError` for it).
+#[cfg(test)]
+mod larger_than_memory {
+    use gradwire_core::select::Kept;
+    use gradwire_core::{K, Method, Values, encode_kept_into, max_frame_len};
+
+    use super::{Aggregator, Reduction};
+    use crate::error::Error;
+    use crate::layout::bundle::BundleWriter;
+    use crate::layout::{BucketConfig, Manifest, TensorSpec};
+    use crate::method::CompressionMethod;
+
+    #[test]
+    fn decoding_a_model_larger_than_memory_is_an_error() {
+        // 32 tensors of 2^32 - 1 elements: 550 GB of f32, more than any machine here holds
+        // (a heuristic overcommit refuses it), in 32 frames of a few bytes.
+        let n = u32::MAX as usize;
+        let specs: Vec<TensorSpec> = (0..32)
+            .map(|i| TensorSpec::new(format!("t{i:02}"), vec![n]))
+            .collect();
+        let method = CompressionMethod::Core(Method::TopK {
+            k: K::Count(0),
+            values: Values::F32,
+        });
+        let manifest = Manifest::new(specs, &method, 0, BucketConfig::none()).unwrap();
+        let mut bundle = Vec::new();
+        let mut writer = BundleWriter::begin(&mut bundle, 0, manifest.entries().len() as u32, 0);
+        let mut frame = vec![0u8; max_frame_len(n, &method.core_method().unwrap())];
+        for entry in manifest.entries() {
+            let params = manifest.params(entry, 0);
+            let kept = Kept {
+                idx: &[],
+                bits: &[],
+            };
+            let len = encode_kept_into(entry.len, &params, kept, &mut frame).unwrap();
+            writer.push(entry.id, &frame[..len]);
+        }
+        writer.finish();
+        let mut out = Vec::new();
+        let err = manifest
+            .decode_bundle(&bundle, None, None, &mut out)
+            .unwrap_err();
+        assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+        assert!(out.is_empty());
+        let err = Aggregator::new()
+            .aggregate_into(&manifest, &[&bundle], 0, Reduction::Mean, &mut out)
+            .unwrap_err();
+        assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+    }
 }

@@ -30,6 +30,22 @@ pub(crate) fn written_zeros(n: usize) -> Vec<f32> {
     v
 }
 
+/// Resizes `out` to `n` elements (new ones zero), reserving first, so that a model larger than
+/// memory is [`Error::OutOfMemory`] naming `what` instead of an abort (a bundle or a manifest
+/// from elsewhere may declare any size its format allows).
+///
+/// # Errors
+/// [`Error::OutOfMemory`] when the memory cannot be had; `out` is unchanged then.
+pub(crate) fn resize_or_refuse(out: &mut Vec<f32>, n: usize, what: &str) -> Result<()> {
+    out.try_reserve_exact(n.saturating_sub(out.len()))
+        .map_err(|_| Error::OutOfMemory {
+            tensor: what.to_owned(),
+            elements: n,
+        })?;
+    out.resize(n, 0.0);
+    Ok(())
+}
+
 /// A dense row-major f32 tensor: a shape and `product(shape)` elements.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Tensor {

@@ -76,11 +76,16 @@ impl Compressor {
             let part = flat
                 .get(t.offset..t.offset + t.numel)
                 .ok_or_else(|| PyValueError::new_err("decoded length differs from the model"))?;
-            out.push((
-                t.name.clone(),
-                t.shape.clone(),
-                part.to_vec().into_pyarray(py),
-            ));
+            let mut copy = Vec::new();
+            copy.try_reserve_exact(part.len()).map_err(|_| {
+                pyo3::exceptions::PyMemoryError::new_err(format!(
+                    "tensor `{}`: cannot allocate {} elements",
+                    t.name,
+                    part.len()
+                ))
+            })?;
+            copy.extend_from_slice(part);
+            out.push((t.name.clone(), t.shape.clone(), copy.into_pyarray(py)));
         }
         Ok(out)
     }

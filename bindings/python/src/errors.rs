@@ -5,13 +5,14 @@
 //! - `gradwire.PayloadError` (a `gradwire.GradwireError`): bytes or arrays that came from
 //!   elsewhere (a peer's bundle, a reference payload, a checkpoint file) are invalid;
 //! - `OSError`: a file could not be read or written;
+//! - `MemoryError`: a model (its shapes, a checkpoint's residuals) larger than memory;
 //! - `gradwire.GradwireError`: anything else the library refuses.
 
 use gradwire::Error;
 use gradwire::reference::ReferenceError;
 use pyo3::PyErr;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyOSError, PyValueError};
+use pyo3::exceptions::{PyException, PyMemoryError, PyOSError, PyValueError};
 
 create_exception!(
     gradwire,
@@ -70,6 +71,9 @@ pub(crate) fn library_error(e: Error, side: Side) -> PyErr {
     };
     match e {
         Error::Io { .. } => PyOSError::new_err(message),
+        // A model larger than memory (a manifest's shapes, a checkpoint's residuals): what
+        // Python raises for an allocation it cannot make, instead of an aborted interpreter.
+        Error::OutOfMemory { .. } => PyMemoryError::new_err(message),
         Error::Core { .. } if input => PyValueError::new_err(message),
         Error::Config { .. }
         | Error::Shape { .. }

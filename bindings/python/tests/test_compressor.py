@@ -212,3 +212,37 @@ def test_paths_and_bytes_take_their_types_only(tmp_path, monkeypatch, grads_step
     with pytest.raises(ValueError, match="too large"):
         gradwire.Compressor(method, shapes={"w": [2**62]})
     assert gradwire.Compressor(method, shapes={"w": [2, 3]}).dense_bytes == 24
+
+
+def test_a_checkpoint_larger_than_memory_raises_memory_error(tmp_path):
+    # Issue 48 class 7: a failed allocation in Rust aborted the interpreter or surfaced as
+    # another error. A valid checkpoint header declaring a residual of 2^37 float32 (512 GiB,
+    # a sparse file) is refused with MemoryError before anything of it is read.
+    import json
+    import struct
+
+    method = "topk k=count:1 values=f32"
+    c = gradwire.Compressor(method, seed=0)
+    n = 1 << 37
+    meta = {
+        "format": "gradwire-error-feedback",
+        "version": "3",
+        "method": c.method,
+        "seed": "0",
+        "step": "0",
+        "unshaped": '["w"]',
+        "crc32": "0",
+    }
+    header = json.dumps(
+        {"__metadata__": meta, "w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}},
+        separators=(",", ":"),
+    ).encode()
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "huge.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        f.truncate(8 + len(header) + 4 * n)
+    with pytest.raises(MemoryError):
+        c.load(path)
+    assert c.step == 0

@@ -431,8 +431,8 @@ impl Manifest {
     ///
     /// # Errors
     /// As [`Manifest::check_bundle_with`], and [`Error::Core`] naming the tensor (or bucket)
-    /// for a frame whose body is invalid (then `out` is zeroed). On any other error `out` is
-    /// untouched.
+    /// for a frame whose body is invalid (then `out` is zeroed); [`Error::OutOfMemory`] when
+    /// the model's elements cannot be allocated. On any other error `out` is untouched.
     pub fn decode_bundle(
         &self,
         bundle: &[u8],
@@ -443,7 +443,7 @@ impl Manifest {
         let mut sized = false;
         let result = self.check_bundle_with(bundle, rank, step, |e, frame, params| {
             if !sized {
-                out.resize(self.flat_len, 0.0);
+                crate::tensor::resize_or_refuse(out, self.flat_len, "the model")?;
                 sized = true;
             }
             let entry = &self.entries[e];

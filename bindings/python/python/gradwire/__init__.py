@@ -14,6 +14,7 @@
 Errors: ``ValueError`` for unusable input of the caller's own (NaN or Inf in a gradient, an
 unknown method, a model that changed shape); :class:`PayloadError` for invalid bytes from
 elsewhere (a peer's bundle, a payload, a checkpoint file); ``OSError`` for files;
+``MemoryError`` for a model larger than memory where the library allocates it;
 :class:`GradwireError` (the base of :class:`PayloadError`) for anything else.
 """
 
@@ -145,7 +146,8 @@ class Compressor:
     def load(self, path: Any) -> None:
         """Restores a checkpoint written by :meth:`save` with the same method and seed; the
         step resumes from it. Raises :class:`PayloadError` for a file that is damaged or for
-        another setup, ``OSError`` when it cannot be read."""
+        another setup, ``OSError`` when it cannot be read, ``MemoryError`` for residuals larger
+        than memory."""
         self._inner.load(_path_of(path))
 
     def __repr__(self) -> str:
