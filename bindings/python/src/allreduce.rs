@@ -145,8 +145,8 @@ impl AllReduce {
     ) -> PyResult<Vec<ResultArray<'py>>> {
         let mut grads = HashMap::with_capacity(tensors.len());
         for (name, shape, array) in &tensors {
-            let t = Tensor::new(shape.clone(), array.as_slice()?.to_vec())
-                .map_err(|e| library_error(e, Side::Input))?;
+            let data = crate::errors::copied(array.as_slice()?, &format!("tensor {name:?}"))?;
+            let t = Tensor::new(shape.clone(), data).map_err(|e| library_error(e, Side::Input))?;
             if grads.insert(name.clone(), t).is_some() {
                 return Err(PyValueError::new_err(format!(
                     "tensor {name:?} given twice"
@@ -161,14 +161,15 @@ impl AllReduce {
         let mut names: Vec<String> = out.keys().cloned().collect();
         names.sort();
         let mut out = out;
-        Ok(names
+        names
             .into_iter()
             .map(|name| {
                 let t = out.remove(&name).expect("listed above");
                 let shape = t.shape().to_vec();
-                (name, shape, t.data().to_vec().into_pyarray(py))
+                let data = crate::errors::copied(t.data(), &format!("tensor {name:?}"))?;
+                Ok((name, shape, data.into_pyarray(py)))
             })
-            .collect())
+            .collect()
     }
 
     /// Writes this rank's residual checkpoint to `path`.

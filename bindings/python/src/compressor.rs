@@ -76,15 +76,7 @@ impl Compressor {
             let part = flat
                 .get(t.offset..t.offset + t.numel)
                 .ok_or_else(|| PyValueError::new_err("decoded length differs from the model"))?;
-            let mut copy = Vec::new();
-            copy.try_reserve_exact(part.len()).map_err(|_| {
-                pyo3::exceptions::PyMemoryError::new_err(format!(
-                    "tensor `{}`: cannot allocate {} elements",
-                    t.name,
-                    part.len()
-                ))
-            })?;
-            copy.extend_from_slice(part);
+            let copy = crate::errors::copied(part, &format!("tensor {:?}", t.name))?;
             out.push((t.name.clone(), t.shape.clone(), copy.into_pyarray(py)));
         }
         Ok(out)
@@ -185,16 +177,17 @@ impl Compressor {
 
     /// Every residual (name, shape, flat float32 copy), in name order; empty without error
     /// feedback or before the first step.
-    fn residuals<'py>(&self, py: Python<'py>) -> Vec<DecodedArray<'py>> {
+    fn residuals<'py>(&self, py: Python<'py>) -> PyResult<Vec<DecodedArray<'py>>> {
         let Some(fb) = self.inner.feedback() else {
-            return Vec::new();
+            return Ok(Vec::new());
         };
         fb.residuals()
             .map(|(name, r)| {
                 let shape = fb
                     .residual_shape(name)
                     .map_or_else(|| vec![r.len()], <[usize]>::to_vec);
-                (name.to_owned(), shape, r.to_vec().into_pyarray(py))
+                let copy = crate::errors::copied(r, &format!("residual {name:?}"))?;
+                Ok((name.to_owned(), shape, copy.into_pyarray(py)))
             })
             .collect()
     }
@@ -209,7 +202,7 @@ impl Compressor {
         let mut grads = HashMap::with_capacity(tensors.len());
         let mut specs = Vec::with_capacity(tensors.len());
         for (name, shape, array) in &tensors {
-            let data = array.as_slice()?.to_vec();
+            let data = crate::errors::copied(array.as_slice()?, &format!("tensor {name:?}"))?;
             let t = Tensor::new(shape.clone(), data).map_err(|e| library_error(e, Side::Input))?;
             if grads.insert(name.clone(), t).is_some() {
                 return Err(PyValueError::new_err(format!(

@@ -10,9 +10,9 @@
 
 use gradwire::Error;
 use gradwire::reference::ReferenceError;
-use pyo3::PyErr;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyMemoryError, PyOSError, PyValueError};
+use pyo3::{PyErr, PyResult};
 
 create_exception!(
     gradwire,
@@ -59,6 +59,24 @@ pub(crate) enum Side {
         /// This rank.
         rank: usize,
     },
+}
+
+/// A copy of `values` for the library, or `MemoryError` naming `what` when its memory cannot
+/// be had (a failed allocation in Rust aborts the interpreter; Python code expects
+/// `MemoryError`).
+pub(crate) fn copied(values: &[f32], what: &str) -> PyResult<Vec<f32>> {
+    zeros_then(values.len(), what).map(|mut v| {
+        v.extend_from_slice(values);
+        v
+    })
+}
+
+/// An empty vector with room for `n` values, or `MemoryError` naming `what` (see [`copied`]).
+pub(crate) fn zeros_then(n: usize, what: &str) -> PyResult<Vec<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| PyMemoryError::new_err(format!("{what}: cannot allocate {n} elements")))?;
+    Ok(v)
 }
 
 /// A library error as a Python exception.

@@ -101,8 +101,12 @@ pub(crate) fn reference_compress<'py>(
             let mut out = Vec::with_capacity(list.len());
             for (r, data) in list.iter().zip(&slices) {
                 out.push(match r {
-                    Some(r) => r.as_slice()?.to_vec(),
-                    None => vec![0.0; data.len()],
+                    Some(r) => crate::errors::copied(r.as_slice()?, "a residual")?,
+                    None => {
+                        let mut zeros = crate::errors::zeros_then(data.len(), "a residual")?;
+                        zeros.resize(data.len(), 0.0);
+                        zeros
+                    }
                 });
             }
             Some(out)

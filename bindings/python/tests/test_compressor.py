@@ -246,3 +246,34 @@ def test_a_checkpoint_larger_than_memory_raises_memory_error(tmp_path):
     with pytest.raises(MemoryError):
         c.load(path)
     assert c.step == 0
+
+
+def test_a_copy_beyond_memory_raises_memory_error():
+    # Issue 48 class 7: the bindings copy each gradient in; a copy that cannot be had aborted
+    # the interpreter (Rust's failed allocation). In a child process whose address space
+    # leaves room for a 200 MB gradient but not for its copy, compress raises MemoryError.
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent(
+        """
+        import resource
+        import numpy as np
+        import gradwire
+        c = gradwire.Compressor("topk k=ratio:0.01 values=f32", error_feedback=False)
+        c.compress({"w": np.ones(1000, np.float32)})
+        g = np.ones(50_000_000, np.float32)
+        with open("/proc/self/status") as f:
+            size = next(int(l.split()[1]) for l in f if l.startswith("VmSize:")) * 1024
+        limit = size + (64 << 20)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        try:
+            c.compress({"w": g})
+        except MemoryError as e:
+            print("MemoryError:", e)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "MemoryError: tensor \"w\": cannot allocate 50000000 elements" in done.stdout, done.stdout
