@@ -207,6 +207,19 @@ fn top_k_with_the_recipe_is_the_algorithm_written_out_bit_for_bit() {
     }
 }
 
+/// Each tensor's velocity and residual (zeros before its first step), by name.
+fn velocities_and_residuals(dgc: &Dgc) -> HashMap<String, (Vec<f32>, Vec<f32>)> {
+    specs()
+        .iter()
+        .map(|t| {
+            let n = t.shape.iter().product();
+            let u = dgc.velocity(&t.name).map_or(vec![0.0; n], <[f32]>::to_vec);
+            let v = dgc.residual(&t.name).map_or(vec![0.0; n], <[f32]>::to_vec);
+            (t.name.clone(), (u, v))
+        })
+        .collect()
+}
+
 #[test]
 fn random_k_with_the_recipe_keeps_what_it_does_not_send() {
     let config = DgcConfig {
@@ -217,15 +230,7 @@ fn random_k_with_the_recipe_keeps_what_it_does_not_send() {
     let mut dgc = Dgc::new(config, 9).unwrap();
     for s in 0..8 {
         let grads = gradients(s, 1.0);
-        let before: HashMap<String, (Vec<f32>, Vec<f32>)> = specs()
-            .iter()
-            .map(|t| {
-                let n = t.shape.iter().product();
-                let u = dgc.velocity(&t.name).map_or(vec![0.0; n], <[f32]>::to_vec);
-                let v = dgc.residual(&t.name).map_or(vec![0.0; n], <[f32]>::to_vec);
-                (t.name.clone(), (u, v))
-            })
-            .collect();
+        let before = velocities_and_residuals(&dgc);
         let (_, sent) = step(&mut dgc, s, &grads);
         for t in specs() {
             let (u_old, v_old) = &before[&t.name];
@@ -361,15 +366,7 @@ fn f16_values_with_momentum_saturate_instead_of_failing() {
         .collect();
     let mut saturated = 0usize;
     for s in 0..40 {
-        let before: HashMap<String, (Vec<f32>, Vec<f32>)> = specs()
-            .iter()
-            .map(|t| {
-                let n = t.shape.iter().product();
-                let u = dgc.velocity(&t.name).map_or(vec![0.0; n], <[f32]>::to_vec);
-                let v = dgc.residual(&t.name).map_or(vec![0.0; n], <[f32]>::to_vec);
-                (t.name.clone(), (u, v))
-            })
-            .collect();
+        let before = velocities_and_residuals(&dgc);
         let (_, sent) = step(&mut dgc, s, &grads);
         for t in specs() {
             let (u_old, v_old) = &before[&t.name];

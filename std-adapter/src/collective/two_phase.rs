@@ -1058,31 +1058,18 @@ impl TwoPhase {
             // so the sums are looked at first (f16 and bf16 methods only).
             let escape = crate::layout::shards::escaped(&params.method);
             let mut params = params;
-            if let (Some(escape), Some(values)) = (escape, params.method.values())
-                && server_feedback
-                && parts
+            let mut escaped_now = match (escape, params.method.values()) {
+                (Some(_), Some(values)) if server_feedback => parts
                     .iter()
-                    .any(|p| crate::engine::shard::beyond(values, p.x, p.residual.as_deref()))
-            {
-                params.method = escape;
-                at = lay_out_reduced(&mut self.phase2, layout, step, me, true);
-            }
-            let mut written = encode_parts(
-                layout,
-                me,
-                &mut parts,
-                &params,
-                &mut self.bufs,
-                &mut self.phase2[at..],
-                step.exec,
-            );
-            if let (Some(escape), false, Err(Error::Core { source, .. })) =
-                (escape, server_feedback, &written)
-                && matches!(source, gradwire_core::Error::ValueOutOfRange { .. })
-            {
-                params.method = escape;
-                at = lay_out_reduced(&mut self.phase2, layout, step, me, true);
-                written = encode_parts(
+                    .any(|p| crate::engine::shard::beyond(values, p.x, p.residual.as_deref())),
+                _ => false,
+            };
+            let written = loop {
+                if let (true, Some(escape)) = (escaped_now, escape) {
+                    params.method = escape;
+                    at = lay_out_reduced(&mut self.phase2, layout, step, me, true);
+                }
+                let written = encode_parts(
                     layout,
                     me,
                     &mut parts,
@@ -1091,7 +1078,18 @@ impl TwoPhase {
                     &mut self.phase2[at..],
                     step.exec,
                 );
-            }
+                let out_of_range = matches!(
+                    &written,
+                    Err(Error::Core {
+                        source: gradwire_core::Error::ValueOutOfRange { .. },
+                        ..
+                    })
+                );
+                if escaped_now || server_feedback || escape.is_none() || !out_of_range {
+                    break written;
+                }
+                escaped_now = true;
+            };
             let msg = &mut self.phase2;
             let written = match written {
                 Ok(w) => w,
