@@ -249,6 +249,24 @@ fn every_truncation_and_bit_flip_is_an_error() {
                     .is_err(),
                 "flip at {i}"
             );
+            // Past the magic, version and reserved bytes, the bundle's checksum names every
+            // flip (or, for an entry count or length that now runs past the end, the cut),
+            // whether it falls in the framing, a frame's body or a frame's trailer (the
+            // checksum is combined from the frames' own when they pass, and read over the bytes
+            // when anything fails).
+            if i >= 8 {
+                let e = manifest.check_bundle(&bad, Some(0), Some(step));
+                assert!(
+                    matches!(
+                        e,
+                        Err(Error::Bundle {
+                            fault: BundleFault::Checksum { .. } | BundleFault::Incomplete { .. },
+                            ..
+                        })
+                    ),
+                    "flip at {i}: {e:?}"
+                );
+            }
         }
     }
     let mut longer = bundle.clone();

@@ -18,6 +18,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::shards::ShardLayout;
+use crate::layout::update_with_frame;
 
 /// The first four bytes.
 const MAGIC: [u8; 4] = *b"GWSH";
@@ -123,10 +124,26 @@ pub(crate) fn finish(out: &mut [u8], at: usize) {
     out[at + 24..at + 28].copy_from_slice(&crc.to_le_bytes());
 }
 
+/// The CRC of bytes `0..24` and of every byte after the header, each frame's body taken from
+/// its trailer ([`update_with_frame`]): the frames are not read again, and for frames whose
+/// trailers hold their bodies' CRCs (every frame an encoder writes) this is the CRC of the
+/// bytes. A receiver's frames are decoded only after their own checksums pass, so every byte
+/// of an accepted message is still checked once.
 fn crc_of(msg: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new();
     h.update(&msg[..24]);
-    h.update(&msg[HEADER_LEN..]);
+    let mut rest = &msg[HEADER_LEN..];
+    while let Some(len) = rest.get(..4) {
+        h.update(len);
+        let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        let Some(frame) = rest.get(4..4usize.saturating_add(len)) else {
+            rest = &rest[4..];
+            break;
+        };
+        update_with_frame(&mut h, frame);
+        rest = &rest[4 + len..];
+    }
+    h.update(rest);
     h.finalize()
 }
 
@@ -261,6 +278,54 @@ mod tests {
         assert!(open(&msg, 1, Phase::Contribution, 8, 2, 2).is_err());
         assert!(open(&msg, 1, Phase::Contribution, 7, 3, 2).is_err());
         assert!(open(&msg, 1, Phase::Contribution, 7, 2, 3).is_err());
+    }
+
+    /// A real frame (its trailer the CRC of its body): the message's checksum, combined from
+    /// the frame's trailer, is the CRC of the bytes (`FORMAT.md` 15); a frame whose body is
+    /// damaged under a matching message checksum passes `open` and is refused by its own.
+    #[test]
+    fn the_checksum_combined_from_a_real_frame_is_the_checksum_of_the_bytes() {
+        use gradwire_core::{Method, Params, Values, decode_into, encode_into, max_frame_len};
+        let method = Method::Dense {
+            values: Values::Bf16,
+        };
+        let params = Params::new(method);
+        let g: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut frame = vec![0u8; max_frame_len(g.len(), &method)];
+        let len = encode_into(&g, &params, &mut [], &mut frame).unwrap();
+        frame.truncate(len);
+        let mut msg = Vec::new();
+        start(&mut msg, Phase::Reduced, 4, 0, 1);
+        let at = reserve_frame(&mut msg, frame.len());
+        msg[at..at + frame.len()].copy_from_slice(&frame);
+        commit_frame(&mut msg, at, frame.len());
+        finish(&mut msg, 0);
+        let mut plain = crc32fast::Hasher::new();
+        plain.update(&msg[..24]);
+        plain.update(&msg[HEADER_LEN..]);
+        assert_eq!(msg[24..28], plain.finalize().to_le_bytes());
+        let mut f = open(&msg, 0, Phase::Reduced, 4, 0, 1).unwrap();
+        assert_eq!(f.next_frame().unwrap(), &frame[..]);
+        // A byte of the frame flipped (body or trailer): the message's checksum still matches
+        // (it takes the body's CRC from the trailer, and a CRC followed by itself leaves the same
+        // state whatever its value), the frame's own checksum does not.
+        for i in [at + 100, at + frame.len() - 1] {
+            let mut bad = msg.clone();
+            bad[i] ^= 1;
+            let mut f = open(&bad, 0, Phase::Reduced, 4, 0, 1).unwrap();
+            let mut out = vec![0.0f32; g.len()];
+            let err = decode_into(f.next_frame().unwrap(), &params, &mut out).unwrap_err();
+            assert!(
+                matches!(err, gradwire_core::Error::Checksum { .. }),
+                "byte {i}: {err:?}"
+            );
+        }
+        // A length or a header byte flipped: the message's checksum does not match.
+        for i in [at - 2, 10] {
+            let mut bad = msg.clone();
+            bad[i] ^= 1;
+            assert!(open(&bad, 0, Phase::Reduced, 4, 0, 1).is_err(), "byte {i}");
+        }
     }
 
     #[test]

@@ -39,7 +39,7 @@
 
 use gradwire_core::{Params, decode_into, peek};
 
-use super::{Entry, Manifest, ManifestTensor, check_frame_of};
+use super::{Entry, Manifest, ManifestTensor, check_frame_of, update_with_frame};
 use crate::error::{BundleFault, Error, Result};
 
 /// The first four bytes of every bundle.
@@ -67,13 +67,16 @@ pub struct BundleHeader {
 }
 
 impl BundleHeader {
-    /// Reads and checks a bundle's header and checksum (not its entries).
+    /// Reads and checks a bundle's header and, with `checksum`, its checksum (not its
+    /// entries): without, the caller combines the checksum from the entries' frames
+    /// ([`update_with_frame`]).
     ///
     /// # Errors
     /// [`Error::Bundle`] with [`BundleFault::Empty`], [`BundleFault::Truncated`],
     /// [`BundleFault::BadMagic`], [`BundleFault::UnsupportedVersion`],
-    /// [`BundleFault::Reserved`], [`BundleFault::Incomplete`] or [`BundleFault::Checksum`].
-    pub(crate) fn read(bundle: &[u8]) -> Result<Self> {
+    /// [`BundleFault::Reserved`], and with `checksum` [`BundleFault::Incomplete`] or
+    /// [`BundleFault::Checksum`].
+    fn read(bundle: &[u8], checksum: bool) -> Result<Self> {
         let fault = |fault| Error::Bundle { rank: None, fault };
         if bundle.is_empty() {
             return Err(fault(BundleFault::Empty));
@@ -100,7 +103,11 @@ impl BundleHeader {
         }
         let body = bundle.len() - TRAILER_LEN;
         let stored = u32::from_le_bytes(le(&bundle[body..]));
-        let computed = crc32fast::hash(&bundle[..body]);
+        let computed = if checksum {
+            crc32fast::hash(&bundle[..body])
+        } else {
+            stored
+        };
         if stored != computed {
             // A bundle cut short (a partial transfer or copy) fails its checksum too; when its
             // own entry headers say it needs more bytes than it has, that is the clearer error.
@@ -233,6 +240,8 @@ pub(crate) fn close_in_place(
     len_of: impl Fn(usize) -> usize,
 ) {
     let mut at = prefix + HEADER_LEN;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&out[prefix..at]);
     for (e, (entry, region)) in manifest.entries().iter().zip(regions).enumerate() {
         let len = len_of(e).min(region.len());
         // Every frame is shorter than u32::MAX: a manifest refuses larger ones.
@@ -243,11 +252,14 @@ pub(crate) fn close_in_place(
         if start != region.start {
             out.copy_within(region.start..region.start + len, start);
         }
+        // The frames were just written by the encoder, each with its own CRC: the bundle's is
+        // combined from theirs instead of read again.
+        crc.update(&out[at..start]);
+        update_with_frame(&mut crc, &out[start..start + len]);
         at = start + len;
     }
     out.truncate(at);
-    let crc = crc32fast::hash(&out[prefix..]);
-    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&crc.finalize().to_le_bytes());
 }
 
 impl Manifest {
@@ -269,8 +281,34 @@ impl Manifest {
         step: Option<u64>,
         mut f: impl FnMut(usize, &[u8], &Params) -> Result<()>,
     ) -> Result<BundleHeader> {
+        // The bundle's checksum is combined from its frames' once each frame's own checksum is
+        // verified (the frames read once, not twice). On any fault the checks run again in
+        // their order, the whole bundle's checksum first, so that the error is the one the
+        // format's order names.
+        let header = match self.check_framing(bundle, rank, step, false) {
+            Ok(header) => header,
+            Err(_) => self.check_framing(bundle, rank, step, true)?,
+        };
+        // Pass 2: hand out the frames.
+        self.walk(bundle, rank, |e, frame| {
+            f(e, frame, &self.params(&self.entries[e], header.step))
+        })?;
+        Ok(header)
+    }
+
+    /// The checks of [`Manifest::check_bundle_with`] before any frame is handed out: with
+    /// `whole_checksum`, the bundle's checksum over its bytes first; without, combined from the
+    /// frames' verified checksums after every other check ([`BundleFault::Checksum`] when it
+    /// differs).
+    fn check_framing(
+        &self,
+        bundle: &[u8],
+        rank: Option<usize>,
+        step: Option<u64>,
+        whole_checksum: bool,
+    ) -> Result<BundleHeader> {
         let fault = |rank: Option<usize>, fault| Error::Bundle { rank, fault };
-        let header = BundleHeader::read(bundle).map_err(|e| match e {
+        let header = BundleHeader::read(bundle, whole_checksum).map_err(|e| match e {
             Error::Bundle { fault: f, .. } => fault(rank, f),
             other => other,
         })?;
@@ -309,16 +347,33 @@ impl Manifest {
             ));
         }
         let body_end = bundle.len() - TRAILER_LEN;
-        // Pass 1: framing and frame headers of every entry.
+        let mut crc = (!whole_checksum).then(|| {
+            let mut crc = crc32fast::Hasher::new();
+            crc.update(&bundle[..HEADER_LEN]);
+            crc
+        });
+        // Pass 1: framing and frame headers (their checksums included) of every entry.
         let mut pos = HEADER_LEN;
         for (e, entry) in self.entries.iter().enumerate() {
+            let at = pos;
             let (id, frame) = self.entry_at(bundle, body_end, &mut pos, rank)?;
             check_id(e, entry, id, frame, rank)?;
             let params = self.params(entry, header.step);
             check_frame_of(&entry.label, rank, frame, &params, entry.len)?;
+            if let Some(crc) = crc.as_mut() {
+                crc.update(&bundle[at..at + ENTRY_HEADER_LEN]);
+                update_with_frame(crc, frame);
+            }
         }
         if pos != body_end {
             return Err(fault(rank, BundleFault::TrailingBytes { offset: pos }));
+        }
+        if let Some(crc) = crc {
+            let stored = u32::from_le_bytes(le(&bundle[body_end..]));
+            let computed = crc.finalize();
+            if stored != computed {
+                return Err(fault(rank, BundleFault::Checksum { stored, computed }));
+            }
         }
         // Valid frames never exceed their bound; kept as a last line of defence.
         if bundle.len() > self.max_bundle_len {
@@ -330,10 +385,6 @@ impl Manifest {
                 },
             ));
         }
-        // Pass 2: hand out the frames.
-        self.walk(bundle, rank, |e, frame| {
-            f(e, frame, &self.params(&self.entries[e], header.step))
-        })?;
         Ok(header)
     }
 

@@ -21,6 +21,25 @@ pub(crate) fn check_frame_of(
         .map_err(|err| frame_error(tensor, rank, frame, expected, n, err))
 }
 
+/// Adds to `crc` the bytes of `frame`, whose last 4 bytes hold the CRC-32 of the bytes before
+/// them (a frame's trailer, `FORMAT.md` 2.5), without reading its body: the CRC of the body is
+/// combined from the trailer (a few hundred operations, whatever the frame's length). For a
+/// frame this crate wrote, or one whose trailer a check ([`gradwire_core::peek`]) verified,
+/// the result is the CRC of the bytes themselves.
+pub(crate) fn update_with_frame(crc: &mut crc32fast::Hasher, frame: &[u8]) {
+    let Some(body_len) = frame.len().checked_sub(4) else {
+        crc.update(frame);
+        return;
+    };
+    let trailer = &frame[body_len..];
+    let body_crc = u32::from_le_bytes([trailer[0], trailer[1], trailer[2], trailer[3]]);
+    crc.combine(&crc32fast::Hasher::new_with_initial_len(
+        body_crc,
+        body_len as u64,
+    ));
+    crc.update(trailer);
+}
+
 /// The error `err` of a check or decode of `frame` (of tensor `tensor`, `n` elements, expected
 /// with `expected`): [`Error::ParamsDiffer`] with both configurations for a parameter
 /// mismatch, [`Error::Core`] otherwise.

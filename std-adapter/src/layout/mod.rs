@@ -22,7 +22,7 @@ pub use self::bucket::{BucketConfig, TopKScope};
 pub use self::bundle::BundleHeader;
 use self::bundle::ENTRY_HEADER_LEN;
 pub use self::frames::CompressedGradient;
-pub(crate) use self::frames::{check_frame_of, frame_error};
+pub(crate) use self::frames::{check_frame_of, frame_error, update_with_frame};
 
 use self::bucket::{Group, group};
 use self::bundle::{HEADER_LEN, TRAILER_LEN, entry_id};
