@@ -369,8 +369,11 @@ impl AllGather {
         // fingerprint is not the first's, the step ends on every rank after one call (the
         // verdict below), whatever the ranks' chunk bounds (another bound is another
         // fingerprint).
-        let whole =
-            self.windows
+        // A group of one gathers its own message: it is read where it is, not copied to itself.
+        let alone = comm.world_size() == 1;
+        let whole = alone
+            || self
+                .windows
                 .all_gather(comm, send, limit, chunk, &mut self.gathered, |first| {
                     let mut fingerprints = first.iter().map(|w| match open(w) {
                         Opened::Payload { fingerprint } => Some(fingerprint),
@@ -379,29 +382,36 @@ impl AllGather {
                     let lead = fingerprints.next().flatten();
                     lead.is_none() || fingerprints.any(|f| f != lead)
                 })?;
+        let messages: Vec<&[u8]> = if alone {
+            vec![send]
+        } else {
+            self.gathered.iter().map(Vec::as_slice).collect()
+        };
         let world_size = comm.world_size();
-        if self.gathered.len() != world_size {
+        if messages.len() != world_size {
             return Err(Error::WorldSize {
                 expected: world_size,
-                got: self.gathered.len(),
+                got: messages.len(),
             });
         }
         // The verdict, from the messages every rank holds: a failed rank first, then an
         // envelope that is not one, then fingerprints that differ.
         let mut own_error = own_error;
-        let fingerprints = gathered_fingerprints(&self.gathered, comm.rank(), &mut own_error)?;
+        let fingerprints = gathered_fingerprints(&messages, comm.rank(), &mut own_error)?;
         let Some((manifest, step, config)) = ours else {
             // Unreachable: this rank's own message is a failure, found above.
             return Err(Error::internal("a failed rank's own message was not found"));
         };
-        check_fingerprints(comm, &fingerprints, config, step, &mut self.gathered)?;
+        // (The naming round, made only when the fingerprints differ, gathers into its own
+        // buffers: the messages are borrowed.)
+        check_fingerprints(comm, &fingerprints, config, step, &mut Vec::new())?;
         if !whole {
             // Unreachable: the windows stopped only on a verdict, found above.
             return Err(Error::internal(
                 "the first windows stopped without a verdict",
             ));
         }
-        let bundles: Vec<&[u8]> = self.gathered.iter().map(|m| &m[ENVELOPE_LEN..]).collect();
+        let bundles: Vec<&[u8]> = messages.iter().map(|m| &m[ENVELOPE_LEN..]).collect();
         // Straight into the output tensors, one entry each; a bucket spans several tensors,
         // so a bucketed manifest goes through the flat layout.
         manifest.shape_outputs(out);
@@ -423,14 +433,14 @@ impl AllGather {
 /// the first one that is not: `own_error` (taken) when it is this rank's own failure,
 /// [`Error::PeerFailed`] for another rank's, [`Error::Collective`] for a message that is not a
 /// payload envelope.
-fn gathered_fingerprints(
-    gathered: &[Vec<u8>],
+fn gathered_fingerprints<M: AsRef<[u8]>>(
+    gathered: &[M],
     me: usize,
     own_error: &mut Option<Error>,
 ) -> Result<Vec<u64>> {
     let mut fingerprints = Vec::with_capacity(gathered.len());
     for (rank, msg) in gathered.iter().enumerate() {
-        match open(msg) {
+        match open(msg.as_ref()) {
             Opened::Payload { fingerprint } => fingerprints.push(fingerprint),
             Opened::Failure(reason) => {
                 return Err(match own_error.take() {
