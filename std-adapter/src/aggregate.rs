@@ -334,6 +334,44 @@ impl Aggregator {
         })
     }
 
+    /// Aggregates entries `first..first + outs.len()` of `manifest` from `count` ranks'
+    /// frames (`frame(rank, entry)`, already checked against the manifest as
+    /// [`Manifest::check_bundle`] checks them) made at `step`, entry `first + i`'s result into
+    /// `outs[i]`: the part of [`Aggregator::aggregate_into_each`] after the checks, for a
+    /// caller that reads bundles as they arrive. [`check_reduction`] is the caller's.
+    ///
+    /// # Errors
+    /// As [`Aggregator::aggregate_into`] for a frame body found invalid or a result that is not
+    /// finite (those entries' slices zeroed); [`Error::Internal`] when `outs` does not match
+    /// the entries.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn aggregate_entries<'f>(
+        &mut self,
+        manifest: &Manifest,
+        count: usize,
+        step: u64,
+        reduction: Reduction,
+        first: usize,
+        frame: &(impl Fn(usize, usize) -> &'f [u8] + Sync),
+        outs: &mut [&mut [f32]],
+    ) -> Result<()> {
+        let entries = manifest
+            .entries()
+            .get(first..first + outs.len())
+            .filter(|es| outs.iter().zip(*es).all(|(o, e)| o.len() == e.len))
+            .ok_or_else(|| Error::internal("output slices that do not match the entries"))?;
+        let exec = self.parallelism.exec_for(manifest.flat_len());
+        let job = Job {
+            manifest,
+            count,
+            step,
+            reduction,
+            exec,
+            lists: &self.lists,
+        };
+        exec.install(|| job.run_entries(first, entries, frame, Out::Each(outs)))
+    }
+
     /// Records where every frame of `bundles` (checked against `manifest`) lies.
     fn locate_frames<B: AsRef<[u8]>>(&mut self, manifest: &Manifest, bundles: &[B]) -> Result<()> {
         let ne = manifest.entries().len();
@@ -467,15 +505,26 @@ impl Job<'_> {
     fn run<'f>(
         &self,
         frame: &(impl Fn(usize, usize) -> &'f [u8] + Sync),
+        out: Out<'_, '_>,
+    ) -> Result<()> {
+        self.run_entries(0, self.manifest.entries(), frame, out)
+    }
+
+    /// As [`Job::run`] for `entries`, the manifest's entries from index `from` on, whose
+    /// outputs `out` holds.
+    fn run_entries<'f>(
+        &self,
+        from: usize,
+        entries: &[Entry],
+        frame: &(impl Fn(usize, usize) -> &'f [u8] + Sync),
         mut out: Out<'_, '_>,
     ) -> Result<()> {
         let first: Mutex<Option<(usize, Error)>> = Mutex::new(None);
-        let entries = self.manifest.entries();
         let whole = match &mut out {
             Out::Flat { out, base } => Out::Flat { out, base: *base },
             Out::Each(outs) => Out::Each(outs),
         };
-        self.for_each_entry(entries, 0, whole, &|e, acc| {
+        self.for_each_entry(entries, from, whole, &|e, acc| {
             if let Err(err) = self.entry(e, acc, frame) {
                 let mut first = first.lock().unwrap_or_else(PoisonError::into_inner);
                 if first.as_ref().is_none_or(|(f, _)| e < *f) {

@@ -1184,6 +1184,135 @@ fn compressed_messages_cross_in_windows_with_the_same_bits() {
     }
 }
 
+/// Issue 46: the all-gather reads each rank's bundle as its windows arrive and adds each
+/// entry as soon as every rank's frame of it is whole. A bundle damaged in a later window (a
+/// frame's byte: found when that entry is whole, after the entries before it were added; the
+/// trailer's: found after every entry was added) fails the step on every rank with the same
+/// error naming the sender, every rank's residuals take back what it sent, and the next step
+/// runs as if nothing happened (the same bits as a group that never saw the damage).
+#[test]
+fn a_bundle_damaged_in_a_later_window_fails_every_rank_alike_and_the_step_after_runs() {
+    const W: usize = 3;
+    const CHUNK: usize = 4096;
+    /// Flips one byte of what rank 1 sends in its `window`-th window call (the middle byte,
+    /// or with `trailer` the last byte of its last window), once.
+    struct Damage<C> {
+        inner: C,
+        window: usize,
+        trailer: bool,
+        appends: usize,
+        done: bool,
+    }
+    impl<C: Communicator> Communicator for Damage<C> {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.inner.world_size()
+        }
+        fn all_gather(
+            &mut self,
+            local: &[u8],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            self.inner.all_gather(local, max_len, out)
+        }
+        fn all_gather_append(
+            &mut self,
+            local: &[u8],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            self.appends += 1;
+            let hit = if self.trailer {
+                !local.is_empty() && local.len() < CHUNK
+            } else {
+                self.appends == self.window
+            };
+            if self.inner.rank() == 1 && hit && !self.done {
+                self.done = true;
+                let mut bad = local.to_vec();
+                let at = if self.trailer {
+                    bad.len() - 1
+                } else {
+                    bad.len() / 2
+                };
+                bad[at] ^= 0x10;
+                return self.inner.all_gather_append(&bad, max_len, out);
+            }
+            self.inner.all_gather_append(local, max_len, out)
+        }
+        fn all_to_all(
+            &mut self,
+            send: &[Vec<u8>],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            self.inner.all_to_all(send, max_len, out)
+        }
+        fn traffic(&self) -> Traffic {
+            self.inner.traffic()
+        }
+    }
+    let method = CompressionMethod::Quantization { bits: 4 }.with_error_feedback();
+    let run = |window: usize, trailer: bool| {
+        let handles: Vec<_> = LocalGroup::new(W)
+            .into_communicators()
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let method = method.clone();
+                std::thread::spawn(move || {
+                    let damage = Damage {
+                        inner: comm,
+                        window,
+                        trailer,
+                        appends: 0,
+                        done: window == 0 && !trailer,
+                    };
+                    let mut ar = CompressedAllReduce::with_communicator(method, Box::new(damage))
+                        .with_collective(Collective::AllGather)
+                        .with_chunk_bytes(CHUNK);
+                    let g = windowed_gradients(rank, 0);
+                    let mut out = HashMap::new();
+                    let first = ar
+                        .all_reduce_into(&g, &mut out)
+                        .err()
+                        .map(|e| e.to_string());
+                    let delayed = residuals_hold(&ar, &g);
+                    ar.all_reduce_into(&windowed_gradients(rank, 1), &mut out)
+                        .unwrap();
+                    (first, delayed, flat(&out))
+                })
+            })
+            .collect::<Vec<_>>();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    };
+    // The reference: no damage; its second step after a first that succeeded.
+    let clean = run(0, false);
+    assert!(clean.iter().all(|(e, _, _)| e.is_none()));
+    for (window, trailer) in [(2, false), (9, false), (0, true)] {
+        let results = run(window, trailer);
+        let (err, _, _) = &results[0];
+        let err = err.as_deref().expect("the damaged step fails");
+        assert!(err.contains("rank 1"), "window {window}: {err}");
+        for (rank, (e, delayed, second)) in results.iter().enumerate() {
+            assert_eq!(e.as_deref(), Some(err), "rank {rank}: the same error");
+            assert!(delayed, "rank {rank}: the sent values came back");
+            // After a failed first step the residuals hold its gradient, so the second step
+            // is not the clean run's second step: it is the same on every rank.
+            assert!(same_bits(second, &results[0].2), "rank {rank}");
+        }
+        if trailer {
+            assert!(err.contains("checksum"), "{err}");
+        }
+    }
+}
+
 /// Issue 46: a rank that stops after the first window of its message (its thread returns,
 /// dropping its communicator) makes every other rank fail, naming it, within the deadline.
 #[test]

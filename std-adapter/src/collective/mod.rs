@@ -27,7 +27,10 @@ use crate::tensor::Tensor;
 
 pub(crate) mod dense;
 pub(crate) mod shard_message;
+mod stream;
 pub(crate) mod two_phase;
+
+use self::stream::Received;
 
 /// Which collective [`crate::CompressedAllReduce`] runs on its communicator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -315,14 +318,18 @@ impl AllGather {
     /// bundle made with the same configuration, aggregates them into `out`'s tensors (reused),
     /// through a flat buffer of the manifest's layout only when the manifest has buckets. After
     /// an error `out`'s values are unspecified. The messages cross `comm` in windows of at most
-    /// `chunk` bytes ([`Windows`]; every rank passes the same `chunk`).
+    /// `chunk` bytes ([`Windows`]; every rank passes the same `chunk`); without buckets, the
+    /// bundles are read and added entry by entry as the windows arrive ([`Received`]), so a
+    /// rank holds no peer's whole bundle. A group of one reads its own message in place.
     ///
     /// # Errors
     /// This rank's own error when its step failed; [`Error::PeerFailed`] naming the first
     /// rank whose step failed, with its reason; [`Error::ConfigDiffers`] naming the first rank
     /// configured otherwise than rank 0 and the field; [`Error::Comm`] when the transport
-    /// fails; [`Error::WorldSize`]; any error of [`Aggregator::aggregate_into`]. Every rank
-    /// returns the same error, except a failed rank, which returns its own.
+    /// fails; [`Error::WorldSize`]; any error of [`Aggregator::aggregate_into`] (read as the
+    /// bundles arrive, a fault in a later entry is found after the entries before it were
+    /// added, and a bundle's checksum last). Every rank returns the same error, except a failed
+    /// rank, which returns its own.
     pub(crate) fn run(
         &mut self,
         comm: &mut dyn Communicator,
@@ -369,42 +376,55 @@ impl AllGather {
         // fingerprint is not the first's, the step ends on every rank after one call (the
         // verdict below), whatever the ranks' chunk bounds (another bound is another
         // fingerprint).
+        let stop = |first: &[Vec<u8>]| {
+            let mut fingerprints = first.iter().map(|w| match open(w) {
+                Opened::Payload { fingerprint } => Some(fingerprint),
+                _ => None,
+            });
+            let lead = fingerprints.next().flatten();
+            lead.is_none() || fingerprints.any(|f| f != lead)
+        };
+        let world_size = comm.world_size();
         // A group of one gathers its own message: it is read where it is, not copied to itself.
-        let alone = comm.world_size() == 1;
+        let alone = world_size == 1;
+        if !alone && let Some((manifest, step, _)) = ours {
+            // Straight into the output tensors, one entry each, as the windows arrive (a
+            // bucket spans several tensors: a bucketed manifest is gathered whole, below).
+            manifest.shape_outputs(out);
+            if let Some(outs) = manifest.entry_outputs(out) {
+                let mut stream =
+                    Received::new(manifest, step, reduction, aggregator, outs, world_size);
+                let mut consume = |bufs: &mut [Vec<u8>], last: bool| stream.consume(bufs, last);
+                self.windows.all_gather_streamed(
+                    comm,
+                    send,
+                    limit,
+                    chunk,
+                    &mut self.gathered,
+                    stop,
+                    &mut consume,
+                )?;
+                if let Some(result) = stream.result() {
+                    return result;
+                }
+                // The first windows hold the step's verdict: read from them, it is an error.
+                let messages: Vec<&[u8]> = self.gathered.iter().map(Vec::as_slice).collect();
+                verdict(comm, &messages, own_error, ours, world_size)?;
+                return Err(Error::internal(
+                    "the first windows stopped the stream without a verdict",
+                ));
+            }
+        }
         let whole = alone
             || self
                 .windows
-                .all_gather(comm, send, limit, chunk, &mut self.gathered, |first| {
-                    let mut fingerprints = first.iter().map(|w| match open(w) {
-                        Opened::Payload { fingerprint } => Some(fingerprint),
-                        _ => None,
-                    });
-                    let lead = fingerprints.next().flatten();
-                    lead.is_none() || fingerprints.any(|f| f != lead)
-                })?;
+                .all_gather(comm, send, limit, chunk, &mut self.gathered, stop)?;
         let messages: Vec<&[u8]> = if alone {
             vec![send]
         } else {
             self.gathered.iter().map(Vec::as_slice).collect()
         };
-        let world_size = comm.world_size();
-        if messages.len() != world_size {
-            return Err(Error::WorldSize {
-                expected: world_size,
-                got: messages.len(),
-            });
-        }
-        // The verdict, from the messages every rank holds: a failed rank first, then an
-        // envelope that is not one, then fingerprints that differ.
-        let mut own_error = own_error;
-        let fingerprints = gathered_fingerprints(&messages, comm.rank(), &mut own_error)?;
-        let Some((manifest, step, config)) = ours else {
-            // Unreachable: this rank's own message is a failure, found above.
-            return Err(Error::internal("a failed rank's own message was not found"));
-        };
-        // (The naming round, made only when the fingerprints differ, gathers into its own
-        // buffers: the messages are borrowed.)
-        check_fingerprints(comm, &fingerprints, config, step, &mut Vec::new())?;
+        let (manifest, step, _) = verdict(comm, &messages, own_error, ours, world_size)?;
         if !whole {
             // Unreachable: the windows stopped only on a verdict, found above.
             return Err(Error::internal(
@@ -426,6 +446,38 @@ impl AllGather {
             }
         }
     }
+}
+
+/// The verdict of an all-gather round, from the `messages` every rank holds (this rank's
+/// `own_error` when it failed, `ours` its step otherwise): a failed rank first, then an
+/// envelope that is not one, then fingerprints that differ (named after one more round).
+/// Returns this rank's step when the step goes on.
+///
+/// # Errors
+/// As [`gathered_fingerprints`] and [`check_fingerprints`]; [`Error::WorldSize`] when the
+/// round did not gather one message per rank.
+fn verdict<'s>(
+    comm: &mut dyn Communicator,
+    messages: &[&[u8]],
+    mut own_error: Option<Error>,
+    ours: Option<(&'s Manifest, u64, &'s Config)>,
+    world_size: usize,
+) -> Result<(&'s Manifest, u64, &'s Config)> {
+    if messages.len() != world_size {
+        return Err(Error::WorldSize {
+            expected: world_size,
+            got: messages.len(),
+        });
+    }
+    let fingerprints = gathered_fingerprints(messages, comm.rank(), &mut own_error)?;
+    let Some((manifest, step, config)) = ours else {
+        // Unreachable: this rank's own message is a failure, found above.
+        return Err(Error::internal("a failed rank's own message was not found"));
+    };
+    // (The naming round, made only when the fingerprints differ, gathers into its own
+    // buffers: the messages are borrowed.)
+    check_fingerprints(comm, &fingerprints, config, step, &mut Vec::new())?;
+    Ok((manifest, step, config))
 }
 
 /// The fingerprints of a round of envelopes every rank holds (the all-gather's, the dense f32

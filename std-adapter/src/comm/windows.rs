@@ -35,6 +35,10 @@
 
 use super::{CommError, Communicator, check_lengths};
 
+/// A stream's consumer: the messages as they arrived (it may remove bytes from their fronts),
+/// and whether every message arrived whole.
+pub(crate) type Consume<'c> = dyn FnMut(&mut [Vec<u8>], bool) + 'c;
+
 /// Bytes of one rank's all-gather header: total length, limit (`u64` LE each).
 const GATHER_HEADER: usize = 16;
 
@@ -66,6 +70,8 @@ pub(crate) struct Windows {
     totals: Vec<usize>,
     /// Each message's length before a window round appended to it.
     lens: Vec<usize>,
+    /// Bytes of each message arrived so far (a stream's consumer may have removed some).
+    arrived: Vec<usize>,
 }
 
 fn read_u64(bytes: &[u8], at: usize) -> usize {
@@ -104,10 +110,52 @@ impl Windows {
         out: &mut Vec<Vec<u8>>,
         stop: impl Fn(&[Vec<u8>]) -> bool,
     ) -> Result<bool, CommError> {
+        self.gather(comm, local, max_len, chunk, out, &stop, None)
+    }
+
+    /// As [`Windows::all_gather`], handing the messages to `consume` as they arrive: after
+    /// the first windows (unless `stop` holds for them) and after every later round, with
+    /// `true` after the last. `consume` may remove bytes from the front of any message (the
+    /// bytes it has used); what arrives later is appended to what it left. A message is then
+    /// never held whole unless `consume` keeps it, and `out` holds, after the call, what
+    /// `consume` left. `Ok(false)` as for [`Windows::all_gather`] (then `consume` was not
+    /// called).
+    ///
+    /// # Errors
+    /// As [`Windows::all_gather`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn all_gather_streamed(
+        &mut self,
+        comm: &mut dyn Communicator,
+        local: &[u8],
+        max_len: usize,
+        chunk: usize,
+        out: &mut Vec<Vec<u8>>,
+        stop: impl Fn(&[Vec<u8>]) -> bool,
+        consume: &mut Consume<'_>,
+    ) -> Result<bool, CommError> {
+        self.gather(comm, local, max_len, chunk, out, &stop, Some(consume))
+    }
+
+    /// The all-gather of [`Windows::all_gather`], streamed into `consume` when given.
+    #[allow(clippy::too_many_arguments)]
+    fn gather(
+        &mut self,
+        comm: &mut dyn Communicator,
+        local: &[u8],
+        max_len: usize,
+        chunk: usize,
+        out: &mut Vec<Vec<u8>>,
+        stop: &dyn Fn(&[Vec<u8>]) -> bool,
+        mut consume: Option<&mut Consume<'_>>,
+    ) -> Result<bool, CommError> {
         let chunk = chunk.max(MIN_WINDOW);
         let first = local.len().min(chunk);
         comm.all_gather(&local[..first], max_len.min(chunk), out)?;
         if out.iter().all(|w| w.len() < chunk) {
+            if let Some(consume) = consume.as_mut() {
+                consume(out, true);
+            }
             return Ok(true);
         }
         if stop(out) {
@@ -142,19 +190,44 @@ impl Windows {
                 .map(|(&total, h)| (total, read_u64(h, 8))),
         )?;
         // The first window is the message's start: full exactly when the message is longer.
+        self.arrived.clear();
         for (r, (&total, got)) in self.totals.iter().zip(out.iter_mut()).enumerate() {
             let due = total.min(chunk);
             if got.len() != due {
                 return Err(window_error(r, got.len(), due));
             }
-            // Within the group's smallest limit, at most this rank's own `max_len`.
-            reserve(got, total - due, r)?;
+            self.arrived.push(due);
+            // Within the group's smallest limit, at most this rank's own `max_len`. A stream
+            // grows its messages window by window instead (its consumer removes what it used).
+            if consume.is_none() {
+                reserve(got, total - due, r)?;
+            }
+        }
+        let mut whole = self.arrived == self.totals;
+        if let Some(consume) = consume.as_mut() {
+            consume(out, whole);
         }
         let mut done = first;
-        while out.iter().zip(&self.totals).any(|(m, &t)| m.len() < t) {
+        while !whole {
             let next = local.len().min(done + chunk);
             self.lens.clear();
             self.lens.extend(out.iter().map(Vec::len));
+            if consume.is_some() {
+                for (r, (msg, (&total, &arrived))) in out
+                    .iter_mut()
+                    .zip(self.totals.iter().zip(&self.arrived))
+                    .enumerate()
+                {
+                    let due = (total - arrived).min(chunk);
+                    if msg.capacity() - msg.len() < due {
+                        msg.try_reserve(due).map_err(|_| {
+                            CommError::Transport(format!(
+                                "cannot allocate {due} bytes for the message of rank {r}"
+                            ))
+                        })?;
+                    }
+                }
+            }
             comm.all_gather_append(&local[done..next], chunk, out)?;
             done = next;
             if out.len() != self.totals.len() {
@@ -164,13 +237,21 @@ impl Windows {
                     self.totals.len()
                 )));
             }
-            for (r, ((msg, &before), &total)) in
-                out.iter().zip(&self.lens).zip(&self.totals).enumerate()
+            for (r, ((msg, &before), (&total, arrived))) in out
+                .iter()
+                .zip(&self.lens)
+                .zip(self.totals.iter().zip(self.arrived.iter_mut()))
+                .enumerate()
             {
-                let due = (total - before).min(chunk);
+                let due = (total - *arrived).min(chunk);
                 if msg.len() != before + due {
                     return Err(window_error(r, msg.len().saturating_sub(before), due));
                 }
+                *arrived += due;
+            }
+            whole = self.arrived == self.totals;
+            if let Some(consume) = consume.as_mut() {
+                consume(out, whole);
             }
         }
         Ok(true)

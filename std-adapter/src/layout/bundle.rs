@@ -262,6 +262,181 @@ pub(crate) fn close_in_place(
     out.extend_from_slice(&crc.finalize().to_le_bytes());
 }
 
+/// One rank's bundle read as its bytes arrive, with the checks of
+/// [`Manifest::check_bundle`] in the order the bytes come: the header (magic, version,
+/// reserved fields, rank, step, entry count) once its 24 bytes are there, each entry (id,
+/// frame checksum, element count, parameters) once it is whole, and the bundle's checksum,
+/// combined from the frames' ([`update_with_frame`]), and its end after the last entry. The
+/// faults are [`Manifest::check_bundle`]'s, except that a bundle's checksum is checked last
+/// (a damaged frame is named by its own checksum first) and that a wrong entry count does not
+/// name where the entries differ.
+#[derive(Debug, Default)]
+pub(crate) struct BundleStream {
+    crc: Option<crc32fast::Hasher>,
+    /// Bytes of the bundle read so far.
+    read: usize,
+    /// Entries read so far.
+    entries: usize,
+}
+
+impl BundleStream {
+    /// Reads the header from `bytes` (the bundle's first bytes): `Ok(None)` when fewer than
+    /// its 24 bytes are there, else the bytes read.
+    ///
+    /// # Errors
+    /// [`Error::Bundle`] naming `rank`: [`BundleFault::BadMagic`],
+    /// [`BundleFault::UnsupportedVersion`], [`BundleFault::Reserved`], [`BundleFault::Rank`],
+    /// [`BundleFault::Step`], [`BundleFault::EntryCount`].
+    pub(crate) fn read_header(
+        &mut self,
+        manifest: &Manifest,
+        bytes: &[u8],
+        rank: usize,
+        step: u64,
+    ) -> Result<Option<usize>> {
+        let Some(head) = bytes.get(..HEADER_LEN) else {
+            return Ok(None);
+        };
+        let fault = |fault| Error::Bundle {
+            rank: Some(rank),
+            fault,
+        };
+        if head[..4] != BUNDLE_MAGIC {
+            return Err(fault(BundleFault::BadMagic));
+        }
+        if head[4] != BUNDLE_VERSION {
+            return Err(fault(BundleFault::UnsupportedVersion { version: head[4] }));
+        }
+        if head[5] != 0 {
+            return Err(fault(BundleFault::Reserved { offset: 5 }));
+        }
+        if head[6] != 0 || head[7] != 0 {
+            return Err(fault(BundleFault::Reserved { offset: 6 }));
+        }
+        let declared = u32::from_le_bytes(le(&head[8..12]));
+        if usize::try_from(declared).ok() != Some(rank) {
+            return Err(fault(BundleFault::Rank {
+                expected: rank,
+                got: u64::from(declared),
+            }));
+        }
+        let got_step = u64::from_le_bytes(le(&head[16..24]));
+        if got_step != step {
+            return Err(fault(BundleFault::Step {
+                expected: step,
+                got: got_step,
+            }));
+        }
+        let entries = u32::from_le_bytes(le(&head[12..16]));
+        if entries as usize != manifest.entries.len() {
+            return Err(fault(BundleFault::EntryCount {
+                expected: manifest.entries.len(),
+                got: u64::from(entries),
+                first_difference: None,
+            }));
+        }
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(head);
+        self.crc = Some(crc);
+        self.read = HEADER_LEN;
+        Ok(Some(HEADER_LEN))
+    }
+
+    /// Whether the header was read.
+    pub(crate) fn has_header(&self) -> bool {
+        self.crc.is_some()
+    }
+
+    /// Whether the next entry is whole in `bytes` (which start at it).
+    pub(crate) fn entry_ready(bytes: &[u8]) -> bool {
+        bytes.get(8..ENTRY_HEADER_LEN).is_some_and(|len| {
+            let len = u32::from_le_bytes(le(len)) as usize;
+            bytes.len() - ENTRY_HEADER_LEN >= len
+        })
+    }
+
+    /// Reads the next entry from `bytes` (which start at it, whole: [`BundleStream::entry_ready`])
+    /// and checks it against `manifest`'s entry at `step`: its frame and the bytes read.
+    ///
+    /// # Errors
+    /// As [`Manifest::check_bundle`] for an entry ([`Error::UnexpectedEntry`],
+    /// [`Error::ParamsDiffer`], [`Error::Core`]), naming `rank`; [`Error::Bundle`] with
+    /// [`BundleFault::Truncated`] when the entry is not whole, or with
+    /// [`BundleFault::TrailingBytes`] when the manifest has no more entries.
+    pub(crate) fn read_entry<'b>(
+        &mut self,
+        manifest: &Manifest,
+        bytes: &'b [u8],
+        rank: usize,
+        step: u64,
+    ) -> Result<(&'b [u8], usize)> {
+        let Some(entry) = manifest.entries.get(self.entries) else {
+            return Err(Error::Bundle {
+                rank: Some(rank),
+                fault: BundleFault::TrailingBytes { offset: self.read },
+            });
+        };
+        let mut pos = 0;
+        let (id, frame) = manifest.entry_at(bytes, bytes.len(), &mut pos, Some(rank))?;
+        check_id(self.entries, entry, id, frame, Some(rank))?;
+        let params = manifest.params(entry, step);
+        check_frame_of(&entry.label, Some(rank), frame, &params, entry.len)?;
+        if let Some(crc) = self.crc.as_mut() {
+            crc.update(&bytes[..ENTRY_HEADER_LEN]);
+            update_with_frame(crc, frame);
+        }
+        self.entries += 1;
+        self.read += pos;
+        Ok((frame, pos))
+    }
+
+    /// Ends the bundle: `rest` is every byte after the last entry (all of them arrived).
+    ///
+    /// # Errors
+    /// [`Error::Bundle`] naming `rank`: [`BundleFault::Truncated`] when the header or an entry
+    /// never became whole, [`BundleFault::TrailingBytes`] when more than the trailer follows
+    /// the last entry, [`BundleFault::Checksum`] when the trailer does not match.
+    pub(crate) fn finish(&self, manifest: &Manifest, rest: &[u8], rank: usize) -> Result<()> {
+        let fault = |fault| Error::Bundle {
+            rank: Some(rank),
+            fault,
+        };
+        let got = self.read + rest.len();
+        let Some(crc) = self.crc.as_ref() else {
+            return Err(fault(BundleFault::Truncated {
+                needed: HEADER_LEN + TRAILER_LEN,
+                got,
+            }));
+        };
+        if self.entries < manifest.entries.len() {
+            // The next entry never became whole: at least its header and the frame its length
+            // declares were due.
+            let frame = rest
+                .get(8..ENTRY_HEADER_LEN)
+                .map_or(0, |len| u32::from_le_bytes(le(len)) as usize);
+            return Err(fault(BundleFault::Truncated {
+                needed: (self.read + ENTRY_HEADER_LEN + TRAILER_LEN).saturating_add(frame),
+                got,
+            }));
+        }
+        if rest.len() < TRAILER_LEN {
+            return Err(fault(BundleFault::Truncated {
+                needed: self.read + TRAILER_LEN,
+                got,
+            }));
+        }
+        if rest.len() > TRAILER_LEN {
+            return Err(fault(BundleFault::TrailingBytes { offset: self.read }));
+        }
+        let stored = u32::from_le_bytes(le(rest));
+        let computed = crc.clone().finalize();
+        if stored != computed {
+            return Err(fault(BundleFault::Checksum { stored, computed }));
+        }
+        Ok(())
+    }
+}
+
 impl Manifest {
     /// Checks a bundle against the manifest without decoding its frames' bodies: the header
     /// (magic, version, reserved fields, checksum), the rank and step when given, the entry
