@@ -434,9 +434,14 @@ impl TwoPhase {
                 seal_failure(e, msg);
             }
         }
-        if let Err(e) = self
-            .windows
-            .all_to_all(comm, &self.send, limit, chunk, &mut self.recv)
+        // A group of one sends its shard message to itself: it is read where it was written
+        // (the buffers swap for the owner's part, and back).
+        let alone = world == 1;
+        if alone {
+            std::mem::swap(&mut self.send, &mut self.recv);
+        } else if let Err(e) =
+            self.windows
+                .all_to_all(comm, &self.send, limit, chunk, &mut self.recv)
         {
             // A length over the limit is the group's common verdict, before anyone used a
             // byte: the step is undone. Other transport errors may strike some ranks only, and
@@ -450,19 +455,23 @@ impl TwoPhase {
             }
             return Err(e.into());
         }
-        if self.recv.len() != world {
-            return Err(Error::WorldSize {
+        let verdict = if self.recv.len() != world {
+            Err(Error::WorldSize {
                 expected: world,
                 got: self.recv.len(),
-            });
-        }
-
-        // The owner's part.
-        let verdict = match (own_error.take(), &step_data) {
-            (Some(e), _) => Some(Verdict::Own(e)),
-            (None, Some(step)) => self.reduce_own_shard(step, world, me, out).err(),
-            (None, None) => Some(Verdict::Own(Error::internal("no step and no error"))),
+            })
+        } else {
+            // The owner's part.
+            Ok(match (own_error.take(), &step_data) {
+                (Some(e), _) => Some(Verdict::Own(e)),
+                (None, Some(step)) => self.reduce_own_shard(step, world, me, out).err(),
+                (None, None) => Some(Verdict::Own(Error::internal("no step and no error"))),
+            })
         };
+        if alone {
+            std::mem::swap(&mut self.send, &mut self.recv);
+        }
+        let verdict = verdict?;
         let mut own_error = None;
         match verdict {
             None => {}
@@ -491,7 +500,12 @@ impl TwoPhase {
                 &mut self.phase2,
             ),
         }
-        if let Err(e) =
+        if alone {
+            // As in phase 1: the owner's message is read where it was written.
+            self.gathered.truncate(1);
+            self.gathered.resize_with(1, Vec::new);
+            std::mem::swap(&mut self.phase2, &mut self.gathered[0]);
+        } else if let Err(e) =
             self.windows
                 .all_gather(comm, &self.phase2, limit, chunk, &mut self.gathered, |_| {
                     false
@@ -511,12 +525,15 @@ impl TwoPhase {
         }
 
         let result = self.finish(
-            me,
+            (me, world),
             (fingerprint, manifest),
             own_error,
             step_data.as_ref(),
             out,
         );
+        if alone {
+            std::mem::swap(&mut self.phase2, &mut self.gathered[0]);
+        }
         if result.is_err()
             && let Some(mut step) = step_data
         {
@@ -529,19 +546,18 @@ impl TwoPhase {
     /// The decision from the phase-2 messages (the same on every rank), then the decode.
     fn finish(
         &mut self,
-        me: usize,
+        (me, world): (usize, usize),
         (fingerprint, manifest): (u64, &Manifest),
         mut own_error: Option<Error>,
         step: Option<&Step<'_>>,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
-        if self.gathered.len() != self.recv.len() {
+        if self.gathered.len() != world {
             return Err(Error::WorldSize {
-                expected: self.recv.len(),
+                expected: world,
                 got: self.gathered.len(),
             });
         }
-        let world = self.gathered.len();
         for (rank, msg) in self.gathered.iter().enumerate() {
             match open(msg) {
                 // Made for this step and configuration.
@@ -593,7 +609,6 @@ impl TwoPhase {
                 }
             }
         }
-        debug_assert_eq!(world, self.recv.len());
         let (Some(step), Some(layout)) = (step, &self.layout) else {
             return Err(Error::internal("a failed rank's own message was not found"));
         };
