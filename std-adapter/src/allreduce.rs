@@ -456,7 +456,11 @@ impl CompressedAllReduce {
     }
 
     /// Drops this rank's server residuals (two-phase), for example before a restart at another
-    /// world size (the residuals belong to one shard layout).
+    /// world size (the residuals belong to one shard layout): the next step starts them at
+    /// zero. A run whose first two-phase step with server residuals is past step 0 (a worker
+    /// checkpoint loaded) fails that step with [`Error::Config`] until it either loads the server
+    /// residuals of the same moment ([`CompressedAllReduce::load_server_residuals`]) or calls
+    /// this.
     pub fn discard_server_residuals(&mut self) {
         self.two_phase.discard_server_residuals();
     }

@@ -200,4 +200,10 @@ impl AllReduce {
         py.detach(|| inner.load_server_residuals(&path))
             .map_err(|e| library_error(e, Side::Payload))
     }
+
+    /// Drops this rank's server residuals (two-phase): the next step starts them at zero (an
+    /// elastic restart, or a resume that chooses not to load them).
+    fn discard_server_residuals(&mut self) {
+        self.inner().discard_server_residuals();
+    }
 }

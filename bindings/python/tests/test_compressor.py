@@ -277,3 +277,44 @@ def test_a_copy_beyond_memory_raises_memory_error():
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert "MemoryError: tensor \"w\": cannot allocate 50000000 elements" in done.stdout, done.stdout
+
+
+class _AloneCommunicator:
+    """A group of one rank: what it sends is what it receives (a real world of size 1)."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, data, lengths):
+        return [bytes(data)]
+
+    def all_to_all(self, send, recv_lengths):
+        return [bytes(b) for b in send]
+
+
+def test_a_resume_without_server_residuals_fails_until_loaded_or_discarded(tmp_path, grads_step1, grads_step2):
+    """Issue 48 class 4: workers resumed on the two-phase collective without the server residuals
+    of the same moment would restart the owners from zeros, silently; the step fails until the
+    caller loads them or discards them."""
+    method = "sign scale=mean-abs:1024"
+    a = gradwire.AllReduce(method, _AloneCommunicator(), collective="two-phase")
+    a.all_reduce(grads_step1)
+    a.save(tmp_path / "worker.safetensors")
+    a.save_server_residuals(tmp_path / "server.safetensors")
+    expected = a.all_reduce(grads_step2)
+
+    b = gradwire.AllReduce(method, _AloneCommunicator(), collective="two-phase")
+    b.load(tmp_path / "worker.safetensors")
+    with pytest.raises(ValueError, match="discard_server_residuals"):
+        b.all_reduce(grads_step2)
+
+    both = gradwire.AllReduce(method, _AloneCommunicator(), collective="two-phase")
+    both.load(tmp_path / "worker.safetensors")
+    both.load_server_residuals(tmp_path / "server.safetensors")
+    got = both.all_reduce(grads_step2)
+    assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in expected.items()}
+
+    c = gradwire.AllReduce(method, _AloneCommunicator(), collective="two-phase")
+    c.load(tmp_path / "worker.safetensors")
+    c.discard_server_residuals()
+    c.all_reduce(grads_step2)

@@ -824,6 +824,55 @@ fn server_residual_checkpoints_resume_bit_for_bit_and_refuse_another_layout() {
             assert!(same_bits(a, b), "resumed from the files: bit-identical");
         }
     }
+    // Issue 48 class 4: the workers resumed without the server residuals. Their first step
+    // fails on every rank (the owners would have started from zeros, silently dropping what
+    // they kept), step after step, until the caller discards them (zeros by choice) or loads
+    // them.
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(method(), Box::new(comm))
+                    .with_collective(Collective::TwoPhase);
+                ar.compressor_mut()
+                    .load_feedback(dir.join(format!("worker-{rank}")))
+                    .unwrap();
+                let residuals = |ar: &CompressedAllReduce| -> Vec<f32> {
+                    let g = gradients(rank, 0);
+                    let mut names: Vec<&String> = g.keys().collect();
+                    names.sort();
+                    let fb = ar.compressor().feedback().unwrap();
+                    names
+                        .iter()
+                        .flat_map(|n| fb.residual(n).unwrap().to_vec())
+                        .collect()
+                };
+                let loaded = residuals(&ar);
+                let errors: Vec<String> = (3..5)
+                    .map(|s| ar.all_reduce(&gradients(rank, s)).unwrap_err().to_string())
+                    .collect();
+                let kept = same_bits(&residuals(&ar), &loaded);
+                ar.discard_server_residuals();
+                ar.all_reduce(&gradients(rank, 5)).unwrap();
+                (errors, kept)
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let (errors, kept) = h.join().unwrap();
+        for e in &errors {
+            // Rank 0 names its own failure; its peers name rank 0's.
+            assert!(e.contains("server residuals"), "rank {rank}: {e}");
+            assert!(e.contains("discard_server_residuals"), "rank {rank}: {e}");
+        }
+        assert!(
+            kept,
+            "rank {rank}: nothing was sent, the worker's residuals are as loaded"
+        );
+    }
     // Another world size: refused on load.
     let comms = LocalGroup::new(W + 1).into_communicators();
     let mut ar = CompressedAllReduce::with_communicator(

@@ -102,6 +102,10 @@ pub(crate) struct TwoPhase {
     undo_valid: bool,
     /// Whether the last step's owner kept a server residual (error feedback, mean or sum).
     server_feedback: bool,
+    /// Whether this rank's server residuals are known to be this run's: a step made them, they
+    /// were loaded (pending), or the caller discarded them (zeros by choice). A run that starts
+    /// past step 0 without any of these resumed its workers alone.
+    server_known: bool,
     /// Owners whose phase-1 frames this rank made in the current step (what a failed step
     /// gives back to the worker's residuals).
     made: usize,
@@ -355,6 +359,7 @@ impl TwoPhase {
 
     /// Drops every server residual (for example before a restart at another world size).
     pub(crate) fn discard_server_residuals(&mut self) {
+        self.server_known = true;
         self.server.clear();
         self.pending = None;
         self.pending_layout = None;
@@ -691,6 +696,15 @@ impl TwoPhase {
         // Server residuals only where the owner's step keeps one (error feedback, a mean or
         // sum): a method without error feedback holds none, and copies none for its undo.
         self.server_feedback = has_server_feedback(step);
+        if self.server_feedback && !self.server_known && self.pending.is_none() && step.step > 0 {
+            // Zeros here would silently drop what the owners kept before the resume (issue 48
+            // class 4): the caller says which state the run continues from.
+            return Err(Error::config(format!(
+                "this run starts at step {} with server residuals on the two-phase collective                  but holds none (a worker checkpoint resumed without its server residuals?):                  load_server_residuals with the file saved at the same moment, or                  discard_server_residuals to start them at zero",
+                step.step
+            )));
+        }
+        self.server_known = true;
         if self.server_feedback && self.server.len() != layout.shard_lens[me] {
             self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
         }

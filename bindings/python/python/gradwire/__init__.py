@@ -247,6 +247,15 @@ class AllReduce:
         """Restores server residuals written by this rank at the same world size."""
         self._inner.load_server_residuals(_path_of(path))
 
+    def discard_server_residuals(self) -> None:
+        """Drops this rank's server residuals: the next step starts them at zero.
+
+        A run resumed from worker checkpoints (``load``) past step 0 on the two-phase
+        collective fails its steps until it either loads the server residuals saved at the
+        same moment (``load_server_residuals``) or calls this.
+        """
+        self._inner.discard_server_residuals()
+
 
 def _path_of(path: Any) -> str:
     """A file path from ``str``, ``bytes`` or ``os.PathLike`` (``os.fspath``); ``TypeError`` for
