@@ -457,10 +457,10 @@ impl CompressedAllReduce {
 
     /// Drops this rank's server residuals (two-phase), for example before a restart at another
     /// world size (the residuals belong to one shard layout): the next step starts them at
-    /// zero. A run whose first two-phase step with server residuals is past step 0 (a worker
-    /// checkpoint loaded) fails that step with [`Error::Config`] until it either loads the server
-    /// residuals of the same moment ([`CompressedAllReduce::load_server_residuals`]) or calls
-    /// this.
+    /// zero. A run whose first step (on any collective) is past step 0, its workers resumed
+    /// from a checkpoint, fails every two-phase step that keeps server residuals with
+    /// [`Error::Config`] until it either loads the server residuals of the same moment
+    /// ([`CompressedAllReduce::load_server_residuals`]) or calls this.
     pub fn discard_server_residuals(&mut self) {
         self.two_phase.discard_server_residuals();
     }
@@ -589,6 +589,7 @@ impl CompressedAllReduce {
         // this rank; the step advances as on the peers, so the group stays in step.
         let rank = comm.rank();
         let step = self.compressor.step();
+        self.two_phase.note_step(step);
         let method = self.compressor.method().core_method();
         let seed = self.compressor.seed();
         let method_ok = method.as_ref().ok().copied();

@@ -873,6 +873,29 @@ fn server_residual_checkpoints_resume_bit_for_bit_and_refuse_another_layout() {
             "rank {rank}: nothing was sent, the worker's residuals are as loaded"
         );
     }
+    // Not a resume: a run whose step 0 failed in the agreement round (a rank's NaN, found
+    // before the collective) goes on at step 1 with its server residuals at zero.
+    let comms = LocalGroup::new(W).into_communicators();
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || {
+                let mut ar = CompressedAllReduce::with_communicator(method(), Box::new(comm))
+                    .with_collective(Collective::TwoPhase);
+                let mut bad = gradients(rank, 0);
+                if rank == 1 {
+                    bad.get_mut("d.weight").unwrap().data_mut()[7] = f32::NAN;
+                }
+                assert!(ar.all_reduce(&bad).is_err());
+                ar.all_reduce(&gradients(rank, 1)).map(|_| ())
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let step1 = h.join().unwrap();
+        assert!(step1.is_ok(), "rank {rank}: {step1:?}");
+    }
     // Another world size: refused on load.
     let comms = LocalGroup::new(W + 1).into_communicators();
     let mut ar = CompressedAllReduce::with_communicator(

@@ -2,8 +2,11 @@
 //! bundle is read window by window ([`BundleStream`]), every entry is aggregated into its
 //! output as soon as all `W` ranks' frames of it are whole (ranks in order, as
 //! [`Aggregator::aggregate_into`] adds them), and the bytes used are dropped. A receiver then
-//! holds, per rank, the entry being received and at most one window more, where it held every
-//! rank's whole bundle (`W` x the bundle: 4 x 249 MB for dense bf16 on GPT-2-small at W = 4).
+//! holds, per rank, what arrived of the entries not yet whole on every rank (with frames of
+//! the same length on every rank, as dense, quantization and sign send: the entry being
+//! received and at most a window more), where it held every rank's whole bundle (`W` x the
+//! bundle: 4 x 249 MB for dense bf16 on GPT-2-small at W = 4). A rank whose frames are shorter
+//! (a sparse method) runs ahead of the others by up to their difference.
 //!
 //! The checks are [`Manifest::check_bundle`]'s, in the order the bytes come (entry by entry,
 //! ranks in order within an entry), so a fault is found after the entries before it were
@@ -81,9 +84,9 @@ impl<'a, 'o> Received<'a, 'o> {
         }
     }
 
-    /// Takes what arrived in `bufs` (one buffer per rank, each the unread rest of its
-    /// message), `last` once every message arrived whole: aggregates the entries whole on
-    /// every rank and removes the bytes read. After an error the bytes are dropped as they
+    /// Takes what arrived in `bufs` (one buffer per rank, each its message's bytes from where
+    /// this stream last cut it), `last` once every message arrived whole: aggregates the
+    /// entries whole on every rank and removes the bytes read (see below). After an error the bytes are dropped as they
     /// come, so that the windows still run to their end on every rank.
     pub(crate) fn consume(&mut self, bufs: &mut [Vec<u8>], last: bool) {
         if self.go.is_none() {
@@ -113,9 +116,17 @@ impl<'a, 'o> Received<'a, 'o> {
             self.at.fill(0);
             return;
         }
+        // The bytes read are dropped once they are at least half of a buffer (or all of it), so
+        // that what stays is moved at most once for every byte dropped, however far one rank's
+        // bundle runs ahead of the others'.
         for (buf, at) in bufs.iter_mut().zip(&mut self.at) {
-            buf.drain(..*at);
-            *at = 0;
+            if *at == buf.len() {
+                buf.clear();
+                *at = 0;
+            } else if 2 * *at >= buf.len() {
+                buf.drain(..*at);
+                *at = 0;
+            }
         }
     }
 

@@ -80,6 +80,20 @@ enum Verdict {
     },
 }
 
+/// Where a rank's server residuals come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ServerOrigin {
+    /// The run began at step 0: they start at zero.
+    Fresh,
+    /// The run began past step 0 (its workers resumed) and they were neither loaded nor
+    /// discarded: a step that keeps them fails until one of the two.
+    Resumed,
+    /// Loaded from a checkpoint (checked against the run at the next step).
+    Loaded,
+    /// Discarded by the caller: zeros by choice.
+    Discarded,
+}
+
 /// Buffers and server residuals of the two-phase collective, kept between calls.
 #[derive(Debug, Default)]
 pub(crate) struct TwoPhase {
@@ -102,10 +116,11 @@ pub(crate) struct TwoPhase {
     undo_valid: bool,
     /// Whether the last step's owner kept a server residual (error feedback, mean or sum).
     server_feedback: bool,
-    /// Whether this rank's server residuals are known to be this run's: a step made them, they
-    /// were loaded (pending), or the caller discarded them (zeros by choice). A run that starts
-    /// past step 0 without any of these resumed its workers alone.
-    server_known: bool,
+    /// Where this rank's server residuals come from, decided at the all-reduce's first step
+    /// ([`TwoPhase::note_step`]) and by loads and discards.
+    origin: Option<ServerOrigin>,
+    /// The step of the all-reduce's first call.
+    first_step: u64,
     /// Owners whose phase-1 frames this rank made in the current step (what a failed step
     /// gives back to the worker's residuals).
     made: usize,
@@ -205,6 +220,7 @@ impl TwoPhase {
     /// (when the layout is known).
     #[cfg(test)]
     pub(crate) fn set_server_residuals(&mut self, residuals: HashMap<String, Vec<f32>>) {
+        self.origin = Some(ServerOrigin::Loaded);
         self.pending = Some(residuals);
         self.pending_layout = None;
         self.pending_method = None;
@@ -282,6 +298,7 @@ impl TwoPhase {
         self.pending_step = Some(fb.step());
         self.pending = Some(fb.into_residuals().collect());
         self.pending_layout = saved_layout;
+        self.origin = Some(ServerOrigin::Loaded);
         Ok(())
     }
 
@@ -357,9 +374,24 @@ impl TwoPhase {
         Ok(())
     }
 
+    /// Records the step of the all-reduce's first call, on any route and whatever its outcome:
+    /// a run that begins past step 0 resumed its workers, and its server residuals (if the
+    /// two-phase collective ever keeps them) must be loaded or discarded by the caller; one
+    /// that begins at step 0 starts them at zero.
+    pub(crate) fn note_step(&mut self, step: u64) {
+        if self.origin.is_none() {
+            self.first_step = step;
+            self.origin = Some(if step == 0 {
+                ServerOrigin::Fresh
+            } else {
+                ServerOrigin::Resumed
+            });
+        }
+    }
+
     /// Drops every server residual (for example before a restart at another world size).
     pub(crate) fn discard_server_residuals(&mut self) {
-        self.server_known = true;
+        self.origin = Some(ServerOrigin::Discarded);
         self.server.clear();
         self.pending = None;
         self.pending_layout = None;
@@ -696,15 +728,20 @@ impl TwoPhase {
         // Server residuals only where the owner's step keeps one (error feedback, a mean or
         // sum): a method without error feedback holds none, and copies none for its undo.
         self.server_feedback = has_server_feedback(step);
-        if self.server_feedback && !self.server_known && self.pending.is_none() && step.step > 0 {
+        if self.server_feedback
+            && self.origin == Some(ServerOrigin::Resumed)
+            && self.pending.is_none()
+        {
             // Zeros here would silently drop what the owners kept before the resume (issue 48
             // class 4): the caller says which state the run continues from.
             return Err(Error::config(format!(
-                "this run starts at step {} with server residuals on the two-phase collective                  but holds none (a worker checkpoint resumed without its server residuals?):                  load_server_residuals with the file saved at the same moment, or                  discard_server_residuals to start them at zero",
-                step.step
+                "this run began at step {} with server residuals on the two-phase collective \
+                 but holds none (a worker checkpoint resumed without its server residuals?): \
+                 load_server_residuals with the file saved at the same moment, or \
+                 discard_server_residuals to start them at zero",
+                self.first_step
             )));
         }
-        self.server_known = true;
         if self.server_feedback && self.server.len() != layout.shard_lens[me] {
             self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
         }

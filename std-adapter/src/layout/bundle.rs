@@ -395,7 +395,9 @@ impl BundleStream {
     /// # Errors
     /// [`Error::Bundle`] naming `rank`: [`BundleFault::Truncated`] when the header or an entry
     /// never became whole, [`BundleFault::TrailingBytes`] when more than the trailer follows
-    /// the last entry, [`BundleFault::Checksum`] when the trailer does not match.
+    /// the last entry, [`BundleFault::TooLarge`] for a bundle beyond
+    /// [`Manifest::max_bundle_len`], [`BundleFault::Checksum`] when the trailer does not
+    /// match.
     pub(crate) fn finish(&self, manifest: &Manifest, rest: &[u8], rank: usize) -> Result<()> {
         let fault = |fault| Error::Bundle {
             rank: Some(rank),
@@ -427,6 +429,14 @@ impl BundleStream {
         }
         if rest.len() > TRAILER_LEN {
             return Err(fault(BundleFault::TrailingBytes { offset: self.read }));
+        }
+        // As `check_bundle`: valid frames never exceed their bound (a frame may be valid alone
+        // with an index codec larger than the one the bound counts).
+        if got > manifest.max_bundle_len {
+            return Err(fault(BundleFault::TooLarge {
+                limit: manifest.max_bundle_len,
+                got,
+            }));
         }
         let stored = u32::from_le_bytes(le(rest));
         let computed = crc.clone().finalize();
