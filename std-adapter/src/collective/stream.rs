@@ -86,8 +86,9 @@ impl<'a, 'o> Received<'a, 'o> {
 
     /// Takes what arrived in `bufs` (one buffer per rank, each its message's bytes from where
     /// this stream last cut it), `last` once every message arrived whole: aggregates the
-    /// entries whole on every rank and removes the bytes read (see below). After an error the bytes are dropped as they
-    /// come, so that the windows still run to their end on every rank.
+    /// entries whole on every rank and removes the bytes read (see below). After an error the
+    /// bytes are dropped as they come, so that the windows still run to their end on every
+    /// rank.
     pub(crate) fn consume(&mut self, bufs: &mut [Vec<u8>], last: bool) {
         if self.go.is_none() {
             let go = bufs.len() == self.world && every_payload_alike(bufs);
