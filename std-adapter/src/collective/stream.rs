@@ -11,12 +11,15 @@
 //! The checks are [`Manifest::check_bundle`]'s, in the order the bytes come (entry by entry,
 //! ranks in order within an entry), so a fault is found after the entries before it were
 //! added: the step then fails on every rank alike (every rank reads the same bytes), with the
-//! outputs unspecified, as after any failed step of the collective.
+//! outputs unspecified, as after any failed step of the collective. A fault that
+//! `check_bundle` checks after the bundle's checksum (the header's rank, step and entry count,
+//! an entry) is named as that checksum's fault when the bundle's bytes were damaged on the way
+//! (its bytes are hashed to its trailer), as `check_bundle` names it; otherwise it stands.
 
 use crate::aggregate::{Aggregator, Reduction, check_reduction};
 use crate::error::{Error, Result};
 use crate::layout::Manifest;
-use crate::layout::bundle::BundleStream;
+use crate::layout::bundle::{BundleStream, HEADER_LEN, TRAILER_LEN};
 
 use super::{ENVELOPE_LEN, Opened, open};
 
@@ -43,6 +46,10 @@ pub(crate) struct Received<'a, 'o> {
     /// configuration (the step goes on, and this stream reads it); `None` before.
     go: Option<bool>,
     error: Option<Error>,
+    /// The rank whose bundle holds the fault in `error`, when `check_bundle` checks that
+    /// fault after the bundle's checksum: its bytes are hashed to the end, so that damage on
+    /// the way is named as the checksum fault, as `check_bundle` names it.
+    damaged: Option<usize>,
 }
 
 impl<'a, 'o> Received<'a, 'o> {
@@ -70,6 +77,7 @@ impl<'a, 'o> Received<'a, 'o> {
             headers: false,
             go: None,
             error: None,
+            damaged: None,
         }
     }
 
@@ -113,8 +121,14 @@ impl<'a, 'o> Received<'a, 'o> {
             self.error = Some(e);
         }
         if self.error.is_some() {
-            bufs.iter_mut().for_each(Vec::clear);
-            self.at.fill(0);
+            for (r, buf) in bufs.iter_mut().enumerate() {
+                if self.damaged == Some(r) {
+                    self.hash_damaged(r, buf, last);
+                } else {
+                    buf.clear();
+                    self.at[r] = 0;
+                }
+            }
             return;
         }
         // The bytes read are dropped once they are at least half of a buffer (or all of it), so
@@ -131,6 +145,27 @@ impl<'a, 'o> Received<'a, 'o> {
         }
     }
 
+    /// After a fault in rank `r`'s bundle: hashes what arrived of it (the last 4 bytes held
+    /// back until `last`, when they are its trailer) and, once `last`, names the checksum fault
+    /// when its trailer does not match.
+    fn hash_damaged(&mut self, r: usize, buf: &mut Vec<u8>, last: bool) {
+        let at = self.at[r].min(buf.len());
+        let end = buf.len().saturating_sub(TRAILER_LEN).max(at);
+        self.readers[r].hash_damaged(&buf[at..end]);
+        if last {
+            if let Some(e) = self.readers[r].damaged(&buf[end..], r) {
+                self.error = Some(e);
+            }
+            self.damaged = None;
+            buf.clear();
+            self.at[r] = 0;
+        } else {
+            // The held-back bytes stay at the buffer's start for the next round.
+            buf.drain(..end);
+            self.at[r] = 0;
+        }
+    }
+
     /// Reads the headers, then every entry whole on every rank, then, once `last`, each
     /// bundle's end.
     fn read(&mut self, bufs: &[Vec<u8>], last: bool) -> Result<()> {
@@ -140,10 +175,19 @@ impl<'a, 'o> Received<'a, 'o> {
                 if reader.has_header() {
                     continue;
                 }
-                match reader.read_header(manifest, &buf[self.at[r]..], r, step)? {
-                    Some(n) => self.at[r] += n,
-                    None if last => return reader.finish(manifest, &buf[self.at[r]..], r),
-                    None => return Ok(()),
+                match reader.read_header(manifest, &buf[self.at[r]..], r, step) {
+                    Ok(Some(n)) => self.at[r] += n,
+                    Ok(None) if last => return reader.finish(manifest, &buf[self.at[r]..], r),
+                    Ok(None) => return Ok(()),
+                    Err(e) => {
+                        // Rank, step or entry count: checked after the bundle's checksum in
+                        // `check_bundle`'s order (magic, version and reserved bytes before).
+                        if reader.has_header() {
+                            self.at[r] += HEADER_LEN;
+                            self.damaged = Some(r);
+                        }
+                        return Err(e);
+                    }
                 }
             }
             self.headers = true;
@@ -159,7 +203,13 @@ impl<'a, 'o> Received<'a, 'o> {
         {
             for (r, (reader, buf)) in self.readers.iter_mut().zip(bufs).enumerate() {
                 let at = self.at[r];
-                let (frame, read) = reader.read_entry(manifest, &buf[at..], r, step)?;
+                let (frame, read) = match reader.read_entry(manifest, &buf[at..], r, step) {
+                    Ok(entry) => entry,
+                    Err(e) => {
+                        self.damaged = Some(r);
+                        return Err(e);
+                    }
+                };
                 let start = at + (read - frame.len());
                 self.spans.push((start, start + frame.len()));
                 self.at[r] += read;

@@ -313,6 +313,13 @@ impl BundleStream {
         if head[6] != 0 || head[7] != 0 {
             return Err(fault(BundleFault::Reserved { offset: 6 }));
         }
+        // The checks below come after the bundle's checksum in `check_bundle`'s order: the
+        // hash starts here, so that a fault among them can still be named as that checksum
+        // ([`BundleStream::damaged`]).
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(head);
+        self.crc = Some(crc);
+        self.read = HEADER_LEN;
         let declared = u32::from_le_bytes(le(&head[8..12]));
         if usize::try_from(declared).ok() != Some(rank) {
             return Err(fault(BundleFault::Rank {
@@ -335,10 +342,6 @@ impl BundleStream {
                 first_difference: None,
             }));
         }
-        let mut crc = crc32fast::Hasher::new();
-        crc.update(head);
-        self.crc = Some(crc);
-        self.read = HEADER_LEN;
         Ok(Some(HEADER_LEN))
     }
 
@@ -388,6 +391,31 @@ impl BundleStream {
         self.entries += 1;
         self.read += pos;
         Ok((frame, pos))
+    }
+
+    /// Adds `bytes`, the bundle's next bytes after a fault (from the failing entry's start, or
+    /// after the header), to its hash as they are (a frame that failed its checks cannot lend
+    /// its trailer).
+    pub(crate) fn hash_damaged(&mut self, bytes: &[u8]) {
+        if let Some(crc) = self.crc.as_mut() {
+            crc.update(bytes);
+            self.read += bytes.len();
+        }
+    }
+
+    /// After a fault that `check_bundle` checks after the bundle's checksum (the header's rank,
+    /// step and entry count; an entry), with every byte of the bundle since hashed
+    /// ([`BundleStream::hash_damaged`]) up to `trailer`, its last 4 bytes: the checksum fault
+    /// `check_bundle` names first when the trailer does not match (bytes damaged on the way),
+    /// `None` when it does (the sender made the fault; its own error stands).
+    pub(crate) fn damaged(&self, trailer: &[u8], rank: usize) -> Option<Error> {
+        let crc = self.crc.as_ref()?;
+        let stored = u32::from_le_bytes(le(trailer.get(..TRAILER_LEN)?));
+        let computed = crc.clone().finalize();
+        (stored != computed).then_some(Error::Bundle {
+            rank: Some(rank),
+            fault: BundleFault::Checksum { stored, computed },
+        })
     }
 
     /// Ends the bundle: `rest` is every byte after the last entry (all of them arrived).
