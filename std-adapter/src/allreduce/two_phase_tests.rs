@@ -1388,6 +1388,97 @@ fn a_bundle_damaged_in_a_later_window_fails_every_rank_alike_and_the_step_after_
     }
 }
 
+/// The streamed all-gather names a fault the sender made (a frame whose own checksum fails
+/// under a bundle checksum that matches) by the entry's own error, as `check_bundle` does for
+/// a whole bundle, on every rank; damage on the way is the bundle's checksum fault (the test
+/// above).
+#[test]
+fn a_frame_made_bad_under_a_matching_bundle_checksum_is_named_by_its_own_error() {
+    const W: usize = 3;
+    /// Rank 1's first all-gather of a bundle: one byte of a frame's body flipped and the
+    /// bundle's trailer made to match (the envelope's 20 bytes come first).
+    struct Forged<C> {
+        inner: C,
+        done: bool,
+    }
+    impl<C: Communicator> Communicator for Forged<C> {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.inner.world_size()
+        }
+        fn all_gather(
+            &mut self,
+            local: &[u8],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            if self.inner.rank() == 1 && !self.done && local.len() > 1000 {
+                self.done = true;
+                let mut bad = local.to_vec();
+                // Past the envelope (20), the bundle header (24), the first entry's id and
+                // length (12) and its frame's header: inside the first frame's body.
+                let at = 20 + 24 + 12 + 40;
+                bad[at] ^= 0x10;
+                let end = bad.len() - 4;
+                let crc = crc32fast::hash(&bad[20..end]);
+                bad[end..].copy_from_slice(&crc.to_le_bytes());
+                return self.inner.all_gather(&bad, max_len, out);
+            }
+            self.inner.all_gather(local, max_len, out)
+        }
+        fn all_to_all(
+            &mut self,
+            send: &[Vec<u8>],
+            max_len: usize,
+            out: &mut Vec<Vec<u8>>,
+        ) -> Result<(), CommError> {
+            self.inner.all_to_all(send, max_len, out)
+        }
+        fn traffic(&self) -> Traffic {
+            self.inner.traffic()
+        }
+    }
+    let handles: Vec<_> = LocalGroup::new(W)
+        .into_communicators()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            std::thread::spawn(move || {
+                let forged = Forged {
+                    inner: comm,
+                    done: false,
+                };
+                let mut ar = CompressedAllReduce::with_communicator(
+                    CompressionMethod::Core(Method::Dense {
+                        values: Values::Bf16,
+                    }),
+                    Box::new(forged),
+                )
+                .with_collective(Collective::AllGather);
+                let err = ar.all_reduce(&gradients(rank, 0)).unwrap_err().to_string();
+                ar.all_reduce(&gradients(rank, 1)).unwrap();
+                err
+            })
+        })
+        .collect();
+    let errors: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (rank, e) in errors.iter().enumerate() {
+        assert_eq!(e, &errors[0], "rank {rank}: the same error");
+    }
+    assert!(
+        errors[0].contains("from rank 1") && errors[0].contains("checksum mismatch"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        !errors[0].starts_with("bundle"),
+        "the frame's own error: {}",
+        errors[0]
+    );
+}
+
 /// Issue 46: a rank that stops after the first window of its message (its thread returns,
 /// dropping its communicator) makes every other rank fail, naming it, within the deadline.
 #[test]
