@@ -51,6 +51,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use crate::aggregate::{Aggregator, Reduction, check_contribution};
+use crate::collective::buffers::StepBuffers;
 use crate::collective::dense::{self, DenseAllReduce};
 use crate::collective::two_phase::{self, TwoPhase};
 use crate::collective::{AllGather, Collective, Config, Local};
@@ -60,7 +61,7 @@ use crate::engine::Parallelism;
 use crate::error::{Error, Result};
 use crate::layout::{BucketConfig, CompressedGradient, Manifest};
 use crate::method::CompressionMethod;
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, TensorMut};
 use gradwire_core::{Method, Values};
 
 /// The bundle of an all-gather message the compressor wrote after the room for its envelope.
@@ -70,14 +71,13 @@ fn bundle_of(message: &[u8]) -> &[u8] {
         .unwrap_or(&[])
 }
 
-/// [`Error::Core`] naming the tensor and index of the first NaN or infinity of `gradients`.
-fn check_finite(gradients: &HashMap<String, Tensor>) -> Result<()> {
-    let mut names: Vec<&String> = gradients.keys().collect();
-    names.sort();
-    for name in names {
-        if let Some(index) = gradwire_core::values::first_non_finite(gradients[name].data()) {
+/// [`Error::Core`] naming the tensor and index of the first NaN or infinity of the gradients
+/// in `bufs` (in the manifest's order).
+fn check_finite(manifest: &Manifest, bufs: &StepBuffers<'_>) -> Result<()> {
+    for (t, g) in manifest.tensors().iter().zip(bufs.gradients()) {
+        if let Some(index) = gradwire_core::values::first_non_finite(g) {
             return Err(Error::core(
-                name,
+                &t.name,
                 None,
                 gradwire_core::Error::NonFinite { index },
             ));
@@ -549,6 +549,95 @@ impl CompressedAllReduce {
         result
     }
 
+    /// As [`CompressedAllReduce::all_reduce_into`], on tensors in the caller's memory: each
+    /// tensor's gradient is read from its `data` and the result (the mean, or the configured
+    /// reduction) is written over it, with no copy of the model and no output tensors (a
+    /// training loop's gradient buffers, a DDP bucket). The tensors may come in any order; the
+    /// step, its messages and its results are those of `all_reduce_into` on the same
+    /// gradients, bit for bit. Every route reads an element's gradient before it writes that
+    /// element's result. Without a communicator (world size 1) the step runs as
+    /// [`CompressedAllReduce::all_reduce`] does and its result is copied in.
+    ///
+    /// # Errors
+    /// As [`CompressedAllReduce::all_reduce`]; [`Error::ShapeMismatch`] when a tensor's `data`
+    /// does not hold the product of its `shape` (taking part in the step with that error, as a
+    /// rank whose compression fails does); [`Error::DuplicateTensor`] for a name given twice.
+    /// After an error the tensors' values are unspecified: a failure found after the
+    /// exchange began leaves them partly overwritten (the residuals keep the step's gradient,
+    /// as for `all_reduce`, so the next step sends it).
+    pub fn all_reduce_in_place(&mut self, tensors: &mut [TensorMut<'_>]) -> Result<()> {
+        self.check_world_size()?;
+        let Some(mut comm) = self.comm.take() else {
+            if self.world_size != 1 {
+                return Err(Error::NoCommunicator {
+                    world_size: self.world_size,
+                });
+            }
+            return self.in_place_alone(tensors);
+        };
+        let result = self.step_in_place(comm.as_mut(), tensors);
+        self.comm = Some(comm);
+        result
+    }
+
+    /// [`CompressedAllReduce::all_reduce_in_place`] without a communicator: the step of
+    /// [`CompressedAllReduce::all_reduce`], its result copied into the tensors.
+    fn in_place_alone(&mut self, tensors: &mut [TensorMut<'_>]) -> Result<()> {
+        let mut gradients = HashMap::with_capacity(tensors.len());
+        for t in tensors.iter() {
+            let tensor = Tensor::new(t.shape.to_vec(), t.data.to_vec())?;
+            if gradients.insert(t.name.to_owned(), tensor).is_some() {
+                return Err(Error::DuplicateTensor {
+                    tensor: t.name.to_owned(),
+                });
+            }
+        }
+        let result = self.all_reduce_with_peers_at(&gradients, 0, &[])?;
+        for t in tensors.iter_mut() {
+            let reduced = result
+                .get(t.name)
+                .ok_or_else(|| Error::internal("a reduced tensor is missing"))?;
+            t.data.copy_from_slice(reduced.data());
+        }
+        Ok(())
+    }
+
+    /// One in-place step over `comm`.
+    fn step_in_place(
+        &mut self,
+        comm: &mut dyn Communicator,
+        tensors: &mut [TensorMut<'_>],
+    ) -> Result<()> {
+        // The manifest's order (sorted by name), as the `HashMap` API builds it: the same
+        // manifest, bundles and shard layout for the same model.
+        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        order.sort_unstable_by(|&a, &b| tensors[a].name.cmp(tensors[b].name));
+        let specs: Vec<(&str, &[usize])> = order
+            .iter()
+            .map(|&i| (tensors[i].name, tensors[i].shape))
+            .collect();
+        self.step_with(comm, &specs, |manifest| {
+            let mut slots: Vec<Option<&mut [f32]>> =
+                tensors.iter_mut().map(|t| Some(&mut *t.data)).collect();
+            let mut bufs = Vec::with_capacity(order.len());
+            for (&i, info) in order.iter().zip(manifest.tensors()) {
+                let data = slots[i]
+                    .take()
+                    .ok_or_else(|| Error::internal("a tensor bound twice"))?;
+                if data.len() != info.numel {
+                    return Err(Error::ShapeMismatch {
+                        tensor: info.name.clone(),
+                        rank: None,
+                        expected: info.shape.clone(),
+                        got: vec![data.len()],
+                    });
+                }
+                bufs.push(data);
+            }
+            StepBuffers::in_place(manifest, bufs)
+        })
+    }
+
     /// As [`CompressedAllReduce::all_reduce_into`], over `comm`, a communicator the caller
     /// keeps (for example one a training loop also uses for other collectives); the all-reduce
     /// must have been made for its world size ([`CompressedAllReduce::new`]), and every rank
@@ -575,12 +664,30 @@ impl CompressedAllReduce {
         self.step_on(comm, gradients, out)
     }
 
-    /// One step over `comm`.
+    /// One step over `comm`, on the tensors of the `HashMap` API.
     fn step_on(
         &mut self,
         comm: &mut dyn Communicator,
         gradients: &HashMap<String, Tensor>,
         out: &mut HashMap<String, Tensor>,
+    ) -> Result<()> {
+        let mut specs: Vec<(&str, &[usize])> = gradients
+            .iter()
+            .map(|(name, t)| (name.as_str(), t.shape()))
+            .collect();
+        specs.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        self.step_with(comm, &specs, |manifest| {
+            StepBuffers::apart(manifest, gradients, out)
+        })
+    }
+
+    /// One step over `comm` for the tensors named and shaped by `specs` (sorted by name),
+    /// whose buffers `bind` gives once the manifest is known: the one engine of every API.
+    fn step_with<'b>(
+        &mut self,
+        comm: &mut dyn Communicator,
+        specs: &[(&str, &[usize])],
+        bind: impl FnOnce(&Manifest) -> Result<StepBuffers<'b>>,
     ) -> Result<()> {
         self.rank_seen = comm.rank();
         self.message_bytes = 0;
@@ -594,8 +701,17 @@ impl CompressedAllReduce {
         let seed = self.compressor.seed();
         let method_ok = method.as_ref().ok().copied();
         let manifest = method.and_then(|method| {
-            Manifest::cached(&mut self.bundles, gradients, method, seed, self.bucketing)
+            Manifest::cached_for(&mut self.bundles, specs, method, seed, self.bucketing)
         });
+        // The caller's buffers, in the manifest's order; a rank that cannot bind them fails as
+        // one without a manifest would.
+        let (manifest, mut bufs) = match manifest {
+            Ok(m) => match bind(m) {
+                Ok(bufs) => (Ok(m), bufs),
+                Err(e) => (Err(e), StepBuffers::none()),
+            },
+            Err(e) => (Err(e), StepBuffers::none()),
+        };
         // The route: every rank takes the same one, a failed rank included (from its
         // configuration alone when it has no manifest), so that all call the same primitives.
         let route = match (method_ok, &manifest) {
@@ -616,14 +732,15 @@ impl CompressedAllReduce {
             },
         };
         if route != Route::AllGather {
-            return self.all_reduce_sharded(comm, gradients, route, out);
+            let manifest_error = manifest.err();
+            return self.all_reduce_sharded(comm, manifest_error, route, &mut bufs);
         }
         let compressed = match &manifest {
             Ok(manifest) => self
                 .compressor
                 .compress_bundle_after(
                     manifest,
-                    gradients,
+                    &bufs,
                     rank,
                     &mut self.send,
                     crate::collective::ENVELOPE_LEN,
@@ -647,7 +764,7 @@ impl CompressedAllReduce {
                     self.reduction,
                     self.chunk_bytes,
                     &mut self.aggregator,
-                    out,
+                    bufs.outs(),
                 );
                 // The collective reports this rank's own error (or an earlier rank's).
                 return result;
@@ -681,7 +798,7 @@ impl CompressedAllReduce {
             self.reduction,
             self.chunk_bytes,
             &mut self.aggregator,
-            out,
+            bufs.outs(),
         );
         // The residuals gave up what this rank sent. When the step failed after the
         // all-gather, every rank saw the same messages and failed alike, so they take it back
@@ -700,13 +817,14 @@ impl CompressedAllReduce {
         result
     }
 
-    /// A step on the dense or two-phase route (see [`CompressedAllReduce::all_reduce`]).
+    /// A step on the dense or two-phase route (see [`CompressedAllReduce::all_reduce`]), with
+    /// the manifest in `self.bundles` unless `manifest_error` says why there is none.
     fn all_reduce_sharded(
         &mut self,
         comm: &mut dyn Communicator,
-        gradients: &HashMap<String, Tensor>,
+        manifest_error: Option<Error>,
         route: Route,
-        out: &mut HashMap<String, Tensor>,
+        bufs: &mut StepBuffers<'_>,
     ) -> Result<()> {
         let step = self.compressor.step();
         let seed = self.compressor.seed();
@@ -718,14 +836,12 @@ impl CompressedAllReduce {
         };
         let world_size = self.world_size;
         let bucketing = self.bucketing;
-        let manifest = self
-            .compressor
-            .method()
-            .core_method()
-            .and_then(|m| Manifest::cached(&mut self.bundles, gradients, m, seed, bucketing));
-        let (manifest, manifest_error) = match manifest {
-            Ok(m) => (Some(m), None),
-            Err(e) => (None, Some(e)),
+        let (manifest, manifest_error) = match manifest_error {
+            None => match self.bundles.as_ref() {
+                Some(m) => (Some(m), None),
+                None => (None, Some(Error::internal("no manifest"))),
+            },
+            error => (None, error),
         };
         // The chunk bound is part of the configuration: ranks with other bounds would make
         // calls of other lengths.
@@ -734,12 +850,12 @@ impl CompressedAllReduce {
             manifest.map(|m| group_config(world_size, m, reduction, &bucketing, name, chunk_bytes));
         if route == Route::Dense {
             let local = match (manifest, &config, manifest_error) {
-                (Some(m), Some(c), _) => check_finite(gradients).map(|()| (m, gradients, c, step)),
+                (Some(m), Some(c), _) => check_finite(m, bufs).map(|()| (m, c, step)),
                 (_, _, error) => Err(error.unwrap_or_else(|| Error::internal("no configuration"))),
             };
             let result = self
                 .dense
-                .run(comm, local, reduction, self.chunk_bytes, out);
+                .run(comm, local, reduction, self.chunk_bytes, bufs);
             self.compressor.set_step(step.wrapping_add(1));
             self.message_bytes = match (manifest, &result) {
                 (Some(m), Ok(())) => 4 * m.flat_len(),
@@ -755,7 +871,6 @@ impl CompressedAllReduce {
                     .prepare()
                     .map(|(_, feedback)| two_phase::Step {
                         manifest: m,
-                        gradients,
                         feedback,
                         seed,
                         step,
@@ -763,11 +878,11 @@ impl CompressedAllReduce {
                         reduction,
                         exec,
                     });
-                self.two_phase.run(comm, local, self.chunk_bytes, out)
+                self.two_phase.run(comm, local, self.chunk_bytes, bufs)
             }
             (_, _, _, error) => {
                 let error = error.unwrap_or_else(|| Error::internal("no configuration"));
-                self.two_phase.run(comm, Err(error), self.chunk_bytes, out)
+                self.two_phase.run(comm, Err(error), self.chunk_bytes, bufs)
             }
         };
         self.compressor.set_step(step.wrapping_add(1));

@@ -21,7 +21,7 @@ use std::path::Path;
 
 use gradwire_core::{Method, Params, max_frame_len, tensor_id};
 
-use crate::engine::{Engine, Parallelism, Shapes};
+use crate::engine::{Engine, Gradients, Parallelism, Shapes};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::layout::{self, BucketConfig, Manifest, frame_error};
@@ -291,10 +291,10 @@ impl GradientCompressor {
     /// bytes of `out` (left as they are, for an envelope), with no copy of a frame: the all-gather
     /// collective sends `out` as it is. `out` is not cleared first (its bytes are overwritten),
     /// so that a step does not write the message twice; on error it is cleared.
-    pub(crate) fn compress_bundle_after(
+    pub(crate) fn compress_bundle_after<G: Gradients + ?Sized>(
         &mut self,
         manifest: &Manifest,
-        gradients: &HashMap<String, Tensor>,
+        gradients: &G,
         rank: usize,
         out: &mut Vec<u8>,
         prefix: usize,
@@ -307,10 +307,10 @@ impl GradientCompressor {
     }
 
     /// [`GradientCompressor::compress_bundle_after`], `out` left as it is on error.
-    fn try_compress_bundle(
+    fn try_compress_bundle<G: Gradients + ?Sized>(
         &mut self,
         manifest: &Manifest,
-        gradients: &HashMap<String, Tensor>,
+        gradients: &G,
         rank: usize,
         out: &mut Vec<u8>,
         prefix: usize,
@@ -333,7 +333,7 @@ impl GradientCompressor {
         }
         let rank32 = u32::try_from(rank)
             .map_err(|_| Error::config(format!("rank {rank} does not fit a u32")))?;
-        manifest.check_gradients(gradients)?;
+        gradients.check(manifest)?;
         let need = prefix + manifest.max_bundle_len();
         if out.capacity() < need {
             out.reserve_exact(need - out.len());

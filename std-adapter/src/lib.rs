@@ -72,7 +72,7 @@ pub use engine::Parallelism;
 pub use error::{BundleFault, Error, Result};
 pub use layout::{BucketConfig, CompressedGradient, Manifest, TensorSpec};
 pub use method::CompressionMethod;
-pub use tensor::Tensor;
+pub use tensor::{Tensor, TensorMut};
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

@@ -53,6 +53,19 @@ pub struct Tensor {
     data: Vec<f32>,
 }
 
+/// One tensor of a step held in the caller's memory, for
+/// [`crate::CompressedAllReduce::all_reduce_in_place`]: `data` (row-major, the product of
+/// `shape` f32 elements) holds the gradient before the step and the result after it.
+#[derive(Debug)]
+pub struct TensorMut<'a> {
+    /// Parameter name: the key of its residual and of its entry in the messages.
+    pub name: &'a str,
+    /// Shape (`[]` for a 0-d tensor).
+    pub shape: &'a [usize],
+    /// The elements: read as the gradient, then overwritten with the reduced result.
+    pub data: &'a mut [f32],
+}
+
 /// The number of elements of `shape` (1 for `[]`), or `None` on overflow.
 pub(crate) fn numel(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))

@@ -4,17 +4,16 @@
 //! all-gather: a ring all-reduce's `2 (W - 1) / W x 4n` bytes per rank), then
 //! the mean divided once by W: the same bits as the all-gather's rank-order mean.
 
-use std::collections::HashMap;
-
 use gradwire_core::values::first_non_finite;
 
+use super::buffers::StepBuffers;
 use super::{Config, ENVELOPE_LEN, MAX_REASON_LEN, PAYLOAD, fingerprint_at, seal};
 use super::{check_fingerprints, gathered_fingerprints, seal_failure};
 use crate::aggregate::Reduction;
 use crate::comm::Communicator;
+use crate::engine::Gradients;
 use crate::error::{Error, Result};
 use crate::layout::Manifest;
-use crate::tensor::Tensor;
 
 /// Whether `manifest`'s gradients travel uncompressed (every entry dense f32) under
 /// `reduction`, so that the step is an f32 all-reduce.
@@ -30,8 +29,8 @@ pub(crate) fn applies(manifest: &Manifest, reduction: Reduction) -> bool {
         })
 }
 
-/// This rank's part of a step: its manifest, gradients, configuration and step.
-pub(crate) type Part<'a> = (&'a Manifest, &'a HashMap<String, Tensor>, &'a Config, u64);
+/// This rank's part of a step: its manifest, configuration and step.
+pub(crate) type Part<'a> = (&'a Manifest, &'a Config, u64);
 
 /// Buffers kept between calls: one chunk of the flat gradient, and the envelopes.
 #[derive(Debug, Default)]
@@ -42,30 +41,31 @@ pub(crate) struct DenseAllReduce {
 }
 
 impl DenseAllReduce {
-    /// One step: `local` is this rank's gradients with their manifest and configuration, or
-    /// the error that stopped it; `out` receives the reduced tensors, written in place (its
-    /// tensors reused). The flat gradient (the manifest's tensors in order) crosses the
+    /// One step: `local` is this rank's manifest and configuration, or the error that stopped
+    /// it; `bufs` holds its gradients, and receives the reduced tensors (in place or apart).
+    /// The flat gradient (the manifest's tensors in order) crosses the
     /// communicator in chunks of at most `chunk_bytes` (at least one element each), one
     /// [`Communicator::all_reduce_sum_f32`] per chunk, so that no buffer of the model's size is
-    /// made: the sums are the same rank-order sums as one call over the whole model. With one
-    /// rank the mean is the gradient (checked finite), copied into `out`.
+    /// made: the sums are the same rank-order sums as one call over the whole model; each chunk
+    /// is read from the gradients before its sums are written. With one rank the mean is the
+    /// gradient (checked finite), copied into the outputs (in place: left where it is).
     ///
     /// # Errors
     /// As the all-gather's: this rank's own error; [`Error::PeerFailed`];
     /// [`Error::ConfigDiffers`]; [`Error::Comm`]; [`Error::Overflow`] when the sum overflows.
-    /// After an error that follows the envelopes' check, `out` is partly written.
+    /// After an error that follows the envelopes' check, the outputs are partly written.
     pub(crate) fn run(
         &mut self,
         comm: &mut dyn Communicator,
         local: std::result::Result<Part<'_>, Error>,
         reduction: Reduction,
         chunk_bytes: usize,
-        out: &mut HashMap<String, Tensor>,
+        bufs: &mut StepBuffers<'_>,
     ) -> Result<()> {
         let own = match local {
-            Ok((manifest, grads, config, step)) => {
+            Ok((manifest, config, step)) => {
                 seal(PAYLOAD, fingerprint_at(config, step), &[], &mut self.send);
-                Ok((manifest, grads, config, step))
+                Ok((manifest, config, step))
             }
             Err(error) => {
                 seal_failure(&error, &mut self.send);
@@ -82,25 +82,18 @@ impl DenseAllReduce {
             Err(e) => (Some(e), None),
         };
         let fingerprints = gathered_fingerprints(&self.gathered, comm.rank(), &mut own_error)?;
-        let Some((manifest, grads, config, step)) = ours else {
+        let Some((manifest, config, step)) = ours else {
             return Err(Error::internal("a failed rank's own message was not found"));
         };
         check_fingerprints(comm, &fingerprints, config, step, &mut self.gathered)?;
-        manifest.shape_outputs(out);
         let tensors = manifest.tensors();
-        let gradient = |i: usize| {
-            grads
-                .get(&tensors[i].name)
-                .map(Tensor::data)
-                .ok_or_else(|| Error::internal("a checked gradient is missing"))
-        };
+        if bufs.outs().len() != tensors.len() {
+            return Err(Error::internal("outputs of another manifest"));
+        }
         let w = comm.world_size();
         if w == 1 {
             // One rank's sum is its values, and x / 1 is x: the mean is the (finite) gradient.
-            for (i, t) in tensors.iter().enumerate() {
-                let g = gradient(i)?;
-                output(out, &t.name)?.copy_from_slice(g);
-            }
+            bufs.copy_gradients_to_outputs();
             return Ok(());
         }
         let chunk_len = (chunk_bytes / 4).max(1);
@@ -113,7 +106,7 @@ impl DenseAllReduce {
             self.chunk.clear();
             let (mut t, mut i) = (first, within);
             while self.chunk.len() < len {
-                let g = gradient(t)?;
+                let g = bufs.grad(manifest, t);
                 let take = (g.len() - i).min(len - self.chunk.len());
                 self.chunk.extend_from_slice(&g[i..i + take]);
                 (t, i) = if i + take == g.len() {
@@ -129,7 +122,7 @@ impl DenseAllReduce {
             let mut from = 0;
             while from < len {
                 let t = &tensors[first];
-                let dst = &mut output(out, &t.name)?[within..];
+                let dst = &mut bufs.outs()[first][within..];
                 let take = dst.len().min(len - from);
                 let (dst, src) = (&mut dst[..take], &self.chunk[from..from + take]);
                 if reduction == Reduction::Mean {
@@ -155,11 +148,4 @@ impl DenseAllReduce {
         }
         Ok(())
     }
-}
-
-/// The elements of `out`'s tensor `name` (shaped by [`Manifest::shape_outputs`]).
-fn output<'o>(out: &'o mut HashMap<String, Tensor>, name: &str) -> Result<&'o mut [f32]> {
-    out.get_mut(name)
-        .map(Tensor::data_mut)
-        .ok_or_else(|| Error::internal("a shaped output is missing"))
 }

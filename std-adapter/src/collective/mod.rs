@@ -17,14 +17,12 @@
 //! exchange of the configurations, which every rank makes, since every rank sees the
 //! fingerprints differ); no rank waits for a message that never comes.
 
-use std::collections::HashMap;
-
 use crate::aggregate::{Aggregator, Reduction};
 use crate::comm::{Communicator, Windows};
 use crate::error::{Error, Result};
 use crate::layout::Manifest;
-use crate::tensor::Tensor;
 
+pub(crate) mod buffers;
 pub(crate) mod dense;
 pub(crate) mod shard_message;
 mod stream;
@@ -315,9 +313,9 @@ pub(crate) struct AllGather {
 
 impl AllGather {
     /// Exchanges this rank's part with every rank of `comm` and, when every rank sent a
-    /// bundle made with the same configuration, aggregates them into `out`'s tensors (reused),
-    /// through a flat buffer of the manifest's layout only when the manifest has buckets. After
-    /// an error `out`'s values are unspecified. The messages cross `comm` in windows of at most
+    /// bundle made with the same configuration, aggregates them into `outs` (each tensor's
+    /// elements in the manifest's tensor order), through a flat buffer of the manifest's layout
+    /// only when the manifest has buckets. After an error `outs`' values are unspecified. The messages cross `comm` in windows of at most
     /// `chunk` bytes ([`Windows`]; every rank passes the same `chunk`); without buckets, the
     /// bundles are read and added entry by entry as the windows arrive ([`Received`]), so a
     /// rank holds no peer's whole bundle. A group of one reads its own message in place.
@@ -337,7 +335,7 @@ impl AllGather {
         reduction: Reduction,
         chunk: usize,
         aggregator: &mut Aggregator,
-        out: &mut HashMap<String, Tensor>,
+        outs: &mut [&mut [f32]],
     ) -> Result<()> {
         let (limit, own_error, ours, send) = match local {
             Local::Bundle {
@@ -390,8 +388,7 @@ impl AllGather {
         if !alone && let Some((manifest, step, _)) = ours {
             // Straight into the output tensors, one entry each, as the windows arrive (a
             // bucket spans several tensors: a bucketed manifest is gathered whole, below).
-            manifest.shape_outputs(out);
-            if let Some(outs) = manifest.entry_outputs(out) {
+            if let Some(outs) = manifest.entry_slices(outs) {
                 let mut stream =
                     Received::new(manifest, step, reduction, aggregator, outs, world_size);
                 let mut consume = |bufs: &mut [Vec<u8>], last: bool| stream.consume(bufs, last);
@@ -434,15 +431,14 @@ impl AllGather {
         let bundles: Vec<&[u8]> = messages.iter().map(|m| &m[ENVELOPE_LEN..]).collect();
         // Straight into the output tensors, one entry each; a bucket spans several tensors,
         // so a bucketed manifest goes through the flat layout.
-        manifest.shape_outputs(out);
-        match manifest.entry_outputs(out) {
-            Some(mut outs) => {
-                aggregator.aggregate_into_each(manifest, &bundles, step, reduction, &mut outs)
+        match manifest.entry_slices(outs) {
+            Some(mut each) => {
+                aggregator.aggregate_into_each(manifest, &bundles, step, reduction, &mut each)
             }
             None => {
                 let flat = &mut self.flat;
                 aggregator.aggregate_into(manifest, &bundles, step, reduction, flat)?;
-                manifest.to_tensors_into(flat, out)
+                manifest.write_flat(flat, outs)
             }
         }
     }

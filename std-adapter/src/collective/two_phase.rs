@@ -37,6 +37,7 @@ use std::collections::HashMap;
 use gradwire_core::values::first_non_finite;
 use gradwire_core::{Method, Params, ResidualBound};
 
+use super::buffers::StepBuffers;
 use super::shard_message::{self, Phase};
 use super::{
     Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, RELAY_BAD, RELAY_FAILED, RELAY_OVERFLOW,
@@ -45,18 +46,17 @@ use super::{
 use crate::aggregate::{Reduction, majority};
 use crate::comm::{CommError, Communicator, Windows};
 use crate::engine::Exec;
+use crate::engine::Gradients;
 use crate::engine::shard::{Apply, Buffers, Part, apply_frame, encode_parts, parts_of, targets_of};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
 use crate::feedback::checkpoint::{Stored, write_checkpoint};
 use crate::layout::Manifest;
 use crate::layout::shards::ShardLayout;
-use crate::tensor::Tensor;
 
 /// This rank's part of a step.
 pub(crate) struct Step<'a> {
     pub(crate) manifest: &'a Manifest,
-    pub(crate) gradients: &'a HashMap<String, Tensor>,
     /// The worker's error feedback, when the method uses it.
     pub(crate) feedback: Option<&'a mut ErrorFeedback>,
     pub(crate) seed: u64,
@@ -420,8 +420,9 @@ impl TwoPhase {
         (w - 1) * own + others
     }
 
-    /// One step (see the module docs); `out`'s tensors (reused) receive the result, written in
-    /// place; after an error their values are unspecified. Each message crosses `comm` in
+    /// One step (see the module docs): `bufs` holds the gradients, read in phase 1, and
+    /// receives the result (in place or apart), written after phase 1; after an error its
+    /// outputs are unspecified. Each message crosses `comm` in
     /// windows of at most `chunk` bytes ([`Windows`]; every rank passes the same `chunk`).
     ///
     /// # Errors
@@ -435,7 +436,7 @@ impl TwoPhase {
         comm: &mut dyn Communicator,
         local: std::result::Result<Step<'_>, Error>,
         chunk: usize,
-        out: &mut HashMap<String, Tensor>,
+        bufs: &mut StepBuffers<'_>,
     ) -> Result<()> {
         let world = comm.world_size();
         let me = comm.rank();
@@ -454,7 +455,7 @@ impl TwoPhase {
         let manifest = step.manifest;
         let mut step_data = None;
         let mut own_error = None;
-        let made = self.phase1_local(&mut step, world, me);
+        let made = self.phase1_local(&mut step, bufs, world, me);
         // The messages' limit, from the manifest every rank agreed on (a failed rank's too):
         // the windowed calls a rank makes depend on it.
         let limit = self.message_limit(step.manifest, world);
@@ -501,7 +502,7 @@ impl TwoPhase {
             // The owner's part.
             Ok(match (own_error.take(), &step_data) {
                 (Some(e), _) => Some(Verdict::Own(e)),
-                (None, Some(step)) => self.reduce_own_shard(step, world, me, out).err(),
+                (None, Some(step)) => self.reduce_own_shard(step, world, me, bufs.outs()).err(),
                 (None, None) => Some(Verdict::Own(Error::internal("no step and no error"))),
             })
         };
@@ -566,7 +567,7 @@ impl TwoPhase {
             (fingerprint, manifest),
             own_error,
             step_data.as_ref(),
-            out,
+            bufs.outs(),
         );
         if alone {
             std::mem::swap(&mut self.phase2, &mut self.gathered[0]);
@@ -587,7 +588,7 @@ impl TwoPhase {
         (fingerprint, manifest): (u64, &Manifest),
         mut own_error: Option<Error>,
         step: Option<&Step<'_>>,
-        out: &mut HashMap<String, Tensor>,
+        outs: &mut [&mut [f32]],
     ) -> Result<()> {
         if self.gathered.len() != world {
             return Err(Error::WorldSize {
@@ -651,10 +652,9 @@ impl TwoPhase {
         };
         // Every element of every tensor is in one owner's shard: the outputs are written
         // whole, in place, each owner's frame decoded into its parts.
-        step.manifest.shape_outputs(out);
         let mut outs = step
             .manifest
-            .entry_outputs(out)
+            .entry_slices(outs)
             .ok_or_else(|| Error::internal("two-phase outputs of another layout"))?;
         for (owner, msg) in self.gathered.iter().enumerate() {
             let mut frames = shard_message::open(
@@ -719,7 +719,13 @@ impl TwoPhase {
     /// Compresses this rank's shards into `self.send` (phase 1), in place on the gradients
     /// and the worker's residuals, after checking every tensor (a local error changes no
     /// residual).
-    fn phase1_local(&mut self, step: &mut Step<'_>, world: usize, me: usize) -> Result<()> {
+    fn phase1_local(
+        &mut self,
+        step: &mut Step<'_>,
+        grads: &StepBuffers<'_>,
+        world: usize,
+        me: usize,
+    ) -> Result<()> {
         crate::aggregate::check_reduction(step.manifest, step.reduction, world)?;
         self.layout_for(step.manifest, world)?;
         let Some(layout) = &self.layout else {
@@ -757,7 +763,7 @@ impl TwoPhase {
                 .extend(layout.tensors.iter().map(|ts| fb.residual_bound(&ts.name)));
         }
         self.take_residuals(step)?;
-        let result = self.encode_phase1(step, world);
+        let result = self.encode_phase1(step, grads, world);
         if result.is_err() {
             // Only a frame that could not be made after the checks passed: the owners'
             // frames made before it are given back.
@@ -808,18 +814,19 @@ impl TwoPhase {
     }
 
     /// Checks every tensor, then writes each owner's message into `self.send`.
-    fn encode_phase1(&mut self, step: &Step<'_>, world: usize) -> Result<()> {
+    fn encode_phase1(
+        &mut self,
+        step: &Step<'_>,
+        gradients: &StepBuffers<'_>,
+        world: usize,
+    ) -> Result<()> {
         let Some(layout) = &self.layout else {
             return Err(Error::internal("layout"));
         };
+        // The layout's tensors are the manifest's entries, one tensor each.
         let mut grads = Vec::with_capacity(layout.tensors.len());
-        for ts in &layout.tensors {
-            let grad = step
-                .gradients
-                .get(&ts.name)
-                .ok_or_else(|| Error::internal("a checked gradient is missing"))?
-                .data();
-            grads.push(grad);
+        for entry in step.manifest.entries() {
+            grads.push(gradients.grad(step.manifest, entry.members[0]));
         }
         // Every sum checked before any residual changes: one read of each gradient and
         // residual.
@@ -960,7 +967,7 @@ impl TwoPhase {
         step: &Step<'_>,
         world: usize,
         me: usize,
-        out: &mut HashMap<String, Tensor>,
+        outs: &mut [&mut [f32]],
     ) -> std::result::Result<(), Verdict> {
         let own = |e: Error| Verdict::Own(e);
         let bad = |rank: usize, e: Error| Verdict::Relay {
@@ -1040,10 +1047,9 @@ impl TwoPhase {
             // The W contributions added in rank order into zeros, in this rank's parts of the
             // output tensors (every rank overwrites them with the decoded shards in `finish`).
             let worker = worker_params(layout, step, me);
-            step.manifest.shape_outputs(out);
             let mut outs = step
                 .manifest
-                .entry_outputs(out)
+                .entry_slices(outs)
                 .ok_or_else(|| own(Error::internal("two-phase outputs of another layout")))?;
             let mut targets = targets_of(layout, me, &mut outs);
             step.exec.for_each(&mut targets, |_, t| t.data.fill(0.0));

@@ -70,6 +70,15 @@ use crate::tensor::Tensor;
 pub(crate) trait Gradients: Sync {
     /// The gradient of the manifest's tensor `t`.
     fn grad(&self, manifest: &Manifest, t: usize) -> &[f32];
+
+    /// Checks that the gradients are the manifest's tensors with their shapes (nothing to
+    /// check for buffers bound to the manifest when they were made).
+    ///
+    /// # Errors
+    /// As [`Manifest::check_gradients`].
+    fn check(&self, _manifest: &Manifest) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl Gradients for HashMap<String, Tensor> {
@@ -79,6 +88,10 @@ impl Gradients for HashMap<String, Tensor> {
             .get(t)
             .and_then(|info| self.get(&info.name))
             .map_or(&[], Tensor::data)
+    }
+
+    fn check(&self, manifest: &Manifest) -> Result<()> {
+        manifest.check_gradients(self)
     }
 }
 

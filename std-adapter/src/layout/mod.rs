@@ -343,17 +343,55 @@ impl Manifest {
         seed: u64,
         bucketing: BucketConfig,
     ) -> Result<&'c Manifest> {
+        // A steady-state step finds its manifest without allocating.
         let fits = cache.as_ref().is_some_and(|m| {
             m.method == method
                 && m.seed == seed
                 && m.bucketing == bucketing
                 && m.check_gradients(grads).is_ok()
         });
+        if fits && let Some(m) = cache {
+            return Ok(m);
+        }
+        let mut specs: Vec<(&str, &[usize])> = grads
+            .iter()
+            .map(|(name, t)| (name.as_str(), t.shape()))
+            .collect();
+        specs.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        Self::cached_for(cache, &specs, method, seed, bucketing)
+    }
+
+    /// As [`Manifest::cached`], for the names and shapes `specs`, sorted by name (the manifest's
+    /// tensors follow that order; a name given twice is [`Error::DuplicateTensor`]).
+    ///
+    /// # Errors
+    /// As [`Manifest::new`].
+    pub(crate) fn cached_for<'c>(
+        cache: &'c mut Option<Manifest>,
+        specs: &[(&str, &[usize])],
+        method: Method,
+        seed: u64,
+        bucketing: BucketConfig,
+    ) -> Result<&'c Manifest> {
+        let fits = cache.as_ref().is_some_and(|m| {
+            m.method == method
+                && m.seed == seed
+                && m.bucketing == bucketing
+                && m.tensors.len() == specs.len()
+                && m.tensors
+                    .iter()
+                    .zip(specs)
+                    .all(|(t, &(name, shape))| t.name == name && t.shape == shape)
+        });
         let manifest = match cache.take().filter(|_| fits) {
             Some(m) => m,
             None => {
                 let core = CompressionMethod::Core(method);
-                Manifest::for_gradients(grads, &core, seed, bucketing)?
+                let specs = specs
+                    .iter()
+                    .map(|&(name, shape)| TensorSpec::new(name, shape))
+                    .collect();
+                Manifest::new(specs, &core, seed, bucketing)?
             }
         };
         Ok(cache.insert(manifest))
@@ -469,10 +507,9 @@ impl Manifest {
         }
     }
 
-    /// Each entry's output slice in `out` (shaped by [`Manifest::shape_outputs`]), in entry
-    /// order: the tensors' own elements. `None` for a manifest with buckets (an entry spanning
-    /// several tensors has no one slice) or an `out` that is not shaped for it.
-    pub(crate) fn entry_outputs<'o>(
+    /// Each tensor's elements in `out` (shaped by [`Manifest::shape_outputs`]), in the
+    /// manifest's tensor order. `None` for an `out` that is not shaped for it.
+    pub(crate) fn tensor_outputs<'o>(
         &self,
         out: &'o mut HashMap<String, Tensor>,
     ) -> Option<Vec<&'o mut [f32]>> {
@@ -488,6 +525,24 @@ impl Manifest {
             (data.len() == self.tensors[t].numel).then_some(())?;
             slots[t] = Some(data);
         }
+        slots.into_iter().collect()
+    }
+
+    /// Each entry's output slice among `outs` (every tensor's elements, in the manifest's
+    /// tensor order), in entry order. `None` for a manifest with buckets (an entry spanning
+    /// several tensors has no one slice) or `outs` of other lengths.
+    pub(crate) fn entry_slices<'s>(
+        &self,
+        outs: &'s mut [&mut [f32]],
+    ) -> Option<Vec<&'s mut [f32]>> {
+        if outs.len() != self.tensors.len() {
+            return None;
+        }
+        let mut slots: Vec<Option<&'s mut [f32]>> = outs
+            .iter_mut()
+            .zip(&self.tensors)
+            .map(|(o, t)| (o.len() == t.numel).then_some(&mut **o))
+            .collect();
         self.entries
             .iter()
             .map(|e| match e.members[..] {
@@ -495,6 +550,32 @@ impl Manifest {
                 _ => None,
             })
             .collect()
+    }
+
+    /// Copies the flat buffer `flat` ([`Manifest::flat_len`] elements) into `outs`, each
+    /// tensor's elements in the manifest's tensor order.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when `flat` or an output has another length.
+    pub(crate) fn write_flat(&self, flat: &[f32], outs: &mut [&mut [f32]]) -> Result<()> {
+        let fits = flat.len() == self.flat_len
+            && outs.len() == self.tensors.len()
+            && outs
+                .iter()
+                .zip(&self.tensors)
+                .all(|(o, t)| o.len() == t.numel);
+        if !fits {
+            return Err(Error::ShapeMismatch {
+                tensor: "(flat buffer)".to_owned(),
+                rank: None,
+                expected: vec![self.flat_len],
+                got: vec![flat.len()],
+            });
+        }
+        for (o, t) in outs.iter_mut().zip(&self.tensors) {
+            o.copy_from_slice(&flat[t.offset..t.offset + t.numel]);
+        }
+        Ok(())
     }
 
     /// Checks that `grads` holds exactly the manifest's tensors with their shapes.

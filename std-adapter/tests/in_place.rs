@@ -1,0 +1,267 @@
+//! `CompressedAllReduce::all_reduce_in_place` (issue 46 scope 1): the gradient buffers read
+//! and the result written over them, through the same engine as the `HashMap` API, on every
+//! route (all-gather, bucketed all-gather, two-phase, dense f32), in windows of the chunk
+//! bound: the same bits, the same residuals, the same failures.
+
+use std::collections::HashMap;
+
+use gradwire::comm::{LocalCommunicator, LocalGroup};
+use gradwire::core::{K, Method, Values};
+use gradwire::tensor::Tensor;
+use gradwire::{
+    BucketConfig, Collective, CompressedAllReduce, CompressionMethod, Error, Reduction, TensorMut,
+};
+
+mod common;
+#[path = "common/ranks.rs"]
+mod ranks;
+use common::{Rng, same_bits};
+use ranks::run_ranks;
+
+const W: usize = 3;
+const STEPS: u64 = 3;
+
+/// Rank `r`'s gradients at step `s`: names not in sorted order, sizes below and above a
+/// block and a window, a 0-d tensor.
+fn gradients(r: usize, s: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut rng = Rng(7919 * r as u64 + 31 * s + 5);
+    vec![
+        ("layer.2.weight".into(), vec![60, 70], rng.vec(4200, 1.0)),
+        ("embed".into(), vec![30_000], rng.vec(30_000, 0.5)),
+        ("layer.1.bias".into(), vec![90], rng.vec(90, 2.0)),
+        ("scale".into(), vec![], rng.vec(1, 1.0)),
+        ("layer.1.weight".into(), vec![5, 1300], rng.vec(6500, 0.1)),
+    ]
+}
+
+fn as_map(g: &[(String, Vec<usize>, Vec<f32>)]) -> HashMap<String, Tensor> {
+    g.iter()
+        .map(|(n, shape, data)| (n.clone(), Tensor::new(shape.clone(), data.clone()).unwrap()))
+        .collect()
+}
+
+/// Each tensor's values in sorted name order, then every residual in sorted name order.
+type Trace = Vec<(Vec<f32>, Vec<f32>)>;
+
+fn residuals(ar: &CompressedAllReduce, names: &[String]) -> Vec<f32> {
+    let fb = ar.compressor().feedback();
+    names
+        .iter()
+        .flat_map(|n| fb.and_then(|f| f.residual(n)).unwrap_or(&[]))
+        .copied()
+        .collect()
+}
+
+fn sorted_names(g: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<String> {
+    let mut names: Vec<String> = g.iter().map(|t| t.0.clone()).collect();
+    names.sort();
+    names
+}
+
+/// How a rank builds its all-reduce.
+type Make = fn(LocalCommunicator) -> CompressedAllReduce;
+
+/// `STEPS` steps on `W` ranks, in place or through `all_reduce_into`.
+fn run(make: Make, in_place: bool) -> Vec<Trace> {
+    run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
+        let rank = gradwire::comm::Communicator::rank(&comm);
+        let mut ar = make(comm);
+        let mut out = HashMap::new();
+        let mut trace = Trace::new();
+        for s in 0..STEPS {
+            let mut g = gradients(rank, s);
+            let names = sorted_names(&g);
+            let result = if in_place {
+                let mut tensors: Vec<TensorMut> = g
+                    .iter_mut()
+                    .map(|(name, shape, data)| TensorMut { name, shape, data })
+                    .collect();
+                ar.all_reduce_in_place(&mut tensors).unwrap();
+                let by_name: HashMap<&str, &[f32]> = g
+                    .iter()
+                    .map(|(n, _, d)| (n.as_str(), d.as_slice()))
+                    .collect();
+                names
+                    .iter()
+                    .flat_map(|n| by_name[n.as_str()])
+                    .copied()
+                    .collect()
+            } else {
+                ar.all_reduce_into(&as_map(&g), &mut out).unwrap();
+                names.iter().flat_map(|n| out[n].data()).copied().collect()
+            };
+            trace.push((result, residuals(&ar, &names)));
+        }
+        trace
+    })
+}
+
+fn with(comm: LocalCommunicator, method: CompressionMethod) -> CompressedAllReduce {
+    CompressedAllReduce::with_communicator(method, Box::new(comm))
+}
+
+fn topk_int8() -> CompressionMethod {
+    CompressionMethod::Core(Method::TopK {
+        k: K::Ratio(0.05),
+        values: Values::Int8 { block: 64 },
+    })
+    .with_error_feedback()
+}
+
+#[test]
+fn in_place_steps_are_the_hashmap_steps_bit_for_bit_on_every_route() {
+    let routes: [(&str, Make); 9] = [
+        ("top-k all-gather", |c| with(c, topk_int8())),
+        ("top-k all-gather in 4 KiB windows", |c| {
+            with(c, topk_int8()).with_chunk_bytes(4096)
+        }),
+        ("top-k bucketed all-gather", |c| {
+            with(c, topk_int8()).with_bucketing(BucketConfig::fused(16 << 10))
+        }),
+        ("top-k two-phase in 4 KiB windows", |c| {
+            with(c, topk_int8())
+                .with_collective(Collective::TwoPhase)
+                .with_chunk_bytes(4096)
+        }),
+        ("sign two-phase", |c| {
+            with(c, CompressionMethod::SignSGD.with_error_feedback())
+                .with_collective(Collective::TwoPhase)
+        }),
+        ("4-bit all-gather, sum", |c| {
+            with(
+                c,
+                CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
+            )
+            .with_reduction(Reduction::Sum)
+        }),
+        ("dense bf16 two-phase", |c| {
+            with(
+                c,
+                CompressionMethod::Core(Method::Dense {
+                    values: Values::Bf16,
+                }),
+            )
+            .with_collective(Collective::TwoPhase)
+        }),
+        ("dense f32 in 4 KiB chunks", |c| {
+            with(
+                c,
+                CompressionMethod::Core(Method::Dense {
+                    values: Values::F32,
+                }),
+            )
+            .with_chunk_bytes(4096)
+        }),
+        ("dense f32 auto", |c| {
+            with(
+                c,
+                CompressionMethod::Core(Method::Dense {
+                    values: Values::F32,
+                }),
+            )
+            .with_collective(Collective::Auto)
+        }),
+    ];
+    for (what, make) in routes {
+        let apart = run(make, false);
+        let in_place = run(make, true);
+        for (rank, (a, b)) in apart.iter().zip(&in_place).enumerate() {
+            for (s, ((ma, ra), (mb, rb))) in a.iter().zip(b).enumerate() {
+                assert!(!ma.is_empty(), "{what}");
+                assert!(same_bits(ma, mb), "{what}: rank {rank}, step {s}: results");
+                assert!(
+                    same_bits(ra, rb),
+                    "{what}: rank {rank}, step {s}: residuals"
+                );
+            }
+            // Every rank holds the same result.
+            for (s, (m, _)) in b.iter().enumerate() {
+                assert!(
+                    same_bits(m, &in_place[0][s].0),
+                    "{what}: rank {rank}, step {s}"
+                );
+            }
+        }
+    }
+}
+
+/// A buffer that does not hold its shape's elements, or a name given twice, is that rank's
+/// error; it still takes part, so every peer fails naming it, and the next step runs.
+#[test]
+fn a_bad_buffer_fails_every_rank_and_the_next_step_runs() {
+    for collective in [Collective::AllGather, Collective::TwoPhase] {
+        for fault in ["short", "twice"] {
+            let results = run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
+                let rank = gradwire::comm::Communicator::rank(&comm);
+                let mut ar = with(comm, topk_int8()).with_collective(collective);
+                let mut g = gradients(rank, 0);
+                if rank == 1 && fault == "short" {
+                    g[0].2.pop();
+                }
+                if rank == 1 && fault == "twice" {
+                    g[2].0 = g[4].0.clone();
+                    g[2].1 = g[4].1.clone();
+                    g[2].2 = g[4].2.clone();
+                }
+                let mut tensors: Vec<TensorMut> = g
+                    .iter_mut()
+                    .map(|(name, shape, data)| TensorMut { name, shape, data })
+                    .collect();
+                let first = ar.all_reduce_in_place(&mut tensors);
+                let mut g = gradients(rank, 1);
+                let mut tensors: Vec<TensorMut> = g
+                    .iter_mut()
+                    .map(|(name, shape, data)| TensorMut { name, shape, data })
+                    .collect();
+                let second = ar.all_reduce_in_place(&mut tensors);
+                (first, second.map(|()| g.concat_values()))
+            });
+            let what = format!("{collective:?}, {fault}");
+            for (rank, (first, second)) in results.iter().enumerate() {
+                match (rank, first, fault) {
+                    (1, Err(Error::ShapeMismatch { tensor, .. }), "short") => {
+                        assert_eq!(tensor, "layer.2.weight", "{what}");
+                    }
+                    (1, Err(Error::DuplicateTensor { tensor }), "twice") => {
+                        assert_eq!(tensor, "layer.1.weight", "{what}");
+                    }
+                    (0 | 2, Err(Error::PeerFailed { rank: 1, .. }), _) => {}
+                    other => panic!("{what}: rank {rank}: {other:?}"),
+                }
+                let second = second.as_ref().unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(
+                    same_bits(second, results[0].1.as_ref().unwrap()),
+                    "{what}: rank {rank}"
+                );
+            }
+        }
+    }
+}
+
+/// Without a communicator (world size 1), the step of `all_reduce`, written in place.
+#[test]
+fn a_group_of_one_without_a_communicator_writes_in_place() {
+    let g = gradients(0, 0);
+    let mut apart = CompressedAllReduce::new(topk_int8(), 1);
+    let expected = apart.all_reduce(&as_map(&g)).unwrap();
+    let mut ar = CompressedAllReduce::new(topk_int8(), 1);
+    let mut g = g;
+    let mut tensors: Vec<TensorMut> = g
+        .iter_mut()
+        .map(|(name, shape, data)| TensorMut { name, shape, data })
+        .collect();
+    ar.all_reduce_in_place(&mut tensors).unwrap();
+    for (name, _, data) in &g {
+        assert!(same_bits(data, expected[name].data()), "{name}");
+    }
+}
+
+trait ConcatValues {
+    fn concat_values(&self) -> Vec<f32>;
+}
+
+impl ConcatValues for Vec<(String, Vec<usize>, Vec<f32>)> {
+    fn concat_values(&self) -> Vec<f32> {
+        self.iter().flat_map(|t| t.2.iter().copied()).collect()
+    }
+}
