@@ -5,7 +5,7 @@
 //!
 //! `cargo run --release -p gradwire-benches --bin scale -- [--shapes gpt2|opt1.3b|small]
 //! [--small] [--workers 1,2,4] [--methods LIST] [--collectives all-gather,two-phase,auto]
-//! [--parallelism serial,auto] [--steps 4] [--chunk-bytes 8388608] [--json PATH]`
+//! [--parallelism serial,auto] [--steps 4] [--chunk-bytes 8388608] [--in-place] [--json PATH]`
 //!
 //! Defaults: `--shapes gpt2 --workers 1,2,4 --collectives all-gather,two-phase,auto
 //! --parallelism serial,auto --steps 4 --chunk-bytes 8388608` (the library's default chunk
@@ -14,7 +14,9 @@
 //! bound of 64 KiB (flags given beside it override those). `--methods` is a comma-separated list of names (`topk-1%-int8-ef`,
 //! `sign-ef`, `quant4-ef`, `dense-f32`, `dense-bf16`) or method texts as
 //! `gradwire::method::parse` reads them, with ` +ef` at the end for error feedback (for example
-//! `topk k=ratio:0.001 values=f32 +ef`).
+//! `topk k=ratio:0.001 values=f32 +ef`). `--in-place` runs every step with
+//! `all_reduce_in_place` on buffers the gradient is copied into before each step (outside the
+//! timing, as a backward pass writes its gradients), the result written over them.
 //!
 //! # Shapes
 //! - `gpt2`: GPT-2-small's 148 tensors, 124,439,808 values (`wte` [50257, 768], `wpe`
@@ -51,7 +53,8 @@
 //! step would be; `all_reduce_into` reuses them); then at a barrier rank 0 writes `5` to
 //! `/proc/self/clear_refs` (resets the peak RSS) and reads the RSS baseline. Each step starts at
 //! a barrier where rank 0 reads the wall clock and the process's CPU time
-//! (`CLOCK_PROCESS_CPUTIME_ID`); every rank calls `all_reduce_into`; at the next barrier rank 0
+//! (`CLOCK_PROCESS_CPUTIME_ID`); every rank calls `all_reduce_into` (or, `--in-place`,
+//! `all_reduce_in_place` on the buffers that stand for the outputs); at the next barrier rank 0
 //! reads both clocks again. Step 1 includes the construction of the `CompressedAllReduce`
 //! (made after the step's first barrier) and so the first-step set-up (manifest, buffers,
 //! rayon's pool). Each rank's communicator is the `LocalCommunicator` wrapped in a recording
@@ -65,7 +68,7 @@
 //!   (the name given on the command line), `error_feedback`;
 //! - `collective` (asked: `all-gather`, `two-phase`, `auto`, or `all-reduce` for dense f32),
 //!   `collective_in_use` (`collective_in_use()` after the last step; null on the dense route),
-//!   `workers` (W), `parallelism`, `steps` (S);
+//!   `workers` (W), `parallelism`, `in_place` (`--in-place`), `steps` (S);
 //! - `step_wall_s`: each step's wall time (the table's "wall s" lists them);
 //! - `step_cpu_per_rank_s`: each step's process CPU time divided by W;
 //! - `median_cpu_s` / `median_wall_s`: medians over steps 2..=S (table: "cpu/rank");
@@ -149,7 +152,7 @@ use gradwire::core::{
     feedback_step_bounded, max_frame_len, scratch_len,
 };
 use gradwire::tensor::Tensor;
-use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Parallelism};
+use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Parallelism, TensorMut};
 use gradwire_benches::{build_name, read_pass};
 use serde_json::{Map, Value, json};
 
@@ -169,6 +172,7 @@ const FIELDS: &[&str] = &[
     "workers",
     "parallelism",
     "chunk_bytes",
+    "in_place",
     "steps",
     "step_wall_s",
     "step_cpu_per_rank_s",
@@ -211,7 +215,7 @@ const REPS: usize = 3;
 /// The usage line (`--help` prints it; a bad argument prints it to stderr).
 const USAGE: &str = "usage: scale [--shapes gpt2|opt1.3b|small] [--small] [--workers 1,2,4] \
      [--methods LIST] [--collectives all-gather,two-phase,auto] [--parallelism serial,auto] \
-     [--steps 4] [--chunk-bytes 8388608] [--json PATH]\n\
+     [--steps 4] [--chunk-bytes 8388608] [--in-place] [--json PATH]\n\
      methods: topk-1%-int8-ef, sign-ef, quant4-ef, dense-f32, dense-bf16, or a method text \
      (`topk k=ratio:0.01 values=int8:256`) with ` +ef` for error feedback";
 
@@ -359,20 +363,24 @@ fn generate(shapes: &[(String, Vec<usize>)], rank: usize) -> HashMap<String, Ten
 
 /// A 64-bit hash of every tensor of `out`, by name: the names, shapes and f32 bits.
 fn hash_outputs(out: &HashMap<String, Tensor>) -> u64 {
+    hash_tensors(out.iter().map(|(n, t)| (n.as_str(), t.shape(), t.data())))
+}
+
+/// As [`hash_outputs`], for tensors given as (name, shape, elements), in any order.
+fn hash_tensors<'t>(tensors: impl Iterator<Item = (&'t str, &'t [usize], &'t [f32])>) -> u64 {
     const M: u64 = 0x0000_0100_0000_01b3;
-    let mut names: Vec<&String> = out.keys().collect();
-    names.sort();
+    let mut tensors: Vec<_> = tensors.collect();
+    tensors.sort_by(|a, b| a.0.cmp(b.0));
     let mut lanes = [0xcbf2_9ce4_8422_2325u64; 4];
     let mut mix = |lane: usize, w: u64| lanes[lane] = (lanes[lane] ^ w).wrapping_mul(M);
-    for name in names {
+    for (name, shape, data) in tensors {
         for b in name.bytes() {
             mix(0, u64::from(b));
         }
-        let t = &out[name];
-        for &d in t.shape() {
+        for &d in shape {
             mix(1, d as u64);
         }
-        let mut chunks = t.data().chunks_exact(4);
+        let mut chunks = data.chunks_exact(4);
         for c in &mut chunks {
             for (lane, v) in c.iter().enumerate() {
                 mix(lane, u64::from(v.to_bits()));
@@ -508,6 +516,8 @@ struct RowSpec {
     parallelism: String,
     /// The chunk bound (`CompressedAllReduce::with_chunk_bytes`).
     chunk_bytes: usize,
+    /// Whether the steps run in place (`all_reduce_in_place`).
+    in_place: bool,
     /// S.
     steps: usize,
 }
@@ -522,6 +532,7 @@ impl RowSpec {
             self.workers.to_string(),
             self.parallelism.clone(),
             self.chunk_bytes.to_string(),
+            self.in_place.to_string(),
             self.steps.to_string(),
         ]
     }
@@ -535,10 +546,13 @@ impl RowSpec {
             workers,
             parallelism,
             chunk,
+            in_place,
             steps,
         ] = a
         else {
-            return Err("--row SHAPES METHOD COLLECTIVE W PARALLELISM CHUNK_BYTES STEPS".into());
+            return Err(
+                "--row SHAPES METHOD COLLECTIVE W PARALLELISM CHUNK_BYTES IN_PLACE STEPS".into(),
+            );
         };
         Ok(RowSpec {
             shapes: shapes.clone(),
@@ -547,6 +561,9 @@ impl RowSpec {
             workers: workers.parse().map_err(|e| format!("W {workers}: {e}"))?,
             parallelism: parallelism.clone(),
             chunk_bytes: chunk.parse().map_err(|e| format!("chunk {chunk}: {e}"))?,
+            in_place: in_place
+                .parse()
+                .map_err(|e| format!("in place {in_place}: {e}"))?,
             steps: steps.parse().map_err(|e| format!("steps {steps}: {e}"))?,
         })
     }
@@ -559,6 +576,7 @@ impl RowSpec {
             .collect();
         row.insert("shapes".into(), json!(self.shapes));
         row.insert("chunk_bytes".into(), json!(self.chunk_bytes));
+        row.insert("in_place".into(), json!(self.in_place));
         if let Ok(s) = shape_set(&self.shapes) {
             let n: usize = s.iter().map(|(_, sh)| numel(sh)).sum();
             row.insert("parameters".into(), json!(n));
@@ -1121,15 +1139,20 @@ fn rank_main(
     // The outputs exist as a training loop's would (written before: their pages are
     // mapped), so that step 1 pays only for the state the all-reduce keeps, not for first
     // touches of the caller's buffers.
-    let mut out: HashMap<String, Tensor> = shapes
-        .iter()
-        .map(|(name, shape)| {
-            let mut data = Vec::with_capacity(numel(shape));
-            data.resize(numel(shape), 0.0f32);
+    // In place, the outputs are the buffers each step's gradient is copied into before the
+    // step (a backward pass writing its gradients), outside the timing.
+    let mut out: HashMap<String, Tensor> = HashMap::new();
+    let mut work: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for (name, shape) in &shapes {
+        let mut data = Vec::with_capacity(numel(shape));
+        data.resize(numel(shape), 0.0f32);
+        if spec.in_place {
+            work.push((name.clone(), shape.clone(), data));
+        } else {
             let tensor = Tensor::new(shape.clone(), data).expect("shape and data agree");
-            (name.clone(), tensor)
-        })
-        .collect();
+            out.insert(name.clone(), tensor);
+        }
+    }
     let max = Arc::new(AtomicUsize::new(0));
     let mut comm = Some(Recording {
         inner: comm,
@@ -1145,6 +1168,9 @@ fn rank_main(
     let mut ar: Option<CompressedAllReduce> = None;
     let mut traffic = Traffic::default();
     for _ in 0..spec.steps {
+        for (name, _, data) in &mut work {
+            data.copy_from_slice(grads[name].data());
+        }
         shared.barrier.wait();
         let (wall0, cpu0) = (Instant::now(), cpu_now());
         let ar = ar.get_or_insert_with(|| {
@@ -1155,7 +1181,15 @@ fn rank_main(
                 .with_chunk_bytes(spec.chunk_bytes)
         });
         let before = ar.traffic();
-        let result = ar.all_reduce_into(&grads, &mut out);
+        let result = if spec.in_place {
+            let mut tensors: Vec<TensorMut> = work
+                .iter_mut()
+                .map(|(name, shape, data)| TensorMut { name, shape, data })
+                .collect();
+            ar.all_reduce_in_place(&mut tensors)
+        } else {
+            ar.all_reduce_into(&grads, &mut out)
+        };
         traffic = ar.traffic().since(before);
         if let Err(e) = result {
             shared.failed.store(true, Ordering::SeqCst);
@@ -1176,7 +1210,16 @@ fn rank_main(
         timing.hwm = proc_status("VmHWM").ok();
     }
     let in_use = ar.as_ref().and_then(CompressedAllReduce::collective_in_use);
-    let hash = (!failed).then(|| hash_outputs(&out));
+    let hash = (!failed).then(|| {
+        if spec.in_place {
+            hash_tensors(
+                work.iter()
+                    .map(|(n, shape, data)| (n.as_str(), shape.as_slice(), data.as_slice())),
+            )
+        } else {
+            hash_outputs(&out)
+        }
+    });
     let checkpoint = match ar {
         Some(ar) if m.ef && !failed => Some(checkpoint_phase(ar, m, resume_comm, shared)),
         // The all-reduce's own buffers (residuals, flat buffers) go before the floor's come.
@@ -1719,6 +1762,8 @@ struct Options {
     steps: Option<usize>,
     /// `--chunk-bytes`.
     chunk_bytes: Option<usize>,
+    /// `--in-place`.
+    in_place: bool,
     /// `--json PATH`.
     json: Option<String>,
 }
@@ -1730,6 +1775,10 @@ fn parse_args(args: &[String]) -> Result<Options, String> {
     while let Some(a) = it.next() {
         if a == "--small" {
             o.small = true;
+            continue;
+        }
+        if a == "--in-place" {
+            o.in_place = true;
             continue;
         }
         if a == "--help" || a == "-h" {
@@ -1844,6 +1893,7 @@ fn rows_of(o: &Options) -> Result<Vec<RowSpec>, String> {
                             workers: w,
                             parallelism: p.clone(),
                             chunk_bytes,
+                            in_place: o.in_place,
                             steps,
                         });
                     }
