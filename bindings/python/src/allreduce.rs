@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use gradwire::comm::Communicator;
-use gradwire::{Collective, CompressedAllReduce, Reduction, Tensor};
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use gradwire::{Collective, CompressedAllReduce, Reduction, Tensor, TensorMut};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -19,6 +19,9 @@ use crate::errors::{Side, library_error};
 
 /// A tensor as the Python half passes it: name, shape, flat C-contiguous float32 data.
 type NamedArray<'py> = (String, Vec<usize>, PyReadonlyArray1<'py, f32>);
+
+/// A tensor reduced in place: name, shape, flat C-contiguous float32 data (writable).
+type InPlaceArray<'py> = (String, Vec<usize>, PyReadwriteArray1<'py, f32>);
 
 /// A result tensor: name, shape, flat float32 data.
 type ResultArray<'py> = (String, Vec<usize>, Bound<'py, PyArray1<f32>>);
@@ -170,6 +173,31 @@ impl AllReduce {
                 Ok((name, shape, data.into_pyarray(py)))
             })
             .collect()
+    }
+
+    /// One step in place: each array's values are read as the gradient and overwritten with
+    /// the result, bit-identical on every rank, with no copy of the model (the library's
+    /// `all_reduce_in_place`, the GIL released while it runs).
+    fn all_reduce_(&mut self, py: Python<'_>, tensors: Vec<InPlaceArray<'_>>) -> PyResult<()> {
+        let mut names = Vec::with_capacity(tensors.len());
+        let mut shapes = Vec::with_capacity(tensors.len());
+        let mut arrays = Vec::with_capacity(tensors.len());
+        for (name, shape, array) in tensors {
+            names.push(name);
+            shapes.push(shape);
+            arrays.push(array);
+        }
+        let mut views = Vec::with_capacity(arrays.len());
+        for ((name, shape), array) in names.iter().zip(&shapes).zip(&mut arrays) {
+            let data = array.as_slice_mut().map_err(|_| {
+                PyValueError::new_err(format!("tensor {name:?}: the array is not C-contiguous"))
+            })?;
+            views.push(TensorMut { name, shape, data });
+        }
+        let side = Side::Collective { rank: self.rank };
+        let inner = self.inner();
+        py.detach(|| inner.all_reduce_in_place(&mut views))
+            .map_err(|e| library_error(e, side))
     }
 
     /// Writes this rank's residual checkpoint to `path`.

@@ -318,3 +318,67 @@ def test_a_resume_without_server_residuals_fails_until_loaded_or_discarded(tmp_p
     c.load(tmp_path / "worker.safetensors")
     c.discard_server_residuals()
     c.all_reduce(grads_step2)
+
+
+@pytest.mark.parametrize(
+    "method, collective",
+    [
+        ("topk k=ratio:0.01 values=int8:256", "allgather"),
+        ("sign scale=mean-abs:1024", "two-phase"),
+        ("dense values=f32", "allgather"),
+    ],
+)
+def test_all_reduce_in_place_is_all_reduce_bit_for_bit(method, collective, grads_step1, grads_step2):
+    """Issue 47 scope 4: ``all_reduce_`` overwrites the caller's float32 arrays with the result,
+    reading them where they are; the results and the residuals are those of ``all_reduce``."""
+    apart = gradwire.AllReduce(method, _AloneCommunicator(), collective=collective)
+    in_place = gradwire.AllReduce(method, _AloneCommunicator(), collective=collective)
+    for grads in (grads_step1, grads_step2):
+        expected = apart.all_reduce(grads)
+        arrays = {k: np.array(v, dtype=np.float32, order="C") for k, v in grads.items()}
+        before = {k: a.__array_interface__["data"][0] for k, a in arrays.items()}
+        assert in_place.all_reduce_(arrays) is None
+        for k, a in arrays.items():
+            assert a.__array_interface__["data"][0] == before[k], k
+            assert a.tobytes() == expected[k].tobytes(), k
+    assert in_place.step == apart.step == 2
+
+
+def test_all_reduce_in_place_reads_float32_where_it_is_and_copies_other_layouts(grads_step1):
+    """No copy for a C-contiguous float32 array; one copy in and one back for float64 and for a
+    strided view (the result written back through the view); read-only arrays and objects that
+    are not arrays are refused before the step."""
+    from gradwire._arrays import in_place_f32
+
+    name, g = sorted(grads_step1.items())[0]
+    a = np.array(g, dtype=np.float32)
+    flat, shape, write_back = in_place_f32(a)
+    assert np.shares_memory(flat, a) and write_back is None and shape == a.shape
+    flat, _, write_back = in_place_f32(a.astype(np.float64))
+    assert write_back is not None
+
+    method = "topk k=ratio:0.01 values=int8:256"
+    apart = gradwire.AllReduce(method, _AloneCommunicator())
+    expected = apart.all_reduce(grads_step1)
+    wide = {k: np.array(v, dtype=np.float64) for k, v in grads_step1.items()}
+    gradwire.AllReduce(method, _AloneCommunicator()).all_reduce_(wide)
+    for k, v in wide.items():
+        assert v.dtype == np.float64
+        assert v.astype(np.float32).tobytes() == expected[k].tobytes(), k
+
+    strided = {}
+    for k, v in grads_step1.items():
+        holder = np.zeros(np.shape(v) + (2,), dtype=np.float32)
+        holder[..., 1] = v
+        strided[k] = holder[..., 1]
+    assert not all(v.flags.c_contiguous for v in strided.values())
+    gradwire.AllReduce(method, _AloneCommunicator()).all_reduce_(strided)
+    for k, v in strided.items():
+        assert np.ascontiguousarray(v).tobytes() == expected[k].tobytes(), k
+
+    frozen = {k: np.array(v, dtype=np.float32) for k, v in grads_step1.items()}
+    next(iter(frozen.values())).flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        gradwire.AllReduce(method, _AloneCommunicator()).all_reduce_(frozen)
+    with pytest.raises(TypeError, match="numpy arrays or torch tensors"):
+        gradwire.AllReduce(method, _AloneCommunicator()).all_reduce_({name: list(map(float, np.ravel(g)))})

@@ -24,7 +24,7 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _native
-from ._arrays import flat_f32
+from ._arrays import flat_f32, in_place_f32
 from ._native import GradwireError, PayloadError
 
 __all__ = ["AllReduce", "Compressor", "GradwireError", "PayloadError", "comm", "reference", "__version__"]
@@ -230,6 +230,25 @@ class AllReduce:
         return _shaped(self._inner.all_reduce(tensors), as_torch)
 
     __call__ = all_reduce
+
+    def all_reduce_(self, gradients: Mapping[str, Any]) -> None:
+        """One step in place: each gradient's values are overwritten with the result (the
+        mean, or the configured reduction), bit-identical on every rank and to
+        :meth:`all_reduce`'s, with no copy of the model for C-contiguous float32 numpy arrays
+        and contiguous float32 CPU torch tensors (the GIL is released while the step runs).
+        Other dtypes and layouts cost one copy in and one back (see ``_arrays.in_place_f32``);
+        a CUDA tensor is a ``TypeError`` (copy it to the CPU first). After an error the values
+        are unspecified (the residuals keep the step's gradient, as for :meth:`all_reduce`)."""
+        tensors = []
+        write_backs = []
+        for name, g in gradients.items():
+            flat, shape, write_back = in_place_f32(g)
+            tensors.append((str(name), list(shape), flat))
+            if write_back is not None:
+                write_backs.append(write_back)
+        self._inner.all_reduce_(tensors)
+        for write_back in write_backs:
+            write_back()
 
     def save(self, path: Any) -> None:
         """Writes this rank's residual checkpoint (as :meth:`Compressor.save`)."""

@@ -3,7 +3,7 @@ C-contiguous float32 numpy arrays the native module reads without copying."""
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -32,6 +32,46 @@ def flat_f32(x: Any) -> Tuple[np.ndarray, Tuple[int, ...]]:
     shape = tuple(int(d) for d in a.shape)
     flat = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
     return flat, shape
+
+
+def in_place_f32(x: Any) -> Tuple[np.ndarray, Tuple[int, ...], Optional[Callable[[], None]]]:
+    """``(flat float32 array, shape, write_back)`` for a step that overwrites ``x`` with its result.
+
+    A C-contiguous, writable float32 numpy array, or a contiguous float32 CPU torch tensor, is
+    used where it is (``write_back`` is ``None``: no copy). Any other dtype (float16, bfloat16,
+    float64) or a non-contiguous layout costs one documented copy: the values are converted
+    into a float32 buffer, and ``write_back`` copies the result back into ``x`` (rounded to its
+    dtype). A tensor on another device is a ``TypeError`` naming the copy to make (``.cpu()``);
+    anything else but a numpy array or a torch tensor is a ``TypeError`` (there is no memory to
+    write into).
+    """
+    if is_torch(x):
+        torch = _torch()
+        t = x.detach()
+        if t.device.type != "cpu":
+            raise TypeError(
+                f"a {t.device.type} tensor: all_reduce_ reads and writes CPU memory; pass "
+                "t.cpu() and copy the result back (t.copy_(cpu_tensor))"
+            )
+        shape = tuple(int(d) for d in t.shape)
+        if t.dtype == torch.float32 and t.is_contiguous():
+            return t.view(-1).numpy(), shape, None
+        work = t.to(torch.float32, copy=True).contiguous().view(-1)
+        return work.numpy(), shape, lambda: t.copy_(work.view(t.shape))
+    if not isinstance(x, np.ndarray):
+        raise TypeError(
+            f"all_reduce_ writes its result into numpy arrays or torch tensors, got "
+            f"{type(x).__name__}"
+        )
+    if not x.flags.writeable:
+        raise ValueError("all_reduce_ writes its result into the array, which is read-only")
+    shape = tuple(int(d) for d in x.shape)
+    if x.dtype == np.float32 and x.flags.c_contiguous:
+        return x.reshape(-1), shape, None
+    if x.dtype.kind not in "fiub":
+        raise ValueError(f"expected a numeric array, got dtype {x.dtype}")
+    work = np.array(x, dtype=np.float32, order="C").reshape(-1)
+    return work, shape, lambda: np.copyto(x, work.reshape(shape), casting="unsafe")
 
 
 def _torch():

@@ -1,0 +1,104 @@
+"""One rank's ``AllReduce`` step from Python on GPT-2-small's shapes (148 tensors, 124,439,808
+float32 values): ``all_reduce`` (gradients copied into the library, the mean copied out into
+new arrays) against ``all_reduce_`` (in place: the arrays read and overwritten where they are).
+
+Run: ``python benches/gpt2_step.py [--method TEXT] [--collective allgather|two-phase]
+[--steps 4]`` after installing the wheel. A group of one (world size 1; the library makes no
+transport call for it), the gradients drawn once (normal times exp(normal), seed 0) and copied
+into the step's buffers before each in-place step, outside the timing. Prints per mode the wall
+time of each step, the median of steps 2..S, and the peak RSS over the RSS before the first
+step (``VmHWM`` reset through ``/proc/self/clear_refs``), in bytes per parameter.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+import gradwire
+
+SHAPES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "testdata", "shapes", "gpt2-small.txt")
+
+
+class Alone:
+    """A group of one rank."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, data, lengths):
+        return [bytes(data)]
+
+    def all_to_all(self, send, recv_lengths):
+        return [bytes(b) for b in send]
+
+
+def shapes():
+    out = []
+    for line in open(SHAPES):
+        if line.startswith("#") or not line.strip():
+            continue
+        name, *dims = line.split()
+        out.append((name, tuple(int(d) for d in dims)))
+    return out
+
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status("VmRSS")
+
+
+def run(mode, args, grads, n):
+    ar = gradwire.AllReduce(args.method, Alone(), collective=args.collective)
+    work = {k: v.copy() for k, v in grads.items()} if mode == "in place" else None
+    base = reset_peak()
+    times = []
+    for _ in range(args.steps):
+        if work is not None:
+            for k, v in grads.items():
+                np.copyto(work[k], v)
+        t0 = time.perf_counter()
+        if work is not None:
+            ar.all_reduce_(work)
+        else:
+            mean = ar.all_reduce(grads)
+            del mean
+        times.append(time.perf_counter() - t0)
+    peak = status("VmHWM")
+    median = statistics.median(times[1:])
+    steps = " ".join(f"{t:.3f}" for t in times)
+    print(f"{mode:9} steps {steps} s, median of 2..{args.steps}: {median:.3f} s, "
+          f"peak over start {(peak - base) / n:.2f} B/param")
+    return median
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--method", default="topk k=ratio:0.01 values=int8:256")
+    p.add_argument("--collective", default="allgather")
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    grads = {}
+    for name, shape in shapes():
+        size = int(np.prod(shape)) if shape else 1
+        g = rng.standard_normal(size, dtype=np.float32) * np.exp(rng.standard_normal(size, dtype=np.float32))
+        grads[name] = (g * np.float32(1e-3)).reshape(shape)
+    n = sum(v.size for v in grads.values())
+    print(f"gpt2: {len(grads)} tensors, {n} values; {args.method} + EF, {args.collective}, W = 1")
+    run("copying", args, grads, n)
+    run("in place", args, grads, n)
+
+
+if __name__ == "__main__":
+    main()
