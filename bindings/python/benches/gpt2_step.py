@@ -3,7 +3,8 @@ float32 values): ``all_reduce`` (gradients copied into the library, the mean cop
 new arrays) against ``all_reduce_`` (in place: the arrays read and overwritten where they are).
 
 Run: ``python benches/gpt2_step.py [--method TEXT] [--collective allgather|two-phase]
-[--steps 4]`` after installing the wheel. A group of one (world size 1; the library makes no
+[--steps 4] [--mode copying|"in place"|both]`` after installing the wheel (one mode per process
+for the memory figures: memory freed by the first mode may be reused by the second). A group of one (world size 1; the library makes no
 transport call for it), the gradients drawn once (normal times exp(normal), seed 0) and copied
 into the step's buffers before each in-place step, outside the timing. Prints per mode the wall
 time of each step, the median of steps 2..S, and the peak RSS over the RSS before the first
@@ -87,6 +88,7 @@ def main():
     p.add_argument("--method", default="topk k=ratio:0.01 values=int8:256")
     p.add_argument("--collective", default="allgather")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--mode", choices=["copying", "in place", "both"], default="both")
     args = p.parse_args()
     rng = np.random.default_rng(0)
     grads = {}
@@ -96,8 +98,9 @@ def main():
         grads[name] = (g * np.float32(1e-3)).reshape(shape)
     n = sum(v.size for v in grads.values())
     print(f"gpt2: {len(grads)} tensors, {n} values; {args.method} + EF, {args.collective}, W = 1")
-    run("copying", args, grads, n)
-    run("in place", args, grads, n)
+    for mode in ("copying", "in place"):
+        if args.mode in (mode, "both"):
+            run(mode, args, grads, n)
 
 
 if __name__ == "__main__":
