@@ -8,7 +8,8 @@ for the memory figures: memory freed by the first mode may be reused by the seco
 transport call for it), the gradients drawn once (normal times exp(normal), seed 0) and copied
 into the step's buffers before each in-place step, outside the timing. Prints per mode the wall
 time of each step, the median of steps 2..S, and the peak RSS over the RSS before the first
-step (``VmHWM`` reset through ``/proc/self/clear_refs``), in bytes per parameter.
+step (``VmHWM`` reset through ``/proc/self/clear_refs``), in bytes per parameter; and the
+library's own step (``AllReduce.last_step_seconds``) with the call's ratio to it.
 """
 
 import argparse
@@ -64,6 +65,7 @@ def run(mode, args, grads, n):
     work = {k: v.copy() for k, v in grads.items()} if mode == "in place" else None
     base = reset_peak()
     times = []
+    inner = []
     for _ in range(args.steps):
         if work is not None:
             for k, v in grads.items():
@@ -75,11 +77,14 @@ def run(mode, args, grads, n):
             mean = ar.all_reduce(grads)
             del mean
         times.append(time.perf_counter() - t0)
+        inner.append(ar.last_step_seconds)
     peak = status("VmHWM")
     median = statistics.median(times[1:])
+    engine = statistics.median(inner[1:])
     steps = " ".join(f"{t:.3f}" for t in times)
-    print(f"{mode:9} steps {steps} s, median of 2..{args.steps}: {median:.3f} s, "
-          f"peak over start {(peak - base) / n:.2f} B/param")
+    print(f"{mode:9} steps {steps} s, median of 2..{args.steps}: {median:.3f} s (the library's "
+          f"own step {engine:.3f} s, {median / engine:.3f}x), peak over start "
+          f"{(peak - base) / n:.2f} B/param")
     return median
 
 

@@ -57,6 +57,8 @@ pub(crate) struct AllReduce {
     rank: usize,
     world_size: usize,
     seed: u64,
+    /// Wall time of the library's last step (`all_reduce` or `all_reduce_`), seconds.
+    last_step_seconds: f64,
 }
 
 impl AllReduce {
@@ -95,6 +97,7 @@ impl AllReduce {
             rank,
             world_size,
             seed,
+            last_step_seconds: 0.0,
         })
     }
 
@@ -121,6 +124,13 @@ impl AllReduce {
     fn traffic(&mut self) -> (u64, u64) {
         let t = self.inner().traffic();
         (t.sent, t.received)
+    }
+
+    /// Wall time of the library's own last step, in seconds: the Rust call alone, without the
+    /// Python half's conversions (a Python transport's calls are inside it).
+    #[getter]
+    fn last_step_seconds(&self) -> f64 {
+        self.last_step_seconds
     }
 
     /// Bytes of this rank's message of the last step (its bundle, or its shard messages).
@@ -158,9 +168,10 @@ impl AllReduce {
         }
         let side = Side::Collective { rank: self.rank };
         let inner = self.inner();
-        let out = py
-            .detach(|| inner.all_reduce(&grads))
-            .map_err(|e| library_error(e, side))?;
+        let started = std::time::Instant::now();
+        let out = py.detach(|| inner.all_reduce(&grads));
+        self.last_step_seconds = started.elapsed().as_secs_f64();
+        let out = out.map_err(|e| library_error(e, side))?;
         let mut names: Vec<String> = out.keys().cloned().collect();
         names.sort();
         let mut out = out;
@@ -196,8 +207,10 @@ impl AllReduce {
         }
         let side = Side::Collective { rank: self.rank };
         let inner = self.inner();
-        py.detach(|| inner.all_reduce_in_place(&mut views))
-            .map_err(|e| library_error(e, side))
+        let started = std::time::Instant::now();
+        let result = py.detach(|| inner.all_reduce_in_place(&mut views));
+        self.last_step_seconds = started.elapsed().as_secs_f64();
+        result.map_err(|e| library_error(e, side))
     }
 
     /// Writes this rank's residual checkpoint to `path`.

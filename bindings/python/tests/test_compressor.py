@@ -338,6 +338,7 @@ def test_all_reduce_in_place_is_all_reduce_bit_for_bit(method, collective, grads
         arrays = {k: np.array(v, dtype=np.float32, order="C") for k, v in grads.items()}
         before = {k: a.__array_interface__["data"][0] for k, a in arrays.items()}
         assert in_place.all_reduce_(arrays) is None
+        assert in_place.last_step_seconds > 0
         for k, a in arrays.items():
             assert a.__array_interface__["data"][0] == before[k], k
             assert a.tobytes() == expected[k].tobytes(), k

@@ -211,6 +211,12 @@ class AllReduce:
         return self._inner.traffic
 
     @property
+    def last_step_seconds(self) -> float:
+        """Wall time of the library's own last step, in seconds (the Rust call alone: without
+        this module's conversions and copies; a Python transport's calls are inside it)."""
+        return self._inner.last_step_seconds
+
+    @property
     def last_message_bytes(self) -> int:
         """Bytes of this rank's message in the last step (its bundle, or its shard messages)."""
         return self._inner.last_message_bytes
