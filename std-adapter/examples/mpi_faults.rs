@@ -5,7 +5,9 @@
 //! - `corrupt`: rank 1's transport flips a byte of its bundle on the way out at step 1;
 //! - `silent`: rank 3 stops calling at step 1 (alive, asleep) until the others' deadline (5 s)
 //!   ends the job;
-//! - `kill`: rank 3 dies at step 1 (`abort`).
+//! - `kill`: rank 3 dies at step 1 (`abort`);
+//! - `transport`: rank 1's transport fails its all-gather at step 1 without taking part: the
+//!   all-reduce closes the communicator, which ends the job naming the failure.
 //!
 //! Every rank prints `step S rank R: ok` or `step S rank R: error: ...` for every step, so that
 //! the test can check that every rank failed alike, at the same step.
@@ -18,11 +20,13 @@ use gradwire::comm::{CommError, Communicator, MpiCommunicator, Traffic};
 use gradwire::core::Values;
 use gradwire::{CompressedAllReduce, CompressionMethod, Tensor};
 
-/// A transport that flips one byte of this rank's outgoing messages at call `at`.
+/// A transport that flips one byte of this rank's outgoing messages at call `at`, or fails
+/// call `fail` without taking part.
 struct Corrupting {
     inner: MpiCommunicator,
     call: u64,
     at: Option<u64>,
+    fail: Option<u64>,
 }
 
 impl Communicator for Corrupting {
@@ -39,6 +43,9 @@ impl Communicator for Corrupting {
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
         self.call += 1;
+        if Some(self.call) == self.fail {
+            return Err(CommError::Transport("the link went down".into()));
+        }
         if Some(self.call) == self.at && local.len() > 40 {
             let mut bad = local.to_vec();
             bad[40] ^= 0x10;
@@ -56,6 +63,9 @@ impl Communicator for Corrupting {
     }
     fn traffic(&self) -> Traffic {
         self.inner.traffic()
+    }
+    fn close(&mut self, reason: &str) {
+        self.inner.close(reason);
     }
 }
 
@@ -93,6 +103,7 @@ fn main() -> ExitCode {
         inner: comm,
         call: 0,
         at: (fault == "corrupt" && rank == 1).then_some(2),
+        fail: (fault == "transport" && rank == 1).then_some(2),
     };
     let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm));
     for step in 0..3 {

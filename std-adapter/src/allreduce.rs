@@ -55,7 +55,7 @@ use crate::collective::buffers::StepBuffers;
 use crate::collective::dense::{self, DenseAllReduce};
 use crate::collective::two_phase::{self, TwoPhase};
 use crate::collective::{AllGather, Collective, Config, Local};
-use crate::comm::Communicator;
+use crate::comm::{CommError, Communicator};
 use crate::compressor::GradientCompressor;
 use crate::engine::Parallelism;
 use crate::error::{Error, Result};
@@ -112,6 +112,42 @@ pub struct CompressedAllReduce {
     chunk_bytes: usize,
     flat: Vec<f32>,
     aggregator: Aggregator,
+    /// Why the all-reduce's own communicator was closed (a transport failure of a step): every
+    /// later step fails with it, touching nothing.
+    broken: Option<String>,
+}
+
+/// Whether a transport error may leave the ranks out of step, so that the communicator is
+/// closed: not the group's common verdict on a length, which every rank reaches at the same
+/// call before anything moves.
+fn breaks_group(e: &CommError) -> bool {
+    !matches!(
+        e,
+        CommError::TooLarge { .. } | CommError::LimitsDiffer { .. }
+    )
+}
+
+/// Closes `comm` after a step that failed with a transport error that may leave the ranks out
+/// of step; returns the first failure it was closed for.
+fn close_after(comm: &mut dyn Communicator, result: &Result<()>) -> Option<String> {
+    match result {
+        Err(Error::Comm { source }) if breaks_group(source) => {
+            // The communicator names this rank in the first failure it keeps.
+            let first = match source {
+                CommError::Broken { first } => {
+                    comm.close(first);
+                    first.clone()
+                }
+                other => {
+                    let reason = other.to_string();
+                    comm.close(&reason);
+                    format!("rank {}: {reason}", comm.rank())
+                }
+            };
+            Some(first)
+        }
+        _ => None,
+    }
 }
 
 /// The chunk bound of [`CompressedAllReduce::with_chunk_bytes`] by default: 8 MiB.
@@ -244,6 +280,7 @@ impl CompressedAllReduce {
             choice: Collective::AllGather,
             picked: None,
             rank_seen: 0,
+            broken: None,
             message_bytes: 0,
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             flat: Vec::new(),
@@ -505,7 +542,14 @@ impl CompressedAllReduce {
     /// residual`, up to the f32 rounding of that identity) and the next step sends it. On a
     /// transport error ([`Error::Comm`]) the residuals stay as the compression left them: a
     /// transport may fail on some ranks only, and peers that completed the step have used this
-    /// rank's values.
+    /// rank's values. Such an error (other than the group's common verdict on a length,
+    /// [`CommError::TooLarge`] or [`CommError::LimitsDiffer`]) may leave the ranks out of
+    /// step, so the communicator is closed ([`Communicator::close`]): this and every later
+    /// call fails with [`CommError::Broken`] naming the first failure, touching nothing and
+    /// calling no collective; peers that wait for this rank learn it (`LocalGroup`) or fail at
+    /// their deadline, and under MPI the job ends. Recovery needs a new group: build new
+    /// communicators and all-reduces and resume them from the last checkpoints
+    /// ([`GradientCompressor::save_feedback`], [`CompressedAllReduce::save_server_residuals`]).
     pub fn all_reduce(
         &mut self,
         gradients: &HashMap<String, Tensor>,
@@ -538,9 +582,14 @@ impl CompressedAllReduce {
             *out = result;
             return Ok(());
         }
+        self.check_broken()?;
         let mut comm = self.comm.take();
         let result = match comm.as_deref_mut() {
-            Some(c) => self.step_on(c, gradients, out),
+            Some(c) => {
+                let result = self.step_on(c, gradients, out);
+                self.broken = close_after(c, &result);
+                result
+            }
             None => Err(Error::NoCommunicator {
                 world_size: self.world_size,
             }),
@@ -575,7 +624,11 @@ impl CompressedAllReduce {
             }
             return self.in_place_alone(tensors);
         };
-        let result = self.step_in_place(comm.as_mut(), tensors);
+        let result = self.check_broken().and_then(|()| {
+            let result = self.step_in_place(comm.as_mut(), tensors);
+            self.broken = close_after(comm.as_mut(), &result);
+            result
+        });
         self.comm = Some(comm);
         result
     }
@@ -661,7 +714,22 @@ impl CompressedAllReduce {
             };
             return Err(crate::collective::take_part_failed(comm, error));
         }
-        self.step_on(comm, gradients, out)
+        let result = self.step_on(comm, gradients, out);
+        close_after(comm, &result);
+        result
+    }
+
+    /// [`Error::Comm`] with [`CommError::Broken`] when this all-reduce's own communicator was
+    /// closed after a transport failure.
+    fn check_broken(&self) -> Result<()> {
+        match &self.broken {
+            Some(first) => Err(Error::Comm {
+                source: CommError::Broken {
+                    first: first.clone(),
+                },
+            }),
+            None => Ok(()),
+        }
     }
 
     /// One step over `comm`, on the tensors of the `HashMap` API.

@@ -153,6 +153,15 @@ pub enum CommError {
     /// The transport failed (a peer disappeared, MPI reported an error, ...).
     #[error("transport failure: {0}")]
     Transport(String),
+    /// The group can no longer make progress: a call of this rank or of a peer failed in a
+    /// way that leaves the ranks out of step (a transport error, a deadline), and the
+    /// communicator was closed ([`Communicator::close`]). Every later call fails with this
+    /// error without moving a byte; recovery needs a new group (and a resume from checkpoints).
+    #[error("the group is broken: {first}")]
+    Broken {
+        /// The first failure, as the rank that closed the group saw it (naming that rank).
+        first: String,
+    },
 }
 
 /// Collectives of variable-size byte buffers among `world_size` ranks.
@@ -224,6 +233,19 @@ pub trait Communicator: Send {
     /// The bytes this communicator's calls moved so far (see the module docs).
     fn traffic(&self) -> Traffic;
 
+    /// Closes this communicator after a failure that may leave the group out of step (a
+    /// transport error, a deadline; `reason` names it): every later call fails with
+    /// [`CommError::Broken`] naming the first reason, without any collective of the
+    /// transport, so that this rank never pairs a later call with a peer's earlier one; peers
+    /// the transport can reach learn it (`LocalGroup` marks the group broken and wakes the
+    /// ranks that wait; `MpiCommunicator` ends the job, since MPI's collectives have no
+    /// deadline). `CompressedAllReduce` calls it once after such a failure of a step. The
+    /// default does nothing: a transport without state of its own relies on its peers'
+    /// deadlines.
+    fn close(&mut self, reason: &str) {
+        let _ = reason;
+    }
+
     /// The sum of every rank's `x` over the group, written into `x` on every rank, bit for bit
     /// the same everywhere and on every transport: the elements are cut into `world_size()`
     /// contiguous shards (shard `j` is `j * n / W .. (j + 1) * n / W`), shard `j` is summed by
@@ -281,6 +303,10 @@ impl<C: Communicator + ?Sized> Communicator for &mut C {
         (**self).traffic()
     }
 
+    fn close(&mut self, reason: &str) {
+        (**self).close(reason);
+    }
+
     fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
         (**self).all_reduce_sum_f32(x)
     }
@@ -324,6 +350,10 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
 
     fn traffic(&self) -> Traffic {
         (**self).traffic()
+    }
+
+    fn close(&mut self, reason: &str) {
+        (**self).close(reason);
     }
 
     fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {

@@ -188,9 +188,9 @@ fn assert_none_left(bin: &Path) {
     assert!(left.trim().is_empty(), "processes left behind: {left}");
 }
 
-/// A rank that stops calling (alive) or dies mid-run: the job ends within the deadline (5 s)
-/// plus 10 s (plus the arrival round's 5 s for the silent rank), with a message naming it, and
-/// no process is left behind.
+/// A rank that stops calling (alive), dies mid-run, or fails a transport call: the job ends
+/// within the deadline (5 s) plus 10 s (plus the arrival round's 5 s for the silent rank), with
+/// a message naming it, and no process is left behind.
 #[test]
 fn a_silent_or_dead_rank_ends_the_job_naming_it() {
     let bin = example_binary("mpi_faults");
@@ -213,5 +213,25 @@ fn a_silent_or_dead_rank_ends_the_job_naming_it() {
         run.report()
     );
     assert!(run.stderr.contains("process rank 3"), "{}", run.report());
+    assert_none_left(&bin);
+    // Issue 48 class 3 (here, so that no other run of the binary overlaps the check for
+    // processes left behind): a rank whose transport fails a call without taking part closes
+    // its communicator, which ends the job at once with the first failure (its peers wait
+    // inside an MPI collective that it will not complete).
+    let run = mpirun(&bin, &["transport"], Duration::from_secs(60));
+    assert!(run.status.is_some_and(|s| !s.success()), "{}", run.report());
+    assert!(
+        run.elapsed < Duration::from_secs(15),
+        "{:?}\n{}",
+        run.elapsed,
+        run.report()
+    );
+    assert!(
+        run.stderr.contains(
+            "gradwire: rank 1: the group is broken: transport failure: the link went down"
+        ),
+        "{}",
+        run.report()
+    );
     assert_none_left(&bin);
 }

@@ -7,24 +7,38 @@
 //! - `all_to_all(send: list[bytes], recv_lengths: list[int]) -> list[bytes]`: `send[j]` to rank
 //!   `j`; returns what each rank sent here (`recv_lengths[i]` bytes from rank `i`).
 //!
-//! This module supplies what makes them a gradwire transport: the length exchange before every
-//! call (16 bytes per peer: a length and a limit), the collective size-limit decision (every
-//! rank refuses alike, before anything of that size is moved), a check that what arrived has
-//! the announced lengths, and the byte counts (`traffic`), the same as every other transport's.
+//! This module supplies what makes them a gradwire transport: an opening exchange before every
+//! call, the collective size-limit decision (every rank refuses alike, before anything of that
+//! size is moved), a check that what arrived has the announced lengths, and the byte counts
+//! (`traffic`, logical: 16 bytes per peer for the length exchange, the same as every other
+//! transport's).
+//!
+//! The opening is one raw all-gather of the same size on every rank and at every call: the
+//! call's kind, this rank's limit and its W lengths (one per destination for an all-to-all), 8
+//! (W + 2) bytes. So ranks at different calls (one in an all-gather, another in an all-to-all)
+//! pair the same raw operation and fail alike with `CommError::Mismatch`, instead of pairing
+//! buffers of other sizes inside the process group (gloo aborts the process on that), and
+//! every rank reaches the same length verdict without a second round.
+//!
 //! The deadline is the Python transport's own (for `torch.distributed`, the process group's
 //! timeout): a raw call that raises, on timeout or otherwise, fails this rank's call with
-//! `CommError::Transport` carrying the Python exception's text.
+//! `CommError::Transport` carrying the Python exception's text, and closes the communicator:
+//! this rank's later calls fail with `CommError::Broken` without calling the transport again
+//! (a later raw call could pair with a peer's earlier one), and its peers, inside a raw call
+//! this rank will not make, fail at the group's timeout. So does
+//! [`Communicator::close`], which `CompressedAllReduce` calls after a transport failure.
 
 use gradwire::comm::{CommError, Communicator, Traffic, check_lengths};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-/// Bytes of one rank's `(length, limit)` header.
+/// Bytes of the logical length exchange per peer and call (a length and a limit), counted in
+/// `traffic` as every transport counts it.
 const HEADER: usize = 16;
 
-/// Bytes of one rank's verdict on what it receives in an all-to-all: kind, rank, length,
-/// limit, limit rank (5 little-endian u64).
-const VERDICT: usize = 40;
+/// The kinds of call an opening names.
+const ALL_GATHER: u64 = 1;
+const ALL_TO_ALL: u64 = 2;
 
 /// The Python object's collectives as a [`Communicator`].
 pub(crate) struct PyCommunicator {
@@ -32,6 +46,10 @@ pub(crate) struct PyCommunicator {
     rank: usize,
     world_size: usize,
     traffic: Traffic,
+    /// Calls made so far (the round number of a mismatch).
+    calls: u64,
+    /// Why this communicator was closed: every later call fails with it.
+    closed: Option<String>,
 }
 
 fn transport(e: impl std::fmt::Display) -> CommError {
@@ -50,11 +68,24 @@ fn as_usize(v: u64) -> usize {
     usize::try_from(v).unwrap_or(usize::MAX)
 }
 
-fn header(len: usize, limit: usize) -> Vec<u8> {
-    let mut h = Vec::with_capacity(HEADER);
-    h.extend_from_slice(&(len as u64).to_le_bytes());
+/// One rank's opening: the kind of call, its limit and its `lengths` (one per rank), as
+/// little-endian u64.
+fn opening(kind: u64, limit: usize, lengths: &[u64]) -> Vec<u8> {
+    let mut h = Vec::with_capacity(8 * (2 + lengths.len()));
+    h.extend_from_slice(&kind.to_le_bytes());
     h.extend_from_slice(&(limit as u64).to_le_bytes());
+    for len in lengths {
+        h.extend_from_slice(&len.to_le_bytes());
+    }
     h
+}
+
+fn kind_name(kind: u64) -> String {
+    match kind {
+        ALL_GATHER => "all_gather".into(),
+        ALL_TO_ALL => "all_to_all".into(),
+        other => format!("an unknown call ({other})"),
+    }
 }
 
 impl PyCommunicator {
@@ -79,7 +110,64 @@ impl PyCommunicator {
             rank,
             world_size,
             traffic: Traffic::default(),
+            calls: 0,
+            closed: None,
         })
+    }
+
+    /// Starts a call: fails with `Broken` on a closed communicator, without a raw call.
+    fn begin(&mut self) -> Result<u64, CommError> {
+        if let Some(first) = &self.closed {
+            return Err(CommError::Broken {
+                first: first.clone(),
+            });
+        }
+        self.calls += 1;
+        Ok(self.calls - 1)
+    }
+
+    /// Closes this communicator when `result` is a transport failure (a raw call raised or
+    /// returned other lengths): a later raw call could pair with a peer's earlier one.
+    fn closing_on_failure<T>(&mut self, result: Result<T, CommError>) -> Result<T, CommError> {
+        if let Err(CommError::Transport(why)) = &result {
+            self.closed
+                .get_or_insert_with(|| format!("rank {}: transport failure: {why}", self.rank));
+        }
+        result
+    }
+
+    /// The opening exchange of call `round`: every rank's opening (kind, limit, `lengths`),
+    /// checked to name the same kind of call; returns each rank's limit and lengths.
+    fn open(
+        &mut self,
+        round: u64,
+        kind: u64,
+        limit: usize,
+        lengths: &[u64],
+    ) -> Result<Vec<(usize, Vec<usize>)>, CommError> {
+        let w = self.world_size;
+        let size = 8 * (2 + w);
+        let mine = opening(kind, limit, lengths);
+        let got = self.raw_all_gather(&mine, &vec![size; w]);
+        let got = self.closing_on_failure(got)?;
+        if let Some((r, other)) = got.iter().enumerate().find(|(_, o)| u64_at(o, 0) != kind) {
+            return Err(CommError::Mismatch {
+                round,
+                detail: format!(
+                    "rank {r} called {}, rank {} {}",
+                    kind_name(u64_at(other, 0)),
+                    self.rank,
+                    kind_name(kind)
+                ),
+            });
+        }
+        Ok(got
+            .iter()
+            .map(|o| {
+                let lens = (0..w).map(|j| as_usize(u64_at(o, 2 + j))).collect();
+                (as_usize(u64_at(o, 1)), lens)
+            })
+            .collect())
     }
 
     /// The raw all-gather of buffers of known lengths; checks the lengths that came back.
@@ -159,15 +247,15 @@ impl Communicator for PyCommunicator {
         max_len: usize,
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
+        let round = self.begin()?;
         let w = self.world_size;
-        let headers = self.raw_all_gather(&header(local.len(), max_len), &vec![HEADER; w])?;
-        let posted: Vec<(usize, usize)> = headers
-            .iter()
-            .map(|h| (as_usize(u64_at(h, 0)), as_usize(u64_at(h, 1))))
-            .collect();
-        check_lengths(posted.iter().copied())?;
-        let lengths: Vec<usize> = posted.iter().map(|&(len, _)| len).collect();
-        let got = self.raw_all_gather(local, &lengths)?;
+        let mut lengths = vec![0u64; w];
+        lengths[0] = local.len() as u64;
+        let opened = self.open(round, ALL_GATHER, max_len, &lengths)?;
+        check_lengths(opened.iter().map(|(limit, lens)| (lens[0], *limit)))?;
+        let lengths: Vec<usize> = opened.iter().map(|(_, lens)| lens[0]).collect();
+        let got = self.raw_all_gather(local, &lengths);
+        let got = self.closing_on_failure(got)?;
         let received: usize = (0..w).filter(|&i| i != self.rank).map(|i| lengths[i]).sum();
         *out = got;
         self.count(local.len() * (w - 1), received);
@@ -180,73 +268,49 @@ impl Communicator for PyCommunicator {
         max_len: usize,
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
+        let round = self.begin()?;
         let (w, me) = (self.world_size, self.rank);
-        // 1. (length, limit) to every rank; a wrong number of buffers is announced as lengths
-        // of u64::MAX, which every receiver refuses, so that every rank fails alike.
-        let headers: Vec<Vec<u8>> = (0..w)
-            .map(|j| {
-                let len = if send.len() == w {
-                    send[j].len()
-                } else {
-                    usize::MAX
-                };
-                header(len, max_len)
+        // A wrong number of buffers is announced as lengths of u64::MAX: every rank refuses it
+        // alike.
+        let lengths: Vec<u64> = (0..w)
+            .map(|j| match send.get(j) {
+                Some(b) if send.len() == w => b.len() as u64,
+                _ => u64::MAX,
             })
             .collect();
-        let theirs = self.raw_all_to_all(&headers, &vec![HEADER; w])?;
-        let posted: Vec<(usize, usize)> = theirs
+        let opened = self.open(round, ALL_TO_ALL, max_len, &lengths)?;
+        if let Some(r) = opened
             .iter()
-            .map(|h| (as_usize(u64_at(h, 0)), as_usize(u64_at(h, 1))))
-            .collect();
-        // 2. Each receiver's verdict, gathered, so that every rank returns the first one's.
-        let verdict: [u64; 5] = match check_lengths(posted.iter().copied()) {
-            Ok(()) => [0; 5],
-            Err(CommError::TooLarge { rank, len, limit }) => {
-                [1, rank as u64, len as u64, limit as u64, 0]
-            }
-            Err(CommError::LimitsDiffer {
-                rank,
-                len,
-                limit,
-                limit_rank,
-            }) => [2, rank as u64, len as u64, limit as u64, limit_rank as u64],
-            Err(_) => [3, me as u64, 0, 0, 0],
-        };
-        let verdict_bytes: Vec<u8> = verdict.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let verdicts = self.raw_all_gather(&verdict_bytes, &vec![VERDICT; w])?;
-        if let Some(v) = verdicts.iter().find(|v| u64_at(v, 0) != 0) {
-            let word = |i| as_usize(u64_at(v, i));
-            return Err(match u64_at(v, 0) {
-                1 => CommError::TooLarge {
-                    rank: word(1),
-                    len: word(2),
-                    limit: word(3),
-                },
-                2 => CommError::LimitsDiffer {
-                    rank: word(1),
-                    len: word(2),
-                    limit: word(3),
-                    limit_rank: word(4),
-                },
-                _ => transport(format!(
-                    "all_to_all: rank {} refused the lengths it was offered",
-                    word(1)
-                )),
+            .position(|(_, lens)| lens.contains(&usize::MAX))
+        {
+            return Err(CommError::Mismatch {
+                round,
+                detail: format!("rank {r} passed another number of buffers than {w}"),
             });
         }
-        // 3. The data.
-        let recv_lengths: Vec<usize> = posted.iter().map(|&(len, _)| len).collect();
-        let got = self.raw_all_to_all(send, &recv_lengths)?;
+        // Every rank holds every rank's lengths: the verdict of the receivers in rank order,
+        // then of the senders, is the same everywhere.
+        (0..w).try_for_each(|dst| {
+            check_lengths(opened.iter().map(|(limit, lens)| (lens[dst], *limit)))
+        })?;
+        let recv_lengths: Vec<usize> = opened.iter().map(|(_, lens)| lens[me]).collect();
+        let got = self.raw_all_to_all(send, &recv_lengths);
+        let got = self.closing_on_failure(got)?;
         let sent: usize = (0..w).filter(|&j| j != me).map(|j| send[j].len()).sum();
         let received: usize = (0..w).filter(|&i| i != me).map(|i| recv_lengths[i]).sum();
         *out = got;
-        // The verdict round is part of this protocol's length exchange (not counted, as the
-        // other transports do not count theirs).
         self.count(sent, received);
         Ok(())
     }
 
     fn traffic(&self) -> Traffic {
         self.traffic
+    }
+
+    /// Makes every later call fail with `Broken` naming `reason` (or the transport failure
+    /// that closed it first), without a raw call.
+    fn close(&mut self, reason: &str) {
+        self.closed
+            .get_or_insert_with(|| format!("rank {}: {reason}", self.rank));
     }
 }

@@ -237,3 +237,50 @@ def resume(rank, world_size, out, result):
     state.load(path)
     steps(ddp, opt, 10, 10)
     result.update(straight=straight, resumed=digest(model), step=state.allreduce.step)
+
+
+class FailingOnce:
+    """A transport whose raw call number ``fail_at`` (from 0) raises instead of taking part, and
+    that counts the raw calls it is asked for after that."""
+
+    def __init__(self, inner, fail_at):
+        self.inner, self.fail_at = inner, fail_at
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.calls, self.after = 0, 0
+
+    def _call(self, fn, *args):
+        n = self.calls
+        self.calls += 1
+        if self.fail_at is not None and n > self.fail_at:
+            self.after += 1
+        if n == self.fail_at:
+            raise RuntimeError("the link went down")
+        return fn(*args)
+
+    def all_gather(self, data, lengths):
+        return self._call(self.inner.all_gather, data, lengths)
+
+    def all_to_all(self, send, recv_lengths):
+        return self._call(self.inner.all_to_all, send, recv_lengths)
+
+
+@worker
+def broken_transport(rank, world_size, out, result):
+    """Issue 48 class 3: rank 1's raw call of the bundles' all-gather raises (its opening went
+    through): its peer waits in that call until the group's 20 s timeout. Every rank's later
+    calls fail with "the group is broken" naming its first failure, rank 1's transport is not
+    called again, and no process aborts."""
+    group = dist.new_group(timeout=timedelta(seconds=20))
+    transport = FailingOnce(TorchDistributed(group), fail_at=1 if rank == 1 else None)
+    ar = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", transport, seed=3)
+    g = {"w": np.linspace(-1, 1, 400, dtype=np.float32).reshape(20, 20)}
+    result["steps"] = []
+    for _ in range(3):
+        try:
+            ar.all_reduce(g)
+            result["steps"].append(["ok", ""])
+        except Exception as e:
+            result["steps"].append([type(e).__name__, str(e)])
+    result["after"] = transport.after
+    # Both ranks end together (rank 0 leaves its failed call at the group's timeout).
+    dist.barrier()

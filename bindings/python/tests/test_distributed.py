@@ -102,6 +102,20 @@ def test_faults_fail_every_rank_at_the_same_call(tmp_path):
         assert outcome["after damage"][0] == "ok"
 
 
+def test_a_transport_error_breaks_the_group_for_every_later_call_and_nothing_aborts(tmp_path):
+    """Issue 48 class 3 over gloo: rank 1's raw call raises once. Before, its next raw call
+    paired an 8-byte buffer with its peer's 875 inside gloo and the process aborted."""
+    res = launch(dist_workers.broken_transport, 2, tmp_path)
+    for r in res:
+        (first_kind, first), *later = r["steps"]
+        assert first_kind == "GradwireError" and "transport failure" in first, first
+        for kind, msg in later:
+            assert kind == "GradwireError", msg
+            assert f"the group is broken: rank {r['rank']}: transport failure" in msg, msg
+    assert "the link went down" in res[1]["steps"][0][1]
+    assert res[1]["after"] == 0  # the poisoned rank made no raw call after its failure
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dense_sum_and_two_phase_are_the_same_bits_everywhere(tmp_path, world_size):
     res = launch(dist_workers.dense_and_two_phase, world_size, tmp_path)

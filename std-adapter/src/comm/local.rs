@@ -92,6 +92,7 @@ impl LocalGroup {
                 staging: Vec::new(),
                 incoming: Vec::new(),
                 sum: Vec::new(),
+                closed: None,
             })
             .collect()
     }
@@ -109,6 +110,8 @@ pub struct LocalCommunicator {
     incoming: Vec<Arc<Vec<u8>>>,
     /// This rank's shard sum of [`Communicator::all_reduce_sum_f32`], kept between calls.
     sum: Vec<f32>,
+    /// The first reason this communicator was closed with ([`Communicator::close`]).
+    closed: Option<String>,
 }
 
 impl fmt::Debug for LocalCommunicator {
@@ -178,6 +181,9 @@ fn copy(e: &CommError) -> CommError {
             waited: *waited,
             missing: missing.clone(),
             round: *round,
+        },
+        CommError::Broken { first } => CommError::Broken {
+            first: first.clone(),
         },
         other => CommError::Transport(other.to_string()),
     }
@@ -277,6 +283,11 @@ impl LocalCommunicator {
         bufs: &[&[u8]],
         read: impl FnOnce(&[Arc<Vec<u8>>]) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
+        if let Some(first) = &self.closed {
+            return Err(CommError::Broken {
+                first: first.clone(),
+            });
+        }
         let shared = Arc::clone(&self.shared);
         let w = shared.world_size;
         let me = self.rank;
@@ -454,6 +465,34 @@ impl Communicator for LocalCommunicator {
 
     fn traffic(&self) -> Traffic {
         self.traffic
+    }
+
+    /// Marks the group broken with `reason` (unless it already is), waking every rank that
+    /// waits in a call: they and every later call of any rank fail with
+    /// [`CommError::Broken`] naming the group's first failure (this rank and `reason`, when
+    /// the group was whole until then).
+    fn close(&mut self, reason: &str) {
+        if self.closed.is_some() {
+            return;
+        }
+        let mut state = match self.shared.state.lock() {
+            Ok(state) => state,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let first = match &state.broken {
+            Some(CommError::Broken { first }) => first.clone(),
+            Some(why) => why.to_string(),
+            None => {
+                let first = format!("rank {}: {reason}", self.rank);
+                state.broken = Some(CommError::Broken {
+                    first: first.clone(),
+                });
+                first
+            }
+        };
+        self.shared.changed.notify_all();
+        drop(state);
+        self.closed = Some(first);
     }
 
     /// The rank-order sum of [`Communicator::all_reduce_sum_f32`], with the same bits and, for

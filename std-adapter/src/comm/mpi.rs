@@ -718,6 +718,17 @@ impl Communicator for MpiCommunicator {
         self.traffic
     }
 
+    /// Ends the job (`MPI_Abort`) after printing `reason`: peers inside an MPI collective
+    /// that this rank will not complete would wait forever (MPI's collectives have no
+    /// deadline), and a later call of this rank would pair with a peer's earlier one.
+    fn close(&mut self, reason: &str) {
+        eprintln!(
+            "gradwire: rank {}: the group is broken: {reason}: aborting the job (MPI_Abort)",
+            self.rank
+        );
+        self.universe.world().abort(5);
+    }
+
     fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
         self.check_thread("all_reduce_sum_f32");
         self.round = self.round.wrapping_add(1);

@@ -171,7 +171,10 @@ class AllReduce:
     Errors: a rank whose own step fails (NaN, another model) raises its ``ValueError`` and every
     peer a :class:`GradwireError` naming it, at the same call; ranks configured otherwise fail
     alike naming the field; no rank waits past the transport's deadline. The step advances on
-    every rank either way, so the group can go on.
+    every rank either way, so the group can go on. A transport failure (a raw call that raises,
+    a timeout) is different: the rank's communicator is closed and every later call raises
+    ``GradwireError`` "the group is broken: ..." without calling the transport; recovery needs a
+    new process group and ``AllReduce``, resumed from checkpoints.
     """
 
     def __init__(
