@@ -238,8 +238,8 @@ pub trait Communicator: Send {
     /// [`CommError::Broken`] naming the first reason, without any collective of the
     /// transport, so that this rank never pairs a later call with a peer's earlier one; peers
     /// the transport can reach learn it (`LocalGroup` marks the group broken and wakes the
-    /// ranks that wait; `MpiCommunicator` ends the job, since MPI's collectives have no
-    /// deadline). `CompressedAllReduce` calls it once after such a failure of a step. The
+    /// ranks that wait; `MpiCommunicator` sends the failure to its peers, which print it, and ends
+    /// the job, since a pending MPI collective cannot be cancelled). `CompressedAllReduce` calls it once after such a failure of a step. The
     /// default does nothing: a transport without state of its own relies on its peers'
     /// deadlines.
     fn close(&mut self, reason: &str) {

@@ -73,6 +73,12 @@ const ARRIVAL_TAG: i32 = 0x6777;
 /// The tags of the rank-order sum's point-to-point messages: its reduce-scatter, its all-gather.
 const SCATTER_TAG: i32 = 0x6778;
 const GATHER_TAG: i32 = 0x6779;
+/// The tag of a closed rank's notice to its peers (the first failure's text), and of their
+/// answer ([`MpiCommunicator`]'s `close`).
+const BROKEN_TAG: i32 = 0x677a;
+const BROKEN_ACK_TAG: i32 = 0x677b;
+/// The longest failure text a notice carries.
+const BROKEN_TEXT: usize = 1024;
 /// What a rank sends in the arrival round.
 static HERE: [u8; 1] = [1];
 /// How long the arrival round listens for peers.
@@ -314,6 +320,10 @@ impl Waiter {
             if polls < 2000 {
                 thread::yield_now();
             } else {
+                // A call this long may wait for a rank that closed its communicator.
+                if polls.is_multiple_of(64) {
+                    self.heed_broken();
+                }
                 thread::sleep(Duration::from_micros(100));
             }
         }
@@ -350,6 +360,47 @@ impl Waiter {
             );
             self.world.abort(4);
         }
+    }
+
+    /// When a peer closed its communicator (a notice tagged [`BROKEN_TAG`] with its first
+    /// failure): prints it as this rank's, answers, and waits for the job to end (the closed
+    /// rank ends it with `MPI_Abort` once every rank has printed, or after a grace).
+    fn heed_broken(&self) {
+        let Some((msg, status)) = self
+            .world
+            .any_process()
+            .immediate_matched_probe_with_tag(BROKEN_TAG)
+        else {
+            return;
+        };
+        let mut text = vec![0u8; BROKEN_TEXT];
+        let got = msg.matched_receive_into(&mut text[..]);
+        let len = usize::try_from(got.count(u8::equivalent_datatype()))
+            .unwrap_or(0)
+            .min(BROKEN_TEXT);
+        // A peer's text, printed escaped (no control characters reach the terminal).
+        let first = String::from_utf8_lossy(&text[..len])
+            .escape_debug()
+            .to_string();
+        eprintln!(
+            "gradwire: rank {}: the group is broken: {first}: {} (call {}) ends with the job \
+             (MPI_Abort by rank {})",
+            self.rank,
+            self.what,
+            self.round,
+            status.source_rank()
+        );
+        let req = self
+            .world
+            .process_at_rank(status.source_rank())
+            .immediate_send_with_tag(StaticScope, &HERE[..], BROKEN_ACK_TAG);
+        std::mem::forget(req);
+        // The closed rank ends the job; should it not, this rank's own deadline does.
+        let until = self.started + self.deadline;
+        while Instant::now() < until {
+            thread::sleep(Duration::from_millis(10));
+        }
+        self.give_up();
     }
 
     /// The deadline passed: the arrival round, a message naming the ranks this rank did not
@@ -718,15 +769,46 @@ impl Communicator for MpiCommunicator {
         self.traffic
     }
 
-    /// Ends the job (`MPI_Abort`) after printing `reason`: peers inside an MPI collective
-    /// that this rank will not complete would wait forever (MPI's collectives have no
-    /// deadline), and a later call of this rank would pair with a peer's earlier one.
+    /// Ends the job (`MPI_Abort`): peers inside an MPI collective that this rank will not
+    /// complete would wait until their deadline, and a later call of this rank would pair with
+    /// a peer's earlier one. This rank prints `reason` (the first failure) and sends it to
+    /// every peer; a peer waiting in a call prints it too and answers; the job ends once every
+    /// peer answered, or after a grace of a few seconds (a peer busy outside any call).
     fn close(&mut self, reason: &str) {
+        let (w, me) = (self.world_size, self.rank);
+        let first = format!("rank {me}: {reason}");
         eprintln!(
-            "gradwire: rank {}: the group is broken: {reason}: aborting the job (MPI_Abort)",
-            self.rank
+            "gradwire: rank {me}: the group is broken: {first}: aborting the job (MPI_Abort)"
         );
-        self.universe.world().abort(5);
+        let world = self.universe.world();
+        let mut text = first.into_bytes();
+        text.truncate(BROKEN_TEXT);
+        // The sends are never waited for (the job ends below): their buffer lives to the end.
+        let text: &'static [u8] = Box::leak(text.into_boxed_slice());
+        for peer in (0..w).filter(|&p| p != me) {
+            let req = world.process_at_rank(peer as i32).immediate_send_with_tag(
+                StaticScope,
+                text,
+                BROKEN_TAG,
+            );
+            std::mem::forget(req);
+        }
+        let mut answered = 0;
+        let until = Instant::now() + ARRIVAL_GRACE;
+        while Instant::now() < until && answered + 1 < w {
+            match world
+                .any_process()
+                .immediate_matched_probe_with_tag(BROKEN_ACK_TAG)
+            {
+                Some((msg, _)) => {
+                    let mut byte = [0u8; 1];
+                    msg.matched_receive_into(&mut byte[..]);
+                    answered += 1;
+                }
+                None => thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        world.abort(5);
     }
 
     fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
