@@ -236,12 +236,13 @@ pub trait Communicator: Send {
     /// Closes this communicator after a failure that may leave the group out of step (a
     /// transport error, a deadline; `reason` names it): every later call fails with
     /// [`CommError::Broken`] naming the first reason, without any collective of the
-    /// transport, so that this rank never pairs a later call with a peer's earlier one; peers
-    /// the transport can reach learn it (`LocalGroup` marks the group broken and wakes the
-    /// ranks that wait; `MpiCommunicator` sends the failure to its peers, which print it, and ends
-    /// the job, since a pending MPI collective cannot be cancelled). `CompressedAllReduce` calls it once after such a failure of a step. The
-    /// default does nothing: a transport without state of its own relies on its peers'
-    /// deadlines.
+    /// transport, so that this rank never pairs a later call with a peer's earlier one. Peers
+    /// the transport can reach learn it: `LocalGroup` marks the group broken and wakes the
+    /// ranks that wait; `MpiCommunicator` sends the failure to its peers, which print it, and
+    /// ends the job (a pending MPI collective cannot be cancelled). `CompressedAllReduce` calls
+    /// it once after such a failure of a step. The default does nothing (a transport without
+    /// state of its own relies on its peers' deadlines); a communicator that wraps another
+    /// forwards it.
     fn close(&mut self, reason: &str) {
         let _ = reason;
     }
