@@ -64,8 +64,8 @@ impl Communicator for Corrupting {
     fn traffic(&self) -> Traffic {
         self.inner.traffic()
     }
-    fn close(&mut self, reason: &str) {
-        self.inner.close(reason);
+    fn close(&mut self, reason: &str) -> Option<String> {
+        self.inner.close(reason)
     }
 }
 

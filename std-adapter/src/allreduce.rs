@@ -119,7 +119,11 @@ pub struct CompressedAllReduce {
 
 /// Whether a transport error may leave the ranks out of step, so that the communicator is
 /// closed: not the group's common verdict on a length, which every rank reaches at the same
-/// call before anything moves.
+/// call before anything moves. A [`CommError::Mismatch`] (ranks at different collectives, or
+/// other element counts in one sum) does break the group: every route of a step opens with
+/// the same all-gather of envelopes, so ranks that reach different collectives of a step are
+/// out of step, and a communicator the caller also uses for other collectives
+/// ([`CompressedAllReduce::all_reduce_on`]) is closed as well.
 fn breaks_group(e: &CommError) -> bool {
     !matches!(
         e,
@@ -132,16 +136,14 @@ fn breaks_group(e: &CommError) -> bool {
 fn close_after(comm: &mut dyn Communicator, result: &Result<()>) -> Option<String> {
     match result {
         Err(Error::Comm { source }) if breaks_group(source) => {
-            // The communicator names this rank in the first failure it keeps.
+            // The first failure the communicator records (the group's, when it broke
+            // elsewhere first), else this rank's.
             let first = match source {
-                CommError::Broken { first } => {
-                    comm.close(first);
-                    first.clone()
-                }
+                CommError::Broken { first } => comm.close(first).unwrap_or_else(|| first.clone()),
                 other => {
                     let reason = other.to_string();
-                    comm.close(&reason);
-                    format!("rank {}: {reason}", comm.rank())
+                    comm.close(&reason)
+                        .unwrap_or_else(|| format!("rank {}: {reason}", comm.rank()))
                 }
             };
             Some(first)

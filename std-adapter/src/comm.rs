@@ -240,11 +240,14 @@ pub trait Communicator: Send {
     /// the transport can reach learn it: `LocalGroup` marks the group broken and wakes the
     /// ranks that wait; `MpiCommunicator` sends the failure to its peers, which print it, and
     /// ends the job (a pending MPI collective cannot be cancelled). `CompressedAllReduce` calls
-    /// it once after such a failure of a step. The default does nothing (a transport without
-    /// state of its own relies on its peers' deadlines); a communicator that wraps another
-    /// forwards it.
-    fn close(&mut self, reason: &str) {
+    /// it once after such a failure of a step. Returns the first failure the communicator
+    /// records (naming the rank that found it), when it keeps one: after the group broke
+    /// elsewhere first, that failure rather than `reason`, so that every rank names the same
+    /// one. The default does nothing and returns `None` (a transport without state of its own
+    /// relies on its peers' deadlines); a communicator that wraps another forwards it.
+    fn close(&mut self, reason: &str) -> Option<String> {
         let _ = reason;
+        None
     }
 
     /// The sum of every rank's `x` over the group, written into `x` on every rank, bit for bit
@@ -304,8 +307,8 @@ impl<C: Communicator + ?Sized> Communicator for &mut C {
         (**self).traffic()
     }
 
-    fn close(&mut self, reason: &str) {
-        (**self).close(reason);
+    fn close(&mut self, reason: &str) -> Option<String> {
+        (**self).close(reason)
     }
 
     fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
@@ -353,8 +356,8 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
         (**self).traffic()
     }
 
-    fn close(&mut self, reason: &str) {
-        (**self).close(reason);
+    fn close(&mut self, reason: &str) -> Option<String> {
+        (**self).close(reason)
     }
 
     fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {

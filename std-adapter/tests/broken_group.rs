@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use gradwire::comm::{CommError, Communicator, LocalCommunicator, LocalGroup, Traffic};
 use gradwire::tensor::Tensor;
@@ -74,9 +75,9 @@ impl Communicator for Faulty {
     fn traffic(&self) -> Traffic {
         self.inner.traffic()
     }
-    fn close(&mut self, reason: &str) {
+    fn close(&mut self, reason: &str) -> Option<String> {
         self.closed_with.get_or_insert_with(|| reason.to_owned());
-        self.inner.close(reason);
+        self.inner.close(reason)
     }
 }
 
@@ -202,5 +203,45 @@ fn closing_a_local_communicator_wakes_its_peers_and_refuses_later_calls() {
                 other => panic!("rank {rank}: {other:?}"),
             }
         }
+    }
+}
+
+/// A rank that comes late, past the deadline: the ranks that waited fail with the deadline,
+/// the late one with the broken group, and every later call of every rank names the same first
+/// failure (the rank that found the deadline, and the rank it waited for).
+#[test]
+fn after_a_deadline_every_rank_names_the_same_first_failure() {
+    let comms = LocalGroup::new(3)
+        .with_timeout(Some(Duration::from_millis(300)))
+        .into_communicators();
+    let results = run_ranks(comms, |comm| {
+        let rank = comm.rank();
+        let mut ar = CompressedAllReduce::with_communicator(
+            CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+            Box::new(comm),
+        );
+        if rank == 2 {
+            std::thread::sleep(Duration::from_millis(2000));
+        }
+        let first = ar.all_reduce(&gradients(rank, 0)).err();
+        let later = ar.all_reduce(&gradients(rank, 1)).err();
+        (first, later)
+    });
+    let names = |e: &Option<Error>| e.as_ref().and_then(broken_text).map(str::to_owned);
+    let group_first = names(&results[0].1).expect("rank 0's later call: the broken group");
+    assert!(
+        group_first.contains("waited") && group_first.contains("for ranks [2]"),
+        "{group_first}"
+    );
+    for (rank, (first, later)) in results.iter().enumerate() {
+        match (rank, first) {
+            (0 | 1, Some(Error::Comm { source })) => assert!(
+                matches!(source, CommError::Deadline { .. } | CommError::Transport(_)),
+                "rank {rank}: {source:?}"
+            ),
+            (2, Some(e)) => assert_eq!(broken_text(e), Some(group_first.as_str())),
+            other => panic!("rank {rank}: {other:?}"),
+        }
+        assert_eq!(names(later), Some(group_first.clone()), "rank {rank}");
     }
 }

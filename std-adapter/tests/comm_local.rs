@@ -226,10 +226,12 @@ fn a_dropped_peer_is_an_error_not_a_hang() {
         let mut out = Vec::new();
         comm.all_gather(&[1, 2, 3], 16, &mut out)
     });
+    // The group broke before the call: the call is refused as in a broken group, naming the
+    // rank that left.
     for result in results {
         match result {
-            Err(CommError::Transport(why)) => assert!(why.contains("rank 2"), "{why}"),
-            other => panic!("expected Transport, got {other:?}"),
+            Err(CommError::Broken { first }) => assert!(first.contains("rank 2"), "{first}"),
+            other => panic!("expected Broken, got {other:?}"),
         }
     }
 }
@@ -248,7 +250,14 @@ fn a_peer_leaving_mid_run_is_an_error_not_a_hang() {
         if rank == 1 {
             result.unwrap();
         } else {
-            assert!(matches!(result, Err(CommError::Transport(_))), "{result:?}");
+            // Waiting when rank 1 left, or calling after: a transport error or a broken group.
+            assert!(
+                matches!(
+                    result,
+                    Err(CommError::Transport(_) | CommError::Broken { .. })
+                ),
+                "{result:?}"
+            );
         }
     }
 }
@@ -279,7 +288,10 @@ fn a_panicking_peer_is_an_error_not_a_hang() {
     let mut failed = Vec::new();
     for _ in 0..2 {
         let (rank, err) = rx.recv_timeout(WATCHDOG).expect("a rank hung");
-        assert!(matches!(err, CommError::Transport(_)), "{err:?}");
+        assert!(
+            matches!(err, CommError::Transport(_) | CommError::Broken { .. }),
+            "{err:?}"
+        );
         failed.push(rank);
     }
     failed.sort_unstable();
@@ -309,10 +321,14 @@ fn a_silent_peer_times_out() {
         }
         other => panic!("expected a deadline naming rank 1, got {other:?}"),
     }
-    assert!(
-        matches!(second, Err(CommError::Deadline { .. })),
-        "{second:?}"
-    );
+    // A call in a group that a deadline broke is refused, naming that first failure.
+    match second {
+        Err(CommError::Broken { first }) => {
+            assert!(first.starts_with("rank 0: waited"), "{first}");
+            assert!(first.contains("for ranks [1] in round 0"), "{first}");
+        }
+        other => panic!("expected the broken group, got {other:?}"),
+    }
 }
 
 /// The deadline names every rank that did not arrive, on every rank that waits, and a group

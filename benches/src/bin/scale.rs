@@ -663,6 +663,10 @@ impl Communicator for Recording {
         self.inner.traffic()
     }
 
+    fn close(&mut self, reason: &str) -> Option<String> {
+        self.inner.close(reason)
+    }
+
     fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
         self.note(4 * x.len());
         self.inner.all_reduce_sum_f32(x)

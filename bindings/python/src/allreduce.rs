@@ -9,7 +9,10 @@ use std::sync::Mutex;
 
 use gradwire::comm::Communicator;
 use gradwire::{Collective, CompressedAllReduce, Reduction, Tensor, TensorMut};
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadwriteArray1};
+use numpy::{
+    IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -22,6 +25,35 @@ type NamedArray<'py> = (String, Vec<usize>, PyReadonlyArray1<'py, f32>);
 
 /// A tensor reduced in place: name, shape, flat C-contiguous float32 data (writable).
 type InPlaceArray<'py> = (String, Vec<usize>, PyReadwriteArray1<'py, f32>);
+
+/// `ValueError` when two of `arrays` share memory (views of one buffer under two names, or
+/// overlapping slices of one bucket): each is read as a gradient and overwritten with a
+/// result, so they must be apart. numpy's own borrow check sees arrays of one base object;
+/// torch tensors turned into arrays each get their own, so the addresses are compared here,
+/// before any array is borrowed mutably.
+fn refuse_overlaps(names: &[String], arrays: &[PyReadwriteArray1<'_, f32>]) -> PyResult<()> {
+    let mut ranges: Vec<(usize, usize, usize)> = arrays
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.len() > 0)
+        .map(|(i, a)| {
+            let start = a.data() as usize;
+            (start, start.saturating_add(4 * a.len()), i)
+        })
+        .collect();
+    ranges.sort_unstable();
+    for pair in ranges.windows(2) {
+        let ((_, end, a), (start, _, b)) = (pair[0], pair[1]);
+        if start < end {
+            return Err(PyValueError::new_err(format!(
+                "tensors {:?} and {:?} share memory: all_reduce_ overwrites each with its \
+                 result, so they must not overlap",
+                names[a], names[b]
+            )));
+        }
+    }
+    Ok(())
+}
 
 /// A result tensor: name, shape, flat float32 data.
 type ResultArray<'py> = (String, Vec<usize>, Bound<'py, PyArray1<f32>>);
@@ -198,6 +230,7 @@ impl AllReduce {
             shapes.push(shape);
             arrays.push(array);
         }
+        refuse_overlaps(&names, &arrays)?;
         let mut views = Vec::with_capacity(arrays.len());
         for ((name, shape), array) in names.iter().zip(&shapes).zip(&mut arrays) {
             let data = array.as_slice_mut().map_err(|_| {

@@ -309,8 +309,12 @@ impl Communicator for PyCommunicator {
 
     /// Makes every later call fail with `Broken` naming `reason` (or the transport failure
     /// that closed it first), without a raw call.
-    fn close(&mut self, reason: &str) {
-        self.closed
-            .get_or_insert_with(|| format!("rank {}: {reason}", self.rank));
+    fn close(&mut self, reason: &str) -> Option<String> {
+        let rank = self.rank;
+        Some(
+            self.closed
+                .get_or_insert_with(|| format!("rank {rank}: {reason}"))
+                .clone(),
+        )
     }
 }

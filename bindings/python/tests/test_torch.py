@@ -69,3 +69,45 @@ def test_nan_in_a_torch_gradient():
     g[3] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         reference.compress({"w": g}, "topk", 0.5, {})
+
+
+class _Alone:
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, data, lengths):
+        return [bytes(data)]
+
+    def all_to_all(self, send, recv_lengths):
+        return [bytes(b) for b in send]
+
+
+def test_all_reduce_in_place_writes_torch_tensors_where_they_are(grads_step1):
+    """float32 tensors are overwritten in place (their storage keeps its address); float16 and
+    bfloat16 tensors get the result rounded to their dtype through one copy each way; tensors
+    that share memory are refused before anything is written."""
+    method = "topk k=ratio:0.01 values=int8:256"
+    expected = gradwire.AllReduce(method, _Alone()).all_reduce(grads_step1)
+    tensors = {n: torch.from_numpy(g.copy()) for n, g in grads_step1.items()}
+    addresses = {n: t.data_ptr() for n, t in tensors.items()}
+    gradwire.AllReduce(method, _Alone()).all_reduce_(tensors)
+    for n, t in tensors.items():
+        assert t.data_ptr() == addresses[n]
+        assert t.numpy().tobytes() == expected[n].tobytes(), n
+    for dtype in (torch.float16, torch.bfloat16):
+        half = {n: torch.from_numpy(g.copy()).to(dtype) for n, g in grads_step1.items()}
+        want = gradwire.AllReduce(method, _Alone()).all_reduce(
+            {n: t.to(torch.float32) for n, t in half.items()}
+        )
+        gradwire.AllReduce(method, _Alone()).all_reduce_(half)
+        for n, t in half.items():
+            assert t.dtype == dtype
+            assert torch.equal(t, torch.from_numpy(want[n]).to(dtype)), n
+
+    bucket = torch.zeros(100)
+    for overlapping in ({"a": bucket[:60], "b": bucket[40:]}, {"a": bucket, "b": bucket}):
+        with pytest.raises(ValueError, match="share memory"):
+            gradwire.AllReduce("dense values=f32", _Alone(), error_feedback=False).all_reduce_(
+                overlapping
+            )
+    assert torch.count_nonzero(bucket) == 0

@@ -10,10 +10,12 @@
 //! round: no slot is overwritten while someone still reads it.
 //!
 //! A communicator that is dropped (its thread returned early or panicked) marks the group
-//! broken: every peer that waits, or calls again, gets [`CommError::Transport`] instead of
-//! waiting forever. The deadline ([`LocalGroup::with_timeout`], [`super::DEFAULT_DEADLINE`] by
-//! default) covers peers that are alive but never call: the waiting ranks fail with
-//! [`CommError::Deadline`] naming them.
+//! broken: every peer that waits gets [`CommError::Transport`] instead of waiting forever. The
+//! deadline ([`LocalGroup::with_timeout`], [`super::DEFAULT_DEADLINE`] by default) covers peers
+//! that are alive but never call: the waiting ranks fail with [`CommError::Deadline`] naming
+//! them. [`Communicator::close`] breaks the group on purpose (after a rank's own transport
+//! failure): the waiting ranks fail with [`CommError::Broken`]. Every call that starts in a
+//! broken group fails with [`CommError::Broken`] naming the group's first failure.
 
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -81,6 +83,7 @@ impl LocalGroup {
                 read: vec![false; w],
                 slots: (0..w).map(|_| Slot::default()).collect(),
                 broken: None,
+                broken_by: None,
             }),
             changed: Condvar::new(),
         });
@@ -168,6 +171,18 @@ struct State {
     slots: Vec<Slot>,
     /// Why the group can no longer make progress.
     broken: Option<CommError>,
+    /// The rank that found it (a deadline's waiter, a dropped rank), when known.
+    broken_by: Option<usize>,
+}
+
+/// The group's first failure as [`CommError::Broken`] names it: the failure, prefixed with
+/// the rank that found it when known.
+fn first_failure(why: &CommError, by: Option<usize>) -> String {
+    match (why, by) {
+        (CommError::Broken { first }, _) => first.clone(),
+        (other, Some(rank)) => format!("rank {rank}: {other}"),
+        (other, None) => other.to_string(),
+    }
 }
 
 /// A copy of an error kept in the shared state (each waiting rank returns its own).
@@ -200,6 +215,7 @@ impl Shared {
     /// error names the ranks `missing` gives, those not yet where this rank waits for them).
     fn wait_while<'a>(
         &self,
+        me: usize,
         mut guard: MutexGuard<'a, State>,
         started: Instant,
         blocked: impl Fn(&State) -> bool,
@@ -223,7 +239,10 @@ impl Shared {
                             missing: missing(&guard),
                             round: guard.round,
                         };
-                        guard.broken = Some(copy(&err));
+                        if guard.broken.is_none() {
+                            guard.broken = Some(copy(&err));
+                            guard.broken_by = Some(me);
+                        }
                         self.changed.notify_all();
                         return Err(err);
                     }
@@ -305,12 +324,15 @@ impl LocalCommunicator {
             }
         }
         let guard = shared.lock()?;
+        // A call that starts in a broken group is refused as a closed communicator's is.
         if let Some(why) = &guard.broken {
-            return Err(copy(why));
+            return Err(CommError::Broken {
+                first: first_failure(why, guard.broken_by),
+            });
         }
         // The previous round is still being read by slower peers: wait until it is closed.
         let mut state =
-            shared.wait_while(guard, started, |s| s.arrived == w, |s| unset(&s.read))?;
+            shared.wait_while(me, guard, started, |s| s.arrived == w, |s| unset(&s.read))?;
 
         let slot = &mut state.slots[me];
         slot.op = op;
@@ -328,7 +350,8 @@ impl LocalCommunicator {
 
         // The round cannot close before this rank has read it, so `arrived` stays at `w` until
         // then.
-        let state = shared.wait_while(state, started, |s| s.arrived < w, |s| unset(&s.posted))?;
+        let state =
+            shared.wait_while(me, state, started, |s| s.arrived < w, |s| unset(&s.posted))?;
         let verdict = check_round(&state.slots, op, state.round);
         self.incoming.clear();
         if verdict.is_ok() {
@@ -471,17 +494,16 @@ impl Communicator for LocalCommunicator {
     /// waits in a call: they and every later call of any rank fail with
     /// [`CommError::Broken`] naming the group's first failure (this rank and `reason`, when
     /// the group was whole until then).
-    fn close(&mut self, reason: &str) {
-        if self.closed.is_some() {
-            return;
+    fn close(&mut self, reason: &str) -> Option<String> {
+        if let Some(first) = &self.closed {
+            return Some(first.clone());
         }
         let mut state = match self.shared.state.lock() {
             Ok(state) => state,
             Err(poisoned) => poisoned.into_inner(),
         };
         let first = match &state.broken {
-            Some(CommError::Broken { first }) => first.clone(),
-            Some(why) => why.to_string(),
+            Some(why) => first_failure(why, state.broken_by),
             None => {
                 let first = format!("rank {}: {reason}", self.rank);
                 state.broken = Some(CommError::Broken {
@@ -492,7 +514,8 @@ impl Communicator for LocalCommunicator {
         };
         self.shared.changed.notify_all();
         drop(state);
-        self.closed = Some(first);
+        self.closed = Some(first.clone());
+        Some(first)
     }
 
     /// The rank-order sum of [`Communicator::all_reduce_sum_f32`], with the same bits and, for

@@ -96,10 +96,11 @@ const ARRIVAL_GRACE: Duration = Duration::from_secs(5);
 ///
 /// # Other MPI work on the same processes
 /// The calls run on `MPI_COMM_WORLD` (a duplicate would need a communicator handle that is not
-/// `Send`): besides collectives, the rank-order sum and the deadline's arrival round send
-/// point-to-point messages with tags `0x6777`-`0x6779`. Other code must not use those tags on
-/// `MPI_COMM_WORLD`, nor have a receive with `MPI_ANY_TAG` pending there while a call of this
-/// type runs; duplicate the world communicator for its own messages.
+/// `Send`): besides collectives, the rank-order sum, the deadline's arrival round and a closed
+/// rank's notice of its failure ([`Communicator::close`]) send point-to-point messages with
+/// tags `0x6777`-`0x677b`. Other code must not use those tags on `MPI_COMM_WORLD`, nor have a
+/// receive with `MPI_ANY_TAG` pending there while a call of this type runs or after a rank
+/// closed its communicator; duplicate the world communicator for its own messages.
 ///
 /// # Threads
 /// [`MpiCommunicator::init`] asks MPI for `MPI_THREAD_SERIALIZED`, so the communicator may be
@@ -395,9 +396,10 @@ impl Waiter {
             .process_at_rank(status.source_rank())
             .immediate_send_with_tag(StaticScope, &HERE[..], BROKEN_ACK_TAG);
         std::mem::forget(req);
-        // The closed rank ends the job; should it not, this rank's own deadline does.
-        let until = self.started + self.deadline;
-        while Instant::now() < until {
+        // The closed rank ends the job; should it not, this rank's own deadline does (a
+        // deadline too large for the clock: the closed rank's grace alone).
+        let until = self.started.checked_add(self.deadline);
+        while until.is_none_or(|until| Instant::now() < until) {
             thread::sleep(Duration::from_millis(10));
         }
         self.give_up();
@@ -774,7 +776,7 @@ impl Communicator for MpiCommunicator {
     /// a peer's earlier one. This rank prints `reason` (the first failure) and sends it to
     /// every peer; a peer waiting in a call prints it too and answers; the job ends once every
     /// peer answered, or after a grace of a few seconds (a peer busy outside any call).
-    fn close(&mut self, reason: &str) {
+    fn close(&mut self, reason: &str) -> Option<String> {
         let (w, me) = (self.world_size, self.rank);
         let first = format!("rank {me}: {reason}");
         eprintln!(

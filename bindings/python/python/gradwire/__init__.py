@@ -248,10 +248,15 @@ class AllReduce:
         Other dtypes and layouts cost one copy in and one back (see ``_arrays.in_place_f32``);
         a CUDA tensor is a ``TypeError`` (copy it to the CPU first). After an error the values
         are unspecified (the residuals keep the step's gradient, as for :meth:`all_reduce`)."""
+        self._all_reduce_in_place(gradients, device_copy=False)
+
+    def _all_reduce_in_place(self, gradients: Mapping[str, Any], device_copy: bool) -> None:
+        """:meth:`all_reduce_`; with ``device_copy``, tensors on another device (CUDA) go
+        through one copy to the CPU and back (the torch helpers' way)."""
         tensors = []
         write_backs = []
         for name, g in gradients.items():
-            flat, shape, write_back = in_place_f32(g)
+            flat, shape, write_back = in_place_f32(g, device_copy)
             tensors.append((str(name), list(shape), flat))
             if write_back is not None:
                 write_backs.append(write_back)

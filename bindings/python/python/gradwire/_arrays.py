@@ -34,20 +34,25 @@ def flat_f32(x: Any) -> Tuple[np.ndarray, Tuple[int, ...]]:
     return flat, shape
 
 
-def in_place_f32(x: Any) -> Tuple[np.ndarray, Tuple[int, ...], Optional[Callable[[], None]]]:
+def in_place_f32(
+    x: Any, device_copy: bool = False
+) -> Tuple[np.ndarray, Tuple[int, ...], Optional[Callable[[], None]]]:
     """``(flat float32 array, shape, write_back)`` for a step that overwrites ``x`` with its result.
 
     A C-contiguous, writable float32 numpy array, or a contiguous float32 CPU torch tensor, is
     used where it is (``write_back`` is ``None``: no copy). Any other dtype (float16, bfloat16,
     float64) or a non-contiguous layout costs one documented copy: the values are converted
     into a float32 buffer, and ``write_back`` copies the result back into ``x`` (rounded to its
-    dtype). A tensor on another device is a ``TypeError`` naming the copy to make (``.cpu()``);
-    anything else but a numpy array or a torch tensor is a ``TypeError`` (there is no memory to
-    write into).
+    dtype). A tensor on another device is a ``TypeError`` naming the copy to make (``.cpu()``),
+    or with ``device_copy`` (the torch helpers) one copy to the CPU and one back; anything else
+    but a numpy array or a torch tensor is a ``TypeError`` (there is no memory to write into).
     """
     if is_torch(x):
         torch = _torch()
         t = x.detach()
+        if t.device.type != "cpu" and device_copy:
+            work = t.to("cpu", torch.float32, copy=True).contiguous().view(-1)
+            return work.numpy(), tuple(int(d) for d in t.shape), lambda: t.copy_(work.view(t.shape))
         if t.device.type != "cpu":
             raise TypeError(
                 f"a {t.device.type} tensor: all_reduce_ reads and writes CPU memory; pass "

@@ -39,11 +39,12 @@ def all_reduce_gradients(model: torch.nn.Module, allreduce: AllReduce) -> None:
     """Replaces every parameter's ``.grad`` by the mean over the ranks, compressed through
     ``allreduce``. Parameters without a gradient are left out (every rank must have the same
     ones: otherwise every rank raises, naming the tensor)."""
-    # In place: float32 gradients are read and overwritten where they are (other dtypes cost
-    # one copy each way, see AllReduce.all_reduce_).
+    # In place: float32 CPU gradients are read and overwritten where they are (other dtypes
+    # and devices cost one copy each way, see AllReduce.all_reduce_).
     with torch.no_grad():
         named = model.named_parameters()
-        allreduce.all_reduce_({n: p.grad for n, p in named if p.grad is not None})
+        grads = {n: p.grad for n, p in named if p.grad is not None}
+        allreduce._all_reduce_in_place(grads, device_copy=True)
 
 
 class HookState:
@@ -81,7 +82,7 @@ class HookState:
         try:
             # Each parameter's slice of its bucket is read and overwritten in place.
             with torch.no_grad():
-                self.allreduce.all_reduce_(grads)
+                self.allreduce._all_reduce_in_place(grads, device_copy=True)
             self.bundle_bytes = self.allreduce.last_message_bytes
         except Exception as e:  # every bucket's future carries the step's error
             for _, _, fut in pending:
