@@ -135,7 +135,7 @@ fn chunked_selection_allocates_nothing_after_the_first_step() {
 fn in_place_steps_allocate_nothing_in_proportion_to_the_model() {
     use gradwire::comm::LocalGroup;
     use gradwire::core::{Method, Values};
-    use gradwire::{Collective, CompressedAllReduce, TensorMut};
+    use gradwire::{Collective, CompressedAllReduce};
 
     let base = minilm();
     let model_bytes: usize = base.values().map(|t| 4 * t.data().len()).sum();
@@ -163,14 +163,11 @@ fn in_place_steps_allocate_nothing_in_proportion_to_the_model() {
         let mut peaks = Vec::new();
         for s in 0..4u64 {
             let g = noisy(&base, &mut Rng(s + 1), 0.5);
-            let mut bufs: Vec<(String, Vec<usize>, Vec<f32>)> = g
+            let mut bufs: common::Owned = g
                 .into_iter()
                 .map(|(n, t)| (n, t.shape().to_vec(), t.data().to_vec()))
                 .collect();
-            let mut tensors: Vec<TensorMut> = bufs
-                .iter_mut()
-                .map(|(name, shape, data)| TensorMut { name, shape, data })
-                .collect();
+            let mut tensors = common::views(&mut bufs);
             let ((), bytes) = counting::peak(|| ar.all_reduce_in_place(&mut tensors).unwrap());
             peaks.push(bytes);
         }

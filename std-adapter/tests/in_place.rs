@@ -9,13 +9,13 @@ use gradwire::comm::{LocalCommunicator, LocalGroup};
 use gradwire::core::{K, Method, Values};
 use gradwire::tensor::Tensor;
 use gradwire::{
-    BucketConfig, Collective, CompressedAllReduce, CompressionMethod, Error, Reduction, TensorMut,
+    BucketConfig, Collective, CompressedAllReduce, CompressionMethod, Error, Reduction,
 };
 
 mod common;
 #[path = "common/ranks.rs"]
 mod ranks;
-use common::{Rng, same_bits};
+use common::{Owned, Rng, same_bits, views};
 use ranks::run_ranks;
 
 const W: usize = 3;
@@ -23,7 +23,7 @@ const STEPS: u64 = 3;
 
 /// Rank `r`'s gradients at step `s`: names not in sorted order, sizes below and above a
 /// block and a window, a 0-d tensor.
-fn gradients(r: usize, s: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+fn gradients(r: usize, s: u64) -> Owned {
     let mut rng = Rng(7919 * r as u64 + 31 * s + 5);
     vec![
         ("layer.2.weight".into(), vec![60, 70], rng.vec(4200, 1.0)),
@@ -72,10 +72,7 @@ fn run(make: Make, in_place: bool) -> Vec<Trace> {
             let mut g = gradients(rank, s);
             let names = sorted_names(&g);
             let result = if in_place {
-                let mut tensors: Vec<TensorMut> = g
-                    .iter_mut()
-                    .map(|(name, shape, data)| TensorMut { name, shape, data })
-                    .collect();
+                let mut tensors = views(&mut g);
                 ar.all_reduce_in_place(&mut tensors).unwrap();
                 let by_name: HashMap<&str, &[f32]> = g
                     .iter()
@@ -203,18 +200,15 @@ fn a_bad_buffer_fails_every_rank_and_the_next_step_runs() {
                     g[2].1 = g[4].1.clone();
                     g[2].2 = g[4].2.clone();
                 }
-                let mut tensors: Vec<TensorMut> = g
-                    .iter_mut()
-                    .map(|(name, shape, data)| TensorMut { name, shape, data })
-                    .collect();
+                let mut tensors = views(&mut g);
                 let first = ar.all_reduce_in_place(&mut tensors);
                 let mut g = gradients(rank, 1);
-                let mut tensors: Vec<TensorMut> = g
-                    .iter_mut()
-                    .map(|(name, shape, data)| TensorMut { name, shape, data })
-                    .collect();
+                let mut tensors = views(&mut g);
                 let second = ar.all_reduce_in_place(&mut tensors);
-                (first, second.map(|()| g.concat_values()))
+                (
+                    first,
+                    second.map(|()| g.iter().flat_map(|t| t.2.clone()).collect::<Vec<f32>>()),
+                )
             });
             let what = format!("{collective:?}, {fault}");
             for (rank, (first, second)) in results.iter().enumerate() {
@@ -246,22 +240,9 @@ fn a_group_of_one_without_a_communicator_writes_in_place() {
     let expected = apart.all_reduce(&as_map(&g)).unwrap();
     let mut ar = CompressedAllReduce::new(topk_int8(), 1);
     let mut g = g;
-    let mut tensors: Vec<TensorMut> = g
-        .iter_mut()
-        .map(|(name, shape, data)| TensorMut { name, shape, data })
-        .collect();
+    let mut tensors = views(&mut g);
     ar.all_reduce_in_place(&mut tensors).unwrap();
     for (name, _, data) in &g {
         assert!(same_bits(data, expected[name].data()), "{name}");
-    }
-}
-
-trait ConcatValues {
-    fn concat_values(&self) -> Vec<f32>;
-}
-
-impl ConcatValues for Vec<(String, Vec<usize>, Vec<f32>)> {
-    fn concat_values(&self) -> Vec<f32> {
-        self.iter().flat_map(|t| t.2.iter().copied()).collect()
     }
 }

@@ -277,3 +277,14 @@ pub fn safetensors_with_offsets_near_usize_max(meta: &str) -> Vec<u8> {
     bytes.extend_from_slice(&[0; 16]);
     bytes
 }
+
+/// Owned tensors (name, shape, elements) for `CompressedAllReduce::all_reduce_in_place`.
+pub type Owned = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+/// The in-place views of `tensors`, in their order.
+pub fn views(tensors: &mut [(String, Vec<usize>, Vec<f32>)]) -> Vec<gradwire::TensorMut<'_>> {
+    tensors
+        .iter_mut()
+        .map(|(name, shape, data)| gradwire::TensorMut { name, shape, data })
+        .collect()
+}
