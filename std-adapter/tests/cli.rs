@@ -1833,3 +1833,89 @@ fn a_huge_file_that_begins_like_a_container_is_refused_by_its_header() {
         String::from_utf8_lossy(&report.stderr)
     );
 }
+
+/// Issue 48 class 5: a reference payload (any file that is not a container) was read whole
+/// before its header was looked at: a sparse file whose safetensors header declares 3 GiB of
+/// indices and values cost 3 GiB of memory, whatever `--max-elements` said. Now its header is
+/// read and checked first (valid, the file's length, at most twice `--max-elements` elements)
+/// and refused before the body is read. The children run under a 1 GiB address-space limit,
+/// so that reading such a file whole cannot pass.
+#[test]
+#[cfg(target_os = "linux")]
+fn a_huge_reference_payload_is_refused_by_its_header() {
+    let dir = scratch("huge-reference");
+    let n: u64 = 1 << 28; // kept elements: 2 GiB of int64 indices, 1 GiB of f32 values
+    let header = format!(
+        r#"{{"w::idx":{{"dtype":"I64","shape":[{n}],"data_offsets":[0,{}]}},"w::val":{{"dtype":"F32","shape":[{n}],"data_offsets":[{},{}]}}}}"#,
+        8 * n,
+        8 * n,
+        12 * n
+    );
+    let huge = dir.join("huge.safetensors");
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    fs::write(&huge, &bytes).unwrap();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&huge)
+        .unwrap()
+        .set_len(bytes.len() as u64 + 12 * n)
+        .unwrap();
+    let limited = |args: &[&str]| {
+        let line = args
+            .iter()
+            .map(|a| format!("'{a}'"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("ulimit -v 1048576 && exec '{BIN}' {line}"))
+            .output()
+            .expect("run gradwire under sh")
+    };
+    let g = grads_path();
+    let out = dir.join("out.safetensors");
+    let want = format!(
+        "a reference payload of {} elements, more than 2000000",
+        2 * n
+    );
+    for args in [
+        vec!["inspect", s(&huge), "--max-elements", "1000000"],
+        vec![
+            "inspect",
+            s(&huge),
+            "--layout",
+            "reference",
+            "--max-elements",
+            "1000000",
+        ],
+        vec![
+            "decompress",
+            s(&huge),
+            "-o",
+            s(&out),
+            "--shapes",
+            s(&g),
+            "--max-elements",
+            "1000000",
+        ],
+    ] {
+        let run = limited(&args);
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert!(!run.status.success(), "{args:?} succeeded");
+        assert!(err.contains(&want), "{args:?}: {err}");
+    }
+    assert!(!out.exists());
+    // A header that claims more bytes than the file has is named as before, nothing read.
+    let mut short = bytes.clone();
+    short[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let claims = dir.join("claims.safetensors");
+    fs::write(&claims, &short).unwrap();
+    let run = limited(&["inspect", s(&claims)]);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        err.contains("neither a gradwire container nor a valid safetensors file"),
+        "{err}"
+    );
+    fs::remove_dir_all(&dir).unwrap();
+}

@@ -33,13 +33,20 @@ fn open_input(path: &Path) -> Result<(File, u64), CliError> {
 const SECTION_SLACK: u64 = 2 + 65_535 + 8 + 4;
 
 /// Reads a whole regular file (its length known first, the buffer reserved once), naming it in
-/// the error; a gradwire container is looked at by its header first: its manifest section
-/// must fit `max_elements` (the model's charge, as the container reader counts it), is read
-/// and checked, and the file may be no longer than the largest bundle of that model; only then
-/// is the rest read. A file that begins like
-/// a container, however long (a sparse file of gigabytes), costs at most what a model within
-/// `max_elements` may.
-pub fn read_bounded(path: &Path, max_elements: u64) -> Result<Vec<u8>, CliError> {
+/// the error, header first: a gradwire container's manifest section must fit `max_elements`
+/// (the model's charge, as the container reader counts it), is read and checked, and the file
+/// may be no longer than the largest bundle of that model; any other file (read as a
+/// reference payload unless `layout` says it must be a container) must have a valid
+/// safetensors header that matches the file's length and declares at most
+/// [`reference_element_bound`]`(max_elements)` elements. Only then is the rest read, so a
+/// file however long (a sparse file of gigabytes) costs at most what a model within
+/// `max_elements` may. A file that is not a container where `layout` asks for one is
+/// returned as its first bytes only, for the caller to refuse.
+pub fn read_bounded(
+    path: &Path,
+    max_elements: u64,
+    layout: Option<super::Layout>,
+) -> Result<Vec<u8>, CliError> {
     let (mut file, len) = open_input(path)?;
     let too_large = || {
         CliError::new(format!(
@@ -80,9 +87,65 @@ pub fn read_bounded(path: &Path, max_elements: u64) -> Result<Vec<u8>, CliError>
                 path.display()
             )));
         }
+    } else if layout == Some(super::Layout::Gradwire) {
+        return Ok(bytes); // not a container: the caller names it so
+    } else {
+        check_reference_header(&mut file, len, max_elements, layout, path)?;
+        file.seek(SeekFrom::Start(prefix as u64))
+            .map_err(|e| CliError::io("cannot read", path, &e))?;
     }
     read_more(&mut file, &mut bytes, len, path).ok_or_else(too_large)??;
     Ok(bytes)
+}
+
+/// The most elements a reference payload may declare under `--max-elements` `max_elements`:
+/// an index and a value for every element of the largest model allowed (whose charge also
+/// covers a scale per tensor).
+pub fn reference_element_bound(max_elements: u64) -> u64 {
+    max_elements.saturating_mul(2)
+}
+
+/// Reads the safetensors header of a reference payload from the start of `file` (`len` bytes
+/// long) and checks it before any tensor data is read: valid, matching the file's length, and
+/// declaring at most [`reference_element_bound`]`(max_elements)` elements.
+fn check_reference_header(
+    file: &mut File,
+    len: u64,
+    max_elements: u64,
+    layout: Option<super::Layout>,
+    path: &Path,
+) -> Result<(), CliError> {
+    file.seek(SeekFrom::Start(0))
+        .map_err(|e| CliError::io("cannot read", path, &e))?;
+    let (meta, _) =
+        crate::safetensors_reader::read_header_from(file, len).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(e) => CliError::io("cannot read", path, &e),
+            e => {
+                let what = if layout.is_some() {
+                    "not a valid reference payload (safetensors)"
+                } else {
+                    "neither a gradwire container nor a valid safetensors file"
+                };
+                safetensors_error(path, what, &e)
+            }
+        })?;
+    let declared = meta.tensors().into_iter().fold(0u64, |sum, (_, info)| {
+        let n = info
+            .shape
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+            .unwrap_or(u64::MAX);
+        sum.saturating_add(n)
+    });
+    let bound = reference_element_bound(max_elements);
+    if declared > bound {
+        return Err(CliError::new(format!(
+            "{}: a reference payload of {declared} elements, more than {bound} (an index and a \
+             value for each of --max-elements {max_elements}; see --max-elements)",
+            path.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Reads from `file` until `bytes` holds `total` bytes (reserved once). `None` when they do

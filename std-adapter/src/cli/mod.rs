@@ -242,9 +242,11 @@ struct DecompressArgs {
     #[arg(long, value_name = "MODE")]
     mode: Option<String>,
     /// Largest model a container may declare (with --shapes, at least that model): its
-    /// elements plus, per tensor, 256 + 4 per name byte + 16 per dimension for its metadata.
-    /// The output is written tensor by tensor: memory is about 4 bytes per element of the
-    /// largest tensor, the file about 4 per element of the model.
+    /// elements plus, per tensor, 256 + 4 per name byte + 16 per dimension for its metadata;
+    /// a reference payload may declare at most twice as many elements (an index and a value
+    /// each). Checked on the file's header before the rest is read. The output is written
+    /// tensor by tensor: memory is about 4 bytes per element of the largest tensor, the file
+    /// about 4 per element of the model.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
     max_elements: u64,
 }
@@ -266,7 +268,9 @@ struct InspectArgs {
     #[arg(long, value_name = "MODEL.safetensors")]
     shapes: Option<PathBuf>,
     /// Largest model a container may declare: its elements plus, per tensor, 256 + 4 per name
-    /// byte + 16 per dimension for its metadata.
+    /// byte + 16 per dimension for its metadata; a reference payload may declare at most twice
+    /// as many elements (an index and a value each). Checked on the file's header before the
+    /// rest is read.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
     max_elements: u64,
 }
@@ -959,7 +963,7 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
         Some(specs) => container::model_charge(specs).max(a.max_elements),
         None => a.max_elements,
     };
-    let bytes = io::read_bounded(&a.input, max)?;
+    let bytes = io::read_bounded(&a.input, max, a.layout)?;
     let layout = layout_of(&a.input, &bytes, a.layout)?;
     if layout == Layout::Gradwire && a.mode.is_some() {
         return Err(CliError::usage("--mode applies to the reference layout"));
@@ -1024,7 +1028,7 @@ fn decompress(a: &DecompressArgs) -> Result<(), CliError> {
 }
 
 fn inspect(a: &InspectArgs) -> Result<(), CliError> {
-    let bytes = io::read_bounded(&a.input, a.max_elements)?;
+    let bytes = io::read_bounded(&a.input, a.max_elements, a.layout)?;
     let layout = layout_of(&a.input, &bytes, a.layout)?;
     let rep = match layout {
         Layout::Gradwire => {
