@@ -31,7 +31,7 @@ impl fmt::Display for Named<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.0.is_empty() {
             write!(f, "tensor")
-        } else if self.0.starts_with("bucket[") {
+        } else if self.0.starts_with("bucket[") || self.0.starts_with("the ") {
             write!(f, "{}", self.0)
         } else {
             write!(f, "tensor `{}`", self.0)

@@ -23,11 +23,19 @@ use crate::error::{Error, Result};
 /// residual) faults twice per page, and the second fault flushes that page from the TLB of
 /// every thread of the process: a first step of W ranks as threads spent most of its time in
 /// those flushes.
-pub(crate) fn written_zeros(n: usize) -> Vec<f32> {
-    let mut v = Vec::with_capacity(n);
+///
+/// # Errors
+/// [`Error::OutOfMemory`] naming `what` when the memory cannot be had (state the size of a
+/// model: a failed allocation would abort the process, a Python interpreter with it).
+pub(crate) fn written_zeros(n: usize, what: &str) -> Result<Vec<f32>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::OutOfMemory {
+        tensor: what.to_owned(),
+        elements: n,
+    })?;
     // An opaque zero, so that the fill is not turned back into a zeroed allocation.
     v.resize(n, std::hint::black_box(0.0f32));
-    v
+    Ok(v)
 }
 
 /// Resizes `out` to `n` elements (new ones zero), reserving first, so that a model larger than
@@ -148,12 +156,22 @@ impl Tensor {
     /// Sets the shape to `shape` of `n` elements (`n` checked by the caller), reusing this
     /// tensor's buffers: the elements are unspecified afterwards (kept where the length did not
     /// change, zeros where it grew), for a caller that writes every one of them.
-    pub(crate) fn reshape_for_overwrite(&mut self, shape: &[usize], n: usize) {
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] naming `what` when the memory cannot be had; the tensor is
+    /// unchanged then.
+    pub(crate) fn reshape_for_overwrite(
+        &mut self,
+        shape: &[usize],
+        n: usize,
+        what: &str,
+    ) -> Result<()> {
+        resize_or_refuse(&mut self.data, n, what)?;
         if self.shape != shape {
             self.shape.clear();
             self.shape.extend_from_slice(shape);
         }
-        self.data.resize(n, 0.0);
+        Ok(())
     }
 
     /// Sets the shape and copies `data` in, reusing this tensor's buffers (no allocation when

@@ -279,6 +279,58 @@ def test_a_copy_beyond_memory_raises_memory_error():
     assert "MemoryError: tensor \"w\": cannot allocate 50000000 elements" in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize(
+    "method, collective, error_feedback, room_mb, call, want",
+    [
+        # The worker residual (the first step's) on the in-place path: no copy before it.
+        ("topk k=ratio:0.01 values=int8:256", "allgather", True, 64, "all_reduce_",
+         "tensor `w`: cannot allocate 50000000 elements"),
+        # The server residuals of the two-phase collective (allocated before the worker's).
+        ("sign scale=mean-abs:1024", "two-phase", True, 64, "all_reduce_",
+         "the server residuals: cannot allocate 50000000 elements"),
+        # The output map of the copying path, after the gradient's copy fits.
+        ("dense values=f32", "allgather", False, 232, "all_reduce",
+         "tensor `w`: cannot allocate 50000000 elements"),
+    ],
+)
+def test_a_step_beyond_memory_raises_memory_error(method, collective, error_feedback, room_mb, call, want):
+    # Issue 48 class 7: the state a step allocates the size of the model (a worker residual,
+    # the server residuals, the copying path's outputs) aborted the interpreter when the memory
+    # could not be had. In a child process whose address space leaves `room_mb` beyond the
+    # 200 MB gradient, the step raises MemoryError and the process lives on.
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent(
+        f"""
+        import resource
+        import numpy as np
+        import gradwire
+        import test_compressor as t
+        warm = gradwire.AllReduce({method!r}, t._AloneCommunicator(), error_feedback={error_feedback},
+                                  collective={collective!r})
+        getattr(warm, {call!r})({{"w": np.ones(1000, np.float32)}})
+        ar = gradwire.AllReduce({method!r}, t._AloneCommunicator(), error_feedback={error_feedback},
+                                collective={collective!r})
+        g = np.ones(50_000_000, np.float32)
+        with open("/proc/self/status") as f:
+            size = next(int(l.split()[1]) for l in f if l.startswith("VmSize:")) * 1024
+        limit = size + ({room_mb} << 20)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        try:
+            getattr(ar, {call!r})({{"w": g}})
+            print("no error")
+        except MemoryError as e:
+            print("MemoryError:", e)
+        """
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, cwd=here)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert f"MemoryError: {want}" in done.stdout, done.stdout
+
+
 class _AloneCommunicator:
     """A group of one rank: what it sends is what it receives (a real world of size 1)."""
 

@@ -35,7 +35,7 @@ impl<'a> StepBuffers<'a> {
     ///
     /// # Errors
     /// [`Error::MissingTensor`] when `grads` lacks a tensor of the manifest (a manifest made
-    /// for other gradients).
+    /// for other gradients); [`Error::OutOfMemory`] when an output cannot be allocated.
     pub(crate) fn apart(
         manifest: &Manifest,
         grads: &'a HashMap<String, Tensor>,
@@ -54,7 +54,7 @@ impl<'a> StepBuffers<'a> {
                     })
             })
             .collect::<Result<Vec<_>>>()?;
-        manifest.shape_outputs(out);
+        manifest.shape_outputs(out)?;
         let outs = manifest
             .tensor_outputs(out)
             .ok_or_else(|| Error::internal("outputs shaped for another manifest"))?;

@@ -341,7 +341,7 @@ impl TwoPhase {
                 layout.block, layout.layout_id
             )));
         }
-        let mut server = vec![0.0f32; layout.shard_lens[rank]];
+        let mut server = crate::tensor::written_zeros(layout.shard_lens[rank], SERVER_RESIDUALS)?;
         let mut names: Vec<&String> = pending.keys().collect();
         names.sort();
         for name in names {
@@ -749,7 +749,7 @@ impl TwoPhase {
             )));
         }
         if self.server_feedback && self.server.len() != layout.shard_lens[me] {
-            self.server = crate::tensor::written_zeros(layout.shard_lens[me]);
+            self.server = crate::tensor::written_zeros(layout.shard_lens[me], SERVER_RESIDUALS)?;
         }
         self.apply_pending(me, step.step)?;
         if let (Some(fb), Some(layout)) = (step.feedback.as_deref(), &self.layout) {
@@ -1032,7 +1032,12 @@ impl TwoPhase {
         // Sized once (its zeros written at the first step only), then copied into.
         self.undo_valid = server_feedback;
         if server_feedback {
-            self.server_undo.resize(self.server.len(), 0.0);
+            crate::tensor::resize_or_refuse(
+                &mut self.server_undo,
+                self.server.len(),
+                SERVER_RESIDUALS,
+            )
+            .map_err(own)?;
             step.exec.copy(&self.server, &mut self.server_undo);
         }
         // Laid out over last step's bytes, overwritten: no write pass of zeros.
@@ -1350,6 +1355,9 @@ fn shard_layout_of(
 }
 
 /// Metadata key of a server-residual checkpoint's shard layout, and of its CRC-32.
+/// What an allocation of this rank's server residuals (or their undo copy) that fails names.
+const SERVER_RESIDUALS: &str = "the server residuals";
+
 const SHARDS_KEY: &str = "server_shards";
 const SHARDS_CRC_KEY: &str = "server_shards_crc32";
 /// The shard layout's version in a server-residual checkpoint: 2, contiguous runs per tensor

@@ -123,7 +123,7 @@ fn residual_slot<'m>(
     n: usize,
 ) -> Result<&'m mut Vec<f32>> {
     if !residuals.contains_key(name) {
-        residuals.insert(name.to_owned(), crate::tensor::written_zeros(n));
+        residuals.insert(name.to_owned(), crate::tensor::written_zeros(n, name)?);
     }
     match residuals.get_mut(name) {
         Some(r) if r.len() == n => Ok(r),

@@ -493,18 +493,23 @@ impl Manifest {
     /// Makes `out` hold exactly the manifest's tensors with their shapes, reusing the tensors
     /// already there (no allocation when `out` came from a previous step); their elements are
     /// unspecified, for a caller that writes every one of them.
-    pub(crate) fn shape_outputs(&self, out: &mut HashMap<String, Tensor>) {
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] naming the first tensor whose memory cannot be had (the tensors
+    /// before it are shaped).
+    pub(crate) fn shape_outputs(&self, out: &mut HashMap<String, Tensor>) -> Result<()> {
         out.retain(|name, _| self.tensor(name).is_some());
         for t in &self.tensors {
             match out.get_mut(&t.name) {
-                Some(tensor) => tensor.reshape_for_overwrite(&t.shape, t.numel),
+                Some(tensor) => tensor.reshape_for_overwrite(&t.shape, t.numel, &t.name)?,
                 None => {
                     let mut tensor = Tensor::default();
-                    tensor.reshape_for_overwrite(&t.shape, t.numel);
+                    tensor.reshape_for_overwrite(&t.shape, t.numel, &t.name)?;
                     out.insert(t.name.clone(), tensor);
                 }
             }
         }
+        Ok(())
     }
 
     /// Each tensor's elements in `out` (shaped by [`Manifest::shape_outputs`]), in the
