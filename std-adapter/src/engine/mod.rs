@@ -201,6 +201,13 @@ impl Engine {
         (self.selections.free(), own)
     }
 
+    /// How many entries hold a list of sent entries of their own (a one-pass top-k step keeps
+    /// them in its selection's scratch instead, one list for all tensors).
+    #[cfg(test)]
+    pub(crate) fn own_sent_lists(&self) -> usize {
+        self.slots.iter().filter(|s| s.split.holds_sent()).count()
+    }
+
     /// What the steps so far did (see [`EncodeStats`]).
     #[cfg(test)]
     pub(crate) fn stats(&self) -> EncodeStats {
@@ -377,6 +384,8 @@ struct Step<'a, G: ?Sized> {
 }
 
 /// A selection's scratch: the serial step's shared set, or an entry's own.
+// One on the stack per selection, never moved in bulk: a box would allocate every step.
+#[allow(clippy::large_enum_variant)]
 enum Scratch<'s> {
     Shared(Lease<'s, SelectScratch>),
     Own(&'s mut SelectScratch),
@@ -582,7 +591,12 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
             {
                 Some(r) => Some(r),
                 None => {
-                    slot.split.reserve(entry.len, rule, self.exec);
+                    // Top-k's next steps take one pass (the selection's scratch holds its
+                    // sent entries); the others keep theirs in the slot until every entry of
+                    // the step is encoded.
+                    if !matches!(rule, Rule::TopK(_)) {
+                        slot.split.reserve(entry.len, rule, self.exec);
+                    }
                     // Sized now, so that the next step's selection allocates nothing.
                     let mut sized = SelectSizes::default();
                     sized.add(entry.len, rule);

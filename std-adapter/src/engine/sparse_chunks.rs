@@ -159,6 +159,10 @@ pub(crate) struct SelectScratch {
     /// The kept values saturated to the value type, in the (rare) steps with error feedback
     /// that send a sum beyond it ([`saturated`]).
     saturated: Vec<u32>,
+    /// The sent entries of a one-pass step ([`SparseSplit::encode_one_pass`]), decoded to fix
+    /// up the residual right after the frame is written: needed only while that tensor is
+    /// encoded, so one list per set (the largest tensor's k) rather than one per tensor.
+    sent: SparseList,
 }
 
 /// `kept` with its values saturated to the range of `params`' value type: with error feedback
@@ -184,6 +188,12 @@ fn saturated<'k>(params: &Params, kept: Kept<'k>, buf: &'k mut Vec<u32>) -> Kept
 }
 
 impl SparseSplit {
+    /// Whether it holds room for sent entries (a two-pass step's, or random-k's).
+    #[cfg(test)]
+    pub(crate) fn holds_sent(&self) -> bool {
+        self.sent.holds_any()
+    }
+
     /// Selects the entries of `x = g` (or `g + r` with a residual of the same length) that the
     /// frame of `params` keeps by `rule`, chunks run by `exec`, and writes the frame into
     /// `frame` (at least the method's `max_frame_len` bytes): the bytes of the core's
@@ -271,7 +281,6 @@ impl SparseSplit {
         }
         // Error feedback: any finite sum can be sent, saturating.
         let limit = values::magnitude_limit(None);
-        self.reserve(n, rule, exec);
         let mut sizes = SelectSizes::default();
         sizes.add(n, rule);
         scratch.reserve(&sizes);
@@ -302,10 +311,10 @@ impl SparseSplit {
             .fold(f32::INFINITY, f32::min);
         let kept = saturated(params, kept, &mut scratch.saturated);
         let len = encode_kept_into(n, params, kept, frame).ok()?;
-        if !self.sent.decode(&frame[..len], n, params) {
+        if !scratch.sent.decode(&frame[..len], n, params) {
             return None;
         }
-        let (idx, val) = self.sent.entries();
+        let (idx, val) = scratch.sent.entries();
         // The lists were decoded from the frame just written: equal lengths, so no error.
         let largest_fixed = exec.chunks_mut_max(r, CHUNK, |j, r| {
             sparse_fix_up(idx, val, j * CHUNK, r).unwrap_or(f32::INFINITY)
@@ -400,6 +409,8 @@ pub(crate) struct SelectSizes {
     samples: usize,
     chunks: usize,
     first: usize,
+    /// Top-k's k: the one-pass step's list of sent entries.
+    sent: usize,
 }
 
 impl SelectSizes {
@@ -416,7 +427,8 @@ impl SelectSizes {
             return;
         }
         self.idx = self.idx.max(cap);
-        if let Rule::TopK(_) = rule {
+        if let Rule::TopK(k) = rule {
+            self.sent = self.sent.max(k);
             self.samples = select::SAMPLE_LEN;
             self.hist = self.hist.max(select::candidates_hist_len(cap));
         }
@@ -438,6 +450,7 @@ impl SelectScratch {
         grow(&mut self.idx, sizes.idx);
         grow(&mut self.samples, sizes.samples);
         grow(&mut self.hist, sizes.hist);
+        self.sent.reserve(sizes.sent);
         if self.chunks.len() < sizes.chunks {
             self.chunks.resize_with(sizes.chunks, ChunkList::default);
         }

@@ -54,6 +54,12 @@ impl SparseList {
         self.val.reserve(count.saturating_sub(self.val.len()));
     }
 
+    /// Whether it holds room for any entry.
+    #[cfg(test)]
+    pub(crate) fn holds_any(&self) -> bool {
+        self.idx.capacity() > 0 || self.val.capacity() > 0
+    }
+
     /// The indices and values.
     pub(crate) fn entries(&self) -> (&[u32], &[f32]) {
         (&self.idx, &self.val)
