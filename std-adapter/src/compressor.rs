@@ -660,6 +660,58 @@ mod chunked_path_tests {
     }
 
     #[test]
+    fn crowded_candidates_grow_the_serial_lists_and_give_the_pools_bytes() {
+        // 8% of the elements at magnitude 1 (the rest below 0.01): more candidates than the
+        // selection's lists first hold (top-k 1%: 2k + n/256; threshold: n/32), fewer than four
+        // times that, so a serial scan runs out of room, counts the rest, grows its lists and
+        // scans those chunks again (from the stored sums in a one-pass step).
+        let n = 300_000;
+        let mut rng = Rng(21);
+        let data: Vec<f32> = (0..n)
+            .map(|i| match i % 25 {
+                3 => 1.0,
+                7 if i % 50 == 7 => -1.0,
+                _ => rng.unit() * 0.01,
+            })
+            .collect();
+        let grads = HashMap::from([("w".to_owned(), Tensor::vector(data))]);
+        let threshold = CompressionMethod::Threshold { threshold: 0.5 };
+        for method in [
+            CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+            threshold.clone(),
+            threshold.with_error_feedback(),
+        ] {
+            let manifest =
+                Manifest::for_gradients(&grads, &method, 0, BucketConfig::none()).unwrap();
+            let runs: Vec<_> = [Parallelism::Serial, Parallelism::Parallel]
+                .into_iter()
+                .map(|parallelism| {
+                    let mut c =
+                        GradientCompressor::new(method.clone()).with_parallelism(parallelism);
+                    let mut bundles = Vec::new();
+                    for _ in 0..3 {
+                        let mut bundle = Vec::new();
+                        c.compress_bundle(&manifest, &grads, 0, &mut bundle)
+                            .unwrap();
+                        bundles.push(bundle);
+                    }
+                    assert!(
+                        c.encode_stats().selected_in_chunks >= 2,
+                        "{method:?} {parallelism:?}: {:?}",
+                        c.encode_stats()
+                    );
+                    (bundles, c)
+                })
+                .collect();
+            assert!(runs[0].0 == runs[1].0, "{method:?}: bundles");
+            assert!(
+                runs[0].1.feedback() == runs[1].1.feedback(),
+                "{method:?}: residuals"
+            );
+        }
+    }
+
+    #[test]
     fn a_serial_step_keeps_one_selection_scratch_for_every_large_tensor() {
         let mut rng = Rng(13);
         let grads: HashMap<String, Tensor> = (0..3)

@@ -421,7 +421,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         match self.exec {
             Exec::Serial => {
                 let mut lease = self.selections.lease();
-                lease.get().reserve(&self.select_sizes);
+                lease.get().reserve(&self.select_sizes, self.exec);
                 Scratch::Shared(lease)
             }
             Exec::Pool => Scratch::Own(own),
@@ -600,7 +600,9 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                     // Sized now, so that the next step's selection allocates nothing.
                     let mut sized = SelectSizes::default();
                     sized.add(entry.len, rule);
-                    self.selection(&mut slot.scratch).get().reserve(&sized);
+                    self.selection(&mut slot.scratch)
+                        .get()
+                        .reserve(&sized, self.exec);
                     return false;
                 }
             },

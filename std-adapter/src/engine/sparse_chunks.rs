@@ -218,7 +218,7 @@ impl SparseSplit {
         self.reserve(n, rule, exec);
         let mut sizes = SelectSizes::default();
         sizes.add(n, rule);
-        scratch.reserve(&sizes);
+        scratch.reserve(&sizes, exec);
         let (floor, k) = match rule {
             Rule::RandomK(_) => return self.encode_randomk(scratch, params, g, r, frame, exec),
             Rule::Threshold(t) => (select::threshold_floor(t), None),
@@ -283,7 +283,7 @@ impl SparseSplit {
         let limit = values::magnitude_limit(None);
         let mut sizes = SelectSizes::default();
         sizes.add(n, rule);
-        scratch.reserve(&sizes);
+        scratch.reserve(&sizes, exec);
         // The floor samples `g + r` before any chunk changes.
         let floor = select::topk_floor(g, Some(&*r), k, &mut scratch.samples)?;
         let count = scratch
@@ -444,13 +444,17 @@ impl SelectScratch {
         !self.chunks.is_empty() || self.idx.capacity() > 0
     }
 
-    /// Sizes the scratch for `sizes` (so that a later step allocates nothing).
-    pub(crate) fn reserve(&mut self, sizes: &SelectSizes) {
+    /// Sizes the scratch for `sizes` (so that a later step allocates nothing); on one thread
+    /// without the chunks' own lists, which only chunks on the pool fill.
+    pub(crate) fn reserve(&mut self, sizes: &SelectSizes, exec: Exec) {
         grow(&mut self.bits, sizes.cap);
         grow(&mut self.idx, sizes.idx);
         grow(&mut self.samples, sizes.samples);
         grow(&mut self.hist, sizes.hist);
         self.sent.reserve(sizes.sent);
+        if let Exec::Serial = exec {
+            return;
+        }
         if self.chunks.len() < sizes.chunks {
             self.chunks.resize_with(sizes.chunks, ChunkList::default);
         }
@@ -477,12 +481,17 @@ impl SelectScratch {
         let n = g.len();
         let bound = rule.bound(n);
         let scan = Scan::default();
-        let candidates = |j: usize, list: &mut ChunkList| {
+        let scan_chunk = |j: usize, idx: &mut [u32], bits: &mut [u32]| {
             let start = j * CHUNK;
             let end = (start + CHUNK).min(n);
             let (gc, rc) = (&g[start..end], r.map(|r| &r[start..end]));
-            select::candidates(gc, rc, start, floor, limit, &mut list.idx, &mut list.bits)
+            select::candidates(gc, rc, start, floor, limit, idx, bits)
         };
+        if let Exec::Serial = exec {
+            return self.collect_serial(n, rule, false, scan_chunk, scan_chunk);
+        }
+        let candidates =
+            |j: usize, list: &mut ChunkList| scan_chunk(j, &mut list.idx, &mut list.bits);
         let lists = &mut self.chunks[..n.div_ceil(CHUNK)];
         exec.for_each(lists, |j, list| {
             list.count = scan.record(candidates(j, list), bound).unwrap_or(0);
@@ -513,6 +522,24 @@ impl SelectScratch {
         exec: Exec,
     ) -> Result<Option<usize>, select::OutOfLimit> {
         let n = g.len();
+        if let Exec::Serial = exec {
+            // The first scan stores the sums; a chunk scanned again reads them from `r`.
+            let r = std::cell::RefCell::new(r);
+            let first = |j: usize, idx: &mut [u32], bits: &mut [u32]| {
+                let start = j * CHUNK;
+                let mut r = r.borrow_mut();
+                let rc = &mut r[start..(start + CHUNK).min(n)];
+                let gc = &g[start..start + rc.len()];
+                select::candidates_update(gc, rc, start, floor, limit, idx, bits)
+            };
+            let again = |j: usize, idx: &mut [u32], bits: &mut [u32]| {
+                let start = j * CHUNK;
+                let r = r.borrow();
+                let rc = &r[start..(start + CHUNK).min(n)];
+                select::candidates(rc, None, start, floor, limit, idx, bits)
+            };
+            return self.collect_serial(n, rule, true, first, again);
+        }
         let bound = rule.bound(n);
         let scan = Scan::default();
         let lists = &mut self.chunks[..n.div_ceil(CHUNK)];
@@ -545,6 +572,74 @@ impl SelectScratch {
             });
         }
         self.finish_lists(n, rule, &scan)
+    }
+
+    /// The chunks' scans on one thread, one after the other, each writing its candidates
+    /// straight after the previous chunk's in `self.idx`/`self.bits` (no list per chunk, no
+    /// concatenation): `scan(j, idx, bits)` scans chunk `j` into the room left and returns its
+    /// count; a chunk that did not fit is scanned again by `again` once the lists grew (up to
+    /// [`Rule::bound`] in all). With `every_chunk` (a scan that stores the step's sums), the
+    /// chunks after an error or an overflow are still scanned, into no room. The result of
+    /// [`SelectScratch::finish_lists`].
+    fn collect_serial(
+        &mut self,
+        n: usize,
+        rule: Rule,
+        every_chunk: bool,
+        mut scan: impl FnMut(usize, &mut [u32], &mut [u32]) -> Result<usize, select::OutOfLimit>,
+        mut again: impl FnMut(usize, &mut [u32], &mut [u32]) -> Result<usize, select::OutOfLimit>,
+    ) -> Result<Option<usize>, select::OutOfLimit> {
+        let bound = rule.bound(n);
+        let (mut total, mut bad, mut over) = (0usize, false, false);
+        // The first chunk that did not fit, and where its candidates go: from there on the
+        // chunks are only counted, and scanned again once the total is known to be within the
+        // bound (lists grow only then, as on the pool).
+        let mut spill: Option<(usize, usize)> = None;
+        for j in 0..n.div_ceil(CHUNK) {
+            if bad || over {
+                if !every_chunk {
+                    break;
+                }
+                let _ = scan(j, &mut [], &mut []);
+                continue;
+            }
+            let room = self.idx.len().min(self.bits.len());
+            let result = match spill {
+                Some(_) => scan(j, &mut [], &mut []),
+                None => scan(j, &mut self.idx[total..room], &mut self.bits[total..room]),
+            };
+            match result {
+                Err(select::OutOfLimit) => bad = true,
+                Ok(count) if total + count > bound => over = true,
+                Ok(count) => {
+                    if spill.is_none() && total + count > room {
+                        spill = Some((j, total));
+                    }
+                    total += count;
+                }
+            }
+        }
+        if bad {
+            return Err(select::OutOfLimit);
+        }
+        if over {
+            return Ok(None);
+        }
+        if let Some((from, mut at)) = spill {
+            grow(&mut self.idx, total);
+            grow(&mut self.bits, total);
+            for j in from..n.div_ceil(CHUNK) {
+                let (idx, bits) = (&mut self.idx[at..total], &mut self.bits[at..total]);
+                match again(j, idx, bits) {
+                    Ok(count) if at + count <= total => at += count,
+                    _ => return Err(select::OutOfLimit),
+                }
+            }
+            if at != total {
+                return Err(select::OutOfLimit);
+            }
+        }
+        Ok(Some(total))
     }
 
     /// After the chunks' scans: the error or overflow they flagged, else the lists in chunk
