@@ -325,7 +325,7 @@ impl Aggregator {
                 Dest::Flat(out) => {
                     // Every entry writes all of its range (from zeros), so a reused buffer is
                     // not zeroed first: for a large model that would be one more pass.
-                    crate::tensor::resize_or_refuse(out, manifest.flat_len(), "the model")?;
+                    crate::tensor::resize_or_refuse(out, manifest.flat_len(), crate::error::MODEL)?;
                     Out::Flat { out, base: 0 }
                 }
                 Dest::Each(outs) => Out::Each(outs),
@@ -431,7 +431,7 @@ impl Aggregator {
             exec,
             lists: &self.lists,
         };
-        crate::tensor::resize_or_refuse(out, manifest.flat_len(), "the model")?;
+        crate::tensor::resize_or_refuse(out, manifest.flat_len(), crate::error::MODEL)?;
         exec.install(|| job.run(&frame, Out::Flat { out, base: 0 }))
     }
 }

@@ -532,7 +532,8 @@ impl CompressedAllReduce {
     /// [`Error::Config`] for world size 0; [`Error::NoCommunicator`] when the world size is
     /// not 1 and no communicator is configured; [`Error::Comm`] when the transport fails; any
     /// error of [`GradientCompressor::compress_bundle`] and [`Aggregator::aggregate_into`]
-    /// (naming tensor and rank).
+    /// (naming tensor and rank); [`Error::OutOfMemory`] when the output map, a new residual
+    /// or the server residuals cannot be allocated (a local failure, taken part with).
     /// A rank whose local compression fails still takes part in the all-gather (with an empty
     /// bundle) and returns its own error; its peers then fail naming that rank, so no rank
     /// waits forever. Every rank's step advances by one on such a failed call, so the group

@@ -192,8 +192,10 @@ impl GradientCompressor {
     /// rest);
     /// [`Error::LengthChanged`] when a tensor with a residual changed its element count,
     /// [`Error::ShapeChanged`] when it kept the count in another shape (a transposed weight:
-    /// each residual remembers its tensor's shape, see [`crate::feedback`]). On error nothing
-    /// changes (residuals, step).
+    /// each residual remembers its tensor's shape, see [`crate::feedback`]);
+    /// [`Error::OutOfMemory`] when a new residual cannot be allocated. On error nothing
+    /// changes (residuals, step), except that after [`Error::OutOfMemory`] the new residuals of
+    /// the tensors before it stay, as zeros.
     pub fn compress(
         &mut self,
         gradients: &HashMap<String, Tensor>,
@@ -737,8 +739,9 @@ mod chunked_path_tests {
             // Every step in one pass over g and r (a new residual's bound is 0).
             assert_eq!(c.encode_stats().one_pass, 9, "{parallelism:?}");
             assert_eq!(c.engine.selection_sets(), expected, "{parallelism:?}");
-            // The sent entries of each one-pass step are in the scratch set, not kept per
-            // tensor (k x 8 bytes for every large tensor: 0.08 bytes per parameter at 1%).
+            // The sent entries of each one-pass step are in the selection's scratch, not in a
+            // list of the entry's own: on one thread one set for every tensor (k x 8 bytes for
+            // the largest, not for every large tensor); on the pool each entry's own set.
             assert_eq!(c.engine.own_sent_lists(), 0, "{parallelism:?}");
         }
     }

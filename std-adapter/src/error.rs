@@ -27,11 +27,18 @@ impl fmt::Display for RankCtx {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Named<'a>(&'a str);
 
+/// What [`Error::OutOfMemory`] names for a whole model's buffer (printed as it is, not as a
+/// tensor's name).
+pub(crate) const MODEL: &str = "the model";
+
+/// What [`Error::OutOfMemory`] names for a rank's server residuals or their undo copy.
+pub(crate) const SERVER_RESIDUALS: &str = "the server residuals";
+
 impl fmt::Display for Named<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.0.is_empty() {
             write!(f, "tensor")
-        } else if self.0.starts_with("bucket[") || self.0.starts_with("the ") {
+        } else if self.0.starts_with("bucket[") || self.0 == MODEL || self.0 == SERVER_RESIDUALS {
             write!(f, "{}", self.0)
         } else {
             write!(f, "tensor `{}`", self.0)
@@ -396,8 +403,11 @@ pub enum Error {
         #[from]
         source: safetensors::SafeTensorError,
     },
-    /// The memory for a tensor the receiver expects could not be allocated (a valid frame may
-    /// declare more elements than the machine holds).
+    /// The memory for a tensor the receiver expects (a valid frame may declare more elements
+    /// than the machine holds), or for state a step keeps the size of the model (a new
+    /// residual, the server residuals and their undo copy, the outputs of `all_reduce`), could
+    /// not be allocated. `tensor` is the tensor's name, or "the model" or "the server
+    /// residuals", printed as they are.
     #[error("{}: cannot allocate {elements} elements", Named(.tensor))]
     OutOfMemory {
         /// The tensor.

@@ -37,10 +37,10 @@ const SECTION_SLACK: u64 = 2 + 65_535 + 8 + 4;
 /// (the model's charge, as the container reader counts it), is read and checked, and the file
 /// may be no longer than the largest bundle of that model; any other file (read as a
 /// reference payload unless `layout` says it must be a container) must have a valid
-/// safetensors header that matches the file's length and declares at most
-/// [`reference_element_bound`]`(max_elements)` elements. Only then is the rest read, so a
-/// file however long (a sparse file of gigabytes) costs at most what a model within
-/// `max_elements` may. A file that is not a container where `layout` asks for one is
+/// safetensors header that matches the file's length and stays within
+/// [`check_reference_header`]'s bounds. Only then is the rest read, so a file however long (a
+/// sparse file of gigabytes) costs at most what a container or a reference payload of a model
+/// within `max_elements` may. A file that is not a container where `layout` asks for one is
 /// returned as its first bytes only, for the caller to refuse.
 pub fn read_bounded(
     path: &Path,
@@ -87,6 +87,9 @@ pub fn read_bounded(
                 path.display()
             )));
         }
+    } else if crate::container::is_container(&bytes) {
+        // Fewer than 12 bytes that begin like a container: read whole below (at most 11
+        // bytes), for the container reader to name what is missing.
     } else if layout == Some(super::Layout::Gradwire) {
         return Ok(bytes); // not a container: the caller names it so
     } else {
@@ -98,16 +101,12 @@ pub fn read_bounded(
     Ok(bytes)
 }
 
-/// The most elements a reference payload may declare under `--max-elements` `max_elements`:
-/// an index and a value for every element of the largest model allowed (whose charge also
-/// covers a scale per tensor).
-pub fn reference_element_bound(max_elements: u64) -> u64 {
-    max_elements.saturating_mul(2)
-}
-
 /// Reads the safetensors header of a reference payload from the start of `file` (`len` bytes
 /// long) and checks it before any tensor data is read: valid, matching the file's length, and
-/// declaring at most [`reference_element_bound`]`(max_elements)` elements.
+/// within what a payload of a model of `max_elements` elements holds at most (every element
+/// kept: an 8-byte index and a value of at most 4 bytes each, and a scale per tensor): at most
+/// `2 x max_elements + T` elements and `12 x max_elements + 4 T` bytes of tensor data for its
+/// `T` tensors.
 fn check_reference_header(
     file: &mut File,
     len: u64,
@@ -129,7 +128,9 @@ fn check_reference_header(
                 safetensors_error(path, what, &e)
             }
         })?;
-    let declared = meta.tensors().into_iter().fold(0u64, |sum, (_, info)| {
+    let tensors = meta.tensors();
+    let count = tensors.len() as u64;
+    let declared = tensors.values().fold(0u64, |sum, info| {
         let n = info
             .shape
             .iter()
@@ -137,11 +138,19 @@ fn check_reference_header(
             .unwrap_or(u64::MAX);
         sum.saturating_add(n)
     });
-    let bound = reference_element_bound(max_elements);
-    if declared > bound {
+    let (elements, bytes) = (
+        max_elements.saturating_mul(2).saturating_add(count),
+        max_elements
+            .saturating_mul(12)
+            .saturating_add(count.saturating_mul(4)),
+    );
+    let data = meta.data_len() as u64;
+    if declared > elements || data > bytes {
         return Err(CliError::new(format!(
-            "{}: a reference payload of {declared} elements, more than {bound} (an index and a \
-             value for each of --max-elements {max_elements}; see --max-elements)",
+            "{}: a reference payload of {declared} elements in {data} bytes, more than \
+             {elements} elements or {bytes} bytes (an 8-byte index and a value of at most 4 \
+             bytes for each of --max-elements {max_elements}, a scale per tensor; see \
+             --max-elements)",
             path.display()
         )));
     }

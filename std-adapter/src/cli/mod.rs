@@ -243,8 +243,9 @@ struct DecompressArgs {
     mode: Option<String>,
     /// Largest model a container may declare (with --shapes, at least that model): its
     /// elements plus, per tensor, 256 + 4 per name byte + 16 per dimension for its metadata;
-    /// a reference payload may declare at most twice as many elements (an index and a value
-    /// each). Checked on the file's header before the rest is read. The output is written
+    /// a reference payload at most what one of such a model holds with every element kept (an
+    /// 8-byte index and a value each, a scale per tensor). Checked on the file's header before
+    /// the rest is read. The output is written
     /// tensor by tensor: memory is about 4 bytes per element of the largest tensor, the file
     /// about 4 per element of the model.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
@@ -268,9 +269,9 @@ struct InspectArgs {
     #[arg(long, value_name = "MODEL.safetensors")]
     shapes: Option<PathBuf>,
     /// Largest model a container may declare: its elements plus, per tensor, 256 + 4 per name
-    /// byte + 16 per dimension for its metadata; a reference payload may declare at most twice
-    /// as many elements (an index and a value each). Checked on the file's header before the
-    /// rest is read.
+    /// byte + 16 per dimension for its metadata; a reference payload at most what one of such a
+    /// model holds with every element kept (an 8-byte index and a value each, a scale per
+    /// tensor). Checked on the file's header before the rest is read.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ELEMENTS)]
     max_elements: u64,
 }

@@ -1030,7 +1030,7 @@ impl TwoPhase {
             return Err(own(Error::internal("a server residual of another shard")));
         }
         // Sized once (its zeros written at the first step only), then copied into.
-        self.undo_valid = server_feedback;
+        self.undo_valid = false;
         if server_feedback {
             crate::tensor::resize_or_refuse(
                 &mut self.server_undo,
@@ -1039,6 +1039,7 @@ impl TwoPhase {
             )
             .map_err(own)?;
             step.exec.copy(&self.server, &mut self.server_undo);
+            self.undo_valid = true;
         }
         // Laid out over last step's bytes, overwritten: no write pass of zeros.
         let mut at = lay_out_reduced(&mut self.phase2, layout, step, me, false);
@@ -1354,10 +1355,10 @@ fn shard_layout_of(
     Ok((block, layout_id))
 }
 
-/// Metadata key of a server-residual checkpoint's shard layout, and of its CRC-32.
 /// What an allocation of this rank's server residuals (or their undo copy) that fails names.
-const SERVER_RESIDUALS: &str = "the server residuals";
+const SERVER_RESIDUALS: &str = crate::error::SERVER_RESIDUALS;
 
+/// Metadata key of a server-residual checkpoint's shard layout, and of its CRC-32.
 const SHARDS_KEY: &str = "server_shards";
 const SHARDS_CRC_KEY: &str = "server_shards_crc32";
 /// The shard layout's version in a server-residual checkpoint: 2, contiguous runs per tensor

@@ -578,8 +578,9 @@ impl SelectScratch {
     /// straight after the previous chunk's in `self.idx`/`self.bits` (no list per chunk, no
     /// concatenation): `scan(j, idx, bits)` scans chunk `j` into the room left and returns its
     /// count; a chunk that did not fit is scanned again by `again` once the lists grew (up to
-    /// [`Rule::bound`] in all). With `every_chunk` (a scan that stores the step's sums), the
-    /// chunks after an error or an overflow are still scanned, into no room. The result of
+    /// [`Rule::bound`] in all). After an overflow the chunks are still scanned, into no room,
+    /// for a bad value (which the pool would report first); after a bad value only with
+    /// `every_chunk` (a scan that stores the step's sums). The result of
     /// [`SelectScratch::finish_lists`].
     fn collect_serial(
         &mut self,
@@ -596,11 +597,15 @@ impl SelectScratch {
         // bound (lists grow only then, as on the pool).
         let mut spill: Option<(usize, usize)> = None;
         for j in 0..n.div_ceil(CHUNK) {
-            if bad || over {
+            if bad {
                 if !every_chunk {
                     break;
                 }
                 let _ = scan(j, &mut [], &mut []);
+                continue;
+            }
+            if over {
+                bad = scan(j, &mut [], &mut []).is_err();
                 continue;
             }
             let room = self.idx.len().min(self.bits.len());

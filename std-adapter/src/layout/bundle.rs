@@ -707,7 +707,7 @@ impl Manifest {
         let mut sized = false;
         let result = self.check_bundle_with(bundle, rank, step, |e, frame, params| {
             if !sized {
-                crate::tensor::resize_or_refuse(out, self.flat_len, "the model")?;
+                crate::tensor::resize_or_refuse(out, self.flat_len, crate::error::MODEL)?;
                 sized = true;
             }
             let entry = &self.entries[e];
