@@ -297,6 +297,17 @@ fn edit_shard_text(text: &str, inp: &mut Input<'_>) -> String {
     fields.join(";")
 }
 
+/// The references of [`server_checkpoint`] by (method, sizes, seed): the rank's own checkpoint
+/// after its first step and the bits of its second step's result.
+type References = HashMap<(u8, [usize; 2], u64), (Vec<u8>, Vec<u32>)>;
+
+/// At most this many references are kept (a few MB); past it they are dropped and made again.
+const REFERENCES_KEPT: usize = 4096;
+
+thread_local! {
+    static REFERENCES: std::cell::RefCell<References> = std::cell::RefCell::new(HashMap::new());
+}
+
 /// Target `server_checkpoint`: a two-phase server-residual checkpoint
 /// (`CompressedAllReduce::load_server_residuals`) from hostile bytes, in a group of one rank.
 ///
@@ -346,15 +357,34 @@ pub fn server_checkpoint(data: &[u8]) {
             .flat_map(|t| out[&format!("t{t}")].data().iter().map(|x| x.to_bits()))
             .collect()
     };
-    // The reference: two steps, its server residuals saved after the first.
-    let mut reference = make();
-    step(&mut reference, &mut comm).expect("the reference's first step");
+    // The reference: two steps, its server residuals saved after the first. It depends on the
+    // method, the sizes and the seed alone, so it is kept for the inputs that share them (the
+    // fuzzer's mutations keep these leading bytes more often than not): half of an input's
+    // steps, and the save, are skipped then.
     let path = std::env::temp_dir().join(format!("gradwire-fuzz-server-{}", std::process::id()));
-    reference
-        .save_server_residuals(&path)
-        .expect("saving server residuals");
-    let own = std::fs::read(&path).expect("reading them back");
-    let expected = flat(&step(&mut reference, &mut comm).expect("the reference's second step"));
+    let key = (flags % 4, sizes, seed);
+    let cached = REFERENCES.with(|r| r.borrow().get(&key).cloned());
+    let (own, expected) = match cached {
+        Some(reference) => reference,
+        None => {
+            let mut reference = make();
+            step(&mut reference, &mut comm).expect("the reference's first step");
+            reference
+                .save_server_residuals(&path)
+                .expect("saving server residuals");
+            let own = std::fs::read(&path).expect("reading them back");
+            let expected =
+                flat(&step(&mut reference, &mut comm).expect("the reference's second step"));
+            REFERENCES.with(|r| {
+                let mut r = r.borrow_mut();
+                if r.len() >= REFERENCES_KEPT {
+                    r.clear();
+                }
+                r.insert(key, (own.clone(), expected.clone()));
+            });
+            (own, expected)
+        }
+    };
 
     let file = match (flags >> 2) % 4 {
         0 => inp.rest().to_vec(),
