@@ -1769,6 +1769,22 @@ fn sparse_round_trip(name: &str, n: u64) {
     fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Runs the tool with `args` under a 1 GiB address-space limit (`ulimit -v`), so that a file
+/// read whole beyond it fails instead of passing.
+#[cfg(target_os = "linux")]
+fn under_1_gib(args: &[&str]) -> Output {
+    let line = args
+        .iter()
+        .map(|a| format!("'{a}'"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -v 1048576 && exec '{BIN}' {line}"))
+        .output()
+        .expect("run gradwire under sh")
+}
+
 /// Issue 48 class 5: a file that begins like a container was read whole before it was
 /// refused (a 3 GiB sparse file cost 3 GiB of memory, whatever `--max-elements` said). Now its
 /// header is read first: a manifest section beyond `--max-elements`, or a file longer than its
@@ -1781,20 +1797,8 @@ fn a_huge_file_that_begins_like_a_container_is_refused_by_its_header() {
     let g = grads_path();
     let small = dir.join("small.gw");
     ok(&["compress", s(&g), "-o", s(&small), "--ratio", "0.01"]);
-    let limited = |args: &[&str]| {
-        let line = args
-            .iter()
-            .map(|a| format!("'{a}'"))
-            .collect::<Vec<_>>()
-            .join(" ");
-        Command::new("sh")
-            .arg("-c")
-            .arg(format!("ulimit -v 1048576 && exec '{BIN}' {line}"))
-            .output()
-            .expect("run gradwire under sh")
-    };
     let refused = |args: &[&str], want: &str| {
-        let out = limited(args);
+        let out = under_1_gib(args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(err.contains(want), "{args:?}: {err}");
@@ -1826,7 +1830,7 @@ fn a_huge_file_that_begins_like_a_container_is_refused_by_its_header() {
         "describes a model of more than 100000 elements",
     );
     // The small container itself still reads, under the same limit.
-    let report = limited(&["inspect", s(&small)]);
+    let report = under_1_gib(&["inspect", s(&small)]);
     assert!(
         report.status.success(),
         "{}",
@@ -1861,18 +1865,6 @@ fn a_huge_reference_payload_is_refused_by_its_header() {
         .unwrap()
         .set_len(bytes.len() as u64 + 12 * n)
         .unwrap();
-    let limited = |args: &[&str]| {
-        let line = args
-            .iter()
-            .map(|a| format!("'{a}'"))
-            .collect::<Vec<_>>()
-            .join(" ");
-        Command::new("sh")
-            .arg("-c")
-            .arg(format!("ulimit -v 1048576 && exec '{BIN}' {line}"))
-            .output()
-            .expect("run gradwire under sh")
-    };
     let g = grads_path();
     let out = dir.join("out.safetensors");
     let want = format!(
@@ -1901,7 +1893,7 @@ fn a_huge_reference_payload_is_refused_by_its_header() {
             "1000000",
         ],
     ] {
-        let run = limited(&args);
+        let run = under_1_gib(&args);
         let err = String::from_utf8_lossy(&run.stderr);
         assert!(!run.status.success(), "{args:?} succeeded");
         assert!(err.contains(&want), "{args:?}: {err}");
@@ -1914,7 +1906,7 @@ fn a_huge_reference_payload_is_refused_by_its_header() {
         short[..8].copy_from_slice(&claim.to_le_bytes());
         let claims = dir.join("claims.safetensors");
         fs::write(&claims, &short).unwrap();
-        let run = limited(&["inspect", s(&claims)]);
+        let run = under_1_gib(&["inspect", s(&claims)]);
         let err = String::from_utf8_lossy(&run.stderr);
         assert!(
             err.contains("neither a gradwire container nor a valid safetensors file"),

@@ -71,15 +71,7 @@ def test_nan_in_a_torch_gradient():
         reference.compress({"w": g}, "topk", 0.5, {})
 
 
-class _Alone:
-    rank = 0
-    world_size = 1
-
-    def all_gather(self, data, lengths):
-        return [bytes(data)]
-
-    def all_to_all(self, send, recv_lengths):
-        return [bytes(b) for b in send]
+from test_compressor import _AloneCommunicator as _Alone  # noqa: E402  (a group of one)
 
 
 def test_all_reduce_in_place_writes_torch_tensors_where_they_are(grads_step1):
