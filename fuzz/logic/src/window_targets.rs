@@ -5,9 +5,14 @@
 //! fuzzer says.
 //!
 //! Input: a byte of flags (mod 6: the method, EF-sign, dense bf16 or top-k int8 EF, times the
-//! collective), the chunk bound (4,096 or 6,144 bytes, the smallest windows: every message of
-//! the model's 100,000 values spans several, up to 50), then per call of the peer a mode (keep,
-//! four times in eight; cut; lengthen; flip a byte; raw bytes) and its operands.
+//! collective), the chunk bound (4,096 or 4,608 bytes, the smallest windows), then per call of
+//! the peer a mode (keep, four times in eight; cut; lengthen; flip a byte; raw bytes) and its
+//! operands. The model is two tensors whose size depends on the method ([`sizes`]): the
+//! smallest that makes every message span several windows on both collectives (a two-phase
+//! shard message too), since the step's cost, and so the executions per second, grows with
+//! it. The valid run's transcript and each rank's gradients are made once per configuration
+//! and kept; the step runs on one thread (`Parallelism::Serial`: the windows do not depend on
+//! it, and the pool's bytes equal one thread's in `tests/parallel.rs`).
 //!
 //! Properties: no panic and no allocation sized by the peer's bytes (each delivered buffer is
 //! bounded by the call's limits, as a transport bounds it); with every message kept, the step
@@ -19,7 +24,7 @@ use std::sync::{Mutex, OnceLock};
 
 use gradwire::comm::{CommError, Communicator, LocalGroup, Traffic, check_lengths};
 use gradwire::tensor::Tensor;
-use gradwire::{Collective, CompressedAllReduce, CompressionMethod};
+use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Parallelism};
 
 use crate::input::Input;
 
@@ -44,24 +49,50 @@ struct Transcript {
     result: Vec<f32>,
 }
 
-/// The method of `flags` (mod 3).
+/// The method of `flags` (mod 3): EF-sign with a scale per 32 elements (two bits a value, so
+/// that fewer values fill the windows), dense bf16, top-k int8 EF keeping half the values.
 fn method(flags: u8) -> CompressionMethod {
     match flags % 3 {
-        0 => CompressionMethod::SignSGD.with_error_feedback(),
+        0 => CompressionMethod::Core(gradwire::core::Method::Sign {
+            scale: gradwire::core::SignScale::MeanAbs { block: 32 },
+            zero_mask: false,
+        })
+        .with_error_feedback(),
         1 => CompressionMethod::Core(gradwire::core::Method::Dense {
             values: gradwire::core::Values::Bf16,
         }),
-        _ => CompressionMethod::top_k_int8(0.2).with_error_feedback(),
+        _ => CompressionMethod::top_k_int8(0.5).with_error_feedback(),
     }
 }
 
-/// Rank `r`'s gradients: two tensors, 700 and 99,300 values.
-fn gradients(r: usize) -> HashMap<String, Tensor> {
+/// The model of `flags`' method: a small tensor and a large one, the large one about the
+/// smallest whose messages span several windows of 4,608 bytes on both collectives, a
+/// two-phase shard message of half the model included (checked in [`transcript`]).
+fn sizes(flags: u8) -> [(&'static str, Vec<usize>); 2] {
+    let large = match flags % 3 {
+        0 => 40_000,
+        1 => 12_000,
+        _ => 16_000,
+    };
+    [("a.weight", vec![35, 20]), ("b.weight", vec![large])]
+}
+
+/// Gradients by name.
+type Gradients = HashMap<String, Tensor>;
+
+/// Rank `r`'s gradients of `flags`' model, made once and kept.
+fn gradients(flags: u8, r: usize) -> Gradients {
+    static MADE: OnceLock<Mutex<HashMap<(u8, usize), Gradients>>> = OnceLock::new();
+    let made = MADE.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (flags % 3, r);
+    if let Some(g) = made.lock().expect("gradients").get(&key) {
+        return g.clone();
+    }
     let value = |t: usize, i: usize| {
         let x = (i * 37 + t * 11 + r * 5) % 101;
         (x as f32 - 50.0) * 0.01 * if i.is_multiple_of(3) { 4.0 } else { 1.0 }
     };
-    [("a.weight", vec![35, 20]), ("b.weight", vec![99_300])]
+    let g: Gradients = sizes(flags)
         .into_iter()
         .enumerate()
         .map(|(t, (name, shape))| {
@@ -69,7 +100,9 @@ fn gradients(r: usize) -> HashMap<String, Tensor> {
             let data = (0..n).map(|i| value(t, i)).collect();
             (name.to_owned(), Tensor::new(shape, data).expect("shape"))
         })
-        .collect()
+        .collect();
+    made.lock().expect("gradients").insert(key, g.clone());
+    g
 }
 
 fn flat(out: &HashMap<String, Tensor>) -> Vec<f32> {
@@ -88,6 +121,7 @@ fn all_reduce(flags: u8, chunk: usize) -> CompressedAllReduce {
     CompressedAllReduce::new(method(flags), 2)
         .with_collective(collective)
         .with_chunk_bytes(chunk)
+        .with_parallelism(Parallelism::Serial)
 }
 
 /// Records what rank 1 passes.
@@ -153,18 +187,36 @@ fn transcript(flags: u8, chunk: usize) -> Transcript {
         };
         let mut out = HashMap::new();
         all_reduce(flags, chunk)
-            .all_reduce_on(&mut recorder, &gradients(1), &mut out)
+            .all_reduce_on(&mut recorder, &gradients(flags, 1), &mut out)
             .expect("the valid run, rank 1");
         recorder.calls
     });
     let mut out = HashMap::new();
     all_reduce(flags, chunk)
-        .all_reduce_on(&mut first, &gradients(0), &mut out)
+        .all_reduce_on(&mut first, &gradients(flags, 0), &mut out)
         .expect("the valid run, rank 0");
     let result = flat(&out);
     let calls = peer.join().expect("rank 1's thread");
-    // Whole messages would take one call (all-gather) or three (two-phase): windows more.
-    assert!(calls.len() > 3, "the valid run made {} calls", calls.len());
+    // Every message spans several windows: a full window in the first all-gather (the
+    // all-gather collective's bundle), in an all-to-all (a two-phase shard message) and in an
+    // all-gather after the last all-to-all (a two-phase reduced shard).
+    let full = |c: &Call| c.bytes.len() == chunk;
+    let last_to_all = calls.iter().rposition(|c| c.to_all);
+    let spans = match last_to_all {
+        None => calls.first().is_some_and(full),
+        Some(last) => {
+            calls.iter().any(|c| c.to_all && full(c))
+                && calls[last..].iter().any(|c| !c.to_all && full(c))
+        }
+    };
+    assert!(
+        spans,
+        "a message of flags {flags} fits one window of {chunk} bytes: {:?}",
+        calls
+            .iter()
+            .map(|c| (c.to_all, c.bytes.len()))
+            .collect::<Vec<_>>()
+    );
     let t = Transcript { calls, result };
     made.lock()
         .expect("transcripts")
@@ -286,7 +338,7 @@ impl Communicator for Replay<'_, '_> {
 pub fn windows(data: &[u8]) {
     let mut inp = Input::new(data);
     let flags = inp.u8() % 6;
-    let chunk = 4096 + 2048 * usize::from(inp.u8() & 1);
+    let chunk = 4096 + 512 * usize::from(inp.u8() & 1);
     let valid = transcript(flags, chunk);
     let mut replay = Replay {
         calls: valid.calls.clone(),
@@ -295,7 +347,8 @@ pub fn windows(data: &[u8]) {
         damaged: false,
     };
     let mut out = HashMap::new();
-    let result = all_reduce(flags, chunk).all_reduce_on(&mut replay, &gradients(0), &mut out);
+    let result =
+        all_reduce(flags, chunk).all_reduce_on(&mut replay, &gradients(flags, 0), &mut out);
     match result {
         Ok(()) => {
             let got = flat(&out);
