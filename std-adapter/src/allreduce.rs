@@ -414,6 +414,13 @@ impl CompressedAllReduce {
         Some((indices, values))
     }
 
+    /// The two-phase collective's bytes held, between steps, for received phase-1 messages
+    /// and for the agreement round (capacities).
+    #[cfg(test)]
+    pub(crate) fn two_phase_received_capacity(&self) -> (usize, usize) {
+        self.two_phase.received_capacity()
+    }
+
     /// Sets this rank's server residuals (two-phase) for a resume: `name -> values` in the
     /// order [`CompressedAllReduce::server_residual`] gives, saved by rank `saved_at.1` of a
     /// group of `saved_at.0` ranks; tensors left out start from zeros. They are checked against

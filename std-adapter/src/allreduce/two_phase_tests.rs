@@ -454,6 +454,49 @@ fn int8_scale_blocks_never_span_two_tensors() {
     }
 }
 
+/// Phase 2 gathers the owners' reduced shards into the buffers phase 1 received the shard
+/// messages into, so a rank holds one set of W messages between (and during) steps, not two:
+/// the agreement round's buffers keep only envelopes. With windows and without.
+#[test]
+fn phase_two_gathers_into_the_phase_one_buffers() {
+    for chunk in [4096, 8 << 20] {
+        let comms = LocalGroup::new(3).into_communicators();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                std::thread::spawn(move || {
+                    let method = CompressionMethod::Core(Method::Quant {
+                        bits: 4,
+                        block: 512,
+                        rounding: gradwire::core::Rounding::NearestEven,
+                    })
+                    .with_error_feedback();
+                    let mut ar = CompressedAllReduce::with_communicator(method, Box::new(comm))
+                        .with_collective(Collective::TwoPhase)
+                        .with_chunk_bytes(chunk);
+                    let mut held = Vec::new();
+                    for s in 0..3 {
+                        ar.all_reduce(&gradients(rank, s)).unwrap();
+                        held.push(ar.two_phase_received_capacity());
+                    }
+                    held
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            for (step, (received, agreement)) in h.join().unwrap().into_iter().enumerate() {
+                // Three 4-bit shard messages of a third of 13,300 values each: over 6 KB.
+                assert!(
+                    received > 6000 && agreement < 1024,
+                    "chunk {chunk}, rank {rank}, step {step}: {received} bytes for phase-1 \
+                     messages, {agreement} for the agreement round"
+                );
+            }
+        }
+    }
+}
+
 /// Segmented int8 frames are larger than the plain top-k bound when the index section is as
 /// large as it can be (a dense ratio, where the bitmap wins; budgets of one entry per tensor
 /// part): the shard messages' size limit counts the segment table, so such steps succeed.

@@ -130,9 +130,14 @@ pub(crate) struct TwoPhase {
     /// tensor), and the step's new ones.
     worker_bounds: Vec<ResidualBound>,
     new_bounds: Vec<f32>,
+    /// This rank's phase-1 messages, one per owner (read again by a failed step's give-back).
     send: Vec<Vec<u8>>,
+    /// The phase-1 messages received, one per worker; between steps, the buffers phase 2
+    /// gathered into (see [`TwoPhase::run`]).
     recv: Vec<Vec<u8>>,
+    /// This rank's phase-2 message: its reduced shard, or a verdict.
     phase2: Vec<u8>,
+    /// The agreement round's envelopes; during phase 2, the phase-2 messages, one per owner.
     gathered: Vec<Vec<u8>>,
     /// The windows the messages cross the communicator in.
     windows: Windows,
@@ -194,6 +199,14 @@ impl TwoPhase {
                 .pending
                 .as_ref()
                 .is_some_and(|p| p.values().flatten().any(|&x| x != 0.0))
+    }
+
+    /// Bytes held by the received phase-1 messages and by the agreement round's buffers
+    /// (capacities), between steps.
+    #[cfg(test)]
+    pub(crate) fn received_capacity(&self) -> (usize, usize) {
+        let held = |bufs: &[Vec<u8>]| bufs.iter().map(Vec::capacity).sum();
+        (held(&self.recv), held(&self.gathered))
     }
 
     /// The layout in use, if any.
@@ -543,23 +556,34 @@ impl TwoPhase {
             self.gathered.truncate(1);
             self.gathered.resize_with(1, Vec::new);
             std::mem::swap(&mut self.phase2, &mut self.gathered[0]);
-        } else if let Err(e) =
-            self.windows
-                .all_gather(comm, &self.phase2, limit, chunk, &mut self.gathered, |_| {
-                    false
-                })
-        {
-            // As for phase 1: a length over the limit is a common verdict, before anyone used
-            // a byte of this round; the step is undone on both sides.
-            if matches!(
-                e,
-                CommError::TooLarge { .. } | CommError::LimitsDiffer { .. }
-            ) && let Some(mut step) = step_data
-            {
-                self.give_back(&mut step);
-                self.restore_server();
+        } else {
+            // Phase 2 gathers into the buffers phase 1 received into (no shard message is
+            // read again): one set of W messages a step, not two. Each owner's reduced shard
+            // is about the size of a worker's shard message (the same for dense, quantization
+            // and sign frames), so the buffers rarely grow. They go back to `recv` after the
+            // step, for the next step's phase 1; the agreement round keeps its own.
+            std::mem::swap(&mut self.recv, &mut self.gathered);
+            if let Err(e) = self.windows.all_gather(
+                comm,
+                &self.phase2,
+                limit,
+                chunk,
+                &mut self.gathered,
+                |_| false,
+            ) {
+                std::mem::swap(&mut self.recv, &mut self.gathered);
+                // As for phase 1: a length over the limit is a common verdict, before anyone
+                // used a byte of this round; the step is undone on both sides.
+                if matches!(
+                    e,
+                    CommError::TooLarge { .. } | CommError::LimitsDiffer { .. }
+                ) && let Some(mut step) = step_data
+                {
+                    self.give_back(&mut step);
+                    self.restore_server();
+                }
+                return Err(e.into());
             }
-            return Err(e.into());
         }
 
         let result = self.finish(
@@ -571,6 +595,8 @@ impl TwoPhase {
         );
         if alone {
             std::mem::swap(&mut self.phase2, &mut self.gathered[0]);
+        } else {
+            std::mem::swap(&mut self.recv, &mut self.gathered);
         }
         if result.is_err()
             && let Some(mut step) = step_data
