@@ -746,6 +746,40 @@ mod chunked_path_tests {
         }
     }
 
+    /// Each entry grows the core scratch to its own need, not to the largest tensor's: a large
+    /// top-k tensor selected in chunks needs none (37,700 elements for 400,000 values), so the
+    /// sets hold the small tensor's scratch alone.
+    #[test]
+    fn the_core_scratch_is_sized_for_the_tensors_that_use_it() {
+        let mut rng = Rng(17);
+        let method = CompressionMethod::top_k_int8(0.01).with_error_feedback();
+        let core = method.core_method().unwrap();
+        let small = gradwire_core::scratch_len(3_000, &core);
+        let large = gradwire_core::scratch_len(400_000, &core);
+        assert!(large > 10 * small);
+        let grads: HashMap<String, Tensor> = HashMap::from([
+            ("large".to_owned(), Tensor::vector(rng.vec(400_000, 1.0))),
+            ("small".to_owned(), Tensor::vector(rng.vec(3_000, 1.0))),
+        ]);
+        let manifest = Manifest::for_gradients(&grads, &method, 0, BucketConfig::none()).unwrap();
+        for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+            let mut c = GradientCompressor::new(method.clone()).with_parallelism(parallelism);
+            let mut bundle = Vec::new();
+            let mut held = Vec::new();
+            for _ in 0..3 {
+                c.compress_bundle(&manifest, &grads, 0, &mut bundle)
+                    .unwrap();
+                held.push(c.engine.core_scratch());
+            }
+            assert_eq!(c.encode_stats().selected_in_chunks, 3, "{parallelism:?}");
+            assert!(
+                held.iter().all(|&h| h <= small),
+                "{parallelism:?}: {held:?} elements of core scratch after each step, {small} for \
+                 the small tensor, {large} for the large one"
+            );
+        }
+    }
+
     /// The bundle of `compress()`'s frames, written entry by entry as before frames were
     /// written in place.
     fn bundle_of_frames(

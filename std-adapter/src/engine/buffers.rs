@@ -27,6 +27,18 @@ impl<T> Pool<T> {
     }
 }
 
+impl<T> Pool<T> {
+    /// Runs `f` on every set not leased now.
+    #[cfg(test)]
+    pub(crate) fn for_each_free(&self, f: impl FnMut(&mut T)) {
+        self.free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter_mut()
+            .for_each(f);
+    }
+}
+
 impl<T: Default> Pool<T> {
     /// A lease on this pool: it takes a set on its first [`Lease::get`] (a new one when none is
     /// free) and gives it back when dropped.

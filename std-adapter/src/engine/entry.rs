@@ -3,7 +3,7 @@
 
 use gradwire_core::{
     K, Method, Params, ResidualBound, Values, accumulate_into, encode_into, encode_selected_into,
-    feedback_step, feedback_step_bounded, select,
+    feedback_step, feedback_step_bounded, scratch_len, select,
 };
 
 use super::Gradients;
@@ -21,11 +21,12 @@ pub(crate) struct Bufs {
 }
 
 impl Bufs {
-    /// The buffers, grown to what the entries of `manifest` need (with residuals when
-    /// `feedback`).
-    pub(crate) fn fit(&mut self, manifest: &Manifest, feedback: bool) -> &mut Self {
+    /// The buffers, grown to what `entry` of `manifest` needs: the core scratch of its frame,
+    /// and for a bucket its gathered gradients (with residuals when `feedback`) and kept
+    /// indices, sized for the manifest's largest bucket.
+    pub(crate) fn fit(&mut self, manifest: &Manifest, entry: &Entry, feedback: bool) -> &mut Self {
         let sizes = manifest.sizes();
-        super::grow(&mut self.scratch, sizes.scratch);
+        super::grow(&mut self.scratch, scratch_len(entry.len, &entry.method));
         if self.kept.capacity() < sizes.kept {
             self.kept.reserve(sizes.kept - self.kept.len());
         }

@@ -208,6 +208,15 @@ impl Engine {
         self.slots.iter().filter(|s| s.split.holds_sent()).count()
     }
 
+    /// The largest core scratch a free set of the pool holds, in elements (capacity).
+    #[cfg(test)]
+    pub(crate) fn core_scratch(&self) -> usize {
+        let mut most = 0;
+        self.pool
+            .for_each_free(|b| most = most.max(b.scratch.capacity()));
+        most
+    }
+
     /// What the steps so far did (see [`EncodeStats`]).
     #[cfg(test)]
     pub(crate) fn stats(&self) -> EncodeStats {
@@ -699,11 +708,11 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
             }
             (_, EncodePlan::Bucket) => {
                 let res = ef.then(|| &mut slot.res[..entry.members.len()]);
-                let bufs = bufs.fit(self.manifest, ef);
+                let bufs = bufs.fit(self.manifest, entry, ef);
                 encode_bucket(bufs, self.manifest, entry, self.grads, &params, res, frame)?
             }
             (_, EncodePlan::Whole | EncodePlan::SparseChunks(_)) => {
-                let bufs = bufs.fit(self.manifest, ef);
+                let bufs = bufs.fit(self.manifest, entry, ef);
                 let mut bound = slot.bound;
                 let len = encode_whole(
                     &mut bufs.scratch,

@@ -16,7 +16,7 @@ pub(crate) mod shards;
 
 use std::collections::HashMap;
 
-use gradwire_core::{K, Method, Params, max_frame_len, scratch_len, tensor_id};
+use gradwire_core::{K, Method, Params, max_frame_len, tensor_id};
 
 pub use self::bucket::{BucketConfig, TopKScope};
 pub use self::bundle::BundleHeader;
@@ -110,8 +110,6 @@ pub struct Entry {
 pub(crate) struct Sizes {
     /// Largest frame of an entry.
     pub(crate) frame: usize,
-    /// Largest core scratch of an entry.
-    pub(crate) scratch: usize,
     /// Elements of the largest bucket.
     pub(crate) bucket: usize,
     /// Kept entries of the largest top-k bucket.
@@ -259,7 +257,6 @@ impl Manifest {
         }
         let sizes = &mut self.sizes;
         sizes.frame = sizes.frame.max(frame);
-        sizes.scratch = sizes.scratch.max(scratch_len(len, &method));
         if g.members.len() > 1 {
             sizes.bucket = sizes.bucket.max(len);
             if let Method::TopK { k, .. } = method {
