@@ -414,10 +414,10 @@ impl CompressedAllReduce {
         Some((indices, values))
     }
 
-    /// The two-phase collective's bytes held, between steps, for received phase-1 messages
-    /// and for the agreement round (capacities).
+    /// The two-phase collective's bytes held, between steps, by each buffer of the received
+    /// phase-1 messages and by the agreement round's buffers in all (capacities).
     #[cfg(test)]
-    pub(crate) fn two_phase_received_capacity(&self) -> (usize, usize) {
+    pub(crate) fn two_phase_received_capacity(&self) -> (Vec<usize>, usize) {
         self.two_phase.received_capacity()
     }
 

@@ -201,12 +201,12 @@ impl TwoPhase {
                 .is_some_and(|p| p.values().flatten().any(|&x| x != 0.0))
     }
 
-    /// Bytes held by the received phase-1 messages and by the agreement round's buffers
-    /// (capacities), between steps.
+    /// Bytes held, between steps, by each buffer of the received phase-1 messages and by the
+    /// agreement round's buffers in all (capacities).
     #[cfg(test)]
-    pub(crate) fn received_capacity(&self) -> (usize, usize) {
-        let held = |bufs: &[Vec<u8>]| bufs.iter().map(Vec::capacity).sum();
-        (held(&self.recv), held(&self.gathered))
+    pub(crate) fn received_capacity(&self) -> (Vec<usize>, usize) {
+        let recv = self.recv.iter().map(Vec::capacity).collect();
+        (recv, self.gathered.iter().map(Vec::capacity).sum())
     }
 
     /// The layout in use, if any.

@@ -26,7 +26,13 @@ impl Bufs {
     /// indices, sized for the manifest's largest bucket.
     pub(crate) fn fit(&mut self, manifest: &Manifest, entry: &Entry, feedback: bool) -> &mut Self {
         let sizes = manifest.sizes();
-        super::grow(&mut self.scratch, scratch_len(entry.len, &entry.method));
+        // Exactly the entry's need: entries grow it one after another, and a doubling
+        // capacity would hold up to twice the largest.
+        let need = scratch_len(entry.len, &entry.method);
+        if self.scratch.len() < need {
+            self.scratch.reserve_exact(need - self.scratch.len());
+            self.scratch.resize(need, 0);
+        }
         if self.kept.capacity() < sizes.kept {
             self.kept.reserve(sizes.kept - self.kept.len());
         }
