@@ -268,12 +268,12 @@ impl MpiCommunicator {
     /// would leave its peers waiting in the collective.
     fn check_thread(&self, what: &str) {
         if self.threading < Threading::Serialized && thread::current().id() != self.home {
-            eprintln!(
+            say(format_args!(
                 "gradwire: rank {}: {what} called on another thread than the one that built \
                  the communicator, and MPI provides only {:?} thread support: aborting the job \
                  (MPI_Abort)",
                 self.rank, self.threading
-            );
+            ));
             self.universe.world().abort(2);
         }
     }
@@ -354,11 +354,11 @@ impl Waiter {
         });
         let got = status.count(f32::equivalent_datatype());
         if usize::try_from(got).ok() != Some(expected) {
-            eprintln!(
+            say(format_args!(
                 "gradwire: rank {}: {} (call {}) received {got} values from rank {src} where \
                  the agreed counts give {expected}: aborting the job (MPI_Abort)",
                 self.rank, self.what, self.round
-            );
+            ));
             self.world.abort(4);
         }
     }
@@ -383,14 +383,14 @@ impl Waiter {
         let first = String::from_utf8_lossy(&text[..len])
             .escape_debug()
             .to_string();
-        eprintln!(
+        say(format_args!(
             "gradwire: rank {}: the group is broken: {first}: {} (call {}) ends with the job \
              (MPI_Abort by rank {})",
             self.rank,
             self.what,
             self.round,
             status.source_rank()
-        );
+        ));
         let req = self
             .world
             .process_at_rank(status.source_rank())
@@ -441,12 +441,12 @@ impl Waiter {
             }
         }
         let missing: Vec<usize> = (0..w).filter(|&r| !heard[r]).collect();
-        eprintln!(
+        say(format_args!(
             "gradwire: rank {me}: {} (call {}) waited {:?}, past the deadline of {:?}, for \
              ranks {missing:?}, which did not answer the arrival round: aborting the job \
              (MPI_Abort)",
             self.what, self.round, waited, self.deadline
-        );
+        ));
         world.abort(3)
     }
 }
@@ -779,9 +779,9 @@ impl Communicator for MpiCommunicator {
     fn close(&mut self, reason: &str) -> Option<String> {
         let (w, me) = (self.world_size, self.rank);
         let first = format!("rank {me}: {reason}");
-        eprintln!(
+        say(format_args!(
             "gradwire: rank {me}: the group is broken: {first}: aborting the job (MPI_Abort)"
-        );
+        ));
         let world = self.universe.world();
         let mut text = first.into_bytes();
         text.truncate(BROKEN_TEXT);
@@ -871,4 +871,14 @@ impl Communicator for MpiCommunicator {
         self.traffic.received = self.traffic.received.saturating_add(t.received);
         Ok(())
     }
+}
+
+/// Prints `line` and a newline to stderr in one write: the ranks of a job share `mpirun`'s
+/// output, and a line written in pieces (as `eprintln!` writes its arguments) can be cut by
+/// another rank's.
+fn say(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut text = line.to_string();
+    text.push('\n');
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }
