@@ -122,28 +122,36 @@ fn check_no_buckets(manifest: &Manifest) -> Result<()> {
 const FINISH_CHUNK: usize = 4096;
 
 /// Applies the reduction to the sum in `out`; the index of the first element that is not
-/// finite (finite contributions whose f32 sum overflows; a majority vote never has one).
+/// finite (finite contributions whose f32 sum overflows; a majority vote never has one). A zero
+/// of the sum comes out as 0.0, never -0.0 (a sum started from 0.0 has no -0.0; a chunked sum
+/// that writes its first contribution may, [`Split::accumulate`]).
 fn finish(out: &mut [f32], reduction: Reduction, count: usize, method: &Method) -> Option<usize> {
+    // `+ 0.0` turns -0.0 into 0.0 and changes nothing else.
     match reduction {
-        Reduction::Sum => first_non_finite(out),
+        Reduction::Sum => map_then_check(out, |x| x + 0.0),
         Reduction::Mean => {
             let w = count as f32;
-            // Chunk by chunk, so that the check reads each chunk while it is in the L1 cache:
-            // one pass over a large result instead of two.
-            out.chunks_mut(FINISH_CHUNK)
-                .enumerate()
-                .find_map(|(c, chunk)| {
-                    for x in chunk.iter_mut() {
-                        *x /= w;
-                    }
-                    first_non_finite(chunk).map(|i| c * FINISH_CHUNK + i)
-                })
+            map_then_check(out, |x| x / w + 0.0)
         }
         Reduction::MajorityVote => {
             majority(out, method);
             None
         }
     }
+}
+
+/// Applies `op` to every element of `out`, then returns the index of the first that is not
+/// finite; chunk by chunk, so that the check reads each chunk while it is in the L1 cache (one
+/// pass over a large result instead of two).
+fn map_then_check(out: &mut [f32], op: impl Fn(f32) -> f32) -> Option<usize> {
+    out.chunks_mut(FINISH_CHUNK)
+        .enumerate()
+        .find_map(|(c, chunk)| {
+            for x in chunk.iter_mut() {
+                *x = op(*x);
+            }
+            first_non_finite(chunk).map(|i| c * FINISH_CHUNK + i)
+        })
 }
 
 /// The majority vote over summed votes made with `method`: ties go to + for plain signs and

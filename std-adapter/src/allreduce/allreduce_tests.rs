@@ -311,6 +311,56 @@ fn an_all_gather_overflow_names_the_element_and_zeroes_the_outputs() {
     }
 }
 
+/// A large dense, quantization or sign entry is summed chunk by chunk, each chunk taking the
+/// first rank's values as they are: a zero of the result is still 0.0, never -0.0, as in a sum
+/// started from 0.0 (here every rank sends -0.0 at even indices), on one rank and on three,
+/// summed and averaged, serial and pooled; the other coordinates are the exact sums.
+#[test]
+fn zeros_of_a_chunked_sum_are_positive() {
+    // bf16: dense f32 takes the f32 all-reduce, which sums without frames.
+    let dense_bf16 = gradwire::core::Method::Dense {
+        values: gradwire::core::Values::Bf16,
+    };
+    let n = 140_000; // above the size from which an entry is summed in chunks (131,072)
+    for w in [1usize, 3] {
+        for reduction in [Reduction::Sum, Reduction::Mean] {
+            for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+                let results = on_every_rank(w, move |comm| {
+                    let rank = comm.rank();
+                    let mut ar = CompressedAllReduce::with_communicator(
+                        CompressionMethod::Core(dense_bf16),
+                        Box::new(comm),
+                    )
+                    .with_reduction(reduction)
+                    .with_parallelism(parallelism);
+                    let g: Vec<f32> = (0..n)
+                        .map(|i| if i % 2 == 0 { -0.0 } else { (rank + 1) as f32 })
+                        .collect();
+                    let mut out = HashMap::new();
+                    ar.all_reduce_into(&grads(&[("big", &[n], g)]), &mut out)
+                        .map(|()| out["big"].data().to_vec())
+                });
+                let sum: f32 = (1..=w).map(|r| r as f32).sum();
+                let odd = match reduction {
+                    Reduction::Mean => sum / w as f32,
+                    _ => sum,
+                };
+                for (rank, out) in results.into_iter().enumerate() {
+                    let what = format!("W = {w}, {reduction:?}, {parallelism:?}, rank {rank}");
+                    let out = out.unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let negative = out.iter().position(|x| x.to_bits() == (-0.0f32).to_bits());
+                    assert_eq!(negative, None, "{what}: a -0.0 in the result");
+                    let wrong = (0..n).find(|&i| {
+                        let due = if i % 2 == 0 { 0.0f32 } else { odd };
+                        out[i].to_bits() != due.to_bits()
+                    });
+                    assert_eq!(wrong, None, "{what}: a coordinate other than its sum");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn local_group_majority_vote_and_world_size_one() {
     let mut rng = Rng(3);

@@ -6,7 +6,8 @@
 
 use gradwire_core::feedback::step_chunk;
 use gradwire_core::frame::chunk::Sections;
-use gradwire_core::{Method, Params};
+use gradwire_core::{Method, Params, ResidualBound};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use super::exec::Exec;
 use crate::layout::plan::dense_geometry;
@@ -34,9 +35,12 @@ impl Split {
     }
 
     /// Encodes `grad` into `frame` (at least [`Split::frame_len`] bytes), chunks run by `exec`,
-    /// and returns the frame length: the bytes of the core's `encode_into` with `params`, or
-    /// with `residual`, of its `feedback_step` (the residual updated the same way). `None` when
-    /// a chunk fails (the input was checked before, so only for a length that does not match).
+    /// and returns the frame length and the new residual's bound: the bytes of the core's
+    /// `encode_into` with `params`, or with `residual`, of its `feedback_step` (the residual
+    /// updated the same way), and the largest magnitude of the updated residual, measured tile
+    /// by tile while each tile is in cache ([`ResidualBound::ZERO`] without a residual). `None`
+    /// when a chunk fails (the input was checked before, so only for a length that does not
+    /// match).
     pub(crate) fn encode(
         &self,
         params: &Params,
@@ -44,7 +48,7 @@ impl Split {
         residual: Option<&mut [f32]>,
         frame: &mut [u8],
         exec: Exec,
-    ) -> Option<usize> {
+    ) -> Option<(usize, ResidualBound)> {
         let s = &self.sections;
         let n = s.n();
         if grad.len() != n || residual.as_ref().is_some_and(|r| r.len() != n) {
@@ -52,30 +56,42 @@ impl Split {
         }
         s.write_header(frame).ok()?;
         let (scales, body) = s.pieces_mut(frame, 0, n).ok()?;
-        let failed = std::sync::atomic::AtomicBool::new(false);
+        let failed = AtomicBool::new(false);
+        // The largest magnitude of the new residual, as f32 bits: for magnitudes (never
+        // negative, infinity for an unknown bound) the order of the bits is the order of the
+        // values, so the chunks on the pool combine theirs with `fetch_max`.
+        let largest = AtomicU32::new(0);
         let work = |start: usize, scales: &mut [u8], body: &mut [u8], r: Option<&mut [f32]>| {
             let g = &grad[start..start + self.chunk.min(n - start)];
             let done = match r {
                 None => s.encode(params, start, g, scales, body),
                 // Tile by tile: the core's step checks a piece before it updates it, and a
                 // tile's g and r stay in the L2 cache between the two.
-                Some(r) => self.feedback_tiles(params, start, g, r, scales, body),
+                Some(r) => self
+                    .feedback_tiles(params, start, g, r, scales, body)
+                    .map(|m| {
+                        largest.fetch_max(m.to_bits(), Ordering::Relaxed);
+                    }),
             };
             if done.is_err() {
-                failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                failed.store(true, Ordering::Relaxed);
             }
         };
         let chunks = n.div_ceil(self.chunk);
         self.split_chunks(exec, 0, chunks, scales, body, residual, &work);
-        if failed.load(std::sync::atomic::Ordering::Relaxed) {
+        if failed.load(Ordering::Relaxed) {
             return None;
         }
         let crc = exec.crc32(frame.get(..s.checksummed_len())?);
-        s.finish(frame, Some(crc)).ok()
+        let len = s.finish(frame, Some(crc)).ok()?;
+        let bound = ResidualBound::at_most(f32::from_bits(largest.load(Ordering::Relaxed)));
+        Some((len, bound))
     }
 
     /// The core's error-feedback step over one chunk (elements `start..` of the tensor: `g`,
-    /// `r` and the chunk's pieces), in tiles of about [`TILE`] elements on chunk boundaries.
+    /// `r` and the chunk's pieces), in tiles of about [`TILE`] elements on chunk boundaries;
+    /// returns the largest magnitude of the chunk's new residual (infinity when one is not
+    /// finite), each tile measured while it is in cache.
     fn feedback_tiles(
         &self,
         params: &Params,
@@ -84,10 +100,11 @@ impl Split {
         r: &mut [f32],
         scales: &mut [u8],
         body: &mut [u8],
-    ) -> Result<(), gradwire_core::Error> {
+    ) -> Result<f32, gradwire_core::Error> {
         let s = &self.sections;
         let tile = TILE.div_ceil(s.align()) * s.align();
         let (s0, b0) = s.ranges(start, start)?;
+        let mut largest = 0.0f32;
         let mut at = 0;
         while at < g.len() {
             let end = (at + tile).min(g.len());
@@ -102,9 +119,10 @@ impl Split {
                 &mut scales[piece(ts, s0.start)],
                 &mut body[piece(tb, b0.start)],
             )?;
+            largest = largest.max(ResidualBound::of(&r[at..end]).max_abs());
             at = end;
         }
-        Ok(())
+        Ok(largest)
     }
 
     /// Runs `work(start, scales, body, residual)` for chunks `first..first + count` (their
@@ -153,10 +171,12 @@ impl Split {
 
     /// Overwrites `acc` (`n` elements) with the sum of `count` frames of this split (in the
     /// order `frames(0)`, `frames(1)`, ...; their headers and checksums checked before), chunks
-    /// run by `exec`, then applies `finish` to each chunk of the sum. Each chunk starts from
-    /// zeros and adds each frame's piece, checked as the core's decoder checks it. `false` when
-    /// a frame is invalid or `finish` returns `false` for a chunk (`acc` then holds partial
-    /// sums).
+    /// run by `exec`, then applies `finish` to each chunk of the sum. Each chunk takes the
+    /// first frame's piece as it is, then adds each other frame's, every piece checked as the
+    /// core's decoder checks it: the sums from zeros, `((0 + x0) + x1) + ...`, except that a
+    /// zero may be -0.0 where the sum from zeros has 0.0, so `finish` must map -0.0 to 0.0
+    /// (adding 0.0 does), as the aggregator's does. `false` when a frame is invalid or `finish`
+    /// returns `false` for a chunk (`acc` then holds partial sums).
     pub(crate) fn accumulate<'f>(
         &self,
         frames: impl Fn(usize) -> &'f [u8] + Sync,
@@ -169,9 +189,18 @@ impl Split {
             return false;
         }
         exec.chunks_mut_all(acc, self.chunk, |j, acc| {
-            acc.fill(0.0);
             let start = j * self.chunk;
-            (0..count).all(|r| self.sections.accumulate(frames(r), start, acc, 1.0).is_ok())
+            // Written, not added to zeros: one write of the chunk instead of a fill and an
+            // addition (`0.0 + 1.0 * x` is `x` but for the sign of a zero, see above).
+            let first = match count {
+                0 => {
+                    acc.fill(0.0);
+                    true
+                }
+                _ => self.sections.decode(frames(0), start, acc).is_ok(),
+            };
+            first
+                && (1..count).all(|r| self.sections.accumulate(frames(r), start, acc, 1.0).is_ok())
                 && finish(acc)
         })
     }

@@ -125,7 +125,8 @@ pub(crate) enum Shapes {
 /// What pass 1 did for an entry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 enum Pass1 {
-    /// Checked: pass 2 encodes it by its plan.
+    /// Checked (or, with error feedback, every sum proven finite by the residual's bound and
+    /// one read of the gradient): pass 2 encodes it by its plan.
     #[default]
     Checked,
     /// Its frame is written (chunked selection); with error feedback its residual follows.
@@ -534,13 +535,23 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 }
             }
         }
-        if fb.is_none() && entry.encode == EncodePlan::DenseChunks {
-            slot.pass1 = Pass1::Deferred;
-            return;
+        if entry.encode == EncodePlan::DenseChunks {
+            match fb {
+                None => {
+                    slot.pass1 = Pass1::Deferred;
+                    return;
+                }
+                // The residual's bound and one read of the gradient prove every sum finite:
+                // all the chunked error-feedback step needs of them (a sum beyond the value
+                // type saturates), so the residual is not read for the check.
+                Some(fb) if self.proves_sums_finite(entry, fb, slot.bound) => return,
+                Some(_) => {}
+            }
         }
         if let EncodePlan::SparseChunks(rule) = entry.encode {
             if let Some(fb) = fb
-                && self.proves_one_pass(entry, rule, fb, slot.bound)
+                && matches!(rule, Rule::TopK(_))
+                && self.proves_sums_finite(entry, fb, slot.bound)
             {
                 slot.pass1 = Pass1::OnePass;
                 return;
@@ -552,19 +563,15 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         slot.err = check_entry(self.manifest, entry, self.grads, fb, self.exec).err();
     }
 
-    /// Whether the large top-k tensor of `entry` can take the one-pass step: its residual (of
-    /// the gradient's length; a new one is zeros) has a `bound` that, with the gradient, proves
-    /// every `g + r` finite ([`ResidualBound::proves_sums_finite`]).
-    fn proves_one_pass(
-        &self,
-        entry: &Entry,
-        rule: Rule,
-        fb: &ErrorFeedback,
-        bound: ResidualBound,
-    ) -> bool {
-        let (Rule::TopK(_), Some(&t)) = (rule, entry.members.first()) else {
+    /// Whether the one tensor of `entry` needs no check pass with error feedback: its residual
+    /// (of the gradient's length; a new one is zeros) has a `bound` that, with the gradient,
+    /// proves every `g + r` finite ([`ResidualBound::proves_sums_finite`], one read of the
+    /// gradient). A large top-k tensor then takes the one-pass step.
+    fn proves_sums_finite(&self, entry: &Entry, fb: &ErrorFeedback, bound: ResidualBound) -> bool {
+        let ([t], true) = (entry.members.as_slice(), bound.max_abs().is_finite()) else {
             return false;
         };
+        let t = *t;
         let g = self.grad(t);
         let same_len = fb
             .residual(&self.manifest.tensors()[t].name)
@@ -691,11 +698,17 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 len
             }
             (pass1, EncodePlan::DenseChunks) => {
+                let with_residual = residual.is_some();
                 let encoded = Split::new(entry.len, &entry.method).and_then(|split| {
                     split.encode(&params, g, residual.map(Vec::as_mut_slice), frame, exec)
                 });
                 match (encoded, pass1) {
-                    (Some(len), _) => len,
+                    (Some((len, bound)), _) => {
+                        if with_residual {
+                            slot.bound_after = Some(bound);
+                        }
+                        len
+                    }
                     // The encoder found a bad value: the check names it, as in pass 1.
                     (None, Pass1::Deferred) => {
                         check_entry(self.manifest, entry, self.grads, None, Exec::Serial)?;

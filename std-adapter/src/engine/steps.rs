@@ -34,7 +34,7 @@ impl ErrorFeedback {
             .into_iter()
             .map(|(name, g)| (TensorSpec::new(name, [g.len()]), g))
             .collect();
-        self.run_step(items, Shapes::Ignored, sink)
+        self.run_step(items, Shapes::Ignored, Exec::Serial, sink)
     }
 
     /// [`ErrorFeedback::step_with`] for tensors with shapes: `grads` yields `(name, shape,
@@ -58,14 +58,16 @@ impl ErrorFeedback {
             check_holds(name, shape, g.len())?;
             items.push((TensorSpec::new(name, shape), g));
         }
-        self.run_step(items, Shapes::Checked, sink)
+        self.run_step(items, Shapes::Checked, Exec::Serial, sink)
     }
 
-    /// The engine's step over `items` (a manifest of them, one entry each, in order).
+    /// The engine's step over `items` (a manifest of them, one entry each, in order), run by
+    /// `exec` (the public steps run on the calling thread).
     fn run_step(
         &mut self,
         items: Vec<(TensorSpec, &[f32])>,
         shapes: Shapes,
+        exec: Exec,
         mut sink: impl FnMut(&str, &[u8]),
     ) -> Result<()> {
         let grads: Vec<&[f32]> = items.iter().map(|(_, g)| *g).collect();
@@ -78,7 +80,7 @@ impl ErrorFeedback {
             grads.as_slice(),
             step,
             Some(self),
-            (Exec::Serial, shapes),
+            (exec, shapes),
             |e, frame| sink(&manifest.entries()[e].label, frame),
         )
     }
@@ -120,6 +122,94 @@ mod tests {
             values: Values::Int8 {
                 block: DEFAULT_INT8_BLOCK,
             },
+        }
+    }
+
+    /// Large dense, quantization and sign tensors with error feedback are encoded in chunks,
+    /// and each step keeps its new residual's largest magnitude, measured tile by tile, as the
+    /// residual's bound: the next step's check then reads the gradient alone. Frames and
+    /// residuals are the plain `feedback_step`'s on the same residual; the kept bound is the
+    /// residual's largest magnitude exactly, after every step (serial and pooled); a NaN in
+    /// another tensor still changes nothing, and a gradient at 2^127 (its sum finite, but not
+    /// proven by the bound) still steps.
+    #[test]
+    fn chunked_dense_steps_keep_the_residual_bound() {
+        use super::{Exec, Shapes, TensorSpec};
+        use gradwire_core::{SignScale, feedback_step, max_frame_len, scratch_len};
+        let n = 140_000; // above the size from which a tensor is encoded in chunks (131,072)
+        let methods = [
+            Method::Quant {
+                bits: 4,
+                block: 512,
+                rounding: gradwire_core::Rounding::NearestEven,
+            },
+            Method::Sign {
+                scale: SignScale::MeanAbs { block: 32 },
+                zero_mask: false,
+            },
+            Method::Dense {
+                values: Values::F16,
+            },
+        ];
+        for method in methods {
+            for exec in [Exec::Serial, Exec::Pool] {
+                let what = format!("{method:?}, {exec:?}");
+                let mut rng = Rng(0xd5);
+                let mut fb = ErrorFeedback::new(method, 3).unwrap();
+                let mut plain = [vec![0.0f32; n], vec![0.0f32; n]];
+                let mut scratch = vec![0u32; scratch_len(n, &method)];
+                let mut out = vec![0u8; max_frame_len(n, &method)];
+                let names = ["a", "b"];
+                for step in 0..4 {
+                    let mut g: Vec<Vec<f32>> = (0..2)
+                        .map(|_| (0..n).map(|_| rng.unit() * (1 + step) as f32).collect())
+                        .collect();
+                    if step == 3 {
+                        // Finite, with a finite sum, but beyond what the bound proves: the full
+                        // check runs and passes (f16 saturates it, the residual keeps the rest).
+                        g[0][n / 2] = 2.0f32.powi(127);
+                    }
+                    let mut frames = Vec::new();
+                    let items = names
+                        .iter()
+                        .zip(&g)
+                        .map(|(name, g)| (TensorSpec::new(*name, [n]), &g[..]))
+                        .collect();
+                    fb.run_step(items, Shapes::Ignored, exec, |_, f| frames.push(f.to_vec()))
+                        .unwrap_or_else(|e| panic!("{what}, step {step}: {e}"));
+                    for (t, name) in names.iter().enumerate() {
+                        let params = Params::new(method)
+                            .with_seed(3)
+                            .at_step(step)
+                            .for_tensor(tensor_id(name));
+                        let len =
+                            feedback_step(&g[t], &mut plain[t], &params, &mut scratch, &mut out)
+                                .unwrap();
+                        assert_eq!(frames[t], out[..len], "{what}, step {step} `{name}`: frame");
+                        assert!(
+                            same_bits(fb.residual(name).unwrap(), &plain[t]),
+                            "{what}, step {step} `{name}`: residual"
+                        );
+                        let measured = ResidualBound::of(&plain[t]).max_abs();
+                        let bound = fb.residual_bound(name).max_abs();
+                        assert_eq!(bound, measured, "{what}, step {step} `{name}`: bound");
+                    }
+                }
+                // All or nothing: "a" passes the bound's check, "b" has a NaN.
+                let before = fb.clone();
+                let a: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
+                let mut b = a.clone();
+                b[n - 1] = f32::NAN;
+                let mut calls = 0;
+                let err = fb
+                    .step_with([("a", &a[..]), ("b", &b[..])], |_, _| calls += 1)
+                    .unwrap_err();
+                assert!(
+                    matches!(&err, Error::Core { tensor, source: gradwire_core::Error::NonFinite { index }, .. } if tensor == "b" && *index == n - 1),
+                    "{what}: {err}"
+                );
+                assert_eq!((calls, &fb), (0, &before), "{what}");
+            }
         }
     }
 
