@@ -131,12 +131,39 @@ fn finish(out: &mut [f32], reduction: Reduction, count: usize, method: &Method) 
         Reduction::Sum => map_then_check(out, |x| x + 0.0),
         Reduction::Mean => {
             let w = count as f32;
-            map_then_check(out, |x| x / w + 0.0)
+            if count.is_power_of_two() {
+                // The same bits as dividing, at a multiplication's cost (see `divide`).
+                let inverse = 1.0 / w;
+                map_then_check(out, |x| x * inverse + 0.0)
+            } else {
+                map_then_check(out, |x| x / w + 0.0)
+            }
         }
         Reduction::MajorityVote => {
             majority(out, method);
             None
         }
+    }
+}
+
+/// Writes `src[i] / w` into `dst[i]` (`dst` and `src` of one length; `src` `None`: `dst` in
+/// place): the mean of sums of `w` contributions. For a power of two `w`, multiplying by its
+/// inverse (exact) rounds the same real number as dividing, so it gives the same bits at a
+/// multiplication's cost (a division costs several times as much: it bounded the mean of a
+/// large model).
+pub(crate) fn divide(dst: &mut [f32], src: Option<&[f32]>, w: usize) {
+    let wf = w as f32;
+    match (src, w.is_power_of_two()) {
+        (None, true) => {
+            let inverse = 1.0 / wf;
+            dst.iter_mut().for_each(|x| *x *= inverse);
+        }
+        (None, false) => dst.iter_mut().for_each(|x| *x /= wf),
+        (Some(src), true) => {
+            let inverse = 1.0 / wf;
+            dst.iter_mut().zip(src).for_each(|(d, s)| *d = s * inverse);
+        }
+        (Some(src), false) => dst.iter_mut().zip(src).for_each(|(d, s)| *d = s / wf),
     }
 }
 

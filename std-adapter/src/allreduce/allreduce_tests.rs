@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use super::test_common::{Rng, aggregate, grads, minilm, noisy, same_bits};
 use gradwire::BucketConfig;
+use gradwire::Collective;
 use gradwire::CompressedAllReduce;
 use gradwire::Error;
 use gradwire::Manifest;
@@ -312,9 +313,10 @@ fn an_all_gather_overflow_names_the_element_and_zeroes_the_outputs() {
 }
 
 /// A large dense, quantization or sign entry is summed chunk by chunk, each chunk taking the
-/// first rank's values as they are: a zero of the result is still 0.0, never -0.0, as in a sum
-/// started from 0.0 (here every rank sends -0.0 at even indices), on one rank and on three,
-/// summed and averaged, serial and pooled; the other coordinates are the exact sums.
+/// first rank's values as they are (on the all-gather; at the owner of each shard on the
+/// two-phase collective): a zero of the result is still 0.0, never -0.0, as in a sum started
+/// from 0.0 (here every rank sends -0.0 at even indices), on one rank and on three, summed and
+/// averaged, serial and pooled; the other coordinates are the exact sums.
 #[test]
 fn zeros_of_a_chunked_sum_are_positive() {
     // bf16: dense f32 takes the f32 all-reduce, which sums without frames.
@@ -322,7 +324,12 @@ fn zeros_of_a_chunked_sum_are_positive() {
         values: gradwire::core::Values::Bf16,
     };
     let n = 140_000; // above the size from which an entry is summed in chunks (131,072)
-    for w in [1usize, 3] {
+    let runs = [1usize, 3].into_iter().flat_map(|w| {
+        [Collective::AllGather, Collective::TwoPhase]
+            .into_iter()
+            .map(move |c| (w, c))
+    });
+    for (w, collective) in runs {
         for reduction in [Reduction::Sum, Reduction::Mean] {
             for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
                 let results = on_every_rank(w, move |comm| {
@@ -331,6 +338,7 @@ fn zeros_of_a_chunked_sum_are_positive() {
                         CompressionMethod::Core(dense_bf16),
                         Box::new(comm),
                     )
+                    .with_collective(collective)
                     .with_reduction(reduction)
                     .with_parallelism(parallelism);
                     let g: Vec<f32> = (0..n)
@@ -346,7 +354,9 @@ fn zeros_of_a_chunked_sum_are_positive() {
                     _ => sum,
                 };
                 for (rank, out) in results.into_iter().enumerate() {
-                    let what = format!("W = {w}, {reduction:?}, {parallelism:?}, rank {rank}");
+                    let what = format!(
+                        "W = {w}, {collective:?}, {reduction:?}, {parallelism:?}, rank {rank}"
+                    );
                     let out = out.unwrap_or_else(|e| panic!("{what}: {e}"));
                     let negative = out.iter().position(|x| x.to_bits() == (-0.0f32).to_bits());
                     assert_eq!(negative, None, "{what}: a -0.0 in the result");

@@ -780,6 +780,67 @@ fn a_failed_or_misconfigured_rank_fails_every_rank_and_none_waits() {
     }
 }
 
+/// Without error feedback the worker's encoders check the gradient as they write it (no
+/// check pass first): a bad value is still named as the check names it, the first in tensor
+/// order (here a value beyond f16 in `d.weight` before a NaN early in the large `e.big`, which
+/// an owner's chunked encoder meets first), every peer names the rank, and the next step runs.
+#[test]
+fn without_error_feedback_a_bad_gradient_is_named_as_the_check_names_it() {
+    let methods = [
+        Method::Dense {
+            values: Values::F16,
+        },
+        Method::Quant {
+            bits: 4,
+            block: 512,
+            rounding: gradwire::core::Rounding::NearestEven,
+        },
+        Method::Sign {
+            scale: gradwire::core::SignScale::MeanAbs { block: 32 },
+            zero_mask: false,
+        },
+    ];
+    for method in methods {
+        for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+            let runs = run_group(
+                3,
+                2,
+                move |c| {
+                    CompressedAllReduce::with_communicator(CompressionMethod::Core(method), c)
+                        .with_collective(Collective::TwoPhase)
+                        .with_parallelism(parallelism)
+                },
+                |rank, s| {
+                    let mut g = gradients(rank, s);
+                    let mut big = vec![0.5f32; 140_000];
+                    if rank == 1 && s == 0 {
+                        big[100] = f32::NAN;
+                        let mut d = g["d.weight"].data().to_vec();
+                        d[2900] = 70_000.0;
+                        g.insert("d.weight".into(), Tensor::new(vec![3000], d).unwrap());
+                    }
+                    g.insert("e.big".into(), Tensor::new(vec![140_000], big).unwrap());
+                    g
+                },
+            );
+            let (tensor, index) = match method {
+                Method::Dense { .. } => ("d.weight", "2900"),
+                _ => ("e.big", "100"),
+            };
+            for (rank, steps) in runs.iter().enumerate() {
+                let what = format!("{method:?}, {parallelism:?}, rank {rank}");
+                let err = steps[0].0.as_ref().unwrap_err();
+                if rank == 1 {
+                    assert!(err.contains(tensor) && err.contains(index), "{what}: {err}");
+                } else {
+                    assert!(err.contains("rank 1"), "{what}: {err}");
+                }
+                assert!(steps[1].0.is_ok(), "{what}: the group goes on");
+            }
+        }
+    }
+}
+
 #[test]
 fn two_phase_bytes_per_link_stay_flat_as_the_world_grows() {
     let base = minilm();

@@ -9,7 +9,7 @@ use gradwire_core::values::first_non_finite;
 use super::buffers::StepBuffers;
 use super::{Config, ENVELOPE_LEN, MAX_REASON_LEN, PAYLOAD, fingerprint_at, seal};
 use super::{check_fingerprints, gathered_fingerprints, seal_failure};
-use crate::aggregate::Reduction;
+use crate::aggregate::{Reduction, divide};
 use crate::comm::Communicator;
 use crate::engine::Gradients;
 use crate::error::{Error, Result};
@@ -126,8 +126,7 @@ impl DenseAllReduce {
                 let take = dst.len().min(len - from);
                 let (dst, src) = (&mut dst[..take], &self.chunk[from..from + take]);
                 if reduction == Reduction::Mean {
-                    let w = w as f32;
-                    dst.iter_mut().zip(src).for_each(|(d, s)| *d = s / w);
+                    divide(dst, Some(src), w);
                 } else {
                     dst.copy_from_slice(src);
                 }

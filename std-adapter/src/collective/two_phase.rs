@@ -43,7 +43,7 @@ use super::{
     Config, ENVELOPE_LEN, MAX_REASON_LEN, Opened, PAYLOAD, RELAY_BAD, RELAY_FAILED, RELAY_OVERFLOW,
     agree, fingerprint_at, open, peer_text, seal_failure, seal_in_place, seal_relay,
 };
-use crate::aggregate::{Reduction, majority};
+use crate::aggregate::{Reduction, divide, majority};
 use crate::comm::{CommError, Communicator, Windows};
 use crate::engine::Exec;
 use crate::engine::Gradients;
@@ -854,72 +854,71 @@ impl TwoPhase {
         for entry in step.manifest.entries() {
             grads.push(gradients.grad(step.manifest, entry.members[0]));
         }
-        // Every sum checked before any residual changes: one read of each gradient and
-        // residual.
-        // The tensors at once on the pool; the first error in tensor order either way.
         let values = layout.method.values();
-        let (taken, bounds) = (&self.taken, &self.worker_bounds);
-        step.exec.first_err(&layout.tensors, |t, ts| {
-            // A kept bound (top-k) proves the sums finite by one read of the gradient (a sum
-            // beyond the value type saturates; the residual keeps the excess).
-            let proven = taken.get(t).is_some()
-                && bounds
-                    .get(t)
-                    .is_some_and(|b| b.proves_sums_finite(grads[t]));
-            if proven {
-                return Ok(());
-            }
-            let bad = match taken.get(t) {
-                Some(r) => gradwire_core::feedback::first_bad_sum(grads[t], r),
-                None => crate::engine::shard::first_bad(grads[t], values),
-            };
-            match bad {
-                Some(e) => Err(Error::core(&ts.name, None, e)),
-                None => Ok(()),
-            }
-        })?;
-        let fingerprint = fingerprint_at(step.config, step.step);
-        self.send.resize_with(world, Vec::new);
-        self.new_bounds.clear();
-        self.new_bounds.resize(layout.tensors.len(), 0.0);
-        for j in 0..world {
-            let msg = &mut self.send[j];
-            // Laid out over last step's bytes, overwritten: no write pass of zeros.
-            let at = shard_message::lay_out(
-                msg,
-                ENVELOPE_LEN,
-                Phase::Contribution,
-                step.step,
-                j,
-                layout.frames_of(j),
-                layout.max_frame_len(j),
+        // Without error feedback nothing changes before the messages leave, and the dense,
+        // quantization and sign encoders check every element as they write it: the gradient
+        // is read once, and a failed encode is named by the check (the same error as a check
+        // first).
+        let deferred = step.feedback.is_none()
+            && matches!(
+                layout.method,
+                Method::Dense { .. } | Method::Quant { .. } | Method::Sign { .. }
             );
-            seal_in_place(PAYLOAD, fingerprint, msg)?;
-            if layout.shard_lens[j] == 0 {
+        let check = |taken: &[Vec<f32>], bounds: &[ResidualBound]| {
+            check_worker_input(step.exec, layout, &grads, taken, bounds, values)
+        };
+        if !deferred {
+            check(&self.taken, &self.worker_bounds)?;
+        }
+        let fingerprint = fingerprint_at(step.config, step.step);
+        let mut encode = || -> Result<()> {
+            self.send.resize_with(world, Vec::new);
+            self.new_bounds.clear();
+            self.new_bounds.resize(layout.tensors.len(), 0.0);
+            for j in 0..world {
+                let msg = &mut self.send[j];
+                // Laid out over last step's bytes, overwritten: no write pass of zeros.
+                let at = shard_message::lay_out(
+                    msg,
+                    ENVELOPE_LEN,
+                    Phase::Contribution,
+                    step.step,
+                    j,
+                    layout.frames_of(j),
+                    layout.max_frame_len(j),
+                );
+                seal_in_place(PAYLOAD, fingerprint, msg)?;
+                if layout.shard_lens[j] == 0 {
+                    shard_message::finish(msg, ENVELOPE_LEN);
+                    self.made = j + 1;
+                    continue;
+                }
+                let mut parts = parts_of(layout, j, &grads, &mut self.taken);
+                let params = worker_params(layout, step, j);
+                let written = encode_parts(
+                    layout,
+                    j,
+                    &mut parts,
+                    &params,
+                    &mut self.bufs,
+                    &mut msg[at..],
+                    step.exec,
+                )?;
+                for (part, &bound) in parts.iter().zip(self.bufs.part_bounds()) {
+                    let b = &mut self.new_bounds[part.tensor];
+                    *b = b.max(bound);
+                }
+                shard_message::commit_frame(msg, at, written);
                 shard_message::finish(msg, ENVELOPE_LEN);
                 self.made = j + 1;
-                continue;
             }
-            let mut parts = parts_of(layout, j, &grads, &mut self.taken);
-            let params = worker_params(layout, step, j);
-            let written = encode_parts(
-                layout,
-                j,
-                &mut parts,
-                &params,
-                &mut self.bufs,
-                &mut msg[at..],
-                step.exec,
-            )?;
-            for (part, &bound) in parts.iter().zip(self.bufs.part_bounds()) {
-                let b = &mut self.new_bounds[part.tensor];
-                *b = b.max(bound);
-            }
-            shard_message::commit_frame(msg, at, written);
-            shard_message::finish(msg, ENVELOPE_LEN);
-            self.made = j + 1;
+            Ok(())
+        };
+        let encoded = encode();
+        if deferred && encoded.is_err() {
+            check(&self.taken, &self.worker_bounds)?;
         }
-        Ok(())
+        encoded
     }
 
     /// After a failed step: the worker's residuals take back what this rank's phase-1 frames
@@ -1076,7 +1075,7 @@ impl TwoPhase {
         )
         .map_err(own)?;
         if layout.shard_lens[me] > 0 {
-            // The W contributions added in rank order into zeros, in this rank's parts of the
+            // The W contributions summed in rank order (from zeros), in this rank's parts of the
             // output tensors (every rank overwrites them with the decoded shards in `finish`).
             let worker = worker_params(layout, step, me);
             let mut outs = step
@@ -1084,16 +1083,17 @@ impl TwoPhase {
                 .entry_slices(outs)
                 .ok_or_else(|| own(Error::internal("two-phase outputs of another layout")))?;
             let mut targets = targets_of(layout, me, &mut outs);
-            step.exec.for_each(&mut targets, |_, t| t.data.fill(0.0));
             for (rank, frames) in opened.iter_mut().enumerate() {
                 let frame = frames.next_frame().map_err(|e| bad(rank, e))?;
+                // Rank 0's values are written as the sum's first term: no pass of zeros.
+                let how = if rank == 0 { Apply::Start } else { Apply::Add };
                 apply_frame(
                     layout,
                     me,
                     frame,
                     &worker,
                     &mut targets,
-                    Apply::Add,
+                    how,
                     &mut self.bufs,
                     step.exec,
                 )
@@ -1112,12 +1112,7 @@ impl TwoPhase {
                     Reduction::Sum => {}
                     // Division by 1 is exact: one rank's mean is its sum.
                     Reduction::Mean if world == 1 => {}
-                    Reduction::Mean => {
-                        let w = world as f32;
-                        for x in target.data.iter_mut() {
-                            *x /= w;
-                        }
-                    }
+                    Reduction::Mean => divide(target.data, None, world),
                     Reduction::MajorityVote => majority(target.data, &worker.method),
                 });
             drop(targets);
@@ -1312,6 +1307,39 @@ fn lay_out_reduced(
         layout.frames_of(me),
         bound,
     )
+}
+
+/// Checks what a worker's phase-1 encode reads, before anything changes: every `g + r` (with a
+/// residual in `taken`; a kept bound in `bounds` proves them finite by one read of the
+/// gradient) or every gradient value against the method's value type (without). The tensors at
+/// once on the pool; the first error in tensor order either way.
+fn check_worker_input(
+    exec: Exec,
+    layout: &ShardLayout,
+    grads: &[&[f32]],
+    taken: &[Vec<f32>],
+    bounds: &[ResidualBound],
+    values: Option<gradwire_core::Values>,
+) -> Result<()> {
+    exec.first_err(&layout.tensors, |t, ts| {
+        // A kept bound proves the sums finite by one read of the gradient (a sum beyond the
+        // value type saturates; the residual keeps the excess).
+        let proven = taken.get(t).is_some()
+            && bounds
+                .get(t)
+                .is_some_and(|b| b.proves_sums_finite(grads[t]));
+        if proven {
+            return Ok(());
+        }
+        let bad = match taken.get(t) {
+            Some(r) => gradwire_core::feedback::first_bad_sum(grads[t], r),
+            None => crate::engine::shard::first_bad(grads[t], values),
+        };
+        match bad {
+            Some(e) => Err(Error::core(&ts.name, None, e)),
+            None => Ok(()),
+        }
+    })
 }
 
 /// Whether the owner's step of `step` keeps a server residual: with error feedback, for a mean

@@ -693,6 +693,17 @@ pub(crate) enum Apply {
     /// Writes them, per element what [`gradwire_core::decode_into`] writes (zeros where a
     /// sparse frame carries no entry).
     Write,
+    /// Writes them as the first term of a sum: per element what [`Apply::Add`] gives on
+    /// targets of zeros (`0.0 + value`: the values, with a zero always 0.0, never -0.0),
+    /// without a pass of zeros first.
+    Start,
+}
+
+/// `0.0 + x` for every element: -0.0 becomes 0.0, nothing else changes.
+fn positive_zeros(values: &mut [f32]) {
+    for x in values {
+        *x += 0.0;
+    }
 }
 
 /// Puts `frame`'s decoded values (a frame of owner `j`'s shard, checked here against `params`
@@ -721,7 +732,7 @@ pub(crate) fn apply_frame(
         bufs.values.resize(kept, 0.0);
         sparse.indices(&mut bufs.kept)?;
         sparse.values(0, &mut bufs.values)?;
-        if how == Apply::Write {
+        if how != Apply::Add {
             exec.for_each(targets, |_, target| target.data.fill(0.0));
         }
         let mut t = 0usize;
@@ -734,7 +745,7 @@ pub(crate) fn apply_frame(
                 && let Some(x) = target.data.get_mut(i.wrapping_sub(target.at))
             {
                 match how {
-                    Apply::Add => *x += v,
+                    Apply::Add | Apply::Start => *x += v,
                     Apply::Write => *x = v,
                 }
             }
@@ -747,12 +758,15 @@ pub(crate) fn apply_frame(
         match how {
             Apply::Add => {
                 gather_targets(targets, &mut bufs.chunk_x);
-                gradwire_core::accumulate_into(frame, params, &mut bufs.chunk_x, 1.0)?
+                gradwire_core::accumulate_into(frame, params, &mut bufs.chunk_x, 1.0)?;
             }
-            Apply::Write => {
+            Apply::Write | Apply::Start => {
                 bufs.chunk_x.clear();
                 bufs.chunk_x.resize(n, 0.0);
-                gradwire_core::decode_into(frame, params, &mut bufs.chunk_x)?
+                gradwire_core::decode_into(frame, params, &mut bufs.chunk_x)?;
+                if how == Apply::Start {
+                    positive_zeros(&mut bufs.chunk_x);
+                }
             }
         };
         scatter_targets(&bufs.chunk_x, targets);
@@ -775,6 +789,11 @@ pub(crate) fn apply_frame(
             match how {
                 Apply::Add => sections.accumulate(frame, start, out, 1.0)?,
                 Apply::Write => sections.decode(frame, start, out)?,
+                // The chunk is in cache after its decode.
+                Apply::Start => {
+                    sections.decode(frame, start, out)?;
+                    positive_zeros(out);
+                }
             }
         } else {
             bufs.chunk_x.clear();
@@ -789,9 +808,12 @@ pub(crate) fn apply_frame(
                     }
                     sections.accumulate(frame, start, &mut bufs.chunk_x, 1.0)?;
                 }
-                Apply::Write => {
+                Apply::Write | Apply::Start => {
                     bufs.chunk_x.resize(end - start, 0.0);
                     sections.decode(frame, start, &mut bufs.chunk_x)?;
+                    if how == Apply::Start {
+                        positive_zeros(&mut bufs.chunk_x);
+                    }
                 }
             }
             let mut from = 0usize;
