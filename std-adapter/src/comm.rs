@@ -230,6 +230,33 @@ pub trait Communicator: Send {
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError>;
 
+    /// As [`Communicator::all_to_all`], except that the buffers to send are borrowed
+    /// (`send[j]` for rank `j`) and what rank `i` sent is appended to `out[i]` (its earlier
+    /// bytes kept; `out` is first resized to `world_size()` buffers, new ones empty), so that a
+    /// message exchanged in pieces is neither copied into owned buffers to be sent nor copied
+    /// again to be put together. The default copies `send` into buffers of its own, exchanges
+    /// them with [`Communicator::all_to_all`] and appends from what it received (two more
+    /// copies); a transport overrides it to read and write in place. After an error `out` is
+    /// unspecified.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_to_all`].
+    fn all_to_all_append(
+        &mut self,
+        send: &[&[u8]],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        let owned: Vec<Vec<u8>> = send.iter().map(|b| b.to_vec()).collect();
+        let mut got = Vec::new();
+        self.all_to_all(&owned, max_len, &mut got)?;
+        out.resize_with(got.len(), Vec::new);
+        for (dst, src) in out.iter_mut().zip(&got) {
+            dst.extend_from_slice(src);
+        }
+        Ok(())
+    }
+
     /// The bytes this communicator's calls moved so far (see the module docs).
     fn traffic(&self) -> Traffic;
 
@@ -303,6 +330,15 @@ impl<C: Communicator + ?Sized> Communicator for &mut C {
         (**self).all_to_all(send, max_len, out)
     }
 
+    fn all_to_all_append(
+        &mut self,
+        send: &[&[u8]],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        (**self).all_to_all_append(send, max_len, out)
+    }
+
     fn traffic(&self) -> Traffic {
         (**self).traffic()
     }
@@ -350,6 +386,15 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
         (**self).all_to_all(send, max_len, out)
+    }
+
+    fn all_to_all_append(
+        &mut self,
+        send: &[&[u8]],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        (**self).all_to_all_append(send, max_len, out)
     }
 
     fn traffic(&self) -> Traffic {

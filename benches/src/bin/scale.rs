@@ -659,6 +659,16 @@ impl Communicator for Recording {
         self.inner.all_to_all(send, max_len, out)
     }
 
+    fn all_to_all_append(
+        &mut self,
+        send: &[&[u8]],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        self.note(send.iter().map(|b| b.len()).max().unwrap_or(0));
+        self.inner.all_to_all_append(send, max_len, out)
+    }
+
     fn traffic(&self) -> Traffic {
         self.inner.traffic()
     }

@@ -486,6 +486,38 @@ impl Communicator for LocalCommunicator {
         Ok(())
     }
 
+    /// Appends each rank's post for this rank straight to `out[r]`, as
+    /// [`LocalCommunicator::all_to_all`] copies it, and posts the borrowed buffers: no buffers
+    /// of its own.
+    fn all_to_all_append(
+        &mut self,
+        send: &[&[u8]],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        let (w, me) = (self.shared.world_size, self.rank);
+        let received = self.round_with(Op::AllToAll, max_len, send, |posts| {
+            out.resize_with(w, Vec::new);
+            let mut received = 0;
+            for (src, (dst, post)) in out.iter_mut().zip(posts).enumerate() {
+                dst.extend_from_slice(post);
+                if src != me {
+                    received += post.len();
+                }
+            }
+            Ok(received)
+        })?;
+        let peers = w.saturating_sub(1);
+        let sent: usize = send
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != me)
+            .map(|(_, b)| b.len())
+            .sum();
+        self.traffic.add(sent, received, peers);
+        Ok(())
+    }
+
     fn traffic(&self) -> Traffic {
         self.traffic
     }

@@ -264,6 +264,148 @@ impl MpiCommunicator {
         self.universe
     }
 
+    /// The all-to-all of [`Communicator::all_to_all`] over borrowed buffers; what arrives is
+    /// appended to `out` (`append`) or replaces it.
+    fn exchange(
+        &mut self,
+        send: &[&[u8]],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+        append: bool,
+    ) -> Result<(), CommError> {
+        self.check_thread("all_to_all");
+        self.round = self.round.wrapping_add(1);
+        let waiter = self.waiter("all_to_all", Instant::now());
+        let world = self.universe.world();
+        let (w, me) = (self.world_size, self.rank);
+        let pairs = w
+            .checked_mul(2)
+            .filter(|&n| Count::try_from(n).is_ok())
+            .ok_or_else(|| CommError::Transport(format!("world size {w} is too large")))?;
+        // 1. (length, limit) to every rank: a wrong number of buffers is sent as lengths of
+        // u64::MAX, which every receiver refuses, so that every rank fails alike.
+        let mut mine = vec![0u64; pairs];
+        for j in 0..w {
+            let len = if send.len() == w {
+                to_u64(send[j].len())
+            } else {
+                u64::MAX
+            };
+            mine[2 * j] = len;
+            mine[2 * j + 1] = to_u64(max_len);
+        }
+        let mut theirs = vec![0u64; pairs];
+        ::mpi::request::scope(|scope| {
+            waiter.wait(world.immediate_all_to_all_into(scope, &mine[..], &mut theirs[..]));
+        });
+        // 2. Each receiver's verdict on what it will receive, gathered, so that every rank
+        // returns the first receiver's error.
+        let as_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let column =
+            check_lengths((0..w).map(|i| (as_usize(theirs[2 * i]), as_usize(theirs[2 * i + 1]))));
+        let recv_total: u64 = (0..w).map(|i| theirs[2 * i]).fold(0, u64::saturating_add);
+        let send_total: u64 = (0..w).map(|j| mine[2 * j]).fold(0, u64::saturating_add);
+        let verdict: [u64; 5] = match &column {
+            Ok(()) if recv_total > i32::MAX as u64 || send_total > i32::MAX as u64 => {
+                [3, me as u64, recv_total.max(send_total), i32::MAX as u64, 0]
+            }
+            Ok(()) => [0; 5],
+            Err(CommError::TooLarge { rank, len, limit }) => {
+                [1, *rank as u64, *len as u64, *limit as u64, 0]
+            }
+            Err(CommError::LimitsDiffer {
+                rank,
+                len,
+                limit,
+                limit_rank,
+            }) => [
+                2,
+                *rank as u64,
+                *len as u64,
+                *limit as u64,
+                *limit_rank as u64,
+            ],
+            Err(_) => [3, me as u64, 0, 0, 0],
+        };
+        let mut verdicts = vec![0u64; 5 * w];
+        ::mpi::request::scope(|scope| {
+            waiter.wait(world.immediate_all_gather_into(scope, &verdict[..], &mut verdicts[..]));
+        });
+        if let Some(v) = verdicts.chunks_exact(5).find(|v| v[0] != 0) {
+            let u = as_usize;
+            return Err(match v[0] {
+                1 => CommError::TooLarge {
+                    rank: u(v[1]),
+                    len: u(v[2]),
+                    limit: u(v[3]),
+                },
+                2 => CommError::LimitsDiffer {
+                    rank: u(v[1]),
+                    len: u(v[2]),
+                    limit: u(v[3]),
+                    limit_rank: u(v[4]),
+                },
+                _ => CommError::Transport(format!(
+                    "all_to_all: rank {} would move {} bytes, more than one MPI_Alltoallv \
+                     (i32 counts) holds",
+                    v[1], v[2]
+                )),
+            });
+        }
+        // 3. The data.
+        let mut send_counts = Vec::with_capacity(w);
+        let mut send_displs = Vec::with_capacity(w);
+        let mut recv_counts = Vec::with_capacity(w);
+        let mut recv_displs = Vec::with_capacity(w);
+        let (mut at_s, mut at_r) = (0usize, 0usize);
+        for j in 0..w {
+            let (sl, rl) = (send[j].len(), as_usize(theirs[2 * j]));
+            send_counts.push(to_count(sl)?);
+            send_displs.push(to_count(at_s)?);
+            recv_counts.push(to_count(rl)?);
+            recv_displs.push(to_count(at_r)?);
+            at_s += sl;
+            at_r += rl;
+        }
+        let mut packed = Vec::with_capacity(at_s);
+        for buf in send {
+            packed.extend_from_slice(buf);
+        }
+        if self.staging.len() < at_r {
+            self.staging.resize(at_r, 0);
+        }
+        {
+            let partition = Partition::new(&packed[..], &send_counts[..], &send_displs[..]);
+            let mut received = PartitionMut::new(
+                &mut self.staging[..at_r],
+                &recv_counts[..],
+                &recv_displs[..],
+            );
+            ::mpi::request::scope(|scope| {
+                waiter.wait(world.immediate_all_to_all_varcount_into(
+                    scope,
+                    &partition,
+                    &mut received,
+                ));
+            });
+        }
+        if append {
+            out.resize_with(w, Vec::new);
+        } else {
+            reset_out(out, w);
+        }
+        let mut at = 0usize;
+        for (i, buf) in out.iter_mut().enumerate() {
+            let len = as_usize(theirs[2 * i]);
+            buf.extend_from_slice(&self.staging[at..at + len]);
+            at += len;
+        }
+        let sent = at_s - send[me].len();
+        let received = at_r - as_usize(theirs[2 * me]);
+        self.traffic.add(sent, received, w - 1);
+        Ok(())
+    }
+
     /// Ends the job when called on a thread MPI does not support: this rank alone failing
     /// would leave its peers waiting in the collective.
     fn check_thread(&self, what: &str) {
@@ -638,133 +780,18 @@ impl Communicator for MpiCommunicator {
         max_len: usize,
         out: &mut Vec<Vec<u8>>,
     ) -> Result<(), CommError> {
-        self.check_thread("all_to_all");
-        self.round = self.round.wrapping_add(1);
-        let waiter = self.waiter("all_to_all", Instant::now());
-        let world = self.universe.world();
-        let (w, me) = (self.world_size, self.rank);
-        let pairs = w
-            .checked_mul(2)
-            .filter(|&n| Count::try_from(n).is_ok())
-            .ok_or_else(|| CommError::Transport(format!("world size {w} is too large")))?;
-        // 1. (length, limit) to every rank: a wrong number of buffers is sent as lengths of
-        // u64::MAX, which every receiver refuses, so that every rank fails alike.
-        let mut mine = vec![0u64; pairs];
-        for j in 0..w {
-            let len = if send.len() == w {
-                to_u64(send[j].len())
-            } else {
-                u64::MAX
-            };
-            mine[2 * j] = len;
-            mine[2 * j + 1] = to_u64(max_len);
-        }
-        let mut theirs = vec![0u64; pairs];
-        ::mpi::request::scope(|scope| {
-            waiter.wait(world.immediate_all_to_all_into(scope, &mine[..], &mut theirs[..]));
-        });
-        // 2. Each receiver's verdict on what it will receive, gathered, so that every rank
-        // returns the first receiver's error.
-        let as_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-        let column =
-            check_lengths((0..w).map(|i| (as_usize(theirs[2 * i]), as_usize(theirs[2 * i + 1]))));
-        let recv_total: u64 = (0..w).map(|i| theirs[2 * i]).fold(0, u64::saturating_add);
-        let send_total: u64 = (0..w).map(|j| mine[2 * j]).fold(0, u64::saturating_add);
-        let verdict: [u64; 5] = match &column {
-            Ok(()) if recv_total > i32::MAX as u64 || send_total > i32::MAX as u64 => {
-                [3, me as u64, recv_total.max(send_total), i32::MAX as u64, 0]
-            }
-            Ok(()) => [0; 5],
-            Err(CommError::TooLarge { rank, len, limit }) => {
-                [1, *rank as u64, *len as u64, *limit as u64, 0]
-            }
-            Err(CommError::LimitsDiffer {
-                rank,
-                len,
-                limit,
-                limit_rank,
-            }) => [
-                2,
-                *rank as u64,
-                *len as u64,
-                *limit as u64,
-                *limit_rank as u64,
-            ],
-            Err(_) => [3, me as u64, 0, 0, 0],
-        };
-        let mut verdicts = vec![0u64; 5 * w];
-        ::mpi::request::scope(|scope| {
-            waiter.wait(world.immediate_all_gather_into(scope, &verdict[..], &mut verdicts[..]));
-        });
-        if let Some(v) = verdicts.chunks_exact(5).find(|v| v[0] != 0) {
-            let u = as_usize;
-            return Err(match v[0] {
-                1 => CommError::TooLarge {
-                    rank: u(v[1]),
-                    len: u(v[2]),
-                    limit: u(v[3]),
-                },
-                2 => CommError::LimitsDiffer {
-                    rank: u(v[1]),
-                    len: u(v[2]),
-                    limit: u(v[3]),
-                    limit_rank: u(v[4]),
-                },
-                _ => CommError::Transport(format!(
-                    "all_to_all: rank {} would move {} bytes, more than one MPI_Alltoallv \
-                     (i32 counts) holds",
-                    v[1], v[2]
-                )),
-            });
-        }
-        // 3. The data.
-        let mut send_counts = Vec::with_capacity(w);
-        let mut send_displs = Vec::with_capacity(w);
-        let mut recv_counts = Vec::with_capacity(w);
-        let mut recv_displs = Vec::with_capacity(w);
-        let (mut at_s, mut at_r) = (0usize, 0usize);
-        for j in 0..w {
-            let (sl, rl) = (send[j].len(), as_usize(theirs[2 * j]));
-            send_counts.push(to_count(sl)?);
-            send_displs.push(to_count(at_s)?);
-            recv_counts.push(to_count(rl)?);
-            recv_displs.push(to_count(at_r)?);
-            at_s += sl;
-            at_r += rl;
-        }
-        let mut packed = Vec::with_capacity(at_s);
-        for buf in send {
-            packed.extend_from_slice(buf);
-        }
-        if self.staging.len() < at_r {
-            self.staging.resize(at_r, 0);
-        }
-        {
-            let partition = Partition::new(&packed[..], &send_counts[..], &send_displs[..]);
-            let mut received = PartitionMut::new(
-                &mut self.staging[..at_r],
-                &recv_counts[..],
-                &recv_displs[..],
-            );
-            ::mpi::request::scope(|scope| {
-                waiter.wait(world.immediate_all_to_all_varcount_into(
-                    scope,
-                    &partition,
-                    &mut received,
-                ));
-            });
-        }
-        reset_out(out, w);
-        let mut at = 0usize;
-        for (i, buf) in out.iter_mut().enumerate() {
-            let len = as_usize(theirs[2 * i]);
-            buf.extend_from_slice(&self.staging[at..at + len]);
-            at += len;
-        }
-        let sent = at_s - send[me].len();
-        let received = at_r - as_usize(theirs[2 * me]);
-        self.traffic.add(sent, received, w - 1);
-        Ok(())
+        let send: Vec<&[u8]> = send.iter().map(Vec::as_slice).collect();
+        self.exchange(&send, max_len, out, false)
+    }
+
+    /// Sends the borrowed buffers and appends what arrives (no copy into owned buffers first).
+    fn all_to_all_append(
+        &mut self,
+        send: &[&[u8]],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), CommError> {
+        self.exchange(send, max_len, out, true)
     }
 
     fn traffic(&self) -> Traffic {

@@ -29,9 +29,9 @@
 //! compare), at least [`MIN_WINDOW`] bytes (a smaller one is raised to it), so that a failure's
 //! envelope and the headers always fit one window. A window's length is fixed by the totals,
 //! so every receiver knows what each round must bring; a peer that sends another length is
-//! named ([`CommError::Transport`]). The all-gather's
-//! windows are appended to the messages in place ([`Communicator::all_gather_append`]); the
-//! all-to-all keeps one window per rank received and one per rank sent, between calls.
+//! named ([`CommError::Transport`]). The windows are slices of the messages sent, appended in
+//! place to the messages received ([`Communicator::all_gather_append`],
+//! [`Communicator::all_to_all_append`]): no window is copied into a buffer of this module's.
 
 use super::{CommError, Communicator, check_lengths};
 
@@ -58,10 +58,6 @@ fn reserve(msg: &mut Vec<u8>, more: usize, sender: usize) -> Result<(), CommErro
 /// Buffers of windowed calls, kept between calls so that a steady-state step allocates nothing.
 #[derive(Debug, Default)]
 pub(crate) struct Windows {
-    /// The windows received in one all-to-all round, one per rank.
-    received: Vec<Vec<u8>>,
-    /// The windows sent in one all-to-all round, one per rank.
-    sent: Vec<Vec<u8>>,
     /// This rank's header.
     header: Vec<u8>,
     /// Every rank's header.
@@ -332,33 +328,37 @@ impl Windows {
             // Within the group's smallest limit, at most this rank's own `max_len`.
             reserve(msg, self.totals[s * w + me], s)?;
         }
-        self.sent.truncate(w);
-        self.sent.resize_with(w, Vec::new);
         let rounds = self
             .totals
             .iter()
             .map(|t| t.div_ceil(chunk))
             .max()
             .unwrap_or(0);
+        // Each round sends slices of the messages and appends what arrives to each message:
+        // neither side copies a window into a buffer of its own.
+        let mut windows: Vec<&[u8]> = Vec::with_capacity(w);
         for round in 0..rounds {
             let from = round * chunk;
-            for (window, buf) in self.sent.iter_mut().zip(send) {
-                window.clear();
-                window.extend_from_slice(buf.get(from..buf.len().min(from + chunk)).unwrap_or(&[]));
-            }
-            comm.all_to_all(&self.sent, chunk, &mut self.received)?;
-            if self.received.len() != w {
+            windows.clear();
+            windows.extend(
+                send.iter()
+                    .map(|buf| buf.get(from..buf.len().min(from + chunk)).unwrap_or(&[])),
+            );
+            self.lens.clear();
+            self.lens.extend(out.iter().map(Vec::len));
+            comm.all_to_all_append(&windows, chunk, out)?;
+            if out.len() != w {
                 return Err(CommError::Transport(format!(
                     "a window round received {} buffers in a group of {w}",
-                    self.received.len()
+                    out.len()
                 )));
             }
-            for (s, (window, msg)) in self.received.iter().zip(out.iter_mut()).enumerate() {
+            for (s, (msg, &before)) in out.iter().zip(&self.lens).enumerate() {
                 let due = self.totals[s * w + me].saturating_sub(from).min(chunk);
-                if window.len() != due {
-                    return Err(window_error(s, window.len(), due));
+                let got = msg.len().saturating_sub(before);
+                if got != due {
+                    return Err(window_error(s, got, due));
                 }
-                msg.extend_from_slice(window);
             }
         }
         Ok(())

@@ -61,6 +61,50 @@ fn all_to_all_case<C: Communicator>(
     Ok(())
 }
 
+/// As [`all_to_all_case`] through `all_to_all_append`: borrowed buffers sent, each one received
+/// appended after the bytes already in its output buffer, and the traffic of an `all_to_all`.
+fn all_to_all_append_case<C: Communicator>(
+    comm: &mut C,
+    case: usize,
+    len: impl Fn(usize, usize) -> usize,
+) -> Result<(), String> {
+    let (w, me) = (comm.world_size(), comm.rank());
+    let send: Vec<Vec<u8>> = (0..w)
+        .map(|dst| message(case, me, dst, len(me, dst)))
+        .collect();
+    let slices: Vec<&[u8]> = send.iter().map(Vec::as_slice).collect();
+    let prefix = |src: usize| vec![0xa5u8; src + 1];
+    let mut out: Vec<Vec<u8>> = (0..w).map(prefix).collect();
+    let before = comm.traffic();
+    comm.all_to_all_append(&slices, 1 << 20, &mut out)
+        .map_err(|e| format!("all_to_all_append case {case}: {e}"))?;
+    let appended = comm.traffic().since(before);
+    if out.len() != w {
+        return Err(format!(
+            "all_to_all_append case {case}: {} buffers",
+            out.len()
+        ));
+    }
+    for (src, got) in out.iter().enumerate() {
+        let mut want = prefix(src);
+        want.extend(message(case, src, me, len(src, me)));
+        if *got != want {
+            return Err(format!(
+                "all_to_all_append case {case}: wrong bytes from rank {src}"
+            ));
+        }
+    }
+    let before = comm.traffic();
+    all_to_all_case(comm, case, len)?;
+    if comm.traffic().since(before) != appended {
+        return Err(format!(
+            "all_to_all_append case {case}: traffic {appended:?}, all_to_all's {:?}",
+            comm.traffic().since(before)
+        ));
+    }
+    Ok(())
+}
+
 /// Every check; `Err` names the first that failed.
 pub fn run_all<C: Communicator>(comm: &mut C) -> Result<(), String> {
     let (w, me) = (comm.world_size(), comm.rank());
@@ -105,6 +149,8 @@ pub fn run_all<C: Communicator>(comm: &mut C) -> Result<(), String> {
         other => return Err(format!("all_to_all too large: {other:?}")),
     }
     all_to_all_case(comm, 4, |s, d| s + d + 1)?;
+    all_to_all_append_case(comm, 10, |s, d| 7 * s + 3 * d + 1)?;
+    all_to_all_append_case(comm, 11, |s, _| if s == 0 { 0 } else { 40 })?;
     // The last rank passes one element more: every rank fails alike, and the group stays
     // usable for the sums below.
     let mut x = vec![1.0f32; 10 + usize::from(me == w - 1)];
