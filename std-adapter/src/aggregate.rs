@@ -123,10 +123,12 @@ const FINISH_CHUNK: usize = 4096;
 
 /// Applies the reduction to the sum in `out`; the index of the first element that is not
 /// finite (finite contributions whose f32 sum overflows; a majority vote never has one). A zero
-/// of the sum comes out as 0.0, never -0.0 (a sum started from 0.0 has no -0.0; a chunked sum
-/// that writes its first contribution may, [`Split::accumulate`]).
+/// of the sum is taken as 0.0, never -0.0 (a sum started from 0.0 has no -0.0; a chunked sum
+/// that writes its first contribution may, [`Split::accumulate`]); a negative mean that rounds
+/// to zero is -0.0, as the division gives it.
 fn finish(out: &mut [f32], reduction: Reduction, count: usize, method: &Method) -> Option<usize> {
-    // `+ 0.0` turns -0.0 into 0.0 and changes nothing else.
+    // `+ 0.0` turns -0.0 into 0.0 and changes nothing else; it comes before the division, as
+    // in a sum from zeros: a negative mean that rounds to zero stays -0.0.
     match reduction {
         Reduction::Sum => map_then_check(out, |x| x + 0.0),
         Reduction::Mean => {
@@ -134,9 +136,9 @@ fn finish(out: &mut [f32], reduction: Reduction, count: usize, method: &Method) 
             if count.is_power_of_two() {
                 // The same bits as dividing, at a multiplication's cost (see `divide`).
                 let inverse = 1.0 / w;
-                map_then_check(out, |x| x * inverse + 0.0)
+                map_then_check(out, |x| (x + 0.0) * inverse)
             } else {
-                map_then_check(out, |x| x / w + 0.0)
+                map_then_check(out, |x| (x + 0.0) / w)
             }
         }
         Reduction::MajorityVote => {

@@ -232,7 +232,7 @@ pub trait Communicator: Send {
 
     /// As [`Communicator::all_to_all`], except that the buffers to send are borrowed
     /// (`send[j]` for rank `j`) and what rank `i` sent is appended to `out[i]` (its earlier
-    /// bytes kept; `out` is first resized to `world_size()` buffers, new ones empty), so that a
+    /// bytes kept; `out` is resized to `world_size()` buffers, new ones empty), so that a
     /// message exchanged in pieces is neither copied into owned buffers to be sent nor copied
     /// again to be put together. The default copies `send` into buffers of its own, exchanges
     /// them with [`Communicator::all_to_all`] and appends from what it received (two more

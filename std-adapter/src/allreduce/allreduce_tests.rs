@@ -315,8 +315,8 @@ fn an_all_gather_overflow_names_the_element_and_zeroes_the_outputs() {
 /// A large dense, quantization or sign entry is summed chunk by chunk, each chunk taking the
 /// first rank's values as they are (on the all-gather; at the owner of each shard on the
 /// two-phase collective): a zero of the result is still 0.0, never -0.0, as in a sum started
-/// from 0.0 (here every rank sends -0.0 at even indices), on one rank and on three, summed and
-/// averaged, serial and pooled; the other coordinates are the exact sums.
+/// from 0.0 (here every rank sends -0.0 at even indices), on one, two and three ranks, summed
+/// and averaged, serial and pooled; the other coordinates are the exact sums.
 #[test]
 fn zeros_of_a_chunked_sum_are_positive() {
     // bf16: dense f32 takes the f32 all-reduce, which sums without frames.
@@ -324,7 +324,7 @@ fn zeros_of_a_chunked_sum_are_positive() {
         values: gradwire::core::Values::Bf16,
     };
     let n = 140_000; // above the size from which an entry is summed in chunks (131,072)
-    let runs = [1usize, 3].into_iter().flat_map(|w| {
+    let runs = [1usize, 2, 3].into_iter().flat_map(|w| {
         [Collective::AllGather, Collective::TwoPhase]
             .into_iter()
             .map(move |c| (w, c))
@@ -366,6 +366,44 @@ fn zeros_of_a_chunked_sum_are_positive() {
                     });
                     assert_eq!(wrong, None, "{what}: a coordinate other than its sum");
                 }
+            }
+        }
+    }
+}
+
+/// A mean that rounds to zero from below is -0.0, as dividing the sum gives it (review finding:
+/// taking -0.0 to 0.0 after the division made it 0.0): rank 0 sends the smallest negative
+/// subnormal, the others 0.0; at W = 2, 3 and 4 (multiplied by the inverse at 2 and 4), on
+/// both collectives.
+#[test]
+fn a_negative_mean_that_rounds_to_zero_stays_negative_zero() {
+    let keep_all = gradwire::core::Method::TopK {
+        k: gradwire::core::K::Ratio(1.0),
+        values: gradwire::core::Values::F32,
+    };
+    let n = 140_000;
+    let tiny = f32::from_bits(0x8000_0001);
+    for w in [2usize, 3, 4] {
+        for collective in [Collective::AllGather, Collective::TwoPhase] {
+            let results = on_every_rank(w, move |comm| {
+                let rank = comm.rank();
+                let mut ar = CompressedAllReduce::with_communicator(
+                    CompressionMethod::Core(keep_all),
+                    Box::new(comm),
+                )
+                .with_collective(collective)
+                .with_parallelism(Parallelism::Serial);
+                let mut g = vec![1.0f32; n];
+                g[7] = if rank == 0 { tiny } else { 0.0 };
+                let mut out = HashMap::new();
+                ar.all_reduce_into(&grads(&[("big", &[n], g)]), &mut out)
+                    .map(|()| (out["big"].data()[7].to_bits(), out["big"].data()[8]))
+            });
+            for (rank, got) in results.into_iter().enumerate() {
+                let what = format!("W = {w}, {collective:?}, rank {rank}");
+                let (bits, other) = got.unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(bits, 0x8000_0000, "{what}: the mean's bits");
+                assert_eq!(other, 1.0, "{what}: another coordinate");
             }
         }
     }

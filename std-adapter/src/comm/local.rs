@@ -486,9 +486,9 @@ impl Communicator for LocalCommunicator {
         Ok(())
     }
 
-    /// Appends each rank's post for this rank straight to `out[r]`, as
-    /// [`LocalCommunicator::all_to_all`] copies it, and posts the borrowed buffers: no buffers
-    /// of its own.
+    /// Stages the borrowed buffers in this rank's posts (the one copy every call makes) and
+    /// appends each rank's post for this rank straight to `out[r]`, as
+    /// [`LocalCommunicator::all_to_all`] copies it: no other buffers.
     fn all_to_all_append(
         &mut self,
         send: &[&[u8]],

@@ -55,7 +55,11 @@ fn reserve(msg: &mut Vec<u8>, more: usize, sender: usize) -> Result<(), CommErro
     })
 }
 
-/// Buffers of windowed calls, kept between calls so that a steady-state step allocates nothing.
+/// Ranks up to which [`Windows::all_to_all`] keeps its list of window slices on the stack.
+const STACK_WINDOWS: usize = 16;
+
+/// Buffers of windowed calls, kept between calls so that a steady-state step allocates nothing
+/// (but, above [`STACK_WINDOWS`] ranks, a list of `W` slices per all-to-all).
 #[derive(Debug, Default)]
 pub(crate) struct Windows {
     /// This rank's header.
@@ -335,18 +339,24 @@ impl Windows {
             .max()
             .unwrap_or(0);
         // Each round sends slices of the messages and appends what arrives to each message:
-        // neither side copies a window into a buffer of its own.
-        let mut windows: Vec<&[u8]> = Vec::with_capacity(w);
+        // neither side copies a window into a buffer of its own. The list of slices lives on
+        // the stack up to `STACK_WINDOWS` ranks (a list on the heap per call above).
+        let mut on_stack: [&[u8]; STACK_WINDOWS] = [&[]; STACK_WINDOWS];
+        let mut on_heap: Vec<&[u8]> = Vec::new();
+        let windows: &mut [&[u8]] = if w <= STACK_WINDOWS {
+            &mut on_stack[..w]
+        } else {
+            on_heap.resize(w, &[]);
+            &mut on_heap
+        };
         for round in 0..rounds {
             let from = round * chunk;
-            windows.clear();
-            windows.extend(
-                send.iter()
-                    .map(|buf| buf.get(from..buf.len().min(from + chunk)).unwrap_or(&[])),
-            );
+            for (window, buf) in windows.iter_mut().zip(send) {
+                *window = buf.get(from..buf.len().min(from + chunk)).unwrap_or(&[]);
+            }
             self.lens.clear();
             self.lens.extend(out.iter().map(Vec::len));
-            comm.all_to_all_append(&windows, chunk, out)?;
+            comm.all_to_all_append(windows, chunk, out)?;
             if out.len() != w {
                 return Err(CommError::Transport(format!(
                     "a window round received {} buffers in a group of {w}",
