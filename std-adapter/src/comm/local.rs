@@ -452,15 +452,7 @@ impl Communicator for LocalCommunicator {
     ) -> Result<(), CommError> {
         let (w, me) = (self.shared.world_size, self.rank);
         let received = self.round_with(Op::AllGather, max_len, &[local], |posts| {
-            out.resize_with(w, Vec::new);
-            let mut received = 0;
-            for (src, (dst, post)) in out.iter_mut().zip(posts).enumerate() {
-                dst.extend_from_slice(post);
-                if src != me {
-                    received += post.len();
-                }
-            }
-            Ok(received)
+            Ok(append_posts(out, posts, w, me))
         })?;
         let peers = w.saturating_sub(1);
         self.traffic.add(local.len() * peers, received, peers);
@@ -497,15 +489,7 @@ impl Communicator for LocalCommunicator {
     ) -> Result<(), CommError> {
         let (w, me) = (self.shared.world_size, self.rank);
         let received = self.round_with(Op::AllToAll, max_len, send, |posts| {
-            out.resize_with(w, Vec::new);
-            let mut received = 0;
-            for (src, (dst, post)) in out.iter_mut().zip(posts).enumerate() {
-                dst.extend_from_slice(post);
-                if src != me {
-                    received += post.len();
-                }
-            }
-            Ok(received)
+            Ok(append_posts(out, posts, w, me))
         })?;
         let peers = w.saturating_sub(1);
         let sent: usize = send
@@ -626,4 +610,18 @@ impl Drop for LocalCommunicator {
         }
         self.shared.changed.notify_all();
     }
+}
+
+/// Appends each rank's post (for this rank, `me` of `w`) to `out[r]`, `out` resized to `w`
+/// buffers first; returns the bytes that came from peers.
+fn append_posts(out: &mut Vec<Vec<u8>>, posts: &[Arc<Vec<u8>>], w: usize, me: usize) -> usize {
+    out.resize_with(w, Vec::new);
+    let mut received = 0;
+    for (src, (dst, post)) in out.iter_mut().zip(posts).enumerate() {
+        dst.extend_from_slice(post);
+        if src != me {
+            received += post.len();
+        }
+    }
+    received
 }

@@ -195,20 +195,7 @@ mod tests {
                         assert_eq!(bound, measured, "{what}, step {step} `{name}`: bound");
                     }
                 }
-                // All or nothing: "a" passes the bound's check, "b" has a NaN.
-                let before = fb.clone();
-                let a: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
-                let mut b = a.clone();
-                b[n - 1] = f32::NAN;
-                let mut calls = 0;
-                let err = fb
-                    .step_with([("a", &a[..]), ("b", &b[..])], |_, _| calls += 1)
-                    .unwrap_err();
-                assert!(
-                    matches!(&err, Error::Core { tensor, source: gradwire_core::Error::NonFinite { index }, .. } if tensor == "b" && *index == n - 1),
-                    "{what}: {err}"
-                );
-                assert_eq!((calls, &fb), (0, &before), "{what}");
+                a_nan_changes_nothing(&mut fb, &mut rng, n, &what);
             }
         }
     }
@@ -271,7 +258,12 @@ mod tests {
                 _ => {}
             }
         }
-        // All or nothing: "a" passes the bound's check, "b" has a NaN.
+        a_nan_changes_nothing(&mut fb, &mut rng, n, "top-k");
+    }
+
+    /// All or nothing: a step of "a" (passing the bound's check) and "b" (a NaN in its last
+    /// element) fails naming "b", hands out no frame and changes nothing.
+    fn a_nan_changes_nothing(fb: &mut ErrorFeedback, rng: &mut Rng, n: usize, what: &str) {
         let before = fb.clone();
         let a: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
         let mut b = a.clone();
@@ -282,8 +274,8 @@ mod tests {
             .unwrap_err();
         assert!(
             matches!(&err, Error::Core { tensor, source: gradwire_core::Error::NonFinite { index }, .. } if tensor == "b" && *index == n - 1),
-            "{err}"
+            "{what}: {err}"
         );
-        assert_eq!((calls, &fb), (0, &before));
+        assert_eq!((calls, &*fb), (0, &before), "{what}");
     }
 }

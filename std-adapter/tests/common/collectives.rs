@@ -35,6 +35,18 @@ pub fn rank_order_sum(case: usize, w: usize, n: usize) -> Vec<f32> {
     sum
 }
 
+/// What rank `me` of `w` sends each rank in all-to-all case `case`.
+fn messages_of(
+    case: usize,
+    w: usize,
+    me: usize,
+    len: &impl Fn(usize, usize) -> usize,
+) -> Vec<Vec<u8>> {
+    (0..w)
+        .map(|dst| message(case, me, dst, len(me, dst)))
+        .collect()
+}
+
 /// One all-to-all of `len(src, dst)` bytes from every `src` to every `dst`, checked.
 fn all_to_all_case<C: Communicator>(
     comm: &mut C,
@@ -42,9 +54,7 @@ fn all_to_all_case<C: Communicator>(
     len: impl Fn(usize, usize) -> usize,
 ) -> Result<(), String> {
     let (w, me) = (comm.world_size(), comm.rank());
-    let send: Vec<Vec<u8>> = (0..w)
-        .map(|dst| message(case, me, dst, len(me, dst)))
-        .collect();
+    let send = messages_of(case, w, me, &len);
     let mut out = Vec::new();
     comm.all_to_all(&send, 1 << 20, &mut out)
         .map_err(|e| format!("all_to_all case {case}: {e}"))?;
@@ -69,9 +79,7 @@ fn all_to_all_append_case<C: Communicator>(
     len: impl Fn(usize, usize) -> usize,
 ) -> Result<(), String> {
     let (w, me) = (comm.world_size(), comm.rank());
-    let send: Vec<Vec<u8>> = (0..w)
-        .map(|dst| message(case, me, dst, len(me, dst)))
-        .collect();
+    let send = messages_of(case, w, me, &len);
     let slices: Vec<&[u8]> = send.iter().map(Vec::as_slice).collect();
     let prefix = |src: usize| vec![0xa5u8; src + 1];
     let mut out: Vec<Vec<u8>> = (0..w).map(prefix).collect();
