@@ -329,14 +329,15 @@ fn sections_refuse_what_they_cannot_cut() {
             param: Param::Method
         })
     );
-    let short = sec.frame_len() - 1;
+    let short = sec.header_len() - 1;
     assert_eq!(
         sec.write_header(&mut frame[..short]),
         Err(Error::BufferTooSmall {
-            needed: sec.frame_len(),
+            needed: sec.header_len(),
             got: short
         })
     );
+    let short = sec.frame_len() - 1;
     assert!(sec.pieces_mut(&mut frame[..short], 0, 6).is_err());
     assert!(sec.finish(&mut frame[..short], None).is_err());
 }
@@ -462,6 +463,102 @@ fn chunks_check_exactly_when_validate_passes() {
             })
         );
     }
+}
+
+/// A frame decoded from its pieces as its bytes arrive: the scales section checked first
+/// (`check_scales`), then the body's pieces in element order (`decode_pieces`, the first piece
+/// written, the others added).
+fn decode_by_pieces(
+    sec: &Sections,
+    frame: &[u8],
+    cuts: &[usize],
+    out: &mut [f32],
+) -> Result<(), Error> {
+    let (scales, _) = sec.ranges(0, sec.n())?;
+    sec.check_scales(&frame[scales.clone()])?;
+    for (i, w) in cuts.windows(2).enumerate() {
+        let (_, body) = sec.ranges(w[0], w[1])?;
+        let weight = (i % 2 == 1).then_some(1.0);
+        sec.decode_pieces(
+            &frame[scales.clone()],
+            w[0],
+            &frame[body],
+            &mut out[w[0]..w[1]],
+            weight,
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn pieces_in_byte_order_decode_as_the_frame_and_name_the_fault_validate_names() {
+    let mut d = Data(14);
+    for method in shaped_methods() {
+        let p = params(method);
+        for n in [0, 7, 150, 1001] {
+            let frame = whole_frame(&grads(&mut d, n), &p).unwrap();
+            let sec = Sections::of(n, &method).unwrap();
+            let plan = cuts(n, sec.align(), 5, &mut d);
+            // Pieces written and added (to zeros) alternately: the whole frame's values.
+            let mut want = vec![0.0f32; n];
+            decode_into(&frame, &p, &mut want).unwrap();
+            let mut got = vec![0.0f32; n];
+            decode_by_pieces(&sec, &frame, &plan, &mut got).unwrap();
+            for (i, w) in plan.windows(2).enumerate() {
+                if i % 2 == 1 {
+                    let added: Vec<f32> = want[w[0]..w[1]].iter().map(|x| 0.0 + x).collect();
+                    assert!(same_bits(&got[w[0]..w[1]], &added), "{method:?} n {n}");
+                } else {
+                    assert!(same_bits(&got[w[0]..w[1]], &want[w[0]..w[1]]), "{method:?}");
+                }
+            }
+            if n != 150 {
+                continue;
+            }
+            let (s, _) = sec.ranges(0, n).unwrap();
+            for at in s.start..sec.checksummed_len() {
+                for bit in [0, 3, 6, 7] {
+                    let mut bad = frame.clone();
+                    bad[at] ^= 1 << bit;
+                    fix_crc(&mut bad);
+                    let whole = validate(&bad, &p, n).map(|_| ());
+                    let mut out = vec![0.0f32; n];
+                    let pieces = decode_by_pieces(&sec, &bad, &plan, &mut out);
+                    assert_eq!(pieces, whole, "{method:?} byte {at} bit {bit}");
+                }
+            }
+        }
+        // Pieces of another length are refused.
+        let n = 150;
+        let frame = whole_frame(&grads(&mut d, n), &p).unwrap();
+        let (scales, body) = sec_ranges(&method, n);
+        let sec = Sections::of(n, &method).unwrap();
+        let mut out = vec![0.0f32; n];
+        let short = &frame[body.start..body.end - 1];
+        assert_eq!(
+            sec.decode_pieces(&frame[scales.clone()], 0, short, &mut out, None),
+            Err(Error::Truncated {
+                needed: body.len(),
+                got: body.len() - 1
+            })
+        );
+        let long = &frame[body.start..body.end + 1];
+        assert_eq!(
+            sec.decode_pieces(&frame[scales.clone()], 0, long, &mut out, None),
+            Err(Error::TrailingBytes { offset: body.end })
+        );
+        assert_eq!(
+            sec.decode_pieces(&frame[scales], 0, &frame[body], &mut out, Some(f32::NAN)),
+            Err(Error::InvalidParams {
+                param: Param::Weight
+            })
+        );
+    }
+}
+
+/// The sections' ranges of the whole tensor.
+fn sec_ranges(method: &Method, n: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+    Sections::of(n, method).unwrap().ranges(0, n).unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -47,8 +47,10 @@
 //! ```
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
+use gradwire_core::frame::chunk::Sections;
 use gradwire_core::values::first_non_finite;
 use gradwire_core::{Method, SignScale, accumulate_into, sign, zero_mask};
 
@@ -58,7 +60,7 @@ use crate::engine::sparse_list::SparseList;
 use crate::engine::{Exec, Parallelism, Pool};
 use crate::error::{Error, Result};
 use crate::layout::bundle::{ENTRY_HEADER_LEN, HEADER_LEN};
-use crate::layout::plan::{CHUNK, ReducePlan};
+use crate::layout::plan::{CHUNK, ReducePlan, dense_geometry};
 use crate::layout::{CompressedGradient, Entry, EntryKind, Manifest, check_frame_of};
 
 /// How contributions are combined.
@@ -409,6 +411,92 @@ impl Aggregator {
         exec.install(|| job.run_entries(first, entries, frame, Out::Each(outs)))
     }
 
+    /// Aggregates elements `start..start + acc.len()` (chunk boundaries of the entry's
+    /// `sections`) of entry `e` of `manifest` from `count` ranks' frames held in pieces, as
+    /// their bytes arrive: `scales(rank)` the rank's whole scales section, `body(rank)` the
+    /// piece of its body section that holds those elements; the frames' headers were checked
+    /// and their checksums are the caller's. Each chunk of `acc` takes rank 0's values, adds the
+    /// others' in rank order and applies the reduction, as [`Aggregator::aggregate_entries`]
+    /// does the whole frames; pieces are checked as the core's decoder checks them. `faults`
+    /// carries the faults met so far in the entry's earlier pieces: once a rank's piece
+    /// failed, only the ranks before it are read (and nothing is reduced), so that over the
+    /// whole entry the fault kept is the one the whole frames name: the first rank with one,
+    /// its first in byte order (its scales section checked first, see
+    /// [`Sections::check_scales`]). After a fault `acc` holds unspecified values.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn aggregate_pieces<'p>(
+        &self,
+        manifest: &Manifest,
+        e: usize,
+        sections: &Sections,
+        count: usize,
+        reduction: Reduction,
+        scales: &(impl Fn(usize) -> &'p [u8] + Sync),
+        body: &(impl Fn(usize) -> &'p [u8] + Sync),
+        start: usize,
+        acc: &mut [f32],
+        faults: &mut PieceFaults,
+    ) {
+        let Some(entry) = manifest.entries().get(e) else {
+            return;
+        };
+        let Some((_, chunk)) = dense_geometry(entry.len, &entry.method) else {
+            return;
+        };
+        let Ok((_, whole)) = sections.ranges(start, start + acc.len()) else {
+            faults.note(
+                0,
+                start,
+                gradwire_core::Error::BadChunk {
+                    start,
+                    end: start + acc.len(),
+                },
+            );
+            return;
+        };
+        let ranks = faults.bad.as_ref().map_or(count, |(rank, _, _)| *rank);
+        let bad: Mutex<Option<(usize, usize, gradwire_core::Error)>> = Mutex::new(None);
+        let over = AtomicUsize::new(usize::MAX);
+        let exec = self.parallelism.exec_for(acc.len());
+        exec.chunks_mut_all(acc, chunk, |j, acc| {
+            let at = start + j * chunk;
+            let Ok((_, b)) = sections.ranges(at, at + acc.len()) else {
+                return true;
+            };
+            let piece = b.start - whole.start..b.end - whole.start;
+            for rank in 0..ranks {
+                let weight = (rank > 0).then_some(1.0);
+                let read = body(rank)
+                    .get(piece.clone())
+                    .ok_or(gradwire_core::Error::BadChunk {
+                        start: at,
+                        end: at + acc.len(),
+                    })
+                    .and_then(|body| sections.decode_pieces(scales(rank), at, body, acc, weight));
+                if let Err(err) = read {
+                    let mut bad = bad.lock().unwrap_or_else(PoisonError::into_inner);
+                    if bad.as_ref().is_none_or(|(r, s, _)| (rank, at) < (*r, *s)) {
+                        *bad = Some((rank, at, err));
+                    }
+                    return true;
+                }
+            }
+            if ranks == count
+                && let Some(i) = finish(acc, reduction, count, &entry.method)
+            {
+                over.fetch_min(at + i, Ordering::Relaxed);
+            }
+            true
+        });
+        if let Some((rank, at, err)) = bad.into_inner().unwrap_or_else(PoisonError::into_inner) {
+            faults.note(rank, at, err);
+        }
+        let over = over.into_inner();
+        if over != usize::MAX {
+            faults.overflow = Some(faults.overflow.map_or(over, |o| o.min(over)));
+        }
+    }
+
     /// Records where every frame of `bundles` (checked against `manifest`) lies.
     fn locate_frames<B: AsRef<[u8]>>(&mut self, manifest: &Manifest, bundles: &[B]) -> Result<()> {
         let ne = manifest.entries().len();
@@ -470,6 +558,40 @@ impl Aggregator {
         };
         crate::tensor::resize_or_refuse(out, manifest.flat_len(), crate::error::MODEL)?;
         exec.install(|| job.run(&frame, Out::Flat { out, base: 0 }))
+    }
+}
+
+/// The faults of an entry aggregated piece by piece ([`Aggregator::aggregate_pieces`]).
+#[derive(Debug, Default)]
+pub(crate) struct PieceFaults {
+    /// The first rank whose pieces failed their checks, the element where its piece starts,
+    /// and the fault.
+    bad: Option<(usize, usize, gradwire_core::Error)>,
+    /// The first element of the entry whose result is not finite.
+    overflow: Option<usize>,
+}
+
+impl PieceFaults {
+    /// Keeps `err` of `rank`'s piece from element `start` when it comes before the one kept.
+    pub(crate) fn note(&mut self, rank: usize, start: usize, err: gradwire_core::Error) {
+        if self
+            .bad
+            .as_ref()
+            .is_none_or(|(r, s, _)| (rank, start) < (*r, *s))
+        {
+            self.bad = Some((rank, start, err));
+        }
+    }
+
+    /// The error of entry `e` of `manifest` once all its pieces were aggregated, as the whole
+    /// frames give it: a rank's fault first, then the first element that is not finite.
+    pub(crate) fn into_error(self, manifest: &Manifest, e: usize) -> Option<Error> {
+        let entry = manifest.entries().get(e)?;
+        match (self.bad, self.overflow) {
+            (Some((rank, _, err)), _) => Some(Error::core(&entry.label, Some(rank), err)),
+            (None, Some(at)) => Some(overflow(manifest, entry.offset + at)),
+            (None, None) => None,
+        }
     }
 }
 

@@ -162,13 +162,24 @@ impl Sections {
         Ok((&mut head[s], &mut rest[..b.len()]))
     }
 
+    /// Bytes of the frame's header: where its scales section starts.
+    pub fn header_len(&self) -> usize {
+        self.header
+    }
+
     /// Writes the frame's header (magic, version, method, flags, `n` and the method's
-    /// parameters: the bytes [`crate::encode_into`] writes) at the start of `frame`.
+    /// parameters: the bytes [`crate::encode_into`] writes, [`Sections::header_len`] of them)
+    /// at the start of `frame`. A receiver may compare a frame's first bytes with them.
     ///
     /// # Errors
-    /// [`Error::BufferTooSmall`] when `frame` is shorter than [`Sections::frame_len`].
+    /// [`Error::BufferTooSmall`] when `frame` is shorter than [`Sections::header_len`].
     pub fn write_header(&self, frame: &mut [u8]) -> Result<(), Error> {
-        self.check_buffer(frame.len())?;
+        if frame.len() < self.header {
+            return Err(Error::BufferTooSmall {
+                needed: self.header,
+                got: frame.len(),
+            });
+        }
         let mut p = Put::new(frame);
         write_shaped_header(&mut p, &self.method, self.n);
         debug_assert_eq!(p.pos, self.header);
@@ -230,17 +241,71 @@ impl Sections {
     pub fn check(&self, frame: &[u8], start: usize, end: usize) -> Result<(), Error> {
         let (s, b) = self.ranges(start, end)?;
         self.check_frame_len(frame.len())?;
-        let (scales, body) = (&frame[s.clone()], &frame[b.clone()]);
-        self.shape.validate(end - start, scales, body).map_err(|o| {
-            match o.checked_sub(scales.len()) {
-                None => Error::BadValue {
-                    offset: s.start + o,
-                },
-                Some(o) => Error::BadValue {
-                    offset: b.start + o,
-                },
-            }
-        })
+        self.check_pieces(start, end, &frame[s], &frame[b])
+    }
+
+    /// Checks the whole scales section of a received frame (`scales`: its bytes, the first
+    /// range [`Sections::ranges`] gives for `0..n`; empty for dense and unscaled sign frames):
+    /// every scale finite and `>= 0`. [`crate::validate`] checks the scales before the body, so
+    /// a receiver that checks this section first, then the body's pieces in element order
+    /// ([`Sections::decode_pieces`]), finds the fault [`crate::validate`] names first.
+    ///
+    /// # Errors
+    /// [`Error::Truncated`] or [`Error::TrailingBytes`] when `scales` is not the section's
+    /// length; [`Error::BadValue`] with the offset in the frame of the first bad scale.
+    pub fn check_scales(&self, scales: &[u8]) -> Result<(), Error> {
+        self.check_scales_len(scales.len())?;
+        self.shape
+            .validate(0, scales, &[])
+            .map_err(|o| Error::BadValue {
+                offset: self.header + o,
+            })
+    }
+
+    /// Adds `weight * value` (for `weight` `None`: writes the value) of elements
+    /// `start..start + out.len()` of a received frame held in pieces: `scales`, the frame's
+    /// whole scales section (as for [`Sections::check_scales`]), and `body`, the piece of its
+    /// body section that holds those elements (the second range of [`Sections::ranges`]).
+    /// The elements' pieces are checked as [`Sections::check`] checks them; per element, what
+    /// [`crate::accumulate_into`] adds (or [`crate::decode_into`] writes) for the whole frame.
+    /// For a receiver that decodes a frame as its bytes arrive, the frame's header and checksum
+    /// checked on their own.
+    ///
+    /// # Errors
+    /// [`Error::InvalidParams`] with [`Param::Weight`] when `weight` is NaN or infinite;
+    /// [`Error::BadChunk`] as for [`Sections::ranges`]; [`Error::Truncated`] or
+    /// [`Error::TrailingBytes`] when `scales` is not the section's length or `body` not the
+    /// piece's; [`Error::BadValue`] as for [`Sections::check`]. On error `out` is untouched.
+    pub fn decode_pieces(
+        &self,
+        scales: &[u8],
+        start: usize,
+        body: &[u8],
+        out: &mut [f32],
+        weight: Option<f32>,
+    ) -> Result<(), Error> {
+        if weight.is_some_and(|w| !w.is_finite()) {
+            return Err(Error::InvalidParams {
+                param: Param::Weight,
+            });
+        }
+        let end = chunk_end(start, out.len())?;
+        let (s, b) = self.ranges(start, end)?;
+        self.check_scales_len(scales.len())?;
+        let piece = |at: usize| at - self.header;
+        let scales = &scales[piece(s.start)..piece(s.end)];
+        if body.len() < b.len() {
+            return Err(Error::Truncated {
+                needed: b.len(),
+                got: body.len(),
+            });
+        }
+        if body.len() > b.len() {
+            return Err(Error::TrailingBytes { offset: b.end });
+        }
+        self.check_pieces(start, end, scales, body)?;
+        self.shape.decode(scales, body, out, weight);
+        Ok(())
     }
 
     /// Adds `weight * value` of elements `start..start + acc.len()` of a received `frame` into
@@ -257,16 +322,7 @@ impl Sections {
         acc: &mut [f32],
         weight: f32,
     ) -> Result<(), Error> {
-        if !weight.is_finite() {
-            return Err(Error::InvalidParams {
-                param: Param::Weight,
-            });
-        }
-        let end = chunk_end(start, acc.len())?;
-        self.check(frame, start, end)?;
-        let (s, b) = self.ranges(start, end)?;
-        self.shape.decode(&frame[s], &frame[b], acc, Some(weight));
-        Ok(())
+        self.decode_in_frame(frame, start, acc, Some(weight))
     }
 
     /// Writes the values of elements `start..start + out.len()` of a received `frame` into
@@ -276,11 +332,7 @@ impl Sections {
     /// # Errors
     /// As [`Sections::check`]. On error `out` is untouched.
     pub fn decode(&self, frame: &[u8], start: usize, out: &mut [f32]) -> Result<(), Error> {
-        let end = chunk_end(start, out.len())?;
-        self.check(frame, start, end)?;
-        let (s, b) = self.ranges(start, end)?;
-        self.shape.decode(&frame[s], &frame[b], out, None);
-        Ok(())
+        self.decode_in_frame(frame, start, out, None)
     }
 
     /// Ends a frame whose header and every chunk are written: stores `crc` (the CRC-32 of the
@@ -324,6 +376,65 @@ impl Sections {
                 .ok_or(Error::BufferTooSmall { needed: need, got })
         };
         Ok((piece(scales, s.len())?, piece(body, b.len())?))
+    }
+
+    /// [`Sections::decode_pieces`] on the pieces of a whole received `frame`.
+    fn decode_in_frame(
+        &self,
+        frame: &[u8],
+        start: usize,
+        out: &mut [f32],
+        weight: Option<f32>,
+    ) -> Result<(), Error> {
+        if weight.is_some_and(|w| !w.is_finite()) {
+            return Err(Error::InvalidParams {
+                param: Param::Weight,
+            });
+        }
+        let end = chunk_end(start, out.len())?;
+        let (_, b) = self.ranges(start, end)?;
+        self.check_frame_len(frame.len())?;
+        let (all_scales, _) = self.ranges(0, self.n)?;
+        self.decode_pieces(&frame[all_scales], start, &frame[b], out, weight)
+    }
+
+    /// Checks the pieces (`scales`, `body`: exactly their [`Sections::ranges`] lengths) of
+    /// elements `start..end` as [`Sections::check`] does, naming a fault by its offset in the
+    /// frame.
+    fn check_pieces(
+        &self,
+        start: usize,
+        end: usize,
+        scales: &[u8],
+        body: &[u8],
+    ) -> Result<(), Error> {
+        let (s, b) = self.ranges(start, end)?;
+        self.shape.validate(end - start, scales, body).map_err(|o| {
+            match o.checked_sub(scales.len()) {
+                None => Error::BadValue {
+                    offset: s.start + o,
+                },
+                Some(o) => Error::BadValue {
+                    offset: b.start + o,
+                },
+            }
+        })
+    }
+
+    /// [`Error::Truncated`] or [`Error::TrailingBytes`] unless `len` is the scales section's.
+    fn check_scales_len(&self, len: usize) -> Result<(), Error> {
+        if len < self.scales {
+            return Err(Error::Truncated {
+                needed: self.scales,
+                got: len,
+            });
+        }
+        if len > self.scales {
+            return Err(Error::TrailingBytes {
+                offset: self.header + self.scales,
+            });
+        }
+        Ok(())
     }
 
     fn check_bounds(&self, start: usize, end: usize) -> Result<(), Error> {

@@ -4,8 +4,8 @@
 //! later windows, agreement and naming rounds), each call's bytes damaged or not as the
 //! fuzzer says.
 //!
-//! Input: a byte of flags (mod 6: the method, EF-sign, dense bf16 or top-k int8 EF, times the
-//! collective), the chunk bound (4,096 or 4,608 bytes, the smallest windows), then per call of
+//! Input: a byte of flags (mod 8: the method, EF-sign, dense bf16, top-k int8 EF or 4-bit
+//! quantization with EF on a tensor large enough to be read in pieces, times the collective), the chunk bound (4,096 or 4,608 bytes, the smallest windows), then per call of
 //! the peer a mode (keep, four times in eight; cut; lengthen; flip a byte; raw bytes) and its
 //! operands. The model is two tensors whose size depends on the method ([`sizes`]): the
 //! smallest that makes every message span several windows on both collectives (a two-phase
@@ -49,10 +49,12 @@ struct Transcript {
     result: Vec<f32>,
 }
 
-/// The method of `flags` (mod 3): EF-sign with a scale per 32 elements (two bits a value, so
-/// that fewer values fill the windows), dense bf16, top-k int8 EF keeping half the values.
+/// The method of `flags` (mod 4): EF-sign with a scale per 32 elements (two bits a value, so
+/// that fewer values fill the windows), dense bf16, top-k int8 EF keeping half the values,
+/// 4-bit quantization with EF (its large tensor aggregated in chunks, so that the all-gather
+/// reads it in pieces as the windows arrive).
 fn method(flags: u8) -> CompressionMethod {
-    match flags % 3 {
+    match flags % 4 {
         0 => CompressionMethod::Core(gradwire::core::Method::Sign {
             scale: gradwire::core::SignScale::MeanAbs { block: 32 },
             zero_mask: false,
@@ -61,18 +63,22 @@ fn method(flags: u8) -> CompressionMethod {
         1 => CompressionMethod::Core(gradwire::core::Method::Dense {
             values: gradwire::core::Values::Bf16,
         }),
-        _ => CompressionMethod::top_k_int8(0.5).with_error_feedback(),
+        2 => CompressionMethod::top_k_int8(0.5).with_error_feedback(),
+        _ => CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
     }
 }
 
 /// The model of `flags`' method: a small tensor and a large one, the large one about the
 /// smallest whose messages span several windows of 4,608 bytes on both collectives, a
-/// two-phase shard message of half the model included (checked in [`transcript`]).
+/// two-phase shard message of half the model included (checked in [`transcript`]); for 4-bit
+/// quantization, the smallest tensor aggregated in chunks (`2 x 2^16` elements), so that it is
+/// read in pieces.
 fn sizes(flags: u8) -> [(&'static str, Vec<usize>); 2] {
-    let large = match flags % 3 {
+    let large = match flags % 4 {
         0 => 40_000,
         1 => 12_000,
-        _ => 16_000,
+        2 => 16_000,
+        _ => 131_072,
     };
     [("a.weight", vec![35, 20]), ("b.weight", vec![large])]
 }
@@ -84,7 +90,7 @@ type Gradients = HashMap<String, Tensor>;
 fn gradients(flags: u8, r: usize) -> Gradients {
     static MADE: OnceLock<Mutex<HashMap<(u8, usize), Gradients>>> = OnceLock::new();
     let made = MADE.get_or_init(|| Mutex::new(HashMap::new()));
-    let key = (flags % 3, r);
+    let key = (flags % 4, r);
     if let Some(g) = made.lock().expect("gradients").get(&key) {
         return g.clone();
     }
@@ -113,7 +119,7 @@ fn flat(out: &HashMap<String, Tensor>) -> Vec<f32> {
 
 /// The all-reduce of `flags` over two ranks with the chunk bound `chunk`.
 fn all_reduce(flags: u8, chunk: usize) -> CompressedAllReduce {
-    let collective = if (flags / 3).is_multiple_of(2) {
+    let collective = if (flags / 4).is_multiple_of(2) {
         Collective::AllGather
     } else {
         Collective::TwoPhase
@@ -337,7 +343,7 @@ impl Communicator for Replay<'_, '_> {
 /// The target body.
 pub fn windows(data: &[u8]) {
     let mut inp = Input::new(data);
-    let flags = inp.u8() % 6;
+    let flags = inp.u8() % 8;
     let chunk = 4096 + 512 * usize::from(inp.u8() & 1);
     let valid = transcript(flags, chunk);
     let mut replay = Replay {

@@ -28,7 +28,7 @@ pub(crate) mod shard_message;
 mod stream;
 pub(crate) mod two_phase;
 
-use self::stream::Received;
+use self::stream::{PieceBuffers, Received};
 
 /// Which collective [`crate::CompressedAllReduce`] runs on its communicator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -309,6 +309,8 @@ pub(crate) struct AllGather {
     flat: Vec<f32>,
     /// The windows the messages cross the communicator in.
     windows: Windows,
+    /// Buffers of the entries read in pieces as the windows arrive.
+    pieces: PieceBuffers,
 }
 
 impl AllGather {
@@ -389,8 +391,15 @@ impl AllGather {
             // Straight into the output tensors, one entry each, as the windows arrive (a
             // bucket spans several tensors: a bucketed manifest is gathered whole, below).
             if let Some(outs) = manifest.entry_slices(outs) {
-                let mut stream =
-                    Received::new(manifest, step, reduction, aggregator, outs, world_size);
+                let mut stream = Received::new(
+                    manifest,
+                    step,
+                    reduction,
+                    aggregator,
+                    outs,
+                    world_size,
+                    &mut self.pieces,
+                );
                 let mut consume = |bufs: &mut [Vec<u8>], last: bool| stream.consume(bufs, last);
                 self.windows.all_gather_streamed(
                     comm,

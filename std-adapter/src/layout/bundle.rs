@@ -393,6 +393,44 @@ impl BundleStream {
         Ok((frame, pos))
     }
 
+    /// Starts an entry read in pieces as its bytes arrive (its frame's header checked by the
+    /// caller): `entry_header`, its id and length, are the bundle's next bytes.
+    pub(crate) fn begin_entry_in_pieces(&mut self, entry_header: &[u8]) {
+        if let Some(crc) = self.crc.as_mut() {
+            crc.update(entry_header);
+        }
+    }
+
+    /// Ends the entry begun by [`BundleStream::begin_entry_in_pieces`]: `frame` is the hash of
+    /// its frame's bytes before the trailer, `trailer` the frame's last 4 bytes (whether they
+    /// match is the caller's check), `frame_len` the frame's length.
+    pub(crate) fn end_entry_in_pieces(
+        &mut self,
+        frame: &crc32fast::Hasher,
+        trailer: &[u8],
+        frame_len: usize,
+    ) {
+        if let Some(crc) = self.crc.as_mut() {
+            crc.combine(frame);
+            crc.update(trailer);
+        }
+        self.entries += 1;
+        self.read += ENTRY_HEADER_LEN + frame_len;
+    }
+
+    /// The fault [`BundleStream::finish`] names for a bundle that ends inside the entry begun
+    /// by [`BundleStream::begin_entry_in_pieces`] (a frame of `frame_len` bytes, of whose entry
+    /// `got` bytes arrived, its id and length included).
+    pub(crate) fn truncated_in_entry(&self, frame_len: usize, got: usize, rank: usize) -> Error {
+        Error::Bundle {
+            rank: Some(rank),
+            fault: BundleFault::Truncated {
+                needed: (self.read + ENTRY_HEADER_LEN + TRAILER_LEN).saturating_add(frame_len),
+                got: self.read + got,
+            },
+        }
+    }
+
     /// Adds `bytes`, the bundle's next bytes after a fault (from the failing entry's start, or
     /// after the header), to its hash as they are (a frame that failed its checks cannot lend
     /// its trailer).
