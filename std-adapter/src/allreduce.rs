@@ -813,6 +813,60 @@ impl CompressedAllReduce {
             let manifest_error = manifest.err();
             return self.all_reduce_sharded(comm, manifest_error, route, &mut bufs);
         }
+        // Without error feedback, a bundle of dense frames is written as it is sent, never
+        // whole (its gradients checked first, so that nothing fails once a window has left;
+        // nothing is given back after a failure).
+        if let Ok(manifest) = &manifest
+            && !self.compressor.method().uses_error_feedback()
+            && crate::engine::dense_stream::streams(manifest)
+        {
+            let config = group_config(
+                self.world_size,
+                manifest,
+                self.reduction,
+                &self.bucketing,
+                "all-gather",
+                self.chunk_bytes,
+            );
+            let envelope = crate::collective::payload_envelope(&config, step);
+            let streamed =
+                self.compressor
+                    .stream_bundle(manifest, &bufs, rank, &envelope, &mut self.send);
+            let local = match streamed {
+                Ok(mut stream) => {
+                    self.message_bytes = stream.len() - crate::collective::ENVELOPE_LEN;
+                    let local = Local::Streamed {
+                        manifest,
+                        message: &mut stream,
+                        step,
+                        config: &config,
+                    };
+                    return self.collective.run(
+                        comm,
+                        local,
+                        self.reduction,
+                        self.chunk_bytes,
+                        &mut self.aggregator,
+                        &mut bufs,
+                    );
+                }
+                Err(error) => {
+                    self.compressor.set_step(step.wrapping_add(1));
+                    Local::Failed {
+                        manifest: Some(manifest),
+                        error,
+                    }
+                }
+            };
+            return self.collective.run(
+                comm,
+                local,
+                self.reduction,
+                self.chunk_bytes,
+                &mut self.aggregator,
+                &mut bufs,
+            );
+        }
         let compressed = match &manifest {
             Ok(manifest) => self
                 .compressor
@@ -842,7 +896,7 @@ impl CompressedAllReduce {
                     self.reduction,
                     self.chunk_bytes,
                     &mut self.aggregator,
-                    bufs.outs(),
+                    &mut bufs,
                 );
                 // The collective reports this rank's own error (or an earlier rank's).
                 return result;
@@ -876,7 +930,7 @@ impl CompressedAllReduce {
             self.reduction,
             self.chunk_bytes,
             &mut self.aggregator,
-            bufs.outs(),
+            &mut bufs,
         );
         // The residuals gave up what this rank sent. When the step failed after the
         // all-gather, every rank saw the same messages and failed alike, so they take it back

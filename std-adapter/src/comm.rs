@@ -59,7 +59,7 @@ mod windows;
 pub use self::local::{LocalCommunicator, LocalGroup};
 #[cfg(feature = "mpi")]
 pub use self::mpi::MpiCommunicator;
-pub(crate) use self::windows::Windows;
+pub(crate) use self::windows::{MIN_WINDOW, Outgoing, Stream, Windows};
 
 /// How long a call waits for its peers before it fails, by default. `CompressedAllReduce` passes
 /// buffers of at most its chunk bound (8 MiB by default) per call, so one of its calls moves at

@@ -21,6 +21,7 @@ use std::path::Path;
 
 use gradwire_core::{Method, Params, max_frame_len, tensor_id};
 
+use crate::engine::dense_stream::DenseStream;
 use crate::engine::{Engine, Gradients, Parallelism, Shapes};
 use crate::error::{Error, Result};
 use crate::feedback::ErrorFeedback;
@@ -317,25 +318,7 @@ impl GradientCompressor {
         out: &mut Vec<u8>,
         prefix: usize,
     ) -> Result<u64> {
-        let seed = self.seed;
-        let step = self.step;
-        let method = self.prepare()?.0;
-        if *manifest.method() != method {
-            return Err(Error::config(format!(
-                "the manifest is for method `{}`, the compressor uses `{}`",
-                method::format(manifest.method()),
-                method::format(&method)
-            )));
-        }
-        if manifest.seed() != seed {
-            return Err(Error::config(format!(
-                "the manifest is for seed {}, the compressor uses seed {seed}",
-                manifest.seed()
-            )));
-        }
-        let rank32 = u32::try_from(rank)
-            .map_err(|_| Error::config(format!("rank {rank} does not fit a u32")))?;
-        gradients.check(manifest)?;
+        let (step, rank32) = self.check_bundle_call(manifest, gradients, rank)?;
         let need = prefix + manifest.max_bundle_len();
         if out.capacity() < need {
             out.reserve_exact(need - out.len());
@@ -356,6 +339,62 @@ impl GradientCompressor {
         result?;
         self.step = self.step.wrapping_add(1);
         Ok(step)
+    }
+
+    /// The message of [`GradientCompressor::compress_bundle_after`] written as it is sent, for
+    /// a compressor without error feedback and a manifest whose bundles stream
+    /// ([`crate::engine::dense_stream::streams`]): `envelope`, then the bundle, in windows written into
+    /// `pending` ([`DenseStream`]). Every gradient is checked before it returns; the step
+    /// advances as for a bundle written whole.
+    ///
+    /// # Errors
+    /// As [`GradientCompressor::compress_bundle`]; nothing changes on error.
+    pub(crate) fn stream_bundle<'a, G: Gradients + ?Sized>(
+        &mut self,
+        manifest: &'a Manifest,
+        gradients: &G,
+        rank: usize,
+        envelope: &[u8],
+        pending: &'a mut Vec<u8>,
+    ) -> Result<DenseStream<'a>> {
+        if self.method.uses_error_feedback() {
+            return Err(Error::internal("a bundle with error feedback streamed"));
+        }
+        let (step, rank32) = self.check_bundle_call(manifest, gradients, rank)?;
+        let stream = DenseStream::new(manifest, gradients, step, rank32, envelope, pending)?;
+        self.step = self.step.wrapping_add(1);
+        Ok(stream)
+    }
+
+    /// The checks of a bundle's compression before any frame is written: the method and seed
+    /// against the manifest's, the rank, the gradients against the manifest. Returns the step
+    /// and the rank as a u32.
+    fn check_bundle_call<G: Gradients + ?Sized>(
+        &mut self,
+        manifest: &Manifest,
+        gradients: &G,
+        rank: usize,
+    ) -> Result<(u64, u32)> {
+        let seed = self.seed;
+        let step = self.step;
+        let method = self.prepare()?.0;
+        if *manifest.method() != method {
+            return Err(Error::config(format!(
+                "the manifest is for method `{}`, the compressor uses `{}`",
+                method::format(manifest.method()),
+                method::format(&method)
+            )));
+        }
+        if manifest.seed() != seed {
+            return Err(Error::config(format!(
+                "the manifest is for seed {}, the compressor uses seed {seed}",
+                manifest.seed()
+            )));
+        }
+        let rank32 = u32::try_from(rank)
+            .map_err(|_| Error::config(format!("rank {rank} does not fit a u32")))?;
+        gradients.check(manifest)?;
+        Ok((step, rank32))
     }
 
     /// The parameters this compressor expects for `name`'s frame at `step`.

@@ -31,6 +31,8 @@ fn gradients(r: usize, s: u64) -> Owned {
         ("layer.1.bias".into(), vec![90], rng.vec(90, 2.0)),
         ("scale".into(), vec![], rng.vec(1, 1.0)),
         ("layer.1.weight".into(), vec![5, 1300], rng.vec(6500, 0.1)),
+        // Aggregated in chunks, so that the all-gather reads it in pieces.
+        ("blocks.big".into(), vec![140_000], rng.vec(140_000, 0.3)),
     ]
 }
 
@@ -107,7 +109,7 @@ fn topk_int8() -> CompressionMethod {
 
 #[test]
 fn in_place_steps_are_the_hashmap_steps_bit_for_bit_on_every_route() {
-    let routes: [(&str, Make); 9] = [
+    let routes: [(&str, Make); 11] = [
         ("top-k all-gather", |c| with(c, topk_int8())),
         ("top-k all-gather in 4 KiB windows", |c| {
             with(c, topk_int8()).with_chunk_bytes(4096)
@@ -130,6 +132,26 @@ fn in_place_steps_are_the_hashmap_steps_bit_for_bit_on_every_route() {
                 CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
             )
             .with_reduction(Reduction::Sum)
+        }),
+        (
+            "dense bf16 all-gather, written as it is sent, in 4 KiB windows",
+            |c| {
+                with(
+                    c,
+                    CompressionMethod::Core(Method::Dense {
+                        values: Values::Bf16,
+                    }),
+                )
+                .with_chunk_bytes(4096)
+            },
+        ),
+        ("dense f16 all-gather, written as it is sent", |c| {
+            with(
+                c,
+                CompressionMethod::Core(Method::Dense {
+                    values: Values::F16,
+                }),
+            )
         }),
         ("dense bf16 two-phase", |c| {
             with(

@@ -12,6 +12,7 @@ use gradwire::Error;
 use gradwire::Manifest;
 use gradwire::Reduction;
 use gradwire::comm::{Communicator, LocalCommunicator, LocalGroup};
+use gradwire::core::{Method, Values};
 use gradwire::tensor::Tensor;
 use gradwire::{CompressedGradient, CompressionMethod, GradientCompressor, Parallelism};
 
@@ -203,17 +204,30 @@ fn run_group_with(
 /// the flat layout) and without (straight into the output tensors), serial and pooled.
 #[test]
 fn local_group_all_reduce() {
+    let topk = CompressionMethod::top_k_int8(0.01).with_error_feedback();
     for (bucketing, parallelism) in [
         (BucketConfig::fused(64 << 10), Parallelism::Auto),
         (BucketConfig::none(), Parallelism::Auto),
         (BucketConfig::none(), Parallelism::Serial),
         (BucketConfig::none(), Parallelism::Parallel),
     ] {
-        local_group_all_reduce_with(bucketing, parallelism);
+        local_group_all_reduce_with(&topk, bucketing, parallelism);
+    }
+    // Without error feedback and buckets, dense bundles are written as they are sent (issue
+    // 46): the bundles of the compressor all the same.
+    for values in [Values::Bf16, Values::F16] {
+        let dense = CompressionMethod::Core(Method::Dense { values });
+        for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+            local_group_all_reduce_with(&dense, BucketConfig::none(), parallelism);
+        }
     }
 }
 
-fn local_group_all_reduce_with(bucketing: BucketConfig, parallelism: Parallelism) {
+fn local_group_all_reduce_with(
+    method: &CompressionMethod,
+    bucketing: BucketConfig,
+    parallelism: Parallelism,
+) {
     let base = minilm();
     let w = 4;
     let steps = 3;
@@ -224,7 +238,7 @@ fn local_group_all_reduce_with(bucketing: BucketConfig, parallelism: Parallelism
                 .collect()
         })
         .collect();
-    let method = CompressionMethod::top_k_int8(0.01).with_error_feedback();
+    let method = method.clone();
     let results = run_group_with(
         w,
         &method,
@@ -256,7 +270,7 @@ fn local_group_all_reduce_with(bucketing: BucketConfig, parallelism: Parallelism
                 assert_eq!(result[s][name].shape(), t.shape());
                 assert!(
                     same_bits(result[s][name].data(), t.data()),
-                    "{bucketing:?} {parallelism:?}: rank {r} step {s} {name}"
+                    "{method:?} {bucketing:?} {parallelism:?}: rank {r} step {s} {name}"
                 );
             }
         }
@@ -836,6 +850,119 @@ fn ranks_with_other_reductions_scopes_or_seeds_fail_naming_the_field() {
                 e.contains("rank 1 is configured differently") && e.contains(field),
                 "{field}: rank {r}: {e}"
             );
+        }
+    }
+}
+
+/// Issue 46: a dense bundle written as it is sent checks every gradient first: a bad one (a
+/// value beyond f16, NaN after it in a later tensor) is this rank's error, named as the
+/// compressor names it for a bundle written whole; the peers fail naming the rank, and nothing
+/// of it left (no window before the verdict).
+#[test]
+fn a_bad_gradient_of_a_streamed_bundle_is_named_as_the_compressor_names_it() {
+    let method = CompressionMethod::Core(Method::Dense {
+        values: Values::F16,
+    });
+    let gradients = |r: usize| {
+        let values = |n: usize| {
+            (0..n)
+                .map(|i| (i % 17) as f32 * 0.25 - 2.0)
+                .collect::<Vec<f32>>()
+        };
+        let (mut big, mut c) = (values(150_000), values(40));
+        if r == 1 {
+            big[140_000] = 70_000.0;
+            c[3] = f32::NAN;
+        }
+        grads(&[
+            ("a", &[300], values(300)),
+            ("big", &[150_000], big),
+            ("c", &[40], c),
+        ])
+    };
+    let manifest =
+        Manifest::for_gradients(&gradients(1), &method, 0, BucketConfig::none()).unwrap();
+    let want = GradientCompressor::new(method.clone())
+        .compress_bundle(&manifest, &gradients(1), 1, &mut Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(want.contains("big") && want.contains("140000"), "{want}");
+    let (m, g) = (method.clone(), gradients);
+    let errors = on_every_rank(3, move |comm| {
+        let r = comm.rank();
+        let mut ar = CompressedAllReduce::with_communicator(m.clone(), Box::new(comm))
+            .with_chunk_bytes(4096);
+        let err = ar.all_reduce(&g(r)).unwrap_err().to_string();
+        // The next step runs.
+        ar.all_reduce(&g(0)).unwrap();
+        err
+    });
+    assert_eq!(errors[1], want);
+    for r in [0, 2] {
+        assert!(
+            errors[r].contains("rank 1") && errors[r].contains("140000"),
+            "rank {r}: {}",
+            errors[r]
+        );
+    }
+}
+
+/// Issue 46: a group of one reads its own dense bundle as it is written, window by window: the
+/// result is the decoded bundle the compressor writes whole, in place and not.
+#[test]
+fn a_group_of_one_reads_its_streamed_bundle_as_it_is_written() {
+    let values = |n: usize, k: usize| {
+        (0..n)
+            .map(|i| ((i * 7 + k) % 23) as f32 * 0.37 - 4.0)
+            .collect::<Vec<f32>>()
+    };
+    let g = grads(&[
+        ("a", &[300], values(300, 1)),
+        ("big", &[150_000], values(150_000, 2)),
+        ("s", &[], values(1, 3)),
+    ]);
+    for v in [Values::Bf16, Values::F16, Values::F32] {
+        let method = CompressionMethod::Core(Method::Dense { values: v });
+        let manifest = Manifest::for_gradients(&g, &method, 0, BucketConfig::none()).unwrap();
+        let mut bundle = Vec::new();
+        GradientCompressor::new(method.clone())
+            .compress_bundle(&manifest, &g, 0, &mut bundle)
+            .unwrap();
+        let mut flat = Vec::new();
+        manifest
+            .decode_bundle(&bundle, None, None, &mut flat)
+            .unwrap();
+        let want = manifest.to_tensors(&flat).unwrap();
+        for chunk in [4096, 1 << 23] {
+            let comm = LocalGroup::new(1).into_communicators().pop().unwrap();
+            let mut ar = CompressedAllReduce::with_communicator(method.clone(), Box::new(comm))
+                .with_chunk_bytes(chunk);
+            let mut out = HashMap::new();
+            for _ in 0..2 {
+                ar.all_reduce_into(&g, &mut out).unwrap();
+                for (name, t) in &want {
+                    assert!(
+                        same_bits(out[name].data(), t.data()),
+                        "{v:?} {chunk} {name}"
+                    );
+                }
+            }
+            let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = g
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shape().to_vec(), t.data().to_vec()))
+                .collect();
+            let mut views: Vec<gradwire::tensor::TensorMut<'_>> = owned
+                .iter_mut()
+                .map(|(name, shape, data)| gradwire::tensor::TensorMut { name, shape, data })
+                .collect();
+            ar.all_reduce_in_place(&mut views).unwrap();
+            drop(views);
+            for (name, _, data) in &owned {
+                assert!(
+                    same_bits(data, want[name].data()),
+                    "{v:?} {chunk} {name}: in place"
+                );
+            }
         }
     }
 }

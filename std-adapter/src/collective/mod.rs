@@ -18,7 +18,8 @@
 //! fingerprints differ); no rank waits for a message that never comes.
 
 use crate::aggregate::{Aggregator, Reduction};
-use crate::comm::{Communicator, Windows};
+use crate::comm::{Communicator, MIN_WINDOW, Outgoing, Stream, Windows};
+use crate::engine::dense_stream::DenseStream;
 use crate::error::{Error, Result};
 use crate::layout::Manifest;
 
@@ -28,6 +29,7 @@ pub(crate) mod shard_message;
 mod stream;
 pub(crate) mod two_phase;
 
+use self::buffers::StepBuffers;
 use self::stream::{PieceBuffers, Received};
 
 /// Which collective [`crate::CompressedAllReduce`] runs on its communicator.
@@ -294,10 +296,110 @@ pub(crate) enum Local<'b> {
         step: u64,
         config: &'b Config,
     },
+    /// A bundle written as it is sent ([`crate::engine::dense_stream`]), after the envelope
+    /// of [`payload_envelope`] for `config` and `step`.
+    Streamed {
+        manifest: &'b Manifest,
+        message: &'b mut dyn Written,
+        step: u64,
+        config: &'b Config,
+    },
     Failed {
         manifest: Option<&'b Manifest>,
         error: Error,
     },
+}
+
+/// The envelope of a payload for `config` at `step`: a streamed message's first bytes.
+pub(crate) fn payload_envelope(config: &Config, step: u64) -> [u8; ENVELOPE_LEN] {
+    let mut head = [0u8; ENVELOPE_LEN];
+    let sealed = seal_in_place(PAYLOAD, fingerprint_at(config, step), &mut head);
+    debug_assert!(sealed.is_ok());
+    head
+}
+
+/// A message written as it is sent, from the gradients of a step's buffers.
+pub(crate) trait Written {
+    /// Bytes of the whole message.
+    fn len(&self) -> usize;
+
+    /// The message's bytes from where the last call ended up to `end`, written from the
+    /// gradients of `bufs`.
+    fn next(&mut self, end: usize, bufs: &StepBuffers<'_>) -> &[u8];
+
+    /// As [`Written::next`], the bytes appended to `out` (at least up to `end`); returns the
+    /// bytes of the message appended so far.
+    fn append(&mut self, end: usize, bufs: &StepBuffers<'_>, out: &mut Vec<u8>) -> usize;
+}
+
+impl Written for DenseStream<'_> {
+    fn len(&self) -> usize {
+        DenseStream::len(self)
+    }
+
+    fn next(&mut self, end: usize, bufs: &StepBuffers<'_>) -> &[u8] {
+        DenseStream::next(self, end, bufs)
+    }
+
+    fn append(&mut self, end: usize, bufs: &StepBuffers<'_>, out: &mut Vec<u8>) -> usize {
+        DenseStream::append(self, end, bufs, out)
+    }
+}
+
+/// This rank's message of an all-gather step: held whole, or written as it is sent.
+enum Sending<'s> {
+    Whole(&'s [u8]),
+    Streamed(&'s mut dyn Written),
+}
+
+/// One rank's ends of an all-gather step whose messages are read as they arrive
+/// ([`Stream`]): its message, written from the step's gradients when it is streamed, and the
+/// messages into the step's outputs (the same buffers in place: a window of this rank's
+/// message is written before the outputs of its elements are, since they are aggregated only
+/// once every rank's bytes of them arrived, this rank's included).
+struct Exchange<'x, 'b, 'a> {
+    message: Sending<'x>,
+    bufs: &'x mut StepBuffers<'b>,
+    received: Received<'a>,
+}
+
+impl Outgoing for Exchange<'_, '_, '_> {
+    fn len(&self) -> usize {
+        match &self.message {
+            Sending::Whole(bytes) => bytes.len(),
+            Sending::Streamed(stream) => stream.len(),
+        }
+    }
+
+    fn bytes(&mut self, from: usize, to: usize) -> &[u8] {
+        match &mut self.message {
+            Sending::Whole(bytes) => bytes.get(from..to).unwrap_or(&[]),
+            Sending::Streamed(stream) => {
+                debug_assert!(from <= to);
+                stream.next(to, &*self.bufs)
+            }
+        }
+    }
+}
+
+impl Exchange<'_, '_, '_> {
+    /// This rank's message from byte `from` up to at least `end` appended to `out` (written
+    /// there when it is streamed); returns where the bytes appended end.
+    fn append(&mut self, from: usize, end: usize, out: &mut Vec<u8>) -> usize {
+        match &mut self.message {
+            Sending::Whole(bytes) => {
+                out.extend_from_slice(bytes.get(from..end).unwrap_or(&[]));
+                end
+            }
+            Sending::Streamed(stream) => stream.append(end, &*self.bufs, out),
+        }
+    }
+}
+
+impl Stream for Exchange<'_, '_, '_> {
+    fn consume(&mut self, bufs: &mut [Vec<u8>], last: bool) {
+        self.received.consume(bufs, last, self.bufs.outs());
+    }
 }
 
 /// Buffers of the all-gather collective, kept between calls.
@@ -337,7 +439,7 @@ impl AllGather {
         reduction: Reduction,
         chunk: usize,
         aggregator: &mut Aggregator,
-        outs: &mut [&mut [f32]],
+        bufs: &mut StepBuffers<'_>,
     ) -> Result<()> {
         let (limit, own_error, ours, send) = match local {
             Local::Bundle {
@@ -354,7 +456,7 @@ impl AllGather {
                         limit_for(Some(manifest)),
                         None,
                         Some((manifest, step, config)),
-                        &*message,
+                        Sending::Whole(&*message),
                     ),
                     Err(error) => {
                         seal_failure(&error, &mut self.send);
@@ -362,14 +464,30 @@ impl AllGather {
                             limit_for(Some(manifest)),
                             Some(error),
                             None,
-                            self.send.as_slice(),
+                            Sending::Whole(self.send.as_slice()),
                         )
                     }
                 }
             }
+            Local::Streamed {
+                manifest,
+                message,
+                step,
+                config,
+            } => (
+                limit_for(Some(manifest)),
+                None,
+                Some((manifest, step, config)),
+                Sending::Streamed(message),
+            ),
             Local::Failed { manifest, error } => {
                 seal_failure(&error, &mut self.send);
-                (limit_for(manifest), Some(error), None, self.send.as_slice())
+                (
+                    limit_for(manifest),
+                    Some(error),
+                    None,
+                    Sending::Whole(self.send.as_slice()),
+                )
             }
         };
         // The first windows already hold every envelope: when one is not a payload, or its
@@ -387,30 +505,55 @@ impl AllGather {
         let world_size = comm.world_size();
         // A group of one gathers its own message: it is read where it is, not copied to itself.
         let alone = world_size == 1;
-        if !alone && let Some((manifest, step, _)) = ours {
+        let streamed = matches!(send, Sending::Streamed(_));
+        if (!alone || streamed)
+            && let Some((manifest, step, _)) = ours
+        {
             // Straight into the output tensors, one entry each, as the windows arrive (a
             // bucket spans several tensors: a bucketed manifest is gathered whole, below).
-            if let Some(outs) = manifest.entry_slices(outs) {
-                let mut stream = Received::new(
-                    manifest,
-                    step,
-                    reduction,
-                    aggregator,
-                    outs,
-                    world_size,
-                    &mut self.pieces,
-                );
-                let mut consume = |bufs: &mut [Vec<u8>], last: bool| stream.consume(bufs, last);
+            if manifest.entry_slices(bufs.outs()).is_some() {
+                let mut io = Exchange {
+                    message: send,
+                    bufs,
+                    received: Received::new(
+                        manifest,
+                        step,
+                        reduction,
+                        aggregator,
+                        world_size,
+                        &mut self.pieces,
+                    ),
+                };
+                if alone {
+                    // A group of one reads its own message as it is written, window by
+                    // window, without the communicator.
+                    let (len, chunk) = (io.len(), chunk.max(MIN_WINDOW));
+                    self.gathered.resize_with(1, Vec::new);
+                    self.gathered[0].clear();
+                    let mut done = 0;
+                    loop {
+                        let next = len.min(done + chunk);
+                        done = io.append(done, next, &mut self.gathered[0]).min(len);
+                        io.consume(&mut self.gathered, done == len);
+                        if done == len {
+                            break;
+                        }
+                    }
+                    return io.received.result().unwrap_or_else(|| {
+                        Err(Error::internal(
+                            "a group of one's own message stopped its step",
+                        ))
+                    });
+                }
                 self.windows.all_gather_streamed(
                     comm,
-                    send,
+                    &mut io,
                     limit,
                     chunk,
                     &mut self.gathered,
                     stop,
-                    &mut consume,
                 )?;
-                if let Some(result) = stream.result() {
+                if let Some(result) = io.received.result() {
                     return result;
                 }
                 // The first windows hold the step's verdict: read from them, it is an error.
@@ -421,6 +564,14 @@ impl AllGather {
                 ));
             }
         }
+        let send = match send {
+            Sending::Whole(bytes) => bytes,
+            Sending::Streamed(_) => {
+                return Err(Error::internal(
+                    "a streamed message for outputs that are not one per entry",
+                ));
+            }
+        };
         let whole = alone
             || self
                 .windows
@@ -440,6 +591,7 @@ impl AllGather {
         let bundles: Vec<&[u8]> = messages.iter().map(|m| &m[ENVELOPE_LEN..]).collect();
         // Straight into the output tensors, one entry each; a bucket spans several tensors,
         // so a bucketed manifest goes through the flat layout.
+        let outs = bufs.outs();
         match manifest.entry_slices(outs) {
             Some(mut each) => {
                 aggregator.aggregate_into_each(manifest, &bundles, step, reduction, &mut each)

@@ -36,13 +36,11 @@ use crate::layout::plan::ReducePlan;
 use super::{ENVELOPE_LEN, Opened, open};
 
 /// The stream of one step's bundles into the outputs (see the module docs).
-pub(crate) struct Received<'a, 'o> {
+pub(crate) struct Received<'a> {
     manifest: &'a Manifest,
     step: u64,
     reduction: Reduction,
     aggregator: &'a mut Aggregator,
-    /// Each entry's output, in entry order.
-    outs: Vec<&'o mut [f32]>,
     world: usize,
     readers: Vec<BundleStream>,
     /// Where each rank's unread bytes start in its buffer.
@@ -88,15 +86,14 @@ struct InPieces {
     faults: PieceFaults,
 }
 
-impl<'a, 'o> Received<'a, 'o> {
+impl<'a> Received<'a> {
     /// A stream of `world` ranks' bundles made with `manifest` at `step`, aggregated with
-    /// `reduction` into `outs` (one slice per entry, in entry order).
+    /// `reduction` into the outputs [`Received::consume`] is given.
     pub(crate) fn new(
         manifest: &'a Manifest,
         step: u64,
         reduction: Reduction,
         aggregator: &'a mut Aggregator,
-        outs: Vec<&'o mut [f32]>,
         world: usize,
         pieces: &'a mut PieceBuffers,
     ) -> Self {
@@ -105,7 +102,6 @@ impl<'a, 'o> Received<'a, 'o> {
             step,
             reduction,
             aggregator,
-            outs,
             world,
             readers: Vec::new(),
             at: Vec::new(),
@@ -136,7 +132,7 @@ impl<'a, 'o> Received<'a, 'o> {
     /// entries whole on every rank and removes the bytes read (see below). After an error the
     /// bytes are dropped as they come, so that the windows still run to their end on every
     /// rank.
-    pub(crate) fn consume(&mut self, bufs: &mut [Vec<u8>], last: bool) {
+    pub(crate) fn consume(&mut self, bufs: &mut [Vec<u8>], last: bool, outs: &mut [&mut [f32]]) {
         if self.go.is_none() {
             let go = bufs.len() == self.world && every_payload_alike(bufs);
             self.go = Some(go);
@@ -155,7 +151,7 @@ impl<'a, 'o> Received<'a, 'o> {
             return;
         }
         if self.error.is_none()
-            && let Err(e) = self.read(bufs, last)
+            && let Err(e) = self.read(bufs, last, outs)
         {
             self.error = Some(e);
         }
@@ -208,7 +204,7 @@ impl<'a, 'o> Received<'a, 'o> {
     /// Reads the headers, then the entries in order (each whole on every rank, or a large
     /// dense, quantization or sign entry in pieces as its bytes arrive), then, once `last`,
     /// each bundle's end.
-    fn read(&mut self, bufs: &[Vec<u8>], last: bool) -> Result<()> {
+    fn read(&mut self, bufs: &[Vec<u8>], last: bool, outs: &mut [&mut [f32]]) -> Result<()> {
         let (manifest, step, world) = (self.manifest, self.step, self.world);
         if !self.headers {
             for (r, (reader, buf)) in self.readers.iter_mut().zip(bufs).enumerate() {
@@ -235,12 +231,12 @@ impl<'a, 'o> Received<'a, 'o> {
         let entries = manifest.entries().len();
         loop {
             if self.in_pieces.is_none() {
-                self.read_whole_entries(bufs)?;
+                self.read_whole_entries(bufs, outs)?;
                 if self.next == entries || !self.begin_in_pieces(bufs) {
                     break;
                 }
             }
-            if !self.read_pieces(bufs)? {
+            if !self.read_pieces(bufs, outs)? {
                 break;
             }
         }
@@ -275,7 +271,7 @@ impl<'a, 'o> Received<'a, 'o> {
     /// Reads and aggregates the next entries that are whole on every rank. A fault is named
     /// in entry order whatever arrived with it: an entry that fails its checks after entries
     /// that passed theirs is named only once those are aggregated without an error.
-    fn read_whole_entries(&mut self, bufs: &[Vec<u8>]) -> Result<()> {
+    fn read_whole_entries(&mut self, bufs: &[Vec<u8>], outs: &mut [&mut [f32]]) -> Result<()> {
         let (manifest, step) = (self.manifest, self.step);
         let first = self.next;
         let entries = manifest.entries().len();
@@ -302,7 +298,7 @@ impl<'a, 'o> Received<'a, 'o> {
             }
             self.next += 1;
         }
-        self.aggregate_whole(bufs, first)?;
+        self.aggregate_whole(bufs, first, outs)?;
         match fault {
             Some((r, e)) => {
                 self.damaged = Some(r);
@@ -313,7 +309,12 @@ impl<'a, 'o> Received<'a, 'o> {
     }
 
     /// Aggregates entries `first..self.next`, read whole (their frames in `self.spans`).
-    fn aggregate_whole(&mut self, bufs: &[Vec<u8>], first: usize) -> Result<()> {
+    fn aggregate_whole(
+        &mut self,
+        bufs: &[Vec<u8>],
+        first: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<()> {
         let (manifest, step, world) = (self.manifest, self.step, self.world);
         if self.next > first {
             let spans = &self.spans;
@@ -328,7 +329,8 @@ impl<'a, 'o> Received<'a, 'o> {
                 self.reduction,
                 first,
                 &frame,
-                &mut self.outs[first..self.next],
+                outs.get_mut(first..self.next)
+                    .ok_or_else(|| Error::internal("fewer outputs than the manifest's entries"))?,
             )?;
         }
         Ok(())
@@ -397,7 +399,7 @@ impl<'a, 'o> Received<'a, 'o> {
     /// error, if any, named as for the entry read whole: a rank's checksum first (the bundle
     /// then hashed to its end, as for any entry that fails its checks), then a rank's fault
     /// in its sections, then a result that is not finite. Returns whether the entry ended.
-    fn read_pieces(&mut self, bufs: &[Vec<u8>]) -> Result<bool> {
+    fn read_pieces(&mut self, bufs: &[Vec<u8>], outs: &mut [&mut [f32]]) -> Result<bool> {
         let (manifest, world) = (self.manifest, self.world);
         let e = self.next;
         let Some(p) = self.in_pieces.as_mut() else {
@@ -405,6 +407,9 @@ impl<'a, 'o> Received<'a, 'o> {
         };
         let s = p.sections;
         let internal = |_| Error::internal("the sections of an entry read in pieces");
+        let Some(out) = outs.get_mut(e).filter(|o| o.len() == s.n()) else {
+            return Err(Error::internal("an output that is not the entry's"));
+        };
         let (scales, body) = s.ranges(0, s.n()).map_err(internal)?;
         let mut ready = (0..world)
             .map(|r| bufs[r].len() - self.at[r])
@@ -466,7 +471,7 @@ impl<'a, 'o> Received<'a, 'o> {
                 &|r| kept[r].as_slice(),
                 &|r| &bufs[r][at[r]..at[r] + len],
                 p.done,
-                &mut self.outs[e][p.done..end],
+                &mut out[p.done..end],
                 &mut p.faults,
             );
             self.at.iter_mut().for_each(|at| *at += len);
@@ -502,7 +507,7 @@ impl<'a, 'o> Received<'a, 'o> {
         };
         match error {
             Some(err) => {
-                self.outs[e].fill(0.0);
+                out.fill(0.0);
                 Err(err)
             }
             None => Ok(true),
@@ -609,16 +614,8 @@ mod tests {
             .collect();
         let mut aggregator = Aggregator::new();
         let mut pieces = PieceBuffers::default();
-        let slices: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
-        let mut stream = Received::new(
-            manifest,
-            0,
-            reduction,
-            &mut aggregator,
-            slices,
-            W,
-            &mut pieces,
-        );
+        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+        let mut stream = Received::new(manifest, 0, reduction, &mut aggregator, W, &mut pieces);
         let mut sent = [0usize; W];
         let mut bufs = vec![Vec::new(); W];
         loop {
@@ -633,7 +630,7 @@ mod tests {
                 sent[r] = end;
             }
             let last = (0..W).all(|r| sent[r] == msgs[r].len());
-            stream.consume(&mut bufs, last);
+            stream.consume(&mut bufs, last, &mut slices);
             if last {
                 break;
             }

@@ -35,9 +35,42 @@
 
 use super::{CommError, Communicator, check_lengths};
 
-/// A stream's consumer: the messages as they arrived (it may remove bytes from their fronts),
-/// and whether every message arrived whole.
-pub(crate) type Consume<'c> = dyn FnMut(&mut [Vec<u8>], bool) + 'c;
+/// A message that [`Windows::all_gather_streamed`] sends: its length, known before its first
+/// window leaves, and its bytes, asked for window by window in order, so that a message may
+/// be written as it is sent.
+pub(crate) trait Outgoing {
+    /// Bytes of the whole message.
+    fn len(&self) -> usize;
+
+    /// The message's bytes `from..to` (`to` at most [`Outgoing::len`]); each call asks for the
+    /// bytes after the last call's.
+    fn bytes(&mut self, from: usize, to: usize) -> &[u8];
+}
+
+/// Both ends of [`Windows::all_gather_streamed`] on one rank: this rank's message, and what
+/// arrives, handed over as it comes.
+pub(crate) trait Stream: Outgoing {
+    /// Takes the messages as they arrived (it may remove bytes from their fronts: the bytes
+    /// it has used), `last` once every message arrived whole.
+    fn consume(&mut self, bufs: &mut [Vec<u8>], last: bool);
+}
+
+/// A message held whole (with nothing to consume, for [`Windows::all_gather`]).
+pub(crate) struct Whole<'a>(pub(crate) &'a [u8]);
+
+impl Outgoing for Whole<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn bytes(&mut self, from: usize, to: usize) -> &[u8] {
+        self.0.get(from..to).unwrap_or(&[])
+    }
+}
+
+impl Stream for Whole<'_> {
+    fn consume(&mut self, _: &mut [Vec<u8>], _: bool) {}
+}
 
 /// Bytes of one rank's all-gather header: total length, limit (`u64` LE each).
 const GATHER_HEADER: usize = 16;
@@ -110,51 +143,51 @@ impl Windows {
         out: &mut Vec<Vec<u8>>,
         stop: impl Fn(&[Vec<u8>]) -> bool,
     ) -> Result<bool, CommError> {
-        self.gather(comm, local, max_len, chunk, out, &stop, None)
+        self.gather(comm, &mut Whole(local), false, max_len, chunk, out, &stop)
     }
 
-    /// As [`Windows::all_gather`], handing the messages to `consume` as they arrive: after
-    /// the first windows (unless `stop` holds for them) and after every later round, with
-    /// `true` after the last. `consume` may remove bytes from the front of any message (the
-    /// bytes it has used); what arrives later is appended to what it left. A message is then
-    /// never held whole unless `consume` keeps it, and `out` holds, after the call, what
-    /// `consume` left. `Ok(false)` as for [`Windows::all_gather`] (then `consume` was not
-    /// called).
+    /// As [`Windows::all_gather`] of `io`'s message, asked for window by window (this rank's
+    /// message need not be held whole either), handing the messages to `io` as they arrive
+    /// ([`Stream::consume`]): after the first windows (unless `stop` holds for them) and after
+    /// every later round, with `true` after the last. `io` may remove bytes from the front of
+    /// any message (the bytes it has used); what arrives later is appended to what it left. A
+    /// message is then never held whole unless `io` keeps it, and `out` holds, after the call,
+    /// what `io` left. `Ok(false)` as for [`Windows::all_gather`] (then nothing was consumed).
     ///
     /// # Errors
     /// As [`Windows::all_gather`].
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn all_gather_streamed(
         &mut self,
         comm: &mut dyn Communicator,
-        local: &[u8],
+        io: &mut dyn Stream,
         max_len: usize,
         chunk: usize,
         out: &mut Vec<Vec<u8>>,
         stop: impl Fn(&[Vec<u8>]) -> bool,
-        consume: &mut Consume<'_>,
     ) -> Result<bool, CommError> {
-        self.gather(comm, local, max_len, chunk, out, &stop, Some(consume))
+        self.gather(comm, io, true, max_len, chunk, out, &stop)
     }
 
-    /// The all-gather of [`Windows::all_gather`], streamed into `consume` when given.
+    /// The all-gather of [`Windows::all_gather`], its messages handed to `local` as they
+    /// arrive when `streamed`.
     #[allow(clippy::too_many_arguments)]
     fn gather(
         &mut self,
         comm: &mut dyn Communicator,
-        local: &[u8],
+        local: &mut dyn Stream,
+        streamed: bool,
         max_len: usize,
         chunk: usize,
         out: &mut Vec<Vec<u8>>,
         stop: &dyn Fn(&[Vec<u8>]) -> bool,
-        mut consume: Option<&mut Consume<'_>>,
     ) -> Result<bool, CommError> {
         let chunk = chunk.max(MIN_WINDOW);
-        let first = local.len().min(chunk);
-        comm.all_gather(&local[..first], max_len.min(chunk), out)?;
+        let len = local.len();
+        let first = len.min(chunk);
+        comm.all_gather(local.bytes(0, first), max_len.min(chunk), out)?;
         if out.iter().all(|w| w.len() < chunk) {
-            if let Some(consume) = consume.as_mut() {
-                consume(out, true);
+            if streamed {
+                local.consume(out, true);
             }
             return Ok(true);
         }
@@ -162,8 +195,7 @@ impl Windows {
             return Ok(false);
         }
         self.header.clear();
-        self.header
-            .extend_from_slice(&(local.len() as u64).to_le_bytes());
+        self.header.extend_from_slice(&(len as u64).to_le_bytes());
         self.header
             .extend_from_slice(&(max_len as u64).to_le_bytes());
         comm.all_gather(&self.header, GATHER_HEADER, &mut self.headers)?;
@@ -199,20 +231,20 @@ impl Windows {
             self.arrived.push(due);
             // Within the group's smallest limit, at most this rank's own `max_len`. A stream
             // grows its messages window by window instead (its consumer removes what it used).
-            if consume.is_none() {
+            if !streamed {
                 reserve(got, total - due, r)?;
             }
         }
         let mut whole = self.arrived == self.totals;
-        if let Some(consume) = consume.as_mut() {
-            consume(out, whole);
+        if streamed {
+            local.consume(out, whole);
         }
         let mut done = first;
         while !whole {
-            let next = local.len().min(done + chunk);
+            let next = len.min(done + chunk);
             self.lens.clear();
             self.lens.extend(out.iter().map(Vec::len));
-            if consume.is_some() {
+            if streamed {
                 for (r, (msg, (&total, &arrived))) in out
                     .iter_mut()
                     .zip(self.totals.iter().zip(&self.arrived))
@@ -228,7 +260,7 @@ impl Windows {
                     }
                 }
             }
-            comm.all_gather_append(&local[done..next], chunk, out)?;
+            comm.all_gather_append(local.bytes(done, next), chunk, out)?;
             done = next;
             if out.len() != self.totals.len() {
                 return Err(CommError::Transport(format!(
@@ -250,8 +282,8 @@ impl Windows {
                 *arrived += due;
             }
             whole = self.arrived == self.totals;
-            if let Some(consume) = consume.as_mut() {
-                consume(out, whole);
+            if streamed {
+                local.consume(out, whole);
             }
         }
         Ok(true)

@@ -24,7 +24,9 @@
 //! with each entry's largest frame, writes every frame in its place, then closes the gaps that
 //! shorter frames left (none for dense, quantization, top-k and random-k frames and for sign
 //! frames without a zero mask, whose length is fixed); [`Engine::encode`] writes into the
-//! engine's own buffer and hands each frame to a sink.
+//! engine's own buffer and hands each frame to a sink. A bundle of dense frames without error
+//! feedback is written as it is sent instead, window by window, never whole
+//! ([`dense_stream`]: its gradients checked first, the same bytes).
 //!
 //! Memory: the frames ([`Manifest::max_bundle_len`] in all: the caller's bundle, or the
 //! engine's buffer for a sink), one set of scratch buffers per task running at the same time,
@@ -36,6 +38,7 @@
 mod buffers;
 mod check;
 pub(crate) mod dense_chunks;
+pub(crate) mod dense_stream;
 mod entry;
 mod exec;
 pub(crate) mod low_rank;
