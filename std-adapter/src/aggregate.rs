@@ -437,21 +437,15 @@ impl Aggregator {
         acc: &mut [f32],
         faults: &mut PieceFaults,
     ) {
-        let Some(entry) = manifest.entries().get(e) else {
-            return;
-        };
-        let Some((_, chunk)) = dense_geometry(entry.len, &entry.method) else {
-            return;
-        };
-        let Ok((_, whole)) = sections.ranges(start, start + acc.len()) else {
-            faults.note(
-                0,
-                start,
-                gradwire_core::Error::BadChunk {
-                    start,
-                    end: start + acc.len(),
-                },
-            );
+        let end = start + acc.len();
+        let entry = manifest.entries().get(e);
+        let geometry = entry.and_then(|entry| dense_geometry(entry.len, &entry.method));
+        let (Some(entry), Some((_, chunk)), Ok((_, whole))) =
+            (entry, geometry, sections.ranges(start, end))
+        else {
+            // Not a chunk of an entry read in pieces: a fault, so that the entry never ends
+            // `Ok`.
+            faults.note(0, start, gradwire_core::Error::BadChunk { start, end });
             return;
         };
         let ranks = faults.bad.as_ref().map_or(count, |(rank, _, _)| *rank);

@@ -361,7 +361,8 @@ impl GradientCompressor {
             return Err(Error::internal("a bundle with error feedback streamed"));
         }
         let (step, rank32) = self.check_bundle_call(manifest, gradients, rank)?;
-        let stream = DenseStream::new(manifest, gradients, step, rank32, envelope, pending)?;
+        let exec = self.parallelism.exec_for(manifest.flat_len());
+        let stream = DenseStream::new(manifest, gradients, step, rank32, envelope, pending, exec)?;
         self.step = self.step.wrapping_add(1);
         Ok(stream)
     }

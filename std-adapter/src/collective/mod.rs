@@ -417,12 +417,15 @@ pub(crate) struct AllGather {
 
 impl AllGather {
     /// Exchanges this rank's part with every rank of `comm` and, when every rank sent a
-    /// bundle made with the same configuration, aggregates them into `outs` (each tensor's
-    /// elements in the manifest's tensor order), through a flat buffer of the manifest's layout
-    /// only when the manifest has buckets. After an error `outs`' values are unspecified. The messages cross `comm` in windows of at most
-    /// `chunk` bytes ([`Windows`]; every rank passes the same `chunk`); without buckets, the
-    /// bundles are read and added entry by entry as the windows arrive ([`Received`]), so a
-    /// rank holds no peer's whole bundle. A group of one reads its own message in place.
+    /// bundle made with the same configuration, aggregates them into the outputs of `bufs`
+    /// (each tensor's elements in the manifest's tensor order), through a flat buffer of the
+    /// manifest's layout only when the manifest has buckets. After an error the outputs'
+    /// values are unspecified. The messages cross `comm` in windows of at most `chunk` bytes
+    /// ([`Windows`]; every rank passes the same `chunk`); without buckets, the bundles are read
+    /// and added entry by entry (a large dense, quantization or sign entry in pieces) as the
+    /// windows arrive ([`Received`]), so a rank holds no peer's whole bundle, and a streamed
+    /// message ([`Local::Streamed`]) is written from the gradients of `bufs` window by window.
+    /// A group of one reads its own message where it is, or as it is written when streamed.
     ///
     /// # Errors
     /// This rank's own error when its step failed; [`Error::PeerFailed`] naming the first
@@ -511,7 +514,15 @@ impl AllGather {
         {
             // Straight into the output tensors, one entry each, as the windows arrive (a
             // bucket spans several tensors: a bucketed manifest is gathered whole, below).
-            if manifest.entry_slices(bufs.outs()).is_some() {
+            // The stream indexes the outputs by entry: entry `e` must be tensor `e` (a bucket
+            // spans several tensors: a bucketed manifest is gathered whole, below).
+            let outs = bufs.outs();
+            let per_entry = manifest.one_entry_per_tensor()
+                && outs
+                    .iter()
+                    .zip(manifest.entries())
+                    .all(|(o, e)| o.len() == e.len);
+            if per_entry {
                 let mut io = Exchange {
                     message: send,
                     bufs,
@@ -533,7 +544,13 @@ impl AllGather {
                     let mut done = 0;
                     loop {
                         let next = len.min(done + chunk);
-                        done = io.append(done, next, &mut self.gathered[0]).min(len);
+                        let appended = io.append(done, next, &mut self.gathered[0]).min(len);
+                        if appended < next {
+                            return Err(Error::internal(
+                                "a group of one's message ended before its length",
+                            ));
+                        }
+                        done = appended;
                         io.consume(&mut self.gathered, done == len);
                         if done == len {
                             break;

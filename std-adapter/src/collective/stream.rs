@@ -128,8 +128,10 @@ impl<'a> Received<'a> {
     }
 
     /// Takes what arrived in `bufs` (one buffer per rank, each its message's bytes from where
-    /// this stream last cut it), `last` once every message arrived whole: aggregates the
-    /// entries whole on every rank and removes the bytes read (see below). After an error the
+    /// this stream last cut it), `last` once every message arrived whole: aggregates into
+    /// `outs` (one slice per entry, in entry order) the entries whole on every rank and what
+    /// arrived on every rank of an entry read in pieces, and removes the bytes read (see
+    /// below). After an error the
     /// bytes are dropped as they come, so that the windows still run to their end on every
     /// rank.
     pub(crate) fn consume(&mut self, bufs: &mut [Vec<u8>], last: bool, outs: &mut [&mut [f32]]) {
@@ -558,27 +560,33 @@ mod tests {
         }
     }
 
-    /// Two large tensors (read in pieces) between small ones (read whole); `scale` multiplies
-    /// every value (large values make sums that overflow).
-    fn gradients(rank: usize, scale: f32) -> HashMap<String, Tensor> {
-        let mut g = HashMap::new();
-        for (name, n) in [("a", 100), ("big", 200_000), ("c", 7), ("huge", 300_001)] {
-            let v = (0..n)
-                .map(|i| scale * ((((i * 7 + rank) % 29) as f32 - 14.0) / 9.0))
-                .collect();
-            g.insert(name.to_string(), Tensor::new(vec![n], v).unwrap());
-        }
-        g
-    }
+    /// Two large tensors (read in pieces) between small ones (read whole).
+    const SIZES: [(&str, usize); 4] = [("a", 100), ("big", 200_000), ("c", 7), ("huge", 300_001)];
 
-    /// Each rank's message (envelope and bundle) for `method` at step 0.
-    fn messages(method: &CompressionMethod, scale: f32) -> (Manifest, Vec<Vec<u8>>) {
-        let g0 = gradients(0, scale);
-        let manifest = Manifest::for_gradients(&g0, method, 0, BucketConfig::none()).unwrap();
+    /// Each of `w` ranks' message (envelope and bundle) for `method` at step 0, for tensors
+    /// of `sizes`; `scale` multiplies every value (large values make sums that overflow).
+    fn messages(
+        method: &CompressionMethod,
+        w: usize,
+        sizes: &[(&str, usize)],
+        scale: f32,
+    ) -> (Manifest, Vec<Vec<u8>>) {
+        let gradients = |rank: usize| {
+            let mut g = HashMap::new();
+            for &(name, n) in sizes {
+                let v = (0..n)
+                    .map(|i| scale * ((((i * 7 + rank) % 29) as f32 - 14.0) / 9.0))
+                    .collect();
+                g.insert(name.to_string(), Tensor::new(vec![n], v).unwrap());
+            }
+            g
+        };
+        let manifest =
+            Manifest::for_gradients(&gradients(0), method, 0, BucketConfig::none()).unwrap();
         let core = method.core_method().unwrap();
-        let msgs = (0..W)
+        let msgs = (0..w)
             .map(|r| {
-                let g = gradients(r, scale);
+                let g = gradients(r);
                 let mut bundle = Vec::new();
                 let count = manifest.entries().len() as u32;
                 let mut writer = BundleWriter::begin(&mut bundle, r as u32, count, 0);
@@ -598,15 +606,16 @@ mod tests {
         (manifest, msgs)
     }
 
-    /// The stream's result over `msgs`, each call bringing each rank up to `window()` more
-    /// bytes (`None`: every message whole in one call), the first at least 4 KiB (the smallest
-    /// first window, which holds every envelope).
+    /// The stream's result over `msgs` (one per rank), each call bringing each rank up to
+    /// `window()` more bytes (`None`: every message whole in one call), the first at least
+    /// 4 KiB (the smallest first window, which holds every envelope).
     fn receive(
         manifest: &Manifest,
         msgs: &[Vec<u8>],
         reduction: Reduction,
         mut window: Option<&mut dyn FnMut() -> usize>,
     ) -> (std::result::Result<(), String>, Vec<f32>) {
+        let w = msgs.len();
         let mut outs: Vec<Vec<f32>> = manifest
             .entries()
             .iter()
@@ -615,21 +624,21 @@ mod tests {
         let mut aggregator = Aggregator::new();
         let mut pieces = PieceBuffers::default();
         let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
-        let mut stream = Received::new(manifest, 0, reduction, &mut aggregator, W, &mut pieces);
-        let mut sent = [0usize; W];
-        let mut bufs = vec![Vec::new(); W];
+        let mut stream = Received::new(manifest, 0, reduction, &mut aggregator, w, &mut pieces);
+        let mut sent = vec![0usize; w];
+        let mut bufs = vec![Vec::new(); w];
         loop {
             for (r, buf) in bufs.iter_mut().enumerate() {
                 let more = match window.as_mut() {
-                    Some(w) if sent[r] == 0 => w().max(4096),
-                    Some(w) => w(),
+                    Some(f) if sent[r] == 0 => f().max(4096),
+                    Some(f) => f(),
                     None => usize::MAX,
                 };
                 let end = sent[r].saturating_add(more).min(msgs[r].len());
                 buf.extend_from_slice(&msgs[r][sent[r]..end]);
                 sent[r] = end;
             }
-            let last = (0..W).all(|r| sent[r] == msgs[r].len());
+            let last = (0..w).all(|r| sent[r] == msgs[r].len());
             stream.consume(&mut bufs, last, &mut slices);
             if last {
                 break;
@@ -707,7 +716,7 @@ mod tests {
         let mut d = Draw(46);
         for method in &methods {
             for (reduction, scale) in [(Reduction::Mean, 1.0), (Reduction::Sum, 2e38)] {
-                let (manifest, clean) = messages(method, scale);
+                let (manifest, clean) = messages(method, W, &SIZES, scale);
                 let whole = receive(&manifest, &clean, reduction, None);
                 match (scale == 1.0, &whole.0) {
                     (true, Ok(())) => {}
@@ -781,6 +790,92 @@ mod tests {
                     whole.0.is_err() || same(&got.1, &whole.1),
                     "{method:?} {reduction:?}"
                 );
+            }
+        }
+    }
+
+    /// More methods and reductions (unscaled sign with a majority vote and a sum, 8-, 3- and
+    /// 2-bit quantization, dense f32) at W = 1, 2 and 4, against damage to an entry's id and
+    /// length (a length one lower or higher, the bundle's checksum made to match), to a frame's
+    /// header, to its body (checksums made to match) and bytes after the bundle.
+    #[test]
+    fn entries_read_in_pieces_agree_for_every_method_world_size_and_entry_header() {
+        use gradwire_core::{Method, Rounding, SignScale, Values};
+        let sizes = [("a", 50usize), ("big", 140_001), ("c", 3)];
+        let unscaled = CompressionMethod::Core(Method::Sign {
+            scale: SignScale::None,
+            zero_mask: false,
+        });
+        let cases = [
+            (unscaled.clone(), Reduction::MajorityVote),
+            (unscaled, Reduction::Sum),
+            (CompressionMethod::Quantization { bits: 8 }, Reduction::Mean),
+            (CompressionMethod::Quantization { bits: 3 }, Reduction::Mean),
+            (
+                CompressionMethod::Core(Method::Quant {
+                    bits: 2,
+                    block: 48,
+                    rounding: Rounding::Stochastic,
+                }),
+                Reduction::Sum,
+            ),
+            (
+                CompressionMethod::Core(Method::Dense {
+                    values: Values::F32,
+                }),
+                Reduction::Mean,
+            ),
+        ];
+        let mut d = Draw(99);
+        for (method, reduction) in &cases {
+            for w in [1usize, 2, 4] {
+                let (manifest, clean) = messages(method, w, &sizes, 1.0);
+                let pieces = |e: &crate::layout::Entry| e.reduce == ReducePlan::DenseChunks;
+                assert!(manifest.entries().iter().any(pieces));
+                let whole = receive(&manifest, &clean, *reduction, None);
+                assert!(whole.0.is_ok(), "{method:?} {w}: {:?}", whole.0);
+                for trial in 0..18 {
+                    let mut msgs = clean.clone();
+                    let r = d.below(w);
+                    let f = frames(&msgs[r])[1].clone();
+                    match trial % 6 {
+                        0 => {}
+                        1 => {
+                            let at = f.start - ENTRY_HEADER_LEN + d.below(ENTRY_HEADER_LEN);
+                            msgs[r][at] ^= 1 << d.below(8);
+                        }
+                        2 | 3 => {
+                            let at = f.start - 4;
+                            let len = u32::from_le_bytes(msgs[r][at..at + 4].try_into().unwrap());
+                            let len = if trial % 6 == 2 { len - 1 } else { len + 1 };
+                            msgs[r][at..at + 4].copy_from_slice(&len.to_le_bytes());
+                            fix_crc(&mut msgs[r][ENVELOPE_LEN..]);
+                        }
+                        4 => {
+                            let at = f.start + d.below(12);
+                            msgs[r][at] ^= 1 << d.below(8);
+                        }
+                        _ => {
+                            let at = f.start + d.below(f.len());
+                            msgs[r][at] ^= 1 << d.below(8);
+                            fix_crc(&mut msgs[r][f]);
+                            fix_crc(&mut msgs[r][ENVELOPE_LEN..]);
+                            if d.below(2) == 0 {
+                                msgs[r].push(0);
+                            }
+                        }
+                    }
+                    let want = receive(&manifest, &msgs, *reduction, None);
+                    for size in [300usize, 20_000] {
+                        let mut windows = || 1 + d.below(2 * size);
+                        let got = receive(&manifest, &msgs, *reduction, Some(&mut windows));
+                        let case = format!("{method:?} {reduction:?} W {w} trial {trial}");
+                        assert_eq!(got.0, want.0, "{case} windows {size}");
+                        if want.0.is_ok() {
+                            assert!(same(&got.1, &want.1), "{case} windows {size}");
+                        }
+                    }
+                }
             }
         }
     }

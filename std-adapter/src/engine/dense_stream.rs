@@ -11,14 +11,19 @@
 use gradwire_core::frame::chunk::Sections;
 use gradwire_core::{Method, Params};
 
-use super::Gradients;
+use gradwire_core::values::{first_at_or_above, magnitude_limit};
+
 use super::shard::first_bad;
+use super::{Exec, Gradients};
 use crate::error::{Error, Result};
 use crate::layout::Manifest;
 use crate::layout::bundle::{BUNDLE_MAGIC, BUNDLE_VERSION, ENTRY_HEADER_LEN, TRAILER_LEN};
 
-/// Elements encoded at a time (256 KiB of f32 read; at most 256 KiB written).
+/// Elements encoded at a time on one thread (256 KiB of f32 read; at most 256 KiB written).
 const PIECE: usize = 1 << 16;
+
+/// Elements encoded at a time on the pool, in tasks of [`PIECE`].
+const POOL_PIECE: usize = 16 * PIECE;
 
 /// Where the writer is in the message.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -51,6 +56,11 @@ pub(crate) struct DenseStream<'a> {
 struct Writer<'a> {
     manifest: &'a Manifest,
     step: u64,
+    exec: Exec,
+    /// Set when an encode failed (its input was checked, so never expected): the frame's
+    /// trailer is then written wrong, so that every receiver fails the step naming this rank
+    /// instead of reading unspecified bytes.
+    failed: bool,
     at: At,
     sections: Option<Sections>,
     bundle_crc: crc32fast::Hasher,
@@ -58,14 +68,14 @@ struct Writer<'a> {
 }
 
 /// Whether `manifest`'s bundles can be written as they are sent: every entry one dense
-/// tensor (no buckets).
+/// tensor, entry `e` tensor `e` (no buckets).
 pub(crate) fn streams(manifest: &Manifest) -> bool {
     matches!(manifest.method(), Method::Dense { .. })
-        && manifest.entries().len() == manifest.tensors().len()
+        && manifest.one_entry_per_tensor()
         && manifest
             .entries()
             .iter()
-            .all(|e| matches!(e.method, Method::Dense { .. }) && e.members.len() == 1)
+            .all(|e| matches!(e.method, Method::Dense { .. }))
 }
 
 impl<'a> DenseStream<'a> {
@@ -78,6 +88,7 @@ impl<'a> DenseStream<'a> {
     /// [`Error::Core`] naming the first tensor (in manifest order) holding a NaN or infinity,
     /// or a value beyond the value type's range, and its first such element, NaN or infinity
     /// first; [`Error::Config`] for a manifest whose bundles do not stream.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new<G: Gradients + ?Sized>(
         manifest: &'a Manifest,
         grads: &G,
@@ -85,19 +96,27 @@ impl<'a> DenseStream<'a> {
         rank: u32,
         envelope: &[u8],
         pending: &'a mut Vec<u8>,
+        exec: Exec,
     ) -> Result<Self> {
         if !streams(manifest) {
             return Err(Error::internal("a bundle streamed that has other entries"));
         }
-        for (t, info) in manifest.tensors().iter().enumerate() {
-            let values = match manifest.entries()[t].method {
-                Method::Dense { values } => values,
-                _ => return Err(Error::internal("a streamed entry that is not dense")),
+        // The tensors at once on the pool, each in chunks; a bad one named by its first bad
+        // element (NaN or infinity first), the first tensor in manifest order.
+        exec.first_err(manifest.tensors(), |t, info| {
+            let Method::Dense { values } = manifest.entries()[t].method else {
+                return Err(Error::internal("a streamed entry that is not dense"));
             };
-            if let Some(e) = first_bad(grads.grad(manifest, t), Some(values)) {
-                return Err(Error::core(&info.name, None, e));
+            let x = grads.grad(manifest, t);
+            let limit = magnitude_limit(Some(values));
+            if exec.chunks_all(x, PIECE, |c| first_at_or_above(c, limit).is_none()) {
+                return Ok(());
             }
-        }
+            match first_bad(x, Some(values)) {
+                Some(e) => Err(Error::core(&info.name, None, e)),
+                None => Ok(()),
+            }
+        })?;
         pending.clear();
         pending.extend_from_slice(envelope);
         let head = pending.len();
@@ -121,6 +140,8 @@ impl<'a> DenseStream<'a> {
             writer: Writer {
                 manifest,
                 step,
+                exec,
+                failed: false,
                 at: At::Entry(0),
                 sections: None,
                 bundle_crc,
@@ -231,30 +252,74 @@ impl Writer<'_> {
                 let n = sections.n();
                 if i == n {
                     self.bundle_crc.combine(&self.frame_crc);
-                    let crc = self.frame_crc.clone().finalize().to_le_bytes();
+                    let mut crc = self.frame_crc.clone().finalize();
+                    if self.failed {
+                        crc = !crc;
+                    }
+                    let crc = crc.to_le_bytes();
                     self.bundle_crc.update(&crc);
                     out.extend_from_slice(&crc);
                     self.at = At::Entry(e + 1);
                     return;
                 }
-                let end = (i + PIECE).min(n);
+                let piece = match self.exec {
+                    Exec::Serial => PIECE,
+                    Exec::Pool => POOL_PIECE,
+                };
+                let end = (i + piece).min(n);
                 let params: Params = manifest.params(entry, self.step);
                 let x = &grads.grad(manifest, entry.members[0])[i..end];
                 let Ok((_, body)) = sections.ranges(i, end) else {
+                    self.failed = true;
                     self.at = At::End;
                     return;
                 };
                 let start = out.len();
                 out.resize(start + body.len(), 0);
-                // Every value was checked in `new`: the encode cannot fail.
-                let encoded = sections.encode(&params, i, x, &mut [], &mut out[start..]);
-                debug_assert!(encoded.is_ok(), "{encoded:?}");
-                self.frame_crc.update(&out[start..]);
+                // Every value was checked in `new`: the encode cannot fail (if it did, the
+                // frame's trailer says so, see `failed`).
+                let body = &mut out[start..];
+                if !encode_split(self.exec, &sections, &params, i, x, body) {
+                    self.failed = true;
+                }
+                let crc = self.exec.crc32(body);
+                let len = body.len() as u64;
+                self.frame_crc
+                    .combine(&crc32fast::Hasher::new_with_initial_len(crc, len));
                 self.at = At::Values(e, end);
             }
             At::End => {}
         }
     }
+}
+
+/// Encodes `x`, elements `start..` of a dense frame's tensor, into its body piece `body`:
+/// halves of at least [`PIECE`] elements as tasks on the pool. `false` when a piece failed.
+fn encode_split(
+    exec: Exec,
+    sections: &Sections,
+    params: &Params,
+    start: usize,
+    x: &[f32],
+    body: &mut [u8],
+) -> bool {
+    if exec == Exec::Serial || x.len() < 2 * PIECE {
+        return sections.encode(params, start, x, &mut [], body).is_ok();
+    }
+    let mid = x.len() / 2;
+    let Ok((_, front)) = sections.ranges(start, start + mid) else {
+        return false;
+    };
+    let Some((ba, bb)) = (front.len() <= body.len()).then(|| body.split_at_mut(front.len())) else {
+        return false;
+    };
+    let (xa, xb) = x.split_at(mid);
+    let (mut a, mut b) = (false, false);
+    exec.join(
+        || a = encode_split(exec, sections, params, start, xa, ba),
+        || b = encode_split(exec, sections, params, start + mid, xb, bb),
+    );
+    a && b
 }
 
 #[cfg(test)]
@@ -310,7 +375,14 @@ mod tests {
             }
             writer.finish();
             let want = [envelope.as_slice(), &bundle].concat();
-            for window in [1, 5, 4096, 100_003, usize::MAX] {
+            for (window, exec) in [
+                (1, Exec::Serial),
+                (5, Exec::Pool),
+                (4096, Exec::Serial),
+                (100_003, Exec::Pool),
+                (usize::MAX, Exec::Serial),
+                (usize::MAX, Exec::Pool),
+            ] {
                 let mut pending = Vec::new();
                 let mut stream = DenseStream::new(
                     &manifest,
@@ -319,6 +391,7 @@ mod tests {
                     2,
                     &envelope,
                     &mut pending,
+                    exec,
                 )
                 .unwrap();
                 assert_eq!(stream.len(), want.len(), "{values:?}");
@@ -340,6 +413,7 @@ mod tests {
                     2,
                     &envelope,
                     &mut pending,
+                    exec,
                 )
                 .unwrap();
                 let first = stream.next(window.min(30), grads.as_slice()).to_vec();
@@ -356,7 +430,7 @@ mod tests {
                 assert!(got == want, "{values:?} window {window}: appended");
                 // Never more than a window and a piece held, and as much taken (twice that
                 // grown into).
-                let held = 2 * (window.min(want.len()) + 4 * PIECE + 64);
+                let held = 2 * (window.min(want.len()) + 4 * POOL_PIECE + 64);
                 assert!(pending.capacity() <= 2 * held, "{}", pending.capacity());
             }
         }
@@ -394,19 +468,20 @@ mod tests {
             // A NaN after a value out of range is named first, as the engine names it.
             bad[t][at / 2] = 1e9;
             let slices: Vec<&[f32]> = bad.iter().map(Vec::as_slice).collect();
-            let mut pending = vec![7u8; 3];
-            let err = DenseStream::new(&manifest, slices.as_slice(), 0, 0, &[], &mut pending)
-                .err()
-                .unwrap();
             let want = match x.is_finite() {
                 true => gradwire_core::Error::ValueOutOfRange { index: at / 2 },
                 false => want,
             };
-            assert_eq!(
-                err.to_string(),
-                Error::core(&format!("t{t}"), None, want).to_string()
-            );
-            assert_eq!(pending, [7, 7, 7], "nothing written");
+            for exec in [Exec::Serial, Exec::Pool] {
+                let mut pending = vec![7u8; 3];
+                let made = DenseStream::new(&manifest, &slices[..], 0, 0, &[], &mut pending, exec);
+                let err = made.err().unwrap();
+                assert_eq!(
+                    err.to_string(),
+                    Error::core(&format!("t{t}"), None, want).to_string()
+                );
+                assert_eq!(pending, [7, 7, 7], "nothing written");
+            }
         }
     }
 }

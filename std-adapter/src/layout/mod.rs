@@ -530,6 +530,17 @@ impl Manifest {
         slots.into_iter().collect()
     }
 
+    /// Whether every entry is one tensor, entry `e` the manifest's tensor `e` (no buckets):
+    /// the tensors' outputs, in order, are then the entries'.
+    pub(crate) fn one_entry_per_tensor(&self) -> bool {
+        self.entries.len() == self.tensors.len()
+            && self
+                .entries
+                .iter()
+                .enumerate()
+                .all(|(e, entry)| entry.members.len() == 1 && entry.members[0] == e)
+    }
+
     /// Each entry's output slice among `outs` (every tensor's elements, in the manifest's
     /// tensor order), in entry order. `None` for a manifest with buckets (an entry spanning
     /// several tensors has no one slice) or `outs` of other lengths.
