@@ -512,12 +512,12 @@ impl AllGather {
         if (!alone || streamed)
             && let Some((manifest, step, _)) = ours
         {
-            // Straight into the output tensors, one entry each, as the windows arrive (a
-            // bucket spans several tensors: a bucketed manifest is gathered whole, below).
-            // The stream indexes the outputs by entry: entry `e` must be tensor `e` (a bucket
+            // Straight into the output tensors, one entry each, as the windows arrive. The
+            // stream indexes the outputs by entry, so entry `e` must be tensor `e` (a bucket
             // spans several tensors: a bucketed manifest is gathered whole, below).
             let outs = bufs.outs();
             let per_entry = manifest.one_entry_per_tensor()
+                && outs.len() == manifest.entries().len()
                 && outs
                     .iter()
                     .zip(manifest.entries())

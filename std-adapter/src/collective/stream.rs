@@ -7,11 +7,10 @@
 //! ([`Aggregator::aggregate_pieces`]), its frames' checksums hashed on the way and compared at
 //! their trailers. A receiver then holds, per rank, what arrived of the entry being read and
 //! not yet used (with frames of the same length on every rank, as dense, quantization and sign
-//! send: about a window, and a quantization or sign frame's scales section), where it held
-//! every rank's whole bundle (`W` x the bundle: 4 x 249 MB for dense bf16 on GPT-2-small at
-//! W = 4), then every rank's whole frame of the entry being received (4 x 77 MB for `wte`). A
-//! rank whose frames are shorter (a sparse method) runs ahead of the others by up to their
-//! difference.
+//! send: about a window, and a quantization or sign frame's scales section), not every rank's
+//! whole bundle (`W` x the bundle: 4 x 249 MB for dense bf16 on GPT-2-small at W = 4) nor
+//! every rank's whole frame of an entry (4 x 77 MB for its `wte`). A rank whose frames are
+//! shorter (a sparse method) runs ahead of the others by up to their difference.
 //!
 //! The checks are [`Manifest::check_bundle`]'s, in the order the bytes come (entry by entry,
 //! ranks in order within an entry), so a fault is found after the entries before it were

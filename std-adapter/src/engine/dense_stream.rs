@@ -9,9 +9,8 @@
 //! the bundle's checksum is combined from each frame's, as the whole bundle's is.
 
 use gradwire_core::frame::chunk::Sections;
-use gradwire_core::{Method, Params};
-
 use gradwire_core::values::{first_at_or_above, magnitude_limit};
+use gradwire_core::{Method, Params};
 
 use super::shard::first_bad;
 use super::{Exec, Gradients};
