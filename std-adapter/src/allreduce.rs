@@ -832,23 +832,17 @@ impl CompressedAllReduce {
             let streamed =
                 self.compressor
                     .stream_bundle(manifest, &bufs, rank, &envelope, &mut self.send);
+            let mut stream;
             let local = match streamed {
-                Ok(mut stream) => {
+                Ok(made) => {
+                    stream = made;
                     self.message_bytes = stream.len() - crate::collective::ENVELOPE_LEN;
-                    let local = Local::Streamed {
+                    Local::Streamed {
                         manifest,
                         message: &mut stream,
                         step,
                         config: &config,
-                    };
-                    return self.collective.run(
-                        comm,
-                        local,
-                        self.reduction,
-                        self.chunk_bytes,
-                        &mut self.aggregator,
-                        &mut bufs,
-                    );
+                    }
                 }
                 Err(error) => {
                     self.compressor.set_step(step.wrapping_add(1));

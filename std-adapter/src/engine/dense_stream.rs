@@ -382,17 +382,20 @@ mod tests {
                 (usize::MAX, Exec::Serial),
                 (usize::MAX, Exec::Pool),
             ] {
+                let make = |pending| {
+                    DenseStream::new(
+                        &manifest,
+                        grads.as_slice(),
+                        step,
+                        2,
+                        &envelope,
+                        pending,
+                        exec,
+                    )
+                    .unwrap()
+                };
                 let mut pending = Vec::new();
-                let mut stream = DenseStream::new(
-                    &manifest,
-                    grads.as_slice(),
-                    step,
-                    2,
-                    &envelope,
-                    &mut pending,
-                    exec,
-                )
-                .unwrap();
+                let mut stream = make(&mut pending);
                 assert_eq!(stream.len(), want.len(), "{values:?}");
                 let mut got = Vec::new();
                 while got.len() < want.len() {
@@ -405,16 +408,7 @@ mod tests {
                 assert!(stream.next(want.len(), grads.as_slice()).is_empty());
                 // Appended to a reader's buffer instead, after a first window taken.
                 let mut pending = Vec::new();
-                let mut stream = DenseStream::new(
-                    &manifest,
-                    grads.as_slice(),
-                    step,
-                    2,
-                    &envelope,
-                    &mut pending,
-                    exec,
-                )
-                .unwrap();
+                let mut stream = make(&mut pending);
                 let first = stream.next(window.min(30), grads.as_slice()).to_vec();
                 let mut got = first.clone();
                 let mut done = first.len();
