@@ -966,3 +966,173 @@ fn a_group_of_one_reads_its_streamed_bundle_as_it_is_written() {
         }
     }
 }
+
+/// A `LocalCommunicator` that keeps the longest buffer passed to its f32 all-reduce.
+struct Longest {
+    inner: LocalCommunicator,
+    longest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Communicator for Longest {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather(
+        &mut self,
+        local: &[u8],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), gradwire::comm::CommError> {
+        self.inner.all_gather(local, max_len, out)
+    }
+    fn all_to_all(
+        &mut self,
+        send: &[Vec<u8>],
+        max_len: usize,
+        out: &mut Vec<Vec<u8>>,
+    ) -> Result<(), gradwire::comm::CommError> {
+        self.inner.all_to_all(send, max_len, out)
+    }
+    fn traffic(&self) -> gradwire::comm::Traffic {
+        self.inner.traffic()
+    }
+    fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), gradwire::comm::CommError> {
+        self.longest
+            .fetch_max(x.len(), std::sync::atomic::Ordering::Relaxed);
+        self.inner.all_reduce_sum_f32(x)
+    }
+}
+
+/// Issue 46: the f32 all-reduce cuts its chunks at tensor boundaries (a tensor of a quarter of
+/// a chunk or more in pieces of its own, reduced where it lies; smaller ones gathered): W = 3,
+/// 4 KiB chunks (1,024 elements), tensors from empty to five chunks long, mean and sum, in place
+/// and apart: every rank gets the rank-order sum `(x0 + x1) + x2` (divided once by 3), no call
+/// passes more than a chunk, and an overflow in a piece or in a gathered tensor is named by
+/// tensor and index on every rank.
+#[test]
+fn the_f32_all_reduce_cut_at_tensor_boundaries_gives_the_rank_order_sums() {
+    const CHUNK: usize = 4096;
+    let shapes: [(&str, usize); 8] = [
+        ("a.small", 100),
+        ("b.empty", 0),
+        ("c.quarter", 256),
+        ("d.just_below", 255),
+        ("e.large", 5 * 1024 + 17),
+        ("f.small", 700),
+        ("g.chunk", 1024),
+        ("h.scalar", 1),
+    ];
+    let values = |r: usize, t: usize, n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let e = ((i * 7 + r * 13 + t) % 40) as i32 - 20;
+                let sign = if (i + r).is_multiple_of(3) { -1.0 } else { 1.0 };
+                sign * (1.0 + (i % 17) as f32 / 17.0) * 2f32.powi(e)
+            })
+            .collect()
+    };
+    let gradients = move |r: usize, bad: Option<(usize, usize)>| -> HashMap<String, Tensor> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(t, &(name, n))| {
+                let mut v = values(r, t, n);
+                if let Some((bt, bi)) = bad
+                    && bt == t
+                {
+                    v[bi] = 3e38;
+                }
+                let shape: &[usize] = if n == 1 { &[] } else { &[n] };
+                (name.to_string(), Tensor::new(shape.to_vec(), v).unwrap())
+            })
+            .collect()
+    };
+    let method = CompressionMethod::Core(Method::Dense {
+        values: Values::F32,
+    });
+    for reduction in [Reduction::Mean, Reduction::Sum] {
+        for in_place in [false, true] {
+            let longest = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let (m, l) = (method.clone(), std::sync::Arc::clone(&longest));
+            let results = on_every_rank(3, move |comm| {
+                let r = comm.rank();
+                let comm = Longest {
+                    inner: comm,
+                    longest: std::sync::Arc::clone(&l),
+                };
+                let mut ar = CompressedAllReduce::with_communicator(m.clone(), Box::new(comm))
+                    .with_reduction(reduction)
+                    .with_chunk_bytes(CHUNK);
+                // A good step, then overflows in a piece of `e.large` and in `f.small`.
+                [None, Some((4, 3 * 1024 + 5)), Some((5, 699))]
+                    .into_iter()
+                    .map(|bad| {
+                        let g = gradients(r, bad);
+                        if in_place {
+                            let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = g
+                                .iter()
+                                .map(|(n, t)| (n.clone(), t.shape().to_vec(), t.data().to_vec()))
+                                .collect();
+                            let mut views: Vec<gradwire::tensor::TensorMut<'_>> = owned
+                                .iter_mut()
+                                .map(|(name, shape, data)| gradwire::tensor::TensorMut {
+                                    name,
+                                    shape,
+                                    data,
+                                })
+                                .collect();
+                            let result = ar.all_reduce_in_place(&mut views);
+                            drop(views);
+                            result.map(|()| {
+                                owned
+                                    .into_iter()
+                                    .map(|(n, _, d)| (n, d))
+                                    .collect::<HashMap<_, _>>()
+                            })
+                        } else {
+                            let mut out = HashMap::new();
+                            ar.all_reduce_into(&g, &mut out).map(|()| {
+                                out.into_iter()
+                                    .map(|(n, t)| (n, t.data().to_vec()))
+                                    .collect::<HashMap<_, _>>()
+                            })
+                        }
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let what = format!("{reduction:?}, in place {in_place}");
+            assert!(
+                longest.load(std::sync::atomic::Ordering::Relaxed) <= CHUNK / 4,
+                "{what}: a call longer than the chunk"
+            );
+            for (r, steps) in results.iter().enumerate() {
+                let good = steps[0].as_ref().unwrap();
+                for (t, &(name, n)) in shapes.iter().enumerate() {
+                    let x: Vec<Vec<f32>> = (0..3).map(|r| values(r, t, n)).collect();
+                    let want: Vec<f32> = (0..n)
+                        .map(|i| {
+                            let sum = (x[0][i] + x[1][i]) + x[2][i];
+                            if reduction == Reduction::Mean {
+                                sum / 3.0
+                            } else {
+                                sum
+                            }
+                        })
+                        .collect();
+                    assert!(same_bits(&good[name], &want), "{what}: rank {r}, {name}");
+                }
+                for (s, (tensor, index)) in [(1, ("e.large", 3 * 1024 + 5)), (2, ("f.small", 699))]
+                {
+                    assert!(
+                        matches!(&steps[s], Err(Error::Overflow { tensor: t, index: i }) if t == tensor && *i == index),
+                        "{what}: rank {r}, step {s}: {:?}",
+                        steps[s].as_ref().err()
+                    );
+                }
+            }
+        }
+    }
+}

@@ -103,6 +103,23 @@ impl<'a> StepBuffers<'a> {
         }
     }
 
+    /// Elements `range` of tensor `t`'s output holding its gradient's values (copied there
+    /// when the two are apart), for a route that reduces them where they lie.
+    ///
+    /// # Panics
+    /// When `t` or `range` is outside the manifest's tensors (a caller's bug, not input data).
+    pub(crate) fn output_holding_gradient(
+        &mut self,
+        t: usize,
+        range: std::ops::Range<usize>,
+    ) -> &mut [f32] {
+        let out = &mut self.outs[t][range.clone()];
+        if !self.in_place {
+            out.copy_from_slice(&self.grads[t][range]);
+        }
+        out
+    }
+
     /// Every gradient, in the manifest's tensor order.
     pub(crate) fn gradients(&self) -> impl Iterator<Item = &[f32]> {
         (0..self.outs.len()).map(|t| self.tensor(t))

@@ -32,7 +32,7 @@ pub(crate) fn applies(manifest: &Manifest, reduction: Reduction) -> bool {
 /// This rank's part of a step: its manifest, configuration and step.
 pub(crate) type Part<'a> = (&'a Manifest, &'a Config, u64);
 
-/// Buffers kept between calls: one chunk of the flat gradient, and the envelopes.
+/// Buffers kept between calls: one chunk of small tensors, and the envelopes.
 #[derive(Debug, Default)]
 pub(crate) struct DenseAllReduce {
     send: Vec<u8>,
@@ -43,11 +43,13 @@ pub(crate) struct DenseAllReduce {
 impl DenseAllReduce {
     /// One step: `local` is this rank's manifest and configuration, or the error that stopped
     /// it; `bufs` holds its gradients, and receives the reduced tensors (in place or apart).
-    /// The flat gradient (the manifest's tensors in order) crosses the
-    /// communicator in chunks of at most `chunk_bytes` (at least one element each), one
-    /// [`Communicator::all_reduce_sum_f32`] per chunk, so that no buffer of the model's size is
-    /// made: the sums are the same rank-order sums as one call over the whole model; each chunk
-    /// is read from the gradients before its sums are written. With one rank the mean is the
+    /// The gradients cross the communicator in chunks of at most `chunk_bytes` (at least one
+    /// element each) cut at tensor boundaries, one [`Communicator::all_reduce_sum_f32`] per
+    /// chunk, so that no buffer of the model's size is made: a tensor of at least a quarter of
+    /// a chunk in pieces of its own, reduced in its output (in place: where it lies, without a
+    /// copy), smaller ones gathered in order into a chunk kept across steps. The sums are the
+    /// same rank-order sums as one call over the whole model; each chunk is read from the
+    /// gradients before its sums are written. With one rank the mean is the
     /// gradient (checked finite), copied into the outputs (in place: left where it is).
     ///
     /// # Errors
@@ -97,54 +99,84 @@ impl DenseAllReduce {
             return Ok(());
         }
         let chunk_len = (chunk_bytes / 4).max(1);
-        let n = manifest.flat_len();
-        // The tensor holding the chunk's first element, and that element's index within it.
-        let (mut first, mut within) = (0usize, 0usize);
-        let mut at = 0usize;
-        while at < n {
-            let len = chunk_len.min(n - at);
+        // A tensor of at least a quarter of a chunk is reduced where it lies, in pieces of at
+        // most a chunk (in place no copy is made of it); smaller tensors are gathered, in
+        // order, into chunks of at most `chunk_len` elements, so that a step makes few calls.
+        let direct_min = (chunk_len / 4).max(1);
+        let mut t = 0;
+        while t < tensors.len() {
+            let numel = tensors[t].numel;
+            if numel >= direct_min {
+                let mut at = 0;
+                while at < numel {
+                    let len = chunk_len.min(numel - at);
+                    let x = bufs.output_holding_gradient(t, at..at + len);
+                    comm.all_reduce_sum_f32(x)?;
+                    if let Some(k) = finish(x, None, reduction, w) {
+                        return Err(Error::Overflow {
+                            tensor: tensors[t].name.clone(),
+                            index: at + k,
+                        });
+                    }
+                    at += len;
+                }
+                t += 1;
+                continue;
+            }
+            let first = t;
             self.chunk.clear();
-            let (mut t, mut i) = (first, within);
-            while self.chunk.len() < len {
-                let g = bufs.grad(manifest, t);
-                let take = (g.len() - i).min(len - self.chunk.len());
-                self.chunk.extend_from_slice(&g[i..i + take]);
-                (t, i) = if i + take == g.len() {
-                    (t + 1, 0)
-                } else {
-                    (t, i + take)
-                };
+            while t < tensors.len()
+                && tensors[t].numel < direct_min
+                && self.chunk.len() + tensors[t].numel <= chunk_len
+            {
+                self.chunk.extend_from_slice(bufs.grad(manifest, t));
+                t += 1;
+            }
+            if self.chunk.is_empty() {
+                continue;
             }
             comm.all_reduce_sum_f32(&mut self.chunk)?;
-            // Each tensor's piece of the chunk: the mean written into the output, then checked
-            // there while it is in the cache (the first non-finite element in chunk order is the
-            // first in the model).
+            // Each tensor's part of the chunk: the mean written into its output and checked
+            // there tile by tile (the first non-finite element in chunk order is the first in
+            // the model).
             let mut from = 0;
-            while from < len {
-                let t = &tensors[first];
-                let dst = &mut bufs.outs()[first][within..];
-                let take = dst.len().min(len - from);
-                let (dst, src) = (&mut dst[..take], &self.chunk[from..from + take]);
-                if reduction == Reduction::Mean {
-                    divide(dst, Some(src), w);
-                } else {
-                    dst.copy_from_slice(src);
-                }
-                if let Some(k) = first_non_finite(dst) {
+            for (u, out) in bufs.outs()[first..t].iter_mut().enumerate() {
+                let src = &self.chunk[from..from + out.len()];
+                if let Some(k) = finish(out, Some(src), reduction, w) {
                     return Err(Error::Overflow {
-                        tensor: t.name.clone(),
-                        index: within + k,
+                        tensor: tensors[first + u].name.clone(),
+                        index: k,
                     });
                 }
-                from += take;
-                (first, within) = if within + take == t.numel {
-                    (first + 1, 0)
-                } else {
-                    (first, within + take)
-                };
+                from += out.len();
             }
-            at += len;
         }
         Ok(())
     }
+}
+
+/// Elements a sum is finished in at a time: a tile written and then checked while it is in the
+/// L1 cache.
+const TILE: usize = 4096;
+
+/// Writes the result of the sums `src` (`None`: `dst` holds them) into `dst` under
+/// `reduction` (the mean divided by `w`), tile by tile, and returns the index of its first
+/// element that is not finite.
+fn finish(dst: &mut [f32], src: Option<&[f32]>, reduction: Reduction, w: usize) -> Option<usize> {
+    let mut at = 0;
+    while at < dst.len() {
+        let end = (at + TILE).min(dst.len());
+        let tile = &mut dst[at..end];
+        let from = src.map(|s| &s[at..end]);
+        match (reduction, from) {
+            (Reduction::Mean, from) => divide(tile, from, w),
+            (_, Some(from)) => tile.copy_from_slice(from),
+            (_, None) => {}
+        }
+        if let Some(k) = first_non_finite(tile) {
+            return Some(at + k);
+        }
+        at = end;
+    }
+    None
 }

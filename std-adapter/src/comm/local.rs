@@ -410,15 +410,32 @@ fn check_round(slots: &[Slot], op: Op, round: u64) -> Result<(), CommError> {
     }
 }
 
-/// The f32 values of a post made from f32 values (a cast back where the allocation is aligned
-/// for f32, as allocators align it; decoded otherwise), passed to `f`.
-fn with_f32<R>(post: &[u8], f: impl FnOnce(&mut dyn Iterator<Item = f32>) -> R) -> R {
+/// Adds rank `r`'s post of f32 values to `sum` ([`add_in_rank_order`]): read as f32 where the
+/// allocation is aligned for f32, as allocators align it (a loop the compiler vectorises);
+/// decoded otherwise.
+fn add_post(sum: &mut [f32], r: usize, post: &[u8]) {
     match bytemuck::try_cast_slice::<u8, f32>(post) {
-        Ok(values) => f(&mut values.iter().copied()),
-        Err(_) => f(&mut post
-            .chunks_exact(4)
-            .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))),
+        Ok(values) => add_in_rank_order(sum, r, values.iter().copied()),
+        Err(_) => add_in_rank_order(sum, r, ne_values(post)),
     }
+}
+
+/// Writes a post of f32 values into `dst` (of its length): one copy where the allocation is
+/// aligned for f32; decoded otherwise.
+fn copy_post(dst: &mut [f32], post: &[u8]) {
+    match bytemuck::try_cast_slice::<u8, f32>(post) {
+        Ok(values) => dst.copy_from_slice(values),
+        Err(_) => dst
+            .iter_mut()
+            .zip(ne_values(post))
+            .for_each(|(d, v)| *d = v),
+    }
+}
+
+/// The f32 values of a post's bytes (in this machine's byte order: posts never leave it).
+fn ne_values(post: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    post.chunks_exact(4)
+        .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
 }
 
 impl Communicator for LocalCommunicator {
@@ -558,7 +575,7 @@ impl Communicator for LocalCommunicator {
             sum.resize(mine.len(), 0.0);
             for (r, post) in posts.iter().enumerate() {
                 let part = post.get(4 * mine.start..4 * mine.end).unwrap_or(&[]);
-                with_f32(part, |vals| add_in_rank_order(&mut sum, r, vals));
+                add_post(&mut sum, r, part);
             }
             Ok(())
         });
@@ -581,9 +598,7 @@ impl Communicator for LocalCommunicator {
             }
             for (j, post) in posts.iter().enumerate() {
                 let dst = &mut x[shard(n, w, j)];
-                with_f32(post, |vals| {
-                    dst.iter_mut().zip(vals).for_each(|(d, v)| *d = v)
-                });
+                copy_post(dst, post);
             }
             Ok(())
         });
