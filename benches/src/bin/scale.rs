@@ -50,7 +50,10 @@
 //!
 //! In the child: every rank thread generates its gradients and an output map of the same
 //! shapes, written with zeros (its pages mapped, as a training loop's outputs of an earlier
-//! step would be; `all_reduce_into` reuses them); then at a barrier rank 0 writes `5` to
+//! step would be; `all_reduce_into` reuses them); every rank writes and frees a block of
+//! `2n + n / W` f32 (within 80% of `MemAvailable`), untimed, so that the pages step 1 maps are
+//! ones the machine has used before (on a virtual machine a never-used page costs the host's
+//! fault as well: docs/scale.md, round 12); then at a barrier rank 0 writes `5` to
 //! `/proc/self/clear_refs` (resets the peak RSS) and reads the RSS baseline. Each step starts at
 //! a barrier where rank 0 reads the wall clock and the process's CPU time
 //! (`CLOCK_PROCESS_CPUTIME_ID`); every rank calls `all_reduce_into` (or, `--in-place`,
@@ -708,6 +711,15 @@ fn proc_status(key: &str) -> Result<u64, String> {
     Ok(kb * 1024)
 }
 
+/// The memory the system can give without swapping (`MemAvailable` of `/proc/meminfo`), in
+/// bytes; `None` where it cannot be read.
+fn available_bytes() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Resets the peak RSS (`5` to `/proc/self/clear_refs`) and reads the RSS after it.
 fn reset_peak() -> Result<u64, String> {
     std::fs::write("/proc/self/clear_refs", "5")
@@ -1173,6 +1185,24 @@ fn rank_main(
         max: Arc::clone(&max),
     });
 
+    // The machine's memory warmed, untimed: on a virtual machine a page the guest has never
+    // used costs the host's fault too (about 40x a reused one on the machine of BENCHMARKS.md),
+    // so step 1 would measure which pages the kernel hands out, not the library's first-step
+    // work. Each rank writes and frees what the step phase may map beyond the gradients and
+    // outputs (the residuals of both collectives and as much again for buffers), within 80%
+    // of the memory available.
+    shared.barrier.wait();
+    let available = available_bytes().unwrap_or(0);
+    shared.barrier.wait();
+    let n: usize = shapes.iter().map(|(_, shape)| numel(shape)).sum();
+    let wanted = 2 * n + n.div_ceil(w.max(1));
+    let within = available / 10 * 8 / std::mem::size_of::<f32>() / w.max(1);
+    let warm = wanted.min(within);
+    {
+        let mut block = vec![0.0f32; warm];
+        block.fill(1.0);
+        black_box(&mut block);
+    }
     shared.barrier.wait();
     if lead {
         timing.baseline = Some(reset_peak());
