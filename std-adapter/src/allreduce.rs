@@ -152,8 +152,10 @@ fn close_after(comm: &mut dyn Communicator, result: &Result<()>) -> Option<Strin
     }
 }
 
-/// The chunk bound of [`CompressedAllReduce::with_chunk_bytes`] by default: 8 MiB.
-const DEFAULT_CHUNK_BYTES: usize = 8 << 20;
+/// The chunk bound of [`CompressedAllReduce::with_chunk_bytes`] by default: 4 MiB (the
+/// windows a rank holds in flight, about W + 2 of them, stay within the step's memory
+/// budget at W = 4; docs/scale.md, round 12).
+const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
 
 /// The configuration every rank must share for a collective step of `manifest` (checked
 /// through the collective's fingerprints).
@@ -373,7 +375,7 @@ impl CompressedAllReduce {
         self
     }
 
-    /// The same all-reduce passing buffers of at most `bytes` (8 MiB by default) to the
+    /// The same all-reduce passing buffers of at most `bytes` (4 MiB by default) to the
     /// communicator, on every route. Uncompressed f32: the model crosses it in chunks of that
     /// size (at least one element; one [`Communicator::all_reduce_sum_f32`] each, summed in
     /// rank order as one call over the whole model would be: the same bits), and the step

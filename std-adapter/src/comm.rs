@@ -62,8 +62,8 @@ pub use self::mpi::MpiCommunicator;
 pub(crate) use self::windows::{MIN_WINDOW, Outgoing, Stream, Windows};
 
 /// How long a call waits for its peers before it fails, by default. `CompressedAllReduce` passes
-/// buffers of at most its chunk bound (8 MiB by default) per call, so one of its calls moves at
-/// most `(W - 1) x 8 MiB` to a rank: about 20 s at W = 4 over a 10 Mbit/s link, whatever the
+/// buffers of at most its chunk bound (4 MiB by default) per call, so one of its calls moves at
+/// most `(W - 1) x 4 MiB` to a rank: about 10 s at W = 4 over a 10 Mbit/s link, whatever the
 /// model's size. A caller of its own that passes whole model-sized buffers (a dense bf16 bundle
 /// of a 124M-parameter model is 249 MB, 600 s at W = 4 and 10 Mbit/s) needs a longer deadline.
 pub(crate) const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(300);

@@ -5,10 +5,10 @@
 //!
 //! `cargo run --release -p gradwire-benches --bin scale -- [--shapes gpt2|opt1.3b|small]
 //! [--small] [--workers 1,2,4] [--methods LIST] [--collectives all-gather,two-phase,auto]
-//! [--parallelism serial,auto] [--steps 4] [--chunk-bytes 8388608] [--in-place] [--json PATH]`
+//! [--parallelism serial,auto] [--steps 4] [--chunk-bytes 4194304] [--in-place] [--json PATH]`
 //!
 //! Defaults: `--shapes gpt2 --workers 1,2,4 --collectives all-gather,two-phase,auto
-//! --parallelism serial,auto --steps 4 --chunk-bytes 8388608` (the library's default chunk
+//! --parallelism serial,auto --steps 4 --chunk-bytes 4194304` (the library's default chunk
 //! bound, `CompressedAllReduce::with_chunk_bytes`) and every method. `--small` runs the `small`
 //! shapes at W = 1 and 3 for 3 steps, every method and collective, serial only, with a chunk
 //! bound of 64 KiB (flags given beside it override those). `--methods` is a comma-separated list of names (`topk-1%-int8-ef`,
@@ -51,7 +51,7 @@
 //! In the child: every rank thread generates its gradients and an output map of the same
 //! shapes, written with zeros (its pages mapped, as a training loop's outputs of an earlier
 //! step would be; `all_reduce_into` reuses them); every rank writes and frees a block of
-//! `2n + n / W` f32 (within 80% of `MemAvailable`), untimed, so that the pages step 1 maps are
+//! `2n + 2n / W` f32 (within 80% of `MemAvailable`), untimed, so that the pages step 1 maps are
 //! ones the machine has used before (on a virtual machine a never-used page costs the host's
 //! fault as well: docs/scale.md, round 12); then at a barrier rank 0 writes `5` to
 //! `/proc/self/clear_refs` (resets the peak RSS) and reads the RSS baseline. Each step starts at
@@ -77,7 +77,8 @@
 //! - `median_cpu_s` / `median_wall_s`: medians over steps 2..=S (table: "cpu/rank");
 //! - `first_step_over_later`: step 1's wall time over `median_wall_s`;
 //! - `state_bytes_per_rank`: the state the method keeps per rank (the worker's f32 residual
-//!   with error feedback, plus the owner's n / W on the two-phase collective; 0 without);
+//!   with error feedback, plus on the two-phase collective the owner's n / W server residual
+//!   and the n / W copy of it that a failed step is restored from; 0 without);
 //!   `fresh_write_s`: after the steps, all W ranks at once allocate that much and write it once
 //!   (fresh pages: the first touch of a new state), wall time, median of 3;
 //!   `first_step_over_allowance`: step 1's wall time over `median_wall_s + fresh_write_s`
@@ -218,7 +219,7 @@ const REPS: usize = 3;
 /// The usage line (`--help` prints it; a bad argument prints it to stderr).
 const USAGE: &str = "usage: scale [--shapes gpt2|opt1.3b|small] [--small] [--workers 1,2,4] \
      [--methods LIST] [--collectives all-gather,two-phase,auto] [--parallelism serial,auto] \
-     [--steps 4] [--chunk-bytes 8388608] [--in-place] [--json PATH]\n\
+     [--steps 4] [--chunk-bytes 4194304] [--in-place] [--json PATH]\n\
      methods: topk-1%-int8-ef, sign-ef, quant4-ef, dense-f32, dense-bf16, or a method text \
      (`topk k=ratio:0.01 values=int8:256`) with ` +ef` for error feedback";
 
@@ -1189,13 +1190,13 @@ fn rank_main(
     // used costs the host's fault too (about 40x a reused one on the machine of BENCHMARKS.md),
     // so step 1 would measure which pages the kernel hands out, not the library's first-step
     // work. Each rank writes and frees what the step phase may map beyond the gradients and
-    // outputs (the residuals of both collectives and as much again for buffers), within 80%
-    // of the memory available.
+    // outputs (the state of the two-phase collective, and as much again for buffers), within
+    // 80% of the memory available.
     shared.barrier.wait();
     let available = available_bytes().unwrap_or(0);
     shared.barrier.wait();
     let n: usize = shapes.iter().map(|(_, shape)| numel(shape)).sum();
-    let wanted = 2 * n + n.div_ceil(w.max(1));
+    let wanted = 2 * n + 2 * n.div_ceil(w.max(1));
     let within = available / 10 * 8 / std::mem::size_of::<f32>() / w.max(1);
     let warm = wanted.min(within);
     {
@@ -1306,8 +1307,8 @@ fn rank_main(
     }
 
     // One write pass over fresh memory the size of the state the method keeps (the worker's
-    // residual; the owner's n / W more on the two-phase collective), W ranks at once: what the
-    // first step may cost beyond a later one. A new allocation each time (freed to the system:
+    // residual; on the two-phase collective the owner's n / W and its copy), W ranks at once:
+    // what the first step may cost beyond a later one. A new allocation each time (freed to the system:
     // it is far above the allocator's mapping threshold).
     let state = state_len(&order, m.ef, in_use == Some(Collective::TwoPhase), w);
     if lead {
@@ -1430,7 +1431,9 @@ fn state_len(tensors: &[&[f32]], ef: bool, two_phase: bool, w: usize) -> usize {
     match (ef, two_phase) {
         (false, _) => 0,
         (true, false) => n,
-        (true, true) => n + n.div_ceil(w.max(1)),
+        // The owner's server residual and the copy of it a failed step is restored from
+        // exactly (kept across steps: issue 46 scope 3's `4 + 8 / W`).
+        (true, true) => n + 2 * n.div_ceil(w.max(1)),
     }
 }
 
@@ -1888,7 +1891,7 @@ fn rows_of(o: &Options) -> Result<Vec<RowSpec>, String> {
     // `--small` moves its messages in windows of 64 KiB, so that CI runs the windowed path.
     let chunk_bytes = o
         .chunk_bytes
-        .unwrap_or(if o.small { 64 << 10 } else { 8 << 20 });
+        .unwrap_or(if o.small { 64 << 10 } else { 4 << 20 });
     let methods = o
         .methods
         .clone()
