@@ -135,8 +135,12 @@ pub(crate) struct TwoPhase {
     /// The phase-1 messages received, one per worker; between steps, the buffers phase 2
     /// gathered into (see [`TwoPhase::run`]).
     recv: Vec<Vec<u8>>,
-    /// This rank's phase-2 message: its reduced shard, or a verdict.
+    /// This rank's phase-2 message: its reduced shard, or a verdict. Kept at its length
+    /// between steps, so that the next step's shard is written over its bytes.
     phase2: Vec<u8>,
+    /// This rank's envelope of the agreement round (its own buffer: written into `phase2`, it
+    /// cut that message to an envelope, and the next reduced shard wrote its bytes twice).
+    agreement: Vec<u8>,
     /// The agreement round's envelopes; during phase 2, the phase-2 messages, one per owner.
     gathered: Vec<Vec<u8>>,
     /// The windows the messages cross the communicator in.
@@ -461,7 +465,7 @@ impl TwoPhase {
         // so ranks that took another route, failed before the collective or are configured
         // otherwise are found by every rank at the same call, and none waits in an all-to-all
         // that its peers do not make.
-        let mut step = agree(comm, local, &mut self.phase2, &mut self.gathered)?;
+        let mut step = agree(comm, local, &mut self.agreement, &mut self.gathered)?;
         // Every rank past the agreement holds the step's fingerprint and model, a rank whose
         // phase 1 fails too: it checks the phase-2 messages as its peers do.
         let fingerprint = fingerprint_at(step.config, step.step);
