@@ -132,15 +132,15 @@ fn finish(out: &mut [f32], reduction: Reduction, count: usize, method: &Method) 
     // `+ 0.0` turns -0.0 into 0.0 and changes nothing else; it comes before the division, as
     // in a sum from zeros: a negative mean that rounds to zero stays -0.0.
     match reduction {
-        Reduction::Sum => map_then_check(out, |x| x + 0.0),
+        Reduction::Sum => map_then_check(out, None, |x| x + 0.0),
         Reduction::Mean => {
             let w = count as f32;
             if count.is_power_of_two() {
                 // The same bits as dividing, at a multiplication's cost (see `divide`).
                 let inverse = 1.0 / w;
-                map_then_check(out, |x| (x + 0.0) * inverse)
+                map_then_check(out, None, |x| (x + 0.0) * inverse)
             } else {
-                map_then_check(out, |x| (x + 0.0) / w)
+                map_then_check(out, None, |x| (x + 0.0) / w)
             }
         }
         Reduction::MajorityVote => {
@@ -171,15 +171,21 @@ pub(crate) fn divide(dst: &mut [f32], src: Option<&[f32]>, w: usize) {
     }
 }
 
-/// Applies `op` to every element of `out`, then returns the index of the first that is not
-/// finite; chunk by chunk, so that the check reads each chunk while it is in the L1 cache (one
-/// pass over a large result instead of two).
-fn map_then_check(out: &mut [f32], op: impl Fn(f32) -> f32) -> Option<usize> {
+/// Writes `op` of every element of `src` (of `out`'s length; `None`: `out` itself) into
+/// `out`, then returns the index of the first that is not finite; chunk by chunk, so that the
+/// check reads each chunk while it is in the L1 cache (one pass over a large result instead of
+/// two).
+pub(crate) fn map_then_check(
+    out: &mut [f32],
+    src: Option<&[f32]>,
+    op: impl Fn(f32) -> f32,
+) -> Option<usize> {
     out.chunks_mut(FINISH_CHUNK)
         .enumerate()
         .find_map(|(c, chunk)| {
-            for x in chunk.iter_mut() {
-                *x = op(*x);
+            match src.and_then(|s| s.get(c * FINISH_CHUNK..c * FINISH_CHUNK + chunk.len())) {
+                Some(from) => chunk.iter_mut().zip(from).for_each(|(x, &v)| *x = op(v)),
+                None => chunk.iter_mut().for_each(|x| *x = op(*x)),
             }
             first_non_finite(chunk).map(|i| c * FINISH_CHUNK + i)
         })

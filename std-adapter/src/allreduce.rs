@@ -376,9 +376,11 @@ impl CompressedAllReduce {
     }
 
     /// The same all-reduce passing buffers of at most `bytes` (4 MiB by default) to the
-    /// communicator, on every route. Uncompressed f32: the model crosses it in chunks of that
-    /// size (at least one element; one [`Communicator::all_reduce_sum_f32`] each, summed in
-    /// rank order as one call over the whole model would be: the same bits), and the step
+    /// communicator, on every route. Uncompressed f32: the model crosses it in chunks of at
+    /// most that size cut at tensor boundaries (at least one element; one
+    /// [`Communicator::all_reduce_sum_f32`] each, summed in rank order as one call over the
+    /// whole model would be: the same bits; a tensor of a quarter of the bound or more is
+    /// reduced in its output, in pieces, smaller ones gathered into a chunk), and the step
     /// keeps one chunk, not a copy of the model. All-gather and two-phase: each message longer
     /// than the bound goes in windows of that size (at least 4 KiB: a smaller bound is raised
     /// to it there), one call each, so that the transport's deadline applies per window and

@@ -51,9 +51,10 @@
 //! In the child: every rank thread generates its gradients and an output map of the same
 //! shapes, written with zeros (its pages mapped, as a training loop's outputs of an earlier
 //! step would be; `all_reduce_into` reuses them); every rank writes and frees a block of
-//! `2n + 2n / W` f32 (within 80% of `MemAvailable`), untimed, so that the pages step 1 maps are
-//! ones the machine has used before (on a virtual machine a never-used page costs the host's
-//! fault as well: docs/scale.md, round 12); then at a barrier rank 0 writes `5` to
+//! `2n + 2n / W` f32 (the worker's and the owner's residuals, twice; within 80% of
+//! `MemAvailable`), untimed, so that the pages step 1 maps are ones the machine has used
+//! before (on a virtual machine a never-used page costs the host's fault as well:
+//! docs/scale.md, round 12); then at a barrier rank 0 writes `5` to
 //! `/proc/self/clear_refs` (resets the peak RSS) and reads the RSS baseline. Each step starts at
 //! a barrier where rank 0 reads the wall clock and the process's CPU time
 //! (`CLOCK_PROCESS_CPUTIME_ID`); every rank calls `all_reduce_into` (or, `--in-place`,
@@ -1190,8 +1191,8 @@ fn rank_main(
     // used costs the host's fault too (about 40x a reused one on the machine of BENCHMARKS.md),
     // so step 1 would measure which pages the kernel hands out, not the library's first-step
     // work. Each rank writes and frees what the step phase may map beyond the gradients and
-    // outputs (the state of the two-phase collective, and as much again for buffers), within
-    // 80% of the memory available.
+    // outputs (twice the worker's residual and the owner's server residual: room for the
+    // state, its restore copy and the buffers), within 80% of the memory available.
     shared.barrier.wait();
     let available = available_bytes().unwrap_or(0);
     shared.barrier.wait();
@@ -1308,8 +1309,8 @@ fn rank_main(
 
     // One write pass over fresh memory the size of the state the method keeps (the worker's
     // residual; on the two-phase collective the owner's n / W and its copy), W ranks at once:
-    // what the first step may cost beyond a later one. A new allocation each time (freed to the system:
-    // it is far above the allocator's mapping threshold).
+    // what the first step may cost beyond a later one. A new allocation each time (freed to
+    // the system: it is far above the allocator's mapping threshold).
     let state = state_len(&order, m.ef, in_use == Some(Collective::TwoPhase), w);
     if lead {
         timing.state = Some(state);
@@ -1424,8 +1425,9 @@ fn checkpoint_phase(
     Ok(timing)
 }
 
-/// Elements of the state a rank keeps: the worker's residual (`n`) with error feedback, and the
-/// owner's server residual (`n / W`, rounded up) on the two-phase collective.
+/// Elements of the state a rank keeps: the worker's residual (`n`) with error feedback, and on
+/// the two-phase collective the owner's server residual (`n / W`, rounded up) and the copy of
+/// it that a failed step is restored from (as many).
 fn state_len(tensors: &[&[f32]], ef: bool, two_phase: bool, w: usize) -> usize {
     let n: usize = tensors.iter().map(|t| t.len()).sum();
     match (ef, two_phase) {

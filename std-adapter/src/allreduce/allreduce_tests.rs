@@ -967,64 +967,37 @@ fn a_group_of_one_reads_its_streamed_bundle_as_it_is_written() {
     }
 }
 
-/// A `LocalCommunicator` that keeps the longest buffer passed to its f32 all-reduce.
-struct Longest {
-    inner: LocalCommunicator,
-    longest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl Communicator for Longest {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn all_gather(
-        &mut self,
-        local: &[u8],
-        max_len: usize,
-        out: &mut Vec<Vec<u8>>,
-    ) -> Result<(), gradwire::comm::CommError> {
-        self.inner.all_gather(local, max_len, out)
-    }
-    fn all_to_all(
-        &mut self,
-        send: &[Vec<u8>],
-        max_len: usize,
-        out: &mut Vec<Vec<u8>>,
-    ) -> Result<(), gradwire::comm::CommError> {
-        self.inner.all_to_all(send, max_len, out)
-    }
-    fn traffic(&self) -> gradwire::comm::Traffic {
-        self.inner.traffic()
-    }
-    fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), gradwire::comm::CommError> {
-        self.longest
-            .fetch_max(x.len(), std::sync::atomic::Ordering::Relaxed);
-        self.inner.all_reduce_sum_f32(x)
-    }
-}
-
 /// Issue 46: the f32 all-reduce cuts its chunks at tensor boundaries (a tensor of a quarter of
-/// a chunk or more in pieces of its own, reduced where it lies; smaller ones gathered): W = 3,
-/// 4 KiB chunks (1,024 elements), tensors from empty to five chunks long, mean and sum, in place
-/// and apart: every rank gets the rank-order sum `(x0 + x1) + x2` (divided once by 3), no call
-/// passes more than a chunk, and an overflow in a piece or in a gathered tensor is named by
-/// tensor and index on every rank.
+/// a chunk or more in equal pieces of its own, reduced where it lies; smaller ones gathered
+/// until the next does not fit): W = 3, 4 KiB chunks (1,024 elements), tensors from empty to
+/// five chunks long (a run of small tensors that fills a chunk, empty tensors alone between two
+/// large ones), mean and sum, in place and apart: every rank gets the rank-order sum
+/// `(x0 + x1) + x2` (divided once by 3), no call passes more than a chunk, and an overflow in a
+/// piece, or in a gathered tensor that is not its chunk's first, is named by tensor and index
+/// on every rank.
 #[test]
 fn the_f32_all_reduce_cut_at_tensor_boundaries_gives_the_rank_order_sums() {
     const CHUNK: usize = 4096;
-    let shapes: [(&str, usize); 8] = [
+    const SHAPES: [(&str, usize); 15] = [
         ("a.small", 100),
         ("b.empty", 0),
         ("c.quarter", 256),
         ("d.just_below", 255),
+        ("d1.small", 250),
+        ("d2.small", 250),
+        ("d3.small", 250),
+        ("d4.small", 250),
         ("e.large", 5 * 1024 + 17),
-        ("f.small", 700),
+        ("e1.empty", 0),
+        ("e2.empty", 0),
+        ("f.medium", 700),
         ("g.chunk", 1024),
         ("h.scalar", 1),
+        ("i.small", 3),
     ];
+    // Overflows: in the fourth of six pieces of `e.large`, and at the end of `d2.small`, the
+    // third tensor of the chunk that `d.just_below` starts and `d4.small` does not fit.
+    const BAD: [(usize, usize); 2] = [(8, 3 * 1024 + 5), (5, 249)];
     let values = |r: usize, t: usize, n: usize| -> Vec<f32> {
         (0..n)
             .map(|i| {
@@ -1035,7 +1008,7 @@ fn the_f32_all_reduce_cut_at_tensor_boundaries_gives_the_rank_order_sums() {
             .collect()
     };
     let gradients = move |r: usize, bad: Option<(usize, usize)>| -> HashMap<String, Tensor> {
-        shapes
+        SHAPES
             .iter()
             .enumerate()
             .map(|(t, &(name, n))| {
@@ -1055,19 +1028,15 @@ fn the_f32_all_reduce_cut_at_tensor_boundaries_gives_the_rank_order_sums() {
     });
     for reduction in [Reduction::Mean, Reduction::Sum] {
         for in_place in [false, true] {
-            let longest = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-            let (m, l) = (method.clone(), std::sync::Arc::clone(&longest));
+            let m = method.clone();
             let results = on_every_rank(3, move |comm| {
                 let r = comm.rank();
-                let comm = Longest {
-                    inner: comm,
-                    longest: std::sync::Arc::clone(&l),
-                };
+                let (comm, largest) = super::test_common::Recording::new(comm);
                 let mut ar = CompressedAllReduce::with_communicator(m.clone(), Box::new(comm))
                     .with_reduction(reduction)
                     .with_chunk_bytes(CHUNK);
-                // A good step, then overflows in a piece of `e.large` and in `f.small`.
-                [None, Some((4, 3 * 1024 + 5)), Some((5, 699))]
+                // A good step, then one overflow each.
+                let steps = [None, Some(BAD[0]), Some(BAD[1])]
                     .into_iter()
                     .map(|bad| {
                         let g = gradients(r, bad);
@@ -1101,16 +1070,14 @@ fn the_f32_all_reduce_cut_at_tensor_boundaries_gives_the_rank_order_sums() {
                             })
                         }
                     })
-                    .collect::<Vec<_>>()
+                    .collect::<Vec<_>>();
+                (steps, largest.load(std::sync::atomic::Ordering::Relaxed))
             });
             let what = format!("{reduction:?}, in place {in_place}");
-            assert!(
-                longest.load(std::sync::atomic::Ordering::Relaxed) <= CHUNK / 4,
-                "{what}: a call longer than the chunk"
-            );
-            for (r, steps) in results.iter().enumerate() {
+            for (r, (steps, largest)) in results.iter().enumerate() {
+                assert!(*largest <= CHUNK, "{what}: rank {r} passed {largest} bytes");
                 let good = steps[0].as_ref().unwrap();
-                for (t, &(name, n)) in shapes.iter().enumerate() {
+                for (t, &(name, n)) in SHAPES.iter().enumerate() {
                     let x: Vec<Vec<f32>> = (0..3).map(|r| values(r, t, n)).collect();
                     let want: Vec<f32> = (0..n)
                         .map(|i| {
@@ -1124,10 +1091,10 @@ fn the_f32_all_reduce_cut_at_tensor_boundaries_gives_the_rank_order_sums() {
                         .collect();
                     assert!(same_bits(&good[name], &want), "{what}: rank {r}, {name}");
                 }
-                for (s, (tensor, index)) in [(1, ("e.large", 3 * 1024 + 5)), (2, ("f.small", 699))]
-                {
+                for (s, (t, index)) in [(1, BAD[0]), (2, BAD[1])] {
+                    let tensor = SHAPES[t].0;
                     assert!(
-                        matches!(&steps[s], Err(Error::Overflow { tensor: t, index: i }) if t == tensor && *i == index),
+                        matches!(&steps[s], Err(Error::Overflow { tensor: n, index: i }) if n == tensor && *i == index),
                         "{what}: rank {r}, step {s}: {:?}",
                         steps[s].as_ref().err()
                     );

@@ -1,15 +1,14 @@
 //! Uncompressed f32 gradients: the fault rules' envelopes all-gathered (20 bytes per rank: the
 //! configuration fingerprint, or the reason a rank failed), then
-//! [`Communicator::all_reduce_sum_f32`] of the flat gradient (reduce-scatter, rank-order sum,
-//! all-gather: a ring all-reduce's `2 (W - 1) / W x 4n` bytes per rank), then
-//! the mean divided once by W: the same bits as the all-gather's rank-order mean.
-
-use gradwire_core::values::first_non_finite;
+//! [`Communicator::all_reduce_sum_f32`] of the gradients, in chunks cut at tensor boundaries
+//! (reduce-scatter, rank-order sum, all-gather: a ring all-reduce's `2 (W - 1) / W x 4n` bytes
+//! per rank), then the mean divided once by W: the same bits as the all-gather's rank-order
+//! mean.
 
 use super::buffers::StepBuffers;
 use super::{Config, ENVELOPE_LEN, MAX_REASON_LEN, PAYLOAD, fingerprint_at, seal};
 use super::{check_fingerprints, gathered_fingerprints, seal_failure};
-use crate::aggregate::{Reduction, divide};
+use crate::aggregate::{Reduction, map_then_check};
 use crate::comm::Communicator;
 use crate::engine::Gradients;
 use crate::error::{Error, Result};
@@ -101,15 +100,20 @@ impl DenseAllReduce {
         let chunk_len = (chunk_bytes / 4).max(1);
         // A tensor of at least a quarter of a chunk is reduced where it lies, in pieces of at
         // most a chunk (in place no copy is made of it); smaller tensors are gathered, in
-        // order, into chunks of at most `chunk_len` elements, so that a step makes few calls.
+        // order, into chunks of at most `chunk_len` elements. Every call but a gathered chunk
+        // cut short by the large tensor after it carries at least a quarter of a chunk: at
+        // most four calls per chunk of elements, plus one per large tensor.
         let direct_min = (chunk_len / 4).max(1);
         let mut t = 0;
         while t < tensors.len() {
             let numel = tensors[t].numel;
             if numel >= direct_min {
+                // Pieces of equal length (the last shorter by less than their number), so that
+                // no call carries a tensor's last few elements alone.
+                let piece = numel.div_ceil(numel.div_ceil(chunk_len));
                 let mut at = 0;
                 while at < numel {
-                    let len = chunk_len.min(numel - at);
+                    let len = piece.min(numel - at);
                     let x = bufs.output_holding_gradient(t, at..at + len);
                     comm.all_reduce_sum_f32(x)?;
                     if let Some(k) = finish(x, None, reduction, w) {
@@ -155,28 +159,18 @@ impl DenseAllReduce {
     }
 }
 
-/// Elements a sum is finished in at a time: a tile written and then checked while it is in the
-/// L1 cache.
-const TILE: usize = 4096;
-
 /// Writes the result of the sums `src` (`None`: `dst` holds them) into `dst` under
-/// `reduction` (the mean divided by `w`), tile by tile, and returns the index of its first
-/// element that is not finite.
+/// `reduction` (the mean divided once by `w`, as `aggregate::divide` divides), and
+/// returns the index of its first element that is not finite.
 fn finish(dst: &mut [f32], src: Option<&[f32]>, reduction: Reduction, w: usize) -> Option<usize> {
-    let mut at = 0;
-    while at < dst.len() {
-        let end = (at + TILE).min(dst.len());
-        let tile = &mut dst[at..end];
-        let from = src.map(|s| &s[at..end]);
-        match (reduction, from) {
-            (Reduction::Mean, from) => divide(tile, from, w),
-            (_, Some(from)) => tile.copy_from_slice(from),
-            (_, None) => {}
+    let wf = w as f32;
+    match reduction {
+        // The same bits as dividing, at a multiplication's cost (see `divide`).
+        Reduction::Mean if w.is_power_of_two() => {
+            let inverse = 1.0 / wf;
+            map_then_check(dst, src, |x| x * inverse)
         }
-        if let Some(k) = first_non_finite(tile) {
-            return Some(at + k);
-        }
-        at = end;
+        Reduction::Mean => map_then_check(dst, src, |x| x / wf),
+        _ => map_then_check(dst, src, |x| x),
     }
-    None
 }

@@ -283,10 +283,10 @@ impl LocalCommunicator {
         self.round_with(op, limit, bufs, |posts| {
             reset_out(out, w);
             let mut received = 0;
-            for (src, (dst, buf)) in out.iter_mut().zip(posts).enumerate() {
-                dst.extend_from_slice(buf);
+            for (src, (dst, post)) in out.iter_mut().zip(posts).enumerate() {
+                dst.extend_from_slice(own_or_post(op, bufs, post, src, me));
                 if src != me {
-                    received += buf.len();
+                    received += post.len();
                 }
             }
             Ok(received)
@@ -312,13 +312,16 @@ impl LocalCommunicator {
         let me = self.rank;
         let started = Instant::now();
         self.staging.resize_with(bufs.len(), Default::default);
-        for (dst, src) in self.staging.iter_mut().zip(bufs) {
+        for (j, (dst, src)) in self.staging.iter_mut().zip(bufs).enumerate() {
             if Arc::get_mut(dst).is_none() {
                 *dst = Arc::default();
             }
             if let Some(dst) = Arc::get_mut(dst) {
                 dst.clear();
-                if src.len() <= limit {
+                // An all-to-all's buffer for this rank is read by this rank alone: from where
+                // it lies ([`own_or_post`]), not staged.
+                let own = op == Op::AllToAll && j == me;
+                if src.len() <= limit && !own {
                     dst.extend_from_slice(src);
                 }
             }
@@ -469,7 +472,7 @@ impl Communicator for LocalCommunicator {
     ) -> Result<(), CommError> {
         let (w, me) = (self.shared.world_size, self.rank);
         let received = self.round_with(Op::AllGather, max_len, &[local], |posts| {
-            Ok(append_posts(out, posts, w, me))
+            Ok(append_posts(Op::AllGather, &[local], out, posts, me))
         })?;
         let peers = w.saturating_sub(1);
         self.traffic.add(local.len() * peers, received, peers);
@@ -506,7 +509,7 @@ impl Communicator for LocalCommunicator {
     ) -> Result<(), CommError> {
         let (w, me) = (self.shared.world_size, self.rank);
         let received = self.round_with(Op::AllToAll, max_len, send, |posts| {
-            Ok(append_posts(out, posts, w, me))
+            Ok(append_posts(Op::AllToAll, send, out, posts, me))
         })?;
         let peers = w.saturating_sub(1);
         let sent: usize = send
@@ -627,16 +630,39 @@ impl Drop for LocalCommunicator {
     }
 }
 
-/// Appends each rank's post (for this rank, `me` of `w`) to `out[r]`, `out` resized to `w`
-/// buffers first; returns the bytes that came from peers.
-fn append_posts(out: &mut Vec<Vec<u8>>, posts: &[Arc<Vec<u8>>], w: usize, me: usize) -> usize {
-    out.resize_with(w, Vec::new);
+/// Appends each rank's post for this rank (`me`; its own buffer of an all-to-all from `bufs`,
+/// [`own_or_post`]) to `out[r]`, `out` resized to the group's size first; returns the bytes
+/// that came from peers.
+fn append_posts(
+    op: Op,
+    bufs: &[&[u8]],
+    out: &mut Vec<Vec<u8>>,
+    posts: &[Arc<Vec<u8>>],
+    me: usize,
+) -> usize {
+    out.resize_with(posts.len(), Vec::new);
     let mut received = 0;
     for (src, (dst, post)) in out.iter_mut().zip(posts).enumerate() {
-        dst.extend_from_slice(post);
+        dst.extend_from_slice(own_or_post(op, bufs, post, src, me));
         if src != me {
             received += post.len();
         }
     }
     received
+}
+
+/// What rank `src` sent this rank (`me`) in a round whose verdict allowed reading: its post, or
+/// for this rank's own buffer of an all-to-all (not staged: no other rank reads it) the buffer
+/// where the caller holds it.
+fn own_or_post<'a>(
+    op: Op,
+    bufs: &'a [&'a [u8]],
+    post: &'a [u8],
+    src: usize,
+    me: usize,
+) -> &'a [u8] {
+    match bufs.get(me) {
+        Some(own) if op == Op::AllToAll && src == me => own,
+        _ => post,
+    }
 }
