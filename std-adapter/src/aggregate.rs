@@ -175,6 +175,9 @@ pub(crate) fn divide(dst: &mut [f32], src: Option<&[f32]>, w: usize) {
 /// `out`, then returns the index of the first that is not finite; chunk by chunk, so that the
 /// check reads each chunk while it is in the L1 cache (one pass over a large result instead of
 /// two).
+///
+/// # Panics
+/// When `src` is shorter than `out` (a caller's bug, never input data).
 pub(crate) fn map_then_check(
     out: &mut [f32],
     src: Option<&[f32]>,
@@ -183,8 +186,11 @@ pub(crate) fn map_then_check(
     out.chunks_mut(FINISH_CHUNK)
         .enumerate()
         .find_map(|(c, chunk)| {
-            match src.and_then(|s| s.get(c * FINISH_CHUNK..c * FINISH_CHUNK + chunk.len())) {
-                Some(from) => chunk.iter_mut().zip(from).for_each(|(x, &v)| *x = op(v)),
+            match src {
+                Some(s) => {
+                    let from = &s[c * FINISH_CHUNK..c * FINISH_CHUNK + chunk.len()];
+                    chunk.iter_mut().zip(from).for_each(|(x, &v)| *x = op(v));
+                }
                 None => chunk.iter_mut().for_each(|x| *x = op(*x)),
             }
             first_non_finite(chunk).map(|i| c * FINISH_CHUNK + i)
