@@ -4,7 +4,8 @@
 
 use std::collections::HashMap;
 
-use super::test_common::{Rng, aggregate, grads, minilm, noisy, same_bits};
+use super::test_collectives::contribution;
+use super::test_common::{Owned, Rng, aggregate, grads, minilm, noisy, same_bits, views};
 use gradwire::BucketConfig;
 use gradwire::Collective;
 use gradwire::CompressedAllReduce;
@@ -947,16 +948,8 @@ fn a_group_of_one_reads_its_streamed_bundle_as_it_is_written() {
                     );
                 }
             }
-            let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = g
-                .iter()
-                .map(|(n, t)| (n.clone(), t.shape().to_vec(), t.data().to_vec()))
-                .collect();
-            let mut views: Vec<gradwire::tensor::TensorMut<'_>> = owned
-                .iter_mut()
-                .map(|(name, shape, data)| gradwire::tensor::TensorMut { name, shape, data })
-                .collect();
-            ar.all_reduce_in_place(&mut views).unwrap();
-            drop(views);
+            let mut owned = owned_copy(&g);
+            ar.all_reduce_in_place(&mut views(&mut owned)).unwrap();
             for (name, _, data) in &owned {
                 assert!(
                     same_bits(data, want[name].data()),
@@ -998,15 +991,8 @@ fn the_f32_all_reduce_cut_at_tensor_boundaries_gives_the_rank_order_sums() {
     // Overflows: in the fourth of six pieces of `e.large`, and at the end of `d2.small`, the
     // third tensor of the chunk that `d.just_below` starts and `d4.small` does not fit.
     const BAD: [(usize, usize); 2] = [(8, 3 * 1024 + 5), (5, 249)];
-    let values = |r: usize, t: usize, n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let e = ((i * 7 + r * 13 + t) % 40) as i32 - 20;
-                let sign = if (i + r).is_multiple_of(3) { -1.0 } else { 1.0 };
-                sign * (1.0 + (i % 17) as f32 / 17.0) * 2f32.powi(e)
-            })
-            .collect()
-    };
+    // Magnitudes far apart, so that the order of the additions shows in the bits.
+    let values = |r: usize, t: usize, n: usize| contribution(t, r, n);
     let gradients = move |r: usize, bad: Option<(usize, usize)>| -> HashMap<String, Tensor> {
         SHAPES
             .iter()
@@ -1041,20 +1027,8 @@ fn the_f32_all_reduce_cut_at_tensor_boundaries_gives_the_rank_order_sums() {
                     .map(|bad| {
                         let g = gradients(r, bad);
                         if in_place {
-                            let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = g
-                                .iter()
-                                .map(|(n, t)| (n.clone(), t.shape().to_vec(), t.data().to_vec()))
-                                .collect();
-                            let mut views: Vec<gradwire::tensor::TensorMut<'_>> = owned
-                                .iter_mut()
-                                .map(|(name, shape, data)| gradwire::tensor::TensorMut {
-                                    name,
-                                    shape,
-                                    data,
-                                })
-                                .collect();
-                            let result = ar.all_reduce_in_place(&mut views);
-                            drop(views);
+                            let mut owned = owned_copy(&g);
+                            let result = ar.all_reduce_in_place(&mut views(&mut owned));
                             result.map(|()| {
                                 owned
                                     .into_iter()
@@ -1102,4 +1076,11 @@ fn the_f32_all_reduce_cut_at_tensor_boundaries_gives_the_rank_order_sums() {
             }
         }
     }
+}
+
+/// A copy of `g` as owned tensors (name, shape, elements) for `all_reduce_in_place`.
+fn owned_copy(g: &HashMap<String, Tensor>) -> Owned {
+    g.iter()
+        .map(|(n, t)| (n.clone(), t.shape().to_vec(), t.data().to_vec()))
+        .collect()
 }

@@ -515,13 +515,8 @@ impl AllGather {
             // Straight into the output tensors, one entry each, as the windows arrive. The
             // stream indexes the outputs by entry, so entry `e` must be tensor `e` (a bucket
             // spans several tensors: a bucketed manifest is gathered whole, below).
-            let outs = bufs.outs();
-            let per_entry = manifest.one_entry_per_tensor()
-                && outs.len() == manifest.entries().len()
-                && outs
-                    .iter()
-                    .zip(manifest.entries())
-                    .all(|(o, e)| o.len() == e.len);
+            let per_entry =
+                manifest.one_entry_per_tensor() && manifest.entry_slices(bufs.outs()).is_some();
             if per_entry {
                 let mut io = Exchange {
                     message: send,
