@@ -59,6 +59,33 @@ rows+=(
     "quant4-ef allgather"
     "quant4-ef two-phase"
 )
+# The GPT-2 replay's codec floors (issue 46's netsim acceptance): `scale` runs each gradwire row's
+# kernels alone on GPT-2 small's shapes, W ranks as threads at once on this machine (as the W
+# emulated hosts share its cores), before any link is made; report.py reads the floors' wall
+# time. Its gradients are seeded heavy-tailed values, not the replay's tiled MiniLM ones.
+floors="$out/floors${section:+-$section}.jsonl"
+: >"$floors"
+if [ "$workload" = gpt2-replay ]; then
+    cargo build --release -p gradwire-benches --bin scale
+    scale="$PWD/$out/scale${section:+-$section}"
+    cp "${CARGO_TARGET_DIR:-target}/release/scale" "$scale"
+    for row in "dense-f32 all-gather dense-f32 allgather" \
+        "topk-1%-int8-ef all-gather topk-1%-ef-int8 allgather" \
+        "topk-1%-int8-ef two-phase topk-1%-ef-int8 two-phase" \
+        "sign-ef all-gather sign-ef allgather" "sign-ef two-phase sign-ef two-phase" \
+        "quant4-ef all-gather quant4-ef allgather" "quant4-ef two-phase quant4-ef two-phase"; do
+        read -r smethod scoll method collective <<<"$row"
+        "$scale" --shapes gpt2 --workers "$w" --methods "$smethod" --collectives "$scoll" \
+            --parallelism serial --steps 2 --in-place --json "$out/floor.json" >/dev/null ||
+            { echo "run-report: scale $smethod $scoll failed"; exit 1; }
+        python3 -c 'import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+print(json.dumps({"method": sys.argv[2], "collective": sys.argv[3], "row": rows[0]}))' \
+            "$out/floor.json" "$method" "$collective" >>"$floors"
+        echo "codec floor $method $collective: $(tail -1 "$floors" | python3 -c 'import json,sys; print(json.load(sys.stdin)["row"]["kernel_floor_wall_s"])') s"
+    done
+fi
+
 manifest="$out/manifest${section:+-$section}.txt"
 skipped="${manifest%.txt}.skipped"
 : >"$manifest"
@@ -100,7 +127,7 @@ for link in $rates; do
     bash $ns down
 done
 
-python3 netsim/report.py "$manifest" "$out" docs/netsim.md \
+NETSIM_FLOORS="$floors" python3 netsim/report.py "$manifest" "$out" docs/netsim.md \
     "NETSIM_STEPS=$steps NETSIM_RATES=\"$rates\" NETSIM_DENSE_REPEATS=$repeats NETSIM_W=$w${NETSIM_EVAL_EVERY:+ NETSIM_EVAL_EVERY=$eval_every}${NETSIM_WORKLOAD:+ NETSIM_WORKLOAD=$workload}${NETSIM_WAIT_BARRIER:+ NETSIM_WAIT_BARRIER=$NETSIM_WAIT_BARRIER}${section:+ NETSIM_SECTION=$section} bash netsim/run-report.sh" \
     "$section"
 echo "run-report: docs/netsim.md updated"

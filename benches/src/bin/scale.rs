@@ -90,7 +90,9 @@
 //!   `read_passes` = `median_cpu_s` / `read_pass_s` (table: "reads");
 //! - `kernel_floor_s`, `floor` (`kernel` or `dense`), `floor_of` (whose floor: `all-gather`,
 //!   `two-phase` or `dense`), `floor_ratio` = `median_cpu_s` / `kernel_floor_s` (table:
-//!   "floor x"). The floor is gradwire-core's kernels alone on the step's own tensors, run after
+//!   "floor x"); `kernel_floor_wall_s`: the floor's wall time, the W ranks at once (what a
+//!   step of W ranks sharing this machine's cores could take at best: netsim's codec floor).
+//!   The floor is gradwire-core's kernels alone on the step's own tensors, run after
 //!   the timed steps by the W rank threads at once (so that it shares the cores as the ranks
 //!   do), timed as the read pass, median of 3. Its buffers are allocated after the RSS
 //!   measurement. Per rank, per tensor:
@@ -190,6 +192,7 @@ const FIELDS: &[&str] = &[
     "read_pass_s",
     "read_passes",
     "kernel_floor_s",
+    "kernel_floor_wall_s",
     "floor",
     "floor_of",
     "floor_ratio",
@@ -1111,6 +1114,8 @@ struct Timing {
     state: Option<usize>,
     /// The floor's process CPU time.
     floor: Vec<f64>,
+    /// The floor's wall time (the W ranks at once).
+    floor_wall: Vec<f64>,
     /// Rank 0's generation time.
     generate_s: f64,
     /// The checkpoint phase, on rows with error feedback.
@@ -1340,6 +1345,7 @@ fn rank_main(
     for rep in 0..REPS {
         shared.barrier.wait();
         let cpu0 = cpu_now();
+        let wall0 = Instant::now();
         if let Err(e) = floor.run(rep as u64) {
             let mut first = shared.floor_error.lock().expect("error lock");
             first.get_or_insert_with(|| format!("rank {rank}: {e}"));
@@ -1347,6 +1353,7 @@ fn rank_main(
         shared.barrier.wait();
         if lead {
             timing.floor.push(cpu_now() - cpu0);
+            timing.floor_wall.push(wall0.elapsed().as_secs_f64());
         }
     }
     Ok(result(timing))
@@ -1531,6 +1538,10 @@ fn run_row(spec: &RowSpec) -> Map<String, Value> {
     row.insert("read_pass_s".into(), json!(read));
     row.insert("read_passes".into(), json!(ratio(median_cpu, read)));
     row.insert("kernel_floor_s".into(), json!(floor));
+    row.insert(
+        "kernel_floor_wall_s".into(),
+        json!(median(&timing.floor_wall)),
+    );
     let in_use = outs[0].in_use;
     let kind = if m.dense_f32() {
         FloorKind::Dense
