@@ -20,7 +20,7 @@ use gradwire::Parallelism;
 use gradwire::comm::{Communicator, Traffic};
 use gradwire::dgc::{DensitySchedule, Dgc, DgcConfig, DgcSelection};
 use gradwire::powersgd::{PowerSgd, PowerSgdConfig};
-use gradwire::tensor::Tensor;
+use gradwire::tensor::{Tensor, TensorMut};
 use gradwire::{Aggregator, Reduction};
 use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
@@ -288,6 +288,18 @@ pub trait GradientCodec: Send {
             "the {} codec has no collective of its own",
             self.method()
         )))
+    }
+
+    /// For a codec that reduces in place: copies this rank's gradients `grads` into `out`, the
+    /// buffers that the next [`GradientCodec::all_reduce`] then reduces where they lie (the
+    /// loop's gradients belong to their source, which keeps them). The loop times it as
+    /// encoding. The default copies nothing.
+    ///
+    /// # Errors
+    /// [`DemoError::Codec`] when `grads` or `out` do not match the model.
+    fn stage(&mut self, grads: &[&[f32]], out: &mut [Vec<f32>]) -> Result<(), DemoError> {
+        let _ = (grads, out);
+        Ok(())
     }
 
     /// Whether the codec applies the momentum itself (DGC's momentum correction): the
@@ -683,9 +695,12 @@ impl GradientCodec for DgcCodec {
     }
 }
 
-/// A demo method through gradwire: [`GradientCompressor::compress_bundle`] (error feedback
-/// keyed by parameter name, where the method uses it) and [`Aggregator::aggregate_into`] (every
-/// rank's bundle checked against the manifest, then added in rank order and divided once by W).
+/// A demo method through gradwire: its all-reduce ([`CompressedAllReduce`] on the loop's
+/// communicator, in place on the loop's mean buffers, which [`GradientCodec::stage`] fills with
+/// the rank's gradients), on the all-gather, the two-phase collective or `auto` as the demo's
+/// `--collective` says. The message-level path ([`GradientCompressor::compress_bundle`], the
+/// loop's all-gather, [`Aggregator::aggregate_into`]) is kept for callers of
+/// [`GradientCodec::encode`] and [`GradientCodec::decode_mean`].
 #[derive(Debug)]
 pub struct GradwireCodec {
     method: Method,
@@ -693,12 +708,15 @@ pub struct GradwireCodec {
     manifest: Manifest,
     compressor: GradientCompressor,
     aggregator: Aggregator,
+    /// The message-level path's tensors, made at its first use.
     grads: HashMap<String, Tensor>,
+    specs: Vec<ParamSpec>,
     names: Vec<String>,
     mean: Vec<f32>,
-    /// gradwire's all-reduce, for the two-phase and auto collectives.
+    /// gradwire's all-reduce.
     all_reduce: Option<CompressedAllReduce>,
-    reduced: HashMap<String, Tensor>,
+    /// Whether the loop's buffers hold this step's gradients ([`GradientCodec::stage`]).
+    staged: bool,
 }
 
 impl GradwireCodec {
@@ -730,9 +748,11 @@ impl GradwireCodec {
             // Uncompressed f32 gradients go through gradwire's f32 all-reduce (a ring
             // all-reduce's bytes) whatever the collective: never an all-gather.
             _ if method == Method::DenseF32 => Some(gradwire::Collective::AllGather),
-            Collective::AllGather => None,
+            Collective::AllGather => Some(gradwire::Collective::AllGather),
             // Random-k is all-gather only in gradwire.
-            Collective::TwoPhase if method == Method::RandK1Ef => None,
+            Collective::TwoPhase if method == Method::RandK1Ef => {
+                Some(gradwire::Collective::AllGather)
+            }
             Collective::TwoPhase => Some(gradwire::Collective::TwoPhase),
             Collective::Auto => Some(gradwire::Collective::Auto),
         };
@@ -742,18 +762,18 @@ impl GradwireCodec {
                 .with_collective(c)
                 .with_parallelism(Parallelism::Serial)
         });
-        let grads = zero_tensors(ctx.specs).map_err(err)?;
         Ok(GradwireCodec {
             method,
             rank: ctx.rank,
             manifest,
             compressor,
             aggregator: Aggregator::new().with_parallelism(Parallelism::Serial),
-            grads,
+            grads: HashMap::new(),
+            specs: ctx.specs.to_vec(),
             names: ctx.specs.iter().map(|p| p.name.clone()).collect(),
             mean: Vec::new(),
             all_reduce,
-            reduced: HashMap::new(),
+            staged: false,
         })
     }
 
@@ -764,9 +784,20 @@ impl GradwireCodec {
         }
     }
 
-    /// Copies `grads` (name order) into the codec's tensors.
+    /// Copies `grads` (name order) into the codec's tensors (made at the first call).
     fn fill(&mut self, grads: &[&[f32]]) -> Result<(), DemoError> {
+        if self.grads.is_empty() {
+            self.grads = zero_tensors(&self.specs).map_err(|e| self.error(e))?;
+        }
         fill_named(&self.names, &mut self.grads, grads).map_err(|m| self.error(m))
+    }
+
+    /// Whether `bufs` (name order) have the model's tensors' lengths.
+    fn fits(&self, bufs: impl ExactSizeIterator<Item = usize>) -> bool {
+        bufs.len() == self.specs.len()
+            && bufs
+                .zip(&self.specs)
+                .all(|(n, p)| Some(n) == p.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)))
     }
 }
 
@@ -813,6 +844,17 @@ impl GradientCodec for GradwireCodec {
         self.all_reduce.is_some()
     }
 
+    fn stage(&mut self, grads: &[&[f32]], out: &mut [Vec<f32>]) -> Result<(), DemoError> {
+        if !self.fits(grads.iter().map(|g| g.len())) || !self.fits(out.iter().map(Vec::len)) {
+            return Err(self.error("gradients or output do not match the model"));
+        }
+        for (o, g) in out.iter_mut().zip(grads) {
+            o.copy_from_slice(g);
+        }
+        self.staged = true;
+        Ok(())
+    }
+
     fn all_reduce(
         &mut self,
         comm: &mut dyn Communicator,
@@ -820,7 +862,10 @@ impl GradientCodec for GradwireCodec {
         grads: &[&[f32]],
         out: &mut [Vec<f32>],
     ) -> Result<usize, DemoError> {
-        self.fill(grads)?;
+        if !std::mem::take(&mut self.staged) {
+            self.stage(grads, out)?;
+            self.staged = false;
+        }
         let method = self.method;
         let err = |e: gradwire::Error| DemoError::Codec {
             method,
@@ -830,23 +875,19 @@ impl GradientCodec for GradwireCodec {
             return Err(self.error("no collective of its own"));
         };
         ar.compressor_mut().set_step(step);
-        ar.all_reduce_on(comm, &self.grads, &mut self.reduced)
-            .map_err(err)?;
-        let bytes = ar.last_message_bytes();
-        if out.len() != self.names.len() {
-            return Err(self.error("output does not match the model"));
-        }
-        for (name, o) in self.names.iter().zip(out.iter_mut()) {
-            let t = self.reduced.get(name).ok_or_else(|| DemoError::Codec {
-                method,
-                message: format!("tensor {name} missing from the result"),
-            })?;
-            if t.data().len() != o.len() {
-                return Err(self.error(format!("tensor {name} has the wrong length")));
-            }
-            o.copy_from_slice(t.data());
-        }
-        Ok(bytes)
+        // In place on the loop's buffers, which hold this rank's gradients (`stage`).
+        let mut tensors: Vec<TensorMut<'_>> = self
+            .specs
+            .iter()
+            .zip(out.iter_mut())
+            .map(|(p, o)| TensorMut {
+                name: &p.name,
+                shape: &p.shape,
+                data: o,
+            })
+            .collect();
+        ar.all_reduce_in_place_on(comm, &mut tensors).map_err(err)?;
+        Ok(ar.last_message_bytes())
     }
 }
 

@@ -540,6 +540,7 @@ pub fn run_rank_with_codec(
             Ok(())
         };
         let (t2, t3, step_bytes, before, own_before) = if codec.runs_own_collective() {
+            codec.stage(&views, &mut mean)?;
             barrier(comm)?;
             let (before, own_before) = (comm.traffic(), codec.own_traffic());
             // Compression, collective and decode are one call: timed as communication.

@@ -720,6 +720,32 @@ impl CompressedAllReduce {
         gradients: &HashMap<String, Tensor>,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
+        self.on_borrowed(comm, |ar, comm| ar.step_on(comm, gradients, out))
+    }
+
+    /// As [`CompressedAllReduce::all_reduce_in_place`], over `comm`, a communicator the caller
+    /// keeps, as for [`CompressedAllReduce::all_reduce_on`]: the step of a training loop that
+    /// runs its own collectives too, on its gradient buffers, with no copy of the model.
+    ///
+    /// # Errors
+    /// As [`CompressedAllReduce::all_reduce_on`] and
+    /// [`CompressedAllReduce::all_reduce_in_place`].
+    pub fn all_reduce_in_place_on(
+        &mut self,
+        comm: &mut dyn Communicator,
+        tensors: &mut [TensorMut<'_>],
+    ) -> Result<()> {
+        self.on_borrowed(comm, |ar, comm| ar.step_in_place(comm, tensors))
+    }
+
+    /// One step over a communicator the caller keeps: refused (taking part with the error)
+    /// when its world size is not this all-reduce's; the communicator closed after a failure
+    /// that may leave the group out of step.
+    fn on_borrowed(
+        &mut self,
+        comm: &mut dyn Communicator,
+        step: impl FnOnce(&mut Self, &mut dyn Communicator) -> Result<()>,
+    ) -> Result<()> {
         if comm.world_size() != self.world_size {
             // Takes part with the error, so that the peers fail naming this rank.
             let error = Error::WorldSize {
@@ -728,7 +754,7 @@ impl CompressedAllReduce {
             };
             return Err(crate::collective::take_part_failed(comm, error));
         }
-        let result = self.step_on(comm, gradients, out);
+        let result = step(self, comm);
         close_after(comm, &result);
         result
     }

@@ -1,5 +1,5 @@
-//! `CompressedAllReduce::all_reduce_in_place` (issue 46 scope 1): the gradient buffers read
-//! and the result written over them, through the same engine as the `HashMap` API, on every
+//! `CompressedAllReduce::all_reduce_in_place` and `all_reduce_in_place_on` (issue 46 scope 1):
+//! the gradient buffers read and the result written over them, through the same engine as the `HashMap` API, on every
 //! route (all-gather, bucketed all-gather, two-phase, dense f32), in windows of the chunk
 //! bound: the same bits, the same residuals, the same failures.
 
@@ -63,19 +63,42 @@ fn sorted_names(g: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<String> {
 /// How a rank builds its all-reduce.
 type Make = fn(LocalCommunicator) -> CompressedAllReduce;
 
-/// `STEPS` steps on `W` ranks, in place or through `all_reduce_into`.
-fn run(make: Make, in_place: bool) -> Vec<Trace> {
+/// Which entry point a step calls.
+#[derive(Clone, Copy, PartialEq)]
+enum Api {
+    /// `all_reduce_into`.
+    Apart,
+    /// `all_reduce_in_place`, on the all-reduce's own communicator.
+    InPlace,
+    /// `all_reduce_in_place_on`, on a communicator the caller keeps (the all-reduce holds a
+    /// communicator of another group, never used).
+    InPlaceOn,
+}
+
+/// `STEPS` steps on `W` ranks through `api`.
+fn run(make: Make, api: Api) -> Vec<Trace> {
+    let kept: Vec<Option<LocalCommunicator>> = LocalGroup::new(W)
+        .into_communicators()
+        .into_iter()
+        .map(Some)
+        .collect();
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(kept));
     run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
         let rank = gradwire::comm::Communicator::rank(&comm);
+        let mut kept = kept.lock().unwrap()[rank].take().unwrap();
         let mut ar = make(comm);
         let mut out = HashMap::new();
         let mut trace = Trace::new();
         for s in 0..STEPS {
             let mut g = gradients(rank, s);
             let names = sorted_names(&g);
-            let result = if in_place {
+            let result = if api != Api::Apart {
                 let mut tensors = views(&mut g);
-                ar.all_reduce_in_place(&mut tensors).unwrap();
+                if api == Api::InPlace {
+                    ar.all_reduce_in_place(&mut tensors).unwrap();
+                } else {
+                    ar.all_reduce_in_place_on(&mut kept, &mut tensors).unwrap();
+                }
                 let by_name: HashMap<&str, &[f32]> = g
                     .iter()
                     .map(|(n, _, d)| (n.as_str(), d.as_slice()))
@@ -182,8 +205,17 @@ fn in_place_steps_are_the_hashmap_steps_bit_for_bit_on_every_route() {
         }),
     ];
     for (what, make) in routes {
-        let apart = run(make, false);
-        let in_place = run(make, true);
+        let apart = run(make, Api::Apart);
+        let in_place = run(make, Api::InPlace);
+        let kept = run(make, Api::InPlaceOn);
+        let traces_match = kept.len() == in_place.len()
+            && kept.iter().zip(&in_place).all(|(a, b)| {
+                a.len() == b.len()
+                    && a.iter()
+                        .zip(b)
+                        .all(|((ma, ra), (mb, rb))| same_bits(ma, mb) && same_bits(ra, rb))
+            });
+        assert!(traces_match, "{what}: all_reduce_in_place_on");
         for (rank, (a, b)) in apart.iter().zip(&in_place).enumerate() {
             for (s, ((ma, ra), (mb, rb))) in a.iter().zip(b).enumerate() {
                 assert!(!ma.is_empty(), "{what}");
