@@ -16,6 +16,8 @@
 #                                # default: the main one), NETSIM_WORKLOAD (the demo's
 #                                # --workload: digits-mlp, the default, minilm-replay or
 #                                # gpt2-replay),
+#                                # NETSIM_UNTIMED (the demo's --untimed-steps: steps at the
+#                                # start left out of the timing; default 0),
 #                                # NETSIM_EVAL_EVERY (test accuracy every this many steps;
 #                                # default: once, after the last step; the time-to-accuracy
 #                                # runs use 300 steps and 10)
@@ -30,6 +32,8 @@ section=${NETSIM_SECTION:-}
 workload=${NETSIM_WORKLOAD:-digits-mlp}
 extra=(--workload "$workload")
 [ "${NETSIM_WAIT_BARRIER:-0}" = 1 ] && extra+=(--wait-barrier)
+untimed=${NETSIM_UNTIMED:-0}
+[ "$untimed" = 0 ] || extra+=(--untimed-steps "$untimed")
 ns=netsim/netsim.sh
 out=out/netsim
 mkdir -p "$out"
@@ -128,6 +132,6 @@ for link in $rates; do
 done
 
 NETSIM_FLOORS="$floors" python3 netsim/report.py "$manifest" "$out" docs/netsim.md \
-    "NETSIM_STEPS=$steps NETSIM_RATES=\"$rates\" NETSIM_DENSE_REPEATS=$repeats NETSIM_W=$w${NETSIM_EVAL_EVERY:+ NETSIM_EVAL_EVERY=$eval_every}${NETSIM_WORKLOAD:+ NETSIM_WORKLOAD=$workload}${NETSIM_WAIT_BARRIER:+ NETSIM_WAIT_BARRIER=$NETSIM_WAIT_BARRIER}${section:+ NETSIM_SECTION=$section} bash netsim/run-report.sh" \
+    "NETSIM_STEPS=$steps NETSIM_RATES=\"$rates\" NETSIM_DENSE_REPEATS=$repeats NETSIM_W=$w${NETSIM_EVAL_EVERY:+ NETSIM_EVAL_EVERY=$eval_every}${NETSIM_WORKLOAD:+ NETSIM_WORKLOAD=$workload}${NETSIM_WAIT_BARRIER:+ NETSIM_WAIT_BARRIER=$NETSIM_WAIT_BARRIER}${NETSIM_UNTIMED:+ NETSIM_UNTIMED=$untimed}${section:+ NETSIM_SECTION=$section} bash netsim/run-report.sh" \
     "$section"
 echo "run-report: docs/netsim.md updated"

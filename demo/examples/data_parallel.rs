@@ -73,6 +73,10 @@ struct Args {
     /// communication time into waiting for the slowest rank and the transfer itself.
     #[arg(long)]
     wait_barrier: bool,
+    /// Steps at the start left out of the timing (the first touches of model-sized buffers);
+    /// the report's times per step cover the steps after them.
+    #[arg(long, default_value_t = 0)]
+    untimed_steps: usize,
     /// What the ranks train: the MLP on the digits data set, or no model and the real MiniLM
     /// gradients of `testdata/` (789,504 values) replayed every step with per-rank noise, to
     /// time codecs and transfers at a transformer layer's size (no accuracy; use
@@ -102,6 +106,7 @@ fn run(args: &Args) -> Result<(), DemoError> {
         eval_every: args.eval_every,
         collective: args.collective,
         wait_barrier: args.wait_barrier,
+        untimed_steps: args.untimed_steps,
         workload: args.workload,
         ..TrainConfig::default()
     };

@@ -248,7 +248,8 @@ impl ReportBuilder {
         };
 
         let t = &mut self.report.timing[i];
-        let steps = self.report.config.train.steps.max(1);
+        let train = &self.report.config.train;
+        let steps = train.steps.saturating_sub(train.untimed_steps).max(1);
         let phases = r.mean_timing;
         #[allow(clippy::cast_precision_loss)]
         t.runs.push(RunTiming {
