@@ -124,6 +124,8 @@ pub(crate) struct Buffers {
     chunk_x: Vec<f32>,
     chunk_r: Vec<f32>,
     bounds: Vec<f32>,
+    /// Each target's range of a sparse frame's kept entries ([`apply_frame`]).
+    spans: Vec<(usize, usize)>,
 }
 
 impl Buffers {
@@ -273,6 +275,11 @@ pub(crate) fn encode_parts(
             bits_rest = rest;
             jobs.push((part, idx, bits, out));
         }
+        // Largest first on the pool (each job writes its own entries: the order changes no
+        // byte), so that a large part does not run alone at the end.
+        if exec == Exec::Pool {
+            jobs.sort_by_key(|(part, ..)| std::cmp::Reverse(part.x.len()));
+        }
         exec.for_each_with(
             &mut jobs,
             || pool.lease(),
@@ -359,6 +366,9 @@ pub(crate) fn encode_parts(
         let sparse = SparseFrame::parse(&frame[..written], params, n).map_err(shard_err)?;
         bufs.values.resize(sparse.kept(), 0.0);
         sparse.values(0, &mut bufs.values).map_err(shard_err)?;
+        // Each part's kept entries fixed up in its residual, the parts at once on the pool
+        // (largest first); the first error in part order.
+        let mut jobs = Vec::with_capacity(parts.len());
         let mut from = 0usize;
         for (((part, &count), bound), kept) in parts
             .iter_mut()
@@ -367,20 +377,35 @@ pub(crate) fn encode_parts(
             .zip(&bufs.part_kept)
         {
             let to = from + count as usize;
-            if let Some(r) = part.residual.as_deref_mut() {
-                let fixed = sparse_fix_up(&bufs.kept[from..to], &bufs.values[from..to], part.at, r)
-                    .map_err(shard_err)?;
-                // No element left unsent is larger than the smallest kept sum.
-                let unsent = if count == 0 {
-                    gradwire_core::ResidualBound::of(r).max_abs()
-                } else if (count as usize) < r.len() {
-                    kept.smallest
-                } else {
-                    0.0
-                };
-                *bound = unsent.max(fixed);
-            }
+            jobs.push((part, bound, kept.smallest, from..to, Ok(())));
             from = to;
+        }
+        let (idx, vals) = (&bufs.kept, &bufs.values);
+        exec.for_each_largest_first(
+            &mut jobs,
+            |(part, ..)| part.x.len(),
+            |_, (part, bound, smallest, range, result)| {
+                let Some(r) = part.residual.as_deref_mut() else {
+                    return;
+                };
+                match sparse_fix_up(&idx[range.clone()], &vals[range.clone()], part.at, r) {
+                    Ok(fixed) => {
+                        // No element left unsent is larger than the smallest kept sum.
+                        let unsent = if range.start == range.end {
+                            gradwire_core::ResidualBound::of(r).max_abs()
+                        } else if range.len() < r.len() {
+                            *smallest
+                        } else {
+                            0.0
+                        };
+                        **bound = unsent.max(fixed);
+                    }
+                    Err(e) => *result = Err(e),
+                }
+            },
+        );
+        for (.., result) in jobs {
+            result.map_err(shard_err)?;
         }
     }
     Ok(written)
@@ -732,24 +757,38 @@ pub(crate) fn apply_frame(
         bufs.values.resize(kept, 0.0);
         sparse.indices(&mut bufs.kept)?;
         sparse.values(0, &mut bufs.values)?;
-        if how != Apply::Add {
-            exec.for_each(targets, |_, target| target.data.fill(0.0));
-        }
-        let mut t = 0usize;
-        for (&i, &v) in bufs.kept.iter().zip(&bufs.values) {
-            let i = i as usize;
-            while t < targets.len() && targets[t].at + targets[t].data.len() <= i {
-                t += 1;
-            }
-            if let Some(target) = targets.get_mut(t)
-                && let Some(x) = target.data.get_mut(i.wrapping_sub(target.at))
-            {
-                match how {
-                    Apply::Add | Apply::Start => *x += v,
-                    Apply::Write => *x = v,
+        // Each target's entries (the indices ascend, the targets cover the shard in order), so
+        // that the targets run at once, each its zeros then its entries: the writes of one pass
+        // over the entries in order, since every element is written by one entry at most.
+        let (idx, vals) = (&bufs.kept, &bufs.values);
+        bufs.spans.clear();
+        bufs.spans.extend(targets.iter().map(|target| {
+            let end = target.at + target.data.len();
+            (
+                idx.partition_point(|&i| (i as usize) < target.at),
+                idx.partition_point(|&i| (i as usize) < end),
+            )
+        }));
+        let spans = &bufs.spans;
+        exec.for_each_largest_first(
+            targets,
+            |target| target.data.len(),
+            |t, target| {
+                if how != Apply::Add {
+                    target.data.fill(0.0);
                 }
-            }
-        }
+                let (from, to) = spans.get(t).copied().unwrap_or_default();
+                let entries = idx.get(from..to).zip(vals.get(from..to));
+                for (&i, &v) in entries.into_iter().flat_map(|(i, v)| i.iter().zip(v)) {
+                    if let Some(x) = target.data.get_mut((i as usize).wrapping_sub(target.at)) {
+                        match how {
+                            Apply::Add | Apply::Start => *x += v,
+                            Apply::Write => *x = v,
+                        }
+                    }
+                }
+            },
+        );
         return Ok(());
     }
     let Some(sections) = Sections::of(n, &params.method) else {
