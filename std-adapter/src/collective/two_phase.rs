@@ -1325,25 +1325,29 @@ fn check_worker_input(
     bounds: &[ResidualBound],
     values: Option<gradwire_core::Values>,
 ) -> Result<()> {
-    exec.first_err(&layout.tensors, |t, ts| {
-        // A kept bound proves the sums finite by one read of the gradient (a sum beyond the
-        // value type saturates; the residual keeps the excess).
-        let proven = taken.get(t).is_some()
-            && bounds
-                .get(t)
-                .is_some_and(|b| b.proves_sums_finite(grads[t]));
-        if proven {
-            return Ok(());
-        }
-        let bad = match taken.get(t) {
-            Some(r) => gradwire_core::feedback::first_bad_sum(grads[t], r),
-            None => crate::engine::shard::first_bad(grads[t], values),
-        };
-        match bad {
-            Some(e) => Err(Error::core(&ts.name, None, e)),
-            None => Ok(()),
-        }
-    })
+    exec.first_err_largest_first(
+        &layout.tensors,
+        |ts| ts.n,
+        |t, ts| {
+            // A kept bound proves the sums finite by one read of the gradient (a sum beyond the
+            // value type saturates; the residual keeps the excess).
+            let proven = taken.get(t).is_some()
+                && bounds
+                    .get(t)
+                    .is_some_and(|b| b.proves_sums_finite(grads[t]));
+            if proven {
+                return Ok(());
+            }
+            let bad = match taken.get(t) {
+                Some(r) => gradwire_core::feedback::first_bad_sum(grads[t], r),
+                None => crate::engine::shard::first_bad(grads[t], values),
+            };
+            match bad {
+                Some(e) => Err(Error::core(&ts.name, None, e)),
+                None => Ok(()),
+            }
+        },
+    )
 }
 
 /// Whether the owner's step of `step` keeps a server residual: with error feedback, for a mean

@@ -192,6 +192,32 @@ impl Exec {
         }
     }
 
+    /// As [`Exec::first_err`], but on the pool the items start largest first (by `size`, as in
+    /// [`Exec::for_each_largest_first`]); the error returned is still the first in item order.
+    pub(crate) fn first_err_largest_first<T: Sync, E: Send>(
+        self,
+        items: &[T],
+        size: impl Fn(&T) -> usize,
+        f: impl Fn(usize, &T) -> Result<(), E> + Sync,
+    ) -> Result<(), E> {
+        match self {
+            Exec::Serial => items.iter().enumerate().try_for_each(|(i, t)| f(i, t)),
+            Exec::Pool => {
+                let mut order: Vec<usize> = (0..items.len()).collect();
+                order.sort_by_key(|&i| std::cmp::Reverse(size(&items[i])));
+                let first = order
+                    .par_iter()
+                    .with_max_len(1)
+                    .filter_map(|&i| f(i, &items[i]).err().map(|e| (i, e)))
+                    .min_by_key(|(i, _)| *i);
+                match first {
+                    Some((_, e)) => Err(e),
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
     /// Whether `f(chunk)` holds for every chunk of `chunk` elements of `x`.
     pub(crate) fn chunks_all(
         self,
