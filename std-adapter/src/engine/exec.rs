@@ -400,6 +400,38 @@ mod tests {
     }
 
     #[test]
+    fn largest_first_visits_every_item_once_and_names_the_first_error_in_item_order() {
+        // Sizes in no order; items 2, 5 and 6 fail. Item 6 is the largest (it starts first on
+        // the pool), item 2 the first in order.
+        let sizes = [3usize, 9, 1, 7, 4, 2, 50, 8];
+        for exec in [Exec::Serial, Exec::Pool] {
+            let mut seen = vec![0u32; sizes.len()];
+            exec.for_each_largest_first(&mut seen, |_| 0, |i, s| *s += 1 + i as u32);
+            let want: Vec<u32> = (1..=sizes.len() as u32).collect();
+            assert_eq!(seen, want, "{exec:?}");
+            let mut items: Vec<(usize, u32)> = sizes.iter().map(|&n| (n, 0)).collect();
+            exec.for_each_largest_first(&mut items, |(n, _)| *n, |i, (_, v)| *v = i as u32);
+            assert!(items.iter().enumerate().all(|(i, (_, v))| *v == i as u32));
+            let first = exec.first_err_largest_first(
+                &sizes,
+                |&n| n,
+                |i, _| {
+                    if [2, 5, 6].contains(&i) {
+                        Err(i)
+                    } else {
+                        Ok(())
+                    }
+                },
+            );
+            assert_eq!(first, Err(2), "{exec:?}");
+            assert_eq!(
+                exec.first_err_largest_first(&sizes, |&n| n, |_, _| Ok::<(), usize>(())),
+                Ok(())
+            );
+        }
+    }
+
+    #[test]
     fn auto_is_pooled_from_its_threshold_on_a_pool_of_several_threads() {
         const AUTO_MIN_ELEMENTS: usize = Parallelism::AUTO_MIN_ELEMENTS;
         assert_eq!(AUTO_MIN_ELEMENTS, 1 << 16);
