@@ -47,6 +47,7 @@ const FIELDS: &[(&str, Kind, bool)] = &[
     ("read_pass_s", Kind::Num, false),
     ("read_passes", Kind::Num, false),
     ("kernel_floor_s", Kind::Num, false),
+    ("kernel_floor_wall_s", Kind::Num, false),
     ("floor", Kind::Str, false),
     ("floor_of", Kind::Str, false),
     ("floor_ratio", Kind::Num, false),
@@ -124,7 +125,12 @@ fn scale_small_json_has_every_row_and_field() {
             Some(3),
             "{row}"
         );
-        for key in ["median_cpu_s", "read_pass_s", "kernel_floor_s"] {
+        for key in [
+            "median_cpu_s",
+            "read_pass_s",
+            "kernel_floor_s",
+            "kernel_floor_wall_s",
+        ] {
             assert!(obj[key].as_f64().is_some_and(|v| v > 0.0), "{key} in {row}");
         }
         // The message bound (`CompressedAllReduce::with_chunk_bytes`; `--small` runs 64 KiB):

@@ -16,13 +16,13 @@ use std::fmt;
 
 use gradwire::BucketConfig;
 use gradwire::CompressedAllReduce;
+use gradwire::CompressionMethod;
 use gradwire::Parallelism;
 use gradwire::comm::{Communicator, Traffic};
 use gradwire::dgc::{DensitySchedule, Dgc, DgcConfig, DgcSelection};
 use gradwire::powersgd::{PowerSgd, PowerSgdConfig};
 use gradwire::tensor::{Tensor, TensorMut};
 use gradwire::{Aggregator, Reduction};
-use gradwire::{CompressionMethod, GradientCompressor};
 use gradwire::{Manifest, TensorSpec};
 
 use crate::DemoError;
@@ -698,23 +698,14 @@ impl GradientCodec for DgcCodec {
 /// A demo method through gradwire: its all-reduce ([`CompressedAllReduce`] on the loop's
 /// communicator, in place on the loop's mean buffers, which [`GradientCodec::stage`] fills with
 /// the rank's gradients), on the all-gather, the two-phase collective or `auto` as the demo's
-/// `--collective` says. The message-level path ([`GradientCompressor::compress_bundle`], the
-/// loop's all-gather, [`Aggregator::aggregate_into`]) is kept for callers of
-/// [`GradientCodec::encode`] and [`GradientCodec::decode_mean`].
+/// `--collective` says.
 #[derive(Debug)]
 pub struct GradwireCodec {
     method: Method,
-    rank: usize,
+    /// The model's bundle layout (its largest bundle bounds a message).
     manifest: Manifest,
-    compressor: GradientCompressor,
-    aggregator: Aggregator,
-    /// The message-level path's tensors, made at its first use.
-    grads: HashMap<String, Tensor>,
     specs: Vec<ParamSpec>,
-    names: Vec<String>,
-    mean: Vec<f32>,
-    /// gradwire's all-reduce.
-    all_reduce: Option<CompressedAllReduce>,
+    all_reduce: CompressedAllReduce,
     /// Whether the loop's buffers hold this step's gradients ([`GradientCodec::stage`]).
     staged: bool,
 }
@@ -740,38 +731,24 @@ impl GradwireCodec {
             .map(|p| TensorSpec::new(p.name.clone(), p.shape.clone()))
             .collect();
         let manifest = Manifest::new(specs, &cm, ctx.seed, BucketConfig::none()).map_err(err)?;
-        // The ranks already occupy every core: keep gradwire's own work on the rank's thread.
-        let compressor = GradientCompressor::new(cm.clone())
-            .with_seed(ctx.seed)
-            .with_parallelism(Parallelism::Serial);
-        let collective = match ctx.collective {
+        let collective = match (method, ctx.collective) {
             // Uncompressed f32 gradients go through gradwire's f32 all-reduce (a ring
-            // all-reduce's bytes) whatever the collective: never an all-gather.
-            _ if method == Method::DenseF32 => Some(gradwire::Collective::AllGather),
-            Collective::AllGather => Some(gradwire::Collective::AllGather),
-            // Random-k is all-gather only in gradwire.
-            Collective::TwoPhase if method == Method::RandK1Ef => {
-                Some(gradwire::Collective::AllGather)
-            }
-            Collective::TwoPhase => Some(gradwire::Collective::TwoPhase),
-            Collective::Auto => Some(gradwire::Collective::Auto),
+            // all-reduce's bytes) whatever the collective; random-k is all-gather only.
+            (Method::DenseF32, _)
+            | (_, Collective::AllGather)
+            | (Method::RandK1Ef, Collective::TwoPhase) => gradwire::Collective::AllGather,
+            (_, Collective::TwoPhase) => gradwire::Collective::TwoPhase,
+            (_, Collective::Auto) => gradwire::Collective::Auto,
         };
-        let all_reduce = collective.map(|c| {
-            CompressedAllReduce::new(cm, ctx.world_size)
-                .with_seed(ctx.seed)
-                .with_collective(c)
-                .with_parallelism(Parallelism::Serial)
-        });
+        // The ranks already occupy every core: keep gradwire's own work on the rank's thread.
+        let all_reduce = CompressedAllReduce::new(cm, ctx.world_size)
+            .with_seed(ctx.seed)
+            .with_collective(collective)
+            .with_parallelism(Parallelism::Serial);
         Ok(GradwireCodec {
             method,
-            rank: ctx.rank,
             manifest,
-            compressor,
-            aggregator: Aggregator::new().with_parallelism(Parallelism::Serial),
-            grads: HashMap::new(),
             specs: ctx.specs.to_vec(),
-            names: ctx.specs.iter().map(|p| p.name.clone()).collect(),
-            mean: Vec::new(),
             all_reduce,
             staged: false,
         })
@@ -784,20 +761,18 @@ impl GradwireCodec {
         }
     }
 
-    /// Copies `grads` (name order) into the codec's tensors (made at the first call).
-    fn fill(&mut self, grads: &[&[f32]]) -> Result<(), DemoError> {
-        if self.grads.is_empty() {
-            self.grads = zero_tensors(&self.specs).map_err(|e| self.error(e))?;
+    /// Copies `grads` into `out` (name order, the model's lengths).
+    fn copy_in(&self, grads: &[&[f32]], out: &mut [Vec<f32>]) -> Result<(), DemoError> {
+        let fits = |lens: &mut dyn ExactSizeIterator<Item = usize>| {
+            lens.len() == self.specs.len() && lens.zip(&self.specs).all(|(n, p)| n == p.len())
+        };
+        if !fits(&mut grads.iter().map(|g| g.len())) || !fits(&mut out.iter().map(Vec::len)) {
+            return Err(self.error("gradients or output do not match the model"));
         }
-        fill_named(&self.names, &mut self.grads, grads).map_err(|m| self.error(m))
-    }
-
-    /// Whether `bufs` (name order) have the model's tensors' lengths.
-    fn fits(&self, bufs: impl ExactSizeIterator<Item = usize>) -> bool {
-        bufs.len() == self.specs.len()
-            && bufs
-                .zip(&self.specs)
-                .all(|(n, p)| Some(n) == p.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)))
+        for (o, g) in out.iter_mut().zip(grads) {
+            o.copy_from_slice(g);
+        }
+        Ok(())
     }
 }
 
@@ -810,47 +785,20 @@ impl GradientCodec for GradwireCodec {
         self.manifest.max_bundle_len()
     }
 
-    fn encode(&mut self, step: u64, grads: &[&[f32]], out: &mut Vec<u8>) -> Result<(), DemoError> {
-        self.fill(grads)?;
-        self.compressor.set_step(step);
-        self.compressor
-            .compress_bundle(&self.manifest, &self.grads, self.rank, out)
-            .map_err(|e| self.error(e))?;
-        Ok(())
+    fn encode(&mut self, _: u64, _: &[&[f32]], _: &mut Vec<u8>) -> Result<(), DemoError> {
+        Err(self.error("gradwire runs its own collective, not the loop's all-gather"))
     }
 
-    fn decode_mean(
-        &mut self,
-        step: u64,
-        messages: &[Vec<u8>],
-        out: &mut [Vec<f32>],
-    ) -> Result<(), DemoError> {
-        if out.len() != self.names.len() {
-            return Err(self.error("output does not match the model"));
-        }
-        let (manifest, names) = (&self.manifest, &self.names);
-        mean_of_bundles(
-            &mut self.aggregator,
-            manifest,
-            messages,
-            step,
-            &mut self.mean,
-        )
-        .and_then(|()| copy_out(manifest, &self.mean, names, out))
-        .map_err(|m| self.error(m))
+    fn decode_mean(&mut self, _: u64, _: &[Vec<u8>], _: &mut [Vec<f32>]) -> Result<(), DemoError> {
+        Err(self.error("gradwire runs its own collective, not the loop's all-gather"))
     }
 
     fn runs_own_collective(&self) -> bool {
-        self.all_reduce.is_some()
+        true
     }
 
     fn stage(&mut self, grads: &[&[f32]], out: &mut [Vec<f32>]) -> Result<(), DemoError> {
-        if !self.fits(grads.iter().map(|g| g.len())) || !self.fits(out.iter().map(Vec::len)) {
-            return Err(self.error("gradients or output do not match the model"));
-        }
-        for (o, g) in out.iter_mut().zip(grads) {
-            o.copy_from_slice(g);
-        }
+        self.copy_in(grads, out)?;
         self.staged = true;
         Ok(())
     }
@@ -862,20 +810,18 @@ impl GradientCodec for GradwireCodec {
         grads: &[&[f32]],
         out: &mut [Vec<f32>],
     ) -> Result<usize, DemoError> {
+        // The loop stages the gradients first; a caller that did not, gets them copied here.
         if !std::mem::take(&mut self.staged) {
-            self.stage(grads, out)?;
-            self.staged = false;
+            self.copy_in(grads, out)?;
         }
         let method = self.method;
         let err = |e: gradwire::Error| DemoError::Codec {
             method,
             message: e.to_string(),
         };
-        let Some(ar) = self.all_reduce.as_mut() else {
-            return Err(self.error("no collective of its own"));
-        };
+        let ar = &mut self.all_reduce;
         ar.compressor_mut().set_step(step);
-        // In place on the loop's buffers, which hold this rank's gradients (`stage`).
+        // In place on the loop's buffers, which hold this rank's gradients.
         let mut tensors: Vec<TensorMut<'_>> = self
             .specs
             .iter()

@@ -95,7 +95,7 @@ pub struct TrainConfig {
     pub wait_barrier: bool,
     /// Steps at the start whose phases are not timed (the first touches of the model-sized
     /// buffers of the loop, the codec and the transport): [`Timing`] covers the steps after
-    /// them. Traffic counts every step.
+    /// them, and so do the learning curve's seconds. Traffic counts every step.
     pub untimed_steps: usize,
     /// Where the gradients come from.
     pub workload: Workload,

@@ -729,7 +729,8 @@ impl CompressedAllReduce {
     ///
     /// # Errors
     /// As [`CompressedAllReduce::all_reduce_on`] and
-    /// [`CompressedAllReduce::all_reduce_in_place`].
+    /// [`CompressedAllReduce::all_reduce_in_place`]; as there, a failure that may leave the
+    /// group out of step closes `comm` ([`Communicator::close`]), the caller's communicator.
     pub fn all_reduce_in_place_on(
         &mut self,
         comm: &mut dyn Communicator,

@@ -1,5 +1,5 @@
-//! `CompressedAllReduce::all_reduce_in_place` and `all_reduce_in_place_on` (issue 46 scope 1):
-//! the gradient buffers read and the result written over them, through the same engine as the `HashMap` API, on every
+//! `CompressedAllReduce::all_reduce_in_place` and `all_reduce_in_place_on` (issue 46 scope
+//! 1): the gradient buffers read and the result written over them, through the same engine as the `HashMap` API, on every
 //! route (all-gather, bucketed all-gather, two-phase, dense f32), in windows of the chunk
 //! bound: the same bits, the same residuals, the same failures.
 

@@ -80,9 +80,10 @@ impl Exec {
         }
     }
 
-    /// As [`Exec::for_each`], but on the pool the items start largest first (by `size`): a
-    /// model's tensors differ in size by up to 10^5 (GPT-2-small's `wte` holds 31% of its
-    /// elements), and a large one started last runs alone after the others are done.
+    /// As [`Exec::for_each`], but on the pool each item is its own task, queued largest first
+    /// (by `size`): a model's tensors differ in size by up to 10^5 (GPT-2-small's `wte` holds
+    /// 31% of its elements), and a large one started last, or several in one task, run alone
+    /// after the others are done.
     pub(crate) fn for_each_largest_first<T: Send>(
         self,
         items: &mut [T],
@@ -144,6 +145,28 @@ impl Exec {
                 .par_iter_mut()
                 .enumerate()
                 .for_each_init(init, |s, (i, t)| f(s, i, t)),
+        }
+    }
+
+    /// [`Exec::for_each_with`] with the items queued as [`Exec::for_each_largest_first`] queues
+    /// them (one `state` per task then: per item).
+    pub(crate) fn for_each_with_largest_first<T: Send, S>(
+        self,
+        items: &mut [T],
+        size: impl Fn(&T) -> usize,
+        init: impl Fn() -> S + Sync + Send,
+        f: impl Fn(&mut S, usize, &mut T) + Sync + Send,
+    ) {
+        match self {
+            Exec::Serial => self.for_each_with(items, init, f),
+            Exec::Pool => {
+                let mut order: Vec<(usize, &mut T)> = items.iter_mut().enumerate().collect();
+                order.sort_by_key(|(_, t)| std::cmp::Reverse(size(t)));
+                order
+                    .par_iter_mut()
+                    .with_max_len(1)
+                    .for_each_init(init, |s, (i, t)| f(s, *i, t));
+            }
         }
     }
 
@@ -424,6 +447,18 @@ mod tests {
                 },
             );
             assert_eq!(first, Err(2), "{exec:?}");
+            let mut with: Vec<(usize, u32)> = sizes.iter().map(|&n| (n, 0)).collect();
+            exec.for_each_with_largest_first(
+                &mut with,
+                |(n, _)| *n,
+                || 7u32,
+                |s, i, (_, v)| *v = *s + i as u32,
+            );
+            assert!(
+                with.iter()
+                    .enumerate()
+                    .all(|(i, (_, v))| *v == 7 + i as u32)
+            );
             assert_eq!(
                 exec.first_err_largest_first(&sizes, |&n| n, |_, _| Ok::<(), usize>(())),
                 Ok(())

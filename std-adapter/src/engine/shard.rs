@@ -277,11 +277,9 @@ pub(crate) fn encode_parts(
         }
         // Largest first on the pool (each job writes its own entries: the order changes no
         // byte), so that a large part does not run alone at the end.
-        if exec == Exec::Pool {
-            jobs.sort_by_key(|(part, ..)| std::cmp::Reverse(part.x.len()));
-        }
-        exec.for_each_with(
+        exec.for_each_with_largest_first(
             &mut jobs,
+            |(part, ..)| part.x.len(),
             || pool.lease(),
             |lease, _, (part, idx, bits, out)| {
                 let k = layout.tensors[part.tensor].budgets[j] as usize;
