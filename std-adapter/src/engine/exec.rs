@@ -88,19 +88,9 @@ impl Exec {
         self,
         items: &mut [T],
         size: impl Fn(&T) -> usize,
-        f: impl Fn(usize, &mut T) + Sync,
+        f: impl Fn(usize, &mut T) + Sync + Send,
     ) {
-        match self {
-            Exec::Serial => items.iter_mut().enumerate().for_each(|(i, t)| f(i, t)),
-            Exec::Pool => {
-                let mut order: Vec<(usize, &mut T)> = items.iter_mut().enumerate().collect();
-                order.sort_by_key(|(_, t)| std::cmp::Reverse(size(t)));
-                order
-                    .par_iter_mut()
-                    .with_max_len(1)
-                    .for_each(|(i, t)| f(*i, t));
-            }
-        }
+        self.for_each_with_largest_first(items, size, || (), |(), i, t| f(i, t));
     }
 
     /// `f(i, item i, chunk i)` for every item and chunk of `chunk` elements of `x`, in pairs
