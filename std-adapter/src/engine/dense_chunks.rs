@@ -7,6 +7,7 @@
 use gradwire_core::feedback::step_chunk;
 use gradwire_core::frame::chunk::Sections;
 use gradwire_core::{Method, Params, ResidualBound};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use super::exec::Exec;
@@ -15,6 +16,15 @@ use crate::layout::plan::dense_geometry;
 /// Elements per error-feedback tile (rounded up to chunk boundaries): its gradient and residual
 /// (64 KiB) stay in the L2 cache between the core's check of the tile and its update.
 const TILE: usize = 8192;
+
+/// The checksum of a frame's sections, hashed chunk by chunk in order as [`Split::encode`]
+/// writes them on one thread: where the next chunk must start (`usize::MAX`: not hashed on the
+/// way), and the running CRC-32 of each section.
+struct Running {
+    next: usize,
+    scales: crc32fast::Hasher,
+    body: crc32fast::Hasher,
+}
 
 /// A dense, quantization or sign frame of `n` elements cut into chunks of `chunk` elements.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -61,6 +71,14 @@ impl Split {
         // negative, infinity for an unknown bound) the order of the bits is the order of the
         // values, so the chunks on the pool combine theirs with `fetch_max`.
         let largest = AtomicU32::new(0);
+        // On one thread the chunks run in order: each chunk's pieces are hashed right after
+        // they are written (in cache then), into one running checksum per section. On the
+        // pool (or should the order differ) the frame is hashed after the chunks.
+        let running = Mutex::new(Running {
+            next: if exec == Exec::Serial { 0 } else { usize::MAX },
+            scales: crc32fast::Hasher::new(),
+            body: crc32fast::Hasher::new(),
+        });
         let work = |start: usize, scales: &mut [u8], body: &mut [u8], r: Option<&mut [f32]>| {
             let g = &grad[start..start + self.chunk.min(n - start)];
             let done = match r {
@@ -75,6 +93,12 @@ impl Split {
             };
             if done.is_err() {
                 failed.store(true, Ordering::Relaxed);
+            } else if let Ok(mut running) = running.lock()
+                && running.next == start
+            {
+                running.scales.update(scales);
+                running.body.update(body);
+                running.next = start + g.len();
             }
         };
         let chunks = n.div_ceil(self.chunk);
@@ -82,7 +106,16 @@ impl Split {
         if failed.load(Ordering::Relaxed) {
             return None;
         }
-        let crc = exec.crc32(frame.get(..s.checksummed_len())?);
+        let running = running.into_inner().ok()?;
+        let crc = if running.next == n {
+            let mut crc = crc32fast::Hasher::new();
+            crc.update(frame.get(..s.header_len())?);
+            crc.combine(&running.scales);
+            crc.combine(&running.body);
+            crc.finalize()
+        } else {
+            exec.crc32(frame.get(..s.checksummed_len())?)
+        };
         let len = s.finish(frame, Some(crc)).ok()?;
         let bound = ResidualBound::at_most(f32::from_bits(largest.load(Ordering::Relaxed)));
         Some((len, bound))

@@ -126,6 +126,8 @@ pub(crate) struct Buffers {
     bounds: Vec<f32>,
     /// Each target's range of a sparse frame's kept entries ([`apply_frame`]).
     spans: Vec<(usize, usize)>,
+    /// The header a frame [`apply_frame`] reads is expected to begin with.
+    header: Vec<u8>,
 }
 
 impl Buffers {
@@ -237,11 +239,11 @@ pub(crate) fn encode_parts(
             frame,
             exec,
         );
-        step.map_err(|(t, e)| match t {
+        let crc = step.map_err(|(t, e)| match t {
             Some(t) => at_tensor(layout, j, t, e),
             None => shard_err(e),
         })?;
-        return sections.finish(frame, None).map_err(shard_err);
+        return sections.finish(frame, Some(crc)).map_err(shard_err);
     };
     // Top-k: each part's own top-k of its sums, selected on its residual in place; the parts
     // at once on the pool, each writing its kept entries at its own place, then moved up in
@@ -496,7 +498,9 @@ fn scatter_targets(from: &[f32], targets: &mut [Target<'_>]) {
 /// elements (whole sections' blocks), on `exec` (each chunk a job of its own: a chunk's bytes
 /// and residual depend on the chunk alone), with the chunk's values and residual where they lie
 /// in one part, or gathered into a task's copy where the chunk spans parts (the residual copied
-/// back). Updates each part's bound with the largest magnitude of its chunks' residuals.
+/// back). Updates each part's bound with the largest magnitude of its chunks' residuals, and
+/// returns the frame's CRC-32 (of its bytes before the trailer: the header `frame` holds, then
+/// what the chunks wrote), each chunk's pieces hashed right after they were written.
 ///
 /// # Errors
 /// The first failing chunk's error (in shard order), with the tensor of the element it names.
@@ -507,9 +511,11 @@ fn walk_chunks(
     f: &ChunkStep<'_>,
     frame: &mut [u8],
     exec: Exec,
-) -> std::result::Result<(), (Option<usize>, gradwire_core::Error)> {
+) -> std::result::Result<u32, (Option<usize>, gradwire_core::Error)> {
     let n = sections.n();
     let chunk = CHUNK.div_ceil(sections.align()).max(1) * sections.align();
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(frame.get(..sections.header_len()).unwrap_or(&[]));
     let (scales, body) = sections.pieces_mut(frame, 0, n).map_err(|e| (None, e))?;
     let (s_all, b_all) = sections.ranges(0, n).map_err(|e| (None, e))?;
     // The jobs: each chunk's pieces of the sections, and its pieces of the parts, cut in shard
@@ -582,6 +588,7 @@ fn walk_chunks(
             body: b_piece,
             pieces: mine,
             result: Ok(0.0),
+            crcs: (0, 0),
         });
     }
     exec.for_each_with(
@@ -589,6 +596,11 @@ fn walk_chunks(
         || bufs.chunk_pool.lease(),
         |lease, _, job| {
             job.result = run_chunk(f, job, lease.get());
+            // The chunk's pieces were just written: hashed while they are in cache, where a
+            // pass over the whole frame after the chunks would read it again.
+            if job.result.is_ok() {
+                job.crcs = (crc32fast::hash(job.scales), crc32fast::hash(job.body));
+            }
         },
     );
     for job in &jobs {
@@ -608,7 +620,22 @@ fn walk_chunks(
             }
         }
     }
-    Ok(())
+    // The frame's CRC: its header's (hashed above), then every chunk's scales piece and body
+    // piece combined in byte order (the sections follow the header and each other; each chunk
+    // owns one contiguous piece of each).
+    let piece = |crc: u32, len: usize| crc32fast::Hasher::new_with_initial_len(crc, len as u64);
+    for job in &jobs {
+        crc.combine(&piece(job.crcs.0, job.scales.len()));
+    }
+    for job in &jobs {
+        crc.combine(&piece(job.crcs.1, job.body.len()));
+    }
+    debug_assert!(
+        s_all.start == sections.header_len()
+            && s_all.end == b_all.start
+            && b_all.end == sections.checksummed_len()
+    );
+    Ok(crc.finalize())
 }
 
 /// What [`walk_chunks`] runs on each chunk: `(start in the shard, values, residual, (scales
@@ -626,14 +653,16 @@ type ChunkStep<'a> = dyn Fn(
 type Piece<'p> = (usize, &'p [f32], Option<&'p mut [f32]>);
 
 /// One chunk of [`walk_chunks`]: where it starts in the shard, its pieces of the frame's
-/// sections, its pieces of the parts (part index, values, residual), and its result (the
-/// largest magnitude of its new residual).
+/// sections, its pieces of the parts (part index, values, residual), its result (the
+/// largest magnitude of its new residual) and its pieces' checksums.
 struct ChunkJob<'f, 'p> {
     start: usize,
     scales: &'f mut [u8],
     body: &'f mut [u8],
     pieces: &'f mut [Piece<'p>],
     result: std::result::Result<f32, gradwire_core::Error>,
+    /// The CRC-32 of its scales piece and of its body piece, once written.
+    crcs: (u32, u32),
 }
 
 /// Runs one chunk: on the part's own slices when the chunk lies in one part, else on copies in
@@ -809,12 +838,35 @@ pub(crate) fn apply_frame(
         scatter_targets(&bufs.chunk_x, targets);
         return Ok(());
     };
-    peek(frame)?.check(params, n)?;
+    // A frame whose length and header bytes are the ones expected is checked on the way: each
+    // chunk's pieces hashed right before they are decoded (in cache then), the sum compared
+    // with the trailer after the last chunk. The errors are those of a check first: a fault in
+    // a chunk is named after the whole frame's checksum passed, and any other frame is checked
+    // whole first. (The targets hold decoded values after a failed checksum; every caller
+    // fails its step then.)
+    bufs.header.clear();
+    bufs.header.resize(sections.header_len(), 0);
+    sections.write_header(&mut bufs.header)?;
+    let on_the_way =
+        frame.len() == sections.frame_len() && frame.get(..bufs.header.len()) == Some(&bufs.header);
+    if !on_the_way {
+        peek(frame)?.check(params, n)?;
+    }
+    let checked_first = |e: gradwire_core::Error| match on_the_way {
+        true => peek(frame).err().unwrap_or(e),
+        false => e,
+    };
+    let (mut scales_crc, mut body_crc) = (crc32fast::Hasher::new(), crc32fast::Hasher::new());
     let chunk = CHUNK.div_ceil(sections.align()).max(1) * sections.align();
     let mut first = 0usize;
     let mut start = 0usize;
     while start < n {
         let end = (start + chunk).min(n);
+        if on_the_way {
+            let (sr, br) = sections.ranges(start, end)?;
+            scales_crc.update(frame.get(sr).unwrap_or(&[]));
+            body_crc.update(frame.get(br).unwrap_or(&[]));
+        }
         while first < targets.len() && targets[first].at + targets[first].data.len() <= start {
             first += 1;
         }
@@ -824,11 +876,13 @@ pub(crate) fn apply_frame(
         if target.at <= start && end <= target.at + target.data.len() {
             let out = &mut target.data[start - target.at..end - target.at];
             match how {
-                Apply::Add => sections.accumulate(frame, start, out, 1.0)?,
-                Apply::Write => sections.decode(frame, start, out)?,
+                Apply::Add => sections
+                    .accumulate(frame, start, out, 1.0)
+                    .map_err(checked_first)?,
+                Apply::Write => sections.decode(frame, start, out).map_err(checked_first)?,
                 // The chunk is in cache after its decode.
                 Apply::Start => {
-                    sections.decode(frame, start, out)?;
+                    sections.decode(frame, start, out).map_err(checked_first)?;
                     positive_zeros(out);
                 }
             }
@@ -843,11 +897,15 @@ pub(crate) fn apply_frame(
                         let (a, b) = (start.max(t.at) - t.at, end.min(t.at + t.data.len()) - t.at);
                         bufs.chunk_x.extend_from_slice(&t.data[a..b]);
                     }
-                    sections.accumulate(frame, start, &mut bufs.chunk_x, 1.0)?;
+                    sections
+                        .accumulate(frame, start, &mut bufs.chunk_x, 1.0)
+                        .map_err(checked_first)?;
                 }
                 Apply::Write | Apply::Start => {
                     bufs.chunk_x.resize(end - start, 0.0);
-                    sections.decode(frame, start, &mut bufs.chunk_x)?;
+                    sections
+                        .decode(frame, start, &mut bufs.chunk_x)
+                        .map_err(checked_first)?;
                     if how == Apply::Start {
                         positive_zeros(&mut bufs.chunk_x);
                     }
@@ -864,6 +922,18 @@ pub(crate) fn apply_frame(
             }
         }
         start = end;
+    }
+    if on_the_way {
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&bufs.header);
+        crc.combine(&scales_crc);
+        crc.combine(&body_crc);
+        let computed = crc.finalize();
+        let t = &frame[sections.checksummed_len()..];
+        let stored = u32::from_le_bytes([t[0], t[1], t[2], t[3]]);
+        if stored != computed {
+            return Err(gradwire_core::Error::Checksum { stored, computed });
+        }
     }
     Ok(())
 }
@@ -1132,6 +1202,32 @@ mod tests {
                             bits(&whole),
                             "{what}: owner {j}'s frame decoded"
                         );
+                        // A damaged frame (a byte of its header, of its sections or of its
+                        // trailer): the error of the core's decoder of the whole frame, which
+                        // checks the checksum first, though the sections are hashed as they are
+                        // decoded. Four bytes of 0x7f or 0xff in the sections make an f32 scale
+                        // or a bf16 value NaN, which a chunk's check meets before the end: the
+                        // checksum is still named.
+                        for at in [5, len / 3, len / 2, len - 9, len - 1] {
+                            let mut bad = frame[..len].to_vec();
+                            for b in &mut bad[at..(at + 4).min(len)] {
+                                *b = !*b | 0x7f;
+                            }
+                            let want = decode_into(&bad, &params, &mut whole).unwrap_err();
+                            let mut targets = targets_of(&layout, j, &mut outs);
+                            let got = apply_frame(
+                                &layout,
+                                j,
+                                &bad,
+                                &params,
+                                &mut targets,
+                                Apply::Write,
+                                &mut bufs,
+                                exec,
+                            )
+                            .unwrap_err();
+                            assert_eq!(got, want, "{what}: owner {j}'s frame, byte {at} flipped");
+                        }
                     }
                 }
             }
