@@ -762,8 +762,9 @@ impl Job<'_> {
 
     /// A large sparse entry through each rank's decoded list, chunks of the output adding the
     /// entries that fall into them; `false` when a frame does not decode or the result is not
-    /// finite. On one thread a top-k or threshold entry is added whole by the core instead
-    /// (`false` without work: the same additions, without the lists).
+    /// finite. On one thread too: each chunk is zeroed, added into and finished while it is in
+    /// cache, where the core's whole-frame additions leave the reduction a pass of its own over
+    /// the output.
     fn sparse_lists<'f>(
         &self,
         entry: &Entry,
@@ -773,9 +774,6 @@ impl Job<'_> {
         finish: &(impl Fn(&mut [f32]) -> bool + Sync),
     ) -> bool {
         let randomk = matches!(entry.method, Method::RandomK { .. });
-        if self.exec == Exec::Serial && !randomk {
-            return false;
-        }
         let mut lease = self.lists.lease();
         let lists = lease.get();
         if lists.ranks.len() < self.count {
@@ -895,5 +893,101 @@ mod larger_than_memory {
             .aggregate_into(&manifest, &[&bundle], 0, Reduction::Mean, &mut out)
             .unwrap_err();
         assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod sparse_lists {
+    //! Large top-k and threshold entries are added through each rank's decoded list, chunk by
+    //! chunk of the output, on one thread as on the pool: the bits of the core's whole-frame
+    //! additions (ranks in order, from zeros) followed by the reduction.
+    use gradwire_core::{K, Method, Values, accumulate_into, encode_into, max_frame_len};
+
+    use super::{Aggregator, Reduction};
+    use crate::engine::Parallelism;
+    use crate::layout::{BucketConfig, Manifest, TensorSpec};
+    use crate::method::CompressionMethod;
+
+    #[test]
+    fn lists_on_one_thread_and_on_the_pool_give_the_cores_sums() {
+        const W: usize = 3;
+        let n = 300_001;
+        // Each rank's values: a xorshift stream, a run of zeros and of negative zeros (kept
+        // when k exceeds the nonzeros of a part), ranks that pick some of the same elements.
+        let values = |rank: u64| -> Vec<f32> {
+            let mut s = 0x9e37_79b9_7f4a_7c15u64 ^ (rank + 1);
+            (0..n)
+                .map(|i| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    match i % 97 {
+                        0..=3 => -0.0,
+                        4..=7 => 0.0,
+                        _ if i % 5 == 0 => (i as f32).sin() * 3.0,
+                        _ => ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0,
+                    }
+                })
+                .collect()
+        };
+        for method in [
+            Method::TopK {
+                k: K::Ratio(0.02),
+                values: Values::Int8 { block: 64 },
+            },
+            Method::TopK {
+                k: K::Count(50_000),
+                values: Values::F32,
+            },
+            Method::Threshold {
+                threshold: 1.0,
+                values: Values::F16,
+            },
+        ] {
+            let specs = vec![TensorSpec::new("w".to_owned(), vec![n])];
+            let manifest = Manifest::new(
+                specs,
+                &CompressionMethod::Core(method),
+                9,
+                BucketConfig::none(),
+            )
+            .unwrap();
+            let entry = &manifest.entries()[0];
+            let params = manifest.params(entry, 4);
+            let frames: Vec<Vec<u8>> = (0..W as u64)
+                .map(|rank| {
+                    let mut frame = vec![0u8; max_frame_len(n, &method)];
+                    let mut scratch = vec![0u32; gradwire_core::scratch_len(n, &method)];
+                    let len =
+                        encode_into(&values(rank), &params, &mut scratch, &mut frame).unwrap();
+                    frame.truncate(len);
+                    frame
+                })
+                .collect();
+            for reduction in [Reduction::Mean, Reduction::Sum] {
+                let mut want = vec![0.0f32; n];
+                for frame in &frames {
+                    accumulate_into(frame, &params, &mut want, 1.0).unwrap();
+                }
+                for x in &mut want {
+                    *x += 0.0;
+                    if reduction == Reduction::Mean {
+                        *x /= W as f32;
+                    }
+                }
+                for parallelism in [Parallelism::Serial, Parallelism::Parallel] {
+                    let mut agg = Aggregator::new().with_parallelism(parallelism);
+                    let mut got = vec![f32::NAN; n];
+                    let frame = |rank: usize, _: usize| frames[rank].as_slice();
+                    agg.aggregate_entries(&manifest, W, 4, reduction, 0, &frame, &mut [&mut got])
+                        .unwrap();
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{method:?} {reduction:?} {parallelism:?}");
+                }
+            }
+        }
     }
 }
