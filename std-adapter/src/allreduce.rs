@@ -846,7 +846,8 @@ impl CompressedAllReduce {
         }
         // Without error feedback, a bundle of dense frames is written as it is sent, never
         // whole (its gradients checked first, so that nothing fails once a window has left;
-        // nothing is given back after a failure).
+        // nothing is given back after a failure). A group of one, whose message never leaves,
+        // checks each value as it is written instead: the gradients are read once.
         if let Ok(manifest) = &manifest
             && !self.compressor.method().uses_error_feedback()
             && crate::engine::dense_stream::streams(manifest)
@@ -860,9 +861,14 @@ impl CompressedAllReduce {
                 self.chunk_bytes,
             );
             let envelope = crate::collective::payload_envelope(&config, step);
-            let streamed =
-                self.compressor
-                    .stream_bundle(manifest, &bufs, rank, &envelope, &mut self.send);
+            let streamed = self.compressor.stream_bundle(
+                manifest,
+                &bufs,
+                rank,
+                &envelope,
+                &mut self.send,
+                comm.world_size() > 1,
+            );
             let mut stream;
             let local = match streamed {
                 Ok(made) => {

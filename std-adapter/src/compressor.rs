@@ -344,8 +344,9 @@ impl GradientCompressor {
     /// The message of [`GradientCompressor::compress_bundle_after`] written as it is sent, for
     /// a compressor without error feedback and a manifest whose bundles stream
     /// ([`crate::engine::dense_stream::streams`]): `envelope`, then the bundle, in windows written into
-    /// `pending` ([`DenseStream`]). Every gradient is checked before it returns; the step
-    /// advances as for a bundle written whole.
+    /// `pending` ([`DenseStream`]). With `check_first`, every gradient is checked before it
+    /// returns (else as it is written: [`DenseStream::take_error`]); the step advances as for a
+    /// bundle written whole.
     ///
     /// # Errors
     /// As [`GradientCompressor::compress_bundle`]; nothing changes on error.
@@ -356,13 +357,23 @@ impl GradientCompressor {
         rank: usize,
         envelope: &[u8],
         pending: &'a mut Vec<u8>,
+        check_first: bool,
     ) -> Result<DenseStream<'a>> {
         if self.method.uses_error_feedback() {
             return Err(Error::internal("a bundle with error feedback streamed"));
         }
         let (step, rank32) = self.check_bundle_call(manifest, gradients, rank)?;
         let exec = self.parallelism.exec_for(manifest.flat_len());
-        let stream = DenseStream::new(manifest, gradients, step, rank32, envelope, pending, exec)?;
+        let stream = DenseStream::new(
+            manifest,
+            gradients,
+            step,
+            rank32,
+            envelope,
+            pending,
+            exec,
+            check_first,
+        )?;
         self.step = self.step.wrapping_add(1);
         Ok(stream)
     }

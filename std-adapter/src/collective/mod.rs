@@ -330,6 +330,10 @@ pub(crate) trait Written {
     /// As [`Written::next`], the bytes appended to `out` (at least up to `end`); returns the
     /// bytes of the message appended so far.
     fn append(&mut self, end: usize, bufs: &StepBuffers<'_>, out: &mut Vec<u8>) -> usize;
+
+    /// The error that stopped the message before its length, when it was written without a
+    /// check of its gradients first (then [`Written::append`] returns fewer bytes).
+    fn take_error(&mut self) -> Option<Error>;
 }
 
 impl Written for DenseStream<'_> {
@@ -343,6 +347,10 @@ impl Written for DenseStream<'_> {
 
     fn append(&mut self, end: usize, bufs: &StepBuffers<'_>, out: &mut Vec<u8>) -> usize {
         DenseStream::append(self, end, bufs, out)
+    }
+
+    fn take_error(&mut self) -> Option<Error> {
+        DenseStream::take_error(self)
     }
 }
 
@@ -392,6 +400,17 @@ impl Exchange<'_, '_, '_> {
                 end
             }
             Sending::Streamed(stream) => stream.append(end, &*self.bufs, out),
+        }
+    }
+}
+
+impl Exchange<'_, '_, '_> {
+    /// The error that stopped this rank's message before its length (one written without a
+    /// check first: [`Written::take_error`]).
+    fn take_error(&mut self) -> Option<Error> {
+        match &mut self.message {
+            Sending::Whole(_) => None,
+            Sending::Streamed(stream) => stream.take_error(),
         }
     }
 }
@@ -541,9 +560,11 @@ impl AllGather {
                         let next = len.min(done + chunk);
                         let appended = io.append(done, next, &mut self.gathered[0]).min(len);
                         if appended < next {
-                            return Err(Error::internal(
-                                "a group of one's message ended before its length",
-                            ));
+                            // A message written without a check first stops at the piece
+                            // whose encode failed: the check's error.
+                            return Err(io.take_error().unwrap_or_else(|| {
+                                Error::internal("a group of one's message ended before its length")
+                            }));
                         }
                         done = appended;
                         io.consume(&mut self.gathered, done == len);

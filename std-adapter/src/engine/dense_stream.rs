@@ -60,6 +60,11 @@ struct Writer<'a> {
     /// trailer is then written wrong, so that every receiver fails the step naming this rank
     /// instead of reading unspecified bytes.
     failed: bool,
+    /// Whether the gradients were not checked before the first piece: a piece whose encode
+    /// fails then stops the message, and the check names why ([`DenseStream::take_error`]).
+    deferred: bool,
+    /// The error of a deferred check.
+    error: Option<Error>,
     at: At,
     sections: Option<Sections>,
     bundle_crc: crc32fast::Hasher,
@@ -80,8 +85,10 @@ pub(crate) fn streams(manifest: &Manifest) -> bool {
 impl<'a> DenseStream<'a> {
     /// The message of rank `rank`'s bundle of `grads` at `step` for `manifest` (one for which
     /// [`streams`] holds), after `envelope` (its first bytes), written into `pending` as it is
-    /// read ([`DenseStream::next`], given the same gradients). Every gradient is checked
-    /// first, as the engine checks a step without error feedback.
+    /// read ([`DenseStream::next`], given the same gradients). With `check_first`, every
+    /// gradient is checked first, as the engine checks a step without error feedback, so that
+    /// nothing fails once a window has left; without (a group of one, whose message never
+    /// leaves), each value is checked as it is encoded, the gradients read once.
     ///
     /// # Errors
     /// [`Error::Core`] naming the first tensor (in manifest order) holding a NaN or infinity,
@@ -96,26 +103,14 @@ impl<'a> DenseStream<'a> {
         envelope: &[u8],
         pending: &'a mut Vec<u8>,
         exec: Exec,
+        check_first: bool,
     ) -> Result<Self> {
         if !streams(manifest) {
             return Err(Error::internal("a bundle streamed that has other entries"));
         }
-        // The tensors at once on the pool, each in chunks; a bad one named by its first bad
-        // element (NaN or infinity first), the first tensor in manifest order.
-        exec.first_err(manifest.tensors(), |t, info| {
-            let Method::Dense { values } = manifest.entries()[t].method else {
-                return Err(Error::internal("a streamed entry that is not dense"));
-            };
-            let x = grads.grad(manifest, t);
-            let limit = magnitude_limit(Some(values));
-            if exec.chunks_all(x, PIECE, |c| first_at_or_above(c, limit).is_none()) {
-                return Ok(());
-            }
-            match first_bad(x, Some(values)) {
-                Some(e) => Err(Error::core(&info.name, None, e)),
-                None => Ok(()),
-            }
-        })?;
+        if check_first {
+            check(manifest, grads, exec)?;
+        }
         pending.clear();
         pending.extend_from_slice(envelope);
         let head = pending.len();
@@ -141,6 +136,8 @@ impl<'a> DenseStream<'a> {
                 step,
                 exec,
                 failed: false,
+                deferred: !check_first,
+                error: None,
                 at: At::Entry(0),
                 sections: None,
                 bundle_crc,
@@ -157,6 +154,12 @@ impl<'a> DenseStream<'a> {
     /// Bytes of the whole message.
     pub(crate) fn len(&self) -> usize {
         self.total
+    }
+
+    /// The error that ended a message written without a check first (`check_first` false in
+    /// [`DenseStream::new`]): its bytes then stop short of [`DenseStream::len`].
+    pub(crate) fn take_error(&mut self) -> Option<Error> {
+        self.writer.error.take()
     }
 
     /// The message's bytes from where the last call ended up to `end` (at most
@@ -279,6 +282,19 @@ impl Writer<'_> {
                 // frame's trailer says so, see `failed`).
                 let body = &mut out[start..];
                 if !encode_split(self.exec, &sections, &params, i, x, body) {
+                    if self.deferred {
+                        // Nothing was checked first: the message ends here, before the
+                        // piece, and the check (over gradients that the pieces before this one
+                        // may have been decoded into, in place: finite values, in range) names
+                        // the first bad element, as a check first would have.
+                        out.truncate(start);
+                        self.error = Some(match check(manifest, grads, self.exec) {
+                            Err(e) => e,
+                            Ok(()) => Error::internal("a streamed piece failed a passed check"),
+                        });
+                        self.at = At::End;
+                        return;
+                    }
                     self.failed = true;
                 }
                 let crc = self.exec.crc32(body);
@@ -290,6 +306,29 @@ impl Writer<'_> {
             At::End => {}
         }
     }
+}
+
+/// Checks every gradient of `manifest` against its dense value type: the tensors at once on
+/// the pool, each in chunks; a bad one named by its first bad element (NaN or infinity first),
+/// the first tensor in manifest order.
+///
+/// # Errors
+/// [`Error::Core`] naming that tensor and element.
+fn check<G: Gradients + ?Sized>(manifest: &Manifest, grads: &G, exec: Exec) -> Result<()> {
+    exec.first_err(manifest.tensors(), |t, info| {
+        let Method::Dense { values } = manifest.entries()[t].method else {
+            return Err(Error::internal("a streamed entry that is not dense"));
+        };
+        let x = grads.grad(manifest, t);
+        let limit = magnitude_limit(Some(values));
+        if exec.chunks_all(x, PIECE, |c| first_at_or_above(c, limit).is_none()) {
+            return Ok(());
+        }
+        match first_bad(x, Some(values)) {
+            Some(e) => Err(Error::core(&info.name, None, e)),
+            None => Ok(()),
+        }
+    })
 }
 
 /// Encodes `x`, elements `start..` of a dense frame's tensor, into its body piece `body`:
@@ -382,6 +421,8 @@ mod tests {
                 (usize::MAX, Exec::Serial),
                 (usize::MAX, Exec::Pool),
             ] {
+                // Checked first or as it is written: the same bytes.
+                let check_first = window % 2 == 1;
                 let make = |pending| {
                     DenseStream::new(
                         &manifest,
@@ -391,6 +432,7 @@ mod tests {
                         &envelope,
                         pending,
                         exec,
+                        check_first,
                     )
                     .unwrap()
                 };
@@ -465,15 +507,25 @@ mod tests {
                 true => gradwire_core::Error::ValueOutOfRange { index: at / 2 },
                 false => want,
             };
+            let want = Error::core(&format!("t{t}"), None, want).to_string();
             for exec in [Exec::Serial, Exec::Pool] {
                 let mut pending = vec![7u8; 3];
-                let made = DenseStream::new(&manifest, &slices[..], 0, 0, &[], &mut pending, exec);
+                let made =
+                    DenseStream::new(&manifest, &slices[..], 0, 0, &[], &mut pending, exec, true);
                 let err = made.err().unwrap();
-                assert_eq!(
-                    err.to_string(),
-                    Error::core(&format!("t{t}"), None, want).to_string()
-                );
+                assert_eq!(err.to_string(), want);
                 assert_eq!(pending, [7, 7, 7], "nothing written");
+                // Without a check first (a group of one's message, read as it is written):
+                // the message stops before the piece that holds the first bad value, and the
+                // same error names it.
+                let mut pending = Vec::new();
+                let mut stream =
+                    DenseStream::new(&manifest, &slices[..], 0, 0, &[], &mut pending, exec, false)
+                        .unwrap();
+                let mut got = Vec::new();
+                let done = stream.append(stream.len(), &slices[..], &mut got);
+                assert!(done < stream.len() && done == got.len());
+                assert_eq!(stream.take_error().unwrap().to_string(), want);
             }
         }
     }
