@@ -762,9 +762,10 @@ impl Job<'_> {
 
     /// A large sparse entry through each rank's decoded list, chunks of the output adding the
     /// entries that fall into them; `false` when a frame does not decode or the result is not
-    /// finite. On one thread too: each chunk is zeroed, added into and finished while it is in
-    /// cache, where the core's whole-frame additions leave the reduction a pass of its own over
-    /// the output.
+    /// finite. On one thread too for top-k (each chunk zeroed, added into and finished while it
+    /// is in cache, where the core's whole-frame additions leave the reduction a pass of its own
+    /// over the output), not for threshold (`false` without work: its lists could hold every
+    /// element of every rank).
     fn sparse_lists<'f>(
         &self,
         entry: &Entry,
@@ -774,6 +775,11 @@ impl Job<'_> {
         finish: &(impl Fn(&mut [f32]) -> bool + Sync),
     ) -> bool {
         let randomk = matches!(entry.method, Method::RandomK { .. });
+        // One thread lists top-k entries (k each, a fixed count: the lists keep their size) but
+        // adds threshold entries whole, whose kept count changes by step and may reach `n`.
+        if self.exec == Exec::Serial && matches!(entry.method, Method::Threshold { .. }) {
+            return false;
+        }
         let mut lease = self.lists.lease();
         let lists = lease.get();
         if lists.ranks.len() < self.count {
@@ -987,6 +993,56 @@ mod sparse_lists {
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{method:?} {reduction:?} {parallelism:?}");
                 }
+            }
+            // Sums beyond f32 (every rank's largest values at the same elements) and a damaged
+            // frame: the errors of the core's whole-frame additions, on one thread as on the
+            // pool.
+            // (Beyond f16's range a threshold f16 frame cannot carry them: damage alone.)
+            let huge: Vec<Vec<u8>> = (0..W as u64)
+                .filter(|_| !matches!(method, Method::Threshold { .. }))
+                .map(|rank| {
+                    let mut x = values(rank);
+                    x[1000] = 3e38;
+                    x[2000] = -3e38;
+                    let mut frame = vec![0u8; max_frame_len(n, &method)];
+                    let mut scratch = vec![0u32; gradwire_core::scratch_len(n, &method)];
+                    let len = encode_into(&x, &params, &mut scratch, &mut frame).unwrap();
+                    frame.truncate(len);
+                    frame
+                })
+                .collect();
+            let mut damaged = frames.clone();
+            let mid = damaged[1].len() / 2;
+            damaged[1][mid] ^= 0x10;
+            for (set, what) in [(&huge, "beyond f32"), (&damaged, "damaged")] {
+                if set.is_empty() {
+                    continue;
+                }
+                let errors: Vec<String> = [Parallelism::Serial, Parallelism::Parallel]
+                    .into_iter()
+                    .map(|parallelism| {
+                        let mut agg = Aggregator::new().with_parallelism(parallelism);
+                        let mut got = vec![0.0f32; n];
+                        let frame = |rank: usize, _: usize| set[rank].as_slice();
+                        agg.aggregate_entries(
+                            &manifest,
+                            W,
+                            4,
+                            Reduction::Sum,
+                            0,
+                            &frame,
+                            &mut [&mut got],
+                        )
+                        .unwrap_err()
+                        .to_string()
+                    })
+                    .collect();
+                assert_eq!(errors[0], errors[1], "{method:?} {what}");
+                let named = match what {
+                    "damaged" => errors[0].contains("from rank 1: checksum mismatch"),
+                    _ => errors[0].contains("overflows f32 at element 1000"),
+                };
+                assert!(named, "{method:?} {what}: {}", errors[0]);
             }
         }
     }

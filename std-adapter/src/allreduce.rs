@@ -889,7 +889,7 @@ impl CompressedAllReduce {
                     }
                 }
             };
-            return self.collective.run(
+            let result = self.collective.run(
                 comm,
                 local,
                 self.reduction,
@@ -897,6 +897,11 @@ impl CompressedAllReduce {
                 &mut self.aggregator,
                 &mut bufs,
             );
+            if result.is_err() && comm.world_size() == 1 {
+                // A group of one's message stopped where a value failed: never whole.
+                self.message_bytes = 0;
+            }
+            return result;
         }
         let compressed = match &manifest {
             Ok(manifest) => self

@@ -302,56 +302,65 @@ fn a_group_of_one_without_a_communicator_writes_in_place() {
 }
 
 /// A group of one (a communicator of one rank) writes its dense message as it reads it, each
-/// value checked as it is encoded instead of all of them first: a bad value several windows
-/// into the message fails the step with the error a check first gives (the same rank's error
-/// in a group of two, where nothing may leave before the check), and the next step runs and
-/// gives the result of a group of one that never failed.
+/// value checked as it is encoded instead of all of them first: a bad value past windows that
+/// were already written over the gradients (in place) fails the step with the error a check
+/// first gives (the same rank's error in a group of two, where nothing may leave before the
+/// check), and the next step runs and gives the result of a group of one that never failed.
 #[test]
 fn a_group_of_one_names_a_bad_dense_value_as_a_check_first_does() {
     let method = CompressionMethod::Core(Method::Dense {
         values: Values::F16,
     });
-    let bad = |rank: usize| {
-        let mut g = gradients(rank, 0);
-        if rank == 0 {
-            // In "blocks.big", past several 4 KiB windows: a value beyond f16, then a NaN
-            // (named first, as a check first names it).
-            g[5].2[60_000] = 1e9;
-            g[5].2[90_000] = f32::NAN;
-        }
-        g
-    };
-    let errors: Vec<String> = [1usize, 2]
-        .into_iter()
-        .map(|world| {
-            let each = method.clone();
-            let results = run_ranks(LocalGroup::new(world).into_communicators(), move |comm| {
-                let rank = gradwire::comm::Communicator::rank(&comm);
-                let mut ar = with(comm, each.clone()).with_chunk_bytes(4096);
-                let mut g = bad(rank);
-                let failed = ar.all_reduce_in_place(&mut views(&mut g)).unwrap_err();
-                let mut g = gradients(rank, 1);
-                ar.all_reduce_in_place(&mut views(&mut g)).unwrap();
-                (failed.to_string(), g)
-            });
-            if world == 1 {
-                // The step after the failure: the result of a group of one at its second step.
-                let mut fresh = CompressedAllReduce::with_communicator(
-                    method.clone(),
-                    Box::new(LocalGroup::new(1).into_communicators().remove(0)),
-                )
-                .with_chunk_bytes(4096);
-                let mut g = gradients(0, 0);
-                fresh.all_reduce_in_place(&mut views(&mut g)).unwrap();
-                let mut g = gradients(0, 1);
-                fresh.all_reduce_in_place(&mut views(&mut g)).unwrap();
-                for ((name, _, got), (_, _, want)) in results[0].1.iter().zip(&g) {
-                    assert!(same_bits(got, want), "{name}");
-                }
+    // (tensor, a value beyond f16, a NaN after it: named first, as a check first names it).
+    // "blocks.big" is the first tensor in name order: its bad values lie past its first piece
+    // of 65,536 elements, which was decoded over its gradient; "layer.2.weight" comes after
+    // three tensors already written over theirs.
+    for (tensor, (at_big, at_nan)) in [
+        ("blocks.big", (100_000, 120_000)),
+        ("layer.2.weight", (10, 3000)),
+    ] {
+        let bad = move |rank: usize| {
+            let mut g = gradients(rank, 0);
+            if rank == 0 {
+                let t = g.iter_mut().find(|t| t.0 == tensor).unwrap();
+                t.2[at_big] = 1e9;
+                t.2[at_nan] = f32::NAN;
             }
-            results[0].0.clone()
-        })
-        .collect();
-    assert!(errors[0].contains("blocks.big"), "{}", errors[0]);
-    assert_eq!(errors[0], errors[1]);
+            g
+        };
+        let errors: Vec<String> = [1usize, 2]
+            .into_iter()
+            .map(|world| {
+                let each = method.clone();
+                let results = run_ranks(LocalGroup::new(world).into_communicators(), move |comm| {
+                    let rank = gradwire::comm::Communicator::rank(&comm);
+                    let mut ar = with(comm, each.clone()).with_chunk_bytes(4096);
+                    let mut g = bad(rank);
+                    let failed = ar.all_reduce_in_place(&mut views(&mut g)).unwrap_err();
+                    let mut g = gradients(rank, 1);
+                    ar.all_reduce_in_place(&mut views(&mut g)).unwrap();
+                    (failed.to_string(), g)
+                });
+                if world == 1 {
+                    // The step after the failure: a group of one's result at its second step.
+                    let mut fresh = CompressedAllReduce::with_communicator(
+                        method.clone(),
+                        Box::new(LocalGroup::new(1).into_communicators().remove(0)),
+                    )
+                    .with_chunk_bytes(4096);
+                    let mut g = gradients(0, 0);
+                    fresh.all_reduce_in_place(&mut views(&mut g)).unwrap();
+                    let mut g = gradients(0, 1);
+                    fresh.all_reduce_in_place(&mut views(&mut g)).unwrap();
+                    for ((name, _, got), (_, _, want)) in results[0].1.iter().zip(&g) {
+                        assert!(same_bits(got, want), "{tensor}: {name}");
+                    }
+                }
+                results[0].0.clone()
+            })
+            .collect();
+        assert!(errors[0].contains(tensor), "{}", errors[0]);
+        assert!(errors[0].contains(&at_nan.to_string()), "{}", errors[0]);
+        assert_eq!(errors[0], errors[1], "{tensor}");
+    }
 }

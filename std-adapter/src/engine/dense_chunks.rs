@@ -93,7 +93,8 @@ impl Split {
             };
             if done.is_err() {
                 failed.store(true, Ordering::Relaxed);
-            } else if let Ok(mut running) = running.lock()
+            } else if exec == Exec::Serial
+                && let Ok(mut running) = running.lock()
                 && running.next == start
             {
                 running.scales.update(scales);

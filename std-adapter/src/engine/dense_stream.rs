@@ -1,7 +1,8 @@
 //! A bundle of dense frames written window by window as it is sent, never whole: the message
 //! of an all-gather step without error feedback whose every entry is one dense tensor. Every
 //! gradient is checked before the first byte is written (so nothing can fail once a window
-//! has left); then each call writes the next bytes of the message (the envelope, the bundle's
+//! has left), or, for a message that never leaves (a group of one's), each value as it is
+//! encoded (a failed piece ends the message, and the check names why); then each call writes the next bytes of the message (the envelope, the bundle's
 //! header, each entry's id, length and frame, the bundle's checksum), encoding the elements
 //! they hold with the core's chunk API ([`Sections::encode`]) into a buffer of about a window
 //! that lives across steps. The bytes are those of the engine's whole bundle
@@ -56,7 +57,7 @@ struct Writer<'a> {
     manifest: &'a Manifest,
     step: u64,
     exec: Exec,
-    /// Set when an encode failed (its input was checked, so never expected): the frame's
+    /// Set when an encode failed after a check first (never expected): the frame's
     /// trailer is then written wrong, so that every receiver fails the step naming this rank
     /// instead of reading unspecified bytes.
     failed: bool,
@@ -278,8 +279,8 @@ impl Writer<'_> {
                 };
                 let start = out.len();
                 out.resize(start + body.len(), 0);
-                // Every value was checked in `new`: the encode cannot fail (if it did, the
-                // frame's trailer says so, see `failed`).
+                // Checked in `new`, the encode cannot fail (if it did, the frame's trailer
+                // says so, see `failed`); checked as it is written, it may (`deferred`).
                 let body = &mut out[start..];
                 if !encode_split(self.exec, &sections, &params, i, x, body) {
                     if self.deferred {
@@ -472,7 +473,7 @@ mod tests {
     }
 
     #[test]
-    fn a_bad_gradient_is_named_before_anything_is_written() {
+    fn a_bad_gradient_is_named_before_anything_is_written_or_where_the_message_stops() {
         let (specs, grads) = model();
         let method = CompressionMethod::Core(Method::Dense {
             values: Values::F16,
@@ -496,6 +497,16 @@ mod tests {
                 5,
                 f32::INFINITY,
                 gradwire_core::Error::NonFinite { index: 5 },
+            ),
+            // Past the tensor's first pieces: a message written without a check first stops
+            // there, after bytes of this tensor.
+            (
+                5,
+                2 * PIECE + 5,
+                f32::NAN,
+                gradwire_core::Error::NonFinite {
+                    index: 2 * PIECE + 5,
+                },
             ),
         ] {
             let mut bad = grads.clone();

@@ -763,8 +763,10 @@ fn positive_zeros(values: &mut [f32]) {
 /// order, covering the shard), as `how` says; a sparse frame's zeros written on `exec`.
 ///
 /// # Errors
-/// The core's error for a frame that does not decode as expected; with a dense-shaped frame,
-/// targets before the failing chunk have their values then.
+/// The core's error for a frame that does not decode as expected, as the core's decoder names
+/// it for the whole frame (its checksum first); with a dense-shaped frame the targets hold
+/// unspecified values then (those of the chunks decoded before the fault was found, which for
+/// a damaged frame may be all of them: its checksum is summed on the way).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn apply_frame(
     layout: &ShardLayout,
@@ -923,7 +925,10 @@ pub(crate) fn apply_frame(
         }
         start = end;
     }
-    if on_the_way {
+    if on_the_way && start < n {
+        // Targets that stop short of the shard (a defect): the frame checked whole, as before.
+        peek(frame)?;
+    } else if on_the_way {
         let mut crc = crc32fast::Hasher::new();
         crc.update(&bufs.header);
         crc.combine(&scales_crc);
@@ -1227,6 +1232,33 @@ mod tests {
                             )
                             .unwrap_err();
                             assert_eq!(got, want, "{what}: owner {j}'s frame, byte {at} flipped");
+                        }
+                        // A fault under a checksum made again (the chunk's own error, or none
+                        // where the bytes are valid codes), and a frame one byte longer (checked
+                        // whole first): the core decoder's result for the whole frame.
+                        let mut faulty = frame[..len].to_vec();
+                        for b in &mut faulty[len / 2..len / 2 + 4] {
+                            *b = !*b | 0x7f;
+                        }
+                        let sealed = crc32fast::hash(&faulty[..len - 4]);
+                        faulty[len - 4..].copy_from_slice(&sealed.to_le_bytes());
+                        let mut longer = frame[..len].to_vec();
+                        longer.push(0);
+                        for (bad, how) in [(faulty, "resealed"), (longer, "longer")] {
+                            let want = decode_into(&bad, &params, &mut whole).err();
+                            let mut targets = targets_of(&layout, j, &mut outs);
+                            let got = apply_frame(
+                                &layout,
+                                j,
+                                &bad,
+                                &params,
+                                &mut targets,
+                                Apply::Write,
+                                &mut bufs,
+                                exec,
+                            )
+                            .err();
+                            assert_eq!(got, want, "{what}: owner {j}'s frame {how}");
                         }
                     }
                 }
