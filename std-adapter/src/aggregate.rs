@@ -904,9 +904,9 @@ mod larger_than_memory {
 
 #[cfg(test)]
 mod sparse_lists {
-    //! Large top-k and threshold entries are added through each rank's decoded list, chunk by
-    //! chunk of the output, on one thread as on the pool: the bits of the core's whole-frame
-    //! additions (ranks in order, from zeros) followed by the reduction.
+    //! Large top-k entries are added through each rank's decoded list, chunk by chunk of the
+    //! output, on one thread as on the pool (threshold entries on the pool only): the bits of
+    //! the core's whole-frame additions (ranks in order, from zeros) followed by the reduction.
     use gradwire_core::{K, Method, Values, accumulate_into, encode_into, max_frame_len};
 
     use super::{Aggregator, Reduction};
@@ -960,16 +960,14 @@ mod sparse_lists {
             .unwrap();
             let entry = &manifest.entries()[0];
             let params = manifest.params(entry, 4);
-            let frames: Vec<Vec<u8>> = (0..W as u64)
-                .map(|rank| {
-                    let mut frame = vec![0u8; max_frame_len(n, &method)];
-                    let mut scratch = vec![0u32; gradwire_core::scratch_len(n, &method)];
-                    let len =
-                        encode_into(&values(rank), &params, &mut scratch, &mut frame).unwrap();
-                    frame.truncate(len);
-                    frame
-                })
-                .collect();
+            let encode = |x: &[f32]| {
+                let mut frame = vec![0u8; max_frame_len(n, &method)];
+                let mut scratch = vec![0u32; gradwire_core::scratch_len(n, &method)];
+                let len = encode_into(x, &params, &mut scratch, &mut frame).unwrap();
+                frame.truncate(len);
+                frame
+            };
+            let frames: Vec<Vec<u8>> = (0..W as u64).map(|rank| encode(&values(rank))).collect();
             for reduction in [Reduction::Mean, Reduction::Sum] {
                 let mut want = vec![0.0f32; n];
                 for frame in &frames {
@@ -1004,11 +1002,7 @@ mod sparse_lists {
                     let mut x = values(rank);
                     x[1000] = 3e38;
                     x[2000] = -3e38;
-                    let mut frame = vec![0u8; max_frame_len(n, &method)];
-                    let mut scratch = vec![0u32; gradwire_core::scratch_len(n, &method)];
-                    let len = encode_into(&x, &params, &mut scratch, &mut frame).unwrap();
-                    frame.truncate(len);
-                    frame
+                    encode(&x)
                 })
                 .collect();
             let mut damaged = frames.clone();

@@ -402,9 +402,7 @@ impl Exchange<'_, '_, '_> {
             Sending::Streamed(stream) => stream.append(end, &*self.bufs, out),
         }
     }
-}
 
-impl Exchange<'_, '_, '_> {
     /// The error that stopped this rank's message before its length (one written without a
     /// check first: [`Written::take_error`]).
     fn take_error(&mut self) -> Option<Error> {

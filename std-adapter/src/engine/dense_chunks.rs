@@ -18,8 +18,8 @@ use crate::layout::plan::dense_geometry;
 const TILE: usize = 8192;
 
 /// The checksum of a frame's sections, hashed chunk by chunk in order as [`Split::encode`]
-/// writes them on one thread: where the next chunk must start (`usize::MAX`: not hashed on the
-/// way), and the running CRC-32 of each section.
+/// writes them on one thread: where the next chunk must start, and the running CRC-32 of each
+/// section.
 struct Running {
     next: usize,
     scales: crc32fast::Hasher,
@@ -75,7 +75,7 @@ impl Split {
         // they are written (in cache then), into one running checksum per section. On the
         // pool (or should the order differ) the frame is hashed after the chunks.
         let running = Mutex::new(Running {
-            next: if exec == Exec::Serial { 0 } else { usize::MAX },
+            next: 0,
             scales: crc32fast::Hasher::new(),
             body: crc32fast::Hasher::new(),
         });
