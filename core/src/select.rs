@@ -304,7 +304,7 @@ pub fn candidates_update(
     assert_eq!(residual.len(), g.len(), "residual length");
     let m = idx.len().min(bits.len());
     let (idx, bits) = (&mut idx[..m], &mut bits[..m]);
-    let (count, ok) = scan_update(g, residual, floor, limit, idx, bits);
+    let (count, ok) = scan_update(g, None, residual, floor, limit, idx, bits);
     if !ok {
         return Err(OutOfLimit);
     }
@@ -489,15 +489,62 @@ pub fn topk_kept_sum_into<'s>(
     limit: f32,
     scratch: &'s mut [u32],
 ) -> Result<Kept<'s>, OutOfLimit> {
+    topk_kept_sums(g, None, r, k, limit, scratch)
+}
+
+/// As [`topk_kept_sum_into`], with the residual read from `old` and the sums stored in `sums`
+/// (`sums[i] = g[i] + old[i]`, the f32 addition; `sums`' earlier values are not read): the
+/// error-feedback step of a residual kept in two buffers, the step's new one written while
+/// the old one stays as it was (a step that fails later keeps the old one with no copy).
+/// The kept entries, the sums and the errors are those of [`topk_kept_sum_into`] run on a
+/// copy of `old`, bit for bit.
+///
+/// # Errors
+/// [`OutOfLimit`] when some sum is NaN or `|x| >= limit` (`sums` holds the sums then).
+///
+/// # Panics
+/// When `g`, `old` and `sums` differ in length, `scratch` is shorter than
+/// [`kept_scratch_len`]`(g.len(), k)` words, or the length exceeds `u32::MAX`.
+pub fn topk_kept_sum_from<'s>(
+    g: &[f32],
+    old: &[f32],
+    sums: &mut [f32],
+    k: usize,
+    limit: f32,
+    scratch: &'s mut [u32],
+) -> Result<Kept<'s>, OutOfLimit> {
+    assert_eq!(old.len(), sums.len(), "residual length");
+    topk_kept_sums(g, Some(old), sums, k, limit, scratch)
+}
+
+/// [`topk_kept_sum_into`] (`old` `None`: the residual is `r`'s own values) and
+/// [`topk_kept_sum_from`] (`old` the residual, `r` the sums' buffer).
+fn topk_kept_sums<'s>(
+    g: &[f32],
+    old: Option<&[f32]>,
+    r: &mut [f32],
+    k: usize,
+    limit: f32,
+    scratch: &'s mut [u32],
+) -> Result<Kept<'s>, OutOfLimit> {
     assert_eq!(g.len(), r.len(), "residual length");
     let n = r.len();
     assert!(u32::try_from(n).is_ok(), "length beyond u32");
     if n >= SAMPLED_MIN && 0 < k && k < n {
         assert!(scratch.len() >= kept_scratch_len(n, k), "scratch too short");
-        return topk_kept_update(g, r, k, limit, scratch);
+        return topk_kept_update_from(g, old, r, k, limit, scratch);
     }
-    for (x, &y) in r.iter_mut().zip(g) {
-        *x += y;
+    match old {
+        Some(old) => {
+            for ((x, &y), &o) in r.iter_mut().zip(g).zip(old) {
+                *x = o + y;
+            }
+        }
+        None => {
+            for (x, &y) in r.iter_mut().zip(g) {
+                *x += y;
+            }
+        }
     }
     topk_kept(r, k, limit, scratch)
 }
@@ -518,6 +565,19 @@ pub(crate) fn topk_kept_update<'s>(
     limit: f32,
     scratch: &'s mut [u32],
 ) -> Result<Kept<'s>, OutOfLimit> {
+    topk_kept_update_from(g, None, r, k, limit, scratch)
+}
+
+/// [`topk_kept_update`] with the residual read from `old` when it is given (the sums stored in
+/// `r` either way), as [`topk_kept_sum_from`] asks.
+fn topk_kept_update_from<'s>(
+    g: &[f32],
+    old: Option<&[f32]>,
+    r: &mut [f32],
+    k: usize,
+    limit: f32,
+    scratch: &'s mut [u32],
+) -> Result<Kept<'s>, OutOfLimit> {
     let n = r.len();
     debug_assert!(n >= SAMPLED_MIN && 0 < k && k < n && g.len() == n);
     let cap = candidate_capacity(n, k);
@@ -526,8 +586,12 @@ pub(crate) fn topk_kept_update<'s>(
     let (idx, rest) = rest.split_at_mut(cap);
     let bits = &mut rest[..cap];
     // As in `topk_kept_src`: a sample of zeros floors at the smallest non-zero key.
-    let t = sample_threshold(&Sum(g, r), k, samples).max(1);
-    let (count, ok) = scan_update(g, r, f32::from_bits(t), limit, idx, bits);
+    let t = match old {
+        Some(old) => sample_threshold(&Sum(g, old), k, samples),
+        None => sample_threshold(&Sum(g, r), k, samples),
+    }
+    .max(1);
+    let (count, ok) = scan_update(g, old, r, f32::from_bits(t), limit, idx, bits);
     if !ok {
         return Err(OutOfLimit);
     }
@@ -785,9 +849,30 @@ const UPDATE_AHEAD: usize = 2048;
 const _: () = assert!(UPDATE_AHEAD >= PENDING * 4 * LANES);
 
 /// [`scan`] of `g + r` that also stores each sum in `r` (`r[i] = g[i] + r[i]`, every element,
-/// whatever the limit check finds). The second look at a flagged lane reads the stored sum.
+/// whatever the limit check finds); with `old`, of `g + old`, stored in `r` (`r[i] = g[i] +
+/// old[i]`, `r`'s earlier values unread). The second look at a flagged lane reads the stored
+/// sum.
 fn scan_update(
     g: &[f32],
+    old: Option<&[f32]>,
+    r: &mut [f32],
+    lo: f32,
+    limit: f32,
+    idx: &mut [u32],
+    bits: &mut [u32],
+) -> (usize, bool) {
+    // One loop for each case, so that the in-place one reads no flag per group.
+    match old {
+        Some(old) => scan_update_with::<true>(g, old, r, lo, limit, idx, bits),
+        None => scan_update_with::<false>(g, &[], r, lo, limit, idx, bits),
+    }
+}
+
+/// [`scan_update`]: the residual read from `old` when `FROM` (of `r`'s length), else from `r`
+/// (`old` unused).
+fn scan_update_with<const FROM: bool>(
+    g: &[f32],
+    old: &[f32],
     r: &mut [f32],
     lo: f32,
     limit: f32,
@@ -816,9 +901,15 @@ fn scan_update(
         // the block (UPDATE_AHEAD >= the block's length, so the region starts inside it).
         let (cur, ahead) = r[block..].split_at_mut(len);
         let ahead: &[f32] = ahead;
-        let r_ahead = ahead
-            .get(UPDATE_AHEAD - len..UPDATE_AHEAD)
-            .unwrap_or(&g_ahead[..len]);
+        // The residual's lines ahead: of `old` when it holds the residual (read from there).
+        let r_ahead = if FROM {
+            region_ahead(old, block, len, UPDATE_AHEAD)
+        } else {
+            ahead
+                .get(UPDATE_AHEAD - len..UPDATE_AHEAD)
+                .unwrap_or(&g_ahead[..len])
+        };
+        let olds = if FROM { &old[block..block + len] } else { &[] };
         let groups = g[block..block + len].chunks_exact(group);
         let lines = g_ahead.chunks_exact(group).zip(r_ahead.chunks_exact(group));
         for (j, ((gs, rs), (pg, pr))) in groups
@@ -831,10 +922,20 @@ fn scan_update(
             prefetch_line(&pg[2 * LANES]);
             prefetch_line(&pr[0]);
             prefetch_line(&pr[2 * LANES]);
+            let os = if FROM {
+                &olds[j * group..(j + 1) * group]
+            } else {
+                &[]
+            };
             let mut x = [f32x8::splat(0.0); 4];
             for (l, x) in x.iter_mut().enumerate() {
                 let at = l * LANES..(l + 1) * LANES;
-                *x = load(&gs[at.clone()]) + load(&rs[at.clone()]);
+                let residual = if FROM {
+                    load(&os[at.clone()])
+                } else {
+                    load(&rs[at.clone()])
+                };
+                *x = load(&gs[at.clone()]) + residual;
                 rs[at].copy_from_slice(&x.to_array());
             }
             let below = bitmask32(x.map(|x| x.abs().simd_lt(either)));
@@ -851,8 +952,14 @@ fn scan_update(
             );
         }
     }
-    for (r, &g) in r[full..n].iter_mut().zip(&g[full..n]) {
-        *r += g;
+    if FROM {
+        for ((r, &g), &o) in r[full..n].iter_mut().zip(&g[full..n]).zip(&old[full..n]) {
+            *r = o + g;
+        }
+    } else {
+        for (r, &g) in r[full..n].iter_mut().zip(&g[full..n]) {
+            *r += g;
+        }
     }
     let stored = One(&*r);
     let mut i = full;

@@ -3,7 +3,9 @@
 //! written from kept entries alone, and the check of the sums before anything changes.
 
 use gradwire_core::feedback::first_bad_sum;
-use gradwire_core::select::{Kept, kept_scratch_len, topk_kept, topk_kept_sum_into};
+use gradwire_core::select::{
+    Kept, kept_scratch_len, topk_kept, topk_kept_sum_from, topk_kept_sum_into,
+};
 use gradwire_core::{
     Error, Values, encode_kept_segmented_into, encode_segmented_into, kept_segmented_scratch_len,
     segmented_frame_len, segmented_scratch_len,
@@ -50,6 +52,47 @@ fn topk_of_the_sums_in_place_is_topk_of_the_sums() {
         assert_eq!(got.bits, &want_bits[..], "n {n} k {k}");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&r), bits(&sums), "the residual holds the sums");
+        // From a residual kept apart: the same entries, the sums written over other values,
+        // the old residual untouched.
+        let mut into = vec![f32::NAN; n];
+        let mut s3 = vec![7u32; kept_scratch_len(n, k)];
+        let got = topk_kept_sum_from(&g, &r0, &mut into, k, f32::INFINITY, &mut s3).unwrap();
+        assert_eq!(got.idx, &want_idx[..], "from: n {n} k {k}");
+        assert_eq!(got.bits, &want_bits[..], "from: n {n} k {k}");
+        assert_eq!(bits(&into), bits(&sums), "from: the sums");
+        assert_eq!(
+            bits(&r0),
+            bits(&vec_of(n as u64 + 2, n, 0.5)),
+            "from: old unread"
+        );
+    }
+}
+
+#[test]
+fn topk_of_the_sums_from_a_residual_apart_fails_as_in_place() {
+    // A sum at or beyond the limit, or NaN, on the sampled path and on the short one: the same
+    // error, and the sums stored either way.
+    for &(n, k, at) in &[
+        (70_000usize, 700usize, 69_997usize),
+        (70_000, 700, 3),
+        (40, 4, 39),
+    ] {
+        for bad in [f32::NAN, 3.0e38] {
+            let mut g = vec_of(n as u64 + 5, n, 1.0);
+            g[at] = bad;
+            let r0 = vec_of(n as u64 + 6, n, 0.5);
+            let limit = 1.0e30;
+            let mut r = r0.clone();
+            let mut s1 = vec![0u32; kept_scratch_len(n, k)];
+            let want = topk_kept_sum_into(&g, &mut r, k, limit, &mut s1).map(|_| ());
+            let mut into = vec![0.0f32; n];
+            let mut s2 = vec![0u32; kept_scratch_len(n, k)];
+            let got = topk_kept_sum_from(&g, &r0, &mut into, k, limit, &mut s2).map(|_| ());
+            assert!(want.is_err(), "n {n} at {at}");
+            assert_eq!(got, want, "n {n} at {at}");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&into), bits(&r), "n {n} at {at}");
+        }
     }
 }
 

@@ -31,7 +31,7 @@ struct Named<'a>(&'a str);
 /// tensor's name).
 pub(crate) const MODEL: &str = "the model";
 
-/// What [`Error::OutOfMemory`] names for a rank's server residuals or their undo copy.
+/// What [`Error::OutOfMemory`] names for a rank's server residuals (either of their two buffers).
 pub(crate) const SERVER_RESIDUALS: &str = "the server residuals";
 
 impl fmt::Display for Named<'_> {
@@ -405,9 +405,9 @@ pub enum Error {
     },
     /// The memory for a tensor the receiver expects (a valid frame may declare more elements
     /// than the machine holds), or for state a step keeps the size of the model (a new
-    /// residual, the server residuals and their undo copy, the outputs of `all_reduce`), could
-    /// not be allocated. `tensor` is the tensor's name, or "the model" or "the server
-    /// residuals", printed as they are.
+    /// residual, the server residuals and the buffer of their next values, the outputs of
+    /// `all_reduce`), could not be allocated. `tensor` is the tensor's name, or "the model" or
+    /// "the server residuals", printed as they are.
     #[error("{}: cannot allocate {elements} elements", Named(.tensor))]
     OutOfMemory {
         /// The tensor.

@@ -110,10 +110,12 @@ pub(crate) struct TwoPhase {
     pending_step: Option<u64>,
     /// This rank (of the last step).
     rank: usize,
-    /// The server residuals as they were before this step's owner encode (kept between steps:
-    /// its memory is written once), valid while `undo_valid`.
-    server_undo: Vec<f32>,
-    undo_valid: bool,
+    /// The server residuals this step's owner encode writes (from `server`, which it leaves as
+    /// it was), valid while `next_valid`, and made `server` when the step succeeds (the two
+    /// buffers swap): a failed step keeps `server` with no copy made. Kept between steps (its
+    /// memory is written once).
+    server_next: Vec<f32>,
+    next_valid: bool,
     /// Whether the last step's owner kept a server residual (error feedback, mean or sum).
     server_feedback: bool,
     /// Where this rank's server residuals come from, decided at the all-reduce's first step
@@ -459,7 +461,7 @@ impl TwoPhase {
         let me = comm.rank();
         self.rank = me;
         self.made = 0;
-        self.undo_valid = false;
+        self.next_valid = false;
         // The agreement round, before anything changes: every route of a step starts with this
         // all-gather of envelopes (the all-gather's bundles, the dense all-reduce's envelopes),
         // so ranks that took another route, failed before the collective or are configured
@@ -577,14 +579,18 @@ impl TwoPhase {
             ) {
                 std::mem::swap(&mut self.recv, &mut self.gathered);
                 // As for phase 1: a length over the limit is a common verdict, before anyone
-                // used a byte of this round; the step is undone on both sides.
+                // used a byte of this round; the step is undone on both sides. Other transport
+                // errors keep what this owner sent (peers may have used it).
                 if matches!(
                     e,
                     CommError::TooLarge { .. } | CommError::LimitsDiffer { .. }
-                ) && let Some(mut step) = step_data
-                {
-                    self.give_back(&mut step);
+                ) {
+                    if let Some(mut step) = step_data {
+                        self.give_back(&mut step);
+                    }
                     self.restore_server();
+                } else {
+                    self.commit_server();
                 }
                 return Err(e.into());
             }
@@ -602,10 +608,12 @@ impl TwoPhase {
         } else {
             std::mem::swap(&mut self.recv, &mut self.gathered);
         }
-        if result.is_err()
-            && let Some(mut step) = step_data
-        {
-            self.give_back(&mut step);
+        if result.is_ok() {
+            self.commit_server();
+        } else {
+            if let Some(mut step) = step_data {
+                self.give_back(&mut step);
+            }
             self.restore_server();
         }
         result
@@ -981,12 +989,19 @@ impl TwoPhase {
         self.made = 0;
     }
 
-    /// Puts back the server residuals copied by [`TwoPhase::reduce_own_shard`].
+    /// Drops the server residuals [`TwoPhase::reduce_own_shard`] wrote for a step that failed:
+    /// `server` still holds the ones before it.
     fn restore_server(&mut self) {
-        if self.undo_valid && self.server_undo.len() == self.server.len() {
-            self.server.copy_from_slice(&self.server_undo);
+        self.next_valid = false;
+    }
+
+    /// Makes the server residuals this step's owner encode wrote the kept ones, once the step
+    /// succeeded.
+    fn commit_server(&mut self) {
+        if self.next_valid && self.server_next.len() == self.server.len() {
+            std::mem::swap(&mut self.server, &mut self.server_next);
         }
-        self.undo_valid = false;
+        self.next_valid = false;
     }
 
     /// Reduces this rank's shard from the W contributions in `self.recv` and writes its
@@ -1058,17 +1073,15 @@ impl TwoPhase {
         if server_feedback && self.server.len() != layout.shard_lens[me] {
             return Err(own(Error::internal("a server residual of another shard")));
         }
-        // Sized once (its zeros written at the first step only), then copied into.
-        self.undo_valid = false;
+        // Sized once (its zeros written at the first step only), then written by the encode.
+        self.next_valid = false;
         if server_feedback {
             crate::tensor::resize_or_refuse(
-                &mut self.server_undo,
+                &mut self.server_next,
                 self.server.len(),
                 SERVER_RESIDUALS,
             )
             .map_err(own)?;
-            step.exec.copy(&self.server, &mut self.server_undo);
-            self.undo_valid = true;
         }
         // Laid out over last step's bytes, overwritten: no write pass of zeros.
         let mut at = lay_out_reduced(&mut self.phase2, layout, step, me, false);
@@ -1121,11 +1134,13 @@ impl TwoPhase {
                 });
             drop(targets);
             let params = owner_params(layout.methods[me], step, layout.owner_ids[me]);
+            // Each part's server residual: read from `server`, the new one written into
+            // `server_next` (made `server` when the step succeeds).
             let mut server_parts = Vec::new();
-            let mut rest = if server_feedback {
-                &mut self.server[..]
+            let (mut old_rest, mut rest) = if server_feedback {
+                (&self.server[..], &mut self.server_next[..])
             } else {
-                &mut []
+                (&[][..], &mut [][..])
             };
             let mut parts = Vec::new();
             for (t, ts) in layout.tensors.iter().enumerate() {
@@ -1133,9 +1148,11 @@ impl TwoPhase {
                     continue;
                 }
                 let part = if server_feedback {
+                    let (old, old_tail) = old_rest.split_at(ts.lens[me]);
+                    old_rest = old_tail;
                     let (part, tail) = std::mem::take(&mut rest).split_at_mut(ts.lens[me]);
                     rest = tail;
-                    Some(part)
+                    Some((old, part))
                 } else {
                     None
                 };
@@ -1144,15 +1161,18 @@ impl TwoPhase {
             let reduced: Vec<&[f32]> = outs.iter().map(|o| &o[..]).collect();
             for (t, part) in server_parts {
                 let ts = &layout.tensors[t];
+                let (old, residual) = part.unzip();
                 parts.push(Part {
                     tensor: t,
                     at: ts.starts[me],
                     x: &reduced[t][ts.begins[me]..ts.begins[me] + ts.lens[me]],
-                    residual: part,
+                    residual,
+                    old,
                 });
             }
             // No check before the encode: the encoders check every sum on their way (a chunk
-            // before it changes), and a failed step restores the server residual from its copy.
+            // before it changes), and a failed step keeps the server residual it read (the
+            // encode writes the new one apart).
             // Only a failure names its cause: reduced values beyond f32 are the group's
             // overflow. Owners never clamp what the ranks summed (FORMAT.md 15): a reduced
             // value beyond f16 or bf16 sends the shard escaped, with f32 values. Without a
@@ -1164,7 +1184,7 @@ impl TwoPhase {
             let mut escaped_now = match (escape, params.method.values()) {
                 (Some(_), Some(values)) if server_feedback => parts
                     .iter()
-                    .any(|p| crate::engine::shard::beyond(values, p.x, p.residual.as_deref())),
+                    .any(|p| crate::engine::shard::beyond(values, p.x, p.residual_before())),
                 _ => false,
             };
             let written = loop {
@@ -1195,7 +1215,11 @@ impl TwoPhase {
             };
             let msg = &mut self.phase2;
             let written = match written {
-                Ok(w) => w,
+                Ok(w) => {
+                    // The encode wrote every element of the new server residuals.
+                    self.next_valid = server_feedback;
+                    w
+                }
                 Err(e) => {
                     let overflow = parts.iter().find_map(|p| {
                         let i = first_non_finite(p.x)?;
@@ -1417,7 +1441,7 @@ fn shard_layout_of(
     Ok((block, layout_id))
 }
 
-/// What an allocation of this rank's server residuals (or their undo copy) that fails names.
+/// What an allocation of this rank's server residuals (either buffer) that fails names.
 const SERVER_RESIDUALS: &str = crate::error::SERVER_RESIDUALS;
 
 /// Metadata key of a server-residual checkpoint's shard layout, and of its CRC-32.

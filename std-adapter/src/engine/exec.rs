@@ -173,18 +173,6 @@ impl Exec {
         }
     }
 
-    /// Copies `from` into `to` (of the same length), in pieces of 2^18 elements on the pool.
-    pub(crate) fn copy(self, from: &[f32], to: &mut [f32]) {
-        const PIECE: usize = 1 << 18;
-        match self {
-            Exec::Serial => to.copy_from_slice(from),
-            Exec::Pool => to
-                .par_chunks_mut(PIECE)
-                .zip(from.par_chunks(PIECE))
-                .for_each(|(t, f)| t.copy_from_slice(f)),
-        }
-    }
-
     /// The first error of `f(i, item)` in item order, else `Ok`.
     pub(crate) fn first_err<T: Sync, E: Send>(
         self,

@@ -24,7 +24,7 @@
 
 use gradwire_core::feedback::{sparse_fix_up, step_chunk};
 use gradwire_core::frame::chunk::{Sections, SparseFrame};
-use gradwire_core::select::{Kept, topk_kept, topk_kept_sum_into};
+use gradwire_core::select::{Kept, topk_kept, topk_kept_sum_from, topk_kept_sum_into};
 use gradwire_core::values::{first_at_or_above, magnitude_limit, saturate_bits};
 use gradwire_core::{Method, Params, encode_kept_segmented_into, peek};
 
@@ -45,8 +45,20 @@ pub(crate) struct Part<'a> {
     pub(crate) at: usize,
     /// The values the frame encodes (without error feedback) or adds to the residual.
     pub(crate) x: &'a [f32],
-    /// The part's residual (worker or server), when the step uses error feedback.
+    /// The part's residual (worker or server), when the step uses error feedback: read, then
+    /// overwritten with the new residual; only written when `old` holds the residual.
     pub(crate) residual: Option<&'a mut [f32]>,
+    /// The residual before the step, when it is kept apart from `residual` (the owner's
+    /// server residual in two buffers: a step that fails later keeps it, with no copy made
+    /// for that), of the part's length.
+    pub(crate) old: Option<&'a [f32]>,
+}
+
+impl Part<'_> {
+    /// The residual before the step: `old` when it is kept apart, else `residual`.
+    pub(crate) fn residual_before(&self) -> Option<&[f32]> {
+        self.old.or(self.residual.as_deref())
+    }
 }
 
 /// A part of a shard that a decoded frame is added into: elements `at..at + data.len()`.
@@ -81,6 +93,7 @@ pub(crate) fn parts_of<'a>(
             at: ts.starts[j],
             x: &grads[t][range.clone()],
             residual: r.map(|r| &mut r[range]),
+            old: None,
         });
     }
     parts
@@ -291,9 +304,10 @@ pub(crate) fn encode_parts(
                 let sel = &mut scratch[..need];
                 let limit = limit_of(part);
                 let saturate = part.residual.is_some();
-                let kept = match part.residual.as_deref_mut() {
-                    Some(r) => topk_kept_sum_into(part.x, r, k, limit, sel),
-                    None => topk_kept(part.x, k, limit, sel),
+                let kept = match (part.old, part.residual.as_deref_mut()) {
+                    (Some(old), Some(r)) => topk_kept_sum_from(part.x, old, r, k, limit, sel),
+                    (None, Some(r)) => topk_kept_sum_into(part.x, r, k, limit, sel),
+                    (_, None) => topk_kept(part.x, k, limit, sel),
                 };
                 // A selection keeps at most its budget; more would be a defect, refused below.
                 **out = match kept {
@@ -427,7 +441,7 @@ fn encode_gathered(
     bufs.chunk_r.clear();
     for p in parts.iter() {
         bufs.chunk_x.extend_from_slice(p.x);
-        if let Some(r) = p.residual.as_deref() {
+        if let Some(r) = p.residual_before() {
             bufs.chunk_r.extend_from_slice(r);
         }
     }
@@ -529,7 +543,7 @@ fn walk_chunks(
     let mut rest: Vec<Piece<'_>> = parts
         .iter_mut()
         .enumerate()
-        .map(|(i, p)| (i, p.x, p.residual.as_deref_mut()))
+        .map(|(i, p)| (i, p.x, p.old, p.residual.as_deref_mut()))
         .collect();
     let chunks = n.div_ceil(chunk);
     let mut pieces: Vec<Piece<'_>> = Vec::with_capacity(chunks + rest.len());
@@ -540,7 +554,7 @@ fn walk_chunks(
         let before = pieces.len();
         let mut covered = start;
         while covered < end {
-            let Some((i, x, r)) = rest.get_mut(next) else {
+            let Some((i, x, old, r)) = rest.get_mut(next) else {
                 return Err((
                     None,
                     gradwire_core::Error::LengthMismatch {
@@ -552,6 +566,11 @@ fn walk_chunks(
             let take = (end - covered).min(x.len());
             let (xa, xb) = x.split_at(take);
             *x = xb;
+            let oa = old.map(|whole| {
+                let (oa, ob) = whole.split_at(take);
+                *old = Some(ob);
+                oa
+            });
             let ra = match r.take() {
                 Some(whole) => {
                     let (ra, rb) = whole.split_at_mut(take);
@@ -560,7 +579,7 @@ fn walk_chunks(
                 }
                 None => None,
             };
-            pieces.push((*i, xa, ra));
+            pieces.push((*i, xa, oa, ra));
             covered += take;
             if x.is_empty() {
                 next += 1;
@@ -609,12 +628,12 @@ fn walk_chunks(
             Err(e) => {
                 return Err(match (locate(&spans, *e), &*job.pieces) {
                     // An error without an element (a defect): the tensor of a one-part chunk.
-                    ((None, e), [(i, _, _)]) => (Some(spans[*i].2), e),
+                    ((None, e), [(i, ..)]) => (Some(spans[*i].2), e),
                     (located, _) => located,
                 });
             }
         };
-        for &(i, _, ref r) in job.pieces.iter() {
+        for &(i, _, _, ref r) in job.pieces.iter() {
             if r.is_some() {
                 bufs.bounds[i] = bufs.bounds[i].max(m);
             }
@@ -650,7 +669,9 @@ type ChunkStep<'a> = dyn Fn(
     + 'a;
 
 /// A piece of a part in [`walk_chunks`]: the part's index, its values, its residual.
-type Piece<'p> = (usize, &'p [f32], Option<&'p mut [f32]>);
+/// A chunk's piece of a part: the part's index, its values, its residual before the step when
+/// kept apart ([`Part::old`]), its residual.
+type Piece<'p> = (usize, &'p [f32], Option<&'p [f32]>, Option<&'p mut [f32]>);
 
 /// One chunk of [`walk_chunks`]: where it starts in the shard, its pieces of the frame's
 /// sections, its pieces of the parts (part index, values, residual), its result (the
@@ -673,7 +694,12 @@ fn run_chunk(
     spare: &mut (Vec<f32>, Vec<f32>),
 ) -> std::result::Result<f32, gradwire_core::Error> {
     let mut frame_pieces = (&mut *job.scales, &mut *job.body);
-    if let [(_, x, r)] = &mut job.pieces[..] {
+    if let [(_, x, old, r)] = &mut job.pieces[..] {
+        // A residual kept apart is copied into the new one here, while the chunk is in cache:
+        // the step then runs in place on it, and the old one is read once.
+        if let (Some(old), Some(r)) = (old, r.as_deref_mut()) {
+            r.copy_from_slice(old);
+        }
         f(job.start, x, r.as_deref_mut(), &mut frame_pieces)?;
         // The chunk's residual is in cache: its bound costs little.
         return Ok(r
@@ -683,10 +709,10 @@ fn run_chunk(
     let (cx, cr) = spare;
     cx.clear();
     cr.clear();
-    let with_residual = job.pieces.first().is_some_and(|p| p.2.is_some());
-    for (_, x, r) in job.pieces.iter() {
+    let with_residual = job.pieces.first().is_some_and(|p| p.3.is_some());
+    for (_, x, old, r) in job.pieces.iter() {
         cx.extend_from_slice(x);
-        if let Some(r) = r {
+        if let Some(r) = old.or(r.as_deref()) {
             cr.extend_from_slice(r);
         }
     }
@@ -697,7 +723,7 @@ fn run_chunk(
     }
     let m = gradwire_core::ResidualBound::of(cr).max_abs();
     let mut from = 0usize;
-    for (_, _, r) in job.pieces.iter_mut() {
+    for (.., r) in job.pieces.iter_mut() {
         if let Some(r) = r {
             r.copy_from_slice(&cr[from..from + r.len()]);
             from += r.len();
