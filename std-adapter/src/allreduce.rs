@@ -53,6 +53,7 @@ use std::fmt;
 use crate::aggregate::{Aggregator, Reduction, check_contribution};
 use crate::collective::buffers::StepBuffers;
 use crate::collective::dense::{self, DenseAllReduce};
+use crate::collective::non_finite::{self, Verdict};
 use crate::collective::two_phase::{self, TwoPhase};
 use crate::collective::{AllGather, Collective, Config, Local};
 use crate::comm::{CommError, Communicator};
@@ -86,6 +87,23 @@ fn check_finite(manifest: &Manifest, bufs: &StepBuffers<'_>) -> Result<()> {
     Ok(())
 }
 
+/// The magnitude at or above which a gradient value skips a step
+/// ([`CompressedAllReduce::with_skip_non_finite`]): infinity (NaN and infinities skip) with
+/// error feedback, whose encoder saturates; the method's value type's limit without it, whose
+/// step would refuse such a value.
+fn skip_limit(compressor: &GradientCompressor) -> f32 {
+    let values = match compressor.method().core_method() {
+        Ok(method) if !compressor.method().uses_error_feedback() => method.values(),
+        _ => None,
+    };
+    gradwire_core::values::magnitude_limit(values)
+}
+
+/// Whether some value of `gradients` is NaN or at or above `limit` in magnitude.
+fn overflows<'g>(mut gradients: impl Iterator<Item = &'g [f32]>, limit: f32) -> bool {
+    gradients.any(|g| gradwire_core::values::first_at_or_above(g, limit).is_some())
+}
+
 /// Distributed gradient aggregation with compression (see the module docs).
 pub struct CompressedAllReduce {
     compressor: GradientCompressor,
@@ -115,6 +133,13 @@ pub struct CompressedAllReduce {
     /// Why the all-reduce's own communicator was closed (a transport failure of a step): every
     /// later step fails with it, touching nothing.
     broken: Option<String>,
+    /// Whether a step whose gradients are not all finite on some rank is skipped
+    /// ([`CompressedAllReduce::with_skip_non_finite`]).
+    skip_non_finite: bool,
+    /// Whether the last step was skipped.
+    skipped: bool,
+    /// The messages of the round of non-finite gradients (kept between steps).
+    non_finite_round: Vec<Vec<u8>>,
 }
 
 /// Whether a transport error may leave the ranks out of step, so that the communicator is
@@ -289,6 +314,9 @@ impl CompressedAllReduce {
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             flat: Vec::new(),
             aggregator: Aggregator::new(),
+            skip_non_finite: false,
+            skipped: false,
+            non_finite_round: Vec::new(),
         }
     }
 
@@ -393,6 +421,68 @@ impl CompressedAllReduce {
     pub fn with_chunk_bytes(mut self, bytes: usize) -> Self {
         self.chunk_bytes = bytes;
         self
+    }
+
+    /// Mixed precision: with `skip` set, a step in which some rank's gradient holds NaN or an
+    /// infinity (or, for a method without error feedback, a value beyond its value type, which
+    /// the step would refuse) is skipped on every rank instead of failing: every output
+    /// element is NaN, no residual (worker or server) changes and the step counter does not
+    /// advance, so that a loss scaler that checks the result for infinities (PyTorch's
+    /// `GradScaler`, as after a plain all-reduce) skips the optimizer step and lowers its
+    /// scale, and the next call is the same step again. The check runs before anything
+    /// changes: each step opens with one more all-gather of 16 bytes per rank (the ranks'
+    /// verdicts), and each rank reads its gradients once more. Every rank must set the same:
+    /// a rank that does not open its step with that round is named by every rank
+    /// ([`Error::Collective`]), or the transport refuses the pairing of the two calls
+    /// ([`CommError::LimitsDiffer`]). [`CompressedAllReduce::last_step_skipped`] tells a
+    /// skipped step. Without it (the default) such a gradient fails the step on every rank.
+    ///
+    /// Residuals hold what was not sent yet in the units of the gradients; when a loss scale
+    /// changes, scale them by new / old with [`CompressedAllReduce::scale_residuals`].
+    pub fn with_skip_non_finite(mut self, skip: bool) -> Self {
+        self.skip_non_finite = skip;
+        self
+    }
+
+    /// Whether the last step was skipped for a non-finite gradient
+    /// ([`CompressedAllReduce::with_skip_non_finite`]); `false` before the first step and
+    /// after a step that ran or failed.
+    pub fn last_step_skipped(&self) -> bool {
+        self.skipped
+    }
+
+    /// Multiplies every residual this rank keeps (the worker's, and the two-phase collective's
+    /// server residuals, loaded ones not yet used included) by `factor`: after a loss scale
+    /// changed from `old` to `new`, `factor = new / old` keeps them in the units of the next
+    /// gradients. A power of two changes no value's bits but its exponent (exact), unless a
+    /// value becomes subnormal, zero or infinite; any other factor rounds each value once.
+    /// Every rank must scale alike, between the same steps.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `factor` is not finite and positive, or when a scaled value
+    /// would be infinite; nothing changes then.
+    pub fn scale_residuals(&mut self, factor: f32) -> Result<()> {
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(Error::config(format!(
+                "residuals scaled by {factor}: the factor must be finite and positive"
+            )));
+        }
+        let worker = self.compressor.feedback().map(|fb| fb.residuals());
+        let largest = worker
+            .into_iter()
+            .flatten()
+            .map(|(_, r)| r)
+            .chain(self.two_phase.server_values())
+            .flat_map(|r| r.iter())
+            .fold(0.0f32, |m, &x| m.max(x.abs()));
+        if !(largest * factor).is_finite() {
+            return Err(Error::config(format!(
+                "residuals scaled by {factor}: a residual of magnitude {largest} would overflow"
+            )));
+        }
+        self.compressor.scale_residuals(factor);
+        self.two_phase.scale_server_residuals(factor);
+        Ok(())
     }
 
     /// The collective the last step ran, once a step ran with a communicator:
@@ -592,6 +682,19 @@ impl CompressedAllReduce {
                     world_size: self.world_size,
                 });
             }
+            self.skipped = self.skip_non_finite
+                && overflows(
+                    gradients.values().map(Tensor::data),
+                    skip_limit(&self.compressor),
+                );
+            if self.skipped {
+                out.clear();
+                for (name, t) in gradients {
+                    let nan = Tensor::new(t.shape().to_vec(), vec![f32::NAN; t.data().len()])?;
+                    out.insert(name.clone(), nan);
+                }
+                return Ok(());
+            }
             let result = self.all_reduce_with_peers_at(gradients, 0, &[])?;
             *out = result;
             return Ok(());
@@ -650,6 +753,17 @@ impl CompressedAllReduce {
     /// [`CompressedAllReduce::all_reduce_in_place`] without a communicator: the step of
     /// [`CompressedAllReduce::all_reduce`], its result copied into the tensors.
     fn in_place_alone(&mut self, tensors: &mut [TensorMut<'_>]) -> Result<()> {
+        self.skipped = self.skip_non_finite
+            && overflows(
+                tensors.iter().map(|t| &*t.data),
+                skip_limit(&self.compressor),
+            );
+        if self.skipped {
+            for t in tensors.iter_mut() {
+                t.data.fill(f32::NAN);
+            }
+            return Ok(());
+        }
         let mut gradients = HashMap::with_capacity(tensors.len());
         for t in tensors.iter() {
             let tensor = Tensor::new(t.shape.to_vec(), t.data.to_vec())?;
@@ -821,6 +935,24 @@ impl CompressedAllReduce {
             },
             Err(e) => (Err(e), StepBuffers::none()),
         };
+        self.skipped = false;
+        if self.skip_non_finite {
+            // Before anything changes: every rank's verdict on its gradients.
+            let verdict = match &manifest {
+                Ok(_) if overflows(bufs.gradients(), skip_limit(&self.compressor)) => {
+                    Verdict::NonFinite
+                }
+                Ok(_) => Verdict::Finite,
+                Err(_) => Verdict::Failed,
+            };
+            if non_finite::round(comm, verdict, step, &mut self.non_finite_round)? {
+                for out in bufs.outs() {
+                    out.fill(f32::NAN);
+                }
+                self.skipped = true;
+                return Ok(());
+            }
+        }
         // The route: every rank takes the same one, a failed rank included (from its
         // configuration alone when it has no manifest), so that all call the same primitives.
         let route = match (method_ok, &manifest) {

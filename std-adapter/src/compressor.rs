@@ -143,6 +143,13 @@ impl GradientCompressor {
         self.feedback.as_ref()
     }
 
+    /// Multiplies every residual by `factor` (see [`ErrorFeedback::scale`]).
+    pub(crate) fn scale_residuals(&mut self, factor: f32) {
+        if let Some(fb) = self.feedback.as_mut() {
+            fb.scale(factor);
+        }
+    }
+
     /// Takes the error-feedback state out (for example to keep it elsewhere between steps);
     /// the next step with error feedback starts from empty residuals at the current step.
     pub(crate) fn take_feedback(&mut self) -> Option<ErrorFeedback> {

@@ -25,6 +25,7 @@ use crate::layout::Manifest;
 
 pub(crate) mod buffers;
 pub(crate) mod dense;
+pub(crate) mod non_finite;
 pub(crate) mod shard_message;
 mod stream;
 pub(crate) mod two_phase;

@@ -198,6 +198,23 @@ impl TwoPhase {
         Ok(layout)
     }
 
+    /// This rank's server residuals and the pending ones, as slices of values.
+    pub(crate) fn server_values(&self) -> impl Iterator<Item = &[f32]> {
+        std::iter::once(&self.server[..])
+            .chain(self.pending.iter().flat_map(|p| p.values().map(|v| &v[..])))
+    }
+
+    /// Multiplies this rank's server residuals and the pending ones by `factor` (finite and
+    /// positive; the caller checked that no value overflows).
+    pub(crate) fn scale_server_residuals(&mut self, factor: f32) {
+        self.server.iter_mut().for_each(|x| *x *= factor);
+        for values in self.pending.iter_mut().flat_map(|p| p.values_mut()) {
+            values.iter_mut().for_each(|x| *x *= factor);
+        }
+        // A step in flight never holds new ones here (they are made and kept within a step).
+        self.next_valid = false;
+    }
+
     /// Whether this rank holds a server residual that is not zero (pending ones included).
     pub(crate) fn holds_server_residuals(&self) -> bool {
         self.server.iter().any(|&x| x != 0.0)

@@ -207,6 +207,17 @@ impl ErrorFeedback {
             .map(|(n, r)| (n.as_str(), r.as_slice()))
     }
 
+    /// Multiplies every residual by `factor` (finite and positive; the caller checked that no
+    /// value overflows). The bounds kept are forgotten: the next step measures them again.
+    pub(crate) fn scale(&mut self, factor: f32) {
+        for r in self.residuals.values_mut() {
+            r.iter_mut().for_each(|x| *x *= factor);
+        }
+        for bound in self.bounds.values_mut() {
+            *bound = ResidualBound::UNKNOWN;
+        }
+    }
+
     /// Drops every residual and its shape (the step counter, seed and method stay).
     pub(crate) fn clear(&mut self) {
         self.residuals.clear();
