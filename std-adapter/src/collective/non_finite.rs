@@ -94,3 +94,61 @@ pub(crate) fn round(
     }
     Ok(skip && !failed)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{LEN, Verdict, round};
+    use crate::comm::{Communicator, LocalGroup};
+    use crate::error::Error;
+
+    /// Rank 0 runs the round at step 7; rank 1 sends `forged` with a raw all-gather.
+    fn against(forged: Vec<u8>) -> crate::error::Result<bool> {
+        let mut comms = LocalGroup::new(2).into_communicators();
+        let mut peer = comms.pop().unwrap();
+        let mut me = comms.pop().unwrap();
+        let forger = std::thread::spawn(move || {
+            let mut out = Vec::new();
+            let _ = peer.all_gather(&forged, LEN, &mut out);
+        });
+        let got = round(&mut me, Verdict::Finite, 7, &mut Vec::new());
+        forger.join().unwrap();
+        got
+    }
+
+    fn message(version: u8, verdict: u8, step: u64) -> Vec<u8> {
+        let mut m = b"GWNF".to_vec();
+        m.extend_from_slice(&[version, verdict, 0, 0]);
+        m.extend_from_slice(&step.to_le_bytes());
+        m
+    }
+
+    #[test]
+    fn verdicts_decide_and_forged_messages_name_their_sender() {
+        assert!(!against(message(1, 0, 7)).unwrap());
+        assert!(against(message(1, 1, 7)).unwrap());
+        // A failed rank: the step goes on (and fails there).
+        assert!(!against(message(1, 2, 7)).unwrap());
+        for (forged, says) in [
+            (message(1, 3, 7), "verdict 3"),
+            (message(1, 1, 8), "step 8"),
+            (message(2, 1, 7), "did not open"),
+            (
+                b"GWNX"
+                    .iter()
+                    .copied()
+                    .chain([1, 1, 0, 0])
+                    .chain(7u64.to_le_bytes())
+                    .collect(),
+                "did not open",
+            ),
+            (message(1, 1, 7)[..15].to_vec(), "did not open"),
+        ] {
+            match against(forged) {
+                Err(Error::Collective { rank: 1, reason }) => {
+                    assert!(reason.contains(says), "{reason}");
+                }
+                other => panic!("{says}: {other:?}"),
+            }
+        }
+    }
+}
