@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use gradwire::comm::Communicator;
-use gradwire::{Collective, CompressedAllReduce, Reduction, Tensor, TensorMut};
+use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Reduction, Tensor, TensorMut};
 use numpy::{
     IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1,
     PyUntypedArrayMethods,
@@ -106,7 +106,8 @@ impl AllReduce {
 #[pymethods]
 impl AllReduce {
     #[new]
-    #[pyo3(signature = (method, communicator, error_feedback = true, seed = 0, collective = "allgather", reduction = "mean"))]
+    #[pyo3(signature = (method, communicator, error_feedback = true, seed = 0, collective = "allgather", reduction = "mean", skip_non_finite = false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         method: &str,
         communicator: Bound<'_, PyAny>,
@@ -114,6 +115,7 @@ impl AllReduce {
         seed: u64,
         collective: &str,
         reduction: &str,
+        skip_non_finite: bool,
     ) -> PyResult<Self> {
         let method = method_from_text(method, error_feedback)?;
         let collective = parse_collective(collective)?;
@@ -123,7 +125,8 @@ impl AllReduce {
         let inner = CompressedAllReduce::with_communicator(method, Box::new(comm))
             .with_seed(seed)
             .with_collective(collective)
-            .with_reduction(reduction);
+            .with_reduction(reduction)
+            .with_skip_non_finite(skip_non_finite);
         Ok(AllReduce {
             inner: Mutex::new(inner),
             rank,
@@ -163,6 +166,31 @@ impl AllReduce {
     #[getter]
     fn last_step_seconds(&self) -> f64 {
         self.last_step_seconds
+    }
+
+    /// Whether the last step was skipped for a non-finite gradient on some rank (the library's
+    /// `last_step_skipped`).
+    #[getter]
+    fn last_step_skipped(&mut self) -> bool {
+        self.inner().last_step_skipped()
+    }
+
+    /// Sets the library's `with_skip_non_finite` between steps (every rank alike).
+    fn set_skip_non_finite(&mut self, skip: bool) {
+        let inner = self.inner();
+        // The setting is a builder of the library's: the all-reduce is moved out and back,
+        // a placeholder (no model, no buffers) standing in for the moment.
+        let placeholder = CompressedAllReduce::new(CompressionMethod::SignSGD, 1);
+        let taken = std::mem::replace(inner, placeholder);
+        *inner = taken.with_skip_non_finite(skip);
+    }
+
+    /// Multiplies every residual by `factor` (the library's `scale_residuals`: after a loss
+    /// scale changed, `new / old`).
+    fn scale_residuals(&mut self, factor: f32) -> PyResult<()> {
+        self.inner()
+            .scale_residuals(factor)
+            .map_err(|e| library_error(e, Side::Input))
     }
 
     /// Bytes of this rank's message of the last step (its bundle, or its shard messages).

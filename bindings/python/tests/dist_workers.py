@@ -284,3 +284,70 @@ def broken_transport(rank, world_size, out, result):
     result["after"] = transport.after
     # Both ranks end together (rank 0 leaves its failed call at the group's timeout).
     dist.barrier()
+
+
+@worker
+def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow_at):
+    """Issue 47 scope 5: the DDP hook under ``torch.amp.GradScaler`` (``mode`` "scaler"), and
+    the same training at a loss scale of 1 without one (``mode`` "plain"), which leaves out the
+    step that overflows in the scaler's run. At ``overflow_at`` rank 1's loss is infinite: the
+    hook's step comes back NaN on every rank, the scaler skips it and halves its scale; every
+    other step, and the residuals (in the scale's units, rescaled when it changes), must be the
+    plain run's bits (powers of two scale exactly)."""
+    model = model_of()
+    ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256", TorchDistributed(), seed=5,
+                            collective=collective)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    scaler = None
+    if mode == "scaler":
+        # A small first scale that grows after every 2 good steps: the run sees growths and,
+        # at the overflow, a halving.
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2)
+    state = gwt.HookState(ddp, ar, skip_non_finite=mode != "strict", scaler=scaler)
+    ddp.register_comm_hook(state, gwt.comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
+    x, y = data(rank)
+    result.update(scales=[], skipped=[], digests=[], steps=[])
+    if mode == "strict":
+        # Without the mode the overflow fails every rank's backward pass: DDP re-raises a
+        # RuntimeError that names the gradwire class; HookState.last_error is the original.
+        loss = nn.functional.cross_entropy(ddp(x[:32]), y[:32])
+        if rank == 1:
+            loss = loss * float("inf")
+        try:
+            loss.backward()
+            result["raised"] = None
+        except RuntimeError as e:
+            result["raised"] = str(e)
+        result["last_error"] = type(state.last_error).__name__
+        return
+    for step in range(steps):
+        if mode == "plain" and step == overflow_at:
+            continue
+        i = (step * 32) % x.shape[0]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x[i : i + 32]), y[i : i + 32])
+        if mode == "scaler":
+            if step == overflow_at and rank == 1:
+                loss = loss * float("inf")
+            before = digest(model)
+            scaler.scale(loss).backward()
+            result["scales"].append(float(scaler.get_scale()))
+            scaler.step(opt)
+            scaler.update()
+            if ar.last_step_skipped:
+                assert digest(model) == before, "a skipped step moved the parameters"
+        else:
+            loss.backward()
+            opt.step()
+        result["skipped"].append(ar.last_step_skipped)
+        result["steps"].append(ar.step)
+        result["digests"].append(digest(model))
+    if scaler is not None:
+        # Back to the plain run's units, then saved: the same file, byte for byte.
+        ar.scale_residuals(1.0 / float(scaler.get_scale()))
+        result["final_scale"] = float(scaler.get_scale())
+    path = os.path.join(out, f"residuals_{mode}_{rank}.gw")
+    ar.save(path)
+    with open(path, "rb") as f:
+        result["residuals"] = hashlib.sha256(f.read()).hexdigest()

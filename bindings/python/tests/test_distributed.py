@@ -136,3 +136,30 @@ def test_hook_checkpoint_resumes_bit_identically(tmp_path):
         assert r["resumed"] == r["straight"]
         assert r["step"] == 20
     assert res[0]["straight"] == res[1]["straight"]
+
+
+@pytest.mark.parametrize("collective", ["allgather", "two-phase"])
+def test_grad_scaler_skips_an_overflow_and_residuals_follow_the_scale(tmp_path, collective):
+    steps, overflow_at = 7, 3
+    scaled = launch(dist_workers.grad_scaler, 2, tmp_path, "scaler", collective, steps, overflow_at)
+    plain = launch(dist_workers.grad_scaler, 2, tmp_path, "plain", collective, steps, overflow_at)
+    for s, p in zip(scaled, plain):
+        # The overflow: skipped on every rank, the scale halved after it, grown before.
+        assert s["skipped"] == [i == overflow_at for i in range(steps)]
+        scales = s["scales"]
+        assert scales[overflow_at + 1] == scales[overflow_at] / 2, scales
+        assert any(b == 2 * a for a, b in zip(scales, scales[1:])), scales
+        # Every other step: the plain run's parameters, step counter and, at the end, residuals.
+        kept = [d for i, d in enumerate(s["digests"]) if i != overflow_at]
+        assert kept == p["digests"]
+        assert [c for i, c in enumerate(s["steps"]) if i != overflow_at] == p["steps"]
+        assert s["residuals"] == p["residuals"]
+    assert scaled[0]["digests"] == scaled[1]["digests"]
+
+
+def test_without_skipping_an_overflow_fails_every_rank_naming_the_gradwire_class(tmp_path):
+    res = launch(dist_workers.grad_scaler, 2, tmp_path, "strict", "allgather", 1, 0)
+    # Rank 1's own gradient: ValueError; its peer is told: GradwireError.
+    for r, cls in zip(res, ["GradwireError", "ValueError"]):
+        assert r["last_error"] == cls, r
+        assert f"{cls}: " in r["raised"] and "NaN or infinity" in r["raised"], r["raised"]

@@ -168,6 +168,14 @@ class AllReduce:
     Uncompressed float32 (``"dense values=f32"``) goes through the rank-order dense sum, never
     an all-gather.
 
+    ``skip_non_finite`` (mixed precision; every rank alike): a step in which some rank's gradient
+    holds NaN or an infinity (or, without error feedback, a value beyond the method's value
+    type) is skipped on every rank instead of raising: every result is NaN, no residual changes
+    and :attr:`step` does not advance (:attr:`last_step_skipped` tells), so that a loss scaler
+    such as ``torch.amp.GradScaler`` skips the optimizer step and lowers its scale. Residuals
+    hold gradients in the loss scale's units: :meth:`scale_residuals` follows a change of the
+    scale (:class:`gradwire.torch.HookState` does both).
+
     Errors: a rank whose own step fails (NaN, another model) raises its ``ValueError`` and every
     peer a :class:`GradwireError` naming it, at the same call; ranks configured otherwise fail
     alike naming the field; no rank waits past the transport's deadline. The step advances on
@@ -185,10 +193,18 @@ class AllReduce:
         seed: int = 0,
         collective: str = "allgather",
         reduction: str = "mean",
+        skip_non_finite: bool = False,
     ) -> None:
         self._inner = _native.AllReduce(
-            method, communicator, error_feedback, int(seed), collective, reduction
+            method,
+            communicator,
+            error_feedback,
+            int(seed),
+            collective,
+            reduction,
+            bool(skip_non_finite),
         )
+        self._skip_non_finite = bool(skip_non_finite)
         self.communicator = communicator
 
     @property
@@ -218,6 +234,31 @@ class AllReduce:
         """Wall time of the library's own last step, in seconds (the Rust call alone: without
         this module's conversions and copies; a Python transport's calls are inside it)."""
         return self._inner.last_step_seconds
+
+    @property
+    def skip_non_finite(self) -> bool:
+        """Whether a step with a non-finite gradient on some rank is skipped (see the class);
+        set it between steps, to the same value on every rank."""
+        return self._skip_non_finite
+
+    @skip_non_finite.setter
+    def skip_non_finite(self, skip: bool) -> None:
+        self._inner.set_skip_non_finite(bool(skip))
+        self._skip_non_finite = bool(skip)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped for a non-finite gradient on some rank."""
+        return self._inner.last_step_skipped
+
+    def scale_residuals(self, factor: float) -> None:
+        """Multiplies every residual (the worker's and the server residuals) by ``factor``:
+        after a loss scale changed from ``old`` to ``new``, ``new / old`` (exact for a power of
+        two). Every rank alike, between the same steps. ``ValueError`` for a factor that is not
+        finite and positive, or that would overflow a residual (nothing changes then)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise TypeError(f"factor must be a number, not {type(factor).__name__}")
+        self._inner.scale_residuals(float(factor))
 
     @property
     def last_message_bytes(self) -> int:

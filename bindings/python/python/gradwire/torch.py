@@ -21,8 +21,15 @@ What that means:
 - float16 and bfloat16 buckets are compressed as float32 and the mean is written back in the
   bucket's dtype; ``gradient_as_bucket_view=True`` needs nothing else (the gradients are the
   bucket's views);
-- an error (a NaN on one rank, a rank with other settings, a damaged bundle) is raised by
-  every rank's backward pass at the same step, never a hang.
+- mixed precision: by default (``HookState(..., skip_non_finite=True)``) a step in which some
+  rank's gradient holds NaN or an infinity is skipped on every rank: every bucket comes back
+  NaN and no residual changes, so ``torch.amp.GradScaler`` skips the optimizer step and lowers
+  its scale, as after DDP's own all-reduce. Given the scaler (``HookState(..., scaler=s)``),
+  the hook rescales the residuals when the scale changes (they hold scaled gradients);
+- any other error (a rank with other settings, a damaged bundle; a NaN with
+  ``skip_non_finite=False``) is raised by every rank's backward pass at the same step, never a
+  hang. DDP re-raises it as a ``RuntimeError`` whose message holds the gradwire class and
+  message; :attr:`HookState.last_error` keeps the original exception.
 """
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -49,13 +56,29 @@ def all_reduce_gradients(model: torch.nn.Module, allreduce: AllReduce) -> None:
 
 class HookState:
     """The DDP comm hook's state: the all-reduce, and each parameter's name (from
-    ``model.named_parameters()``: the keys of the residuals and of the checkpoint)."""
+    ``model.named_parameters()``: the keys of the residuals and of the checkpoint).
 
-    def __init__(self, model: torch.nn.Module, allreduce: AllReduce) -> None:
+    ``skip_non_finite`` sets the all-reduce's mode of that name (every rank alike: a step with a
+    non-finite gradient on some rank comes back NaN on every rank, for a loss scaler to skip).
+    ``scaler``: the ``torch.amp.GradScaler`` of the training loop, whose scale the residuals
+    follow (scaled by new / old before the first step after a change)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        allreduce: AllReduce,
+        skip_non_finite: bool = True,
+        scaler: Optional[Any] = None,
+    ) -> None:
         self.allreduce = allreduce
+        self.allreduce.skip_non_finite = skip_non_finite
+        self.scaler = scaler
         self.names: Dict[torch.nn.Parameter, str] = {p: n for n, p in model.named_parameters()}
         self._pending: List[Tuple[torch.Tensor, List[torch.nn.Parameter], torch.futures.Future]] = []
         self.bundle_bytes: int = 0
+        # The loss scale the residuals are in (None before the first step with a scaler).
+        self._scale: Optional[float] = None
+        self.last_error: Optional[BaseException] = None
 
     def save(self, path: Any) -> None:
         """Writes this rank's residuals (keyed by parameter name), step and settings."""
@@ -80,16 +103,35 @@ class HookState:
             if at != buf.numel():
                 raise ValueError(f"a bucket of {buf.numel()} elements holds parameters of {at}")
         try:
+            self._follow_scale()
             # Each parameter's slice of its bucket is read and overwritten in place.
             with torch.no_grad():
                 self.allreduce._all_reduce_in_place(grads, device_copy=True)
             self.bundle_bytes = self.allreduce.last_message_bytes
         except Exception as e:  # every bucket's future carries the step's error
+            self.last_error = e
+            # DDP re-raises a future's error as a RuntimeError of its message: the message
+            # names the class, so that it is not lost.
+            cls = type(e)
+            named = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+            carried = RuntimeError(f"{named}: {e}")
             for _, _, fut in pending:
-                fut.set_exception(e)
+                fut.set_exception(carried)
             return
         for buf, _, fut in pending:
             fut.set_result(buf)
+
+
+    def _follow_scale(self) -> None:
+        """Scales the residuals by new / old when the scaler's scale changed since the last
+        step (GradScaler halves it after a skipped step and doubles it after a run of good
+        ones: powers of two, so the residuals scale exactly)."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return
+        scale = float(self.scaler.get_scale())
+        if self._scale is not None and scale != self._scale:
+            self.allreduce.scale_residuals(scale / self._scale)
+        self._scale = scale
 
 
 # Annotations as objects, not strings: DDP's register_comm_hook checks them.
