@@ -99,9 +99,35 @@ fn skip_limit(compressor: &GradientCompressor) -> f32 {
     gradwire_core::values::magnitude_limit(values)
 }
 
-/// Whether some value of `gradients` is NaN or at or above `limit` in magnitude.
-fn overflows<'g>(mut gradients: impl Iterator<Item = &'g [f32]>, limit: f32) -> bool {
-    gradients.any(|g| gradwire_core::values::first_at_or_above(g, limit).is_some())
+/// Whether some value of `gradients` is NaN or at or above `limit` in magnitude: read in
+/// pieces of 2^18 values, on the pool where `parallelism` says so for their number.
+fn overflows<'g>(
+    gradients: impl Iterator<Item = &'g [f32]>,
+    limit: f32,
+    parallelism: Parallelism,
+) -> bool {
+    const PIECE: usize = 1 << 18;
+    let pieces: Vec<&[f32]> = gradients.flat_map(|g| g.chunks(PIECE)).collect();
+    let n = pieces.iter().map(|p| p.len()).sum();
+    let bad = |_, piece: &&[f32]| match gradwire_core::values::first_at_or_above(piece, limit) {
+        Some(_) => Err(()),
+        None => Ok(()),
+    };
+    parallelism.exec_for(n).first_err(&pieces, bad).is_err()
+}
+
+/// Whether `e` is a check's finding of a value that skips a step
+/// ([`CompressedAllReduce::with_skip_non_finite`]): NaN or an infinity (in the gradient, or in
+/// gradient + residual), or a value beyond the value type.
+fn is_non_finite(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Core {
+            source: gradwire_core::Error::NonFinite { .. }
+                | gradwire_core::Error::ValueOutOfRange { .. },
+            ..
+        }
+    )
 }
 
 /// Distributed gradient aggregation with compression (see the module docs).
@@ -429,9 +455,12 @@ impl CompressedAllReduce {
     /// element is NaN, no residual (worker or server) changes and the step counter does not
     /// advance, so that a loss scaler that checks the result for infinities (PyTorch's
     /// `GradScaler`, as after a plain all-reduce) skips the optimizer step and lowers its
-    /// scale, and the next call is the same step again. The check runs before anything
-    /// changes: each step opens with one more all-gather of 16 bytes per rank (the ranks'
-    /// verdicts), and each rank reads its gradients once more. Every rank must set the same:
+    /// scale, and the next call is the same step again; also when another rank's step fails
+    /// otherwise at that call (it fails at its next step if the cause stays). The verdict is
+    /// taken before anything changes, in one more all-gather of 16 bytes per rank
+    /// (`FORMAT.md` 18): with error feedback on the all-gather, between the step's own checks
+    /// of every tensor and its encode (no pass of its own); on the other routes after a read
+    /// of the gradients of its own. Every rank must set the same:
     /// a rank that does not open its step with that round is named by every rank
     /// ([`Error::Collective`]), or the transport refuses the pairing of the two calls
     /// ([`CommError::LimitsDiffer`]). [`CompressedAllReduce::last_step_skipped`] tells a
@@ -686,6 +715,7 @@ impl CompressedAllReduce {
                 && overflows(
                     gradients.values().map(Tensor::data),
                     skip_limit(&self.compressor),
+                    self.compressor.parallelism(),
                 );
             if self.skipped {
                 out.clear();
@@ -757,6 +787,7 @@ impl CompressedAllReduce {
             && overflows(
                 tensors.iter().map(|t| &*t.data),
                 skip_limit(&self.compressor),
+                self.compressor.parallelism(),
             );
         if self.skipped {
             for t in tensors.iter_mut() {
@@ -935,24 +966,6 @@ impl CompressedAllReduce {
             },
             Err(e) => (Err(e), StepBuffers::none()),
         };
-        self.skipped = false;
-        if self.skip_non_finite {
-            // Before anything changes: every rank's verdict on its gradients.
-            let verdict = match &manifest {
-                Ok(_) if overflows(bufs.gradients(), skip_limit(&self.compressor)) => {
-                    Verdict::NonFinite
-                }
-                Ok(_) => Verdict::Finite,
-                Err(_) => Verdict::Failed,
-            };
-            if non_finite::round(comm, verdict, step, &mut self.non_finite_round)? {
-                for out in bufs.outs() {
-                    out.fill(f32::NAN);
-                }
-                self.skipped = true;
-                return Ok(());
-            }
-        }
         // The route: every rank takes the same one, a failed rank included (from its
         // configuration alone when it has no manifest), so that all call the same primitives.
         let route = match (method_ok, &manifest) {
@@ -972,6 +985,36 @@ impl CompressedAllReduce {
                 _ => Route::AllGather,
             },
         };
+        self.skipped = false;
+        // With error feedback the all-gather's own checks (before anything changes) give the
+        // verdict of the round of non-finite gradients, which then runs between the checks and
+        // the encode (`gated`); every other route checks first and opens with the round.
+        let gated = self.skip_non_finite
+            && route == Route::AllGather
+            && self.compressor.method().uses_error_feedback();
+        if self.skip_non_finite && !gated {
+            // Before anything changes: every rank's verdict on its gradients.
+            let verdict = match &manifest {
+                Ok(_)
+                    if overflows(
+                        bufs.gradients(),
+                        skip_limit(&self.compressor),
+                        self.compressor.parallelism(),
+                    ) =>
+                {
+                    Verdict::NonFinite
+                }
+                Ok(_) => Verdict::Finite,
+                Err(_) => Verdict::Failed,
+            };
+            if non_finite::round(comm, verdict, step, &mut self.non_finite_round)? {
+                for out in bufs.outs() {
+                    out.fill(f32::NAN);
+                }
+                self.skipped = true;
+                return Ok(());
+            }
+        }
         if route != Route::AllGather {
             let manifest_error = manifest.err();
             return self.all_reduce_sharded(comm, manifest_error, route, &mut bufs);
@@ -1035,19 +1078,53 @@ impl CompressedAllReduce {
             }
             return result;
         }
+        // The round of non-finite gradients when `gated`: its outcome, once it ran.
+        let mut round: Option<std::result::Result<bool, ()>> = None;
         let compressed = match &manifest {
-            Ok(manifest) => self
-                .compressor
-                .compress_bundle_after(
-                    manifest,
-                    &bufs,
-                    rank,
-                    &mut self.send,
-                    crate::collective::ENVELOPE_LEN,
-                )
-                .map(|_| ()),
+            Ok(manifest) => {
+                let (comm, msgs) = (&mut *comm, &mut self.non_finite_round);
+                let mut gate = |checked: std::result::Result<(), &Error>| -> Result<bool> {
+                    let verdict = match checked {
+                        Ok(()) => Verdict::Finite,
+                        Err(e) if is_non_finite(e) => Verdict::NonFinite,
+                        Err(_) => Verdict::Failed,
+                    };
+                    let outcome = non_finite::round(comm, verdict, step, msgs);
+                    round = Some(outcome.as_ref().map(|&skip| skip).map_err(|_| ()));
+                    outcome
+                };
+                self.compressor
+                    .compress_bundle_gated(
+                        manifest,
+                        &bufs,
+                        rank,
+                        (&mut self.send, crate::collective::ENVELOPE_LEN),
+                        if gated { Some(&mut gate) } else { None },
+                    )
+                    .map(|_| ())
+            }
             Err(_) => Ok(()),
         };
+        // This rank failed before its checks ran (or has no model): it takes part in the round
+        // with its failure; the step then goes on to fail alike, unless another rank's
+        // gradient skips it.
+        if gated && round.is_none() {
+            let skip = non_finite::round(comm, Verdict::Failed, step, &mut self.non_finite_round)?;
+            round = Some(Ok(skip));
+        }
+        match round {
+            // Skipped on every rank: nothing changed.
+            Some(Ok(true)) => {
+                for out in bufs.outs() {
+                    out.fill(f32::NAN);
+                }
+                self.skipped = true;
+                return Ok(());
+            }
+            // The round itself failed (alike on every rank): the step ends with its error.
+            Some(Err(())) => return compressed,
+            Some(Ok(false)) | None => {}
+        }
         let local = match (manifest, compressed) {
             (Ok(manifest), Ok(())) => Ok(manifest),
             (Ok(manifest), Err(error)) => Err((Some(manifest), error)),

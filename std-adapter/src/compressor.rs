@@ -309,14 +309,33 @@ impl GradientCompressor {
         out: &mut Vec<u8>,
         prefix: usize,
     ) -> Result<u64> {
-        let result = self.try_compress_bundle(manifest, gradients, rank, out, prefix);
-        if result.is_err() {
+        let result = self.compress_bundle_gated(manifest, gradients, rank, (out, prefix), None);
+        match result {
+            Ok(Some(step)) => Ok(step),
+            Ok(None) => Err(Error::internal("a step without a gate stopped at it")),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// As [`GradientCompressor::compress_bundle_after`], with a `gate` told the outcome of the
+    /// bundle's checks before anything changes (the engine's `encode_bundle`): `Ok(None)` when
+    /// it stopped the step there (nothing changed, the step not advanced, `out` cleared).
+    pub(crate) fn compress_bundle_gated<G: Gradients + ?Sized>(
+        &mut self,
+        manifest: &Manifest,
+        gradients: &G,
+        rank: usize,
+        (out, prefix): (&mut Vec<u8>, usize),
+        gate: Option<crate::engine::Gate<'_>>,
+    ) -> Result<Option<u64>> {
+        let result = self.try_compress_bundle(manifest, gradients, rank, out, prefix, gate);
+        if !matches!(result, Ok(Some(_))) {
             out.clear();
         }
         result
     }
 
-    /// [`GradientCompressor::compress_bundle_after`], `out` left as it is on error.
+    /// [`GradientCompressor::compress_bundle_gated`], `out` left as it is on error.
     fn try_compress_bundle<G: Gradients + ?Sized>(
         &mut self,
         manifest: &Manifest,
@@ -324,7 +343,8 @@ impl GradientCompressor {
         rank: usize,
         out: &mut Vec<u8>,
         prefix: usize,
-    ) -> Result<u64> {
+        gate: Option<crate::engine::Gate<'_>>,
+    ) -> Result<Option<u64>> {
         let (step, rank32) = self.check_bundle_call(manifest, gradients, rank)?;
         let need = prefix + manifest.max_bundle_len();
         if out.capacity() < need {
@@ -335,17 +355,20 @@ impl GradientCompressor {
             .as_mut()
             .filter(|_| self.method.uses_error_feedback());
         let exec = self.parallelism.exec_for(manifest.flat_len());
-        let result = self.engine.encode_bundle(
+        let stopped = self.engine.encode_bundle(
             manifest,
             gradients,
             step,
             feedback,
             (exec, Shapes::Checked),
             (rank32, out, prefix),
-        );
-        result?;
+            gate,
+        )?;
+        if stopped {
+            return Ok(None);
+        }
         self.step = self.step.wrapping_add(1);
-        Ok(step)
+        Ok(Some(step))
     }
 
     /// The message of [`GradientCompressor::compress_bundle_after`] written as it is sent, for

@@ -338,3 +338,49 @@ fn residuals_scaled_with_the_loss_scale_equal_a_run_at_one_scale() {
         .collect();
     assert_eq!(before, after, "a refused scaling changed a residual");
 }
+
+#[test]
+fn a_non_finite_rank_skips_the_step_beside_a_rank_that_fails_otherwise() {
+    // Step 1: rank 1's gradient has a NaN, rank 2's `embed` another length than its residual
+    // (a failure of its own, which the all-gather's checks find and the two-phase route's
+    // first check does not): skipped on every rank alike, on both collectives, and step 2
+    // runs everywhere. Step 3: rank 2's other length alone fails every rank (no rank waits).
+    // Rank 2's failure: another length (shape and values), or values that do not fill the
+    // shape (refused before any check, without a model of the step).
+    for (collective, shape_too) in [
+        (Collective::AllGather, true),
+        (Collective::AllGather, false),
+        (Collective::TwoPhase, true),
+        (Collective::TwoPhase, false),
+    ] {
+        let results = run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
+            let rank = comm.rank();
+            let mut ar = CompressedAllReduce::with_communicator(topk_int8_ef(), Box::new(comm))
+                .with_collective(collective)
+                .with_skip_non_finite(true);
+            let mut outcomes = Vec::new();
+            for s in 0..4 {
+                let mut g = gradients(rank, s, 1.0);
+                if s == 1 && rank == 1 {
+                    g[0].2[3] = f32::NAN;
+                }
+                if (s == 1 || s == 3) && rank == 2 {
+                    if shape_too {
+                        g[0].1 = vec![29_999];
+                    }
+                    g[0].2.pop();
+                }
+                let result = ar.all_reduce_in_place(&mut views(&mut g));
+                outcomes.push((result.is_ok(), ar.last_step_skipped()));
+            }
+            outcomes
+        });
+        for (rank, outcomes) in results.iter().enumerate() {
+            assert_eq!(
+                outcomes,
+                &[(true, false), (true, true), (true, false), (false, false)],
+                "{collective:?} ({shape_too}): rank {rank}"
+            );
+        }
+    }
+}

@@ -61,7 +61,9 @@ def reset_peak():
 
 
 def run(mode, args, grads, n):
-    ar = gradwire.AllReduce(args.method, Alone(), collective=args.collective)
+    ar = gradwire.AllReduce(
+        args.method, Alone(), collective=args.collective, skip_non_finite=args.skip_non_finite
+    )
     work = {k: v.copy() for k, v in grads.items()} if mode == "in place" else None
     base = reset_peak()
     times = []
@@ -94,6 +96,9 @@ def main():
     p.add_argument("--collective", default="allgather")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--mode", choices=["copying", "in place", "both"], default="both")
+    p.add_argument("--skip-non-finite", action="store_true",
+                   help="the mixed-precision mode of the DDP hook's default (a check of every "
+                        "gradient and a round of verdicts before each step)")
     args = p.parse_args()
     rng = np.random.default_rng(0)
     grads = {}

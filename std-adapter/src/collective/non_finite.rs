@@ -16,10 +16,12 @@
 //!  8     8   step (u64 LE)
 //! ```
 //!
-//! The step is skipped on every rank when some rank says 1 and none says 2 (a rank that
-//! failed otherwise goes on to the step, which fails as it would without this round). A
-//! message of another length, magic, version or step is a rank that did not open its step
-//! with this round (another configuration, or another step): every rank names it.
+//! The step is skipped on every rank when some rank says 1, whatever the others say (a skip
+//! changes nothing anywhere, so a rank that failed otherwise at that step, which the check may
+//! not see on every route, fails at its next step if the cause stays). With no 1, the step
+//! runs (a rank that said 2 takes part with its failure, as without this round). A message of
+//! another length, magic, version or step is a rank that did not open its step with this
+//! round (another configuration, or another step): every rank names it.
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -59,7 +61,7 @@ pub(crate) fn round(
     msg[5] = verdict as u8;
     msg[8..].copy_from_slice(&step.to_le_bytes());
     comm.all_gather(&msg, LEN, gathered)?;
-    let (mut skip, mut failed) = (false, false);
+    let mut skip = false;
     for (rank, got) in gathered.iter().enumerate() {
         let reason = if got.len() != LEN || got[..4] != MAGIC || got[4] != VERSION {
             Some(
@@ -81,10 +83,7 @@ pub(crate) fn round(
                     skip = true;
                     None
                 }
-                2 => {
-                    failed = true;
-                    None
-                }
+                2 => None,
                 v => Some(format!("its verdict {v} is not one of the round's")),
             }
         };
@@ -92,7 +91,7 @@ pub(crate) fn round(
             return Err(Error::Collective { rank, reason });
         }
     }
-    Ok(skip && !failed)
+    Ok(skip)
 }
 
 #[cfg(test)]
@@ -126,7 +125,7 @@ mod tests {
     fn verdicts_decide_and_forged_messages_name_their_sender() {
         assert!(!against(message(1, 0, 7)).unwrap());
         assert!(against(message(1, 1, 7)).unwrap());
-        // A failed rank: the step goes on (and fails there).
+        // A failed rank: the step goes on (and fails there); beside a non-finite one, skipped.
         assert!(!against(message(1, 2, 7)).unwrap());
         for (forged, says) in [
             (message(1, 3, 7), "verdict 3"),

@@ -251,15 +251,18 @@ impl Engine {
             at = at.saturating_add(need);
         }
         grow(&mut frames, at);
-        let result = self.encode_into(
-            manifest,
-            grads,
-            step,
-            feedback,
-            (exec, shapes),
-            &mut frames,
-            &regions,
-        );
+        let result = self
+            .encode_into(
+                manifest,
+                grads,
+                step,
+                feedback,
+                (exec, shapes),
+                &mut frames,
+                &regions,
+                None,
+            )
+            .map(|_| ());
         if result.is_ok() {
             for (e, region) in regions.iter().enumerate() {
                 let len = self.frame_len(e).min(region.len());
@@ -274,7 +277,10 @@ impl Engine {
     /// As [`Engine::encode`], the frames written in place into one bundle of `manifest`'s
     /// entries (`FORMAT.md` section 10) for `rank` at `step`, in `out` after its first `prefix`
     /// bytes (left for an envelope): no frame is written twice. On error `out`'s bytes after
-    /// `prefix` are unspecified.
+    /// `prefix` are unspecified. With a `gate`, it is called once the checks of every entry
+    /// ran and before anything changes, with their outcome; when it returns `true` the step
+    /// stops there (`Ok(true)`: nothing changed, `out` unspecified), and its error ends the
+    /// step as it is. `Ok(false)`: the bundle was written.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn encode_bundle<G: Gradients + ?Sized>(
         &mut self,
@@ -284,7 +290,8 @@ impl Engine {
         feedback: Option<&mut ErrorFeedback>,
         (exec, shapes): (Exec, Shapes),
         (rank, out, prefix): (u32, &mut Vec<u8>, usize),
-    ) -> Result<()> {
+        gate: Option<Gate<'_>>,
+    ) -> Result<bool> {
         let mut regions = std::mem::take(&mut self.regions);
         bundle::lay_out_in_place(out, prefix, manifest, rank, step, &mut regions);
         let result = self.encode_into(
@@ -295,8 +302,9 @@ impl Engine {
             (exec, shapes),
             out,
             &regions,
+            gate,
         );
-        if result.is_ok() {
+        if matches!(result, Ok(false)) {
             bundle::close_in_place(out, prefix, manifest, &regions, |e| self.frame_len(e));
         }
         self.regions = regions;
@@ -305,7 +313,8 @@ impl Engine {
 
     /// As [`Engine::encode`], each entry `e`'s frame written into `buf[regions[e]]` (at least
     /// its [`max_frame_len`] bytes; the regions in order and disjoint), its length then
-    /// [`Engine::frame_len`]`(e)`.
+    /// [`Engine::frame_len`]`(e)`; `gate` as for [`Engine::encode_bundle`] (`Ok(true)`: stopped
+    /// by it, nothing changed).
     #[allow(clippy::too_many_arguments)]
     fn encode_into<G: Gradients + ?Sized>(
         &mut self,
@@ -316,7 +325,8 @@ impl Engine {
         (exec, shapes): (Exec, Shapes),
         buf: &mut [u8],
         regions: &[Range<usize>],
-    ) -> Result<()> {
+        gate: Option<Gate<'_>>,
+    ) -> Result<bool> {
         let entries = manifest.entries();
         // One region per entry, in order, disjoint, within the buffer, and at least its
         // largest frame: a task never finds its region missing.
@@ -349,7 +359,9 @@ impl Engine {
             selections: &self.selections,
             select_sizes: select_sizes(manifest),
         };
-        exec.install(|| step_in.run(fb, slots, pool, buf, regions))?;
+        if exec.install(|| step_in.run(fb, slots, pool, buf, regions, gate))? {
+            return Ok(true);
+        }
         for slot in slots.iter() {
             self.stats.selected_in_chunks += slot.stats.selected_in_chunks;
             self.stats.one_pass += slot.stats.one_pass;
@@ -363,7 +375,7 @@ impl Engine {
             }
             fb.advance();
         }
-        Ok(())
+        Ok(false)
     }
 
     /// The length of entry `e`'s frame after a step that succeeded.
@@ -452,7 +464,8 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
     }
 
     /// Both passes (see the module docs). The first error in manifest order; on a check error
-    /// nothing changed.
+    /// nothing changed. `gate` sees the checks' outcome before anything changes (`Ok(true)`:
+    /// it stopped the step there).
     fn run(
         &self,
         mut feedback: Option<&mut ErrorFeedback>,
@@ -460,7 +473,8 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         pool: &Pool<Bufs>,
         buf: &mut [u8],
         regions: &[Range<usize>],
-    ) -> Result<()> {
+        gate: Option<Gate<'_>>,
+    ) -> Result<bool> {
         let entries = self.manifest.entries();
         {
             let fb = feedback.as_deref();
@@ -481,7 +495,13 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 }
             }
         }
-        first_error(slots)?;
+        let checked = first_error(slots);
+        if let Some(gate) = gate
+            && gate(checked.as_ref().map(|_| ()))?
+        {
+            return Ok(true);
+        }
+        checked?;
         // The residuals move into the slots, so that each task owns its entry's.
         if let Some(fb) = feedback.as_deref_mut() {
             for (e, (slot, entry)) in slots.iter_mut().zip(entries).enumerate() {
@@ -509,7 +529,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 }
             }
         }
-        first_error(slots)
+        first_error(slots).map(|()| false)
     }
 
     /// Pass 1 for one entry: its checks, or the chunked selection that checks while it writes
@@ -778,6 +798,11 @@ fn put_members(fb: &mut ErrorFeedback, manifest: &Manifest, entry: &Entry, res: 
         fb.put_residual(&manifest.tensors()[t].name, r);
     }
 }
+
+/// A step's gate ([`Engine::encode_bundle`]): told the outcome of every entry's checks before
+/// anything changes, it says whether the step stops there (`true`), or ends it with its error.
+pub(crate) type Gate<'g> =
+    &'g mut (dyn FnMut(std::result::Result<(), &Error>) -> Result<bool> + Send);
 
 /// The first error of `slots` in order; every slot's error is cleared.
 fn first_error(slots: &mut [Slot]) -> Result<()> {
