@@ -466,6 +466,10 @@ impl CompressedAllReduce {
     /// ([`CommError::LimitsDiffer`]). [`CompressedAllReduce::last_step_skipped`] tells a
     /// skipped step. Without it (the default) such a gradient fails the step on every rank.
     ///
+    /// The mode applies to every step over a communicator and to a group of one without one;
+    /// [`CompressedAllReduce::all_reduce_with_peers`] (the peers' bundles given) does not use
+    /// it.
+    ///
     /// Residuals hold what was not sent yet in the units of the gradients; when a loss scale
     /// changes, scale them by new / old with [`CompressedAllReduce::scale_residuals`].
     pub fn with_skip_non_finite(mut self, skip: bool) -> Self {
@@ -704,6 +708,7 @@ impl CompressedAllReduce {
         gradients: &HashMap<String, Tensor>,
         out: &mut HashMap<String, Tensor>,
     ) -> Result<()> {
+        self.skipped = false;
         self.check_world_size()?;
         if self.comm.is_none() {
             if self.world_size != 1 {
@@ -762,6 +767,7 @@ impl CompressedAllReduce {
     /// exchange began leaves them partly overwritten (the residuals keep the step's gradient,
     /// as for `all_reduce`, so the next step sends it).
     pub fn all_reduce_in_place(&mut self, tensors: &mut [TensorMut<'_>]) -> Result<()> {
+        self.skipped = false;
         self.check_world_size()?;
         let Some(mut comm) = self.comm.take() else {
             if self.world_size != 1 {
@@ -892,12 +898,23 @@ impl CompressedAllReduce {
         comm: &mut dyn Communicator,
         step: impl FnOnce(&mut Self, &mut dyn Communicator) -> Result<()>,
     ) -> Result<()> {
+        self.skipped = false;
         if comm.world_size() != self.world_size {
             // Takes part with the error, so that the peers fail naming this rank.
             let error = Error::WorldSize {
                 expected: self.world_size,
                 got: comm.world_size(),
             };
+            // In skip mode a step opens with the round of non-finite gradients: this rank takes
+            // part in it as failed first (its peers may skip the step there).
+            if self.skip_non_finite {
+                let step = self.compressor.step();
+                match non_finite::round(comm, Verdict::Failed, step, &mut self.non_finite_round) {
+                    Ok(false) => {}
+                    Ok(true) => return Err(error),
+                    Err(e) => return Err(e),
+                }
+            }
             return Err(crate::collective::take_part_failed(comm, error));
         }
         let result = step(self, comm);
@@ -1179,10 +1196,18 @@ impl CompressedAllReduce {
         );
         // The residuals gave up what this rank sent. When the step failed after the
         // all-gather, every rank saw the same messages and failed alike, so they take it back
-        // (the error of the step is the one to report; the own bundle always decodes). After a
-        // transport error, peers may have completed the step with this rank's values: they
-        // stay sent.
-        if matches!(&result, Err(e) if !matches!(e, Error::Comm { .. })) {
+        // (the error of the step is the one to report; the own bundle always decodes); so they
+        // do after the group's common verdict on a length, found before any rank used a byte.
+        // After another transport error, peers may have completed the step with this rank's
+        // values: they stay sent.
+        let given_to_none = |e: &Error| match e {
+            Error::Comm { source } => matches!(
+                source,
+                CommError::TooLarge { .. } | CommError::LimitsDiffer { .. }
+            ),
+            _ => true,
+        };
+        if matches!(&result, Err(e) if given_to_none(e)) {
             let given_back = self.compressor.give_back_bundle(
                 manifest,
                 bundle_of(&self.send),

@@ -260,12 +260,35 @@ fn ranks_that_disagree_on_the_mode_fail_every_rank_and_none_waits() {
             let mut ar = CompressedAllReduce::with_communicator(topk_int8_ef(), Box::new(comm))
                 .with_collective(collective)
                 .with_skip_non_finite(rank == 0);
-            (0..2)
+            let errors = (0..2)
                 .map(|s| {
                     let mut g = gradients(rank, s, 1.0);
                     ar.all_reduce_in_place(&mut views(&mut g)).err()
                 })
-                .collect::<Vec<Option<Error>>>()
+                .collect::<Vec<Option<Error>>>();
+            // Nothing lost: a rank that compressed and sent nothing holds the two steps'
+            // gradients in its residual (up to the rounding of the error-feedback identity).
+            if rank > 0 {
+                let want: Vec<f32> =
+                    (0..2)
+                        .map(|s| gradients(rank, s, 1.0))
+                        .fold(vec![0.0f32; 34_290], |acc, g| {
+                            let flat = g.iter().flat_map(|t| t.2.iter().copied());
+                            acc.iter().zip(flat).map(|(a, b)| a + b).collect()
+                        });
+                let fb = ar.compressor().feedback().unwrap();
+                let got: Vec<f32> = fb
+                    .residuals()
+                    .flat_map(|(_, r)| r.iter().copied())
+                    .collect();
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                        "{collective:?}: {g} {w}"
+                    );
+                }
+            }
+            errors
         });
         // The same error on every rank at each call (the transport refuses the pairing of the
         // round with the other ranks' first call), and the next call again.
@@ -382,5 +405,36 @@ fn a_non_finite_rank_skips_the_step_beside_a_rank_that_fails_otherwise() {
                 "{collective:?} ({shape_too}): rank {rank}"
             );
         }
+    }
+}
+
+#[test]
+fn the_round_is_made_on_the_callers_thread_with_more_ranks_than_pool_threads() {
+    // Every step on the pool (`Parallel`), W above the pool's threads: a round made on a pool
+    // thread could wait there while another rank's step, queued on the same thread, never
+    // reached its own round. Ranks give up after 20 s instead of the default deadline.
+    use std::time::Duration;
+    let w = rayon::current_num_threads() + 2;
+    let comms = LocalGroup::new(w)
+        .with_timeout(Some(Duration::from_secs(20)))
+        .into_communicators();
+    let results = run_ranks(comms, move |comm| {
+        let rank = comm.rank();
+        let mut ar = CompressedAllReduce::with_communicator(topk_int8_ef(), Box::new(comm))
+            .with_parallelism(gradwire::Parallelism::Parallel)
+            .with_skip_non_finite(true);
+        (0..3)
+            .map(|s| {
+                let mut g = gradients(rank, s, 1.0);
+                if s == 1 && rank == 1 {
+                    g[0].2[3] = f32::NAN;
+                }
+                let ok = ar.all_reduce_in_place(&mut views(&mut g)).is_ok();
+                (ok, ar.last_step_skipped())
+            })
+            .collect::<Vec<_>>()
+    });
+    for outcomes in results {
+        assert_eq!(outcomes, [(true, false), (true, true), (true, false)]);
     }
 }

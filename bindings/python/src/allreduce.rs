@@ -187,9 +187,17 @@ impl AllReduce {
 
     /// Multiplies every residual by `factor` (the library's `scale_residuals`: after a loss
     /// scale changed, `new / old`).
-    fn scale_residuals(&mut self, factor: f32) -> PyResult<()> {
+    fn scale_residuals(&mut self, factor: f64) -> PyResult<()> {
+        // Checked as given: a factor that f32 cannot hold would read as 0 or infinity.
+        let narrowed = factor as f32;
+        if !(narrowed.is_finite() && narrowed > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "residuals scaled by {factor}: the factor must be finite, positive and within \
+                 f32"
+            )));
+        }
         self.inner()
-            .scale_residuals(factor)
+            .scale_residuals(narrowed)
             .map_err(|e| library_error(e, Side::Input))
     }
 

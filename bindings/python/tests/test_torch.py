@@ -103,3 +103,47 @@ def test_all_reduce_in_place_writes_torch_tensors_where_they_are(grads_step1):
                 overlapping
             )
     assert torch.count_nonzero(bucket) == 0
+
+
+class _Alone:
+    """A group of one rank (the library makes no transport call for it)."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, data, lengths):
+        return [bytes(data)]
+
+    def all_to_all(self, send, recv_lengths):
+        return [bytes(b) for b in send]
+
+
+def test_hook_state_sets_skip_non_finite_unless_the_all_reduce_chose():
+    import gradwire.torch as gwt
+
+    model = torch.nn.Linear(4, 2)
+    method = "topk k=ratio:0.5 values=int8:256"
+    default = gradwire.AllReduce(method, _Alone())
+    assert not default.skip_non_finite
+    gwt.HookState(model, default)
+    assert default.skip_non_finite
+    chosen = gradwire.AllReduce(method, _Alone(), skip_non_finite=False)
+    gwt.HookState(model, chosen)
+    assert not chosen.skip_non_finite
+    gwt.HookState(model, chosen, skip_non_finite=True)
+    assert chosen.skip_non_finite
+    # A skipped step in a group of one: NaN results, the step not advanced.
+    g = {"w": torch.ones(4, 2), "b": torch.tensor([1.0, float("inf")])}
+    chosen.all_reduce_(g)
+    assert chosen.last_step_skipped and chosen.step == 0
+    assert all(torch.isnan(t).all() for t in g.values())
+
+
+def test_scale_residuals_refuses_factors_it_cannot_apply():
+    ar = gradwire.AllReduce("topk k=ratio:0.5 values=int8:256", _Alone())
+    for bad in [0.0, -2.0, float("nan"), float("inf"), 1e-50, 1e50]:
+        with pytest.raises(ValueError, match="scaled by"):
+            ar.scale_residuals(bad)
+    with pytest.raises(TypeError):
+        ar.scale_residuals("2")
+    ar.scale_residuals(2.0)

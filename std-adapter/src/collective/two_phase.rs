@@ -429,6 +429,8 @@ impl TwoPhase {
     pub(crate) fn discard_server_residuals(&mut self) {
         self.origin = Some(ServerOrigin::Discarded);
         self.server.clear();
+        self.server_next = Vec::new();
+        self.next_valid = false;
         self.pending = None;
         self.pending_layout = None;
         self.pending_method = None;
@@ -787,7 +789,7 @@ impl TwoPhase {
             return Err(Error::internal("layout"));
         };
         // Server residuals only where the owner's step keeps one (error feedback, a mean or
-        // sum): a method without error feedback holds none, and copies none for its undo.
+        // sum): a method without error feedback holds none (nor the buffer of its next values).
         self.server_feedback = has_server_feedback(step);
         if self.server_feedback
             && self.origin == Some(ServerOrigin::Resumed)

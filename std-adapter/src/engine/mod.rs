@@ -359,9 +359,17 @@ impl Engine {
             selections: &self.selections,
             select_sizes: select_sizes(manifest),
         };
-        if exec.install(|| step_in.run(fb, slots, pool, buf, regions, gate))? {
+        let checked = exec.install(|| step_in.check_all(fb.as_deref(), slots, buf, regions));
+        // The gate runs on the caller's thread, between the passes: it may wait in a
+        // collective, which a pool thread must never do (other ranks' tasks may be queued
+        // behind it).
+        if let Some(gate) = gate
+            && gate(checked.as_ref().map(|_| ()))?
+        {
             return Ok(true);
         }
+        checked?;
+        exec.install(|| step_in.encode_all(fb, slots, pool, buf, regions))?;
         for slot in slots.iter() {
             self.stats.selected_in_chunks += slot.stats.selected_in_chunks;
             self.stats.one_pass += slot.stats.one_pass;
@@ -463,26 +471,20 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
         entry.members.first().map_or(&[], |&t| self.grad(t))
     }
 
-    /// Both passes (see the module docs). The first error in manifest order; on a check error
-    /// nothing changed. `gate` sees the checks' outcome before anything changes (`Ok(true)`:
-    /// it stopped the step there).
-    fn run(
+    /// Pass 1 (see the module docs): every entry's checks; the first error in manifest order.
+    /// Nothing changed.
+    fn check_all(
         &self,
-        mut feedback: Option<&mut ErrorFeedback>,
+        fb: Option<&ErrorFeedback>,
         slots: &mut [Slot],
-        pool: &Pool<Bufs>,
         buf: &mut [u8],
         regions: &[Range<usize>],
-        gate: Option<Gate<'_>>,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let entries = self.manifest.entries();
-        {
-            let fb = feedback.as_deref();
-            self.exec
-                .for_each_region(slots, buf, regions, &|e, slot, frame| {
-                    self.check(&entries[e], fb, slot, frame);
-                });
-        }
+        self.exec
+            .for_each_region(slots, buf, regions, &|e, slot, frame| {
+                self.check(&entries[e], fb, slot, frame);
+            });
         // The first error in manifest order: a deferred entry before the first one found is
         // checked now.
         if let Some(found) = slots.iter().position(|slot| slot.err.is_some()) {
@@ -495,13 +497,20 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 }
             }
         }
-        let checked = first_error(slots);
-        if let Some(gate) = gate
-            && gate(checked.as_ref().map(|_| ()))?
-        {
-            return Ok(true);
-        }
-        checked?;
+        first_error(slots)
+    }
+
+    /// Pass 2 (see the module docs), after [`Step::check_all`] passed: the first error in
+    /// manifest order.
+    fn encode_all(
+        &self,
+        mut feedback: Option<&mut ErrorFeedback>,
+        slots: &mut [Slot],
+        pool: &Pool<Bufs>,
+        buf: &mut [u8],
+        regions: &[Range<usize>],
+    ) -> Result<()> {
+        let entries = self.manifest.entries();
         // The residuals move into the slots, so that each task owns its entry's.
         if let Some(fb) = feedback.as_deref_mut() {
             for (e, (slot, entry)) in slots.iter_mut().zip(entries).enumerate() {
@@ -529,7 +538,7 @@ impl<G: Gradients + ?Sized> Step<'_, G> {
                 }
             }
         }
-        first_error(slots).map(|()| false)
+        first_error(slots)
     }
 
     /// Pass 1 for one entry: its checks, or the chunked selection that checks while it writes

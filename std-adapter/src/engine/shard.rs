@@ -45,8 +45,8 @@ pub(crate) struct Part<'a> {
     pub(crate) at: usize,
     /// The values the frame encodes (without error feedback) or adds to the residual.
     pub(crate) x: &'a [f32],
-    /// The part's residual (worker or server), when the step uses error feedback: read, then
-    /// overwritten with the new residual; only written when `old` holds the residual.
+    /// The part's residual (worker or server), when the step uses error feedback: overwritten
+    /// with the new residual (read first, unless `old` holds the residual before the step).
     pub(crate) residual: Option<&'a mut [f32]>,
     /// The residual before the step, when it is kept apart from `residual` (the owner's
     /// server residual in two buffers: a step that fails later keeps it, with no copy made
@@ -216,7 +216,8 @@ pub(crate) fn first_bad(
 /// residual a value beyond the value type's range (with one it is sent saturated; the worker
 /// checks its sums first, so only the owner meets these, and sends such a shard escaped); the
 /// first in shard order is returned, and the residuals of every other part or chunk may have
-/// changed then (the owner restores its server residual from a copy).
+/// changed then (the owner's server residual is written apart from the one it reads, which a
+/// failed step keeps).
 pub(crate) fn encode_parts(
     layout: &ShardLayout,
     j: usize,
@@ -668,13 +669,12 @@ type ChunkStep<'a> = dyn Fn(
     + Sync
     + 'a;
 
-/// A piece of a part in [`walk_chunks`]: the part's index, its values, its residual.
-/// A chunk's piece of a part: the part's index, its values, its residual before the step when
-/// kept apart ([`Part::old`]), its residual.
+/// A chunk's piece of a part in [`walk_chunks`]: the part's index, its values, its residual
+/// before the step when kept apart ([`Part::old`]), its residual.
 type Piece<'p> = (usize, &'p [f32], Option<&'p [f32]>, Option<&'p mut [f32]>);
 
 /// One chunk of [`walk_chunks`]: where it starts in the shard, its pieces of the frame's
-/// sections, its pieces of the parts (part index, values, residual), its result (the
+/// sections, its pieces of the parts ([`Piece`]), its result (the
 /// largest magnitude of its new residual) and its pieces' checksums.
 struct ChunkJob<'f, 'p> {
     start: usize,

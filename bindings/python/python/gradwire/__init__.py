@@ -168,7 +168,8 @@ class AllReduce:
     Uncompressed float32 (``"dense values=f32"``) goes through the rank-order dense sum, never
     an all-gather.
 
-    ``skip_non_finite`` (mixed precision; every rank alike): a step in which some rank's gradient
+    ``skip_non_finite`` (mixed precision; every rank alike; off unless given, and on by default
+    in :class:`gradwire.torch.HookState` when not given here): a step in which some rank's gradient
     holds NaN or an infinity (or, without error feedback, a value beyond the method's value
     type) is skipped on every rank instead of raising: every result is NaN, no residual changes
     and :attr:`step` does not advance (:attr:`last_step_skipped` tells), so that a loss scaler
@@ -193,7 +194,7 @@ class AllReduce:
         seed: int = 0,
         collective: str = "allgather",
         reduction: str = "mean",
-        skip_non_finite: bool = False,
+        skip_non_finite: Optional[bool] = None,
     ) -> None:
         self._inner = _native.AllReduce(
             method,
@@ -205,6 +206,8 @@ class AllReduce:
             bool(skip_non_finite),
         )
         self._skip_non_finite = bool(skip_non_finite)
+        # Whether the caller chose (the DDP hook's default does not override a choice).
+        self._skip_chosen = skip_non_finite is not None
         self.communicator = communicator
 
     @property

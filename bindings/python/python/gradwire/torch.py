@@ -21,7 +21,7 @@ What that means:
 - float16 and bfloat16 buckets are compressed as float32 and the mean is written back in the
   bucket's dtype; ``gradient_as_bucket_view=True`` needs nothing else (the gradients are the
   bucket's views);
-- mixed precision: by default (``HookState(..., skip_non_finite=True)``) a step in which some
+- mixed precision: by default (``HookState``'s ``skip_non_finite``) a step in which some
   rank's gradient holds NaN or an infinity is skipped on every rank: every bucket comes back
   NaN and no residual changes, so ``torch.amp.GradScaler`` skips the optimizer step and lowers
   its scale, as after DDP's own all-reduce. Given the scaler (``HookState(..., scaler=s)``),
@@ -60,18 +60,23 @@ class HookState:
 
     ``skip_non_finite`` sets the all-reduce's mode of that name (every rank alike: a step with a
     non-finite gradient on some rank comes back NaN on every rank, for a loss scaler to skip).
-    ``scaler``: the ``torch.amp.GradScaler`` of the training loop, whose scale the residuals
-    follow (scaled by new / old before the first step after a change)."""
+    Left out, it is on unless the :class:`~gradwire.AllReduce` was made with a choice of its
+    own, which stays. Without a loss scaler, NaN buckets reach the optimizer as they do after
+    DDP's own all-reduce. ``scaler``: the ``torch.amp.GradScaler`` of the training loop, whose
+    scale the residuals follow (scaled by new / old before the first step after a change)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         allreduce: AllReduce,
-        skip_non_finite: bool = True,
+        skip_non_finite: Optional[bool] = None,
         scaler: Optional[Any] = None,
     ) -> None:
         self.allreduce = allreduce
-        self.allreduce.skip_non_finite = skip_non_finite
+        if skip_non_finite is not None:
+            self.allreduce.skip_non_finite = skip_non_finite
+        elif not allreduce._skip_chosen:
+            self.allreduce.skip_non_finite = True
         self.scaler = scaler
         self.names: Dict[torch.nn.Parameter, str] = {p: n for n, p in model.named_parameters()}
         self._pending: List[Tuple[torch.Tensor, List[torch.nn.Parameter], torch.futures.Future]] = []
@@ -102,12 +107,25 @@ class HookState:
                 at += n
             if at != buf.numel():
                 raise ValueError(f"a bucket of {buf.numel()} elements holds parameters of {at}")
+        self.last_error = None
+        rescale_error: Optional[BaseException] = None
         try:
             self._follow_scale()
+        except Exception as e:
+            # This rank's residuals could not follow the scale: it still takes part in the
+            # step, with NaN gradients, so that every rank skips it (or, without the mode,
+            # fails it) alike; then it raises its own error.
+            rescale_error = e
+            with torch.no_grad():
+                for g in grads.values():
+                    g.fill_(float("nan"))
+        try:
             # Each parameter's slice of its bucket is read and overwritten in place.
             with torch.no_grad():
                 self.allreduce._all_reduce_in_place(grads, device_copy=True)
             self.bundle_bytes = self.allreduce.last_message_bytes
+            if rescale_error is not None:
+                raise rescale_error
         except Exception as e:  # every bucket's future carries the step's error
             self.last_error = e
             # DDP re-raises a future's error as a RuntimeError of its message: the message
