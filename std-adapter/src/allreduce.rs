@@ -1009,6 +1009,9 @@ impl CompressedAllReduce {
         let gated = self.skip_non_finite
             && route == Route::AllGather
             && self.compressor.method().uses_error_feedback();
+        // Whether every rank's gradients were found finite (and within the value type) by the
+        // round: the dense f32 route's own check of them is then not made again.
+        let mut prechecked = false;
         if self.skip_non_finite && !gated {
             // Before anything changes: every rank's verdict on its gradients.
             let verdict = match &manifest {
@@ -1031,10 +1034,11 @@ impl CompressedAllReduce {
                 self.skipped = true;
                 return Ok(());
             }
+            prechecked = verdict == Verdict::Finite;
         }
         if route != Route::AllGather {
             let manifest_error = manifest.err();
-            return self.all_reduce_sharded(comm, manifest_error, route, &mut bufs);
+            return self.all_reduce_sharded(comm, manifest_error, route, &mut bufs, prechecked);
         }
         // Without error feedback, a bundle of dense frames is written as it is sent, never
         // whole (its gradients checked first, so that nothing fails once a window has left;
@@ -1220,13 +1224,16 @@ impl CompressedAllReduce {
     }
 
     /// A step on the dense or two-phase route (see [`CompressedAllReduce::all_reduce`]), with
-    /// the manifest in `self.bundles` unless `manifest_error` says why there is none.
+    /// the manifest in `self.bundles` unless `manifest_error` says why there is none;
+    /// `prechecked` when every gradient was found finite before the step (the round of
+    /// non-finite gradients), so that the dense route does not check them again.
     fn all_reduce_sharded(
         &mut self,
         comm: &mut dyn Communicator,
         manifest_error: Option<Error>,
         route: Route,
         bufs: &mut StepBuffers<'_>,
+        prechecked: bool,
     ) -> Result<()> {
         let step = self.compressor.step();
         let seed = self.compressor.seed();
@@ -1252,6 +1259,7 @@ impl CompressedAllReduce {
             manifest.map(|m| group_config(world_size, m, reduction, &bucketing, name, chunk_bytes));
         if route == Route::Dense {
             let local = match (manifest, &config, manifest_error) {
+                (Some(m), Some(c), _) if prechecked => Ok((m, c, step)),
                 (Some(m), Some(c), _) => check_finite(m, bufs).map(|()| (m, c, step)),
                 (_, _, error) => Err(error.unwrap_or_else(|| Error::internal("no configuration"))),
             };

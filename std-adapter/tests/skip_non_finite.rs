@@ -438,3 +438,32 @@ fn the_round_is_made_on_the_callers_thread_with_more_ranks_than_pool_threads() {
         assert_eq!(outcomes, [(true, false), (true, true), (true, false)]);
     }
 }
+
+#[test]
+fn the_dense_f32_all_reduce_skips_a_non_finite_step() {
+    // Uncompressed f32 (the rank-order f32 all-reduce): an infinity on rank 0 skips the step;
+    // the steps around it give the sums of a run without the mode, bit for bit.
+    fn dense_f32() -> CompressionMethod {
+        CompressionMethod::Core(Method::Dense {
+            values: Values::F32,
+        })
+    }
+    const ACTS: &[Act] = &[
+        step(0),
+        Act::Step {
+            s: 1,
+            scale: 1.0,
+            poison: Some((0, 9, f32::NEG_INFINITY)),
+        },
+        step(2),
+    ];
+    let got = run(dense_f32, Collective::Auto, ACTS);
+    const WITHOUT: &[Act] = &[step(0), step(2)];
+    let want = run(dense_f32, Collective::Auto, WITHOUT);
+    for (got, want) in got.iter().zip(&want) {
+        assert_eq!((got[0].1, got[1].1, got[2].1), (false, true, false));
+        assert!(got[1].0.iter().all(|x| x.is_nan()));
+        assert_eq!(bits(&got[0].0), bits(&want[0].0));
+        assert_eq!(bits(&got[2].0), bits(&want[1].0));
+    }
+}
