@@ -1028,10 +1028,7 @@ impl CompressedAllReduce {
                 Err(_) => Verdict::Failed,
             };
             if non_finite::round(comm, verdict, step, &mut self.non_finite_round)? {
-                for out in bufs.outs() {
-                    out.fill(f32::NAN);
-                }
-                self.skipped = true;
+                self.skipped = bufs.skip_step();
                 return Ok(());
             }
             prechecked = verdict == Verdict::Finite;
@@ -1136,10 +1133,7 @@ impl CompressedAllReduce {
         match round {
             // Skipped on every rank: nothing changed.
             Some(Ok(true)) => {
-                for out in bufs.outs() {
-                    out.fill(f32::NAN);
-                }
-                self.skipped = true;
+                self.skipped = bufs.skip_step();
                 return Ok(());
             }
             // The round itself failed (alike on every rank): the step ends with its error.

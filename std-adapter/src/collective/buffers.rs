@@ -92,6 +92,15 @@ impl<'a> StepBuffers<'a> {
         &mut self.outs
     }
 
+    /// Writes NaN into every output element: the result of a step skipped for a non-finite
+    /// gradient (`CompressedAllReduce::with_skip_non_finite`). Returns `true`.
+    pub(crate) fn skip_step(&mut self) -> bool {
+        for out in &mut self.outs {
+            out.fill(f32::NAN);
+        }
+        true
+    }
+
     /// Writes each gradient into its output (a group of one's uncompressed mean); in place
     /// there is nothing to write.
     pub(crate) fn copy_gradients_to_outputs(&mut self) {
