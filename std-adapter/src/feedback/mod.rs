@@ -208,13 +208,14 @@ impl ErrorFeedback {
     }
 
     /// Multiplies every residual by `factor` (finite and positive; the caller checked that no
-    /// value overflows). The bounds kept are forgotten: the next step measures them again.
+    /// value overflows), and each bound kept with it: rounding is monotone, so `|r| <= b`
+    /// gives `|r x factor| <= b x factor` as both round (an unknown bound stays unknown).
     pub(crate) fn scale(&mut self, factor: f32) {
         for r in self.residuals.values_mut() {
             r.iter_mut().for_each(|x| *x *= factor);
         }
         for bound in self.bounds.values_mut() {
-            *bound = ResidualBound::UNKNOWN;
+            *bound = ResidualBound::at_most(bound.max_abs() * factor);
         }
     }
 
@@ -401,5 +402,26 @@ mod tests {
         fb.set_residual("b", vec![1.0]).unwrap();
         fb.clear();
         assert_eq!((fb.residuals().count(), fb.residual_shape("w")), (0, None));
+    }
+
+    #[test]
+    fn scaled_residuals_keep_a_bound_that_holds() {
+        let method = Method::TopK {
+            k: K::Count(1),
+            values: Values::F32,
+        };
+        let mut fb = ErrorFeedback::new(method, 5).unwrap();
+        // Values whose products round (factor 0.3), a subnormal, one near the top of f32.
+        fb.set_residual("w", vec![0.1, -3.7, 1.0e-40, 2.9]).unwrap();
+        fb.set_residual("big", vec![3.0e38, 1.0]).unwrap();
+        for factor in [0.3, 2.0, 0.5] {
+            fb.scale(factor);
+            for (name, r) in fb.residuals() {
+                let largest = r.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                let bound = fb.residual_bound(name).max_abs();
+                assert!(largest <= bound, "{name} x {factor}: {largest} > {bound}");
+            }
+        }
+        assert!(fb.residual_bound("w").max_abs().is_finite());
     }
 }
