@@ -534,6 +534,13 @@ fn topk_kept_sums<'s>(
         assert!(scratch.len() >= kept_scratch_len(n, k), "scratch too short");
         return topk_kept_update_from(g, old, r, k, limit, scratch);
     }
+    store_sums(g, old, r);
+    topk_kept(r, k, limit, scratch)
+}
+
+/// `r[i] = g[i] + residual[i]` (the f32 addition), the residual read from `old` when given,
+/// else from `r` itself.
+fn store_sums(g: &[f32], old: Option<&[f32]>, r: &mut [f32]) {
     match old {
         Some(old) => {
             for ((x, &y), &o) in r.iter_mut().zip(g).zip(old) {
@@ -546,7 +553,6 @@ fn topk_kept_sums<'s>(
             }
         }
     }
-    topk_kept(r, k, limit, scratch)
 }
 
 /// [`topk_kept_src`] of `g + r` for an error-feedback step that has already checked that no
@@ -952,15 +958,7 @@ fn scan_update_with<const FROM: bool>(
             );
         }
     }
-    if FROM {
-        for ((r, &g), &o) in r[full..n].iter_mut().zip(&g[full..n]).zip(&old[full..n]) {
-            *r = o + g;
-        }
-    } else {
-        for (r, &g) in r[full..n].iter_mut().zip(&g[full..n]) {
-            *r += g;
-        }
-    }
+    store_sums(&g[full..n], FROM.then(|| &old[full..n]), &mut r[full..n]);
     let stored = One(&*r);
     let mut i = full;
     while i < n {

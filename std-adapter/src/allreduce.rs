@@ -87,16 +87,17 @@ fn check_finite(manifest: &Manifest, bufs: &StepBuffers<'_>) -> Result<()> {
     Ok(())
 }
 
-/// The magnitude at or above which a gradient value skips a step
-/// ([`CompressedAllReduce::with_skip_non_finite`]): infinity (NaN and infinities skip) with
-/// error feedback, whose encoder saturates; the method's value type's limit without it, whose
-/// step would refuse such a value.
-fn skip_limit(compressor: &GradientCompressor) -> f32 {
+/// Whether some value of `gradients` skips a step under `compressor`'s method
+/// ([`CompressedAllReduce::with_skip_non_finite`]): NaN or an infinity with error feedback,
+/// whose encoder saturates; without it also a value at or above the value type's limit, which
+/// the step would refuse.
+fn skips<'g>(compressor: &GradientCompressor, gradients: impl Iterator<Item = &'g [f32]>) -> bool {
     let values = match compressor.method().core_method() {
         Ok(method) if !compressor.method().uses_error_feedback() => method.values(),
         _ => None,
     };
-    gradwire_core::values::magnitude_limit(values)
+    let limit = gradwire_core::values::magnitude_limit(values);
+    overflows(gradients, limit, compressor.parallelism())
 }
 
 /// Whether some value of `gradients` is NaN or at or above `limit` in magnitude: read in
@@ -717,11 +718,7 @@ impl CompressedAllReduce {
                 });
             }
             self.skipped = self.skip_non_finite
-                && overflows(
-                    gradients.values().map(Tensor::data),
-                    skip_limit(&self.compressor),
-                    self.compressor.parallelism(),
-                );
+                && skips(&self.compressor, gradients.values().map(Tensor::data));
             if self.skipped {
                 out.clear();
                 for (name, t) in gradients {
@@ -789,12 +786,8 @@ impl CompressedAllReduce {
     /// [`CompressedAllReduce::all_reduce_in_place`] without a communicator: the step of
     /// [`CompressedAllReduce::all_reduce`], its result copied into the tensors.
     fn in_place_alone(&mut self, tensors: &mut [TensorMut<'_>]) -> Result<()> {
-        self.skipped = self.skip_non_finite
-            && overflows(
-                tensors.iter().map(|t| &*t.data),
-                skip_limit(&self.compressor),
-                self.compressor.parallelism(),
-            );
+        self.skipped =
+            self.skip_non_finite && skips(&self.compressor, tensors.iter().map(|t| &*t.data));
         if self.skipped {
             for t in tensors.iter_mut() {
                 t.data.fill(f32::NAN);
@@ -909,10 +902,8 @@ impl CompressedAllReduce {
             // part in it as failed first (its peers may skip the step there).
             if self.skip_non_finite {
                 let step = self.compressor.step();
-                match non_finite::round(comm, Verdict::Failed, step, &mut self.non_finite_round) {
-                    Ok(false) => {}
-                    Ok(true) => return Err(error),
-                    Err(e) => return Err(e),
+                if non_finite::round(comm, Verdict::Failed, step, &mut self.non_finite_round)? {
+                    return Err(error);
                 }
             }
             return Err(crate::collective::take_part_failed(comm, error));
@@ -1002,7 +993,6 @@ impl CompressedAllReduce {
                 _ => Route::AllGather,
             },
         };
-        self.skipped = false;
         // With error feedback the all-gather's own checks (before anything changes) give the
         // verdict of the round of non-finite gradients, which then runs between the checks and
         // the encode (`gated`); every other route checks first and opens with the round.
@@ -1015,15 +1005,7 @@ impl CompressedAllReduce {
         if self.skip_non_finite && !gated {
             // Before anything changes: every rank's verdict on its gradients.
             let verdict = match &manifest {
-                Ok(_)
-                    if overflows(
-                        bufs.gradients(),
-                        skip_limit(&self.compressor),
-                        self.compressor.parallelism(),
-                    ) =>
-                {
-                    Verdict::NonFinite
-                }
+                Ok(_) if skips(&self.compressor, bufs.gradients()) => Verdict::NonFinite,
                 Ok(_) => Verdict::Finite,
                 Err(_) => Verdict::Failed,
             };

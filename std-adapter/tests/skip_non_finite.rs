@@ -87,20 +87,11 @@ fn run(
                         let mut tensors = views(&mut g);
                         ar.all_reduce_in_place(&mut tensors).unwrap();
                         let outputs = g.iter().flat_map(|t| t.2.iter().copied()).collect();
-                        let residuals = ar
-                            .compressor()
-                            .feedback()
-                            .map(|fb| {
-                                fb.residuals()
-                                    .flat_map(|(_, r)| r.iter().copied())
-                                    .collect()
-                            })
-                            .unwrap_or_default();
                         records.push((
                             outputs,
                             ar.last_step_skipped(),
                             ar.compressor().step(),
-                            residuals,
+                            worker_residuals(&ar),
                         ));
                     }
                 }
@@ -108,6 +99,18 @@ fn run(
             records
         },
     )
+}
+
+/// Every worker residual, in name order, one after the other (none without error feedback).
+fn worker_residuals(ar: &CompressedAllReduce) -> Vec<f32> {
+    ar.compressor()
+        .feedback()
+        .map(|fb| {
+            fb.residuals()
+                .flat_map(|(_, r)| r.iter().copied())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn bits(x: &[f32]) -> Vec<u32> {
@@ -276,12 +279,7 @@ fn ranks_that_disagree_on_the_mode_fail_every_rank_and_none_waits() {
                             let flat = g.iter().flat_map(|t| t.2.iter().copied());
                             acc.iter().zip(flat).map(|(a, b)| a + b).collect()
                         });
-                let fb = ar.compressor().feedback().unwrap();
-                let got: Vec<f32> = fb
-                    .residuals()
-                    .flat_map(|(_, r)| r.iter().copied())
-                    .collect();
-                for (g, w) in got.iter().zip(&want) {
+                for (g, w) in worker_residuals(&ar).iter().zip(&want) {
                     assert!(
                         (g - w).abs() <= 1e-5 * w.abs().max(1.0),
                         "{collective:?}: {g} {w}"
@@ -341,25 +339,16 @@ fn residuals_scaled_with_the_loss_scale_equal_a_run_at_one_scale() {
     }
     let mut g = gradients(0, 0, 1.0e38);
     ar.all_reduce_in_place(&mut views(&mut g)).unwrap();
-    let before: Vec<u32> = ar
-        .compressor()
-        .feedback()
-        .unwrap()
-        .residuals()
-        .flat_map(|(_, r)| bits(r))
-        .collect();
+    let before = bits(&worker_residuals(&ar));
     assert!(matches!(
         ar.scale_residuals(1.0e10),
         Err(Error::Config { .. })
     ));
-    let after: Vec<u32> = ar
-        .compressor()
-        .feedback()
-        .unwrap()
-        .residuals()
-        .flat_map(|(_, r)| bits(r))
-        .collect();
-    assert_eq!(before, after, "a refused scaling changed a residual");
+    assert_eq!(
+        before,
+        bits(&worker_residuals(&ar)),
+        "a refused scaling changed a residual"
+    );
 }
 
 #[test]

@@ -105,19 +105,6 @@ def test_all_reduce_in_place_writes_torch_tensors_where_they_are(grads_step1):
     assert torch.count_nonzero(bucket) == 0
 
 
-class _Alone:
-    """A group of one rank (the library makes no transport call for it)."""
-
-    rank = 0
-    world_size = 1
-
-    def all_gather(self, data, lengths):
-        return [bytes(data)]
-
-    def all_to_all(self, send, recv_lengths):
-        return [bytes(b) for b in send]
-
-
 def test_hook_state_sets_skip_non_finite_unless_the_all_reduce_chose():
     import gradwire.torch as gwt
 
