@@ -35,10 +35,12 @@ struct Peer {
 }
 
 /// Writes a valid envelope head (payload, `fingerprint`) and, behind it, a valid shard-message
-/// head for `phase`, `step`, `shard` and one frame, with both CRCs, over `msg`'s own bytes.
+/// head (version 4) for `phase`, `step`, `shard` and one frame, over `msg`'s own bytes, and
+/// both CRCs: the envelope's, and the message's trailer as gradwire computes it (FORMAT.md 15:
+/// each frame's body CRC taken from its trailer), so that the frame behind it is reached.
 fn repair(msg: &mut Vec<u8>, fingerprint: &[u8], phase: u8, step: u64, shard: u32) {
-    if msg.len() < 48 {
-        msg.resize(48, 0);
+    if msg.len() < 52 {
+        msg.resize(52, 0);
     }
     msg[..4].copy_from_slice(b"GWCM");
     msg[4..8].copy_from_slice(&[1, 0, 0, 0]);
@@ -47,14 +49,46 @@ fn repair(msg: &mut Vec<u8>, fingerprint: &[u8], phase: u8, step: u64, shard: u3
     msg[16..20].copy_from_slice(&crc.to_le_bytes());
     let body = &mut msg[20..];
     body[..4].copy_from_slice(b"GWSH");
-    body[4..8].copy_from_slice(&[2, phase, 0, 0]);
+    body[4..8].copy_from_slice(&[4, phase, 0, 0]);
     body[8..16].copy_from_slice(&step.to_le_bytes());
     body[16..20].copy_from_slice(&shard.to_le_bytes());
     body[20..24].copy_from_slice(&1u32.to_le_bytes());
-    let mut covered = body[..24].to_vec();
-    covered.extend_from_slice(&body[28..]);
-    let crc = crc32(&covered);
-    body[24..28].copy_from_slice(&crc.to_le_bytes());
+    body[24..28].copy_from_slice(&[0; 4]);
+    let end = body.len() - 4;
+    let crc = shard_message_crc(&body[..end]);
+    body[end..].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// The CRC of a shard message's bytes before its trailer as FORMAT.md 15 defines it: the
+/// 28-byte header, then each frame's length and the frame, the frame's body CRC taken from the
+/// frame's own trailer (its last 4 bytes), then any bytes after the last whole frame.
+fn shard_message_crc(msg: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&msg[..28]);
+    let mut rest = &msg[28..];
+    while let Some(len) = rest.get(..4) {
+        h.update(len);
+        let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        let Some(frame) = rest.get(4..4usize.saturating_add(len)) else {
+            rest = &rest[4..];
+            break;
+        };
+        match frame.len().checked_sub(4) {
+            Some(body_len) => {
+                let t = &frame[body_len..];
+                let body_crc = u32::from_le_bytes([t[0], t[1], t[2], t[3]]);
+                h.combine(&crc32fast::Hasher::new_with_initial_len(
+                    body_crc,
+                    body_len as u64,
+                ));
+                h.update(t);
+            }
+            None => h.update(frame),
+        }
+        rest = &rest[4 + len..];
+    }
+    h.update(rest);
+    h.finalize()
 }
 
 fn bounded(msg: &[u8], max_len: usize, rank: usize) -> Result<Vec<u8>, CommError> {

@@ -1,19 +1,21 @@
 //! The shard message of the two-phase collective (`FORMAT.md` section 15): a lean header (no
 //! per-entry ids: the receiver's shard layout says what the frame holds), then, unless the
 //! owner's shard is empty, one frame's length (u32 LE) and the frame: every tensor's part of
-//! the shard, in manifest order.
+//! the shard, in manifest order; then the message's CRC-32, last, so that a message can be
+//! sent before its last byte is known.
 //!
 //! ```text
 //! offset size field
 //!  0     4   magic "GWSH"
-//!  4     1   version (3: an owner's frame may go escaped, with f32 values)
+//!  4     1   version (4: the CRC-32 in a trailer)
 //!  5     1   phase: 1 = a worker's shard for its owner, 2 = an owner's reduced shard
 //!  6     2   reserved, 0
 //!  8     8   step (u64 LE)
 //! 16     4   shard: the owner's rank (u32 LE)
 //! 20     4   frames (u32 LE)
-//! 24     4   CRC-32 (IEEE) of bytes 0..24 and of every byte after 28
+//! 24     4   reserved, 0
 //! 28     ..  frames: length (u32 LE), then the frame (FORMAT.md sections 1-9)
+//! end-4  4   CRC-32 (IEEE) of every byte before it
 //! ```
 
 use crate::error::{Error, Result};
@@ -22,13 +24,16 @@ use crate::layout::update_with_frame;
 
 /// The first four bytes.
 const MAGIC: [u8; 4] = *b"GWSH";
-/// The version (3: an owner's reduced shard may travel escaped, FORMAT.md 15).
-const VERSION: u8 = 3;
+/// The version (4: the CRC-32 in a trailer; 3 had it in the header, FORMAT.md 15).
+const VERSION: u8 = 4;
 /// Bytes of the header.
 pub(crate) const HEADER_LEN: usize = 28;
+/// Bytes of the trailer (the message's CRC-32).
+const TRAILER_LEN: usize = 4;
 
 /// Bytes of the shard message for owner `j` of `layout` at most (header, then the frame's
-/// length and the frame when the shard is not empty; no envelope), without the escape: what
+/// length and the frame when the shard is not empty, then the trailer; no envelope), without
+/// the escape: what
 /// a step sends unless an owner's reduced values leave the value type.
 pub(crate) fn max_len(layout: &ShardLayout, j: usize) -> usize {
     with_frame(layout.max_frame_len(j))
@@ -42,8 +47,8 @@ pub(crate) fn limit_len(layout: &ShardLayout, j: usize) -> usize {
 
 fn with_frame(frame: usize) -> usize {
     match frame {
-        0 => HEADER_LEN,
-        frame => HEADER_LEN + 4 + frame,
+        0 => HEADER_LEN + TRAILER_LEN,
+        frame => HEADER_LEN + 4 + frame + TRAILER_LEN,
     }
 }
 
@@ -57,11 +62,11 @@ pub(crate) enum Phase {
 }
 
 /// Lays out a message in `out` after its first `prefix` bytes (room for the envelope, left as
-/// they are): the header with a zero CRC, and when `bound` is not 0 one frame's length field
-/// and `bound` bytes for the frame. Returns where the frame starts: the caller writes it there,
-/// then [`commit_frame`] (when `bound` is not 0) and [`finish`]. `out` keeps the bytes it held
-/// up to that length (only new bytes are zeroed; every byte the message keeps is written), so
-/// that a step does not write its messages twice.
+/// they are): the header, and when `bound` is not 0 one frame's length field and `bound` bytes
+/// for the frame. Returns where the frame starts: the caller writes it there, then
+/// [`commit_frame`] (when `bound` is not 0) and [`finish`], which appends the trailer. `out`
+/// keeps the bytes it held up to that length (only new bytes are zeroed; every byte the
+/// message keeps is written), so that a step does not write its messages twice.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn lay_out(
     out: &mut Vec<u8>,
@@ -89,7 +94,7 @@ pub(crate) fn lay_out(
     at
 }
 
-/// Starts a message at the end of `out`: the header with a zero CRC; frames follow by
+/// Starts a message at the end of `out`: the header; frames follow by
 /// [`reserve_frame`] and [`commit_frame`], then [`finish`].
 #[cfg(test)]
 pub(crate) fn start(out: &mut Vec<u8>, phase: Phase, step: u64, shard: usize, frames: usize) {
@@ -118,20 +123,21 @@ pub(crate) fn commit_frame(out: &mut Vec<u8>, at: usize, written: usize) {
     out.truncate(at + written);
 }
 
-/// Writes the CRC of a message that [`start`] began at `at` in `out`.
-pub(crate) fn finish(out: &mut [u8], at: usize) {
+/// Ends a message that [`start`] or [`lay_out`] began at `at` in `out` (its last frame
+/// committed): appends its trailer, the CRC of its bytes.
+pub(crate) fn finish(out: &mut Vec<u8>, at: usize) {
     let crc = crc_of(&out[at..]);
-    out[at + 24..at + 28].copy_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&crc.to_le_bytes());
 }
 
-/// The CRC of bytes `0..24` and of every byte after the header, each frame's body taken from
-/// its trailer ([`update_with_frame`]): the frames are not read again, and for frames whose
-/// trailers hold their bodies' CRCs (every frame an encoder writes) this is the CRC of the
-/// bytes. A receiver's frames are decoded only after their own checksums pass, so every byte
-/// of an accepted message is still checked once.
+/// The CRC of a message's bytes before its trailer (`msg`: the header, then the frames, each
+/// frame's body taken from its trailer ([`update_with_frame`])): the frames are not read
+/// again, and for frames whose trailers hold their bodies' CRCs (every frame an encoder writes)
+/// this is the CRC of the bytes. A receiver's frames are decoded only after their own checksums
+/// pass, so every byte of an accepted message is still checked once.
 fn crc_of(msg: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new();
-    h.update(&msg[..24]);
+    h.update(&msg[..HEADER_LEN]);
     let mut rest = &msg[HEADER_LEN..];
     while let Some(len) = rest.get(..4) {
         h.update(len);
@@ -164,20 +170,27 @@ pub(crate) fn open(
         rank: from,
         reason: format!("its shard message for owner {shard}: {reason}"),
     };
-    let Some(head) = msg.get(..HEADER_LEN) else {
+    let least = HEADER_LEN + TRAILER_LEN;
+    let Some(body_len) = msg
+        .len()
+        .checked_sub(TRAILER_LEN)
+        .filter(|&b| b >= HEADER_LEN)
+    else {
         return Err(bad(format!(
-            "{} bytes, shorter than the {HEADER_LEN}-byte header",
+            "{} bytes, shorter than the {least}-byte header and trailer",
             msg.len()
         )));
     };
+    let head = &msg[..HEADER_LEN];
     let u32_at = |i: usize| u32::from_le_bytes([head[i], head[i + 1], head[i + 2], head[i + 3]]);
-    if head[..4] != MAGIC || head[4] != VERSION || head[6..8] != [0, 0] {
+    if head[..4] != MAGIC || head[4] != VERSION || head[6..8] != [0, 0] || head[24..28] != [0; 4] {
         return Err(bad(format!(
             "not a gradwire shard message (version {VERSION})"
         )));
     }
-    let crc = u32_at(24);
-    if crc_of(msg) != crc {
+    let (body, trailer) = msg.split_at(body_len);
+    let crc = u32::from_le_bytes([trailer[0], trailer[1], trailer[2], trailer[3]]);
+    if crc_of(body) != crc {
         return Err(bad("checksum mismatch".into()));
     }
     let mut s = [0u8; 8];
@@ -195,11 +208,11 @@ pub(crate) fn open(
     if u32_at(20) as usize != frames {
         return Err(bad(format!("{} frames, expected {frames}", u32_at(20))));
     }
-    if frames == 0 && msg.len() > HEADER_LEN {
+    if frames == 0 && body.len() > HEADER_LEN {
         return Err(bad("bytes after its header, which declares no frame".into()));
     }
     Ok(Frames {
-        rest: &msg[HEADER_LEN..],
+        rest: &body[HEADER_LEN..],
         left: frames,
         from,
         shard,
@@ -300,10 +313,8 @@ mod tests {
         msg[at..at + frame.len()].copy_from_slice(&frame);
         commit_frame(&mut msg, at, frame.len());
         finish(&mut msg, 0);
-        let mut plain = crc32fast::Hasher::new();
-        plain.update(&msg[..24]);
-        plain.update(&msg[HEADER_LEN..]);
-        assert_eq!(msg[24..28], plain.finalize().to_le_bytes());
+        let end = msg.len() - TRAILER_LEN;
+        assert_eq!(msg[end..], crc32fast::hash(&msg[..end]).to_le_bytes());
         let mut f = open(&msg, 0, Phase::Reduced, 4, 0, 1).unwrap();
         assert_eq!(f.next_frame().unwrap(), &frame[..]);
         // A byte of the frame flipped (body or trailer): the message's checksum still matches
