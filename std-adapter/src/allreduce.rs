@@ -50,6 +50,9 @@
 use std::collections::HashMap;
 use std::fmt;
 
+mod non_blocking;
+pub use non_blocking::{NonBlockingAllReduce, PendingAllReduce};
+
 use crate::aggregate::{Aggregator, Reduction, check_contribution};
 use crate::collective::buffers::StepBuffers;
 use crate::collective::dense::{self, DenseAllReduce};

@@ -65,7 +65,7 @@ pub use gradwire_core as core;
 
 // The root: the types a user of the README starts from (everything else lives in its module).
 pub use aggregate::{Aggregator, Reduction};
-pub use allreduce::CompressedAllReduce;
+pub use allreduce::{CompressedAllReduce, NonBlockingAllReduce, PendingAllReduce};
 pub use collective::Collective;
 pub use compressor::GradientCompressor;
 pub use engine::Parallelism;

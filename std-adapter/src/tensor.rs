@@ -153,6 +153,12 @@ impl Tensor {
         &mut self.data
     }
 
+    /// The shape and the elements, the elements to write in place (a step's tensors moved
+    /// into a non-blocking all-reduce).
+    pub(crate) fn parts_mut(&mut self) -> (&[usize], &mut [f32]) {
+        (&self.shape, &mut self.data)
+    }
+
     /// Sets the shape to `shape` of `n` elements (`n` checked by the caller), reusing this
     /// tensor's buffers: the elements are unspecified afterwards (kept where the length did not
     /// change, zeros where it grew), for a caller that writes every one of them.

@@ -200,6 +200,8 @@ fn copy(e: &CommError) -> CommError {
         CommError::Broken { first } => CommError::Broken {
             first: first.clone(),
         },
+        // Its text as it is, not its display ("transport failure: " would come twice).
+        CommError::Transport(why) => CommError::Transport(why.clone()),
         other => CommError::Transport(other.to_string()),
     }
 }

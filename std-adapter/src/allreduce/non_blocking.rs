@@ -1,0 +1,224 @@
+//! [`NonBlockingAllReduce`]: steps of a [`CompressedAllReduce`] started now and waited for
+//! later, run in order on a thread of their own (with the communicator the all-reduce owns),
+//! so that the caller computes while they run (the next bucket's gradients, the next
+//! micro-batch).
+//!
+//! Buffer ownership, without `unsafe`: the handle owns the buffers. [`NonBlockingAllReduce::start`]
+//! moves a step's tensors in (no copy: their vectors travel); the thread runs the blocking
+//! step on them in place ([`CompressedAllReduce::all_reduce_in_place`]: encoding, exchange and
+//! decoding all on that thread, each chunk-bounded as the blocking step is); and
+//! [`PendingAllReduce::wait`] gives them back holding the results. A step's memory is its
+//! tensors' (the caller's gradients) plus the all-reduce's own buffers, which the steps share
+//! one after the other.
+//!
+//! A step is what a call of the blocking all-reduce is: every `start` is one step, with the
+//! next step number, whatever tensors it carries. A model cut into buckets is one step per
+//! bucket, started in the same order on every rank; each bucket keeps its own residuals (they
+//! are keyed by name). On the two-phase collective with error feedback, server residuals
+//! belong to one model layout, so buckets of several layouts there fail as the blocking calls
+//! do ([`crate::Error::Config`]): start whole-model steps, or use the all-gather.
+
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::thread::{self, JoinHandle};
+
+use super::CompressedAllReduce;
+use crate::error::{Error, Result};
+use crate::tensor::{Tensor, TensorMut};
+
+/// One step's tensors, by name, and the step's result: what [`PendingAllReduce::wait`] gives.
+type Finished = (Vec<(String, Tensor)>, Result<()>);
+
+/// A step for the thread: its tensors, and where to send them back.
+struct Job {
+    tensors: Vec<(String, Tensor)>,
+    done: SyncSender<Finished>,
+}
+
+/// A [`CompressedAllReduce`] whose steps run on a thread of their own, started by
+/// [`NonBlockingAllReduce::start`] and waited for with [`PendingAllReduce::wait`] (see the
+/// module docs). At most `max_in_flight` steps are started and not yet finished at a time:
+/// `start` waits for the oldest to finish beyond that, which bounds the memory the caller
+/// lends. Steps run in the order they were started; every rank must start the same steps in
+/// the same order, as every rank makes the same blocking calls.
+///
+/// Errors are the blocking step's, step by step: a rank's local error makes that step fail on
+/// every rank (the group stays in step, and later steps run); after a transport error the
+/// communicator is closed, and every later step, in flight or started afterwards, fails with
+/// [`crate::comm::CommError::Broken`] naming that first failure, without any transport call.
+///
+/// Under MPI (feature `mpi`) the thread is the only caller of the communicator while steps are
+/// in flight: `MpiCommunicator::init` asks for `MPI_THREAD_SERIALIZED`, which allows it (with
+/// less, a call from another thread than the one that built the communicator ends the job,
+/// naming the thread level MPI provides). A program
+/// that also calls MPI elsewhere while steps are in flight needs `MPI_THREAD_MULTIPLE`
+/// (`MpiCommunicator::threading` says what MPI provided).
+///
+/// Dropping it waits for the steps in flight to finish (every rank's collectives complete;
+/// their results are dropped with their handles unless waited for).
+///
+/// ```
+/// use gradwire::comm::{Communicator, LocalGroup};
+/// use gradwire::{CompressedAllReduce, CompressionMethod, NonBlockingAllReduce, Tensor};
+///
+/// let comms = LocalGroup::new(2).into_communicators();
+/// let ranks: Vec<_> = comms
+///     .into_iter()
+///     .map(|comm| {
+///         std::thread::spawn(move || {
+///             let r = comm.rank() as f32;
+///             let ar = CompressedAllReduce::with_communicator(
+///                 CompressionMethod::TopK { k: 2 },
+///                 Box::new(comm),
+///             );
+///             let mut nb = NonBlockingAllReduce::spawn(ar, 2).unwrap();
+///             // Two buckets in flight at once, each a step of its own.
+///             let a = nb.start(vec![("a".into(), Tensor::vector(vec![1.0 + r, 0.0, -4.0]))]);
+///             let b = nb.start(vec![("b".into(), Tensor::vector(vec![2.0 * r, 6.0]))]);
+///             let (a, ok_a) = a.unwrap().wait();
+///             let (b, ok_b) = b.unwrap().wait();
+///             ok_a.and(ok_b).unwrap();
+///             (a[0].1.data().to_vec(), b[0].1.data().to_vec())
+///         })
+///     })
+///     .collect();
+/// for h in ranks {
+///     let (a, b) = h.join().unwrap();
+///     assert_eq!(a, [1.5, 0.0, -4.0]);
+///     assert_eq!(b, [1.0, 6.0]);
+/// }
+/// ```
+pub struct NonBlockingAllReduce {
+    jobs: Option<SyncSender<Job>>,
+    thread: Option<JoinHandle<CompressedAllReduce>>,
+}
+
+/// A step started by [`NonBlockingAllReduce::start`]: [`PendingAllReduce::wait`] gives back
+/// its tensors with the step's results. Dropped without a wait, the step still runs (every
+/// rank must run it) and its tensors are dropped when it ends.
+pub struct PendingAllReduce {
+    done: Receiver<Finished>,
+}
+
+impl std::fmt::Debug for NonBlockingAllReduce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NonBlockingAllReduce")
+            .field("running", &self.thread.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for PendingAllReduce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingAllReduce").finish_non_exhaustive()
+    }
+}
+
+impl NonBlockingAllReduce {
+    /// Moves `all_reduce` (with its communicator, residuals and step counter) to a new thread
+    /// that runs the steps [`NonBlockingAllReduce::start`] hands it, at most `max_in_flight`
+    /// at a time.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `max_in_flight` is 0; [`Error::Io`] when the thread cannot be
+    /// started (`all_reduce` is dropped then).
+    pub fn spawn(all_reduce: CompressedAllReduce, max_in_flight: usize) -> Result<Self> {
+        if max_in_flight == 0 {
+            return Err(Error::config(
+                "max_in_flight 0: a non-blocking all-reduce runs at least one step at a time",
+            ));
+        }
+        // One step runs on the thread while the queue holds the others.
+        let (jobs, queue) = mpsc::sync_channel::<Job>(max_in_flight - 1);
+        let thread = thread::Builder::new()
+            .name("gradwire-all-reduce".into())
+            .spawn(move || run(all_reduce, queue))
+            .map_err(|source| Error::Io {
+                path: "gradwire-all-reduce (thread)".into(),
+                source,
+            })?;
+        Ok(NonBlockingAllReduce {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        })
+    }
+
+    /// Starts the next step on `tensors` (name, gradient; any order, names unique), moved in:
+    /// [`PendingAllReduce::wait`] gives them back holding the step's results (the mean, or the
+    /// configured reduction), as [`CompressedAllReduce::all_reduce_in_place`] writes them.
+    /// Waits while `max_in_flight` steps are started and not finished.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] when the thread is gone (it stops only on a bug in gradwire; the
+    /// tensors are dropped then). The step's own errors come from
+    /// [`PendingAllReduce::wait`].
+    pub fn start(&mut self, tensors: Vec<(String, Tensor)>) -> Result<PendingAllReduce> {
+        let (done, finished) = mpsc::sync_channel(1);
+        let stopped = || Error::internal("the non-blocking all-reduce's thread stopped");
+        let jobs = self.jobs.as_ref().ok_or_else(stopped)?;
+        jobs.send(Job { tensors, done }).map_err(|_| stopped())?;
+        Ok(PendingAllReduce { done: finished })
+    }
+
+    /// Waits for every step started to finish, stops the thread and gives back the
+    /// all-reduce (its communicator, residuals and step counter as the last step left them):
+    /// to save its residuals, or to go on with blocking calls.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] when the thread stopped on a bug in gradwire (the all-reduce is
+    /// lost then).
+    pub fn finish(mut self) -> Result<CompressedAllReduce> {
+        self.stop()
+            .ok_or_else(|| Error::internal("the non-blocking all-reduce's thread stopped"))
+    }
+
+    /// Closes the queue and joins the thread: the all-reduce, unless the thread panicked.
+    fn stop(&mut self) -> Option<CompressedAllReduce> {
+        drop(self.jobs.take());
+        self.thread.take()?.join().ok()
+    }
+}
+
+impl Drop for NonBlockingAllReduce {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl PendingAllReduce {
+    /// Waits for the step to finish; gives back its tensors (in the order they were started,
+    /// holding the results, or unspecified values after an error, as the blocking call leaves
+    /// them) and the step's result.
+    ///
+    /// # Errors
+    /// The step's: as [`CompressedAllReduce::all_reduce_in_place`];
+    /// [`Error::Internal`] with no tensors when the thread stopped on a bug in gradwire.
+    pub fn wait(self) -> (Vec<(String, Tensor)>, Result<()>) {
+        self.done.recv().unwrap_or_else(|_| {
+            (
+                Vec::new(),
+                Err(Error::internal(
+                    "the non-blocking all-reduce's thread stopped during a step",
+                )),
+            )
+        })
+    }
+}
+
+/// The thread: each step in order, in place on its tensors, sent back with its result (a
+/// handle dropped without a wait drops them).
+fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAllReduce {
+    for Job { mut tensors, done } in jobs {
+        let result = {
+            let mut views: Vec<TensorMut<'_>> = tensors
+                .iter_mut()
+                .map(|(name, tensor)| {
+                    let (shape, data) = tensor.parts_mut();
+                    TensorMut { name, shape, data }
+                })
+                .collect();
+            all_reduce.all_reduce_in_place(&mut views)
+        };
+        let _ = done.send((tensors, result));
+    }
+    all_reduce
+}

@@ -1,0 +1,292 @@
+//! Non-blocking steps (issue 47 scope 1): `NonBlockingAllReduce` runs the blocking step of
+//! `CompressedAllReduce` on a thread of its own, the tensors moved in at `start` and given back
+//! by `wait`. Steps started with several in flight give the blocking calls' results and
+//! residuals bit for bit; every fault of the blocking path fails the same step alike; after a
+//! transport error every later step fails naming the first failure.
+
+use gradwire::comm::{CommError, Communicator, LocalCommunicator, LocalGroup};
+use gradwire::core::{K, Method, Values};
+use gradwire::tensor::Tensor;
+use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Error, NonBlockingAllReduce};
+
+mod common;
+#[path = "common/ranks.rs"]
+mod ranks;
+use common::{Owned, Rng, views};
+use ranks::run_ranks;
+
+const W: usize = 3;
+const STEPS: u64 = 10;
+
+/// Rank `r`'s buckets at step `s`: three buckets of the model (a step each).
+fn buckets(r: usize, s: u64) -> Vec<Owned> {
+    let mut rng = Rng(7919 * r as u64 + 31 * s + 5);
+    let mut t = |name: &str, shape: Vec<usize>, scale: f32| {
+        let n = shape.iter().product();
+        (name.to_string(), shape, rng.vec(n, scale))
+    };
+    vec![
+        vec![
+            t("head.weight", vec![40, 50], 1.0),
+            t("head.bias", vec![40], 2.0),
+        ],
+        vec![t("block.mlp", vec![3000], 0.5)],
+        vec![t("embed", vec![120, 100], 0.25), t("norm", vec![7], 3.0)],
+    ]
+}
+
+/// The whole model at step `s` as one bucket (the two-phase collective with error feedback
+/// keeps server residuals of one layout).
+fn whole(r: usize, s: u64) -> Vec<Owned> {
+    vec![buckets(r, s).into_iter().flatten().collect()]
+}
+
+/// A bucket's tensors moved into `Tensor`s (no copy), for `NonBlockingAllReduce::start`.
+fn tensors(bucket: Owned) -> Vec<(String, Tensor)> {
+    bucket
+        .into_iter()
+        .map(|(name, shape, data)| (name, Tensor::new(shape, data).unwrap()))
+        .collect()
+}
+
+fn topk_int8_ef() -> CompressionMethod {
+    CompressionMethod::Core(Method::TopK {
+        k: K::Ratio(0.05),
+        values: Values::Int8 { block: 64 },
+    })
+    .with_error_feedback()
+}
+
+fn sign_ef() -> CompressionMethod {
+    CompressionMethod::Core(Method::Sign {
+        scale: gradwire::core::SignScale::MeanAbs { block: 32 },
+        zero_mask: false,
+    })
+    .with_error_feedback()
+}
+
+fn quant4_ef() -> CompressionMethod {
+    CompressionMethod::Core(Method::Quant {
+        bits: 4,
+        block: 64,
+        rounding: gradwire::core::Rounding::NearestEven,
+    })
+    .with_error_feedback()
+}
+
+fn dense_f32() -> CompressionMethod {
+    CompressionMethod::Core(Method::Dense {
+        values: Values::F32,
+    })
+}
+
+/// A configuration under test: method, collective, how a step's model is cut.
+type Setup = (
+    fn() -> CompressionMethod,
+    Collective,
+    fn(usize, u64) -> Vec<Owned>,
+);
+
+/// One rank's record: every bucket's results (as bits) or error text, step by step, then
+/// every worker residual (name order) after the last step.
+type Record = (Vec<std::result::Result<Vec<u32>, String>>, Vec<u32>);
+
+fn bits<'a>(values: impl IntoIterator<Item = &'a [f32]>) -> Vec<u32> {
+    values
+        .into_iter()
+        .flat_map(|v| v.iter().map(|x| x.to_bits()))
+        .collect()
+}
+
+fn residual_bits(ar: &CompressedAllReduce) -> Vec<u32> {
+    ar.compressor()
+        .feedback()
+        .map(|fb| {
+            fb.residuals()
+                .flat_map(|(_, r)| r.iter().map(|x| x.to_bits()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn all_reduce(setup: Setup, comm: LocalCommunicator) -> CompressedAllReduce {
+    CompressedAllReduce::with_communicator((setup.0)(), Box::new(comm)).with_collective(setup.1)
+}
+
+/// Rank `rank`'s buckets at step `s`; `poison` writes a NaN into rank `.0`'s first bucket at
+/// step `.1`.
+fn gradients(setup: Setup, rank: usize, s: u64, poison: Option<(usize, u64)>) -> Vec<Owned> {
+    let mut b = (setup.2)(rank, s);
+    if poison == Some((rank, s)) {
+        b[0][0].2[3] = f32::NAN;
+    }
+    b
+}
+
+/// The blocking calls, bucket by bucket.
+fn blocking(setup: Setup, poison: Option<(usize, u64)>) -> Vec<Record> {
+    run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
+        let rank = comm.rank();
+        let mut ar = all_reduce(setup, comm);
+        let mut results = Vec::new();
+        for s in 0..STEPS {
+            for mut bucket in gradients(setup, rank, s, poison) {
+                let result = ar.all_reduce_in_place(&mut views(&mut bucket));
+                let out = bits(bucket.iter().map(|t| t.2.as_slice()));
+                results.push(result.map(|()| out).map_err(|e| e.to_string()));
+            }
+        }
+        (results, residual_bits(&ar))
+    })
+}
+
+/// The same steps through handles: every bucket of a step started, then waited for (the last
+/// first), `in_flight` at most at a time.
+fn non_blocking(setup: Setup, poison: Option<(usize, u64)>, in_flight: usize) -> Vec<Record> {
+    run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
+        let rank = comm.rank();
+        let mut nb = NonBlockingAllReduce::spawn(all_reduce(setup, comm), in_flight).unwrap();
+        let mut results = Vec::new();
+        for s in 0..STEPS {
+            let handles: Vec<_> = gradients(setup, rank, s, poison)
+                .into_iter()
+                .map(|bucket| nb.start(tensors(bucket)).unwrap())
+                .collect();
+            let mut done: Vec<_> = handles.into_iter().rev().map(|h| h.wait()).collect();
+            done.reverse();
+            for (tensors, result) in done {
+                let out = bits(tensors.iter().map(|(_, t)| t.data()));
+                results.push(result.map(|()| out).map_err(|e| e.to_string()));
+            }
+        }
+        let ar = nb.finish().unwrap();
+        (results, residual_bits(&ar))
+    })
+}
+
+const SETUPS: [Setup; 5] = [
+    (topk_int8_ef, Collective::AllGather, buckets),
+    (sign_ef, Collective::AllGather, buckets),
+    (quant4_ef, Collective::TwoPhase, whole),
+    (topk_int8_ef, Collective::TwoPhase, whole),
+    (dense_f32, Collective::AllGather, buckets),
+];
+
+#[test]
+fn steps_in_flight_equal_the_blocking_calls_bit_for_bit() {
+    for (i, setup) in SETUPS.into_iter().enumerate() {
+        let want = blocking(setup, None);
+        for in_flight in [1, 3] {
+            let got = non_blocking(setup, None, in_flight);
+            for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.0.len(), w.0.len(), "setup {i} rank {rank}");
+                for (call, (a, b)) in g.0.iter().zip(&w.0).enumerate() {
+                    assert!(a.is_ok(), "setup {i} rank {rank} call {call}: {a:?}");
+                    assert_eq!(a, b, "setup {i} rank {rank} call {call}: results differ");
+                }
+                assert_eq!(g.1, w.1, "setup {i} rank {rank}: residuals differ");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rank_s_local_error_fails_that_step_on_every_rank_alike_and_later_steps_run() {
+    // Rank 1's first bucket holds a NaN at step 4: that call fails on every rank (rank 1 with
+    // its own error, the others naming rank 1), as the blocking calls fail; every other call
+    // succeeds with the blocking results, and the residuals end the same.
+    for setup in [SETUPS[0], SETUPS[2]] {
+        let poison = Some((1, 4));
+        let want = blocking(setup, poison);
+        let got = non_blocking(setup, poison, 3);
+        for (rank, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "rank {rank}");
+            let failed: Vec<usize> = (0..g.0.len()).filter(|&c| g.0[c].is_err()).collect();
+            let per_step = (setup.2)(0, 0).len();
+            assert_eq!(failed, vec![4 * per_step], "rank {rank}: {:?}", g.0);
+        }
+    }
+}
+
+#[test]
+fn after_a_transport_error_every_later_step_fails_naming_the_first_failure() {
+    // Rank 2 runs two steps, then leaves the group (its communicator dropped); ranks 0 and 1
+    // have four more steps in flight: the first fails at the transport naming rank 2, every
+    // later one with `Broken` naming that same failure, and no rank waits forever.
+    let setup = SETUPS[0];
+    let got = run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
+        let rank = comm.rank();
+        let mut nb = NonBlockingAllReduce::spawn(all_reduce(setup, comm), 6).unwrap();
+        let whole_steps = if rank == 2 { 2 } else { 6 };
+        let mut results = Vec::new();
+        for s in 0..whole_steps {
+            let h = nb.start(tensors(whole(rank, s).remove(0))).unwrap();
+            results.push(h);
+        }
+        // Every step in flight at once on ranks 0 and 1 when rank 2 leaves.
+        let results: Vec<_> = results.into_iter().map(|h| h.wait().1).collect();
+        drop(nb.finish().unwrap());
+        results
+    });
+    assert!(got[2].iter().all(Result::is_ok), "{:?}", got[2]);
+    for (rank, r) in got.iter().enumerate().take(2) {
+        assert_eq!(r.len(), 6);
+        assert!(r[..2].iter().all(Result::is_ok), "rank {rank}: {r:?}");
+        let first = match &r[2] {
+            Err(Error::Comm { source }) => source.to_string(),
+            other => panic!("rank {rank}: {other:?}"),
+        };
+        assert!(first.contains("rank 2"), "rank {rank}: {first}");
+        for later in &r[3..] {
+            match later {
+                Err(Error::Comm {
+                    source: CommError::Broken { first: f },
+                }) => assert_eq!(f, &first, "rank {rank}"),
+                other => panic!("rank {rank}: {other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_all_reduce_given_back_goes_on_as_the_blocking_one() {
+    // After `finish`, a blocking step continues the same step sequence: its results and
+    // residuals are those of an all-reduce that made every call blocking.
+    let setup = SETUPS[0];
+    let run = |through_handles: bool| {
+        run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
+            let rank = comm.rank();
+            let mut ar = all_reduce(setup, comm);
+            let mut first: Owned = buckets(rank, 0).into_iter().flatten().collect();
+            let first_bits = if through_handles {
+                let mut nb = NonBlockingAllReduce::spawn(ar, 2).unwrap();
+                let (t, r) = nb.start(tensors(first)).unwrap().wait();
+                r.unwrap();
+                ar = nb.finish().unwrap();
+                bits(t.iter().map(|(_, t)| t.data()))
+            } else {
+                ar.all_reduce_in_place(&mut views(&mut first)).unwrap();
+                bits(first.iter().map(|t| t.2.as_slice()))
+            };
+            let mut second: Owned = buckets(rank, 1).into_iter().flatten().collect();
+            ar.all_reduce_in_place(&mut views(&mut second)).unwrap();
+            let second_bits = bits(second.iter().map(|t| t.2.as_slice()));
+            (
+                first_bits,
+                second_bits,
+                residual_bits(&ar),
+                ar.compressor().step(),
+            )
+        })
+    };
+    assert_eq!(run(true), run(false));
+}
+
+#[test]
+fn no_step_in_flight_is_refused() {
+    let ar = CompressedAllReduce::new(topk_int8_ef(), 1);
+    assert!(matches!(
+        NonBlockingAllReduce::spawn(ar, 0),
+        Err(Error::Config { .. })
+    ));
+}
