@@ -208,6 +208,8 @@ fn blocking_group(w: usize, collective: Collective) -> Result<Vec<Steps>, String
                 let mut calls = Vec::new();
                 for s in 0..NB_STEPS {
                     for mut bucket in step_buckets(rank, s, collective) {
+                        // Every bucket of a model step at its number, as the handles run them.
+                        ar.compressor_mut().set_step(s);
                         let mut views: Vec<TensorMut<'_>> = bucket
                             .iter_mut()
                             .map(|(name, shape, data)| TensorMut { name, shape, data })
@@ -236,7 +238,7 @@ fn blocking_group(w: usize, collective: Collective) -> Result<Vec<Steps>, String
 }
 
 /// The same steps through `NonBlockingAllReduce` on `comm`, every bucket of a step started
-/// before the first is waited for (three in flight); the all-reduce given back.
+/// before the first is waited for (three in flight), the last one ending the model step.
 fn through_handles(
     ar: CompressedAllReduce,
     rank: usize,
@@ -246,13 +248,15 @@ fn through_handles(
     let mut calls = Vec::new();
     for s in 0..NB_STEPS {
         let mut pending = Vec::new();
-        for bucket in step_buckets(rank, s, collective) {
+        let model = step_buckets(rank, s, collective);
+        let last = model.len() - 1;
+        for (i, bucket) in model.into_iter().enumerate() {
             let tensors = bucket
                 .into_iter()
                 .map(|(name, shape, data)| Ok((name, Tensor::new(shape, data)?)))
                 .collect::<gradwire::Result<Vec<_>>>()
                 .map_err(|e| e.to_string())?;
-            pending.push(nb.start(tensors).map_err(|e| e.to_string())?);
+            pending.push(nb.start(tensors, i == last).map_err(|e| e.to_string())?);
         }
         for p in pending {
             let (tensors, result) = p.wait();

@@ -1,8 +1,9 @@
-//! Non-blocking steps (issue 47 scope 1): `NonBlockingAllReduce` runs the blocking step of
+//! Non-blocking steps (issue 47 scope 1): `NonBlockingAllReduce` runs the blocking calls of
 //! `CompressedAllReduce` on a thread of its own, the tensors moved in at `start` and given back
-//! by `wait`. Steps started with several in flight give the blocking calls' results and
-//! residuals bit for bit; every fault of the blocking path fails the same step alike; after a
-//! transport error every later step fails naming the first failure.
+//! by `wait`, every bucket of a model step at that step's number. Buckets started with several
+//! in flight give the blocking calls' results and residuals bit for bit (each blocking call at
+//! the model step's number); every fault of the blocking path fails the same call alike; after
+//! a transport error every later call fails naming the first failure.
 
 use gradwire::comm::{CommError, Communicator, LocalCommunicator, LocalGroup};
 use gradwire::core::{K, Method, Values};
@@ -74,6 +75,16 @@ fn quant4_ef() -> CompressionMethod {
     .with_error_feedback()
 }
 
+fn randomk_ef() -> CompressionMethod {
+    // Its indices are drawn from (seed, step, tensor): the step number of each bucket shows.
+    CompressionMethod::Core(Method::RandomK {
+        k: K::Ratio(0.1),
+        values: Values::F16,
+        unbiased: false,
+    })
+    .with_error_feedback()
+}
+
 fn dense_f32() -> CompressionMethod {
     CompressionMethod::Core(Method::Dense {
         values: Values::F32,
@@ -123,7 +134,7 @@ fn gradients(setup: Setup, rank: usize, s: u64, poison: Option<(usize, u64)>) ->
     b
 }
 
-/// The blocking calls, bucket by bucket.
+/// The blocking calls, bucket by bucket, each at its model step's number.
 fn blocking(setup: Setup, poison: Option<(usize, u64)>) -> Vec<Record> {
     run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
         let rank = comm.rank();
@@ -131,11 +142,13 @@ fn blocking(setup: Setup, poison: Option<(usize, u64)>) -> Vec<Record> {
         let mut results = Vec::new();
         for s in 0..STEPS {
             for mut bucket in gradients(setup, rank, s, poison) {
+                ar.compressor_mut().set_step(s);
                 let result = ar.all_reduce_in_place(&mut views(&mut bucket));
                 let out = bits(bucket.iter().map(|t| t.2.as_slice()));
                 results.push(result.map(|()| out).map_err(|e| e.to_string()));
             }
         }
+        assert_eq!(ar.compressor().step(), STEPS);
         (results, residual_bits(&ar))
     })
 }
@@ -148,9 +161,12 @@ fn non_blocking(setup: Setup, poison: Option<(usize, u64)>, in_flight: usize) ->
         let mut nb = NonBlockingAllReduce::spawn(all_reduce(setup, comm), in_flight).unwrap();
         let mut results = Vec::new();
         for s in 0..STEPS {
-            let handles: Vec<_> = gradients(setup, rank, s, poison)
+            let model = gradients(setup, rank, s, poison);
+            let last = model.len() - 1;
+            let handles: Vec<_> = model
                 .into_iter()
-                .map(|bucket| nb.start(tensors(bucket)).unwrap())
+                .enumerate()
+                .map(|(i, bucket)| nb.start(tensors(bucket), i == last).unwrap())
                 .collect();
             let mut done: Vec<_> = handles.into_iter().rev().map(|h| h.wait()).collect();
             done.reverse();
@@ -160,12 +176,14 @@ fn non_blocking(setup: Setup, poison: Option<(usize, u64)>, in_flight: usize) ->
             }
         }
         let ar = nb.finish().unwrap();
+        assert_eq!(ar.compressor().step(), STEPS);
         (results, residual_bits(&ar))
     })
 }
 
-const SETUPS: [Setup; 5] = [
+const SETUPS: [Setup; 6] = [
     (topk_int8_ef, Collective::AllGather, buckets),
+    (randomk_ef, Collective::AllGather, buckets),
     (sign_ef, Collective::AllGather, buckets),
     (quant4_ef, Collective::TwoPhase, whole),
     (topk_int8_ef, Collective::TwoPhase, whole),
@@ -195,7 +213,7 @@ fn a_rank_s_local_error_fails_that_step_on_every_rank_alike_and_later_steps_run(
     // Rank 1's first bucket holds a NaN at step 4: that call fails on every rank (rank 1 with
     // its own error, the others naming rank 1), as the blocking calls fail; every other call
     // succeeds with the blocking results, and the residuals end the same.
-    for setup in [SETUPS[0], SETUPS[2]] {
+    for setup in [SETUPS[0], SETUPS[3]] {
         let poison = Some((1, 4));
         let want = blocking(setup, poison);
         let got = non_blocking(setup, poison, 3);
@@ -211,8 +229,9 @@ fn a_rank_s_local_error_fails_that_step_on_every_rank_alike_and_later_steps_run(
 #[test]
 fn after_a_transport_error_every_later_step_fails_naming_the_first_failure() {
     // Rank 2 runs two steps, then leaves the group (its communicator dropped); ranks 0 and 1
-    // have four more steps in flight: the first fails at the transport naming rank 2, every
-    // later one with `Broken` naming that same failure, and no rank waits forever.
+    // have four more steps in flight: the first fails naming rank 2's departure (at the
+    // transport, or refused in the broken group), every later one with `Broken` naming that
+    // same failure, and no rank waits forever.
     let setup = SETUPS[0];
     let got = run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
         let rank = comm.rank();
@@ -220,7 +239,7 @@ fn after_a_transport_error_every_later_step_fails_naming_the_first_failure() {
         let whole_steps = if rank == 2 { 2 } else { 6 };
         let mut results = Vec::new();
         for s in 0..whole_steps {
-            let h = nb.start(tensors(whole(rank, s).remove(0))).unwrap();
+            let h = nb.start(tensors(whole(rank, s).remove(0)), true).unwrap();
             results.push(h);
         }
         // Every step in flight at once on ranks 0 and 1 when rank 2 leaves.
@@ -232,7 +251,12 @@ fn after_a_transport_error_every_later_step_fails_naming_the_first_failure() {
     for (rank, r) in got.iter().enumerate().take(2) {
         assert_eq!(r.len(), 6);
         assert!(r[..2].iter().all(Result::is_ok), "rank {rank}: {r:?}");
+        // The failure itself when the step was under way as rank 2 left; the group's record
+        // of it when the step started after (a call in a broken group is refused).
         let first = match &r[2] {
+            Err(Error::Comm {
+                source: CommError::Broken { first },
+            }) => first.clone(),
             Err(Error::Comm { source }) => source.to_string(),
             other => panic!("rank {rank}: {other:?}"),
         };
@@ -260,7 +284,7 @@ fn the_all_reduce_given_back_goes_on_as_the_blocking_one() {
             let mut first: Owned = buckets(rank, 0).into_iter().flatten().collect();
             let first_bits = if through_handles {
                 let mut nb = NonBlockingAllReduce::spawn(ar, 2).unwrap();
-                let (t, r) = nb.start(tensors(first)).unwrap().wait();
+                let (t, r) = nb.start(tensors(first), true).unwrap().wait();
                 r.unwrap();
                 ar = nb.finish().unwrap();
                 bits(t.iter().map(|(_, t)| t.data()))

@@ -11,12 +11,17 @@
 //! tensors' (the caller's gradients) plus the all-reduce's own buffers, which the steps share
 //! one after the other.
 //!
-//! A step is what a call of the blocking all-reduce is: every `start` is one step, with the
-//! next step number, whatever tensors it carries. A model cut into buckets is one step per
-//! bucket, started in the same order on every rank; each bucket keeps its own residuals (they
-//! are keyed by name). On the two-phase collective with error feedback, server residuals
+//! A start is a call of the blocking all-reduce, and `ends_step` says whether it ends a model
+//! step: every bucket of a model step carries the same step number (the one the all-reduce's
+//! counter holds when the step's first bucket runs), and the counter advances once, after the
+//! bucket that ends the step (as DDP's `bucket.is_last()` says). A whole-model start passes
+//! `true`. Buckets are started in the same order on every rank; each keeps its own residuals
+//! (they are keyed by name). On the two-phase collective with error feedback, server residuals
 //! belong to one model layout, so buckets of several layouts there fail as the blocking calls
-//! do ([`crate::Error::Config`]): start whole-model steps, or use the all-gather.
+//! do ([`crate::Error::Config`]): start whole-model steps, or use the all-gather. With
+//! [`CompressedAllReduce::with_skip_non_finite`] the verdict is a bucket's: a bucket whose
+//! gradient is not finite on some rank comes back non-finite, and the buckets before it in the
+//! same model step keep their results.
 
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::thread::{self, JoinHandle};
@@ -28,18 +33,20 @@ use crate::tensor::{Tensor, TensorMut};
 /// One step's tensors, by name, and the step's result: what [`PendingAllReduce::wait`] gives.
 type Finished = (Vec<(String, Tensor)>, Result<()>);
 
-/// A step for the thread: its tensors, and where to send them back.
+/// A step for the thread: its tensors, whether it ends a model step, and where to send the
+/// tensors back.
 struct Job {
     tensors: Vec<(String, Tensor)>,
+    ends_step: bool,
     done: SyncSender<Finished>,
 }
 
-/// A [`CompressedAllReduce`] whose steps run on a thread of their own, started by
-/// [`NonBlockingAllReduce::start`] and waited for with [`PendingAllReduce::wait`] (see the
-/// module docs). At most `max_in_flight` steps are started and not yet finished at a time:
-/// `start` waits for the oldest to finish beyond that, which bounds the memory the caller
-/// lends. Steps run in the order they were started; every rank must start the same steps in
-/// the same order, as every rank makes the same blocking calls.
+/// A [`CompressedAllReduce`] whose calls (whole steps, or buckets of a step) run on a thread
+/// of their own, started by [`NonBlockingAllReduce::start`] and waited for with
+/// [`PendingAllReduce::wait`] (see the module docs). At most `max_in_flight` calls are started
+/// and not yet finished at a time: `start` waits for the oldest to finish beyond that, which
+/// bounds the memory the caller lends. Calls run in the order they were started; every rank
+/// must start the same calls in the same order, as every rank makes the same blocking calls.
 ///
 /// Errors are the blocking step's, step by step: a rank's local error makes that step fail on
 /// every rank (the group stays in step, and later steps run); after a transport error the
@@ -71,9 +78,9 @@ struct Job {
 ///                 Box::new(comm),
 ///             );
 ///             let mut nb = NonBlockingAllReduce::spawn(ar, 2).unwrap();
-///             // Two buckets in flight at once, each a step of its own.
-///             let a = nb.start(vec![("a".into(), Tensor::vector(vec![1.0 + r, 0.0, -4.0]))]);
-///             let b = nb.start(vec![("b".into(), Tensor::vector(vec![2.0 * r, 6.0]))]);
+///             // Two buckets of one model step in flight at once; `b` ends the step.
+///             let a = nb.start(vec![("a".into(), Tensor::vector(vec![1.0 + r, 0.0, -4.0]))], false);
+///             let b = nb.start(vec![("b".into(), Tensor::vector(vec![2.0 * r, 6.0]))], true);
 ///             let (a, ok_a) = a.unwrap().wait();
 ///             let (b, ok_b) = b.unwrap().wait();
 ///             ok_a.and(ok_b).unwrap();
@@ -142,20 +149,31 @@ impl NonBlockingAllReduce {
         })
     }
 
-    /// Starts the next step on `tensors` (name, gradient; any order, names unique), moved in:
-    /// [`PendingAllReduce::wait`] gives them back holding the step's results (the mean, or the
+    /// Starts the next call on `tensors` (name, gradient; any order, names unique), moved in:
+    /// [`PendingAllReduce::wait`] gives them back holding the results (the mean, or the
     /// configured reduction), as [`CompressedAllReduce::all_reduce_in_place`] writes them.
-    /// Waits while `max_in_flight` steps are started and not finished.
+    /// `ends_step`: whether these tensors end a model step (a whole model, or a step's last
+    /// bucket), after which the step number advances; the buckets before it carry the same
+    /// step number (see the module docs). Waits while `max_in_flight` calls are started and
+    /// not finished.
     ///
     /// # Errors
     /// [`Error::Internal`] when the thread is gone (it stops only on a bug in gradwire; the
-    /// tensors are dropped then). The step's own errors come from
-    /// [`PendingAllReduce::wait`].
-    pub fn start(&mut self, tensors: Vec<(String, Tensor)>) -> Result<PendingAllReduce> {
+    /// tensors are dropped then). The call's own errors come from [`PendingAllReduce::wait`].
+    pub fn start(
+        &mut self,
+        tensors: Vec<(String, Tensor)>,
+        ends_step: bool,
+    ) -> Result<PendingAllReduce> {
         let (done, finished) = mpsc::sync_channel(1);
         let stopped = || Error::internal("the non-blocking all-reduce's thread stopped");
         let jobs = self.jobs.as_ref().ok_or_else(stopped)?;
-        jobs.send(Job { tensors, done }).map_err(|_| stopped())?;
+        let job = Job {
+            tensors,
+            ends_step,
+            done,
+        };
+        jobs.send(job).map_err(|_| stopped())?;
         Ok(PendingAllReduce { done: finished })
     }
 
@@ -204,10 +222,18 @@ impl PendingAllReduce {
     }
 }
 
-/// The thread: each step in order, in place on its tensors, sent back with its result (a
-/// handle dropped without a wait drops them).
+/// The thread: each call in order, in place on its tensors, sent back with its result (a
+/// handle dropped without a wait drops them). A call that does not end a model step leaves
+/// the step number where it found it, on success and failure alike (every rank does the
+/// same, so the group stays in step).
 fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAllReduce {
-    for Job { mut tensors, done } in jobs {
+    for job in jobs {
+        let Job {
+            mut tensors,
+            ends_step,
+            done,
+        } = job;
+        let step = all_reduce.compressor().step();
         let result = {
             let mut views: Vec<TensorMut<'_>> = tensors
                 .iter_mut()
@@ -218,6 +244,9 @@ fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAl
                 .collect();
             all_reduce.all_reduce_in_place(&mut views)
         };
+        if !ends_step {
+            all_reduce.compressor_mut().set_step(step);
+        }
         let _ = done.send((tensors, result));
     }
     all_reduce
