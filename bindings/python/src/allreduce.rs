@@ -8,7 +8,10 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use gradwire::comm::Communicator;
-use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Reduction, Tensor, TensorMut};
+use gradwire::{
+    Collective, CompressedAllReduce, CompressionMethod, NonBlockingAllReduce, Reduction, Tensor,
+    TensorMut,
+};
 use numpy::{
     IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1,
     PyUntypedArrayMethods,
@@ -80,12 +83,24 @@ fn parse_collective(text: &str) -> PyResult<Collective> {
     }
 }
 
+/// Where the library's all-reduce is: here between steps, or on its own thread while steps
+/// started with `start_` may be in flight.
+enum State {
+    Idle(Box<CompressedAllReduce>),
+    Running(NonBlockingAllReduce),
+    /// The thread stopped on a bug in gradwire: the all-reduce is lost.
+    Lost,
+}
+
+/// Steps in flight at most on the non-blocking thread (`start_` waits beyond that).
+const MAX_IN_FLIGHT: usize = 4;
+
 /// One rank's compressed all-reduce (see `gradwire/__init__.py` for the Python-facing docs).
 #[pyclass(module = "gradwire._native", name = "AllReduce")]
 pub(crate) struct AllReduce {
     /// In a mutex only so that the class is `Sync` (the communicator is `Send` only); every
     /// method takes `&mut self` and reaches it with `get_mut`, without locking.
-    inner: Mutex<CompressedAllReduce>,
+    inner: Mutex<State>,
     rank: usize,
     world_size: usize,
     seed: u64,
@@ -94,12 +109,107 @@ pub(crate) struct AllReduce {
 }
 
 impl AllReduce {
-    fn inner(&mut self) -> &mut CompressedAllReduce {
+    /// The all-reduce, after every step started with `start_` finished (the thread stopped
+    /// with the GIL released: its transport's calls need it).
+    fn inner(&mut self, py: Python<'_>) -> PyResult<&mut CompressedAllReduce> {
         // A panic while the mutex was held cannot happen (it is never locked); take the value
         // either way.
-        self.inner
+        let state = self
+            .inner
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let State::Running(_) = state {
+            let State::Running(nb) = std::mem::replace(state, State::Lost) else {
+                unreachable!("matched above")
+            };
+            let ar = py
+                .detach(|| nb.finish())
+                .map_err(|e| library_error(e, Side::Input))?;
+            *state = State::Idle(Box::new(ar));
+        }
+        match state {
+            State::Idle(ar) => Ok(ar),
+            _ => Err(library_error(
+                gradwire::Error::Internal {
+                    what: "the non-blocking all-reduce's thread stopped".into(),
+                },
+                Side::Input,
+            )),
+        }
+    }
+
+    /// The non-blocking all-reduce, started from the idle one on first use.
+    fn running(&mut self) -> PyResult<&mut NonBlockingAllReduce> {
+        let state = self
+            .inner
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let State::Idle(_) = state {
+            let State::Idle(ar) = std::mem::replace(state, State::Lost) else {
+                unreachable!("matched above")
+            };
+            *state = State::Running(
+                NonBlockingAllReduce::spawn(*ar, MAX_IN_FLIGHT)
+                    .map_err(|e| library_error(e, Side::Input))?,
+            );
+        }
+        match state {
+            State::Running(nb) => Ok(nb),
+            _ => Err(library_error(
+                gradwire::Error::Internal {
+                    what: "the non-blocking all-reduce's thread stopped".into(),
+                },
+                Side::Input,
+            )),
+        }
+    }
+}
+
+/// A step started by `AllReduce.start_`: `wait` writes its results into the arrays it was
+/// started on.
+#[pyclass(module = "gradwire._native", name = "PendingAllReduce")]
+pub(crate) struct Pending {
+    /// `None` once waited for. In a mutex only so that the class is `Sync`.
+    handle: Mutex<Option<gradwire::PendingAllReduce>>,
+    arrays: Vec<Py<PyArray1<f32>>>,
+    rank: usize,
+}
+
+#[pymethods]
+impl Pending {
+    /// Waits for the step (the GIL released), then writes each result into its array.
+    /// Raises the step's error as `all_reduce_` raises it; `ValueError` when waited for twice.
+    fn wait(&mut self, py: Python<'_>) -> PyResult<()> {
+        let handle = self
+            .handle
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| PyValueError::new_err("this step was waited for already"))?;
+        let (tensors, result) = py.detach(|| handle.wait());
+        result.map_err(|e| library_error(e, Side::Collective { rank: self.rank }))?;
+        for (array, (name, tensor)) in self.arrays.iter().zip(&tensors) {
+            let mut array = array.bind(py).readwrite();
+            let out = array.as_slice_mut().map_err(|_| {
+                PyValueError::new_err(format!("tensor {name:?}: the array is not C-contiguous"))
+            })?;
+            if out.len() != tensor.data().len() {
+                return Err(PyValueError::new_err(format!(
+                    "tensor {name:?}: the array was resized while its step ran"
+                )));
+            }
+            out.copy_from_slice(tensor.data());
+        }
+        Ok(())
+    }
+
+    /// Whether `wait` was called.
+    #[getter]
+    fn waited(&mut self) -> bool {
+        self.handle
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_none()
     }
 }
 
@@ -128,7 +238,7 @@ impl AllReduce {
             .with_reduction(reduction)
             .with_skip_non_finite(skip_non_finite);
         Ok(AllReduce {
-            inner: Mutex::new(inner),
+            inner: Mutex::new(State::Idle(Box::new(inner))),
             rank,
             world_size,
             seed,
@@ -150,15 +260,15 @@ impl AllReduce {
 
     /// The step the next call runs at.
     #[getter]
-    fn step(&mut self) -> u64 {
-        self.inner().compressor().step()
+    fn step(&mut self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.inner(py)?.compressor().step())
     }
 
     /// `(sent, received)` bytes this rank's calls moved so far.
     #[getter]
-    fn traffic(&mut self) -> (u64, u64) {
-        let t = self.inner().traffic();
-        (t.sent, t.received)
+    fn traffic(&mut self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        let t = self.inner(py)?.traffic();
+        Ok((t.sent, t.received))
     }
 
     /// Wall time of the library's own last step, in seconds: the Rust call alone, without the
@@ -171,23 +281,24 @@ impl AllReduce {
     /// Whether the last step was skipped for a non-finite gradient on some rank (the library's
     /// `last_step_skipped`).
     #[getter]
-    fn last_step_skipped(&mut self) -> bool {
-        self.inner().last_step_skipped()
+    fn last_step_skipped(&mut self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.inner(py)?.last_step_skipped())
     }
 
     /// Sets the library's `with_skip_non_finite` between steps (every rank alike).
-    fn set_skip_non_finite(&mut self, skip: bool) {
-        let inner = self.inner();
+    fn set_skip_non_finite(&mut self, py: Python<'_>, skip: bool) -> PyResult<()> {
+        let inner = self.inner(py)?;
         // The setting is a builder of the library's: the all-reduce is moved out and back,
         // a placeholder (no model, no buffers) standing in for the moment.
         let placeholder = CompressedAllReduce::new(CompressionMethod::SignSGD, 1);
         let taken = std::mem::replace(inner, placeholder);
         *inner = taken.with_skip_non_finite(skip);
+        Ok(())
     }
 
     /// Multiplies every residual by `factor` (the library's `scale_residuals`: after a loss
     /// scale changed, `new / old`).
-    fn scale_residuals(&mut self, factor: f64) -> PyResult<()> {
+    fn scale_residuals(&mut self, py: Python<'_>, factor: f64) -> PyResult<()> {
         // Checked as given: a factor that f32 cannot hold would read as 0 or infinity.
         let narrowed = factor as f32;
         if !(narrowed.is_finite() && narrowed > 0.0) {
@@ -196,25 +307,25 @@ impl AllReduce {
                  f32"
             )));
         }
-        self.inner()
+        self.inner(py)?
             .scale_residuals(narrowed)
             .map_err(|e| library_error(e, Side::Input))
     }
 
     /// Bytes of this rank's message of the last step (its bundle, or its shard messages).
     #[getter]
-    fn last_message_bytes(&mut self) -> usize {
-        self.inner().last_message_bytes()
+    fn last_message_bytes(&mut self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.inner(py)?.last_message_bytes())
     }
 
     /// The collective the last step ran (`allgather` or `two-phase`), `None` before one ran.
     #[getter]
-    fn collective_in_use(&mut self) -> Option<&'static str> {
-        self.inner().collective_in_use().map(|c| match c {
+    fn collective_in_use(&mut self, py: Python<'_>) -> PyResult<Option<&'static str>> {
+        Ok(self.inner(py)?.collective_in_use().map(|c| match c {
             Collective::AllGather => "allgather",
             Collective::TwoPhase => "two-phase",
             Collective::Auto => "auto",
-        })
+        }))
     }
 
     /// One step: every rank's gradients compressed, exchanged and reduced; the result on every
@@ -235,7 +346,7 @@ impl AllReduce {
             }
         }
         let side = Side::Collective { rank: self.rank };
-        let inner = self.inner();
+        let inner = self.inner(py)?;
         let started = std::time::Instant::now();
         let out = py.detach(|| inner.all_reduce(&grads));
         self.last_step_seconds = started.elapsed().as_secs_f64();
@@ -275,16 +386,59 @@ impl AllReduce {
             views.push(TensorMut { name, shape, data });
         }
         let side = Side::Collective { rank: self.rank };
-        let inner = self.inner();
+        let inner = self.inner(py)?;
         let started = std::time::Instant::now();
         let result = py.detach(|| inner.all_reduce_in_place(&mut views));
         self.last_step_seconds = started.elapsed().as_secs_f64();
         result.map_err(|e| library_error(e, side))
     }
 
+    /// Starts a step on `tensors` without waiting for it (the library's
+    /// `NonBlockingAllReduce` on a thread of its own, at most four steps in flight): each
+    /// array's values are copied in now, and `wait` on the returned handle writes the results
+    /// into the same arrays. `ends_step`: whether these tensors end a model step (the buckets
+    /// of one model step carry its step number). The methods above and below first wait for
+    /// every step in flight.
+    fn start_(
+        &mut self,
+        py: Python<'_>,
+        tensors: Vec<InPlaceArray<'_>>,
+        ends_step: bool,
+    ) -> PyResult<Pending> {
+        let mut names = Vec::with_capacity(tensors.len());
+        let mut arrays = Vec::with_capacity(tensors.len());
+        let mut owned = Vec::with_capacity(tensors.len());
+        for (name, shape, array) in tensors {
+            let data = crate::errors::copied(
+                array.as_slice().map_err(|_| {
+                    PyValueError::new_err(format!("tensor {name:?}: the array is not C-contiguous"))
+                })?,
+                &format!("tensor {name:?}"),
+            )?;
+            let t = Tensor::new(shape, data).map_err(|e| library_error(e, Side::Input))?;
+            owned.push((name.clone(), t));
+            names.push(name);
+            arrays.push(array);
+        }
+        refuse_overlaps(&names, &arrays)?;
+        let unbound = arrays.iter().map(|a| (***a).clone().unbind()).collect();
+        drop(arrays);
+        let rank = self.rank;
+        let nb = self.running()?;
+        // Waits (GIL released: the thread's transport calls need it) while the queue is full.
+        let handle = py
+            .detach(|| nb.start(owned, ends_step))
+            .map_err(|e| library_error(e, Side::Input))?;
+        Ok(Pending {
+            handle: Mutex::new(Some(handle)),
+            arrays: unbound,
+            rank,
+        })
+    }
+
     /// Writes this rank's residual checkpoint to `path`.
     fn save(&mut self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        let c = self.inner().compressor_mut();
+        let c = self.inner(py)?.compressor_mut();
         py.detach(|| c.save_feedback(&path))
             .map_err(|e| library_error(e, Side::Input))
     }
@@ -292,28 +446,29 @@ impl AllReduce {
     /// Restores this rank's residual checkpoint from `path` (made with this method and seed).
     fn load(&mut self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         let seed = self.seed;
-        load_checked(py, self.inner().compressor_mut(), seed, &path)
+        load_checked(py, self.inner(py)?.compressor_mut(), seed, &path)
     }
 
     /// Writes this rank's server residuals (two-phase) to `path`.
-    fn save_server_residuals(&mut self, path: PathBuf) -> PyResult<()> {
+    fn save_server_residuals(&mut self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
         // With the GIL held: `&CompressedAllReduce` is not `Send` (its communicator is not
         // `Sync`), and the file is one shard's residuals.
-        self.inner()
+        self.inner(py)?
             .save_server_residuals(&path)
             .map_err(|e| library_error(e, Side::Input))
     }
 
     /// Restores this rank's server residuals (two-phase) from `path`.
     fn load_server_residuals(&mut self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        let inner = self.inner();
+        let inner = self.inner(py)?;
         py.detach(|| inner.load_server_residuals(&path))
             .map_err(|e| library_error(e, Side::Payload))
     }
 
     /// Drops this rank's server residuals (two-phase): the next step starts them at zero (an
     /// elastic restart, or a resume that chooses not to load them).
-    fn discard_server_residuals(&mut self) {
-        self.inner().discard_server_residuals();
+    fn discard_server_residuals(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.inner(py)?.discard_server_residuals();
+        Ok(())
     }
 }

@@ -27,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reference::topk_count, m)?)?;
     m.add_class::<compressor::Compressor>()?;
     m.add_class::<allreduce::AllReduce>()?;
+    m.add_class::<allreduce::Pending>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

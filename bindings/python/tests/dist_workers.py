@@ -351,3 +351,32 @@ def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow
     ar.save(path)
     with open(path, "rb") as f:
         result["residuals"] = hashlib.sha256(f.read()).hexdigest()
+
+
+@worker
+def non_blocking(rank, world_size, out, result):
+    """Steps started with `start_` over a process group of their own, three buckets in flight
+    per model step, against blocking `all_reduce_` calls on the same buckets (top-k: the
+    results do not depend on the step number)."""
+    g = seeded_grads(rank, (64, 48), 700)
+    buckets = [{"a": g["a"]}, {"b": g["b"]}, {"c": (g["b"][:300] * 3).copy()}]
+    method = "topk k=ratio:0.05 values=int8:64"
+    blocking = gradwire.AllReduce(method, TorchDistributed(dist.new_group()), seed=3)
+    want = []
+    for step in range(4):
+        for b in buckets:
+            x = {k: v * (step + 1) for k, v in b.items()}
+            blocking.all_reduce_(x)
+            want.append({k: v.tobytes().hex() for k, v in x.items()})
+    ar = gradwire.AllReduce(method, TorchDistributed(dist.new_group()), seed=3)
+    got = []
+    for step in range(4):
+        xs = [{k: v * (step + 1) for k, v in b.items()} for b in buckets]
+        handles = [ar.start_(x, ends_step=(i == len(xs) - 1)) for i, x in enumerate(xs)]
+        # The caller computes while the steps run (the default group stays its own).
+        dist.all_reduce(torch.ones(4))
+        for h in handles:
+            h.wait()
+        got.extend({k: v.tobytes().hex() for k, v in x.items()} for x in xs)
+    result["same"] = got == want
+    result["steps"] = [blocking.step, ar.step]

@@ -435,3 +435,52 @@ def test_all_reduce_in_place_reads_float32_where_it_is_and_copies_other_layouts(
         gradwire.AllReduce(method, _AloneCommunicator()).all_reduce_(frozen)
     with pytest.raises(TypeError, match="numpy arrays or torch tensors"):
         gradwire.AllReduce(method, _AloneCommunicator()).all_reduce_({name: list(map(float, np.ravel(g)))})
+
+
+def test_start_in_place_gives_the_blocking_results_and_the_other_methods_wait(grads_step1, grads_step2):
+    """`start_` runs a step on the library's thread: `wait` writes the values `all_reduce_`
+    writes, bit for bit, with steps in flight; a bucket that does not end the model step leaves
+    `step` where it was; every other method first waits for the steps in flight; a handle
+    waited for twice is a ValueError."""
+    method = "topk k=ratio:0.01 values=int8:256"
+    blocking = gradwire.AllReduce(method, _AloneCommunicator())
+    want = []
+    for g in (grads_step1, grads_step2, grads_step1):
+        copies = {n: v.copy() for n, v in g.items()}
+        blocking.all_reduce_(copies)
+        want.append(copies)
+    ar = gradwire.AllReduce(method, _AloneCommunicator())
+    got = [{n: v.copy() for n, v in g.items()} for g in (grads_step1, grads_step2, grads_step1)]
+    handles = [ar.start_(g) for g in got]
+    for g in got:
+        # The values were copied in: changing them now does not change the step.
+        for v in g.values():
+            v.fill(7.0)
+    for h in handles:
+        assert not h.waited
+        h.wait()
+        assert h.waited
+    for g, w in zip(got, want):
+        for n in w:
+            assert g[n].tobytes() == w[n].tobytes(), n
+    with pytest.raises(ValueError, match="waited for already"):
+        handles[0].wait()
+    assert ar.step == blocking.step == 3
+    # Buckets of one model step: its step number for each, one advance for the step.
+    names = sorted(grads_step1)
+    first, rest = names[: len(names) // 2], names[len(names) // 2 :]
+    a = ar.start_({n: grads_step2[n].copy() for n in first}, ends_step=False)
+    # `step` waits for the bucket in flight; it did not end the model step.
+    assert ar.step == 3
+    b = ar.start_({n: grads_step2[n].copy() for n in rest}, ends_step=True)
+    a.wait()
+    b.wait()
+    assert ar.step == 4
+    # A result that does not come back: a gradient with NaN fails at `wait`, as all_reduce_
+    # fails, and the next step runs.
+    bad = {n: v.copy() for n, v in grads_step1.items()}
+    bad[names[0]].reshape(-1)[0] = np.nan
+    pending = ar.start_(bad)
+    with pytest.raises(ValueError):
+        pending.wait()
+    ar.start_({n: v.copy() for n, v in grads_step1.items()}).wait()

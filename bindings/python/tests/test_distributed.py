@@ -163,3 +163,13 @@ def test_without_skipping_an_overflow_fails_every_rank_naming_the_gradwire_class
     for r, cls in zip(res, ["GradwireError", "ValueError"]):
         assert r["last_error"] == cls, r
         assert f"{cls}: " in r["raised"] and "NaN or infinity" in r["raised"], r["raised"]
+
+
+def test_steps_started_in_flight_equal_the_blocking_calls(tmp_path):
+    """`AllReduce.start_` over torch.distributed (a process group of its own): three buckets
+    in flight per model step give the blocking calls' results, bit for bit, and the step
+    number advances once per model step."""
+    res = launch(dist_workers.non_blocking, 2, tmp_path)
+    for r in res:
+        assert r["same"]
+        assert r["steps"] == [12, 4]

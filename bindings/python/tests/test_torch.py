@@ -134,3 +134,18 @@ def test_scale_residuals_refuses_factors_it_cannot_apply():
     with pytest.raises(TypeError):
         ar.scale_residuals("2")
     ar.scale_residuals(2.0)
+
+
+def test_start_in_place_writes_torch_tensors_of_every_dtype(grads_step1):
+    """`start_` on float32 tensors writes the results where they are at `wait`; float16 and
+    bfloat16 tensors get them rounded to their dtype, as `all_reduce_` writes them."""
+    method = "topk k=ratio:0.01 values=int8:256"
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        want = {n: torch.from_numpy(g.copy()).to(dtype) for n, g in grads_step1.items()}
+        gradwire.AllReduce(method, _Alone()).all_reduce_(want)
+        got = {n: torch.from_numpy(g.copy()).to(dtype) for n, g in grads_step1.items()}
+        addresses = {n: t.data_ptr() for n, t in got.items()}
+        gradwire.AllReduce(method, _Alone()).start_(got).wait()
+        for n, t in got.items():
+            assert t.dtype == dtype and t.data_ptr() == addresses[n]
+            assert torch.equal(t, want[n]), (dtype, n)

@@ -27,7 +27,16 @@ from . import _native
 from ._arrays import flat_f32, in_place_f32
 from ._native import GradwireError, PayloadError
 
-__all__ = ["AllReduce", "Compressor", "GradwireError", "PayloadError", "comm", "reference", "__version__"]
+__all__ = [
+    "AllReduce",
+    "Compressor",
+    "GradwireError",
+    "PayloadError",
+    "PendingAllReduce",
+    "comm",
+    "reference",
+    "__version__",
+]
 __version__: str = _native.__version__
 
 from . import comm, reference  # noqa: E402  (after the names they import from this package)
@@ -308,6 +317,32 @@ class AllReduce:
         for write_back in write_backs:
             write_back()
 
+    def start_(self, gradients: Mapping[str, Any], ends_step: bool = True) -> "PendingAllReduce":
+        """Starts a step in place without waiting for it: returns a :class:`PendingAllReduce`
+        whose :meth:`~PendingAllReduce.wait` writes the results into ``gradients`` (the values
+        :meth:`all_reduce_` would write, bit for bit). The step runs on a thread of the
+        library's own (the Rust ``NonBlockingAllReduce``, at most four steps in flight; a fifth
+        ``start_`` waits), so the caller computes meanwhile: the next bucket's gradients, the
+        next micro-batch. The values are copied in at the call (a gradient may change after
+        it) and copied back at ``wait``: two copies of what the step carries, where
+        :meth:`all_reduce_` makes none.
+
+        ``ends_step``: ``False`` for every bucket of a model step but the last, so that the
+        buckets of one step carry its step number and :attr:`step` advances once per model
+        step (as DDP's ``bucket.is_last()`` says); ``True`` for a whole model. Every rank
+        starts the same steps in the same order. The transport is called from the library's
+        thread (with the GIL) while steps are in flight: give this ``AllReduce`` a process
+        group of its own (``torch.distributed.new_group``), which no other thread uses at the
+        same time. Every other method and property first waits for the steps in flight."""
+        tensors = []
+        write_backs = []
+        for name, g in gradients.items():
+            flat, shape, write_back = in_place_f32(g, device_copy=False)
+            tensors.append((str(name), list(shape), flat))
+            if write_back is not None:
+                write_backs.append(write_back)
+        return PendingAllReduce(self._inner.start_(tensors, bool(ends_step)), write_backs)
+
     def save(self, path: Any) -> None:
         """Writes this rank's residual checkpoint (as :meth:`Compressor.save`)."""
         self._inner.save(_path_of(path))
@@ -333,6 +368,27 @@ class AllReduce:
         """
         self._inner.discard_server_residuals()
 
+
+
+class PendingAllReduce:
+    """A step started by :meth:`AllReduce.start_`."""
+
+    def __init__(self, native: Any, write_backs: List[Any]) -> None:
+        self._native = native
+        self._write_backs = write_backs
+
+    def wait(self) -> None:
+        """Waits for the step (the GIL released) and writes its results into the gradients it
+        was started on. Raises the step's error as :meth:`AllReduce.all_reduce_` raises it (the
+        gradients' values are then unspecified); ``ValueError`` when waited for twice."""
+        self._native.wait()
+        for write_back in self._write_backs:
+            write_back()
+
+    @property
+    def waited(self) -> bool:
+        """Whether :meth:`wait` was called."""
+        return bool(self._native.waited)
 
 def _path_of(path: Any) -> str:
     """A file path from ``str``, ``bytes`` or ``os.PathLike`` (``os.fspath``); ``TypeError`` for
