@@ -95,12 +95,15 @@ def train(rank, world_size, out, result, mode, method, steps, collective, dtype_
 
     dtype = getattr(torch, dtype_name)
     model = model_of(dtype)
-    ar = gradwire.AllReduce(method, TorchDistributed(), seed=5, collective=collective)
-    if mode == "hook":
+    # The overlapped hook's all-reduce calls its transport from the library's thread: a
+    # process group of its own (every rank makes the same new_group calls).
+    group = dist.new_group() if mode == "overlap" else None
+    ar = gradwire.AllReduce(method, TorchDistributed(group), seed=5, collective=collective)
+    if mode in ("hook", "overlap"):
         ddp = nn.parallel.DistributedDataParallel(
             model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.004
         )
-        state = gwt.HookState(ddp, ar)
+        state = gwt.HookState(ddp, ar, overlap=mode == "overlap")
         ddp.register_comm_hook(state, gwt.comm_hook)
         net = ddp
     elif mode == "ddp":
@@ -114,7 +117,7 @@ def train(rank, world_size, out, result, mode, method, steps, collective, dtype_
     for step in range(steps):
         i = (step * 32) % x.shape[0]
         opt.zero_grad()
-        if accumulate and mode == "hook":
+        if accumulate and mode in ("hook", "overlap"):
             with net.no_sync():
                 nn.functional.cross_entropy(net(x[i : i + 16]).float(), y[i : i + 16]).backward()
             loss = nn.functional.cross_entropy(net(x[i + 16 : i + 32]).float(), y[i + 16 : i + 32])
@@ -295,7 +298,9 @@ def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow
     other step, and the residuals (in the scale's units, rescaled when it changes), must be the
     plain run's bits (powers of two scale exactly)."""
     model = model_of()
-    ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256", TorchDistributed(), seed=5,
+    overlap = mode == "overlap-strict"
+    ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256",
+                            TorchDistributed(dist.new_group() if overlap else None), seed=5,
                             collective=collective)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
     scaler = None
@@ -303,12 +308,13 @@ def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow
         # A small first scale that grows after every 2 good steps: the run sees growths and,
         # at the overflow, a halving.
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2)
-    state = gwt.HookState(ddp, ar, skip_non_finite=mode != "strict", scaler=scaler)
+    strict = mode in ("strict", "overlap-strict")
+    state = gwt.HookState(ddp, ar, skip_non_finite=not strict, scaler=scaler, overlap=overlap)
     ddp.register_comm_hook(state, gwt.comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
     x, y = data(rank)
     result.update(scales=[], skipped=[], digests=[], steps=[])
-    if mode == "strict":
+    if strict:
         # Without the mode the overflow fails every rank's backward pass: DDP re-raises a
         # RuntimeError that names the gradwire class; HookState.last_error is the original.
         loss = nn.functional.cross_entropy(ddp(x[:32]), y[:32])

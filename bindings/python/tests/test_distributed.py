@@ -157,8 +157,10 @@ def test_grad_scaler_skips_an_overflow_and_residuals_follow_the_scale(tmp_path, 
     assert scaled[0]["digests"] == scaled[1]["digests"]
 
 
-def test_without_skipping_an_overflow_fails_every_rank_naming_the_gradwire_class(tmp_path):
-    res = launch(dist_workers.grad_scaler, 2, tmp_path, "strict", "allgather", 1, 0)
+@pytest.mark.parametrize("mode", ["strict", "overlap-strict"])
+def test_without_skipping_an_overflow_fails_every_rank_naming_the_gradwire_class(tmp_path, mode):
+    # Blocking and overlapped hooks alike.
+    res = launch(dist_workers.grad_scaler, 2, tmp_path, mode, "allgather", 1, 0)
     # Rank 1's own gradient: ValueError; its peer is told: GradwireError.
     for r, cls in zip(res, ["GradwireError", "ValueError"]):
         assert r["last_error"] == cls, r
@@ -173,3 +175,24 @@ def test_steps_started_in_flight_equal_the_blocking_calls(tmp_path):
     for r in res:
         assert r["same"]
         assert r["steps"] == [12, 4]
+
+
+@pytest.mark.parametrize(
+    "method,dtype,bucket_view,accumulate",
+    [("topk k=ratio:0.05 values=int8:256", "float32", False, False),
+     ("topk k=ratio:0.1 values=f32", "bfloat16", True, True)],
+)
+def test_overlapped_hook_gives_the_blocking_hook_s_parameters_bit_for_bit(tmp_path, method, dtype, bucket_view, accumulate):
+    """`HookState(..., overlap=True)`: each bucket's step starts as DDP hands it over (on a
+    process group of its own); the parameters after every step are the blocking hook's, bit
+    for bit, and the step number advances once per backward pass."""
+    steps = 25
+    blocking = launch(dist_workers.train, 2, tmp_path, "hook", method, steps, "allgather", dtype,
+                      bucket_view, accumulate)
+    (tmp_path / "overlap").mkdir()
+    overlapped = launch(dist_workers.train, 2, tmp_path / "overlap", "overlap", method, steps,
+                        "allgather", dtype, bucket_view, accumulate)
+    check_training(overlapped, steps)
+    for b, o in zip(blocking, overlapped):
+        assert o["digests"] == b["digests"]
+        assert o["step"] == b["step"] == steps

@@ -149,3 +149,26 @@ def test_start_in_place_writes_torch_tensors_of_every_dtype(grads_step1):
         for n, t in got.items():
             assert t.dtype == dtype and t.data_ptr() == addresses[n]
             assert torch.equal(t, want[n]), (dtype, n)
+
+
+def test_overlapped_hook_refuses_what_it_cannot_run():
+    """`HookState(..., overlap=True)` needs the all-gather, a process group of the all-reduce's
+    own, and no skipping of non-finite steps (yet): each is a ValueError naming it."""
+    import gradwire.torch as gwt
+
+    model = torch.nn.Linear(4, 2)
+    method = "topk k=ratio:0.5 values=int8:256"
+
+    class OnDefaultGroup(_Alone):
+        group = None  # as TorchDistributed() on the default group
+
+    with pytest.raises(ValueError, match="allgather"):
+        gwt.HookState(model, gradwire.AllReduce(method, _Alone(), collective="two-phase"), overlap=True)
+    with pytest.raises(ValueError, match="group of its own"):
+        gwt.HookState(model, gradwire.AllReduce(method, OnDefaultGroup()), overlap=True)
+    with pytest.raises(ValueError, match="non-finite"):
+        gwt.HookState(model, gradwire.AllReduce(method, _Alone(), skip_non_finite=True), overlap=True)
+    with pytest.raises(ValueError, match="non-finite"):
+        gwt.HookState(model, gradwire.AllReduce(method, _Alone()), overlap=True, skip_non_finite=True)
+    state = gwt.HookState(model, gradwire.AllReduce(method, _Alone()), overlap=True)
+    assert state.overlap and not state.allreduce.skip_non_finite

@@ -218,6 +218,7 @@ class AllReduce:
         # Whether the caller chose (the DDP hook's default does not override a choice).
         self._skip_chosen = skip_non_finite is not None
         self.communicator = communicator
+        self.collective = collective
 
     @property
     def rank(self) -> int:
@@ -334,10 +335,17 @@ class AllReduce:
         thread (with the GIL) while steps are in flight: give this ``AllReduce`` a process
         group of its own (``torch.distributed.new_group``), which no other thread uses at the
         same time. Every other method and property first waits for the steps in flight."""
+        return self._start_in_place(gradients, ends_step, device_copy=False)
+
+    def _start_in_place(
+        self, gradients: Mapping[str, Any], ends_step: bool, device_copy: bool
+    ) -> "PendingAllReduce":
+        """:meth:`start_`; with ``device_copy``, tensors on another device (CUDA) go through
+        one copy to the CPU and back (the torch helpers' way)."""
         tensors = []
         write_backs = []
         for name, g in gradients.items():
-            flat, shape, write_back = in_place_f32(g, device_copy=False)
+            flat, shape, write_back = in_place_f32(g, device_copy)
             tensors.append((str(name), list(shape), flat))
             if write_back is not None:
                 write_backs.append(write_back)

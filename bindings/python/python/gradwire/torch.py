@@ -8,14 +8,25 @@ Two ways in:
   model: ``model.register_comm_hook(HookState(model, allreduce), comm_hook)``.
 
 The hook keys error feedback by parameter name, not by bucket index, so residuals survive
-DDP's bucket rebuilds, and saves them with :meth:`HookState.save`. It holds DDP's buckets until
-the last one of the step arrives, then runs **one** compressed all-reduce of the whole model
-(one bundle per rank per step, whatever the bucketing) and completes every bucket's future.
-What that means:
+DDP's bucket rebuilds, and saves them with :meth:`HookState.save`. By default it holds DDP's
+buckets until the last one of the step arrives, then runs **one** compressed all-reduce of the
+whole model (one bundle per rank per step, whatever the bucketing) and completes every bucket's
+future. With ``HookState(..., overlap=True)`` it starts each bucket's step as DDP hands the
+bucket over (:meth:`gradwire.AllReduce.start_`: the step runs on the library's thread while
+the backward pass computes the next buckets), and completes every future once the last
+bucket's step is done. What that means:
 
-- the backward pass does not overlap with communication (DDP's own all-reduce starts each
-  bucket as soon as it is ready): gradwire is for slow links, where the bytes dominate; on
-  NVLink or InfiniBand with NCCL a dense all-reduce is usually faster;
+- blocking (the default), the backward pass does not overlap with communication (DDP's own
+  all-reduce starts each bucket as soon as it is ready): gradwire is for slow links, where the
+  bytes dominate; on NVLink or InfiniBand with NCCL a dense all-reduce is usually faster;
+- overlapped, every bucket is a step of its own (the buckets of one backward pass carry its
+  step number), so a rank sends one bundle per bucket, and the results are the blocking hook's
+  for methods that work tensor by tensor (the default: every method, unless the all-reduce was
+  given buckets of its own). It needs the all-gather collective (DDP regroups parameters into
+  other buckets after the first step; the two-phase collective's server residuals belong to
+  one layout), a process group of its own for the all-reduce (its transport is called from the
+  library's thread while DDP uses the default group), and, for now, no ``skip_non_finite``
+  (the verdict of a step would be known only after its first buckets went out);
 - under ``no_sync()`` no hook runs (DDP accumulates locally); the next synchronized step
   compresses the accumulated gradients;
 - float16 and bfloat16 buckets are compressed as float32 and the mean is written back in the
@@ -71,15 +82,24 @@ class HookState:
         allreduce: AllReduce,
         skip_non_finite: Optional[bool] = None,
         scaler: Optional[Any] = None,
+        overlap: bool = False,
     ) -> None:
         self.allreduce = allreduce
-        if skip_non_finite is not None:
+        self.overlap = bool(overlap)
+        if self.overlap:
+            _check_overlap(allreduce, skip_non_finite)
+            self.allreduce.skip_non_finite = False
+        elif skip_non_finite is not None:
             self.allreduce.skip_non_finite = skip_non_finite
         elif not allreduce._skip_chosen:
             self.allreduce.skip_non_finite = True
         self.scaler = scaler
         self.names: Dict[torch.nn.Parameter, str] = {p: n for n, p in model.named_parameters()}
         self._pending: List[Tuple[torch.Tensor, List[torch.nn.Parameter], torch.futures.Future]] = []
+        # Overlapped: each bucket's buffer, future and started step (or the error that kept
+        # it from starting), in the order DDP handed them over.
+        self._in_flight: List[Tuple[torch.Tensor, torch.futures.Future, Any]] = []
+        self._rescale_error: Optional[BaseException] = None
         self.bundle_bytes: int = 0
         # The loss scale the residuals are in (None before the first step with a scaler).
         self._scale: Optional[float] = None
@@ -93,20 +113,84 @@ class HookState:
         """Restores residuals written by :meth:`save` with the same method and seed."""
         self.allreduce.load(path)
 
+    def _views(self, buf: torch.Tensor, params: List[torch.nn.Parameter], grads: Dict[str, torch.Tensor]) -> None:
+        """Adds each parameter's slice of the bucket ``buf`` to ``grads``, by name."""
+        at = 0
+        for p in params:
+            n = p.numel()
+            name = self.names.get(p)
+            if name is None:
+                raise ValueError("a bucket holds a parameter HookState was not given")
+            grads[name] = buf[at : at + n].view(p.shape)
+            at += n
+        if at != buf.numel():
+            raise ValueError(f"a bucket of {buf.numel()} elements holds parameters of {at}")
+
+    def _fail(self, e: BaseException, futures: List[torch.futures.Future]) -> None:
+        """Every future of the step carries its error ``e`` (kept in :attr:`last_error`)."""
+        self.last_error = e
+        # DDP re-raises a future's error as a RuntimeError of its message: the message
+        # names the class, so that it is not lost.
+        cls = type(e)
+        named = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+        carried = RuntimeError(f"{named}: {e}")
+        for fut in futures:
+            fut.set_exception(carried)
+
+    def _start_bucket(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
+        """Overlapped: starts the bucket's step now; after the last bucket, waits for every
+        step of the backward pass and completes their futures."""
+        buf = bucket.buffer()
+        last = bucket.is_last()
+        if not self._in_flight:
+            self.last_error = None
+            self._rescale_error = None
+            try:
+                self._follow_scale()
+            except Exception as e:
+                # As in the blocking hook: this rank takes part with NaN gradients (every
+                # rank fails the step alike), then raises its own error.
+                self._rescale_error = e
+        started: Any
+        try:
+            grads: Dict[str, torch.Tensor] = {}
+            self._views(buf, list(bucket.parameters()), grads)
+            if self._rescale_error is not None:
+                with torch.no_grad():
+                    for g in grads.values():
+                        g.fill_(float("nan"))
+            with torch.no_grad():
+                started = self.allreduce._start_in_place(grads, ends_step=last, device_copy=True)
+        except Exception as e:
+            started = e
+        self._in_flight.append((buf, fut, started))
+        if last:
+            self._finish_overlapped()
+
+    def _finish_overlapped(self) -> None:
+        in_flight, self._in_flight = self._in_flight, []
+        first: Optional[BaseException] = None
+        for _, _, started in in_flight:
+            if isinstance(started, BaseException):
+                first = first or started
+                continue
+            try:
+                started.wait()
+            except Exception as e:
+                first = first or e
+        self.bundle_bytes = self.allreduce.last_message_bytes
+        first = self._rescale_error or first
+        if first is not None:
+            self._fail(first, [fut for _, fut, _ in in_flight])
+            return
+        for buf, fut, _ in in_flight:
+            fut.set_result(buf)
+
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
         grads: Dict[str, torch.Tensor] = {}
         for buf, params, fut in pending:
-            at = 0
-            for p in params:
-                n = p.numel()
-                name = self.names.get(p)
-                if name is None:
-                    raise ValueError("a bucket holds a parameter HookState was not given")
-                grads[name] = buf[at : at + n].view(p.shape)
-                at += n
-            if at != buf.numel():
-                raise ValueError(f"a bucket of {buf.numel()} elements holds parameters of {at}")
+            self._views(buf, params, grads)
         self.last_error = None
         rescale_error: Optional[BaseException] = None
         try:
@@ -127,14 +211,7 @@ class HookState:
             if rescale_error is not None:
                 raise rescale_error
         except Exception as e:  # every bucket's future carries the step's error
-            self.last_error = e
-            # DDP re-raises a future's error as a RuntimeError of its message: the message
-            # names the class, so that it is not lost.
-            cls = type(e)
-            named = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-            carried = RuntimeError(f"{named}: {e}")
-            for _, _, fut in pending:
-                fut.set_exception(carried)
+            self._fail(e, [fut for _, _, fut in pending])
             return
         for buf, _, fut in pending:
             fut.set_result(buf)
@@ -152,11 +229,36 @@ class HookState:
         self._scale = scale
 
 
+def _check_overlap(allreduce: AllReduce, skip_non_finite: Optional[bool]) -> None:
+    """``ValueError`` for an all-reduce the overlapped hook cannot run (see the module docs)."""
+    if allreduce.collective != "allgather":
+        raise ValueError(
+            f"overlap=True runs a step per DDP bucket, and DDP regroups parameters into other "
+            f"buckets after the first step: the {allreduce.collective!r} collective keeps server "
+            f"residuals of one layout; use collective='allgather'"
+        )
+    if getattr(allreduce.communicator, "group", "") is None:
+        raise ValueError(
+            "overlap=True calls the transport from the library's thread while DDP uses the "
+            "default process group: give the AllReduce a group of its own "
+            "(TorchDistributed(torch.distributed.new_group()))"
+        )
+    if skip_non_finite or (skip_non_finite is None and allreduce.skip_non_finite):
+        raise ValueError(
+            "overlap=True does not skip non-finite steps yet (a bucket's verdict comes after "
+            "the buckets before it went out): use the blocking hook with a loss scaler"
+        )
+
+
 # Annotations as objects, not strings: DDP's register_comm_hook checks them.
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: ``model.register_comm_hook(state, comm_hook)``. Returns a future that
-    completes with the bucket's mean once the step's last bucket has been all-reduced."""
+    completes with the bucket's mean once the step's last bucket has been all-reduced (with
+    ``HookState(..., overlap=True)`` every bucket's step starts at once)."""
     fut: torch.futures.Future = torch.futures.Future()
+    if state.overlap:
+        state._start_bucket(bucket, fut)
+        return fut
     state._pending.append((bucket.buffer(), list(bucket.parameters()), fut))
     if bucket.is_last():
         state._flush()
