@@ -342,6 +342,14 @@ impl Communicator for Shared {
 /// against the blocking calls of a group of the same size simulated on threads in this
 /// process: this rank's results and residuals bit for bit.
 fn non_blocking(comm: &Shared) -> Result<(), String> {
+    let threading = comm.lock().threading();
+    if threading < mpi::Threading::Serialized {
+        // A call from the all-reduce's thread would end the job (MPI_Abort): fail with why.
+        return Err(format!(
+            "MPI provides {threading:?} thread support; steps on a thread of their own need \
+             MPI_THREAD_SERIALIZED"
+        ));
+    }
     let (rank, w) = (comm.rank(), comm.world_size());
     for collective in [Collective::AllGather, Collective::TwoPhase] {
         let want = blocking_group(w, collective)?;

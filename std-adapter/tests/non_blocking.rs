@@ -307,10 +307,17 @@ fn the_all_reduce_given_back_goes_on_as_the_blocking_one() {
 }
 
 #[test]
-fn no_step_in_flight_is_refused() {
+fn no_step_or_too_many_in_flight_are_refused() {
+    for bad in [0, 1025, usize::MAX] {
+        let ar = CompressedAllReduce::new(topk_int8_ef(), 1);
+        assert!(
+            matches!(
+                NonBlockingAllReduce::spawn(ar, bad),
+                Err(Error::Config { .. })
+            ),
+            "{bad}"
+        );
+    }
     let ar = CompressedAllReduce::new(topk_int8_ef(), 1);
-    assert!(matches!(
-        NonBlockingAllReduce::spawn(ar, 0),
-        Err(Error::Config { .. })
-    ));
+    assert!(NonBlockingAllReduce::spawn(ar, 1024).is_ok());
 }

@@ -165,6 +165,23 @@ impl AllReduce {
     }
 }
 
+impl Drop for AllReduce {
+    /// Steps still in flight finish before the all-reduce goes (every rank's collectives
+    /// complete), with the GIL released: the thread's transport calls need it.
+    fn drop(&mut self) {
+        let state = self
+            .inner
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let State::Running(_) = state {
+            let State::Running(nb) = std::mem::replace(state, State::Lost) else {
+                unreachable!("matched above")
+            };
+            Python::attach(|py| py.detach(|| drop(nb)));
+        }
+    }
+}
+
 /// A step started by `AllReduce.start_`: `wait` writes its results into the arrays it was
 /// started on.
 #[pyclass(module = "gradwire._native", name = "PendingAllReduce")]
@@ -189,7 +206,11 @@ impl Pending {
         let (tensors, result) = py.detach(|| handle.wait());
         result.map_err(|e| library_error(e, Side::Collective { rank: self.rank }))?;
         for (array, (name, tensor)) in self.arrays.iter().zip(&tensors) {
-            let mut array = array.bind(py).readwrite();
+            let mut array = array.bind(py).try_readwrite().map_err(|e| {
+                PyValueError::new_err(format!(
+                    "tensor {name:?}: its result cannot be written: {e}"
+                ))
+            })?;
             let out = array.as_slice_mut().map_err(|_| {
                 PyValueError::new_err(format!("tensor {name:?}: the array is not C-contiguous"))
             })?;
@@ -397,8 +418,9 @@ impl AllReduce {
     /// `NonBlockingAllReduce` on a thread of its own, at most four steps in flight): each
     /// array's values are copied in now, and `wait` on the returned handle writes the results
     /// into the same arrays. `ends_step`: whether these tensors end a model step (the buckets
-    /// of one model step carry its step number). The methods above and below first wait for
-    /// every step in flight.
+    /// of one model step carry its step number). Every method that reaches the library's
+    /// all-reduce (steps, checkpoints, the step counter, traffic, message sizes) first waits
+    /// for every step in flight.
     fn start_(
         &mut self,
         py: Python<'_>,

@@ -386,3 +386,45 @@ def non_blocking(rank, world_size, out, result):
         got.extend({k: v.tobytes().hex() for k, v in x.items()} for x in xs)
     result["same"] = got == want
     result["steps"] = [blocking.step, ar.step]
+
+
+@worker
+def overlap_faults(rank, world_size, out, result):
+    """The overlapped hook when a rank cannot start a bucket's step (here: rank 1's HookState
+    does not know a parameter at step 1): it still takes part, every rank's backward pass
+    raises at that step (rank 1 its own ValueError, the others a GradwireError), and the next
+    step runs on every rank alike. Then an AllReduce dropped with a step in flight: the step
+    completes and its handle gives the result."""
+    model = model_of()
+    ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256", TorchDistributed(dist.new_group()), seed=5)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    state = gwt.HookState(ddp, ar, overlap=True)
+    ddp.register_comm_hook(state, gwt.comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
+    x, y = data(rank)
+    result.update(raised=[], errors=[], digests=[])
+    for step in range(3):
+        hidden = None
+        if step == 1 and rank == 1:
+            hidden = next(iter(state.names))
+            name = state.names.pop(hidden)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x[:32]), y[:32])
+        try:
+            loss.backward()
+            opt.step()
+            result["raised"].append(None)
+        except RuntimeError as e:
+            result["raised"].append(str(e))
+        result["errors"].append(type(state.last_error).__name__ if state.last_error else None)
+        if hidden is not None:
+            state.names[hidden] = name
+        result["digests"].append(digest(model))
+    result["step"] = ar.step
+    # Dropped with a step in flight: the step still runs on every rank.
+    g = seeded_grads(rank, (64, 48), 700)
+    temp = gradwire.AllReduce("topk k=ratio:0.05 values=int8:64", TorchDistributed(dist.new_group()), seed=3)
+    handle = temp.start_(g)
+    del temp
+    handle.wait()
+    result["dropped"] = {k: v.tobytes().hex() for k, v in g.items()}

@@ -196,3 +196,14 @@ def test_overlapped_hook_gives_the_blocking_hook_s_parameters_bit_for_bit(tmp_pa
     for b, o in zip(blocking, overlapped):
         assert o["digests"] == b["digests"]
         assert o["step"] == b["step"] == steps
+
+
+def test_overlapped_hook_a_rank_that_cannot_start_a_bucket_still_takes_part(tmp_path):
+    res = launch(dist_workers.overlap_faults, 2, tmp_path)
+    for r, own in zip(res, ["GradwireError", "ValueError"]):
+        assert r["raised"][0] is None and r["raised"][2] is None, r["raised"]
+        assert r["raised"][1] is not None and f"{own}: " in r["raised"][1], r["raised"][1]
+        assert r["errors"] == [None, own, None], r["errors"]
+        assert r["step"] == 3
+    assert res[0]["digests"] == res[1]["digests"]
+    assert res[0]["dropped"] == res[1]["dropped"]

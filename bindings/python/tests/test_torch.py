@@ -166,6 +166,15 @@ def test_overlapped_hook_refuses_what_it_cannot_run():
         gwt.HookState(model, gradwire.AllReduce(method, _Alone(), collective="two-phase"), overlap=True)
     with pytest.raises(ValueError, match="group of its own"):
         gwt.HookState(model, gradwire.AllReduce(method, OnDefaultGroup()), overlap=True)
+
+    class OnDdpGroup(_Alone):
+        group = object()  # the group DDP was given
+
+    class DdpLike(torch.nn.Linear):
+        process_group = OnDdpGroup.group
+
+    with pytest.raises(ValueError, match="group of its own"):
+        gwt.HookState(DdpLike(4, 2), gradwire.AllReduce(method, OnDdpGroup()), overlap=True)
     with pytest.raises(ValueError, match="non-finite"):
         gwt.HookState(model, gradwire.AllReduce(method, _Alone(), skip_non_finite=True), overlap=True)
     with pytest.raises(ValueError, match="non-finite"):

@@ -30,6 +30,10 @@ use super::CompressedAllReduce;
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, TensorMut};
 
+/// The most steps a [`NonBlockingAllReduce`] keeps in flight (the bound of
+/// [`NonBlockingAllReduce::spawn`]'s `max_in_flight`).
+const MAX_IN_FLIGHT: usize = 1024;
+
 /// One step's tensors, by name, and the step's result: what [`PendingAllReduce::wait`] gives.
 type Finished = (Vec<(String, Tensor)>, Result<()>);
 
@@ -126,13 +130,15 @@ impl NonBlockingAllReduce {
     /// at a time.
     ///
     /// # Errors
-    /// [`Error::Config`] when `max_in_flight` is 0; [`Error::Io`] when the thread cannot be
-    /// started (`all_reduce` is dropped then).
+    /// [`Error::Config`] when `max_in_flight` is 0 or above 1024 (the queue's slots are
+    /// allocated at once); [`Error::Io`] when the thread cannot be started
+    /// (`all_reduce` is dropped then).
     pub fn spawn(all_reduce: CompressedAllReduce, max_in_flight: usize) -> Result<Self> {
-        if max_in_flight == 0 {
-            return Err(Error::config(
-                "max_in_flight 0: a non-blocking all-reduce runs at least one step at a time",
-            ));
+        if !(1..=MAX_IN_FLIGHT).contains(&max_in_flight) {
+            return Err(Error::config(format!(
+                "max_in_flight {max_in_flight}: a non-blocking all-reduce runs 1 to \
+                 {MAX_IN_FLIGHT} steps at a time"
+            )));
         }
         // One step runs on the thread while the queue holds the others.
         let (jobs, queue) = mpsc::sync_channel::<Job>(max_in_flight - 1);

@@ -334,7 +334,9 @@ class AllReduce:
         starts the same steps in the same order. The transport is called from the library's
         thread (with the GIL) while steps are in flight: give this ``AllReduce`` a process
         group of its own (``torch.distributed.new_group``), which no other thread uses at the
-        same time. Every other method and property first waits for the steps in flight."""
+        same time. Every other method and property that reaches the library's state (steps,
+        checkpoints, :attr:`step`, :attr:`traffic`, message sizes) first waits for the steps in
+        flight."""
         return self._start_in_place(gradients, ends_step, device_copy=False)
 
     def _start_in_place(

@@ -87,7 +87,7 @@ class HookState:
         self.allreduce = allreduce
         self.overlap = bool(overlap)
         if self.overlap:
-            _check_overlap(allreduce, skip_non_finite)
+            _check_overlap(model, allreduce, skip_non_finite)
             self.allreduce.skip_non_finite = False
         elif skip_non_finite is not None:
             self.allreduce.skip_non_finite = skip_non_finite
@@ -100,6 +100,7 @@ class HookState:
         # it from starting), in the order DDP handed them over.
         self._in_flight: List[Tuple[torch.Tensor, torch.futures.Future, Any]] = []
         self._rescale_error: Optional[BaseException] = None
+        self._local_error: Optional[BaseException] = None
         self.bundle_bytes: int = 0
         # The loss scale the residuals are in (None before the first step with a scaler).
         self._scale: Optional[float] = None
@@ -145,6 +146,7 @@ class HookState:
         if not self._in_flight:
             self.last_error = None
             self._rescale_error = None
+            self._local_error = None
             try:
                 self._follow_scale()
             except Exception as e:
@@ -162,7 +164,14 @@ class HookState:
             with torch.no_grad():
                 started = self.allreduce._start_in_place(grads, ends_step=last, device_copy=True)
         except Exception as e:
-            started = e
+            # This rank could not start the bucket's step: it still takes part, with no
+            # tensors, so that every rank fails that call alike (another layout) and the
+            # ranks' calls stay paired; it raises its own error after the last bucket.
+            self._local_error = self._local_error or e
+            try:
+                started = self.allreduce._start_in_place({}, ends_step=last, device_copy=True)
+            except Exception as again:
+                started = again
         self._in_flight.append((buf, fut, started))
         if last:
             self._finish_overlapped()
@@ -178,8 +187,9 @@ class HookState:
                 started.wait()
             except Exception as e:
                 first = first or e
-        self.bundle_bytes = self.allreduce.last_message_bytes
-        first = self._rescale_error or first
+        # (`bundle_bytes` is the blocking hook's: reading the all-reduce's message size here
+        # would stop its thread after every backward pass.)
+        first = self._rescale_error or self._local_error or first
         if first is not None:
             self._fail(first, [fut for _, fut, _ in in_flight])
             return
@@ -229,19 +239,24 @@ class HookState:
         self._scale = scale
 
 
-def _check_overlap(allreduce: AllReduce, skip_non_finite: Optional[bool]) -> None:
-    """``ValueError`` for an all-reduce the overlapped hook cannot run (see the module docs)."""
+def _check_overlap(model: torch.nn.Module, allreduce: AllReduce, skip_non_finite: Optional[bool]) -> None:
+    """``ValueError`` for an all-reduce the overlapped hook of ``model`` (a DDP model) cannot
+    run (see the module docs)."""
     if allreduce.collective != "allgather":
         raise ValueError(
             f"overlap=True runs a step per DDP bucket, and DDP regroups parameters into other "
             f"buckets after the first step: the {allreduce.collective!r} collective keeps server "
             f"residuals of one layout; use collective='allgather'"
         )
-    if getattr(allreduce.communicator, "group", "") is None:
+    missing = object()  # a transport without process groups (mpi4py, a test's)
+    group = getattr(allreduce.communicator, "group", missing)
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    ddps = getattr(model, "process_group", missing)
+    if group is not missing and (group is None or group is ddps or (world is not None and group is world)):
         raise ValueError(
-            "overlap=True calls the transport from the library's thread while DDP uses the "
-            "default process group: give the AllReduce a group of its own "
-            "(TorchDistributed(torch.distributed.new_group()))"
+            "overlap=True calls the transport from the library's thread while DDP uses its own "
+            "process group (the default one, unless DDP was given another): give the "
+            "AllReduce a group of its own (TorchDistributed(torch.distributed.new_group()))"
         )
     if skip_non_finite or (skip_non_finite is None and allreduce.skip_non_finite):
         raise ValueError(
