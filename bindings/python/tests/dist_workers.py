@@ -389,16 +389,17 @@ def non_blocking(rank, world_size, out, result):
 
 
 @worker
-def overlap_faults(rank, world_size, out, result):
-    """The overlapped hook when a rank cannot start a bucket's step (here: rank 1's HookState
-    does not know a parameter at step 1): it still takes part, every rank's backward pass
-    raises at that step (rank 1 its own ValueError, the others a GradwireError), and the next
-    step runs on every rank alike. Then an AllReduce dropped with a step in flight: the step
-    completes and its handle gives the result."""
+def hook_faults(rank, world_size, out, result, overlap):
+    """The DDP hook (overlapped or blocking) when a rank cannot name a bucket's gradients
+    (here: rank 1's HookState does not know a parameter at step 1): it still takes part, every
+    rank's backward pass raises at that step (rank 1 its own ValueError, the others a
+    GradwireError), and the next step runs on every rank alike. Then an AllReduce dropped with
+    a step in flight: the step completes and its handle gives the result."""
     model = model_of()
-    ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256", TorchDistributed(dist.new_group()), seed=5)
+    group = dist.new_group() if overlap else None
+    ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256", TorchDistributed(group), seed=5)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
-    state = gwt.HookState(ddp, ar, overlap=True)
+    state = gwt.HookState(ddp, ar, overlap=overlap, skip_non_finite=False)
     ddp.register_comm_hook(state, gwt.comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
     x, y = data(rank)

@@ -198,8 +198,9 @@ def test_overlapped_hook_gives_the_blocking_hook_s_parameters_bit_for_bit(tmp_pa
         assert o["step"] == b["step"] == steps
 
 
-def test_overlapped_hook_a_rank_that_cannot_start_a_bucket_still_takes_part(tmp_path):
-    res = launch(dist_workers.overlap_faults, 2, tmp_path)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_hook_a_rank_that_cannot_start_a_bucket_still_takes_part(tmp_path, overlap):
+    res = launch(dist_workers.hook_faults, 2, tmp_path, overlap)
     for r, own in zip(res, ["GradwireError", "ValueError"]):
         assert r["raised"][0] is None and r["raised"][2] is None, r["raised"]
         assert r["raised"][1] is not None and f"{own}: " in r["raised"][1], r["raised"][1]

@@ -199,12 +199,20 @@ class HookState:
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
         grads: Dict[str, torch.Tensor] = {}
-        for buf, params, fut in pending:
-            self._views(buf, params, grads)
         self.last_error = None
-        rescale_error: Optional[BaseException] = None
+        local_error: Optional[BaseException] = None
         try:
-            self._follow_scale()
+            for buf, params, fut in pending:
+                self._views(buf, params, grads)
+        except Exception as e:
+            # This rank cannot name its gradients: it still takes part, with no tensors, so
+            # that every rank fails the step alike (another layout); then it raises its own.
+            local_error = e
+            grads = {}
+        rescale_error: Optional[BaseException] = local_error
+        try:
+            if local_error is None:
+                self._follow_scale()
         except Exception as e:
             # This rank's residuals could not follow the scale: it still takes part in the
             # step, with NaN gradients, so that every rank skips it (or, without the mode,
@@ -221,7 +229,8 @@ class HookState:
             if rescale_error is not None:
                 raise rescale_error
         except Exception as e:  # every bucket's future carries the step's error
-            self._fail(e, [fut for _, _, fut in pending])
+            # (this rank's own error first: its peers' say only that it failed)
+            self._fail(rescale_error or e, [fut for _, _, fut in pending])
             return
         for buf, _, fut in pending:
             fut.set_result(buf)
