@@ -6,7 +6,6 @@
 //! `mpi_selftest rank R/W ok`, or `... FAILED: why` and exits with 1.
 
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
 
 use gradwire::comm::{CommError, Communicator, LocalGroup, MpiCommunicator};
 use gradwire::core::{K, Method, Values};
@@ -160,14 +159,15 @@ fn buckets(rank: usize, step: u64) -> Vec<Bucket> {
     ]
 }
 
-/// The all-reduce of the non-blocking check: top-k 5% int8 with error feedback.
-fn all_reduce(comm: Box<dyn Communicator>, collective: Collective) -> CompressedAllReduce {
+/// The all-reduce of the non-blocking check: top-k 5% int8 with error feedback, on the
+/// all-gather (the two-phase collective runs through handles in `tests/non_blocking.rs`).
+fn all_reduce(comm: Box<dyn Communicator>) -> CompressedAllReduce {
     let method = CompressionMethod::Core(Method::TopK {
         k: K::Ratio(0.05),
         values: Values::Int8 { block: 64 },
     })
     .with_error_feedback();
-    CompressedAllReduce::with_communicator(method, comm).with_collective(collective)
+    CompressedAllReduce::with_communicator(method, comm).with_collective(Collective::AllGather)
 }
 
 /// Steps of the non-blocking check: every call's results (bits), then every residual.
@@ -175,40 +175,23 @@ type Steps = (Vec<Vec<u32>>, Vec<u32>);
 
 const NB_STEPS: u64 = 10;
 
-/// Each step's model: its three buckets on the all-gather, the whole model as one on the
-/// two-phase collective (its server residuals belong to one layout).
-fn step_buckets(rank: usize, step: u64, collective: Collective) -> Vec<Bucket> {
-    let b = buckets(rank, step);
-    match collective {
-        Collective::TwoPhase => vec![b.into_iter().flatten().collect()],
-        _ => b,
-    }
-}
+#[path = "../tests/common/residuals.rs"]
+mod residuals;
+use residuals::residual_bits;
 
-fn residual_bits(ar: &CompressedAllReduce) -> Vec<u32> {
-    ar.compressor()
-        .feedback()
-        .map(|fb| {
-            fb.residuals()
-                .flat_map(|(_, r)| r.iter().map(|x| x.to_bits()))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// The blocking calls of a group of `w` ranks, simulated on `LocalGroup` threads.
-fn blocking_group(w: usize, collective: Collective) -> Result<Vec<Steps>, String> {
+/// The blocking calls of a group of `w` ranks, simulated on `LocalGroup` threads, every
+/// bucket of a model step at its number.
+fn blocking_group(w: usize) -> Result<Vec<Steps>, String> {
     let ranks: Vec<_> = LocalGroup::new(w)
         .into_communicators()
         .into_iter()
         .map(|comm| {
             std::thread::spawn(move || -> Result<Steps, String> {
                 let rank = comm.rank();
-                let mut ar = all_reduce(Box::new(comm), collective);
+                let mut ar = all_reduce(Box::new(comm));
                 let mut calls = Vec::new();
                 for s in 0..NB_STEPS {
-                    for mut bucket in step_buckets(rank, s, collective) {
-                        // Every bucket of a model step at its number, as the handles run them.
+                    for mut bucket in buckets(rank, s) {
                         ar.compressor_mut().set_step(s);
                         let mut views: Vec<TensorMut<'_>> = bucket
                             .iter_mut()
@@ -237,18 +220,14 @@ fn blocking_group(w: usize, collective: Collective) -> Result<Vec<Steps>, String
         .collect()
 }
 
-/// The same steps through `NonBlockingAllReduce` on `comm`, every bucket of a step started
+/// The same steps through `NonBlockingAllReduce` on `ar`, every bucket of a step started
 /// before the first is waited for (three in flight), the last one ending the model step.
-fn through_handles(
-    ar: CompressedAllReduce,
-    rank: usize,
-    collective: Collective,
-) -> Result<Steps, String> {
+fn through_handles(ar: CompressedAllReduce, rank: usize) -> Result<Steps, String> {
     let mut nb = NonBlockingAllReduce::spawn(ar, 3).map_err(|e| e.to_string())?;
     let mut calls = Vec::new();
     for s in 0..NB_STEPS {
         let mut pending = Vec::new();
-        let model = step_buckets(rank, s, collective);
+        let model = buckets(rank, s);
         let last = model.len() - 1;
         for (i, bucket) in model.into_iter().enumerate() {
             let tensors = bucket
@@ -273,76 +252,15 @@ fn through_handles(
     Ok((calls, residual_bits(&ar)))
 }
 
-/// The MPI communicator shared between the all-reduces of the non-blocking check (each owns
-/// its communicator) and `main`, which keeps it to end the job on a failure.
-#[derive(Clone)]
-struct Shared(Arc<Mutex<MpiCommunicator>>);
-
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, MpiCommunicator> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-impl Communicator for Shared {
-    fn rank(&self) -> usize {
-        self.lock().rank()
-    }
-    fn world_size(&self) -> usize {
-        self.lock().world_size()
-    }
-    fn all_gather(
-        &mut self,
-        local: &[u8],
-        max_len: usize,
-        out: &mut Vec<Vec<u8>>,
-    ) -> Result<(), CommError> {
-        self.lock().all_gather(local, max_len, out)
-    }
-    fn all_gather_append(
-        &mut self,
-        local: &[u8],
-        max_len: usize,
-        out: &mut Vec<Vec<u8>>,
-    ) -> Result<(), CommError> {
-        self.lock().all_gather_append(local, max_len, out)
-    }
-    fn all_to_all(
-        &mut self,
-        send: &[Vec<u8>],
-        max_len: usize,
-        out: &mut Vec<Vec<u8>>,
-    ) -> Result<(), CommError> {
-        self.lock().all_to_all(send, max_len, out)
-    }
-    fn all_to_all_append(
-        &mut self,
-        send: &[&[u8]],
-        max_len: usize,
-        out: &mut Vec<Vec<u8>>,
-    ) -> Result<(), CommError> {
-        self.lock().all_to_all_append(send, max_len, out)
-    }
-    fn traffic(&self) -> gradwire::comm::Traffic {
-        self.lock().traffic()
-    }
-    fn close(&mut self, reason: &str) -> Option<String> {
-        self.lock().close(reason)
-    }
-    fn all_reduce_sum_f32(&mut self, x: &mut [f32]) -> Result<(), CommError> {
-        self.lock().all_reduce_sum_f32(x)
-    }
-}
-
-/// Non-blocking steps over MPI (issue 47 scope 1), on the all-gather and then the two-phase
-/// collective: ten steps, three in flight, through `NonBlockingAllReduce` on this
-/// communicator (its calls made on the all-reduce's thread, not the one that built it),
-/// against the blocking calls of a group of the same size simulated on threads in this
-/// process: this rank's results and residuals bit for bit.
-fn non_blocking(comm: &Shared) -> Result<(), String> {
-    let threading = comm.lock().threading();
+/// Non-blocking steps over MPI (issue 47 scope 1): ten steps of three buckets, three in
+/// flight, through `NonBlockingAllReduce` on this communicator (its calls made on the
+/// all-reduce's thread, not the one that built it), against the blocking calls of a group of
+/// the same size simulated on threads in this process: this rank's results and residuals bit
+/// for bit. Takes the communicator (MPI ends when the all-reduce is dropped); every rank
+/// fails alike (the same thread level, collective errors, the same comparison), so none
+/// waits.
+fn non_blocking(comm: MpiCommunicator) -> Result<(), String> {
+    let threading = comm.threading();
     if threading < mpi::Threading::Serialized {
         // A call from the all-reduce's thread would end the job (MPI_Abort): fail with why.
         return Err(format!(
@@ -351,24 +269,16 @@ fn non_blocking(comm: &Shared) -> Result<(), String> {
         ));
     }
     let (rank, w) = (comm.rank(), comm.world_size());
-    for collective in [Collective::AllGather, Collective::TwoPhase] {
-        let want = blocking_group(w, collective)?;
-        let got = through_handles(
-            all_reduce(Box::new(comm.clone()), collective),
-            rank,
-            collective,
-        )?;
-        if got != want[rank] {
-            return Err(format!(
-                "{collective:?}: non-blocking steps differ from the blocking calls"
-            ));
-        }
+    let want = blocking_group(w)?;
+    let got = through_handles(all_reduce(Box::new(comm)), rank)?;
+    if got != want[rank] {
+        return Err("non-blocking steps differ from the blocking calls".into());
     }
     Ok(())
 }
 
 fn main() -> ExitCode {
-    let comm = match MpiCommunicator::init() {
+    let mut comm = match MpiCommunicator::init() {
         Ok(comm) => comm,
         Err(err) => {
             eprintln!("mpi_selftest: {err}");
@@ -376,20 +286,20 @@ fn main() -> ExitCode {
         }
     };
     let (rank, w) = (comm.rank(), comm.world_size());
-    let shared = Shared(Arc::new(Mutex::new(comm)));
-    // The guard of `run`'s lock ends with its statement, before the all-reduces lock it.
-    let result = run(&mut shared.lock());
-    let result = result.and_then(|()| non_blocking(&shared));
-    match result {
+    if let Err(why) = run(&mut comm) {
+        println!("mpi_selftest rank {rank}/{w} FAILED: {why}");
+        // The peers may be waiting in a collective call that this rank will never make:
+        // end the whole job rather than let it hang.
+        comm.universe().world().abort(1)
+    }
+    match non_blocking(comm) {
         Ok(()) => {
             println!("mpi_selftest rank {rank}/{w} ok");
             ExitCode::SUCCESS
         }
         Err(why) => {
             println!("mpi_selftest rank {rank}/{w} FAILED: {why}");
-            // The peers may be waiting in a collective call that this rank will never make:
-            // end the whole job rather than let it hang.
-            shared.lock().universe().world().abort(1)
+            ExitCode::FAILURE
         }
     }
 }

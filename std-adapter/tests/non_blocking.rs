@@ -13,8 +13,11 @@ use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Error, NonBlo
 mod common;
 #[path = "common/ranks.rs"]
 mod ranks;
+#[path = "common/residuals.rs"]
+mod residuals;
 use common::{Owned, Rng, views};
 use ranks::run_ranks;
+use residuals::residual_bits;
 
 const W: usize = 3;
 const STEPS: u64 = 10;
@@ -107,17 +110,6 @@ fn bits<'a>(values: impl IntoIterator<Item = &'a [f32]>) -> Vec<u32> {
         .into_iter()
         .flat_map(|v| v.iter().map(|x| x.to_bits()))
         .collect()
-}
-
-fn residual_bits(ar: &CompressedAllReduce) -> Vec<u32> {
-    ar.compressor()
-        .feedback()
-        .map(|fb| {
-            fb.residuals()
-                .flat_map(|(_, r)| r.iter().map(|x| x.to_bits()))
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 fn all_reduce(setup: Setup, comm: LocalCommunicator) -> CompressedAllReduce {

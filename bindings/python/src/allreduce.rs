@@ -109,74 +109,63 @@ pub(crate) struct AllReduce {
 }
 
 impl AllReduce {
+    /// Where the library's all-reduce is. A panic while the mutex was held cannot happen (it
+    /// is never locked); the value is taken either way.
+    fn state(&mut self) -> &mut State {
+        self.inner
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// The all-reduce, after every step started with `start_` finished (the thread stopped
     /// with the GIL released: its transport's calls need it).
     fn inner(&mut self, py: Python<'_>) -> PyResult<&mut CompressedAllReduce> {
-        // A panic while the mutex was held cannot happen (it is never locked); take the value
-        // either way.
-        let state = self
-            .inner
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let State::Running(_) = state {
-            let State::Running(nb) = std::mem::replace(state, State::Lost) else {
-                unreachable!("matched above")
-            };
-            let ar = py
-                .detach(|| nb.finish())
-                .map_err(|e| library_error(e, Side::Input))?;
-            *state = State::Idle(Box::new(ar));
-        }
+        let state = self.state();
+        *state = match std::mem::replace(state, State::Lost) {
+            State::Running(nb) => State::Idle(Box::new(
+                py.detach(|| nb.finish())
+                    .map_err(|e| library_error(e, Side::Input))?,
+            )),
+            other => other,
+        };
         match state {
             State::Idle(ar) => Ok(ar),
-            _ => Err(library_error(
-                gradwire::Error::Internal {
-                    what: "the non-blocking all-reduce's thread stopped".into(),
-                },
-                Side::Input,
-            )),
+            _ => Err(thread_lost()),
         }
     }
 
     /// The non-blocking all-reduce, started from the idle one on first use.
     fn running(&mut self) -> PyResult<&mut NonBlockingAllReduce> {
-        let state = self
-            .inner
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let State::Idle(_) = state {
-            let State::Idle(ar) = std::mem::replace(state, State::Lost) else {
-                unreachable!("matched above")
-            };
-            *state = State::Running(
+        let state = self.state();
+        *state = match std::mem::replace(state, State::Lost) {
+            State::Idle(ar) => State::Running(
                 NonBlockingAllReduce::spawn(*ar, MAX_IN_FLIGHT)
                     .map_err(|e| library_error(e, Side::Input))?,
-            );
-        }
+            ),
+            other => other,
+        };
         match state {
             State::Running(nb) => Ok(nb),
-            _ => Err(library_error(
-                gradwire::Error::Internal {
-                    what: "the non-blocking all-reduce's thread stopped".into(),
-                },
-                Side::Input,
-            )),
+            _ => Err(thread_lost()),
         }
     }
+}
+
+/// The error of an all-reduce whose non-blocking thread stopped on a bug in gradwire.
+fn thread_lost() -> PyErr {
+    library_error(
+        gradwire::Error::Internal {
+            what: "the non-blocking all-reduce's thread stopped".into(),
+        },
+        Side::Input,
+    )
 }
 
 impl Drop for AllReduce {
     /// Steps still in flight finish before the all-reduce goes (every rank's collectives
     /// complete), with the GIL released: the thread's transport calls need it.
     fn drop(&mut self) {
-        let state = self
-            .inner
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let State::Running(_) = state {
-            let State::Running(nb) = std::mem::replace(state, State::Lost) else {
-                unreachable!("matched above")
-            };
+        if let State::Running(nb) = std::mem::replace(self.state(), State::Lost) {
             Python::attach(|py| py.detach(|| drop(nb)));
         }
     }

@@ -307,13 +307,7 @@ class AllReduce:
     def _all_reduce_in_place(self, gradients: Mapping[str, Any], device_copy: bool) -> None:
         """:meth:`all_reduce_`; with ``device_copy``, tensors on another device (CUDA) go
         through one copy to the CPU and back (the torch helpers' way)."""
-        tensors = []
-        write_backs = []
-        for name, g in gradients.items():
-            flat, shape, write_back = in_place_f32(g, device_copy)
-            tensors.append((str(name), list(shape), flat))
-            if write_back is not None:
-                write_backs.append(write_back)
+        tensors, write_backs = _in_place_tensors(gradients, device_copy)
         self._inner.all_reduce_(tensors)
         for write_back in write_backs:
             write_back()
@@ -344,13 +338,7 @@ class AllReduce:
     ) -> "PendingAllReduce":
         """:meth:`start_`; with ``device_copy``, tensors on another device (CUDA) go through
         one copy to the CPU and back (the torch helpers' way)."""
-        tensors = []
-        write_backs = []
-        for name, g in gradients.items():
-            flat, shape, write_back = in_place_f32(g, device_copy)
-            tensors.append((str(name), list(shape), flat))
-            if write_back is not None:
-                write_backs.append(write_back)
+        tensors, write_backs = _in_place_tensors(gradients, device_copy)
         return PendingAllReduce(self._inner.start_(tensors, bool(ends_step)), write_backs)
 
     def save(self, path: Any) -> None:
@@ -399,6 +387,22 @@ class PendingAllReduce:
     def waited(self) -> bool:
         """Whether :meth:`wait` was called."""
         return bool(self._native.waited)
+
+def _in_place_tensors(
+    gradients: Mapping[str, Any], device_copy: bool
+) -> Tuple[List[Tuple[str, List[int], Any]], List[Any]]:
+    """The native in-place calls' ``(name, shape, flat float32 array)`` of every gradient
+    (``_arrays.in_place_f32``), and the copies back that other dtypes, layouts and devices
+    need once the results are in."""
+    tensors = []
+    write_backs = []
+    for name, g in gradients.items():
+        flat, shape, write_back = in_place_f32(g, device_copy)
+        tensors.append((str(name), list(shape), flat))
+        if write_back is not None:
+            write_backs.append(write_back)
+    return tensors, write_backs
+
 
 def _path_of(path: Any) -> str:
     """A file path from ``str``, ``bytes`` or ``os.PathLike`` (``os.fspath``); ``TypeError`` for
