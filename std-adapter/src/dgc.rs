@@ -532,4 +532,64 @@ mod tests {
             }
         }
     }
+
+    /// Issue 48 class 2: a DGC checkpoint whose velocity is 3e38 (finite, valid checksums)
+    /// loads, as any finite state does (FORMAT.md section 12); the step after the load runs,
+    /// and the step whose `velocity + residual` overflows f32 fails naming the tensor, the
+    /// index and the overflow, changing nothing (velocity, residual, step), so it fails again
+    /// until the state is reset, as any overflowing aggregate does. A velocity of infinity or
+    /// NaN is refused at load, naming the tensor and the index.
+    #[test]
+    fn a_finite_velocity_near_the_f32_limit_loads_and_the_step_it_overflows_fails_alike() {
+        use crate::{Error, Tensor, TensorSpec};
+        use std::collections::HashMap;
+        let config = DgcConfig::new(DgcSelection::TopK, DensitySchedule::constant(0.25));
+        let spec = || vec![TensorSpec::new("w", vec![8])];
+        let grads = HashMap::from([("w".to_owned(), Tensor::vector(vec![1.0; 8]))]);
+        let mut saved = Dgc::new(config.clone(), 3).unwrap();
+        saved.shapes.insert("w".to_owned(), vec![8]);
+        saved.velocity.insert("w".to_owned(), vec![3e38; 8]);
+        let bytes = saved.to_bytes().unwrap();
+        let mut dgc = Dgc::from_bytes(config.clone(), &bytes).unwrap();
+        assert_eq!(dgc.velocity("w").unwrap(), &[3e38f32; 8][..]);
+        let mut out = Vec::new();
+        // Step 0: u = 0.9 * 3e38 + 1 and v = u: finite; two of eight sent.
+        let manifest = dgc.manifest_at(spec(), 0).unwrap();
+        assert_eq!(
+            dgc.compress_bundle(&manifest, &grads, 0, &mut out).unwrap(),
+            0
+        );
+        // Step 1: v = 2.7e38 + 2.43e38 overflows where nothing was sent.
+        let manifest = dgc.manifest_at(spec(), 1).unwrap();
+        let before = (
+            dgc.velocity("w").unwrap().to_vec(),
+            dgc.residual("w").unwrap().to_vec(),
+        );
+        for _ in 0..2 {
+            let e = dgc
+                .compress_bundle(&manifest, &grads, 0, &mut out)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("tensor `w`") && e.contains("overflow"), "{e}");
+            assert!(out.is_empty());
+            assert_eq!(dgc.step(), 1);
+            assert_eq!(dgc.velocity("w").unwrap(), &before.0[..]);
+            assert_eq!(dgc.residual("w").unwrap(), &before.1[..]);
+        }
+        // A non-finite velocity is refused at load, naming the tensor and the index.
+        for bad in [f32::INFINITY, f32::NAN] {
+            let mut v = vec![1.0f32; 8];
+            v[5] = bad;
+            saved.velocity.insert("w".to_owned(), v);
+            match Dgc::from_bytes(config.clone(), &saved.to_bytes().unwrap()) {
+                Err(Error::Checkpoint { reason }) => {
+                    assert!(
+                        reason.contains("velocity:w") && reason.contains("index 5"),
+                        "{reason}"
+                    )
+                }
+                other => panic!("{bad}: {:?}", other.map(|_| ())),
+            }
+        }
+    }
 }

@@ -855,6 +855,48 @@ fn bad_command_lines_are_one_line_errors() {
     );
 }
 
+/// Issue 48 class 5: `-o` a device node (made with `mknod` in a scratch folder, never in
+/// /dev) is refused and left as it was: as root, `compress -o /dev/null` replaced the
+/// machine's /dev/null with a regular file. Where `mknod` is refused (no CAP_MKNOD), the test
+/// fails naming the capability.
+#[test]
+fn an_output_that_is_a_device_node_is_refused_and_left_as_it_was() {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let dir = scratch("device_output");
+    let g = dir.join("g.safetensors");
+    fs::copy(grads_path(), &g).unwrap();
+    let c = dir.join("c.gw");
+    ok(&["compress", s(&g), "-o", s(&c), "--values", "int8"]);
+    // A character device of the kernel's null driver (major 1, minor 3), as /dev/null is.
+    let node = dir.join("null");
+    match Command::new("mknod")
+        .arg(&node)
+        .args(["c", "1", "3"])
+        .output()
+    {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!(
+            "this test makes a device node with `mknod`, which needs CAP_MKNOD (root): {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ),
+        Err(e) => panic!("this test needs `mknod` (coreutils): {e}"),
+    }
+    let before = fs::symlink_metadata(&node).unwrap();
+    fails(
+        &["compress", s(&g), "-o", s(&node), "--values", "int8"],
+        "not a regular file",
+    );
+    fails(&["decompress", s(&c), "-o", s(&node)], "not a regular file");
+    let after = fs::symlink_metadata(&node).unwrap();
+    assert!(after.file_type().is_char_device());
+    assert_eq!(
+        (after.ino(), after.rdev(), after.mode()),
+        (before.ino(), before.rdev(), before.mode())
+    );
+    assert_eq!(listing(&dir), ["c.gw", "g.safetensors", "null"]);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn an_output_that_names_an_input_is_refused() {
     let dir = scratch("same_file");

@@ -289,6 +289,48 @@ def broken_transport(rank, world_size, out, result):
     dist.barrier()
 
 
+class Recording:
+    """A transport that records each raw call it makes (the kind, and the byte lengths
+    involved) before making it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.calls = []
+
+    def all_gather(self, data, lengths):
+        self.calls.append(["all_gather", len(data), list(lengths)])
+        return self.inner.all_gather(data, lengths)
+
+    def all_to_all(self, send, recv_lengths):
+        self.calls.append(["all_to_all", [len(b) for b in send], list(recv_lengths)])
+        return self.inner.all_to_all(send, recv_lengths)
+
+
+@worker
+def different_calls(rank, world_size, out, result):
+    """Issue 48 class 3: ranks whose calls of the Python transport would differ (rank 0's
+    all-reduce on the all-gather collective, rank 1's on the two-phase one). Before, each call
+    was the raw operation itself, of this rank's sizes, so ranks out of step paired raw calls of
+    other kinds or sizes inside gloo (an abort). Now every call opens with the same fixed-size
+    all-gather (kind, limit, lengths), so every size-dependent raw call is one all ranks agreed
+    on; here the ranks fail alike at the configuration round, every step, and go on."""
+    group = dist.new_group(timeout=timedelta(seconds=20))
+    transport = Recording(TorchDistributed(group))
+    collective = "allgather" if rank == 0 else "two-phase"
+    ar = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", transport, seed=3, collective=collective)
+    g = {"w": np.linspace(-1, 1, 400, dtype=np.float32).reshape(20, 20)}
+    result["steps"] = []
+    for _ in range(2):
+        try:
+            ar.all_reduce(g)
+            result["steps"].append(["ok", ""])
+        except Exception as e:
+            result["steps"].append([type(e).__name__, str(e)])
+    result["calls"] = transport.calls
+    dist.barrier()
+
+
 @worker
 def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow_at):
     """Issue 47 scope 5: the DDP hook under ``torch.amp.GradScaler`` (``mode`` "scaler"), and

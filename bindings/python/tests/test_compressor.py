@@ -179,6 +179,48 @@ def test_shapes_up_front(grads_step1):
         assert a[n].tobytes() == b[n].tobytes()
 
 
+def test_loads_refuse_fifos_and_devices_at_once(tmp_path):
+    """Issue 48 class 5: ``Compressor.load`` and ``AllReduce.load`` / ``load_server_residuals``
+    read through the library's checkpoint reader, which opens a file without blocking and
+    looks at the handle: a FIFO nobody writes to (which blocked ``open``) and ``/dev/zero``
+    (read until memory ran out) raise at once, naming the file. A thread with a 30 s guard
+    only: no timing."""
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    class Alone:
+        rank, world_size = 0, 1
+
+        def all_gather(self, data, lengths):
+            return [bytes(data)]
+
+        def all_to_all(self, send, recv_lengths):
+            return [bytes(b) for b in send]
+
+    c = gradwire.Compressor("topk k=ratio:0.01 values=f32", seed=3)
+    ar = gradwire.AllReduce("topk k=ratio:0.05 values=f16", Alone(), collective="two-phase")
+    for path in (str(fifo), "/dev/zero"):
+        for load in (c.load, ar.load, ar.load_server_residuals):
+            outcome = []
+
+            def call():
+                try:
+                    load(path)
+                    outcome.append(None)
+                except Exception as e:
+                    outcome.append(e)
+
+            t = threading.Thread(target=call, daemon=True)
+            t.start()
+            t.join(30)
+            assert outcome, f"{load.__qualname__}({path}) blocked"
+            e = outcome[0]
+            assert isinstance(e, (ValueError, gradwire.PayloadError)), repr(e)
+            assert path in str(e) and "not a regular file" in str(e), str(e)
+
+
 def test_paths_and_bytes_take_their_types_only(tmp_path, monkeypatch, grads_step1):
     """Issue 48 class 7: ``save(None)`` wrote ``./None``, ``load(b"/path")`` looked for
     ``b'/path'``, ``decompress(5)`` decoded five zero bytes; a shape of ``2**62`` elements,

@@ -116,6 +116,22 @@ def test_a_transport_error_breaks_the_group_for_every_later_call_and_nothing_abo
     assert res[1]["after"] == 0  # the poisoned rank made no raw call after its failure
 
 
+def test_ranks_at_different_calls_fail_alike_before_any_raw_call_of_their_sizes(tmp_path):
+    res = launch(dist_workers.different_calls, 2, tmp_path)
+    for r in res:
+        assert len(r["steps"]) == 2
+        for kind, msg in r["steps"]:
+            assert kind == "GradwireError", msg
+            assert msg == res[0]["steps"][0][1], msg  # every rank the same error
+            assert "configured differently" in msg and "two-phase" in msg, msg
+    # Every raw call is one that all ranks make alike: the same kind with the same lengths
+    # (each rank's own buffer padded to them), each data call after a 32-byte opening.
+    paired = [[(c[0], c[2]) for c in r["calls"]] for r in res]
+    assert paired[0] == paired[1], paired
+    openings = paired[0][0::2]
+    assert openings and all(c == ("all_gather", [32, 32]) for c in openings), openings
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dense_sum_and_two_phase_are_the_same_bits_everywhere(tmp_path, world_size):
     res = launch(dist_workers.dense_and_two_phase, world_size, tmp_path)

@@ -1049,3 +1049,69 @@ fn inspect(a: &InspectArgs) -> Result<(), CliError> {
     print!("{text}");
     Ok(())
 }
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::{Cli, Command, DEFAULT_MAX_ELEMENTS, InspectArgs, compress, decompress, inspect};
+    use crate::feedback::checkpoint::tests::{counting_reads, fifo};
+    use clap::Parser;
+    use std::path::PathBuf;
+
+    /// Issue 48 class 5: `inspect /dev/zero` (read until memory ran out) and `inspect FIFO`
+    /// with no writer (blocked forever) fail at once naming the file, having read at most 64
+    /// KiB (`/proc/thread-self/io`: in fact nothing); the same for `decompress` and `compress`
+    /// of them (the command lines parsed as the tool parses its own).
+    #[test]
+    fn inputs_that_are_devices_or_fifos_fail_naming_the_file_having_read_at_most_64_kib() {
+        let fifo = fifo("cli");
+        for input in [PathBuf::from("/dev/zero"), fifo.clone()] {
+            let shown = input.display().to_string();
+            let i = input.clone();
+            let (result, read) = counting_reads("inspect", move || {
+                inspect(&InspectArgs {
+                    input: i,
+                    json: false,
+                    layout: None,
+                    shapes: None,
+                    max_elements: DEFAULT_MAX_ELEMENTS,
+                })
+                .map_err(|e| e.message)
+            });
+            let e = result.unwrap_err();
+            assert!(
+                e.contains(&shown) && e.contains("not a regular file"),
+                "{e}"
+            );
+            assert!(read <= 64 << 10, "inspect {shown}: {read} bytes read");
+            let out = std::env::temp_dir().join(format!("gradwire-cli-out-{}", std::process::id()));
+            for line in [
+                vec![
+                    "gradwire",
+                    "decompress",
+                    &shown,
+                    "-o",
+                    out.to_str().unwrap(),
+                ],
+                vec!["gradwire", "compress", &shown, "-o", out.to_str().unwrap()],
+            ] {
+                let cli = Cli::try_parse_from(&line).unwrap();
+                let (result, read) = counting_reads("a command", move || {
+                    match cli.command {
+                        Command::Compress(a) => compress(&a),
+                        Command::Decompress(a) => decompress(&a),
+                        Command::Inspect(a) => inspect(&a),
+                    }
+                    .map_err(|e| e.message)
+                });
+                let e = result.unwrap_err();
+                assert!(
+                    e.contains(&shown) && e.contains("not a regular file"),
+                    "{line:?}: {e}"
+                );
+                assert!(read <= 64 << 10, "{line:?}: {read} bytes read");
+                assert!(!out.exists());
+            }
+        }
+        let _ = std::fs::remove_dir_all(fifo.parent().unwrap());
+    }
+}

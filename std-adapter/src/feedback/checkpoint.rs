@@ -479,11 +479,32 @@ pub(crate) fn io_error(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
 /// anything of it is read.
 pub(crate) fn open_regular(path: &Path) -> Result<(File, u64)> {
     let not_regular = || Error::checkpoint(format!("{} is not a regular file", path.display()));
-    // Looked at before opening: opening a FIFO to read blocks until someone writes to it.
+    // Looked at before opening, so that a device is never opened (opening some has effects);
+    // then opened without blocking (opening a FIFO to read blocks until someone writes to it,
+    // and the path may have become one since) and looked at again on the handle, which is
+    // what is read: nothing is read from a file that is not regular.
     if !std::fs::metadata(path).map_err(io_error(path))?.is_file() {
         return Err(not_regular());
     }
-    let file = File::open(path).map_err(io_error(path))?;
+    open_checked(path)
+}
+
+/// Opens `path` without blocking and returns it with its length if the handle is a regular
+/// file (see [`open_regular`], which looks at the path first).
+///
+/// # Errors
+/// As [`open_regular`].
+fn open_checked(path: &Path) -> Result<(File, u64)> {
+    let not_regular = || Error::checkpoint(format!("{} is not a regular file", path.display()));
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        // Reads of a regular file do not block whatever the flag says (POSIX), so it stays.
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options.open(path).map_err(io_error(path))?;
     let meta = file.metadata().map_err(io_error(path))?;
     if !meta.is_file() {
         return Err(not_regular());
@@ -538,4 +559,84 @@ pub(crate) fn write_replacing(
         let _ = std::fs::remove_file(&partial);
     }
     result
+}
+
+#[cfg(all(test, target_os = "linux"))]
+pub(crate) mod tests {
+    use std::path::{Path, PathBuf};
+
+    /// Runs `f` on a thread of its own and returns its result with the bytes that thread read
+    /// (`rchar` of `/proc/thread-self/io`: every `read` call's bytes, whatever the file; give or
+    /// take a byte of the counter's own reads). A
+    /// hang guard only: the test fails if `f` takes 30 s (a FIFO waited on), no timing.
+    pub(crate) fn counting_reads<T: Send + 'static>(
+        what: &str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> (T, u64) {
+        fn rchar() -> u64 {
+            let io = std::fs::read_to_string("/proc/thread-self/io").expect("/proc/thread-self/io");
+            io.lines()
+                .find_map(|l| l.strip_prefix("rchar: "))
+                .and_then(|v| v.trim().parse().ok())
+                .expect("an rchar line")
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // The counter's own read of /proc counts too: measured once, taken off.
+            let first = rchar();
+            let before = rchar();
+            let own = before - first;
+            let out = f();
+            let read = (rchar() - before).saturating_sub(own);
+            let _ = tx.send((out, read));
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("{what}: no answer within 30 s (blocked)"))
+    }
+
+    /// A FIFO nobody writes to, in a fresh folder under the target directory's temp.
+    pub(crate) fn fifo(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("gradwire-fifo-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&path).status();
+        assert!(
+            made.is_ok_and(|s| s.success()),
+            "this test needs `mkfifo` (coreutils)"
+        );
+        path
+    }
+
+    /// Issue 48 class 5: inputs are opened without blocking and looked at on the handle, so a
+    /// path that is a FIFO by the time it is opened (after the look at the path, which this
+    /// test skips) is refused at once instead of waiting for a writer; a device such as
+    /// /dev/zero is refused having read nothing.
+    #[test]
+    fn a_fifo_or_a_device_is_refused_on_its_handle_without_blocking_or_reading() {
+        let fifo = fifo("handle");
+        for path in [fifo.clone(), PathBuf::from("/dev/zero")] {
+            let p = path.clone();
+            let (result, read) = counting_reads("open_checked", move || {
+                super::open_checked(&p)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            });
+            let e = result.unwrap_err();
+            assert!(
+                e.contains(&path.display().to_string()) && e.contains("not a regular file"),
+                "{e}"
+            );
+            // Nothing read (a few bytes of slack: the counter's own figures may grow a digit).
+            assert!(read <= 8, "{}: {read} bytes read", path.display());
+            let p = path.clone();
+            let (result, _) = counting_reads("open_regular", move || {
+                super::open_regular(&p)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            });
+            assert!(result.unwrap_err().contains("not a regular file"));
+        }
+        let _ = std::fs::remove_dir_all(fifo.parent().unwrap_or(Path::new("")));
+    }
 }
