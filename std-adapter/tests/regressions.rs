@@ -424,9 +424,9 @@ fn every_collective_returns_a_reduced_value_beyond_f16() {
             }
         }
         // With a sum the two-phase collective sent a value beyond f16: only an escaped shard
-        // holds one. (With a mean each value sent is at most 65504, and the owner's server
-        // residual stays below the range here: the top-k of 3 sends one of three means of
-        // 20,000 a step, so none waits more than three steps.)
+        // holds one. (With a mean each value sent here is at most 65504: the top-k of 3 sends
+        // one of three means of 20,000 a step, so none waits more than three steps; a server
+        // residual that does pass the range is `a_server_residual_past_f16_goes_escaped_with_a_mean`.)
         let two_phase_max = per_collective[1]
             .iter()
             .flatten()
@@ -435,4 +435,59 @@ fn every_collective_returns_a_reduced_value_beyond_f16() {
             assert!(two_phase_max > 65_504.0, "{method:?}: {two_phase_max}");
         }
     }
+}
+
+/// Issue 48 class 1, the finding's last sentence: with error feedback an owner's server
+/// residual can push even a mean past f16's range. W = 3, top-k of 3 with f16 values and
+/// error feedback (one element a step of each owner's part), a mean: ranks 0 and 1 have
+/// 60,000 at element 0, rank 2 at element 1, both in the first owner's part. That owner
+/// receives means of 40,000 (element 0) and 20,000 (element 1) a step and sends one: element
+/// 0 waits a step in the server residual every third step and goes out as 80,000. The owner
+/// never clamps: the shard goes escaped, in f32, and every collective succeeds alike at every
+/// step (the values differ: only the two-phase collective keeps server residuals).
+#[test]
+fn a_server_residual_past_f16_goes_escaped_with_a_mean() {
+    use gradwire::comm::{Communicator as _, LocalGroup};
+    use gradwire::core::{K, Method, Values};
+    use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Reduction, Tensor};
+    use std::collections::HashMap;
+    const W: usize = 3;
+    const STEPS: usize = 24;
+    let method = CompressionMethod::Core(Method::TopK {
+        k: K::Count(3),
+        values: Values::F16,
+    })
+    .with_error_feedback();
+    let mut largest = Vec::new();
+    for collective in [
+        Collective::AllGather,
+        Collective::TwoPhase,
+        Collective::Auto,
+    ] {
+        let each = method.clone();
+        let outs = run_ranks(LocalGroup::new(W).into_communicators(), move |mut comm| {
+            let mut ar = CompressedAllReduce::new(each.clone(), W)
+                .with_collective(collective)
+                .with_reduction(Reduction::Mean);
+            let mut g = vec![0.001f32; 65_536];
+            g[usize::from(comm.rank() == 2)] = 60_000.0;
+            let grads = HashMap::from([("w".to_owned(), Tensor::vector(g))]);
+            let mut out = HashMap::new();
+            let mut steps = Vec::new();
+            for step in 0..STEPS {
+                ar.all_reduce_on(&mut comm, &grads, &mut out)
+                    .unwrap_or_else(|e| panic!("{collective:?} step {step}: {e}"));
+                steps.push(out["w"].data().to_vec());
+            }
+            steps
+        });
+        for o in &outs[1..] {
+            assert!(o == &outs[0], "{collective:?}: ranks differ");
+        }
+        assert!(outs[0].iter().flatten().all(|x| x.is_finite()));
+        largest.push(outs[0].iter().flatten().fold(0.0f32, |m, x| m.max(x.abs())));
+    }
+    // The all-gather sends the means (40,000 at most); the two-phase owner sent its server
+    // residual's sum, 80,000, escaped (exact).
+    assert_eq!(largest[..2], [40_000.0, 80_000.0], "{largest:?}");
 }
