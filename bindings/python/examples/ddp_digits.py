@@ -1,14 +1,15 @@
 """DDP with gradwire's comm hook: 4 gloo processes on CPU train an MLP (64-256-256-10) on the
 digits data set (1,797 real 8x8 images, from scikit-learn), with DDP's own all-reduce and with
 top-k 1% + error feedback (int8 values) through gradwire's comm hook, blocking (the buckets
-held, one all-reduce of the whole model after the last) and overlapped (each bucket's step
-started when DDP hands it over, on a process group of its own); prints test accuracy, bytes per
+held, one all-reduce of the whole model after the last), overlapped (each bucket's step
+started when DDP hands it over, on a process group of its own) and delayed (each step applies
+the step before's mean, its own exchange left running behind the next step); prints test accuracy, bytes per
 rank per step against DDP's dense ring all-reduce, and checks that every rank's parameters are
 bit-identical after every step, and the overlapped hook's to the blocking hook's.
 
     pip install ./bindings/python scikit-learn torch
     python bindings/python/examples/ddp_digits.py [--steps 300] [--workers 4] [--seeds 1 2 3]
-        [--modes ddp blocking overlapped]
+        [--modes ddp blocking overlapped delayed]
 """
 
 import argparse
@@ -72,10 +73,11 @@ def worker(rank, world_size, port, out, mode, steps, seed):
     if mode == "blocking":  # the 3 lines gradwire adds to a DDP script
         allreduce = gradwire.AllReduce(METHOD, TorchDistributed(), seed=seed)
         ddp.register_comm_hook(gwt.HookState(ddp, allreduce), gwt.comm_hook)
-    elif mode == "overlapped":  # the transport's calls come from the library's own thread:
-        # a process group of their own, apart from DDP's broadcasts on the default one
+    elif mode in ("overlapped", "delayed"):  # the transport's calls come from the library's
+        # own thread: a process group of their own, apart from DDP's broadcasts on the default one
         allreduce = gradwire.AllReduce(METHOD, TorchDistributed(dist.new_group()), seed=seed)
-        ddp.register_comm_hook(gwt.HookState(ddp, allreduce, overlap=True), gwt.comm_hook)
+        state = gwt.HookState(ddp, allreduce, overlap=True, delay=mode == "delayed")
+        ddp.register_comm_hook(state, gwt.comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     shard = torch.arange(rank, len(y), world_size)  # each rank its own samples
     g = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -118,7 +120,8 @@ def run(world_size, mode, steps, seed):
     return ranks[0], identical
 
 
-LABELS = {"ddp": "DDP all-reduce", "blocking": "gradwire hook", "overlapped": "gradwire overlap"}
+LABELS = {"ddp": "DDP all-reduce", "blocking": "gradwire hook", "overlapped": "gradwire overlap",
+          "delayed": "gradwire delayed"}
 
 
 def main(argv=None):
@@ -149,7 +152,7 @@ def main(argv=None):
     result = {mode: rows[mode][0] for mode in rows}
     result["identical"] = all(same for _, same, _ in rows.values())
     if "ddp" in rows:
-        for mode in ("blocking", "overlapped"):
+        for mode in ("blocking", "overlapped", "delayed"):
             if mode in rows:
                 gap = np.mean(rows["ddp"][0]) - np.mean(rows[mode][0])
                 print(f"accuracy gap, {LABELS[mode]}: {gap:+.2f} points (below DDP when positive)")

@@ -471,3 +471,145 @@ def hook_faults(rank, world_size, out, result, overlap):
     del temp
     handle.wait()
     result["dropped"] = {k: v.tobytes().hex() for k, v in g.items()}
+
+
+def tensor_hex(t):
+    return t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes().hex()
+
+
+@worker
+def delayed(rank, world_size, out, result, dtype_name, accumulate, steps):
+    """Issue 47 scope 3: the delayed hook. Every synchronized step records the bucket
+    gradients DDP hands over (by name) and the gradients the hook hands back; afterwards a
+    blocking all-reduce of the same method and seed (a group of its own) replays the recorded
+    gradients step by step. The hook must hand out zeros at step 0 and, at step t, the
+    replay's mean of step t - 1, bit for bit."""
+    dtype = getattr(torch, dtype_name)
+    model = model_of(dtype)
+    method = "topk k=ratio:0.05 values=int8:256"
+    ar = gradwire.AllReduce(method, TorchDistributed(dist.new_group()), seed=5)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    state = gwt.HookState(ddp, ar, delay=True)
+    inputs = []
+
+    def recording_hook(state, bucket):
+        buf, at = bucket.buffer(), 0
+        for p in bucket.parameters():
+            n = p.numel()
+            inputs[-1][state.names[p]] = buf[at : at + n].detach().clone().view(p.shape)
+            at += n
+        return gwt.comm_hook(state, bucket)
+
+    ddp.register_comm_hook(state, recording_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
+    x, y = data(rank)
+    x = x.to(dtype)
+    handed, digests, losses = [], [], []
+    for step in range(steps):
+        i = (step * 32) % x.shape[0]
+        inputs.append({})
+        opt.zero_grad()
+        if accumulate:
+            with ddp.no_sync():
+                nn.functional.cross_entropy(ddp(x[i : i + 16]).float(), y[i : i + 16]).backward()
+            loss = nn.functional.cross_entropy(ddp(x[i + 16 : i + 32]).float(), y[i + 16 : i + 32])
+        else:
+            loss = nn.functional.cross_entropy(ddp(x[i : i + 32]).float(), y[i : i + 32])
+        loss.backward()
+        handed.append({n: p.grad.detach().clone() for n, p in ddp.named_parameters()})
+        opt.step()
+        with torch.no_grad():
+            losses.append(nn.functional.cross_entropy(ddp(x).float(), y).item())
+        digests.append(digest(model))
+    state.flush()
+    replay = gradwire.AllReduce(method, TorchDistributed(dist.new_group()), seed=5)
+    mismatches = []
+    for step in range(steps):
+        if step == 0:
+            if any(bool(g.any()) for g in handed[0].values()):
+                mismatches.append("step 0 handed out a non-zero gradient")
+        else:
+            want = {n: t.clone() for n, t in inputs[step - 1].items()}
+            replay.all_reduce_(want)
+            for n, t in want.items():
+                if tensor_hex(t.to(dtype)) != tensor_hex(handed[step][n]):
+                    mismatches.append(f"step {step} {n}")
+    result.update(mismatches=mismatches, digests=digests, losses=losses, step=ar.step,
+                  buckets=len(inputs[-1]))
+
+
+@worker
+def delayed_resume(rank, world_size, out, result):
+    """Issue 47 scope 3: 12 steps of the delayed hook straight, against 6 steps, a checkpoint
+    (model, optimizer, HookState.save: the residuals and the mean of the step in flight), new
+    objects that load it, and 6 more steps: the same parameters, bit for bit."""
+    x, y = data(rank)
+    method = "topk k=ratio:0.05 values=int8:256"
+
+    def fresh():
+        model = model_of()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+        ar = gradwire.AllReduce(method, TorchDistributed(dist.new_group()), seed=5)
+        state = gwt.HookState(ddp, ar, delay=True)
+        ddp.register_comm_hook(state, gwt.comm_hook)
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.3, momentum=0.9)
+
+    def steps(ddp, opt, start, count):
+        for step in range(start, start + count):
+            i = (step * 32) % x.shape[0]
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x[i : i + 32]), y[i : i + 32]).backward()
+            opt.step()
+
+    model, ddp, state, opt = fresh()
+    steps(ddp, opt, 0, 12)
+    straight = digest(model)
+    model, ddp, state, opt = fresh()
+    steps(ddp, opt, 0, 6)
+    path = os.path.join(out, f"delayed{rank}.safetensors")
+    state.save(path)
+    saved = (model.state_dict(), opt.state_dict())
+    model, ddp, state, opt = fresh()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    state.load(path)
+    steps(ddp, opt, 6, 6)
+    result.update(straight=straight, resumed=digest(model), step=state.allreduce.step)
+    # A mean file of another step than the residuals is refused.
+    other = os.path.join(out, f"other{rank}.safetensors")
+    state.save(other)
+    os.replace(path + ".delayed", other + ".delayed")
+    try:
+        state.load(other)
+        result["mismatched_step"] = None
+    except ValueError as e:
+        result["mismatched_step"] = str(e)
+
+
+@worker
+def delayed_faults(rank, world_size, out, result):
+    """Issue 47 scope 3: rank 1's gradient holds a NaN at step 2. Step 2's exchange fails (on
+    every rank alike); every rank's backward pass raises at step 3, with the gradwire class
+    named; step 4 goes on (handing out step 3's mean) on every rank alike."""
+    model = model_of()
+    ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256", TorchDistributed(dist.new_group()), seed=5)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    state = gwt.HookState(ddp, ar, delay=True)
+    ddp.register_comm_hook(state, gwt.comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
+    x, y = data(rank)
+    result.update(raised=[], digests=[])
+    for step in range(6):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x[:32]), y[:32])
+        if step == 2 and rank == 1:
+            loss = loss * float("nan")
+        try:
+            loss.backward()
+            opt.step()
+            result["raised"].append(None)
+        except RuntimeError as e:
+            result["raised"].append(str(e))
+        result["digests"].append(digest(model))
+    result["step"] = ar.step
+

@@ -154,6 +154,66 @@ def test_hook_checkpoint_resumes_bit_identically(tmp_path):
     assert res[0]["straight"] == res[1]["straight"]
 
 
+@pytest.mark.parametrize("dtype, accumulate", [("float32", False), ("float32", True), ("bfloat16", False)])
+def test_delayed_hook_hands_out_the_step_before_s_mean_bit_for_bit(tmp_path, dtype, accumulate):
+    """`HookState(..., delay=True)`: zeros at step 0, then at step t the blocking all-reduce's
+    mean of step t - 1's gradients (replayed after the run), bit for bit, with several
+    buckets, under no_sync() accumulation and in bfloat16; the ranks' parameters equal."""
+    steps = 12
+    res = launch(dist_workers.delayed, 2, tmp_path, dtype, accumulate, steps)
+    for r in res:
+        assert r["mismatches"] == [], r["mismatches"]
+        assert r["step"] == steps
+        assert r["buckets"] > 1
+        assert r["digests"] == res[0]["digests"]
+    losses = res[0]["losses"]
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_delayed_hook_checkpoint_resumes_bit_for_bit(tmp_path):
+    res = launch(dist_workers.delayed_resume, 2, tmp_path)
+    for r in res:
+        assert r["resumed"] == r["straight"]
+        assert r["step"] == 12
+        assert r["mismatched_step"] and "not the delayed mean" in r["mismatched_step"], r
+    assert res[0]["straight"] == res[1]["straight"]
+
+
+def test_delayed_hook_raises_a_step_s_error_one_step_late_on_every_rank(tmp_path):
+    res = launch(dist_workers.delayed_faults, 2, tmp_path)
+    for r in res:
+        raised = r["raised"]
+        assert [i for i, e in enumerate(raised) if e is not None] == [3], raised
+        # Rank 1's own error (its gradient held the NaN), its peer's naming rank 1.
+        if r["rank"] == 1:
+            assert "ValueError" in raised[3] and "NaN" in raised[3], raised[3]
+        else:
+            assert "GradwireError" in raised[3] and "rank 1" in raised[3], raised[3]
+        assert r["digests"] == res[0]["digests"]
+        assert r["step"] == 6
+
+
+def test_delayed_hook_refuses_a_loss_scaler():
+    import torch.nn as nn
+
+    import gradwire
+    import gradwire.torch as gwt
+
+    class Group:  # a transport with a process group of its own (not DDP's)
+        rank, world_size, group = 0, 1, object()
+
+        def all_gather(self, data, lengths):
+            return [bytes(data)]
+
+        def all_to_all(self, send, recv_lengths):
+            return [bytes(b) for b in send]
+
+    model = nn.Linear(3, 2)
+    ar = gradwire.AllReduce("topk k=ratio:0.5 values=f32", Group())
+    with pytest.raises(ValueError, match="loss scaler"):
+        gwt.HookState(model, ar, delay=True, scaler=torch.amp.GradScaler("cpu"))
+
+
 @pytest.mark.parametrize("collective", ["allgather", "two-phase"])
 def test_grad_scaler_skips_an_overflow_and_residuals_follow_the_scale(tmp_path, collective):
     steps, overflow_at = 7, 3

@@ -14,7 +14,9 @@ import ddp_digits  # noqa: E402
 
 
 def test_ddp_example_matches_plain_ddp_within_a_point():
-    r = ddp_digits.main(["--seeds", "1", "--steps", "300", "--workers", "4"])
+    # The delayed mode's accuracy is the documented 3-seed run's (docs/python.md); its
+    # behaviour is test_distributed.py's.
+    r = ddp_digits.main(["--seeds", "1", "--steps", "300", "--workers", "4", "--modes", "ddp", "blocking", "overlapped"])
     assert r["identical"]
     assert r["gap_blocking"] <= 1.0, r
     assert r["ratio"] > 50, r

@@ -27,8 +27,22 @@ bucket's step is done. What that means:
   one layout), a process group of its own for the all-reduce (its transport is called from the
   library's thread while DDP uses the default group), and, for now, no ``skip_non_finite``
   (the verdict of a step would be known only after its first buckets went out);
+- delayed (``HookState(..., delay=True)``, opt-in: Psyche's one-step-late pipeline), each
+  bucket's call hands out at once the mean of the **step before** and leaves this step's
+  exchange running behind the next forward and backward pass (started per bucket as in the
+  overlapped mode, with its requirements); the optimizer applies every mean one step late.
+  The first step hands out zeros (no mean exists yet: an optimizer with weight decay or
+  momentum still moves at that step, as it would for a zero gradient). It keeps one
+  model-sized copy of the gradients in their dtype (the step in flight, then its mean) and a
+  scratch of the largest parameter. An error of step t's exchange (the group's: every rank
+  alike) is raised by every rank at step t + 1, whose own exchange still starts, so the step
+  after goes on; a rank that cannot start a bucket raises its own error at that step.
+  :meth:`HookState.save` waits for the step in flight and stores its mean beside the
+  residuals, so a resume is bit for bit; :meth:`HookState.flush` waits for it (its mean stays
+  held for the next step; the last step's mean of a run is never applied). A loss scaler is
+  refused (its skip would come one step late);
 - under ``no_sync()`` no hook runs (DDP accumulates locally); the next synchronized step
-  compresses the accumulated gradients;
+  compresses the accumulated gradients (delayed: a step in flight stays in flight);
 - float16 and bfloat16 buckets are compressed as float32 and the mean is written back in the
   bucket's dtype; ``gradient_as_bucket_view=True`` needs nothing else (the gradients are the
   bucket's views);
@@ -74,7 +88,9 @@ class HookState:
     Left out, it is on unless the :class:`~gradwire.AllReduce` was made with a choice of its
     own, which stays. Without a loss scaler, NaN buckets reach the optimizer as they do after
     DDP's own all-reduce. ``scaler``: the ``torch.amp.GradScaler`` of the training loop, whose
-    scale the residuals follow (scaled by new / old before the first step after a change)."""
+    scale the residuals follow (scaled by new / old before the first step after a change).
+    ``overlap``: start each bucket's step as DDP hands it over; ``delay``: hand out the step
+    before's mean at once and leave this step's exchange in flight (see the module docs)."""
 
     def __init__(
         self,
@@ -83,11 +99,18 @@ class HookState:
         skip_non_finite: Optional[bool] = None,
         scaler: Optional[Any] = None,
         overlap: bool = False,
+        delay: bool = False,
     ) -> None:
         self.allreduce = allreduce
-        self.overlap = bool(overlap)
+        self.delay = bool(delay)
+        self.overlap = bool(overlap) or self.delay
+        if self.delay and scaler is not None:
+            raise ValueError(
+                "delay=True with a loss scaler: a step's verdict (skip or not) would come one "
+                "step after the optimizer used it; use overlap=True or the blocking hook"
+            )
         if self.overlap:
-            _check_overlap(model, allreduce, skip_non_finite)
+            _check_overlap(model, allreduce, skip_non_finite, "delay=True" if self.delay else "overlap=True")
             self.allreduce.skip_non_finite = False
         elif skip_non_finite is not None:
             self.allreduce.skip_non_finite = skip_non_finite
@@ -105,14 +128,65 @@ class HookState:
         # The loss scale the residuals are in (None before the first step with a scaler).
         self._scale: Optional[float] = None
         self.last_error: Optional[BaseException] = None
+        # Delayed: each parameter's gradient of the step in flight, by name, in the
+        # gradient's dtype and shape (the mean once that step is waited for); whether it
+        # holds a mean to hand out; the started steps of the last backward pass; a scratch
+        # of the largest parameter for the swap.
+        self._held: Dict[str, torch.Tensor] = {}
+        self._held_is_mean = False
+        self._previous: List[Any] = []
+        self._scratch: Optional[torch.Tensor] = None
+        self._previous_error: Optional[BaseException] = None
 
     def save(self, path: Any) -> None:
-        """Writes this rank's residuals (keyed by parameter name), step and settings."""
+        """Writes this rank's residuals (keyed by parameter name), step and settings. Delayed
+        (``delay=True``): first waits for the step in flight (raising its error, if any), and
+        writes the mean it gives, which the next step hands out, beside them in
+        ``<path>.delayed`` (``torch.save`` of the tensors by name, the step, and whether there
+        is a mean: one model-sized file in the gradients' dtype), so that a resume is bit for
+        bit."""
+        if self.delay:
+            self.flush()
         self.allreduce.save(path)
+        if self.delay:
+            torch.save(
+                {"step": self.allreduce.step, "has_mean": self._held_is_mean, "means": dict(self._held)},
+                _delayed_path(path),
+            )
 
     def load(self, path: Any) -> None:
-        """Restores residuals written by :meth:`save` with the same method and seed."""
+        """Restores residuals written by :meth:`save` with the same method and seed; delayed,
+        also the mean the next step hands out (``<path>.delayed``, which must be of the same
+        step as the residuals)."""
+        if not self.delay:
+            self.allreduce.load(path)
+            return
+        saved = torch.load(_delayed_path(path), weights_only=True)
+        self.flush()
         self.allreduce.load(path)
+        if not isinstance(saved, dict) or saved.get("step") != self.allreduce.step:
+            raise ValueError(
+                f"{_delayed_path(path)} is not the delayed mean of the residuals' step "
+                f"{self.allreduce.step}"
+            )
+        by_name = {n: p for p, n in self.names.items()}
+        means = saved.get("means", {})
+        for name, t in means.items():
+            p = by_name.get(name)
+            if p is None or not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                raise ValueError(f"{_delayed_path(path)}: tensor {name!r} is not of this model")
+        self._held = {n: t.to(by_name[n].device) for n, t in means.items()}
+        self._held_is_mean = bool(saved.get("has_mean")) and bool(self._held)
+
+    def flush(self) -> None:
+        """Delayed: waits for the step in flight (the last backward pass's). Its mean stays
+        held for the next step to hand out; its error, if any, is raised here (and not again).
+        Nothing to do otherwise."""
+        previous, self._previous = self._previous, []
+        error = self._wait_all(previous)
+        if error is not None:
+            self._held_is_mean = False
+            raise error
 
     def _views(self, buf: torch.Tensor, params: List[torch.nn.Parameter], grads: Dict[str, torch.Tensor]) -> None:
         """Adds each parameter's slice of the bucket ``buf`` to ``grads``, by name."""
@@ -175,6 +249,84 @@ class HookState:
         self._in_flight.append((buf, fut, started))
         if last:
             self._finish_overlapped()
+
+    @staticmethod
+    def _wait_all(started: List[Any]) -> Optional[BaseException]:
+        """Waits for every started step (or error) of ``started``; returns the first error."""
+        first: Optional[BaseException] = None
+        for one in started:
+            if isinstance(one, BaseException):
+                first = first or one
+                continue
+            try:
+                one.wait()
+            except Exception as e:
+                first = first or e
+        return first
+
+    def _start_delayed(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> None:
+        """Delayed: at the first bucket of a backward pass, waits for the step before (every
+        bucket of the last backward pass: it had the whole forward pass to finish); then, for
+        each bucket, hands out the held mean of that step (zeros at the first step), keeps
+        this step's gradient in its place and starts its exchange."""
+        buf = bucket.buffer()
+        last = bucket.is_last()
+        if not self._in_flight:
+            self.last_error = None
+            self._local_error = None
+            previous, self._previous = self._previous, []
+            self._previous_error = self._wait_all(previous)
+            if self._previous_error is not None:
+                self._held_is_mean = False
+        started: Any
+        try:
+            grads: Dict[str, torch.Tensor] = {}
+            self._views(buf, list(bucket.parameters()), grads)
+            with torch.no_grad():
+                for name, g in grads.items():
+                    self._swap_held(name, g)
+                started = self.allreduce._start_in_place(
+                    {n: self._held[n] for n in grads}, ends_step=last, device_copy=True
+                )
+        except Exception as e:
+            # As in the overlapped hook: this rank takes part with no tensors, so that every
+            # rank fails that step alike; it raises its own error with this step.
+            self._local_error = self._local_error or e
+            try:
+                started = self.allreduce._start_in_place({}, ends_step=last, device_copy=True)
+            except Exception as again:
+                started = again
+        self._in_flight.append((buf, fut, started))
+        if last:
+            in_flight, self._in_flight = self._in_flight, []
+            self._previous = [started for _, _, started in in_flight]
+            self._held_is_mean = True
+            error = self._local_error or self._previous_error
+            if error is not None:
+                self._fail(error, [fut for _, fut, _ in in_flight])
+                return
+            for buf, fut, _ in in_flight:
+                fut.set_result(buf)
+
+    def _swap_held(self, name: str, g: torch.Tensor) -> None:
+        """Puts the held mean of ``name`` (zeros when there is none) into the bucket's view
+        ``g`` and this step's gradient into the held tensor, through a scratch tensor of the
+        largest parameter."""
+        held = self._held.get(name)
+        fresh = held is None or held.shape != g.shape or held.dtype != g.dtype or held.device != g.device
+        if fresh:
+            held = torch.empty_like(g, memory_format=torch.contiguous_format)
+            self._held[name] = held
+        n = g.numel()
+        if self._scratch is None or self._scratch.numel() < n or self._scratch.dtype != g.dtype or self._scratch.device != g.device:
+            self._scratch = torch.empty(max(n, self._scratch.numel() if self._scratch is not None else 0), dtype=g.dtype, device=g.device)
+        tmp = self._scratch[:n].view(g.shape)
+        tmp.copy_(g)
+        if self._held_is_mean and not fresh:
+            g.copy_(held)
+        else:
+            g.zero_()
+        held.copy_(tmp)
 
     def _finish_overlapped(self) -> None:
         in_flight, self._in_flight = self._in_flight, []
@@ -248,12 +400,14 @@ class HookState:
         self._scale = scale
 
 
-def _check_overlap(model: torch.nn.Module, allreduce: AllReduce, skip_non_finite: Optional[bool]) -> None:
-    """``ValueError`` for an all-reduce the overlapped hook of ``model`` (a DDP model) cannot
-    run (see the module docs)."""
+def _check_overlap(
+    model: torch.nn.Module, allreduce: AllReduce, skip_non_finite: Optional[bool], mode: str
+) -> None:
+    """``ValueError`` for an all-reduce the overlapped (or delayed: ``mode``) hook of
+    ``model`` (a DDP model) cannot run (see the module docs)."""
     if allreduce.collective != "allgather":
         raise ValueError(
-            f"overlap=True runs a step per DDP bucket, and DDP regroups parameters into other "
+            f"{mode} runs a step per DDP bucket, and DDP regroups parameters into other "
             f"buckets after the first step: the {allreduce.collective!r} collective keeps server "
             f"residuals of one layout; use collective='allgather'"
         )
@@ -263,13 +417,13 @@ def _check_overlap(model: torch.nn.Module, allreduce: AllReduce, skip_non_finite
     ddps = getattr(model, "process_group", missing)
     if group is not missing and (group is None or group is ddps or (world is not None and group is world)):
         raise ValueError(
-            "overlap=True calls the transport from the library's thread while DDP uses its own "
+            f"{mode} calls the transport from the library's thread while DDP uses its own "
             "process group (the default one, unless DDP was given another): give the "
             "AllReduce a group of its own (TorchDistributed(torch.distributed.new_group()))"
         )
     if skip_non_finite or (skip_non_finite is None and allreduce.skip_non_finite):
         raise ValueError(
-            "overlap=True does not skip non-finite steps yet (a bucket's verdict comes after "
+            f"{mode} does not skip non-finite steps yet (a bucket's verdict comes after "
             "the buckets before it went out): use the blocking hook with a loss scaler"
         )
 
@@ -280,6 +434,9 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     completes with the bucket's mean once the step's last bucket has been all-reduced (with
     ``HookState(..., overlap=True)`` every bucket's step starts at once)."""
     fut: torch.futures.Future = torch.futures.Future()
+    if state.delay:
+        state._start_delayed(bucket, fut)
+        return fut
     if state.overlap:
         state._start_bucket(bucket, fut)
         return fut
@@ -287,3 +444,10 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     if bucket.is_last():
         state._flush()
     return fut
+
+
+def _delayed_path(path: Any) -> str:
+    """Where :meth:`HookState.save` writes the delayed mean beside the residuals at ``path``."""
+    import os
+
+    return os.fspath(path) + ".delayed"
