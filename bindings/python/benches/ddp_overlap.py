@@ -79,6 +79,9 @@ def worker(a):
     n_params = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_cap_mb)
     hook_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
+    # The benchmark's own barriers and floors: a group apart from the hook's, whose transport
+    # runs on the library's thread (the delayed hook's exchange outlives the step).
+    bench_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
     allreduce = state = None
     if a.mode != "ddp":
         allreduce = gradwire.AllReduce(METHOD, TorchDistributed(hook_group), seed=1)
@@ -99,7 +102,7 @@ def worker(a):
         opt.step()
 
     def barrier():
-        dist.barrier(group=hook_group)
+        dist.barrier(group=bench_group)
 
     # Warm-up: DDP builds its buckets at the first step, the hook its views.
     for _ in range(3):
@@ -144,7 +147,7 @@ def worker(a):
     # The message a gradwire step puts on the wire (the whole model's, as the blocking hook
     # sends it): its length from a step of this rank's group of one.
     longest = torch.tensor([alone.last_message_bytes])
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=hook_group)  # gloo wants even buffers
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=bench_group)  # gloo wants even buffers
     message = int(longest.item())
     transfer = []
     mine = torch.zeros(message, dtype=torch.uint8)
@@ -152,14 +155,14 @@ def worker(a):
     for _ in range(a.floor_steps):
         barrier()
         t0 = time.perf_counter()
-        dist.all_gather(outs, mine, group=hook_group)
+        dist.all_gather(outs, mine, group=bench_group)
         transfer.append(time.perf_counter() - t0)
     dense = []
     flat = torch.zeros(n_params, dtype=torch.float32)
     for _ in range(a.floor_steps):
         barrier()
         t0 = time.perf_counter()
-        dist.all_reduce(flat, group=hook_group)
+        dist.all_reduce(flat, group=bench_group)
         dense.append(time.perf_counter() - t0)
     print(
         json.dumps(
