@@ -24,9 +24,10 @@ Run as root (namespaces), after installing the wheel and torch in the Python tha
         [--steps 20] [--modes ddp blocking overlapped delayed] [--json out.json]
 
 ``--rates none`` runs on unshaped links; ``--loopback`` runs the ranks in this namespace over
-127.0.0.1 (no root needed: a smoke run). Prints one row per rate and mode: the median step of
-the timed steps (the slowest rank's), the floors, the ratio to the bound, and the bytes each
-rank sent per step on its link (the bridge's counters, or gradwire's own count on loopback).
+127.0.0.1 (no root needed: a smoke run). Prints one row per rate and mode: the step time (the
+timed steps run back to back after one barrier, their interval, up to the end of the last
+step's exchange, divided by their number; the slowest rank's), the floors (medians over their
+steps, a barrier before each), and the ratio to the bound.
 """
 
 import argparse
@@ -108,14 +109,16 @@ def worker(a):
     for _ in range(3):
         one_step()
     sent_before = allreduce.traffic[0] if allreduce else 0
-    steps = []
+    # The timed steps back to back, as training runs them, timed as one interval that ends
+    # when the last step's exchange is done (the delayed hook's runs behind the next step:
+    # a barrier between steps would give it time no other mode gets).
+    barrier()
+    t0 = time.perf_counter()
     for _ in range(a.steps):
-        barrier()
-        t0 = time.perf_counter()
         one_step()
-        steps.append(time.perf_counter() - t0)
     if state is not None and state.delay:
-        state.flush()  # the last step's exchange, before the floors
+        state.flush()
+    steps = [(time.perf_counter() - t0) / a.steps]
     sent_per_step = ((allreduce.traffic[0] - sent_before) / a.steps) if allreduce else 0.0
 
     # Floors, on the same ranks and cores.
@@ -127,14 +130,7 @@ def worker(a):
         compute.append(time.perf_counter() - t0)
     grads = {name: p.grad.detach().clone().numpy() for name, p in model.named_parameters()}
 
-    class Alone:
-        rank, world_size = 0, 1
-
-        def all_gather(self, data, lengths):
-            return [bytes(data)]
-
-        def all_to_all(self, send, recv_lengths):
-            return [bytes(b) for b in send]
+    from gpt2_step import Alone  # a group of one (this script's folder is on the path)
 
     alone = gradwire.AllReduce(METHOD, Alone(), seed=1)
     codec = []

@@ -9,7 +9,7 @@ bit-identical after every step, and the overlapped hook's to the blocking hook's
 
     pip install ./bindings/python scikit-learn torch
     python bindings/python/examples/ddp_digits.py [--steps 300] [--workers 4] [--seeds 1 2 3]
-        [--modes ddp blocking overlapped delayed]
+        [--modes ddp blocking overlapped delayed] [--momentum 0.9]
 """
 
 import argparse
@@ -61,7 +61,7 @@ def digest(model):
     return h.hexdigest()
 
 
-def worker(rank, world_size, port, out, mode, steps, seed):
+def worker(rank, world_size, port, out, mode, steps, seed, momentum):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
@@ -78,7 +78,7 @@ def worker(rank, world_size, port, out, mode, steps, seed):
         allreduce = gradwire.AllReduce(METHOD, TorchDistributed(dist.new_group()), seed=seed)
         state = gwt.HookState(ddp, allreduce, overlap=True, delay=mode == "delayed")
         ddp.register_comm_hook(state, gwt.comm_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=momentum)
     shard = torch.arange(rank, len(y), world_size)  # each rank its own samples
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     digests = []
@@ -108,12 +108,12 @@ def worker(rank, world_size, port, out, mode, steps, seed):
     os._exit(0)
 
 
-def run(world_size, mode, steps, seed):
+def run(world_size, mode, steps, seed, momentum=0.9):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(worker, args=(world_size, port, out, mode, steps, seed),
+        mp.start_processes(worker, args=(world_size, port, out, mode, steps, seed, momentum),
                            nprocs=world_size, join=True, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world_size)]
     identical = all(r["digests"] == ranks[0]["digests"] for r in ranks)
@@ -130,19 +130,21 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--modes", nargs="+", choices=list(LABELS), default=list(LABELS))
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     a = ap.parse_args(argv)
     rows = {}
     for mode in a.modes:
         accs, same, runs = [], True, []
         for seed in a.seeds:
-            r, identical = run(a.workers, mode, a.steps, seed)
+            r, identical = run(a.workers, mode, a.steps, seed, a.momentum)
             accs.append(r["acc"])
             runs.append(r)
             same = same and identical
         rows[mode] = (accs, same, runs)
     w, n = a.workers, next(iter(rows.values()))[2][0]["params"]
     ring = 2 * (w - 1) / w * 4 * n  # DDP's dense ring all-reduce, bytes received per rank
-    print(f"{w} gloo processes, {a.steps} steps, batch 32 per rank, {n} parameters, seeds {a.seeds}")
+    print(f"{w} gloo processes, {a.steps} steps, batch 32 per rank, {n} parameters, seeds {a.seeds}, "
+          f"SGD momentum {a.momentum}")
     print(f"gradwire method: {METHOD}, error feedback; DDP's bytes: a ring all-reduce of f32, 2(W-1)/W x 4n")
     print(f"{'run':<17} {'test acc % (mean)':>18} {'per seed':>24} {'bytes recv/rank/step':>21} {'vs DDP':>7} {'ranks bit-identical':>20}")
     for mode, (accs, same, runs) in rows.items():

@@ -101,7 +101,7 @@ def train(rank, world_size, out, result, mode, method, steps, collective, dtype_
     ar = gradwire.AllReduce(method, TorchDistributed(group), seed=5, collective=collective)
     if mode in ("hook", "overlap"):
         ddp = nn.parallel.DistributedDataParallel(
-            model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.004
+            model, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.0005
         )
         state = gwt.HookState(ddp, ar, overlap=mode == "overlap")
         ddp.register_comm_hook(state, gwt.comm_hook)
@@ -206,18 +206,23 @@ def dense_and_two_phase(rank, world_size, out, result):
 
 
 @worker
-def resume(rank, world_size, out, result):
+def resume(rank, world_size, out, result, delay=False):
     """20 steps straight, against 10 steps, a checkpoint (model, optimizer, the hook's
-    residuals), a new DDP model, all-reduce and hook state that load it, and 10 more steps."""
+    residuals; with ``delay``, the delayed hook's mean of the step in flight too, and SGD with
+    momentum), a new DDP model, all-reduce and hook state that load it, and 10 more steps.
+    With ``delay``, then: a mean file of another model, or of another step than the
+    residuals, is refused."""
     x, y = data(rank)
     method = "topk k=ratio:0.05 values=int8:256"
 
     def fresh():
         model = model_of()
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
-        state = gwt.HookState(ddp, gradwire.AllReduce(method, TorchDistributed(), seed=5))
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
+        group = dist.new_group() if delay else None
+        ar = gradwire.AllReduce(method, TorchDistributed(group), seed=5)
+        state = gwt.HookState(ddp, ar, delay=delay)
         ddp.register_comm_hook(state, gwt.comm_hook)
-        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.3)
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.3, momentum=0.9 if delay else 0)
 
     def steps(ddp, opt, start, count):
         for step in range(start, start + count):
@@ -240,6 +245,27 @@ def resume(rank, world_size, out, result):
     state.load(path)
     steps(ddp, opt, 10, 10)
     result.update(straight=straight, resumed=digest(model), step=state.allreduce.step)
+    if not delay:
+        return
+    # A mean file of another model, or of another step than the residuals, is refused.
+    other = os.path.join(out, f"other{rank}.safetensors")
+    state.save(other)
+    saved = torch.load(other + ".delayed", weights_only=True)
+    name = next(iter(saved["means"]))
+    saved["means"][name] = saved["means"][name].reshape(-1)
+    torch.save(saved, other + ".delayed")
+    try:
+        state.load(other)
+        result["other_model"] = None
+    except ValueError as e:
+        result["other_model"] = str(e)
+    state.save(other)
+    os.replace(path + ".delayed", other + ".delayed")
+    try:
+        state.load(other)
+        result["mismatched_step"] = None
+    except ValueError as e:
+        result["mismatched_step"] = str(e)
 
 
 class FailingOnce:
@@ -344,7 +370,7 @@ def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow
     ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256",
                             TorchDistributed(dist.new_group() if overlap else None), seed=5,
                             collective=collective)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
     scaler = None
     if mode == "scaler":
         # A small first scale that grows after every 2 good steps: the run sees growths and,
@@ -431,22 +457,23 @@ def non_blocking(rank, world_size, out, result):
 
 
 @worker
-def hook_faults(rank, world_size, out, result, overlap):
+def hook_faults(rank, world_size, out, result, mode):
     """The DDP hook (overlapped or blocking) when a rank cannot name a bucket's gradients
     (here: rank 1's HookState does not know a parameter at step 1): it still takes part, every
     rank's backward pass raises at that step (rank 1 its own ValueError, the others a
     GradwireError), and the next step runs on every rank alike. Then an AllReduce dropped with
     a step in flight: the step completes and its handle gives the result."""
     model = model_of()
-    group = dist.new_group() if overlap else None
+    group = dist.new_group() if mode != "blocking" else None
     ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256", TorchDistributed(group), seed=5)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
-    state = gwt.HookState(ddp, ar, overlap=overlap, skip_non_finite=False)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
+    state = gwt.HookState(ddp, ar, overlap=mode == "overlap", delay=mode == "delay",
+                          skip_non_finite=False)
     ddp.register_comm_hook(state, gwt.comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
     x, y = data(rank)
     result.update(raised=[], errors=[], digests=[])
-    for step in range(3):
+    for step in range(4 if mode == "delay" else 3):
         hidden = None
         if step == 1 and rank == 1:
             hidden = next(iter(state.names))
@@ -463,6 +490,9 @@ def hook_faults(rank, world_size, out, result, overlap):
         if hidden is not None:
             state.names[hidden] = name
         result["digests"].append(digest(model))
+    if mode == "delay":
+        result["step"] = ar.step
+        return
     result["step"] = ar.step
     # Dropped with a step in flight: the step still runs on every rank.
     g = seeded_grads(rank, (64, 48), 700)
@@ -488,11 +518,12 @@ def delayed(rank, world_size, out, result, dtype_name, accumulate, steps):
     model = model_of(dtype)
     method = "topk k=ratio:0.05 values=int8:256"
     ar = gradwire.AllReduce(method, TorchDistributed(dist.new_group()), seed=5)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
     state = gwt.HookState(ddp, ar, delay=True)
-    inputs = []
+    inputs, calls = [], []
 
     def recording_hook(state, bucket):
+        calls[-1] += 1
         buf, at = bucket.buffer(), 0
         for p in bucket.parameters():
             n = p.numel()
@@ -508,6 +539,7 @@ def delayed(rank, world_size, out, result, dtype_name, accumulate, steps):
     for step in range(steps):
         i = (step * 32) % x.shape[0]
         inputs.append({})
+        calls.append(0)
         opt.zero_grad()
         if accumulate:
             with ddp.no_sync():
@@ -535,70 +567,22 @@ def delayed(rank, world_size, out, result, dtype_name, accumulate, steps):
                 if tensor_hex(t.to(dtype)) != tensor_hex(handed[step][n]):
                     mismatches.append(f"step {step} {n}")
     result.update(mismatches=mismatches, digests=digests, losses=losses, step=ar.step,
-                  buckets=len(inputs[-1]))
-
-
-@worker
-def delayed_resume(rank, world_size, out, result):
-    """Issue 47 scope 3: 12 steps of the delayed hook straight, against 6 steps, a checkpoint
-    (model, optimizer, HookState.save: the residuals and the mean of the step in flight), new
-    objects that load it, and 6 more steps: the same parameters, bit for bit."""
-    x, y = data(rank)
-    method = "topk k=ratio:0.05 values=int8:256"
-
-    def fresh():
-        model = model_of()
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
-        ar = gradwire.AllReduce(method, TorchDistributed(dist.new_group()), seed=5)
-        state = gwt.HookState(ddp, ar, delay=True)
-        ddp.register_comm_hook(state, gwt.comm_hook)
-        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.3, momentum=0.9)
-
-    def steps(ddp, opt, start, count):
-        for step in range(start, start + count):
-            i = (step * 32) % x.shape[0]
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x[i : i + 32]), y[i : i + 32]).backward()
-            opt.step()
-
-    model, ddp, state, opt = fresh()
-    steps(ddp, opt, 0, 12)
-    straight = digest(model)
-    model, ddp, state, opt = fresh()
-    steps(ddp, opt, 0, 6)
-    path = os.path.join(out, f"delayed{rank}.safetensors")
-    state.save(path)
-    saved = (model.state_dict(), opt.state_dict())
-    model, ddp, state, opt = fresh()
-    model.load_state_dict(saved[0])
-    opt.load_state_dict(saved[1])
-    state.load(path)
-    steps(ddp, opt, 6, 6)
-    result.update(straight=straight, resumed=digest(model), step=state.allreduce.step)
-    # A mean file of another step than the residuals is refused.
-    other = os.path.join(out, f"other{rank}.safetensors")
-    state.save(other)
-    os.replace(path + ".delayed", other + ".delayed")
-    try:
-        state.load(other)
-        result["mismatched_step"] = None
-    except ValueError as e:
-        result["mismatched_step"] = str(e)
+                  buckets=calls)
 
 
 @worker
 def delayed_faults(rank, world_size, out, result):
     """Issue 47 scope 3: rank 1's gradient holds a NaN at step 2. Step 2's exchange fails (on
     every rank alike); every rank's backward pass raises at step 3, with the gradwire class
-    named; step 4 goes on (handing out step 3's mean) on every rank alike."""
+    named; step 4 goes on (handing out step 3's mean: the same, non-zero, on every rank)."""
     model = model_of()
     ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256", TorchDistributed(dist.new_group()), seed=5)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.004)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
     state = gwt.HookState(ddp, ar, delay=True)
     ddp.register_comm_hook(state, gwt.comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
     x, y = data(rank)
-    result.update(raised=[], digests=[])
+    result.update(raised=[], digests=[], handed=[])
     for step in range(6):
         opt.zero_grad()
         loss = nn.functional.cross_entropy(ddp(x[:32]), y[:32])
@@ -606,10 +590,17 @@ def delayed_faults(rank, world_size, out, result):
             loss = loss * float("nan")
         try:
             loss.backward()
+            # What the hook handed out: a digest, and whether any of it is non-zero.
+            h = hashlib.sha256()
+            for _, p in sorted(ddp.named_parameters()):
+                h.update(p.grad.detach().numpy().tobytes())
+            nonzero = any(bool(p.grad.any()) for p in ddp.parameters())
+            result["handed"].append([h.hexdigest(), nonzero])
             opt.step()
             result["raised"].append(None)
         except RuntimeError as e:
             result["raised"].append(str(e))
+            result["handed"].append(None)
         result["digests"].append(digest(model))
     result["step"] = ar.step
 

@@ -189,18 +189,8 @@ def test_loads_refuse_fifos_and_devices_at_once(tmp_path):
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-
-    class Alone:
-        rank, world_size = 0, 1
-
-        def all_gather(self, data, lengths):
-            return [bytes(data)]
-
-        def all_to_all(self, send, recv_lengths):
-            return [bytes(b) for b in send]
-
     c = gradwire.Compressor("topk k=ratio:0.01 values=f32", seed=3)
-    ar = gradwire.AllReduce("topk k=ratio:0.05 values=f16", Alone(), collective="two-phase")
+    ar = gradwire.AllReduce("topk k=ratio:0.05 values=f16", _AloneCommunicator(), collective="two-phase")
     for path in (str(fifo), "/dev/zero"):
         for load in (c.load, ar.load, ar.load_server_residuals):
             outcome = []

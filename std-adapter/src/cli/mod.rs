@@ -523,14 +523,28 @@ impl OutputDigest {
         }
     }
 
-    /// The digest of the file at `path`, read in blocks; `None` when it does not exist.
+    /// The digest of the file at `path`, read in blocks; `None` when it does not exist. Opened
+    /// as inputs are (without blocking, looked at on the handle): an output path that became
+    /// a FIFO since it was checked is refused, not waited on.
     fn of_file(path: &Path) -> Result<Option<Self>, CliError> {
         use sha2::Digest;
         use std::io::Read;
-        let mut file = match std::fs::File::open(path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(CliError::io("cannot read", path, &e)),
+        let mut file = match crate::feedback::checkpoint::open_regular(path) {
+            Ok((f, _)) => f,
+            Err(crate::Error::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                return Ok(None);
+            }
+            Err(crate::Error::Io { source, .. }) => {
+                return Err(CliError::io("cannot read", path, &source));
+            }
+            Err(_) => {
+                return Err(CliError::new(format!(
+                    "cannot read {}: not a regular file",
+                    path.display()
+                )));
+            }
         };
         let mut hasher = sha2::Sha256::new();
         let mut block = vec![0u8; 1 << 20];

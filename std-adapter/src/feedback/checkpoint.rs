@@ -501,7 +501,9 @@ fn open_checked(path: &Path) -> Result<(File, u64)> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
-        // Reads of a regular file do not block whatever the flag says (POSIX), so it stays.
+        // Reads of a regular file do not block whatever the flag says (POSIX), so it stays (a
+        // FUSE file system that honours it for regular files would answer `WouldBlock`,
+        // which the readers report as an I/O error; clearing it would take an `fcntl` call).
         options.custom_flags(libc::O_NONBLOCK);
     }
     let file = options.open(path).map_err(io_error(path))?;
@@ -567,7 +569,8 @@ pub(crate) mod tests {
 
     /// Runs `f` on a thread of its own and returns its result with the bytes that thread read
     /// (`rchar` of `/proc/thread-self/io`: every `read` call's bytes, whatever the file; give or
-    /// take a byte of the counter's own reads). A
+    /// take a byte of the counter's own reads; `f` must read on this thread, not through other
+    /// threads or a memory map). A
     /// hang guard only: the test fails if `f` takes 30 s (a FIFO waited on), no timing.
     pub(crate) fn counting_reads<T: Send + 'static>(
         what: &str,
@@ -582,6 +585,16 @@ pub(crate) mod tests {
         }
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
+            // The counter counts this thread's reads (a kernel without I/O accounting would
+            // show 0 whatever was read): 4 KiB read must show.
+            let start = rchar();
+            let mut zeros = [0u8; 4096];
+            std::io::Read::read_exact(&mut std::fs::File::open("/dev/zero").unwrap(), &mut zeros)
+                .unwrap();
+            assert!(
+                rchar() - start >= 4096,
+                "/proc/thread-self/io does not count reads"
+            );
             // The counter's own read of /proc counts too: measured once, taken off.
             let first = rchar();
             let before = rchar();
@@ -590,11 +603,18 @@ pub(crate) mod tests {
             let read = (rchar() - before).saturating_sub(own);
             let _ = tx.send((out, read));
         });
-        rx.recv_timeout(std::time::Duration::from_secs(30))
-            .unwrap_or_else(|_| panic!("{what}: no answer within 30 s (blocked)"))
+        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(answer) => answer,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                panic!("{what}: no answer within 30 s (blocked)")
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                panic!("{what}: the thread panicked")
+            }
+        }
     }
 
-    /// A FIFO nobody writes to, in a fresh folder under the target directory's temp.
+    /// A FIFO nobody writes to, in a fresh folder of the system's temporary directory.
     pub(crate) fn fifo(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("gradwire-fifo-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);

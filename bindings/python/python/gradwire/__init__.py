@@ -316,7 +316,7 @@ class AllReduce:
         """Starts a step in place without waiting for it: returns a :class:`PendingAllReduce`
         whose :meth:`~PendingAllReduce.wait` writes the results into ``gradients`` (the values
         :meth:`all_reduce_` would write, bit for bit). The step runs on a thread of the
-        library's own (the Rust ``NonBlockingAllReduce``, at most four steps in flight; a fifth
+        library's own (the Rust ``NonBlockingAllReduce``, at most 64 steps in flight; a 65th
         ``start_`` waits), so the caller computes meanwhile: the next bucket's gradients, the
         next micro-batch. The values are copied in at the call (a gradient may change after
         it) and copied back at ``wait``: two copies of what the step carries, where

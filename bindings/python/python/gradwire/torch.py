@@ -32,15 +32,24 @@ bucket's step is done. What that means:
   exchange running behind the next forward and backward pass (started per bucket as in the
   overlapped mode, with its requirements); the optimizer applies every mean one step late.
   The first step hands out zeros (no mean exists yet: an optimizer with weight decay or
-  momentum still moves at that step, as it would for a zero gradient). It keeps one
-  model-sized copy of the gradients in their dtype (the step in flight, then its mean) and a
-  scratch of the largest parameter. An error of step t's exchange (the group's: every rank
-  alike) is raised by every rank at step t + 1, whose own exchange still starts, so the step
-  after goes on; a rank that cannot start a bucket raises its own error at that step.
-  :meth:`HookState.save` waits for the step in flight and stores its mean beside the
-  residuals, so a resume is bit for bit; :meth:`HookState.flush` waits for it (its mean stays
-  held for the next step; the last step's mean of a run is never applied). A loss scaler is
-  refused (its skip would come one step late);
+  momentum still moves at that step, as it would for a zero gradient). Memory: one
+  model-sized copy of the gradients in their dtype (the step in flight, then its mean), a
+  scratch of the largest parameter, and, while the step is in flight (all of the next
+  step), the library's float32 copy of it (``start_``), plus a float32 work copy for float16,
+  bfloat16 or CUDA gradients: two to three model-sized buffers. Up to 64 buckets of a step go
+  out at once (a 65th waits for the first's exchange). An error of step t's exchange (the
+  group's: every rank alike) is raised by every rank at step t + 1, whose own exchange still
+  starts, so the step after goes on; a rank that cannot start a bucket's exchange hands out
+  the mean as its peers do and raises its own error at step t + 1 too; a rank that cannot
+  name or swap a bucket's gradients (its held copy no longer matches its peers') raises at
+  that step and every later one, and its peers from the next step on (restore from a
+  checkpoint). :meth:`HookState.save` waits for the step in flight and stores its mean beside
+  the residuals, so a resume is bit for bit; :meth:`HookState.flush` waits for it (its mean
+  stays held for the next step; the last step's mean of a run is never applied). A loss
+  scaler is refused (its skip would come one step late), and so is
+  ``find_unused_parameters=True`` without ``static_graph`` (DDP would drop the mean of a
+  parameter unused in a step). The exchange outlives the step: make no call of your own on
+  the all-reduce's process group (or mpi4py communicator) between steps;
 - under ``no_sync()`` no hook runs (DDP accumulates locally); the next synchronized step
   compresses the accumulated gradients (delayed: a step in flight stays in flight);
 - float16 and bfloat16 buckets are compressed as float32 and the mean is written back in the
@@ -57,6 +66,9 @@ bucket's step is done. What that means:
   message; :attr:`HookState.last_error` keeps the original exception.
 """
 
+import os
+import stat
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -104,10 +116,16 @@ class HookState:
         self.allreduce = allreduce
         self.delay = bool(delay)
         self.overlap = bool(overlap) or self.delay
-        if self.delay and scaler is not None:
+        if self.delay and scaler is not None and scaler.is_enabled():
             raise ValueError(
                 "delay=True with a loss scaler: a step's verdict (skip or not) would come one "
                 "step after the optimizer used it; use overlap=True or the blocking hook"
+            )
+        if self.delay and getattr(model, "find_unused_parameters", False) and not getattr(model, "static_graph", False):
+            raise ValueError(
+                "delay=True with find_unused_parameters=True: DDP leaves the gradient of a "
+                "parameter unused in a step untouched, so the step before's mean handed out for "
+                "it would be lost; use static_graph=True or every parameter in every step"
             )
         if self.overlap:
             _check_overlap(model, allreduce, skip_non_finite, "delay=True" if self.delay else "overlap=True")
@@ -137,56 +155,96 @@ class HookState:
         self._previous: List[Any] = []
         self._scratch: Optional[torch.Tensor] = None
         self._previous_error: Optional[BaseException] = None
+        # Delayed: set when this rank's held copy no longer matches its peers' (a bucket it
+        # could not map to names or swap): every later step fails on this rank.
+        self._broken: Optional[BaseException] = None
 
     def save(self, path: Any) -> None:
         """Writes this rank's residuals (keyed by parameter name), step and settings. Delayed
         (``delay=True``): first waits for the step in flight (raising its error, if any), and
         writes the mean it gives, which the next step hands out, beside them in
         ``<path>.delayed`` (``torch.save`` of the tensors by name, the step, and whether there
-        is a mean: one model-sized file in the gradients' dtype), so that a resume is bit for
-        bit."""
+        is a mean: one model-sized file in the gradients' dtype; written to a new file and
+        renamed over the old), so that a resume is bit for bit."""
         if self.delay:
             self.flush()
         self.allreduce.save(path)
         if self.delay:
+            target = _delayed_path(path)
+            partial = f"{target}.partial-{os.getpid()}"
             torch.save(
                 {"step": self.allreduce.step, "has_mean": self._held_is_mean, "means": dict(self._held)},
-                _delayed_path(path),
+                partial,
             )
+            os.replace(partial, target)
 
     def load(self, path: Any) -> None:
         """Restores residuals written by :meth:`save` with the same method and seed; delayed,
-        also the mean the next step hands out (``<path>.delayed``, which must be of the same
-        step as the residuals)."""
+        also the mean the next step hands out (``<path>.delayed``: every parameter of this
+        model in its shape and dtype, else ``ValueError`` and nothing loaded; of the step the
+        residuals are of, else ``ValueError`` with the residuals loaded and no mean held). A
+        step in flight is waited for and dropped, its error with it."""
         if not self.delay:
             self.allreduce.load(path)
             return
-        saved = torch.load(_delayed_path(path), weights_only=True)
-        self.flush()
+        means, step = self._read_delayed(_delayed_path(path))
+        previous, self._previous = self._previous, []
+        self._wait_all(previous)
         self.allreduce.load(path)
-        if not isinstance(saved, dict) or saved.get("step") != self.allreduce.step:
+        if step != self.allreduce.step:
+            # The residuals are loaded (their step is known only then): no mean is held, so
+            # the next step would hand out zeros; load a matching pair before training on.
+            self._held, self._held_is_mean = {}, False
             raise ValueError(
-                f"{_delayed_path(path)} is not the delayed mean of the residuals' step "
-                f"{self.allreduce.step}"
+                f"{_delayed_path(path)} is the delayed mean of step {step}, the residuals are "
+                f"of step {self.allreduce.step}"
             )
+        self._held = means
+        self._held_is_mean = bool(means)
+        self._broken = None
+
+    def _read_delayed(self, path: str) -> Tuple[Dict[str, torch.Tensor], Any]:
+        """The means and step of a ``.delayed`` file, checked against this model: a regular
+        file (opened without blocking), every parameter's tensor in its shape and dtype."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"{path} is not a regular file")
+            saved = torch.load(f, map_location="cpu", weights_only=True)
+        means = saved.get("means") if isinstance(saved, dict) else None
+        if not isinstance(means, dict):
+            raise ValueError(f"{path} is not a delayed mean written by HookState.save")
         by_name = {n: p for p, n in self.names.items()}
-        means = saved.get("means", {})
-        for name, t in means.items():
-            p = by_name.get(name)
-            if p is None or not isinstance(t, torch.Tensor) or t.shape != p.shape:
-                raise ValueError(f"{_delayed_path(path)}: tensor {name!r} is not of this model")
-        self._held = {n: t.to(by_name[n].device) for n, t in means.items()}
-        self._held_is_mean = bool(saved.get("has_mean")) and bool(self._held)
+        if not saved.get("has_mean"):
+            return {}, saved.get("step")
+        for name, p in by_name.items():
+            t = means.get(name)
+            grad_dtype = p.grad.dtype if p.grad is not None else p.dtype
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != grad_dtype:
+                raise ValueError(f"{path}: tensor {name!r} is missing or not of this model")
+        if set(means) != set(by_name):
+            raise ValueError(f"{path} holds tensors this model does not have")
+        return {n: means[n].to(by_name[n].device) for n in by_name}, saved.get("step")
 
     def flush(self) -> None:
         """Delayed: waits for the step in flight (the last backward pass's). Its mean stays
-        held for the next step to hand out; its error, if any, is raised here (and not again).
-        Nothing to do otherwise."""
-        previous, self._previous = self._previous, []
-        error = self._wait_all(previous)
+        held for the next step to hand out (waiting does not apply it: the last step's mean of
+        a run is never applied); its error, if any, is raised here (and not again). Nothing to
+        do otherwise."""
+        error = self._wait_previous()
         if error is not None:
-            self._held_is_mean = False
             raise error
+
+    def _wait_previous(self) -> Optional[BaseException]:
+        """Waits for every bucket's step of the step in flight; returns its first error. The
+        held copy counts as a mean only after every one was waited for without an error (an
+        interrupt half way leaves it marked as none: this rank's own gradients must never be
+        handed out as a mean)."""
+        previous, self._previous = self._previous, []
+        had_mean, self._held_is_mean = self._held_is_mean, False
+        error = self._wait_all(previous)
+        self._held_is_mean = had_mean and error is None
+        return error
 
     def _views(self, buf: torch.Tensor, params: List[torch.nn.Parameter], grads: Dict[str, torch.Tensor]) -> None:
         """Adds each parameter's slice of the bucket ``buf`` to ``grads``, by name."""
@@ -242,10 +300,7 @@ class HookState:
             # tensors, so that every rank fails that call alike (another layout) and the
             # ranks' calls stay paired; it raises its own error after the last bucket.
             self._local_error = self._local_error or e
-            try:
-                started = self.allreduce._start_in_place({}, ends_step=last, device_copy=True)
-            except Exception as again:
-                started = again
+            started = self._take_part_empty(last)
         self._in_flight.append((buf, fut, started))
         if last:
             self._finish_overlapped()
@@ -274,39 +329,62 @@ class HookState:
         if not self._in_flight:
             self.last_error = None
             self._local_error = None
-            previous, self._previous = self._previous, []
-            self._previous_error = self._wait_all(previous)
-            if self._previous_error is not None:
-                self._held_is_mean = False
-        started: Any
-        try:
-            grads: Dict[str, torch.Tensor] = {}
-            self._views(buf, list(bucket.parameters()), grads)
-            with torch.no_grad():
-                for name, g in grads.items():
-                    self._swap_held(name, g)
-                started = self.allreduce._start_in_place(
-                    {n: self._held[n] for n in grads}, ends_step=last, device_copy=True
-                )
-        except Exception as e:
-            # As in the overlapped hook: this rank takes part with no tensors, so that every
-            # rank fails that step alike; it raises its own error with this step.
-            self._local_error = self._local_error or e
+            self._previous_error = self._wait_previous()
+        started: Any = None
+        if self._broken is None:
             try:
-                started = self.allreduce._start_in_place({}, ends_step=last, device_copy=True)
-            except Exception as again:
-                started = again
+                grads: Dict[str, torch.Tensor] = {}
+                self._views(buf, list(bucket.parameters()), grads)
+                with torch.no_grad():
+                    for name, g in grads.items():
+                        self._swap_held(name, g)
+            except Exception as e:
+                # This rank's held copy no longer matches its peers' (a bucket it cannot name
+                # or swap): it fails this step and every later one, taking part with no
+                # tensors so that no peer waits; its peers fail from the next step on.
+                self._broken = e
+            else:
+                try:
+                    with torch.no_grad():
+                        started = self.allreduce._start_in_place(
+                            {n: self._held[n] for n in grads}, ends_step=last, device_copy=True
+                        )
+                except Exception as e:
+                    # The mean handed out is the step before's, as on every rank; this step's
+                    # exchange fails on every rank alike (this rank takes part with no
+                    # tensors), and this rank raises its own error with the others' at the
+                    # next step.
+                    self._local_error = self._local_error or e
+        if started is None:
+            started = self._take_part_empty(last)
         self._in_flight.append((buf, fut, started))
         if last:
             in_flight, self._in_flight = self._in_flight, []
             self._previous = [started for _, _, started in in_flight]
             self._held_is_mean = True
-            error = self._local_error or self._previous_error
+            if self._local_error is not None:
+                # Raised by this rank at the next step, before the group's error it caused.
+                self._previous.insert(0, self._local_error)
+            if self._broken is not None:
+                error: Optional[BaseException] = RuntimeError(
+                    f"the delayed hook's held gradients no longer match the other ranks' "
+                    f"({type(self._broken).__name__}: {self._broken}): restore from a checkpoint"
+                )
+            else:
+                error = self._previous_error
             if error is not None:
                 self._fail(error, [fut for _, fut, _ in in_flight])
                 return
             for buf, fut, _ in in_flight:
                 fut.set_result(buf)
+
+    def _take_part_empty(self, last: bool) -> Any:
+        """Starts this rank's part of a step with no tensors (its peers' step then fails alike
+        instead of waiting); returns the handle, or the error if even that fails."""
+        try:
+            return self.allreduce._start_in_place({}, ends_step=last, device_copy=True)
+        except Exception as again:
+            return again
 
     def _swap_held(self, name: str, g: torch.Tensor) -> None:
         """Puts the held mean of ``name`` (zeros when there is none) into the bucket's view
@@ -318,9 +396,11 @@ class HookState:
             held = torch.empty_like(g, memory_format=torch.contiguous_format)
             self._held[name] = held
         n = g.numel()
-        if self._scratch is None or self._scratch.numel() < n or self._scratch.dtype != g.dtype or self._scratch.device != g.device:
-            self._scratch = torch.empty(max(n, self._scratch.numel() if self._scratch is not None else 0), dtype=g.dtype, device=g.device)
-        tmp = self._scratch[:n].view(g.shape)
+        scratch = self._scratch
+        if scratch is None or scratch.numel() < n or scratch.dtype != g.dtype or scratch.device != g.device:
+            keep = scratch.numel() if scratch is not None and scratch.dtype == g.dtype else 0
+            scratch = self._scratch = torch.empty(max(n, keep), dtype=g.dtype, device=g.device)
+        tmp = scratch[:n].view(g.shape)
         tmp.copy_(g)
         if self._held_is_mean and not fresh:
             g.copy_(held)
@@ -330,15 +410,7 @@ class HookState:
 
     def _finish_overlapped(self) -> None:
         in_flight, self._in_flight = self._in_flight, []
-        first: Optional[BaseException] = None
-        for _, _, started in in_flight:
-            if isinstance(started, BaseException):
-                first = first or started
-                continue
-            try:
-                started.wait()
-            except Exception as e:
-                first = first or e
+        first = self._wait_all([started for _, _, started in in_flight])
         # (`bundle_bytes` is the blocking hook's: reading the all-reduce's message size here
         # would stop its thread after every backward pass.)
         first = self._rescale_error or self._local_error or first
@@ -348,7 +420,7 @@ class HookState:
         for buf, fut, _ in in_flight:
             fut.set_result(buf)
 
-    def _flush(self) -> None:
+    def _all_reduce_held(self) -> None:
         pending, self._pending = self._pending, []
         grads: Dict[str, torch.Tensor] = {}
         self.last_error = None
@@ -421,6 +493,14 @@ def _check_overlap(
             "process group (the default one, unless DDP was given another): give the "
             "AllReduce a group of its own (TorchDistributed(torch.distributed.new_group()))"
         )
+    # mpi4py's world communicator is the training loop's too (an allreduce of the loss would
+    # meet the library thread's calls): a duplicate of its own, as for a torch group.
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and getattr(allreduce.communicator, "comm", None) is mpi.COMM_WORLD:
+        raise ValueError(
+            f"{mode} calls the transport from the library's thread: give the AllReduce a "
+            "communicator of its own (gradwire.comm.Mpi4py(MPI.COMM_WORLD.Dup()))"
+        )
     if skip_non_finite or (skip_non_finite is None and allreduce.skip_non_finite):
         raise ValueError(
             f"{mode} does not skip non-finite steps yet (a bucket's verdict comes after "
@@ -432,7 +512,8 @@ def _check_overlap(
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: ``model.register_comm_hook(state, comm_hook)``. Returns a future that
     completes with the bucket's mean once the step's last bucket has been all-reduced (with
-    ``HookState(..., overlap=True)`` every bucket's step starts at once)."""
+    ``HookState(..., overlap=True)`` every bucket's step starts at once; with ``delay=True``
+    the future completes at the step's last bucket with the mean of the step before)."""
     fut: torch.futures.Future = torch.futures.Future()
     if state.delay:
         state._start_delayed(bucket, fut)
@@ -442,12 +523,10 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
         return fut
     state._pending.append((bucket.buffer(), list(bucket.parameters()), fut))
     if bucket.is_last():
-        state._flush()
+        state._all_reduce_held()
     return fut
 
 
 def _delayed_path(path: Any) -> str:
     """Where :meth:`HookState.save` writes the delayed mean beside the residuals at ``path``."""
-    import os
-
     return os.fspath(path) + ".delayed"
