@@ -167,16 +167,25 @@ class HookState:
         is a mean: one model-sized file in the gradients' dtype; written to a new file and
         renamed over the old), so that a resume is bit for bit."""
         if self.delay:
+            if self._broken is not None:
+                raise RuntimeError(
+                    "the delayed hook's held gradients no longer match the other ranks' "
+                    f"({type(self._broken).__name__}: {self._broken}): nothing to save"
+                )
             self.flush()
         self.allreduce.save(path)
         if self.delay:
             target = _delayed_path(path)
             partial = f"{target}.partial-{os.getpid()}"
-            torch.save(
-                {"step": self.allreduce.step, "has_mean": self._held_is_mean, "means": dict(self._held)},
-                partial,
-            )
-            os.replace(partial, target)
+            state = {"step": self.allreduce.step, "has_mean": self._held_is_mean, "means": dict(self._held)}
+            try:
+                torch.save(state, partial)
+                os.replace(partial, target)
+            except BaseException:
+                # A failed save leaves the file that was there, and no partial file.
+                if os.path.exists(partial):
+                    os.remove(partial)
+                raise
 
     def load(self, path: Any) -> None:
         """Restores residuals written by :meth:`save` with the same method and seed; delayed,
