@@ -268,6 +268,20 @@ def resume(rank, world_size, out, result, delay=False):
         result["mismatched_step"] = str(e)
 
 
+def attempt_steps(ar, count):
+    """``count`` all-reduces of a fixed 20 x 20 gradient: ``["ok", ""]`` or the error's class
+    and message for each."""
+    g = {"w": np.linspace(-1, 1, 400, dtype=np.float32).reshape(20, 20)}
+    steps = []
+    for _ in range(count):
+        try:
+            ar.all_reduce(g)
+            steps.append(["ok", ""])
+        except Exception as e:
+            steps.append([type(e).__name__, str(e)])
+    return steps
+
+
 class FailingOnce:
     """A transport whose raw call number ``fail_at`` (from 0) raises instead of taking part, and
     that counts the raw calls it is asked for after that."""
@@ -302,14 +316,7 @@ def broken_transport(rank, world_size, out, result):
     group = dist.new_group(timeout=timedelta(seconds=20))
     transport = FailingOnce(TorchDistributed(group), fail_at=1 if rank == 1 else None)
     ar = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", transport, seed=3)
-    g = {"w": np.linspace(-1, 1, 400, dtype=np.float32).reshape(20, 20)}
-    result["steps"] = []
-    for _ in range(3):
-        try:
-            ar.all_reduce(g)
-            result["steps"].append(["ok", ""])
-        except Exception as e:
-            result["steps"].append([type(e).__name__, str(e)])
+    result["steps"] = attempt_steps(ar, 3)
     result["after"] = transport.after
     # Both ranks end together (rank 0 leaves its failed call at the group's timeout).
     dist.barrier()
@@ -345,14 +352,7 @@ def different_calls(rank, world_size, out, result):
     transport = Recording(TorchDistributed(group))
     collective = "allgather" if rank == 0 else "two-phase"
     ar = gradwire.AllReduce("topk k=ratio:0.1 values=int8:256", transport, seed=3, collective=collective)
-    g = {"w": np.linspace(-1, 1, 400, dtype=np.float32).reshape(20, 20)}
-    result["steps"] = []
-    for _ in range(2):
-        try:
-            ar.all_reduce(g)
-            result["steps"].append(["ok", ""])
-        except Exception as e:
-            result["steps"].append([type(e).__name__, str(e)])
+    result["steps"] = attempt_steps(ar, 2)
     result["calls"] = transport.calls
     dist.barrier()
 

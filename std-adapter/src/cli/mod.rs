@@ -1066,7 +1066,7 @@ fn inspect(a: &InspectArgs) -> Result<(), CliError> {
 
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
-    use super::{Cli, Command, DEFAULT_MAX_ELEMENTS, InspectArgs, compress, decompress, inspect};
+    use super::{Cli, Command, compress, decompress, inspect};
     use crate::feedback::checkpoint::tests::{counting_reads, fifo};
     use clap::Parser;
     use std::path::PathBuf;
@@ -1080,25 +1080,9 @@ mod tests {
         let fifo = fifo("cli");
         for input in [PathBuf::from("/dev/zero"), fifo.clone()] {
             let shown = input.display().to_string();
-            let i = input.clone();
-            let (result, read) = counting_reads("inspect", move || {
-                inspect(&InspectArgs {
-                    input: i,
-                    json: false,
-                    layout: None,
-                    shapes: None,
-                    max_elements: DEFAULT_MAX_ELEMENTS,
-                })
-                .map_err(|e| e.message)
-            });
-            let e = result.unwrap_err();
-            assert!(
-                e.contains(&shown) && e.contains("not a regular file"),
-                "{e}"
-            );
-            assert!(read <= 64 << 10, "inspect {shown}: {read} bytes read");
             let out = std::env::temp_dir().join(format!("gradwire-cli-out-{}", std::process::id()));
             for line in [
+                vec!["gradwire", "inspect", &shown],
                 vec![
                     "gradwire",
                     "decompress",
