@@ -90,6 +90,17 @@ def exit_now():
     os._exit(0)
 
 
+def batch_loss(net, x, y, i, accumulate):
+    """The loss of samples ``i .. i + 32``, for the caller's ``backward()``; with
+    ``accumulate``, the first 16 go backward under ``no_sync()`` first (DDP accumulates them)
+    and the loss is the last 16's."""
+    if not accumulate:
+        return nn.functional.cross_entropy(net(x[i : i + 32]).float(), y[i : i + 32])
+    with net.no_sync():
+        nn.functional.cross_entropy(net(x[i : i + 16]).float(), y[i : i + 16]).backward()
+    return nn.functional.cross_entropy(net(x[i + 16 : i + 32]).float(), y[i + 16 : i + 32])
+
+
 @worker
 def train(rank, world_size, out, result, mode, method, steps, collective, dtype_name, bucket_view, accumulate):
 
@@ -117,13 +128,7 @@ def train(rank, world_size, out, result, mode, method, steps, collective, dtype_
     for step in range(steps):
         i = (step * 32) % x.shape[0]
         opt.zero_grad()
-        if accumulate and mode in ("hook", "overlap"):
-            with net.no_sync():
-                nn.functional.cross_entropy(net(x[i : i + 16]).float(), y[i : i + 16]).backward()
-            loss = nn.functional.cross_entropy(net(x[i + 16 : i + 32]).float(), y[i + 16 : i + 32])
-        else:
-            loss = nn.functional.cross_entropy(net(x[i : i + 32]).float(), y[i : i + 32])
-        loss.backward()
+        batch_loss(net, x, y, i, accumulate and mode in ("hook", "overlap")).backward()
         if mode == "function":
             gwt.all_reduce_gradients(model, ar)
         opt.step()
@@ -541,13 +546,7 @@ def delayed(rank, world_size, out, result, dtype_name, accumulate, steps):
         inputs.append({})
         calls.append(0)
         opt.zero_grad()
-        if accumulate:
-            with ddp.no_sync():
-                nn.functional.cross_entropy(ddp(x[i : i + 16]).float(), y[i : i + 16]).backward()
-            loss = nn.functional.cross_entropy(ddp(x[i + 16 : i + 32]).float(), y[i + 16 : i + 32])
-        else:
-            loss = nn.functional.cross_entropy(ddp(x[i : i + 32]).float(), y[i : i + 32])
-        loss.backward()
+        batch_loss(ddp, x, y, i, accumulate).backward()
         handed.append({n: p.grad.detach().clone() for n, p in ddp.named_parameters()})
         opt.step()
         with torch.no_grad():

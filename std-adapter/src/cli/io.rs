@@ -14,7 +14,7 @@ use super::CliError;
 
 /// Opens an input: a regular file only, looked at before it is opened (opening a FIFO blocks
 /// until someone writes to it; a device such as /dev/zero never ends), with its length.
-fn open_input(path: &Path) -> Result<(File, u64), CliError> {
+pub(super) fn open_input(path: &Path) -> Result<(File, u64), CliError> {
     match crate::feedback::checkpoint::open_regular(path) {
         Ok(opened) => Ok(opened),
         Err(crate::Error::Io { source, .. }) => Err(CliError::io("cannot read", path, &source)),

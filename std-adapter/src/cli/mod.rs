@@ -529,23 +529,11 @@ impl OutputDigest {
     fn of_file(path: &Path) -> Result<Option<Self>, CliError> {
         use sha2::Digest;
         use std::io::Read;
-        let mut file = match crate::feedback::checkpoint::open_regular(path) {
-            Ok((f, _)) => f,
-            Err(crate::Error::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound =>
-            {
-                return Ok(None);
-            }
-            Err(crate::Error::Io { source, .. }) => {
-                return Err(CliError::io("cannot read", path, &source));
-            }
-            Err(_) => {
-                return Err(CliError::new(format!(
-                    "cannot read {}: not a regular file",
-                    path.display()
-                )));
-            }
-        };
+        // A dangling link reads as missing too, as opening it would.
+        if !path.exists() {
+            return Ok(None);
+        }
+        let (mut file, _) = io::open_input(path)?;
         let mut hasher = sha2::Sha256::new();
         let mut block = vec![0u8; 1 << 20];
         let mut len = 0u64;

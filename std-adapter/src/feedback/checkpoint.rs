@@ -478,15 +478,19 @@ pub(crate) fn io_error(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
 /// is not a regular file (a FIFO, a device, a directory): a checkpoint's length is known before
 /// anything of it is read.
 pub(crate) fn open_regular(path: &Path) -> Result<(File, u64)> {
-    let not_regular = || Error::checkpoint(format!("{} is not a regular file", path.display()));
     // Looked at before opening, so that a device is never opened (opening some has effects);
     // then opened without blocking (opening a FIFO to read blocks until someone writes to it,
     // and the path may have become one since) and looked at again on the handle, which is
     // what is read: nothing is read from a file that is not regular.
     if !std::fs::metadata(path).map_err(io_error(path))?.is_file() {
-        return Err(not_regular());
+        return Err(not_regular(path));
     }
     open_checked(path)
+}
+
+/// [`Error::Checkpoint`]: `path` is not a regular file.
+fn not_regular(path: &Path) -> Error {
+    Error::checkpoint(format!("{} is not a regular file", path.display()))
 }
 
 /// Opens `path` without blocking and returns it with its length if the handle is a regular
@@ -495,7 +499,6 @@ pub(crate) fn open_regular(path: &Path) -> Result<(File, u64)> {
 /// # Errors
 /// As [`open_regular`].
 fn open_checked(path: &Path) -> Result<(File, u64)> {
-    let not_regular = || Error::checkpoint(format!("{} is not a regular file", path.display()));
     let mut options = std::fs::OpenOptions::new();
     options.read(true);
     #[cfg(unix)]
@@ -509,7 +512,7 @@ fn open_checked(path: &Path) -> Result<(File, u64)> {
     let file = options.open(path).map_err(io_error(path))?;
     let meta = file.metadata().map_err(io_error(path))?;
     if !meta.is_file() {
-        return Err(not_regular());
+        return Err(not_regular(path));
     }
     Ok((file, meta.len()))
 }
