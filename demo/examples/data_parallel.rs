@@ -58,6 +58,10 @@ struct Args {
     /// SGD momentum.
     #[arg(long, default_value_t = TrainConfig::default().momentum)]
     momentum: f32,
+    /// SGD momentum of the delayed methods (`*-delayed`), whose one-step delay adds momentum
+    /// of its own.
+    #[arg(long, default_value_t = TrainConfig::default().delayed_momentum)]
+    delayed_momentum: f32,
     /// Evaluate the test accuracy every this many steps (for the curves).
     #[arg(long, default_value_t = TrainConfig::default().eval_every)]
     eval_every: usize,
@@ -103,6 +107,7 @@ fn run(args: &Args) -> Result<(), DemoError> {
         batch_size: args.batch_size,
         lr: args.lr,
         momentum: args.momentum,
+        delayed_momentum: args.delayed_momentum,
         eval_every: args.eval_every,
         collective: args.collective,
         wait_barrier: args.wait_barrier,

@@ -79,12 +79,20 @@ pub enum Method {
     /// `crate::mpi_dense`), so it is left out of the threads-vs-MPI comparison.
     #[value(name = "dense-f32-allreduce")]
     DenseF32Allreduce,
+    /// [`Method::TopK1EfInt8`] with a one-step delay: each step's exchange runs behind the next
+    /// step's forward and backward pass, and step t applies the mean of step t - 1 (zeros at
+    /// the first step; Psyche's overlapped pipeline).
+    #[value(name = "topk-1%-ef-int8-delayed")]
+    TopK1EfInt8Delayed,
+    /// [`Method::SignEf`] with a one-step delay, as [`Method::TopK1EfInt8Delayed`].
+    #[value(name = "sign-ef-delayed")]
+    SignEfDelayed,
 }
 
 impl Method {
     /// Every method that runs on every transport, in table order (the default `--methods`;
     /// [`Method::DenseF32Allreduce`] is not one of them).
-    pub const ALL: [Method; 13] = [
+    pub const ALL: [Method; 15] = [
         Method::DenseF32,
         Method::DenseF16,
         Method::TopK1EfInt8,
@@ -98,6 +106,8 @@ impl Method {
         Method::RandK3Dgc,
         Method::PowerSgd1Ef,
         Method::PowerSgd4Ef,
+        Method::TopK1EfInt8Delayed,
+        Method::SignEfDelayed,
     ];
 
     /// The method's name on the command line and in the reports.
@@ -118,7 +128,16 @@ impl Method {
             Method::PowerSgd1Ef => "powersgd-r1-ef",
             Method::PowerSgd4Ef => "powersgd-r4-ef",
             Method::DenseF32Allreduce => "dense-f32-allreduce",
+            Method::TopK1EfInt8Delayed => "topk-1%-ef-int8-delayed",
+            Method::SignEfDelayed => "sign-ef-delayed",
         }
+    }
+
+    /// Whether the training loop runs the method with a one-step delay: the exchange of step
+    /// t overlaps the forward and backward pass of step t + 1, which applies its mean.
+    #[must_use]
+    pub fn delayed(self) -> bool {
+        matches!(self, Method::TopK1EfInt8Delayed | Method::SignEfDelayed)
     }
 
     /// Whether this build can run the method: all of them, but
@@ -331,7 +350,9 @@ pub fn gradwire_method(method: Method) -> Option<CompressionMethod> {
             values: Values::F32,
         }),
         Method::DenseF16 => CompressionMethod::Float16,
-        Method::TopK1EfInt8 => CompressionMethod::top_k_int8(0.01).with_error_feedback(),
+        Method::TopK1EfInt8 | Method::TopK1EfInt8Delayed => {
+            CompressionMethod::top_k_int8(0.01).with_error_feedback()
+        }
         Method::TopK1 => CompressionMethod::TopKRatio {
             ratio: 0.01,
             values: Values::F32,
@@ -347,7 +368,7 @@ pub fn gradwire_method(method: Method) -> Option<CompressionMethod> {
             unbiased: false,
         })
         .with_error_feedback(),
-        Method::SignEf => CompressionMethod::SignSGD.with_error_feedback(),
+        Method::SignEf | Method::SignEfDelayed => CompressionMethod::SignSGD.with_error_feedback(),
         Method::Quant4Ef => CompressionMethod::Quantization { bits: 4 }.with_error_feedback(),
     })
 }

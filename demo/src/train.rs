@@ -5,8 +5,17 @@
 //! and apply the same SGD-with-momentum update as every other rank. With
 //! [`Workload::MinilmReplay`] the gradients are the replayed MiniLM tensors
 //! ([`crate::replay`]) instead of the MLP's, and the same loop runs without a model.
+//!
+//! The delayed methods ([`Method::delayed`]) run each step's exchange (encode, collective,
+//! decode) on a thread of its own, behind the next step's forward and backward pass: step t
+//! copies its gradients out for that thread, waits for step t - 1's exchange, starts its own
+//! and applies step t - 1's mean (zeros at the first step; the last step's mean is exchanged
+//! and never applied), Psyche's overlapped pipeline. The thread borrows the communicator and
+//! the codec for the length of one exchange; under MPI that makes it the only MPI caller
+//! meanwhile (`MPI_THREAD_SERIALIZED`, which gradwire's communicator asks for).
 
 use std::sync::OnceLock;
+use std::thread::{self, ScopedJoinHandle};
 use std::time::Instant;
 
 use gradwire::comm::Communicator;
@@ -81,6 +90,11 @@ pub struct TrainConfig {
     pub lr: f32,
     /// Momentum of SGD (0 for plain SGD).
     pub momentum: f32,
+    /// Momentum of SGD for the delayed methods ([`Method::delayed`]). A one-step delay adds
+    /// momentum of its own (Mitliagkas et al., "Asynchrony begets momentum", 2016), so a
+    /// delayed run keeps less of the explicit kind; the default was measured on the digits
+    /// (README).
+    pub delayed_momentum: f32,
     /// Steps of linear warm-up to the peak learning rate; cosine decay to 0 follows.
     pub warmup_steps: usize,
     /// Test accuracy is evaluated (on rank 0) every this many steps, and after the last step.
@@ -108,6 +122,7 @@ impl Default for TrainConfig {
             batch_size: 32,
             lr: 0.05,
             momentum: 0.9,
+            delayed_momentum: 0.8,
             warmup_steps: 10,
             eval_every: 10,
             collective: Collective::AllGather,
@@ -156,6 +171,9 @@ impl TrainConfig {
         if !(0.0..1.0).contains(&self.momentum) {
             return bad("momentum must be in [0, 1)");
         }
+        if !(0.0..1.0).contains(&self.delayed_momentum) {
+            return bad("delayed momentum must be in [0, 1)");
+        }
         Ok(())
     }
 }
@@ -177,17 +195,20 @@ pub struct CurvePoint {
 pub struct Timing {
     /// Forward and backward (candle), batch assembly included.
     pub compute_s: f64,
-    /// [`GradientCodec::encode`].
+    /// [`GradientCodec::encode`]. For a delayed method: copying the step's gradients out for
+    /// the exchange thread (its codec runs there, behind the compute, and is not counted).
     pub encode_s: f64,
     /// The collective: waiting for peers included, unless [`TrainConfig::wait_barrier`] moved
-    /// that into [`Timing::wait_s`].
+    /// that into [`Timing::wait_s`]. For a delayed method: waiting for the step before's
+    /// exchange (what the compute did not hide).
     pub comm_s: f64,
     /// Waiting for the slowest rank at the barrier before the collective
     /// ([`TrainConfig::wait_barrier`]; 0 without it).
     pub wait_s: f64,
     /// [`GradientCodec::decode_mean`].
     pub decode_s: f64,
-    /// The SGD update and copying the parameters into the model.
+    /// The SGD update and copying the parameters into the model (and the loop's digest of the
+    /// mean it applies).
     pub update_s: f64,
     /// Evaluation on the test set (rank 0), not part of a step.
     pub eval_s: f64,
@@ -202,6 +223,16 @@ pub struct Timing {
 
 impl Timing {
     const FIELDS: usize = 9;
+
+    /// Adds `other`'s seconds and bytes, field by field.
+    fn add(&mut self, other: &Timing) {
+        let (mine, theirs) = (self.to_array(), other.to_array());
+        let mut sum = [0.0; Self::FIELDS];
+        for ((s, a), b) in sum.iter_mut().zip(mine).zip(theirs) {
+            *s = a + b;
+        }
+        *self = Timing::from_array(sum);
+    }
 
     /// Seconds of the steps proper (evaluation excluded).
     #[must_use]
@@ -423,6 +454,131 @@ impl Source {
 /// The kernel's byte counters (sent, received) of the network interface named by
 /// `GRADWIRE_DEMO_NETDEV`, or `None` when it is unset or unreadable (see
 /// [`Timing::netdev_tx_bytes`]; the slow-network harness `netsim/` sets it to each host's link).
+/// One rank's side of a step's exchange: the communicator, the codec, their buffers and the
+/// mean gradient the exchange writes. The delayed methods move it to a thread for the length
+/// of an exchange (behind the next step's compute) and get it back at the join.
+struct Exchange<'a> {
+    comm: &'a mut dyn Communicator,
+    codec: &'a mut dyn GradientCodec,
+    wait_barrier: bool,
+    max_len: usize,
+    message: Vec<u8>,
+    gathered: Vec<Vec<u8>>,
+    barrier_out: Vec<Vec<u8>>,
+    /// The mean gradient, one vector per parameter, name order.
+    mean: Vec<Vec<f32>>,
+}
+
+/// What one exchange took (seconds, on the thread that ran it) and moved (bytes).
+#[derive(Debug, Default)]
+struct Exchanged {
+    encode_s: f64,
+    wait_s: f64,
+    comm_s: f64,
+    decode_s: f64,
+    /// The message bytes of the step, as [`RankReport::bytes_per_worker_per_step`] counts them.
+    bytes: f64,
+    sent: u64,
+    received: u64,
+}
+
+/// An exchange back from its thread: the exchange, the gradients it read, its result.
+type Finished<'a> = (Exchange<'a>, Vec<Vec<f32>>, Result<Exchanged, DemoError>);
+
+impl Exchange<'_> {
+    /// This rank's `grads` (one slice per parameter, name order) of `step` through the codec
+    /// and the collective, the mean into `self.mean`.
+    fn run(&mut self, step: usize, grads: &[&[f32]]) -> Result<Exchanged, DemoError> {
+        let t1 = Instant::now();
+        let step = step as u64;
+        let mut done = Exchanged::default();
+        let (t2, t3, before, own_before) = if self.codec.runs_own_collective() {
+            self.codec.stage(grads, &mut self.mean)?;
+            done.wait_s = self.barrier()?;
+            let (before, own_before) = (self.comm.traffic(), self.codec.own_traffic());
+            // Compression, collective and decode are one call: timed as communication.
+            let t2 = Instant::now();
+            #[allow(clippy::cast_precision_loss)]
+            {
+                done.bytes = self
+                    .codec
+                    .all_reduce(&mut *self.comm, step, grads, &mut self.mean)?
+                    as f64;
+            }
+            (t2, Instant::now(), before, own_before)
+        } else {
+            self.codec.encode(step, grads, &mut self.message)?;
+            done.wait_s = self.barrier()?;
+            let (before, own_before) = (self.comm.traffic(), self.codec.own_traffic());
+            let t2 = Instant::now();
+            self.comm
+                .all_gather(&self.message, self.max_len, &mut self.gathered)?;
+            let t3 = Instant::now();
+            self.codec
+                .decode_mean(step, &self.gathered, &mut self.mean)?;
+            #[allow(clippy::cast_precision_loss)]
+            {
+                done.bytes = self.gathered.iter().map(Vec::len).sum::<usize>() as f64
+                    / self.gathered.len() as f64;
+            }
+            (t2, t3, before, own_before)
+        };
+        let t4 = Instant::now();
+        let moved = self.comm.traffic().since(before);
+        let own = self.codec.own_traffic().since(own_before);
+        done.sent = moved.sent + own.sent;
+        done.received = moved.received + own.received;
+        done.encode_s = (t2 - t1).as_secs_f64() - done.wait_s;
+        done.comm_s = (t3 - t2).as_secs_f64();
+        done.decode_s = (t4 - t3).as_secs_f64();
+        Ok(done)
+    }
+
+    /// The timing mode's barrier ([`TrainConfig::wait_barrier`]), right before the collective
+    /// (for a codec that runs its own collective that is before its encode): the seconds
+    /// waited.
+    fn barrier(&mut self) -> Result<f64, DemoError> {
+        if !self.wait_barrier {
+            return Ok(0.0);
+        }
+        let t = Instant::now();
+        self.comm.all_gather(&[], 0, &mut self.barrier_out)?;
+        Ok(t.elapsed().as_secs_f64())
+    }
+}
+
+/// Waits for an exchange's thread (a panic there is resumed here).
+fn join<'a>(running: ScopedJoinHandle<'_, Finished<'a>>) -> Finished<'a> {
+    running
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
+/// A rank's running totals over its exchanges, in step order.
+#[derive(Debug, Default)]
+struct Books {
+    /// Message bytes (see [`Exchanged::bytes`]).
+    bytes_total: f64,
+    sent_total: f64,
+    received_total: f64,
+    /// Digest of every step's mean gradient, folded in step order: equal on every rank.
+    mean_digest: u64,
+}
+
+impl Books {
+    fn record(&mut self, done: &Exchanged, mean: &[Vec<f32>]) {
+        self.bytes_total += done.bytes;
+        #[allow(clippy::cast_precision_loss)]
+        {
+            self.sent_total += done.sent as f64;
+            self.received_total += done.received as f64;
+        }
+        self.mean_digest = (self.mean_digest ^ digest(mean))
+            .rotate_left(17)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 fn netdev_counters() -> Option<(u64, u64)> {
     let iface = std::env::var("GRADWIRE_DEMO_NETDEV").ok()?;
     if iface.is_empty() || iface.contains('/') || iface.starts_with('.') {
@@ -490,21 +646,24 @@ pub fn run_rank_with_codec(
     // A codec with DGC's momentum correction has applied the momentum already.
     let momentum = if codec.owns_momentum() {
         0.0
+    } else if codec.method().delayed() {
+        config.delayed_momentum
     } else {
         config.momentum
     };
-    let mut mean: Vec<Vec<f32>> = velocity.clone();
+    let delayed = codec.method().delayed();
+    if delayed && config.wait_barrier {
+        return Err(DemoError::Config(format!(
+            "`{}` runs each exchange behind the next step's compute: --wait-barrier, which splits \
+             a blocking exchange's time, does not apply to it",
+            codec.method()
+        )));
+    }
     let max_len = codec.max_message_len();
-    let mut message = Vec::with_capacity(max_len);
-    let mut gathered: Vec<Vec<u8>> = Vec::new();
-    let mut barrier_out: Vec<Vec<u8>> = Vec::new();
     let mut timing = Timing::default();
     let mut curve = Vec::new();
     let mut curve_s = Vec::new();
-    let mut bytes_total = 0.0f64;
-    let (mut sent_total, mut received_total) = (0.0f64, 0.0f64);
-    // Digest of every step's aggregated mean gradient: equal on every rank, checked below.
-    let mut mean_digest: u64 = 0;
+    let mut books = Books::default();
     let initial_train_loss = match source.model() {
         Some(model) => model.evaluate(&data.train)?.0,
         None => 0.0,
@@ -531,87 +690,118 @@ pub fn run_rank_with_codec(
     }
 
     let netdev_before = netdev_counters();
-    for step in 0..config.steps {
-        let t0 = Instant::now();
-        let grads = source.next_gradients(config.batch_size)?;
-        let t1 = Instant::now();
-        let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
-        // The timing mode's barrier, right before the collective: for a codec that runs its
-        // own collective that is before its encode (encode is part of the call).
-        let mut waited = 0.0;
-        let mut barrier = |comm: &mut dyn Communicator| -> Result<(), DemoError> {
-            if config.wait_barrier {
-                let t = Instant::now();
-                comm.all_gather(&[], 0, &mut barrier_out)?;
-                waited += t.elapsed().as_secs_f64();
+    let exchange = Exchange {
+        comm: &mut *comm,
+        codec: codec.as_mut(),
+        wait_barrier: config.wait_barrier,
+        max_len,
+        message: Vec::with_capacity(max_len),
+        gathered: Vec::new(),
+        barrier_out: Vec::new(),
+        mean: velocity.clone(),
+    };
+    // The mean each step applies: its own, or with a delay the step before's (zeros at the
+    // first step).
+    let mut applied: Vec<Vec<f32>> = velocity.clone();
+    // With a delay: this step's gradients, copied out of the source for the exchange that runs
+    // behind the next step, and the buffer the exchange in flight gives back.
+    let (mut handover, mut returned) = if delayed {
+        (velocity.clone(), Some(velocity.clone()))
+    } else {
+        (Vec::new(), None)
+    };
+    thread::scope(|scope| -> Result<(), DemoError> {
+        let mut idle = Some(exchange);
+        let mut in_flight: Option<ScopedJoinHandle<'_, Finished<'_>>> = None;
+        let taken = || DemoError::Transport("the exchange is not back from its thread".into());
+        for step in 0..config.steps {
+            let t0 = Instant::now();
+            let grads = source.next_gradients(config.batch_size)?;
+            let t1 = Instant::now();
+            let mut phases = Timing {
+                compute_s: (t1 - t0).as_secs_f64(),
+                ..Timing::default()
+            };
+            // The exchange that ended in this step (with a delay, the step before's).
+            let mut finished = None;
+            if delayed {
+                for (h, g) in handover.iter_mut().zip(grads) {
+                    h.copy_from_slice(g);
+                }
+                let t2 = Instant::now();
+                phases.encode_s = (t2 - t1).as_secs_f64();
+                if let Some(running) = in_flight.take() {
+                    let (mut ex, grads_back, result) = join(running);
+                    finished = Some(result?);
+                    std::mem::swap(&mut applied, &mut ex.mean);
+                    idle = Some(ex);
+                    returned = Some(grads_back);
+                }
+                phases.comm_s = t2.elapsed().as_secs_f64();
+                let mut ex = idle.take().ok_or_else(taken)?;
+                let to_send = std::mem::replace(&mut handover, returned.take().ok_or_else(taken)?);
+                in_flight = Some(scope.spawn(move || {
+                    let result = {
+                        let views: Vec<&[f32]> = to_send.iter().map(Vec::as_slice).collect();
+                        ex.run(step, &views)
+                    };
+                    (ex, to_send, result)
+                }));
+            } else {
+                let ex = idle.as_mut().ok_or_else(taken)?;
+                let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
+                let done = ex.run(step, &views)?;
+                std::mem::swap(&mut applied, &mut ex.mean);
+                phases.encode_s = done.encode_s;
+                phases.wait_s = done.wait_s;
+                phases.comm_s = done.comm_s;
+                phases.decode_s = done.decode_s;
+                finished = Some(done);
             }
-            Ok(())
-        };
-        let (t2, t3, step_bytes, before, own_before) = if codec.runs_own_collective() {
-            codec.stage(&views, &mut mean)?;
-            barrier(comm)?;
-            let (before, own_before) = (comm.traffic(), codec.own_traffic());
-            // Compression, collective and decode are one call: timed as communication.
-            let t2 = Instant::now();
-            #[allow(clippy::cast_precision_loss)]
-            let bytes = codec.all_reduce(comm, step as u64, &views, &mut mean)? as f64;
-            (t2, Instant::now(), bytes, before, own_before)
-        } else {
-            codec.encode(step as u64, &views, &mut message)?;
-            barrier(comm)?;
-            let (before, own_before) = (comm.traffic(), codec.own_traffic());
-            let t2 = Instant::now();
-            comm.all_gather(&message, max_len, &mut gathered)?;
-            let t3 = Instant::now();
-            codec.decode_mean(step as u64, &gathered, &mut mean)?;
-            #[allow(clippy::cast_precision_loss)]
-            let bytes = gathered.iter().map(Vec::len).sum::<usize>() as f64 / gathered.len() as f64;
-            (t2, t3, bytes, before, own_before)
-        };
-        let moved = comm.traffic().since(before);
-        let own = codec.own_traffic().since(own_before);
-        #[allow(clippy::cast_precision_loss)]
-        {
-            sent_total += (moved.sent + own.sent) as f64;
-            received_total += (moved.received + own.received) as f64;
-        }
-        mean_digest = (mean_digest ^ digest(&mean))
-            .rotate_left(17)
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let t4 = Instant::now();
-        let lr = config.lr_at(step);
-        for ((p, v), g) in params.iter_mut().zip(&mut velocity).zip(&mean) {
-            for ((p, v), g) in p.iter_mut().zip(v.iter_mut()).zip(g) {
-                *v = momentum * *v + *g;
-                *p -= lr * *v;
+            // The loop's own bookkeeping of the mean it applies (its digest): timed with the
+            // update, not the codec.
+            let t4 = Instant::now();
+            if let Some(done) = finished {
+                books.record(&done, &applied);
             }
-        }
-        source.set_params(&params)?;
-        let t5 = Instant::now();
-        if step >= config.untimed_steps {
-            timing.compute_s += (t1 - t0).as_secs_f64();
-            timing.encode_s += (t2 - t1).as_secs_f64() - waited;
-            timing.wait_s += waited;
-            timing.comm_s += (t3 - t2).as_secs_f64();
-            timing.decode_s += (t4 - t3).as_secs_f64();
-            timing.update_s += (t5 - t4).as_secs_f64();
-        }
-        bytes_total += step_bytes;
-        let done = step + 1;
-        if rank == 0
-            && (done % config.eval_every == 0 || done == config.steps)
-            && let Some(point) = evaluate(&source, done, bytes_total, &mut timing)?
-        {
+            let lr = config.lr_at(step);
+            for ((p, v), g) in params.iter_mut().zip(&mut velocity).zip(&applied) {
+                for ((p, v), g) in p.iter_mut().zip(v.iter_mut()).zip(g) {
+                    *v = momentum * *v + *g;
+                    *p -= lr * *v;
+                }
+            }
+            source.set_params(&params)?;
+            phases.update_s = t4.elapsed().as_secs_f64();
+            if step >= config.untimed_steps {
+                timing.add(&phases);
+            }
+            let done = step + 1;
+            if rank == 0
+                && (done % config.eval_every == 0 || done == config.steps)
+                && let Some(point) = evaluate(&source, done, books.bytes_total, &mut timing)?
+            {
+                if let Some(pb) = progress {
+                    pb.set_message(format!("test acc {:.1}%", 100.0 * point.test_accuracy));
+                }
+                curve.push(point);
+                curve_s.push(timing.step_s());
+            }
             if let Some(pb) = progress {
-                pb.set_message(format!("test acc {:.1}%", 100.0 * point.test_accuracy));
+                pb.inc(1);
             }
-            curve.push(point);
-            curve_s.push(timing.step_s());
         }
-        if let Some(pb) = progress {
-            pb.inc(1);
+        // The last step's exchange: its mean is never applied (a further step would), but
+        // every rank completes it and it counts in the traffic and the digest.
+        if let Some(running) = in_flight.take() {
+            let t = Instant::now();
+            let (ex, _, result) = join(running);
+            books.record(&result?, &ex.mean);
+            timing.comm_s += t.elapsed().as_secs_f64();
         }
-    }
+        Ok(())
+    })?;
+    let mut gathered: Vec<Vec<u8>> = Vec::new();
 
     if let (Some((tx0, rx0)), Some((tx1, rx1))) = (netdev_before, netdev_counters()) {
         #[allow(clippy::cast_precision_loss)]
@@ -631,7 +821,7 @@ pub fn run_rank_with_codec(
     // Every rank's traffic per step, for the largest and the mean over ranks.
     #[allow(clippy::cast_precision_loss)]
     let per_step = config.steps.max(1) as f64;
-    let mine: Vec<u8> = [sent_total / per_step, received_total / per_step]
+    let mine: Vec<u8> = [books.sent_total / per_step, books.received_total / per_step]
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect();
@@ -682,7 +872,7 @@ pub fn run_rank_with_codec(
     let param_digest = digest(&params);
     let mut mine = [0u8; 16];
     mine[..8].copy_from_slice(&param_digest.to_le_bytes());
-    mine[8..].copy_from_slice(&mean_digest.to_le_bytes());
+    mine[8..].copy_from_slice(&books.mean_digest.to_le_bytes());
     comm.all_gather(&mine, 16, &mut gathered)?;
     if let Some(other) = gathered
         .iter()
@@ -695,7 +885,7 @@ pub fn run_rank_with_codec(
     }
 
     #[allow(clippy::cast_precision_loss)]
-    let bytes_per_worker_per_step = bytes_total / config.steps as f64;
+    let bytes_per_worker_per_step = books.bytes_total / config.steps as f64;
     Ok(RankReport {
         method: codec.method(),
         seed,
@@ -709,7 +899,7 @@ pub fn run_rank_with_codec(
         curve,
         curve_s,
         param_digest,
-        mean_digest,
+        mean_digest: books.mean_digest,
         timing,
         mean_timing: Timing::mean(&all),
     })

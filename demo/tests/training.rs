@@ -2,7 +2,9 @@
 //! identical, dense f32 moves a ring all-reduce's bytes, and the same seed gives the same report
 //! (timings aside).
 
-use gradwire_demo::codec::Method;
+use gradwire::comm::{Communicator, Traffic};
+use gradwire_demo::DemoError;
+use gradwire_demo::codec::{Collective, GradientCodec, Method, new_codec};
 use gradwire_demo::launch::{ThreadLauncher, run_sweep};
 use gradwire_demo::train::TrainConfig;
 
@@ -173,5 +175,147 @@ fn minilm_replay_runs_the_same_loop_at_minilm_size() {
     assert_eq!(
         a[0].mean_digest, c[0].mean_digest,
         "the same seed, the same run"
+    );
+}
+
+/// A blocking codec that hands out the mean of the step before (zeros at the first step): the
+/// update the delayed methods make, with nothing behind the next step.
+struct StaleMean {
+    inner: Box<dyn GradientCodec>,
+    /// The step's own mean (or, staged, its gradients), written by the inner codec.
+    fresh: Vec<Vec<f32>>,
+    /// The step before's mean.
+    before: Vec<Vec<f32>>,
+}
+
+impl StaleMean {
+    /// Hands out the step before's mean and keeps this step's.
+    fn hand_out_stale(&mut self, out: &mut [Vec<f32>]) {
+        for ((o, b), f) in out.iter_mut().zip(&mut self.before).zip(&self.fresh) {
+            o.copy_from_slice(b);
+            b.copy_from_slice(f);
+        }
+    }
+}
+
+impl GradientCodec for StaleMean {
+    fn method(&self) -> Method {
+        self.inner.method()
+    }
+
+    fn max_message_len(&self) -> usize {
+        self.inner.max_message_len()
+    }
+
+    fn encode(&mut self, step: u64, grads: &[&[f32]], out: &mut Vec<u8>) -> Result<(), DemoError> {
+        self.inner.encode(step, grads, out)
+    }
+
+    fn decode_mean(
+        &mut self,
+        step: u64,
+        messages: &[Vec<u8>],
+        out: &mut [Vec<f32>],
+    ) -> Result<(), DemoError> {
+        self.inner.decode_mean(step, messages, &mut self.fresh)?;
+        self.hand_out_stale(out);
+        Ok(())
+    }
+
+    fn runs_own_collective(&self) -> bool {
+        self.inner.runs_own_collective()
+    }
+
+    fn stage(&mut self, grads: &[&[f32]], _out: &mut [Vec<f32>]) -> Result<(), DemoError> {
+        self.inner.stage(grads, &mut self.fresh)
+    }
+
+    fn all_reduce(
+        &mut self,
+        comm: &mut dyn Communicator,
+        step: u64,
+        grads: &[&[f32]],
+        out: &mut [Vec<f32>],
+    ) -> Result<usize, DemoError> {
+        let bytes = self.inner.all_reduce(comm, step, grads, &mut self.fresh)?;
+        self.hand_out_stale(out);
+        Ok(bytes)
+    }
+
+    fn own_traffic(&self) -> Traffic {
+        self.inner.own_traffic()
+    }
+}
+
+#[test]
+fn a_delayed_method_applies_the_mean_of_the_step_before_while_the_next_step_computes() {
+    for (delayed, blocking, collective, workers) in [
+        (
+            Method::TopK1EfInt8Delayed,
+            Method::TopK1EfInt8,
+            Collective::AllGather,
+            2,
+        ),
+        (
+            Method::SignEfDelayed,
+            Method::SignEf,
+            Collective::TwoPhase,
+            3,
+        ),
+    ] {
+        let config = TrainConfig {
+            collective,
+            ..short()
+        };
+        let launcher = ThreadLauncher::new(workers).expect("launcher");
+        let overlapped = launcher
+            .run_all(&config, delayed, 5, None)
+            .expect("delayed run");
+        // The same update from a blocking loop: the codec of the method without the delay,
+        // handing out the step before's mean, at the delayed methods' momentum.
+        let by_hand = TrainConfig {
+            momentum: config.delayed_momentum,
+            ..config.clone()
+        };
+        let reference = launcher
+            .run_all_with(&by_hand, 5, None, &|ctx| {
+                let zeros: Vec<Vec<f32>> = ctx.specs.iter().map(|p| vec![0.0; p.len()]).collect();
+                Ok(Box::new(StaleMean {
+                    inner: new_codec(blocking, ctx)?,
+                    fresh: zeros.clone(),
+                    before: zeros,
+                }))
+            })
+            .expect("reference run");
+        for (a, b) in overlapped.iter().zip(&reference) {
+            assert_eq!(a.method, delayed);
+            assert_eq!(
+                a.param_digest, b.param_digest,
+                "{delayed}, rank {}: other parameters than the blocking loop's",
+                a.rank
+            );
+            assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits());
+            assert_eq!(a.bytes_per_worker_per_step, b.bytes_per_worker_per_step);
+            assert_eq!(a.traffic, b.traffic);
+        }
+        // And not the blocking method's parameters.
+        let undelayed = launcher
+            .run_all(&by_hand, blocking, 5, None)
+            .expect("blocking run");
+        assert_ne!(overlapped[0].param_digest, undelayed[0].param_digest);
+    }
+
+    // The timing mode's barrier splits a blocking exchange; a delayed method refuses it.
+    let barrier = TrainConfig {
+        wait_barrier: true,
+        ..short()
+    };
+    let refused =
+        ThreadLauncher::new(2)
+            .expect("launcher")
+            .run_all(&barrier, Method::SignEfDelayed, 5, None);
+    assert!(
+        matches!(&refused, Err(DemoError::Config(m)) if m.contains("--wait-barrier")),
+        "{refused:?}"
     );
 }
