@@ -18,7 +18,8 @@ use crate::report::{MethodResult, Report};
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
 
-const COLORS: [RGBColor; 14] = [
+/// One colour per method of the default list (`Method::ALL`), so that no two share one.
+const COLORS: [RGBColor; 15] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -33,6 +34,7 @@ const COLORS: [RGBColor; 14] = [
     RGBColor(0, 0, 139),
     RGBColor(139, 0, 0),
     RGBColor(0, 100, 0),
+    RGBColor(255, 20, 147),
 ];
 
 fn register() -> Result<(), DemoError> {
@@ -284,7 +286,16 @@ fn human_bytes(b: f64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::human_bytes;
+    use super::{COLORS, human_bytes};
+    use crate::codec::Method;
+
+    #[test]
+    fn every_default_method_has_a_colour_of_its_own() {
+        assert!(Method::ALL.len() <= COLORS.len());
+        for (i, a) in COLORS.iter().enumerate() {
+            assert!(!COLORS[i + 1..].contains(a), "colour {i} appears twice");
+        }
+    }
 
     #[test]
     fn bytes_read_well() {
