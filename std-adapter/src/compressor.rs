@@ -24,7 +24,7 @@ use gradwire_core::{Method, Params, max_frame_len, tensor_id};
 use crate::engine::dense_stream::DenseStream;
 use crate::engine::{Engine, Gradients, Parallelism, Shapes};
 use crate::error::{Error, Result};
-use crate::feedback::ErrorFeedback;
+use crate::feedback::{ErrorFeedback, KeptResidual};
 use crate::layout::{self, BucketConfig, Manifest, frame_error};
 use crate::method;
 use crate::tensor::Tensor;
@@ -141,6 +141,22 @@ impl GradientCompressor {
     /// or a checkpoint was loaded.
     pub fn feedback(&self) -> Option<&ErrorFeedback> {
         self.feedback.as_ref()
+    }
+
+    /// Copies `name`'s residual state into `into` (see [`ErrorFeedback::keep`]; without error
+    /// feedback state yet: that it has no residual).
+    pub(crate) fn keep_residual(&self, name: &str, into: &mut KeptResidual) {
+        match &self.feedback {
+            Some(fb) => fb.keep(name, into),
+            None => ErrorFeedback::keep_none(name, into),
+        }
+    }
+
+    /// Puts back a residual state [`GradientCompressor::keep_residual`] copied.
+    pub(crate) fn put_back_residual(&mut self, kept: &KeptResidual) {
+        if let Some(fb) = self.feedback.as_mut() {
+            fb.put_back(kept);
+        }
     }
 
     /// Multiplies every residual by `factor` (see [`ErrorFeedback::scale`]).

@@ -363,21 +363,27 @@ def different_calls(rank, world_size, out, result):
 
 
 @worker
-def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow_at):
-    """Issue 47 scope 5: the DDP hook under ``torch.amp.GradScaler`` (``mode`` "scaler"), and
-    the same training at a loss scale of 1 without one (``mode`` "plain"), which leaves out the
-    step that overflows in the scaler's run. At ``overflow_at`` rank 1's loss is infinite: the
-    hook's step comes back NaN on every rank, the scaler skips it and halves its scale; every
-    other step, and the residuals (in the scale's units, rescaled when it changes), must be the
-    plain run's bits (powers of two scale exactly)."""
+def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow_at, inf_in="loss"):
+    """Issue 47 scope 5: the DDP hook under ``torch.amp.GradScaler`` (``mode`` "scaler", or
+    "overlap-scaler" for the overlapped hook), and the same training at a loss scale of 1
+    without one (``mode`` "plain", blocking), which leaves out the step that overflows in the
+    scaler's run. At ``overflow_at`` rank 1's gradient is not finite (``inf_in``: its loss is
+    infinite, or only the gradient of the first layer's weight, in DDP's last bucket, or of the
+    last layer's, in its first): the hook's step comes back NaN on every rank, the scaler skips
+    it and halves its scale; every other step, and the residuals (in the scale's units,
+    rescaled when it changes), must be the plain run's bits (powers of two scale exactly)."""
     model = model_of()
-    overlap = mode == "overlap-strict"
+    overlap = mode in ("overlap-strict", "overlap-scaler")
+    poisoned = [False]
+    if inf_in != "loss":
+        layer = model[0] if inf_in == "first-layer" else model[2]
+        layer.weight.register_hook(lambda g: g * float("inf") if poisoned[0] else g)
     ar = gradwire.AllReduce("topk k=ratio:0.05 values=int8:256",
                             TorchDistributed(dist.new_group() if overlap else None), seed=5,
                             collective=collective)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
     scaler = None
-    if mode == "scaler":
+    if mode in ("scaler", "overlap-scaler"):
         # A small first scale that grows after every 2 good steps: the run sees growths and,
         # at the overflow, a halving.
         scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2)
@@ -406,12 +412,15 @@ def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow
         i = (step * 32) % x.shape[0]
         opt.zero_grad()
         loss = nn.functional.cross_entropy(ddp(x[i : i + 32]), y[i : i + 32])
-        if mode == "scaler":
+        if scaler is not None:
             if step == overflow_at and rank == 1:
-                loss = loss * float("inf")
+                if inf_in == "loss":
+                    loss = loss * float("inf")
+                poisoned[0] = True
             before = digest(model)
             scaler.scale(loss).backward()
             result["scales"].append(float(scaler.get_scale()))
+            poisoned[0] = False
             scaler.step(opt)
             scaler.update()
             if ar.last_step_skipped:

@@ -232,10 +232,22 @@ def test_delayed_hook_refuses_a_loss_scaler():
         gwt.HookState(model, ar, delay=True, scaler=torch.amp.GradScaler("cpu"))
 
 
-@pytest.mark.parametrize("collective", ["allgather", "two-phase"])
-def test_grad_scaler_skips_an_overflow_and_residuals_follow_the_scale(tmp_path, collective):
+@pytest.mark.parametrize(
+    "mode,collective,inf_in",
+    [
+        ("scaler", "allgather", "loss"),
+        ("scaler", "two-phase", "loss"),
+        # The overlapped hook: the overflow in DDP's last bucket (the first went out before the
+        # verdict and gives back), in its first (the later one comes back NaN unsent), or in
+        # every bucket.
+        ("overlap-scaler", "allgather", "first-layer"),
+        ("overlap-scaler", "allgather", "last-layer"),
+        ("overlap-scaler", "allgather", "loss"),
+    ],
+)
+def test_grad_scaler_skips_an_overflow_and_residuals_follow_the_scale(tmp_path, mode, collective, inf_in):
     steps, overflow_at = 7, 3
-    scaled = launch(dist_workers.grad_scaler, 2, tmp_path, "scaler", collective, steps, overflow_at)
+    scaled = launch(dist_workers.grad_scaler, 2, tmp_path, mode, collective, steps, overflow_at, inf_in)
     plain = launch(dist_workers.grad_scaler, 2, tmp_path, "plain", collective, steps, overflow_at)
     for s, p in zip(scaled, plain):
         # The overflow: skipped on every rank, the scale halved after it, grown before.

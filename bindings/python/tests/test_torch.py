@@ -153,7 +153,7 @@ def test_start_in_place_writes_torch_tensors_of_every_dtype(grads_step1):
 
 def test_overlapped_hook_refuses_what_it_cannot_run():
     """`HookState(..., overlap=True)` needs the all-gather, a process group of the all-reduce's
-    own, and no skipping of non-finite steps (yet): each is a ValueError naming it."""
+    own, and, delayed, no skipping of non-finite steps: each is a ValueError naming it."""
     import gradwire.torch as gwt
 
     model = torch.nn.Linear(4, 2)
@@ -175,9 +175,15 @@ def test_overlapped_hook_refuses_what_it_cannot_run():
 
     with pytest.raises(ValueError, match="group of its own"):
         gwt.HookState(DdpLike(4, 2), gradwire.AllReduce(method, OnDdpGroup()), overlap=True)
-    with pytest.raises(ValueError, match="non-finite"):
-        gwt.HookState(model, gradwire.AllReduce(method, _Alone(), skip_non_finite=True), overlap=True)
-    with pytest.raises(ValueError, match="non-finite"):
-        gwt.HookState(model, gradwire.AllReduce(method, _Alone()), overlap=True, skip_non_finite=True)
+    # Mixed precision: the overlapped hook skips non-finite steps as the blocking one does (on
+    # by default); the delayed hook refuses to (its verdict would come a step late).
     state = gwt.HookState(model, gradwire.AllReduce(method, _Alone()), overlap=True)
+    assert state.overlap and state.allreduce.skip_non_finite
+    chosen = gwt.HookState(model, gradwire.AllReduce(method, _Alone(), skip_non_finite=False), overlap=True)
+    assert not chosen.allreduce.skip_non_finite
+    with pytest.raises(ValueError, match="non-finite"):
+        gwt.HookState(model, gradwire.AllReduce(method, _Alone(), skip_non_finite=True), delay=True)
+    with pytest.raises(ValueError, match="non-finite"):
+        gwt.HookState(model, gradwire.AllReduce(method, _Alone()), delay=True, skip_non_finite=True)
+    state = gwt.HookState(model, gradwire.AllReduce(method, _Alone()), delay=True)
     assert state.overlap and not state.allreduce.skip_non_finite

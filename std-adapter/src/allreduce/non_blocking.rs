@@ -18,16 +18,26 @@
 //! `true`. Buckets are started in the same order on every rank; each keeps its own residuals
 //! (they are keyed by name). On the two-phase collective with error feedback, server residuals
 //! belong to one model layout, so buckets of several layouts there fail as the blocking calls
-//! do ([`crate::Error::Config`]): start whole-model steps, or use the all-gather. With
-//! [`CompressedAllReduce::with_skip_non_finite`] the verdict is a bucket's: a bucket whose
-//! gradient is not finite on some rank comes back non-finite, and the buckets before it in the
-//! same model step keep their results.
+//! do ([`crate::Error::Config`]): start whole-model steps, or use the all-gather.
+//!
+//! Mixed precision ([`CompressedAllReduce::with_skip_non_finite`]): the verdict is the model
+//! step's. The bucket in which some rank's gradient is not finite comes back NaN, as a
+//! skipped blocking call does, and so does every later bucket of that model step, without an
+//! exchange (every rank knows the verdict); the residuals of the step's earlier buckets are put
+//! back to their values before the step (the thread copies the residuals of each bucket but a
+//! step's last before its call: up to one model's residuals of memory, reused from step to
+//! step, in this mode only), and the step number does not advance. So a skipped step's last
+//! bucket always comes back all NaN; the earlier buckets' results, handed back already, are
+//! void: a caller fills them with NaN too (the DDP hook does), so that a loss scaler skips the
+//! step. [`CompressedAllReduce::last_step_skipped`] of the all-reduce that
+//! [`NonBlockingAllReduce::finish`] gives back tells the last bucket's verdict.
 
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::thread::{self, JoinHandle};
 
 use super::CompressedAllReduce;
 use crate::error::{Error, Result};
+use crate::feedback::KeptResidual;
 use crate::tensor::{Tensor, TensorMut};
 
 /// The most steps a [`NonBlockingAllReduce`] keeps in flight (the bound of
@@ -232,7 +242,17 @@ impl PendingAllReduce {
 /// handle dropped without a wait drops them). A call that does not end a model step leaves
 /// the step number where it found it, on success and failure alike (every rank does the
 /// same, so the group stays in step).
+///
+/// With [`CompressedAllReduce::with_skip_non_finite`] the verdict is the model step's: the
+/// residuals of each bucket but the step's last are copied before its call; when a bucket is
+/// skipped (on every rank alike), the copies of the step's buckets so far are put back, and
+/// the step's later buckets come back NaN without a call (every rank knows the verdict).
 fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAllReduce {
+    // The residuals of this model step's buckets so far (the first `kept_len` entries; the
+    // buffers are reused from step to step), and whether one of its buckets was skipped.
+    let mut kept: Vec<KeptResidual> = Vec::new();
+    let mut kept_len = 0;
+    let mut step_skipped = false;
     for job in jobs {
         let Job {
             mut tensors,
@@ -240,7 +260,25 @@ fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAl
             done,
         } = job;
         let step = all_reduce.compressor().step();
-        let result = {
+        let skip_mode = all_reduce.skip_non_finite;
+        let result = if skip_mode && step_skipped {
+            for (_, tensor) in &mut tensors {
+                tensor.parts_mut().1.fill(f32::NAN);
+            }
+            all_reduce.skipped = true;
+            Ok(())
+        } else {
+            if skip_mode && !ends_step {
+                for (name, _) in &tensors {
+                    if kept_len == kept.len() {
+                        kept.push(KeptResidual::default());
+                    }
+                    all_reduce
+                        .compressor()
+                        .keep_residual(name, &mut kept[kept_len]);
+                    kept_len += 1;
+                }
+            }
             let mut views: Vec<TensorMut<'_>> = tensors
                 .iter_mut()
                 .map(|(name, tensor)| {
@@ -250,7 +288,16 @@ fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAl
                 .collect();
             all_reduce.all_reduce_in_place(&mut views)
         };
-        if !ends_step {
+        if skip_mode && all_reduce.last_step_skipped() && !step_skipped {
+            step_skipped = true;
+            for one in &kept[..kept_len] {
+                all_reduce.compressor_mut().put_back_residual(one);
+            }
+        }
+        if ends_step {
+            kept_len = 0;
+            step_skipped = false;
+        } else {
             all_reduce.compressor_mut().set_step(step);
         }
         let _ = done.send((tensors, result));

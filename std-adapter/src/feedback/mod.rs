@@ -61,6 +61,17 @@ use crate::method::check_for_feedback;
 
 pub use self::checkpoint::CHECKPOINT_VERSION;
 
+/// One tensor's residual state as [`ErrorFeedback::keep`] copied it: its values (when it had
+/// a residual), the shape and the bound kept with it.
+#[derive(Debug, Default)]
+pub(crate) struct KeptResidual {
+    name: String,
+    had: bool,
+    values: Vec<f32>,
+    shape: Option<Vec<usize>>,
+    bound: Option<ResidualBound>,
+}
+
 /// Residuals keyed by parameter name, the method, the seed and the step counter of an
 /// error-feedback run.
 #[derive(Clone, Debug)]
@@ -371,6 +382,64 @@ impl ErrorFeedback {
         self.residuals.extend(part.residuals);
         self.shapes.extend(part.shapes);
         self.bounds.extend(part.bounds);
+    }
+
+    /// Copies `name`'s residual state (values, shape, bound, or that it has none) into `into`,
+    /// reusing its buffers, for [`ErrorFeedback::put_back`].
+    pub(crate) fn keep(&self, name: &str, into: &mut KeptResidual) {
+        into.name.clear();
+        into.name.push_str(name);
+        into.values.clear();
+        into.had = match self.residuals.get(name) {
+            Some(r) => {
+                into.values.extend_from_slice(r);
+                true
+            }
+            None => false,
+        };
+        into.shape = self.shapes.get(name).cloned();
+        into.bound = self.bounds.get(name).copied();
+    }
+
+    /// [`ErrorFeedback::keep`] of a tensor without any error-feedback state: no residual.
+    pub(crate) fn keep_none(name: &str, into: &mut KeptResidual) {
+        into.name.clear();
+        into.name.push_str(name);
+        into.values.clear();
+        into.had = false;
+        into.shape = None;
+        into.bound = None;
+    }
+
+    /// Puts back the residual state [`ErrorFeedback::keep`] copied, exactly (a residual that
+    /// did not exist then is removed).
+    pub(crate) fn put_back(&mut self, kept: &KeptResidual) {
+        let name = kept.name.as_str();
+        if kept.had {
+            match self.residuals.get_mut(name) {
+                Some(r) => {
+                    r.clear();
+                    r.extend_from_slice(&kept.values);
+                }
+                None => {
+                    self.residuals.insert(name.to_owned(), kept.values.clone());
+                }
+            }
+        } else {
+            self.residuals.remove(name);
+        }
+        match &kept.shape {
+            Some(shape) => self.remember_shape(name, shape),
+            None => {
+                self.shapes.remove(name);
+            }
+        }
+        match kept.bound {
+            Some(bound) => self.keep_bound(name, bound),
+            None => {
+                self.bounds.remove(name);
+            }
+        }
     }
 
     /// Sets the step counter (for a compressor taking over its state).

@@ -25,8 +25,11 @@ bucket's step is done. What that means:
   given buckets of its own). It needs the all-gather collective (DDP regroups parameters into
   other buckets after the first step; the two-phase collective's server residuals belong to
   one layout), a process group of its own for the all-reduce (its transport is called from the
-  library's thread while DDP uses the default group), and, for now, no ``skip_non_finite``
-  (the verdict of a step would be known only after its first buckets went out);
+  library's thread while DDP uses the default group). Mixed precision works as in the
+  blocking hook (below): the verdict is the step's, known after its last bucket; the buckets
+  that went out before it give back what they took from their residuals (the library keeps a
+  copy of their residuals until the step ends: up to one model in float32), and every bucket
+  comes back NaN;
 - delayed (``HookState(..., delay=True)``, opt-in: Psyche's one-step-late pipeline), each
   bucket's call hands out at once the mean of the **step before** and leaves this step's
   exchange running behind the next forward and backward pass (started per bucket as in the
@@ -46,7 +49,7 @@ bucket's step is done. What that means:
   checkpoint). :meth:`HookState.save` waits for the step in flight and stores its mean beside
   the residuals, so a resume is bit for bit; :meth:`HookState.flush` waits for it (its mean
   stays held for the next step; the last step's mean of a run is never applied). A loss
-  scaler is refused (its skip would come one step late), and so is
+  scaler and ``skip_non_finite`` are refused (a skip would come one step late), and so is
   ``find_unused_parameters=True`` without ``static_graph`` (DDP would drop the mean of a
   parameter unused in a step). The exchange outlives the step: make no call of your own on
   the all-reduce's process group (or mpi4py communicator) between steps;
@@ -129,6 +132,7 @@ class HookState:
             )
         if self.overlap:
             _check_overlap(model, allreduce, skip_non_finite, "delay=True" if self.delay else "overlap=True")
+        if self.delay:
             self.allreduce.skip_non_finite = False
         elif skip_non_finite is not None:
             self.allreduce.skip_non_finite = skip_non_finite
@@ -426,6 +430,15 @@ class HookState:
         if first is not None:
             self._fail(first, [fut for _, fut, _ in in_flight])
             return
+        # A skipped step (some rank's gradient not finite): the library put back the
+        # residuals of the buckets that went out before the verdict and handed back the
+        # bucket that found it and every later one all NaN, the last one always; the earlier
+        # buckets' results are void, so every bucket comes back NaN, for a loss scaler to skip
+        # the step.
+        if self.allreduce.skip_non_finite and bool(torch.isnan(in_flight[-1][0].reshape(-1)[0])):
+            with torch.no_grad():
+                for buf, _, _ in in_flight:
+                    buf.fill_(float("nan"))
         for buf, fut, _ in in_flight:
             fut.set_result(buf)
 
@@ -510,10 +523,10 @@ def _check_overlap(
             f"{mode} calls the transport from the library's thread: give the AllReduce a "
             "communicator of its own (gradwire.comm.Mpi4py(MPI.COMM_WORLD.Dup()))"
         )
-    if skip_non_finite or (skip_non_finite is None and allreduce.skip_non_finite):
+    if mode == "delay=True" and (skip_non_finite or (skip_non_finite is None and allreduce.skip_non_finite)):
         raise ValueError(
-            f"{mode} does not skip non-finite steps yet (a bucket's verdict comes after "
-            "the buckets before it went out): use the blocking hook with a loss scaler"
+            f"{mode} does not skip non-finite steps (a step's verdict would come one step "
+            "after the optimizer used it): use overlap=True or the blocking hook"
         )
 
 
