@@ -3,13 +3,19 @@ float32 values): ``all_reduce`` (gradients copied into the library, the mean cop
 new arrays) against ``all_reduce_`` (in place: the arrays read and overwritten where they are).
 
 Run: ``python benches/gpt2_step.py [--method TEXT] [--collective allgather|two-phase]
-[--steps 4] [--mode copying|"in place"|both]`` after installing the wheel (one mode per process
+[--steps 4] [--mode copying|"in place"|both|started]`` after installing the wheel (one mode per process
 for the memory figures: memory freed by the first mode may be reused by the second). A group of one (world size 1; the library makes no
 transport call for it), the gradients drawn once (normal times exp(normal), seed 0) and copied
 into the step's buffers before each in-place step, outside the timing. Prints per mode the wall
 time of each step, the median of steps 2..S, and the peak RSS over the RSS before the first
 step (``VmHWM`` reset through ``/proc/self/clear_refs``), in bytes per parameter; and the
 library's own step (``AllReduce.last_step_seconds``) with the call's ratio to it.
+
+``started`` (not in ``both``): the model cut into DDP's default buckets of 25 MB, the last
+parameters first as DDP hands them over, each bucket started with ``start_`` (the last one ends
+the step) and every handle waited for after the last start, as the overlapped DDP hook does;
+timed from the first start to the last wait. With ``--skip-non-finite`` the library copies the
+residuals of each bucket but the last before its step (the give-back of a skipped step).
 """
 
 import argparse
@@ -64,7 +70,7 @@ def run(mode, args, grads, n):
     ar = gradwire.AllReduce(
         args.method, Alone(), collective=args.collective, skip_non_finite=args.skip_non_finite
     )
-    work = {k: v.copy() for k, v in grads.items()} if mode == "in place" else None
+    work = {k: v.copy() for k, v in grads.items()} if mode in ("in place", "started") else None
     base = reset_peak()
     times = []
     inner = []
@@ -73,7 +79,12 @@ def run(mode, args, grads, n):
             for k, v in grads.items():
                 np.copyto(work[k], v)
         t0 = time.perf_counter()
-        if work is not None:
+        if mode == "started":
+            buckets = ddp_buckets(work)
+            handles = [ar.start_(b, ends_step=i == len(buckets) - 1) for i, b in enumerate(buckets)]
+            for h in handles:
+                h.wait()
+        elif work is not None:
             ar.all_reduce_(work)
         else:
             mean = ar.all_reduce(grads)
@@ -82,12 +93,32 @@ def run(mode, args, grads, n):
         inner.append(ar.last_step_seconds)
     peak = status("VmHWM")
     median = statistics.median(times[1:])
-    engine = statistics.median(inner[1:])
     steps = " ".join(f"{t:.3f}" for t in times)
+    if mode == "started":
+        # (`last_step_seconds` is the blocking calls' only.)
+        print(f"{mode:9} steps {steps} s, median of 2..{args.steps}: {median:.3f} s, peak over "
+              f"start {(peak - base) / n:.2f} B/param")
+        return median
+    engine = statistics.median(inner[1:])
     print(f"{mode:9} steps {steps} s, median of 2..{args.steps}: {median:.3f} s (the library's "
           f"own step {engine:.3f} s, {median / engine:.3f}x), peak over start "
           f"{(peak - base) / n:.2f} B/param")
     return median
+
+
+def ddp_buckets(tensors, cap_bytes=25 * 1024 * 1024):
+    """The tensors in DDP's default buckets: the last parameters first, a bucket closed once
+    it holds ``cap_bytes`` or more."""
+    buckets, current, size = [], {}, 0
+    for name in reversed(list(tensors)):
+        current[name] = tensors[name]
+        size += tensors[name].nbytes
+        if size >= cap_bytes:
+            buckets.append(current)
+            current, size = {}, 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def main():
@@ -95,7 +126,7 @@ def main():
     p.add_argument("--method", default="topk k=ratio:0.01 values=int8:256")
     p.add_argument("--collective", default="allgather")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--mode", choices=["copying", "in place", "both"], default="both")
+    p.add_argument("--mode", choices=["copying", "in place", "both", "started"], default="both")
     p.add_argument("--skip-non-finite", action="store_true",
                    help="the mixed-precision mode of the DDP hook's default (a check of every "
                         "gradient and a round of verdicts before each step)")
@@ -108,8 +139,8 @@ def main():
         grads[name] = (g * np.float32(1e-3)).reshape(shape)
     n = sum(v.size for v in grads.values())
     print(f"gpt2: {len(grads)} tensors, {n} values; {args.method} + EF, {args.collective}, W = 1")
-    for mode in ("copying", "in place"):
-        if args.mode in (mode, "both"):
+    for mode in ("copying", "in place", "started"):
+        if args.mode == mode or (args.mode == "both" and mode != "started"):
             run(mode, args, grads, n)
 
 

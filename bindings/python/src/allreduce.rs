@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use gradwire::comm::Communicator;
 use gradwire::{
@@ -97,6 +97,19 @@ enum State {
 /// (a model of 64 buckets of 25 MB is 1.6 GB of gradients).
 const MAX_IN_FLIGHT: usize = 64;
 
+/// The tensors of steps waited for, by name, for `start_` to copy the next step's values into:
+/// a model's buckets come back every step under the same names, so the copies in reuse memory
+/// already touched instead of a fresh model-sized allocation (and its page faults) every step.
+/// It holds at most one tensor per name, the size of what the steps in flight held.
+type Reusable = Arc<Mutex<HashMap<String, Tensor>>>;
+
+/// Locks `reusable` (a panic while it was held loses nothing but buffers: taken either way).
+fn lock(reusable: &Reusable) -> std::sync::MutexGuard<'_, HashMap<String, Tensor>> {
+    reusable
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// One rank's compressed all-reduce (see `gradwire/__init__.py` for the Python-facing docs).
 #[pyclass(module = "gradwire._native", name = "AllReduce")]
 pub(crate) struct AllReduce {
@@ -108,6 +121,8 @@ pub(crate) struct AllReduce {
     seed: u64,
     /// Wall time of the library's last step (`all_reduce` or `all_reduce_`), seconds.
     last_step_seconds: f64,
+    /// Buffers of steps `start_` ran, for the next ones.
+    reusable: Reusable,
 }
 
 impl AllReduce {
@@ -181,6 +196,8 @@ pub(crate) struct Pending {
     handle: Mutex<Option<gradwire::PendingAllReduce>>,
     arrays: Vec<Py<PyArray1<f32>>>,
     rank: usize,
+    /// Where `wait` leaves the step's tensors for the all-reduce's next `start_`.
+    reusable: Reusable,
 }
 
 #[pymethods]
@@ -195,8 +212,27 @@ impl Pending {
             .take()
             .ok_or_else(|| PyValueError::new_err("this step was waited for already"))?;
         let (tensors, result) = py.detach(|| handle.wait());
-        result.map_err(|e| library_error(e, Side::Collective { rank: self.rank }))?;
-        for (array, (name, tensor)) in self.arrays.iter().zip(&tensors) {
+        let written = result
+            .map_err(|e| library_error(e, Side::Collective { rank: self.rank }))
+            .and_then(|()| self.write_results(py, &tensors));
+        lock(&self.reusable).extend(tensors);
+        written
+    }
+
+    /// Whether `wait` was called.
+    #[getter]
+    fn waited(&mut self) -> bool {
+        self.handle
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_none()
+    }
+}
+
+impl Pending {
+    /// Writes each tensor's result into its array.
+    fn write_results(&self, py: Python<'_>, tensors: &[(String, Tensor)]) -> PyResult<()> {
+        for (array, (name, tensor)) in self.arrays.iter().zip(tensors) {
             let mut array = array.bind(py).try_readwrite().map_err(|e| {
                 PyValueError::new_err(format!(
                     "tensor {name:?}: its result cannot be written: {e}"
@@ -213,15 +249,6 @@ impl Pending {
             out.copy_from_slice(tensor.data());
         }
         Ok(())
-    }
-
-    /// Whether `wait` was called.
-    #[getter]
-    fn waited(&mut self) -> bool {
-        self.handle
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .is_none()
     }
 }
 
@@ -255,6 +282,7 @@ impl AllReduce {
             world_size,
             seed,
             last_step_seconds: 0.0,
+            reusable: Reusable::default(),
         })
     }
 
@@ -406,9 +434,10 @@ impl AllReduce {
     }
 
     /// Starts a step on `tensors` without waiting for it (the library's
-    /// `NonBlockingAllReduce` on a thread of its own, at most four steps in flight): each
-    /// array's values are copied in now, and `wait` on the returned handle writes the results
-    /// into the same arrays. `ends_step`: whether these tensors end a model step (the buckets
+    /// `NonBlockingAllReduce` on a thread of its own, at most 64 steps in flight): each
+    /// array's values are copied in now (into the buffer of the last step waited for under
+    /// that name, when its length is the same), and `wait` on the returned handle writes the
+    /// results into the same arrays. `ends_step`: whether these tensors end a model step (the buckets
     /// of one model step carry its step number). Every method that reaches the library's
     /// all-reduce (steps, checkpoints, the step counter, traffic, message sizes) first waits
     /// for every step in flight.
@@ -421,18 +450,28 @@ impl AllReduce {
         let mut names = Vec::with_capacity(tensors.len());
         let mut arrays = Vec::with_capacity(tensors.len());
         let mut owned = Vec::with_capacity(tensors.len());
+        let mut reusable = lock(&self.reusable);
         for (name, shape, array) in tensors {
-            let data = crate::errors::copied(
-                array.as_slice().map_err(|_| {
-                    PyValueError::new_err(format!("tensor {name:?}: the array is not C-contiguous"))
-                })?,
-                &format!("tensor {name:?}"),
-            )?;
-            let t = Tensor::new(shape, data).map_err(|e| library_error(e, Side::Input))?;
+            let values = array.as_slice().map_err(|_| {
+                PyValueError::new_err(format!("tensor {name:?}: the array is not C-contiguous"))
+            })?;
+            let t = match reusable.remove(&name) {
+                // The same length: the copy fills memory the tensor holds already.
+                Some(mut t) if t.data().len() == values.len() => {
+                    t.assign(&shape, values)
+                        .map_err(|e| library_error(e, Side::Input))?;
+                    t
+                }
+                _ => {
+                    let data = crate::errors::copied(values, &format!("tensor {name:?}"))?;
+                    Tensor::new(shape, data).map_err(|e| library_error(e, Side::Input))?
+                }
+            };
             owned.push((name.clone(), t));
             names.push(name);
             arrays.push(array);
         }
+        drop(reusable);
         refuse_overlaps(&names, &arrays)?;
         let unbound = arrays.iter().map(|a| (***a).clone().unbind()).collect();
         drop(arrays);
@@ -446,6 +485,7 @@ impl AllReduce {
             handle: Mutex::new(Some(handle)),
             arrays: unbound,
             rank,
+            reusable: Arc::clone(&self.reusable),
         })
     }
 

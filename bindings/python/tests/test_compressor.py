@@ -516,3 +516,30 @@ def test_start_in_place_gives_the_blocking_results_and_the_other_methods_wait(gr
     with pytest.raises(ValueError):
         pending.wait()
     ar.start_({n: v.copy() for n, v in grads_step1.items()}).wait()
+
+
+def test_start_reuses_the_buffers_of_steps_waited_for_and_results_stay_the_blocking_ones():
+    """`start_` copies each array into the buffer of the step waited for before under that
+    name (no model-sized allocation a step): the results stay `all_reduce_`'s, bit for bit,
+    when a name comes back with another shape of the same length or with another length, and
+    after a step that failed."""
+    method = "topk k=ratio:0.25 values=f32"  # no error feedback: shapes may change
+    blocking = gradwire.AllReduce(method, _AloneCommunicator(), error_feedback=False)
+    ar = gradwire.AllReduce(method, _AloneCommunicator(), error_feedback=False)
+    rng = np.random.default_rng(3)
+    for shape in [(6, 4), (6, 4), (4, 6), (5, 5), (24,), (24,)]:
+        g = {"w": rng.standard_normal(shape).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32)}
+        want = {n: v.copy() for n, v in g.items()}
+        blocking.all_reduce_(want)
+        got = {n: v.copy() for n, v in g.items()}
+        ar.start_(got).wait()
+        for n in g:
+            assert got[n].shape == shape if n == "w" else got[n].shape == (3,)
+            assert got[n].tobytes() == want[n].tobytes(), (shape, n)
+        if shape == (5, 5):
+            bad = {n: v.copy() for n, v in g.items()}
+            bad["w"][0, 0] = np.nan
+            with pytest.raises(ValueError):
+                ar.start_(bad).wait()
+            with pytest.raises(ValueError):
+                blocking.all_reduce_(bad)

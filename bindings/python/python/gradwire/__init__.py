@@ -320,7 +320,10 @@ class AllReduce:
         ``start_`` waits), so the caller computes meanwhile: the next bucket's gradients, the
         next micro-batch. The values are copied in at the call (a gradient may change after
         it) and copied back at ``wait``: two copies of what the step carries, where
-        :meth:`all_reduce_` makes none.
+        :meth:`all_reduce_` makes none. The copy in goes into the buffer of the last step
+        waited for under the same name and length (kept by this ``AllReduce`` after ``wait``:
+        up to one float32 copy of what its steps carry, held between steps), so that a
+        training loop's steps reuse memory instead of allocating it afresh.
 
         ``ends_step``: ``False`` for every bucket of a model step but the last, so that the
         buckets of one step carry its step number and :attr:`step` advances once per model

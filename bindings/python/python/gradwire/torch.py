@@ -38,7 +38,7 @@ bucket's step is done. What that means:
   momentum still moves at that step, as it would for a zero gradient). Memory: one
   model-sized copy of the gradients in their dtype (the step in flight, then its mean), a
   scratch of the largest parameter, and, while the step is in flight (all of the next
-  step), the library's float32 copy of it (``start_``), plus a float32 work copy for float16,
+  step), the library's float32 copy of it (``start_``; kept between steps for the next), plus a float32 work copy for float16,
   bfloat16 or CUDA gradients: two to three model-sized buffers. Up to 64 buckets of a step go
   out at once (a 65th waits for the first's exchange). An error of step t's exchange (the
   group's: every rank alike) is raised by every rank at step t + 1, whose own exchange still
