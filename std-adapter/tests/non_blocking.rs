@@ -8,7 +8,10 @@
 use gradwire::comm::{CommError, Communicator, LocalCommunicator, LocalGroup};
 use gradwire::core::{K, Method, Values};
 use gradwire::tensor::Tensor;
-use gradwire::{Collective, CompressedAllReduce, CompressionMethod, Error, NonBlockingAllReduce};
+use gradwire::{
+    Collective, CompressedAllReduce, CompressionMethod, Error, NonBlockingAllReduce,
+    PendingAllReduce,
+};
 
 mod common;
 #[path = "common/ranks.rs"]
@@ -145,6 +148,16 @@ fn blocking(setup: Setup, poison: Option<(usize, u64)>) -> Vec<Record> {
     })
 }
 
+/// Starts every bucket of a model step, the last one ending it.
+fn start_all(nb: &mut NonBlockingAllReduce, model: Vec<Owned>) -> Vec<PendingAllReduce> {
+    let last = model.len() - 1;
+    model
+        .into_iter()
+        .enumerate()
+        .map(|(i, bucket)| nb.start(tensors(bucket), i == last).unwrap())
+        .collect()
+}
+
 /// The same steps through handles: every bucket of a step started, then waited for (the last
 /// first), `in_flight` at most at a time.
 fn non_blocking(setup: Setup, poison: Option<(usize, u64)>, in_flight: usize) -> Vec<Record> {
@@ -153,13 +166,7 @@ fn non_blocking(setup: Setup, poison: Option<(usize, u64)>, in_flight: usize) ->
         let mut nb = NonBlockingAllReduce::spawn(all_reduce(setup, comm), in_flight).unwrap();
         let mut results = Vec::new();
         for s in 0..STEPS {
-            let model = gradients(setup, rank, s, poison);
-            let last = model.len() - 1;
-            let handles: Vec<_> = model
-                .into_iter()
-                .enumerate()
-                .map(|(i, bucket)| nb.start(tensors(bucket), i == last).unwrap())
-                .collect();
+            let handles = start_all(&mut nb, gradients(setup, rank, s, poison));
             let mut done: Vec<_> = handles.into_iter().rev().map(|h| h.wait()).collect();
             done.reverse();
             for (tensors, result) in done {
@@ -344,13 +351,7 @@ fn skipping(
             if !omit && rank == 1 && s == poison.1 {
                 model[poison.0][0].2[3] = f32::NAN;
             }
-            let last = model.len() - 1;
-            let handles: Vec<_> = model
-                .into_iter()
-                .enumerate()
-                .map(|(i, bucket)| nb.start(tensors(bucket), i == last).unwrap())
-                .collect();
-            let step = handles
+            let step = start_all(&mut nb, model)
                 .into_iter()
                 .map(|h| {
                     let (tensors, result) = h.wait();
