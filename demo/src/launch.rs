@@ -289,6 +289,16 @@ pub fn run_sweep(
     if let Some(&m) = methods.iter().find(|m| m.needs_mpi()) {
         launcher.check_method(m)?;
     }
+    // Refused before any run (each rank's loop refuses it too), so that a sweep does not end
+    // in this error after the other methods ran.
+    if config.wait_barrier
+        && let Some(&m) = methods.iter().find(|m| m.delayed())
+    {
+        return Err(DemoError::Config(format!(
+            "--wait-barrier splits a blocking exchange's time; `{m}` runs its exchange behind the \
+             next step: pass --methods without the delayed ones"
+        )));
+    }
     let specs = config.workload.specs()?;
     let digits = Digits::load();
     let mut builder = ReportBuilder::new(SweepConfig {

@@ -172,7 +172,7 @@ impl TrainConfig {
             return bad("momentum must be in [0, 1)");
         }
         if !(0.0..1.0).contains(&self.delayed_momentum) {
-            return bad("delayed momentum must be in [0, 1)");
+            return bad("delayed momentum (--delayed-momentum) must be in [0, 1)");
         }
         Ok(())
     }

@@ -305,17 +305,22 @@ fn a_delayed_method_applies_the_mean_of_the_step_before_while_the_next_step_comp
         assert_ne!(overlapped[0].param_digest, undelayed[0].param_digest);
     }
 
-    // The timing mode's barrier splits a blocking exchange; a delayed method refuses it.
+    // The timing mode's barrier splits a blocking exchange; a delayed method refuses it, and
+    // a sweep refuses it before its first run.
     let barrier = TrainConfig {
         wait_barrier: true,
         ..short()
     };
-    let refused =
-        ThreadLauncher::new(2)
-            .expect("launcher")
-            .run_all(&barrier, Method::SignEfDelayed, 5, None);
+    let mut launcher = ThreadLauncher::new(2).expect("launcher");
+    let refused = launcher.run_all(&barrier, Method::SignEfDelayed, 5, None);
     assert!(
         matches!(&refused, Err(DemoError::Config(m)) if m.contains("--wait-barrier")),
         "{refused:?}"
+    );
+    let sweep = run_sweep(&mut launcher, &barrier, &Method::ALL, &[5], false);
+    assert!(
+        matches!(&sweep, Err(DemoError::Config(m)) if m.contains("pass --methods")),
+        "{:?}",
+        sweep.map(|_| ())
     );
 }

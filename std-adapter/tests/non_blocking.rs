@@ -322,18 +322,21 @@ fn no_step_or_too_many_in_flight_are_refused() {
 }
 
 /// One rank's record of a mixed-precision run: each step's buckets as bits (its error text
-/// otherwise), the step number at the end and every worker residual.
+/// otherwise), the step number at the end, every worker residual, and whether error-feedback
+/// state exists.
 type SkipRecord = (
     Vec<Vec<std::result::Result<Vec<u32>, String>>>,
     u64,
     Vec<u32>,
+    bool,
 );
 
-/// `STEPS` model steps of three buckets through handles with `with_skip_non_finite`, all in
-/// flight before the first wait; `poison`: rank 1's bucket `.0` holds a NaN at step `.1`;
+/// `STEPS` model steps of `model`'s buckets through handles with `with_skip_non_finite`, all
+/// in flight before the first wait; `poison`: rank 1's bucket `.0` holds a NaN at step `.1`;
 /// `omit`: step `.1` is left out (the run that never had it).
 fn skipping(
     method: fn() -> CompressionMethod,
+    model: fn(usize, u64) -> Vec<Owned>,
     poison: (usize, u64),
     omit: bool,
 ) -> Vec<SkipRecord> {
@@ -347,11 +350,11 @@ fn skipping(
             if omit && s == poison.1 {
                 continue;
             }
-            let mut model = buckets(rank, s);
+            let mut buckets = model(rank, s);
             if !omit && rank == 1 && s == poison.1 {
-                model[poison.0][0].2[3] = f32::NAN;
+                buckets[poison.0][0].2[3] = f32::NAN;
             }
-            let step = start_all(&mut nb, model)
+            let step = start_all(&mut nb, buckets)
                 .into_iter()
                 .map(|h| {
                     let (tensors, result) = h.wait();
@@ -362,49 +365,128 @@ fn skipping(
             steps.push(step);
         }
         let ar = nb.finish().unwrap();
-        (steps, ar.compressor().step(), residual_bits(&ar))
+        let has_feedback = ar.compressor().feedback().is_some();
+        (
+            steps,
+            ar.compressor().step(),
+            residual_bits(&ar),
+            has_feedback,
+        )
     })
+}
+
+/// Three buckets of which the first two both hold a tensor named `shared` (a name may come in
+/// two buckets of one model step: its residual is stepped twice).
+fn shared_name(r: usize, s: u64) -> Vec<Owned> {
+    let mut b = buckets(r, s);
+    let mut rng = Rng(911 * r as u64 + 17 * s + 3);
+    b[0].insert(0, ("shared".to_string(), vec![300], rng.vec(300, 1.0)));
+    b[1].push(("shared".to_string(), vec![300], rng.vec(300, 1.0)));
+    b
 }
 
 /// Mixed precision through handles (issue 47 scope 5): a model step with a NaN in one rank's
 /// bucket is skipped whole. That bucket and every later one of the step come back all NaN on
 /// every rank (the later ones without an exchange), the residuals of the buckets before it are
-/// put back, and the step number stays; every other step, the step number and the residuals at
-/// the end are those of a run that never had that step, bit for bit (random-k: its indices
-/// follow the step number).
+/// put back (a name stepped in two of them too), and the step number stays; every other step,
+/// the step number and the residuals at the end are those of a run that never had that step,
+/// bit for bit (random-k: its indices follow the step number); a skip at the first step leaves
+/// no error-feedback state, as before it.
 #[test]
 fn a_model_step_with_a_non_finite_bucket_is_skipped_whole_and_its_earlier_buckets_give_back() {
     let nan = f32::NAN.to_bits();
+    let mut cases = Vec::new();
     for method in [topk_int8_ef as fn() -> CompressionMethod, randomk_ef] {
         for bucket in 0..3 {
-            let poison = (bucket, 4);
-            let skipped = skipping(method, poison, false);
-            let never = skipping(method, poison, true);
-            for (rank, (with, without)) in skipped.iter().zip(&never).enumerate() {
-                let at = usize::try_from(poison.1).unwrap();
-                for (i, result) in with.0[at].iter().enumerate() {
-                    let out = result.as_ref().unwrap();
-                    if i >= bucket {
-                        assert!(out.iter().all(|&x| x == nan), "rank {rank}, bucket {i}");
-                    } else {
-                        // Handed back before the verdict: void, and finite.
-                        assert!(out.iter().all(|&x| f32::from_bits(x).is_finite()));
-                    }
-                }
-                let mut others = with.0.clone();
-                others.remove(at);
-                // (Compared as booleans: a difference would print megabytes of bits.)
-                assert!(
-                    others == without.0,
-                    "rank {rank}: other results, NaN in bucket {bucket}"
-                );
-                assert_eq!(with.1, STEPS - 1);
-                assert_eq!(with.1, without.1);
-                assert!(
-                    with.2 == without.2,
-                    "rank {rank}: other residuals, NaN in bucket {bucket}"
-                );
+            for step in [0, 4] {
+                cases.push((
+                    method,
+                    buckets as fn(usize, u64) -> Vec<Owned>,
+                    (bucket, step),
+                ));
             }
         }
+        cases.push((method, shared_name, (2, 4)));
     }
+    for (method, model, poison) in cases {
+        let bucket = poison.0;
+        let skipped = skipping(method, model, poison, false);
+        let never = skipping(method, model, poison, true);
+        for (rank, (with, without)) in skipped.iter().zip(&never).enumerate() {
+            let at = usize::try_from(poison.1).unwrap();
+            for (i, result) in with.0[at].iter().enumerate() {
+                let out = result.as_ref().unwrap();
+                if i >= bucket {
+                    assert!(out.iter().all(|&x| x == nan), "rank {rank}, bucket {i}");
+                } else {
+                    // Handed back before the verdict: void, and finite.
+                    assert!(out.iter().all(|&x| f32::from_bits(x).is_finite()));
+                }
+            }
+            let mut others = with.0.clone();
+            others.remove(at);
+            // (Compared as booleans: a difference would print megabytes of bits.)
+            assert!(
+                others == without.0,
+                "rank {rank}: other results, poison {poison:?}"
+            );
+            assert_eq!(with.1, STEPS - 1);
+            assert_eq!(with.1, without.1);
+            assert!(
+                with.2 == without.2,
+                "rank {rank}: other residuals, poison {poison:?}"
+            );
+            assert_eq!(with.3, without.3);
+        }
+    }
+
+    // A skip at the very first step: its first bucket created the error-feedback state, and
+    // none is left, as before the step.
+    let fresh = run_ranks(LocalGroup::new(W).into_communicators(), |comm| {
+        let rank = comm.rank();
+        let ar = CompressedAllReduce::with_communicator(topk_int8_ef(), Box::new(comm))
+            .with_skip_non_finite(true);
+        let mut nb = NonBlockingAllReduce::spawn(ar, 3).unwrap();
+        let mut model = buckets(rank, 0);
+        if rank == 1 {
+            model[2][0].2[0] = f32::INFINITY;
+        }
+        for h in start_all(&mut nb, model) {
+            h.wait().1.unwrap();
+        }
+        let ar = nb.finish().unwrap();
+        (
+            ar.last_step_skipped(),
+            ar.compressor().step(),
+            ar.compressor().feedback().is_none(),
+        )
+    });
+    assert!(fresh.iter().all(|&r| r == (true, 0, true)), "{fresh:?}");
+
+    // A rank whose own call fails before it could write its tensors (a name given twice) while
+    // another rank's gradient is not finite: the group's verdict is the skip, and that rank's
+    // bucket comes back all NaN too.
+    let mixed = run_ranks(LocalGroup::new(W).into_communicators(), |comm| {
+        let rank = comm.rank();
+        let ar = CompressedAllReduce::with_communicator(topk_int8_ef(), Box::new(comm))
+            .with_skip_non_finite(true);
+        let mut nb = NonBlockingAllReduce::spawn(ar, 3).unwrap();
+        let mut model = buckets(rank, 0);
+        match rank {
+            0 => model[2][1].0 = model[2][0].0.clone(),
+            1 => model[2][0].2[0] = f32::NAN,
+            _ => {}
+        }
+        let done: Vec<_> = start_all(&mut nb, model)
+            .into_iter()
+            .map(|h| h.wait())
+            .collect();
+        let (last, result) = &done[2];
+        (
+            result.is_ok(),
+            last.iter()
+                .all(|(_, t)| t.data().iter().all(|x| x.is_nan())),
+        )
+    });
+    assert!(mixed.iter().all(|&r| r == (true, true)), "{mixed:?}");
 }

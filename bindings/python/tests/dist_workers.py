@@ -421,6 +421,10 @@ def grad_scaler(rank, world_size, out, result, mode, collective, steps, overflow
             scaler.scale(loss).backward()
             result["scales"].append(float(scaler.get_scale()))
             poisoned[0] = False
+            if step == overflow_at:
+                # Every parameter's mean NaN on every rank, also those of buckets that went
+                # out before the verdict.
+                result["all_nan_at_overflow"] = all(bool(torch.isnan(p.grad).all()) for p in model.parameters())
             scaler.step(opt)
             scaler.update()
             if ar.last_step_skipped:

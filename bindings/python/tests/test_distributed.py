@@ -250,8 +250,10 @@ def test_grad_scaler_skips_an_overflow_and_residuals_follow_the_scale(tmp_path, 
     scaled = launch(dist_workers.grad_scaler, 2, tmp_path, mode, collective, steps, overflow_at, inf_in)
     plain = launch(dist_workers.grad_scaler, 2, tmp_path, "plain", collective, steps, overflow_at)
     for s, p in zip(scaled, plain):
-        # The overflow: skipped on every rank, the scale halved after it, grown before.
+        # The overflow: skipped on every rank, every bucket NaN, the scale halved after it,
+        # grown before.
         assert s["skipped"] == [i == overflow_at for i in range(steps)]
+        assert s["all_nan_at_overflow"]
         scales = s["scales"]
         assert scales[overflow_at + 1] == scales[overflow_at] / 2, scales
         assert any(b == 2 * a for a, b in zip(scales, scales[1:])), scales

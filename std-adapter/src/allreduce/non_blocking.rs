@@ -25,8 +25,8 @@
 //! skipped blocking call does, and so does every later bucket of that model step, without an
 //! exchange (every rank knows the verdict); the residuals of the step's earlier buckets are put
 //! back to their values before the step (the thread copies the residuals of each bucket but a
-//! step's last before its call: up to one model's residuals of memory, reused from step to
-//! step, in this mode only), and the step number does not advance. So a skipped step's last
+//! step's last before its call: about one model's residuals of memory, the buffers reused
+//! name by name from step to step, in this mode only), and the step number does not advance. So a skipped step's last
 //! bucket always comes back all NaN; the earlier buckets' results, handed back already, are
 //! void: a caller fills them with NaN too (the DDP hook does), so that a loss scaler skips the
 //! step. [`CompressedAllReduce::last_step_skipped`] of the all-reduce that
@@ -248,11 +248,14 @@ impl PendingAllReduce {
 /// skipped (on every rank alike), the copies of the step's buckets so far are put back, and
 /// the step's later buckets come back NaN without a call (every rank knows the verdict).
 fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAllReduce {
-    // The residuals of this model step's buckets so far (the first `kept_len` entries; the
-    // buffers are reused from step to step), and whether one of its buckets was skipped.
+    // The residuals of this model step's buckets so far (the first `kept_len` entries, in the
+    // order they were copied; the others are spares whose buffers the next copies of their
+    // names reuse), whether one of the step's buckets was skipped, and whether error-feedback
+    // state existed when the step began.
     let mut kept: Vec<KeptResidual> = Vec::new();
     let mut kept_len = 0;
     let mut step_skipped = false;
+    let mut had_feedback = all_reduce.compressor().feedback().is_some();
     for job in jobs {
         let Job {
             mut tensors,
@@ -270,9 +273,7 @@ fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAl
         } else {
             if skip_mode && !ends_step {
                 for (name, _) in &tensors {
-                    if kept_len == kept.len() {
-                        kept.push(KeptResidual::default());
-                    }
+                    keep_next(&mut kept, kept_len, name);
                     all_reduce
                         .compressor()
                         .keep_residual(name, &mut kept[kept_len]);
@@ -290,17 +291,44 @@ fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAl
         };
         if skip_mode && all_reduce.last_step_skipped() && !step_skipped {
             step_skipped = true;
-            for one in &kept[..kept_len] {
+            // Last copied first: a name in two buckets of the step gets its value from before
+            // the first of them.
+            for one in kept[..kept_len].iter().rev() {
                 all_reduce.compressor_mut().put_back_residual(one);
+            }
+            if !had_feedback {
+                // The step's first bucket created the error-feedback state: none again, as
+                // before the step.
+                drop(all_reduce.compressor_mut().take_feedback());
+            }
+        }
+        if skip_mode && all_reduce.last_step_skipped() {
+            // Every tensor of a skipped bucket NaN, also on a rank whose own call failed
+            // before it could write them (the group's verdict is the skip).
+            for (_, tensor) in &mut tensors {
+                tensor.parts_mut().1.fill(f32::NAN);
             }
         }
         if ends_step {
             kept_len = 0;
             step_skipped = false;
+            had_feedback = all_reduce.compressor().feedback().is_some();
         } else {
             all_reduce.compressor_mut().set_step(step);
         }
         let _ = done.send((tensors, result));
     }
     all_reduce
+}
+
+/// Makes `kept[at]` the entry for `name`'s next copy: the spare (at `at` or after) that held
+/// `name` before, whose buffer fits it, moved to `at`; else the spare at `at`; else a new
+/// entry. So a model's copies keep about one buffer per name when DDP regroups its buckets,
+/// not the largest of every layout per position.
+fn keep_next(kept: &mut Vec<KeptResidual>, at: usize, name: &str) {
+    match kept[at..].iter().position(|k| k.name() == name) {
+        Some(i) => kept.swap(at, at + i),
+        None if at < kept.len() => {}
+        None => kept.push(KeptResidual::default()),
+    }
 }

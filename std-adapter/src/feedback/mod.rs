@@ -68,8 +68,16 @@ pub(crate) struct KeptResidual {
     name: String,
     had: bool,
     values: Vec<f32>,
-    shape: Option<Vec<usize>>,
+    had_shape: bool,
+    shape: Vec<usize>,
     bound: Option<ResidualBound>,
+}
+
+impl KeptResidual {
+    /// The tensor whose state this holds (empty before the first copy).
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
 }
 
 /// Residuals keyed by parameter name, the method, the seed and the step counter of an
@@ -397,7 +405,14 @@ impl ErrorFeedback {
             }
             None => false,
         };
-        into.shape = self.shapes.get(name).cloned();
+        into.shape.clear();
+        into.had_shape = match self.shapes.get(name) {
+            Some(shape) => {
+                into.shape.extend_from_slice(shape);
+                true
+            }
+            None => false,
+        };
         into.bound = self.bounds.get(name).copied();
     }
 
@@ -407,7 +422,8 @@ impl ErrorFeedback {
         into.name.push_str(name);
         into.values.clear();
         into.had = false;
-        into.shape = None;
+        into.shape.clear();
+        into.had_shape = false;
         into.bound = None;
     }
 
@@ -428,11 +444,10 @@ impl ErrorFeedback {
         } else {
             self.residuals.remove(name);
         }
-        match &kept.shape {
-            Some(shape) => self.remember_shape(name, shape),
-            None => {
-                self.shapes.remove(name);
-            }
+        if kept.had_shape {
+            self.remember_shape(name, &kept.shape);
+        } else {
+            self.shapes.remove(name);
         }
         match kept.bound {
             Some(bound) => self.keep_bound(name, bound),
