@@ -23,14 +23,15 @@
 //! Mixed precision ([`CompressedAllReduce::with_skip_non_finite`]): the verdict is the model
 //! step's. The bucket in which some rank's gradient is not finite comes back NaN, as a
 //! skipped blocking call does, and so does every later bucket of that model step, without an
-//! exchange (every rank knows the verdict); the residuals of the step's earlier buckets are put
-//! back to their values before the step (the thread copies the residuals of each bucket but a
-//! step's last before its call: about one model's residuals of memory, the buffers reused
-//! name by name from step to step, in this mode only), and the step number does not advance. So a skipped step's last
-//! bucket always comes back all NaN; the earlier buckets' results, handed back already, are
-//! void: a caller fills them with NaN too (the DDP hook does), so that a loss scaler skips the
-//! step. [`CompressedAllReduce::last_step_skipped`] of the all-reduce that
-//! [`NonBlockingAllReduce::finish`] gives back tells the last bucket's verdict.
+//! exchange (every rank knows the verdict); the residuals of the step's earlier buckets are
+//! put back to their values before the step (the thread copies the residuals of each bucket
+//! but a step's last before its call: about one model's residuals of memory, the buffers
+//! reused name by name from step to step, in this mode only), and the step number does not
+//! advance. So a skipped step's last bucket always comes back all NaN; the earlier buckets'
+//! results, handed back already, are void: a caller fills them with NaN too (the DDP hook
+//! does), so that a loss scaler skips the step. [`CompressedAllReduce::last_step_skipped`] of
+//! the all-reduce that [`NonBlockingAllReduce::finish`] gives back tells the last bucket's
+//! verdict.
 
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::thread::{self, JoinHandle};
@@ -265,9 +266,7 @@ fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAl
         let step = all_reduce.compressor().step();
         let skip_mode = all_reduce.skip_non_finite;
         let result = if skip_mode && step_skipped {
-            for (_, tensor) in &mut tensors {
-                tensor.parts_mut().1.fill(f32::NAN);
-            }
+            // No call: the tensors are filled NaN below.
             all_reduce.skipped = true;
             Ok(())
         } else {
