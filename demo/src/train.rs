@@ -472,10 +472,8 @@ struct Exchange<'a> {
 /// What one exchange took (seconds, on the thread that ran it) and moved (bytes).
 #[derive(Debug, Default)]
 struct Exchanged {
-    encode_s: f64,
-    wait_s: f64,
-    comm_s: f64,
-    decode_s: f64,
+    /// Its encode, wait, communication and decode seconds (the other fields 0).
+    timing: Timing,
     /// The message bytes of the step, as [`RankReport::bytes_per_worker_per_step`] counts them.
     bytes: f64,
     sent: u64,
@@ -494,7 +492,7 @@ impl Exchange<'_> {
         let mut done = Exchanged::default();
         let (t2, t3, before, own_before) = if self.codec.runs_own_collective() {
             self.codec.stage(grads, &mut self.mean)?;
-            done.wait_s = self.barrier()?;
+            done.timing.wait_s = self.barrier()?;
             let (before, own_before) = (self.comm.traffic(), self.codec.own_traffic());
             // Compression, collective and decode are one call: timed as communication.
             let t2 = Instant::now();
@@ -508,7 +506,7 @@ impl Exchange<'_> {
             (t2, Instant::now(), before, own_before)
         } else {
             self.codec.encode(step, grads, &mut self.message)?;
-            done.wait_s = self.barrier()?;
+            done.timing.wait_s = self.barrier()?;
             let (before, own_before) = (self.comm.traffic(), self.codec.own_traffic());
             let t2 = Instant::now();
             self.comm
@@ -528,9 +526,9 @@ impl Exchange<'_> {
         let own = self.codec.own_traffic().since(own_before);
         done.sent = moved.sent + own.sent;
         done.received = moved.received + own.received;
-        done.encode_s = (t2 - t1).as_secs_f64() - done.wait_s;
-        done.comm_s = (t3 - t2).as_secs_f64();
-        done.decode_s = (t4 - t3).as_secs_f64();
+        done.timing.encode_s = (t2 - t1).as_secs_f64() - done.timing.wait_s;
+        done.timing.comm_s = (t3 - t2).as_secs_f64();
+        done.timing.decode_s = (t4 - t3).as_secs_f64();
         Ok(done)
     }
 
@@ -752,10 +750,7 @@ pub fn run_rank_with_codec(
                 let views: Vec<&[f32]> = grads.iter().map(Vec::as_slice).collect();
                 let done = ex.run(step, &views)?;
                 std::mem::swap(&mut applied, &mut ex.mean);
-                phases.encode_s = done.encode_s;
-                phases.wait_s = done.wait_s;
-                phases.comm_s = done.comm_s;
-                phases.decode_s = done.decode_s;
+                phases.add(&done.timing);
                 finished = Some(done);
             }
             // The loop's own bookkeeping of the mean it applies (its digest): timed with the

@@ -331,6 +331,13 @@ type SkipRecord = (
     bool,
 );
 
+/// A non-blocking all-reduce of `method` with `with_skip_non_finite`, three steps in flight.
+fn skipping_all_reduce(method: CompressionMethod, comm: LocalCommunicator) -> NonBlockingAllReduce {
+    let ar =
+        CompressedAllReduce::with_communicator(method, Box::new(comm)).with_skip_non_finite(true);
+    NonBlockingAllReduce::spawn(ar, 3).unwrap()
+}
+
 /// `STEPS` model steps of `model`'s buckets through handles with `with_skip_non_finite`, all
 /// in flight before the first wait; `poison`: rank 1's bucket `.0` holds a NaN at step `.1`;
 /// `omit`: step `.1` is left out (the run that never had it).
@@ -342,9 +349,7 @@ fn skipping(
 ) -> Vec<SkipRecord> {
     run_ranks(LocalGroup::new(W).into_communicators(), move |comm| {
         let rank = comm.rank();
-        let ar = CompressedAllReduce::with_communicator(method(), Box::new(comm))
-            .with_skip_non_finite(true);
-        let mut nb = NonBlockingAllReduce::spawn(ar, 3).unwrap();
+        let mut nb = skipping_all_reduce(method(), comm);
         let mut steps = Vec::new();
         for s in 0..STEPS {
             if omit && s == poison.1 {
@@ -444,9 +449,7 @@ fn a_model_step_with_a_non_finite_bucket_is_skipped_whole_and_its_earlier_bucket
     // none is left, as before the step.
     let fresh = run_ranks(LocalGroup::new(W).into_communicators(), |comm| {
         let rank = comm.rank();
-        let ar = CompressedAllReduce::with_communicator(topk_int8_ef(), Box::new(comm))
-            .with_skip_non_finite(true);
-        let mut nb = NonBlockingAllReduce::spawn(ar, 3).unwrap();
+        let mut nb = skipping_all_reduce(topk_int8_ef(), comm);
         let mut model = buckets(rank, 0);
         if rank == 1 {
             model[2][0].2[0] = f32::INFINITY;
@@ -468,9 +471,7 @@ fn a_model_step_with_a_non_finite_bucket_is_skipped_whole_and_its_earlier_bucket
     // bucket comes back all NaN too.
     let mixed = run_ranks(LocalGroup::new(W).into_communicators(), |comm| {
         let rank = comm.rank();
-        let ar = CompressedAllReduce::with_communicator(topk_int8_ef(), Box::new(comm))
-            .with_skip_non_finite(true);
-        let mut nb = NonBlockingAllReduce::spawn(ar, 3).unwrap();
+        let mut nb = skipping_all_reduce(topk_int8_ef(), comm);
         let mut model = buckets(rank, 0);
         match rank {
             0 => model[2][1].0 = model[2][0].0.clone(),

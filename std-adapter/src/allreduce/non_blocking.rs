@@ -288,20 +288,20 @@ fn run(mut all_reduce: CompressedAllReduce, jobs: Receiver<Job>) -> CompressedAl
                 .collect();
             all_reduce.all_reduce_in_place(&mut views)
         };
-        if skip_mode && all_reduce.last_step_skipped() && !step_skipped {
-            step_skipped = true;
-            // Last copied first: a name in two buckets of the step gets its value from before
-            // the first of them.
-            for one in kept[..kept_len].iter().rev() {
-                all_reduce.compressor_mut().put_back_residual(one);
-            }
-            if !had_feedback {
-                // The step's first bucket created the error-feedback state: none again, as
-                // before the step.
-                drop(all_reduce.compressor_mut().take_feedback());
-            }
-        }
         if skip_mode && all_reduce.last_step_skipped() {
+            if !step_skipped {
+                step_skipped = true;
+                // Last copied first: a name in two buckets of the step gets its value from
+                // before the first of them.
+                for one in kept[..kept_len].iter().rev() {
+                    all_reduce.compressor_mut().put_back_residual(one);
+                }
+                if !had_feedback {
+                    // The step's first bucket created the error-feedback state: none again,
+                    // as before the step.
+                    drop(all_reduce.compressor_mut().take_feedback());
+                }
+            }
             // Every tensor of a skipped bucket NaN, also on a rank whose own call failed
             // before it could write them (the group's verdict is the skip).
             for (_, tensor) in &mut tensors {

@@ -78,6 +78,27 @@ impl KeptResidual {
     pub(crate) fn name(&self) -> &str {
         &self.name
     }
+
+    /// Holds `name`'s state: its residual, shape and bound, each `None` where it has none.
+    fn fill(
+        &mut self,
+        name: &str,
+        residual: Option<&[f32]>,
+        shape: Option<&[usize]>,
+        bound: Option<ResidualBound>,
+    ) {
+        self.name.clear();
+        self.name.push_str(name);
+        self.had = copy_into(residual, &mut self.values);
+        self.had_shape = copy_into(shape, &mut self.shape);
+        self.bound = bound;
+    }
+}
+
+/// Copies `from` into `into` (cleared first, its capacity kept); whether there was a `from`.
+fn copy_into<T: Copy>(from: Option<&[T]>, into: &mut Vec<T>) -> bool {
+    into.clear();
+    from.map(|v| into.extend_from_slice(v)).is_some()
 }
 
 /// Residuals keyed by parameter name, the method, the seed and the step counter of an
@@ -395,36 +416,17 @@ impl ErrorFeedback {
     /// Copies `name`'s residual state (values, shape, bound, or that it has none) into `into`,
     /// reusing its buffers, for [`ErrorFeedback::put_back`].
     pub(crate) fn keep(&self, name: &str, into: &mut KeptResidual) {
-        into.name.clear();
-        into.name.push_str(name);
-        into.values.clear();
-        into.had = match self.residuals.get(name) {
-            Some(r) => {
-                into.values.extend_from_slice(r);
-                true
-            }
-            None => false,
-        };
-        into.shape.clear();
-        into.had_shape = match self.shapes.get(name) {
-            Some(shape) => {
-                into.shape.extend_from_slice(shape);
-                true
-            }
-            None => false,
-        };
-        into.bound = self.bounds.get(name).copied();
+        into.fill(
+            name,
+            self.residuals.get(name).map(Vec::as_slice),
+            self.shapes.get(name).map(Vec::as_slice),
+            self.bounds.get(name).copied(),
+        );
     }
 
     /// [`ErrorFeedback::keep`] of a tensor without any error-feedback state: no residual.
     pub(crate) fn keep_none(name: &str, into: &mut KeptResidual) {
-        into.name.clear();
-        into.name.push_str(name);
-        into.values.clear();
-        into.had = false;
-        into.shape.clear();
-        into.had_shape = false;
-        into.bound = None;
+        into.fill(name, None, None, None);
     }
 
     /// Puts back the residual state [`ErrorFeedback::keep`] copied, exactly (a residual that
