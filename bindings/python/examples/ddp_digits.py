@@ -9,7 +9,13 @@ bit-identical after every step, and the overlapped hook's to the blocking hook's
 
     pip install ./bindings/python scikit-learn torch
     python bindings/python/examples/ddp_digits.py [--steps 300] [--workers 4] [--seeds 1 2 3]
-        [--modes ddp blocking overlapped delayed] [--momentum 0.9]
+        [--modes ddp blocking overlapped delayed] [--momentum 0.9] [--delayed-momentum 0]
+
+The delayed mode trains with SGD's momentum set to ``--delayed-momentum`` (0 by default) and
+its learning rate scaled to keep the other modes' effective step ``lr / (1 - momentum)`` (0.05
+at momentum 0.9 becomes 0.5 at momentum 0): a one-step delay acts as momentum of its own
+(Mitliagkas et al., "Asynchrony begets momentum", 2016), and delay and momentum 0.9 together
+overshoot (docs/python.md, "Measured", has the sweep).
 """
 
 import argparse
@@ -47,7 +53,10 @@ def digits():
     return (x[n_test:], y[n_test:]), (x[:n_test], y[:n_test])
 
 
-def lr_at(step, steps, base=0.05, warmup=10):
+BASE_LR = 0.05
+
+
+def lr_at(step, steps, base=BASE_LR, warmup=10):
     if step < warmup:
         return base * (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
@@ -61,7 +70,7 @@ def digest(model):
     return h.hexdigest()
 
 
-def worker(rank, world_size, port, out, mode, steps, seed, momentum):
+def worker(rank, world_size, port, out, mode, steps, seed, momentum, lr):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
@@ -84,7 +93,7 @@ def worker(rank, world_size, port, out, mode, steps, seed, momentum):
     digests = []
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps)
+            group["lr"] = lr_at(step, steps, base=lr)
         batch = shard[torch.randint(len(shard), (32,), generator=g)]
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x[batch]), y[batch]).backward()
@@ -108,12 +117,17 @@ def worker(rank, world_size, port, out, mode, steps, seed, momentum):
     os._exit(0)
 
 
-def run(world_size, mode, steps, seed, momentum=0.9):
+def delayed_settings(momentum, delayed_momentum, lr=BASE_LR):
+    """The delayed mode's (momentum, lr): the same effective step lr / (1 - momentum)."""
+    return delayed_momentum, lr * (1 - delayed_momentum) / (1 - momentum)
+
+
+def run(world_size, mode, steps, seed, momentum=0.9, lr=BASE_LR):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(worker, args=(world_size, port, out, mode, steps, seed, momentum),
+        mp.start_processes(worker, args=(world_size, port, out, mode, steps, seed, momentum, lr),
                            nprocs=world_size, join=True, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world_size)]
     identical = all(r["digests"] == ranks[0]["digests"] for r in ranks)
@@ -131,20 +145,27 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--modes", nargs="+", choices=list(LABELS), default=list(LABELS))
     ap.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
+    ap.add_argument("--delayed-momentum", type=float, default=0.0,
+                    help="the delayed mode's momentum (its lr keeps lr / (1 - momentum))")
     a = ap.parse_args(argv)
+    if not (0 <= a.momentum < 1 and 0 <= a.delayed_momentum < 1):
+        ap.error("momentum must be in [0, 1)")
     rows = {}
     for mode in a.modes:
         accs, same, runs = [], True, []
         for seed in a.seeds:
-            r, identical = run(a.workers, mode, a.steps, seed, a.momentum)
+            momentum, lr = ((a.momentum, BASE_LR) if mode != "delayed"
+                            else delayed_settings(a.momentum, a.delayed_momentum))
+            r, identical = run(a.workers, mode, a.steps, seed, momentum, lr)
             accs.append(r["acc"])
             runs.append(r)
             same = same and identical
         rows[mode] = (accs, same, runs)
     w, n = a.workers, next(iter(rows.values()))[2][0]["params"]
     ring = 2 * (w - 1) / w * 4 * n  # DDP's dense ring all-reduce, bytes received per rank
+    delayed_momentum, delayed_lr = delayed_settings(a.momentum, a.delayed_momentum)
     print(f"{w} gloo processes, {a.steps} steps, batch 32 per rank, {n} parameters, seeds {a.seeds}, "
-          f"SGD momentum {a.momentum}")
+          f"SGD momentum {a.momentum}, lr {BASE_LR} (delayed: momentum {delayed_momentum}, lr {delayed_lr:g})")
     print(f"gradwire method: {METHOD}, error feedback; DDP's bytes: a ring all-reduce of f32, 2(W-1)/W x 4n")
     print(f"{'run':<17} {'test acc % (mean)':>18} {'per seed':>24} {'bytes recv/rank/step':>21} {'vs DDP':>7} {'ranks bit-identical':>20}")
     for mode, (accs, same, runs) in rows.items():
