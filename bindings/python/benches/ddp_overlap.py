@@ -14,7 +14,10 @@ In the same run, on the same ranks sharing the same cores (``torch.set_num_threa
 three floors of a step: ``compute`` (forward, backward and optimizer step under ``no_sync()``,
 no communication), ``codec`` (gradwire's all-reduce of the same gradients over a group of one:
 encode and decode, no transfer) and ``transfer`` (a raw ``all_gather`` over the hook's process
-group of byte buffers as long as gradwire's message of the step). The bound a fully overlapped
+group of byte buffers as long as gradwire's message of the step), and ``round``: one 16-byte
+``all_gather`` over the same links, the latency every collective call pays (a gradwire step of
+the all-gather collective makes three: the skip verdict, the length exchange and the messages).
+The bound a fully overlapped
 step can reach is ``max(compute + codec, transfer)``; DDP's own is ``max(compute, dense)``, with
 ``dense`` its all-reduce of every gradient as one f32 buffer over the same group.
 
@@ -84,10 +87,15 @@ def worker(a):
     # runs on the library's thread (the delayed hook's exchange outlives the step).
     bench_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
     allreduce = state = None
+    calls = [0]  # the hook's calls: DDP's buckets
     if a.mode != "ddp":
         allreduce = gradwire.AllReduce(METHOD, TorchDistributed(hook_group), seed=1)
         state = gwt.HookState(ddp, allreduce, overlap=a.mode != "blocking", delay=a.mode == "delayed")
-        ddp.register_comm_hook(state, gwt.comm_hook)
+        def counting_hook(state, bucket):
+            calls[0] += 1
+            return gwt.comm_hook(state, bucket)
+
+        ddp.register_comm_hook(state, counting_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(a.batch, a.inputs, generator=g)
@@ -109,6 +117,7 @@ def worker(a):
     for _ in range(3):
         one_step()
     sent_before = allreduce.traffic[0] if allreduce else 0
+    calls_before = calls[0]
     # The timed steps back to back, as training runs them, timed as one interval that ends
     # when the last step's exchange is done (the delayed hook's runs behind the next step:
     # a barrier between steps would give it time no other mode gets).
@@ -120,6 +129,7 @@ def worker(a):
         state.flush()
     steps = [(time.perf_counter() - t0) / a.steps]
     sent_per_step = ((allreduce.traffic[0] - sent_before) / a.steps) if allreduce else 0.0
+    buckets_per_step = (calls[0] - calls_before) / a.steps
 
     # Floors, on the same ranks and cores.
     compute = []
@@ -153,6 +163,14 @@ def worker(a):
         t0 = time.perf_counter()
         dist.all_gather(outs, mine, group=bench_group)
         transfer.append(time.perf_counter() - t0)
+    rounds = []
+    tiny = torch.zeros(16, dtype=torch.uint8)
+    tinies = [torch.empty(16, dtype=torch.uint8) for _ in range(world)]
+    for _ in range(a.floor_steps):
+        barrier()
+        t0 = time.perf_counter()
+        dist.all_gather(tinies, tiny, group=bench_group)
+        rounds.append(time.perf_counter() - t0)
     dense = []
     flat = torch.zeros(n_params, dtype=torch.float32)
     for _ in range(a.floor_steps):
@@ -169,6 +187,8 @@ def worker(a):
                 "compute": compute,
                 "codec": codec,
                 "transfer": transfer,
+                "round": rounds,
+                "buckets_per_step": buckets_per_step,
                 "dense_all_reduce": dense,
                 "message_bytes": message,
                 "gradwire_sent_per_step": sent_per_step,
@@ -262,6 +282,8 @@ def main(argv=None):
                     "compute": slowest_median(recs, "compute"),
                     "codec": slowest_median(recs, "codec"),
                     "transfer": slowest_median(recs, "transfer"),
+                    "round": slowest_median(recs, "round"),
+                    "buckets_per_step": recs[0]["buckets_per_step"],
                     "dense_all_reduce": slowest_median(recs, "dense_all_reduce"),
                     "message_bytes": max(r["message_bytes"] for r in recs),
                     "gradwire_sent_per_step": max(r["gradwire_sent_per_step"] for r in recs),
@@ -280,12 +302,12 @@ def main(argv=None):
     print(f"{a.workers} ranks, {rows[0]['params']:,} parameters (MLP {a.inputs}-{a.width}x{a.depth}-10), "
           f"batch {a.batch}, DDP buckets {a.bucket_cap_mb} MB, gradwire {METHOD} + EF, {a.steps} timed steps")
     print(f"{'link':<9} {'mode':<11} {'step s':>7} {'compute':>8} {'codec':>7} {'transfer':>9} "
-          f"{'dense AR':>9} {'bound':>7} {'step/bound':>10} {'vs blocking':>11}")
+          f"{'round':>7} {'buckets':>7} {'dense AR':>9} {'bound':>7} {'step/bound':>10} {'vs blocking':>11}")
     for row in rows:
         blocking = next((r for r in rows if r["rate"] == row["rate"] and r["mode"] == "blocking"), None)
         vs = f"{row['step'] / blocking['step']:.2f}" if blocking else "-"
         print(f"{row['rate']:<9} {row['mode']:<11} {row['step']:>7.3f} {row['compute']:>8.3f} {row['codec']:>7.3f} "
-              f"{row['transfer']:>9.3f} {row['dense_all_reduce']:>9.3f} {row['bound']:>7.3f} {row['ratio']:>10.2f} {vs:>11}")
+              f"{row['transfer']:>9.3f} {row['round']:>7.4f} {row['buckets_per_step']:>7.1f} {row['dense_all_reduce']:>9.3f} {row['bound']:>7.3f} {row['ratio']:>10.2f} {vs:>11}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
