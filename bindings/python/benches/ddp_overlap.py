@@ -17,6 +17,8 @@ encode and decode, no transfer) and ``transfer`` (a raw ``all_gather`` over the 
 group of byte buffers as long as gradwire's message of the step), and ``round``: one 16-byte
 ``all_gather`` over the same links, the latency every collective call pays (a gradwire step of
 the all-gather collective makes three: the skip verdict, the length exchange and the messages).
+``cpu/cores``: every rank's CPU seconds a timed step (the whole process, every thread) summed and
+divided by the machine's cores: with the ranks sharing the cores, no step can be shorter.
 The bound a fully overlapped
 step can reach is ``max(compute + codec, transfer)``; DDP's own is ``max(compute, dense)``, with
 ``dense`` its all-reduce of every gradient as one f32 buffer over the same group.
@@ -122,12 +124,14 @@ def worker(a):
     # when the last step's exchange is done (the delayed hook's runs behind the next step:
     # a barrier between steps would give it time no other mode gets).
     barrier()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(a.steps):
         one_step()
     if state is not None and state.delay:
         state.flush()
     steps = [(time.perf_counter() - t0) / a.steps]
+    # CPU time of the whole process (every thread: the library's, gloo's) per step.
+    cpu_per_step = (time.process_time() - cpu0) / a.steps
     sent_per_step = ((allreduce.traffic[0] - sent_before) / a.steps) if allreduce else 0.0
     buckets_per_step = (calls[0] - calls_before) / a.steps
 
@@ -189,6 +193,7 @@ def worker(a):
                 "transfer": transfer,
                 "round": rounds,
                 "buckets_per_step": buckets_per_step,
+                "cpu_per_step": cpu_per_step,
                 "dense_all_reduce": dense,
                 "message_bytes": message,
                 "gradwire_sent_per_step": sent_per_step,
@@ -284,6 +289,9 @@ def main(argv=None):
                     "transfer": slowest_median(recs, "transfer"),
                     "round": slowest_median(recs, "round"),
                     "buckets_per_step": recs[0]["buckets_per_step"],
+                    # Every rank's CPU seconds a step over the machine's cores: the step's
+                    # wall time when the ranks share the cores and none waits.
+                    "cpu_bound": sum(r["cpu_per_step"] for r in recs) / (os.cpu_count() or 1),
                     "dense_all_reduce": slowest_median(recs, "dense_all_reduce"),
                     "message_bytes": max(r["message_bytes"] for r in recs),
                     "gradwire_sent_per_step": max(r["gradwire_sent_per_step"] for r in recs),
@@ -302,12 +310,12 @@ def main(argv=None):
     print(f"{a.workers} ranks, {rows[0]['params']:,} parameters (MLP {a.inputs}-{a.width}x{a.depth}-10), "
           f"batch {a.batch}, DDP buckets {a.bucket_cap_mb} MB, gradwire {METHOD} + EF, {a.steps} timed steps")
     print(f"{'link':<9} {'mode':<11} {'step s':>7} {'compute':>8} {'codec':>7} {'transfer':>9} "
-          f"{'round':>7} {'buckets':>7} {'dense AR':>9} {'bound':>7} {'step/bound':>10} {'vs blocking':>11}")
+          f"{'round':>7} {'buckets':>7} {'cpu/cores':>9} {'dense AR':>9} {'bound':>7} {'step/bound':>10} {'vs blocking':>11}")
     for row in rows:
         blocking = next((r for r in rows if r["rate"] == row["rate"] and r["mode"] == "blocking"), None)
         vs = f"{row['step'] / blocking['step']:.2f}" if blocking else "-"
         print(f"{row['rate']:<9} {row['mode']:<11} {row['step']:>7.3f} {row['compute']:>8.3f} {row['codec']:>7.3f} "
-              f"{row['transfer']:>9.3f} {row['round']:>7.4f} {row['buckets_per_step']:>7.1f} {row['dense_all_reduce']:>9.3f} {row['bound']:>7.3f} {row['ratio']:>10.2f} {vs:>11}")
+              f"{row['transfer']:>9.3f} {row['round']:>7.4f} {row['buckets_per_step']:>7.1f} {row['cpu_bound']:>9.3f} {row['dense_all_reduce']:>9.3f} {row['bound']:>7.3f} {row['ratio']:>10.2f} {vs:>11}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
