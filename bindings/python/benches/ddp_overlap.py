@@ -16,7 +16,8 @@ no communication), ``codec`` (gradwire's all-reduce of the same gradients over a
 encode and decode, no transfer) and ``transfer`` (a raw ``all_gather`` over the hook's process
 group of byte buffers as long as gradwire's message of the step), and ``round``: one 16-byte
 ``all_gather`` over the same links, the latency every collective call pays (a gradwire step of
-the all-gather collective makes three: the skip verdict, the length exchange and the messages).
+the all-gather collective over this transport makes four: the skip verdict and the messages,
+each after its length exchange).
 ``cpu/cores``: every rank's CPU seconds a timed step (the whole process, every thread) summed and
 divided by the machine's cores: with the ranks sharing the cores, no step can be shorter.
 The bound a fully overlapped
@@ -133,7 +134,8 @@ def worker(a):
     # CPU time of the whole process (every thread: the library's, gloo's) per step.
     cpu_per_step = (time.process_time() - cpu0) / a.steps
     sent_per_step = ((allreduce.traffic[0] - sent_before) / a.steps) if allreduce else 0.0
-    buckets_per_step = (calls[0] - calls_before) / a.steps
+    # (DDP's own all-reduce runs no hook: its buckets are not counted.)
+    buckets_per_step = (calls[0] - calls_before) / a.steps if state is not None else None
 
     # Floors, on the same ranks and cores.
     compute = []
@@ -291,7 +293,7 @@ def main(argv=None):
                     "buckets_per_step": recs[0]["buckets_per_step"],
                     # Every rank's CPU seconds a step over the machine's cores: the step's
                     # wall time when the ranks share the cores and none waits.
-                    "cpu_bound": sum(r["cpu_per_step"] for r in recs) / (os.cpu_count() or 1),
+                    "cpu_bound": sum(r["cpu_per_step"] for r in recs) / len(os.sched_getaffinity(0)),
                     "dense_all_reduce": slowest_median(recs, "dense_all_reduce"),
                     "message_bytes": max(r["message_bytes"] for r in recs),
                     "gradwire_sent_per_step": max(r["gradwire_sent_per_step"] for r in recs),
@@ -315,7 +317,7 @@ def main(argv=None):
         blocking = next((r for r in rows if r["rate"] == row["rate"] and r["mode"] == "blocking"), None)
         vs = f"{row['step'] / blocking['step']:.2f}" if blocking else "-"
         print(f"{row['rate']:<9} {row['mode']:<11} {row['step']:>7.3f} {row['compute']:>8.3f} {row['codec']:>7.3f} "
-              f"{row['transfer']:>9.3f} {row['round']:>7.4f} {row['buckets_per_step']:>7.1f} {row['cpu_bound']:>9.3f} {row['dense_all_reduce']:>9.3f} {row['bound']:>7.3f} {row['ratio']:>10.2f} {vs:>11}")
+              f"{row['transfer']:>9.3f} {row['round']:>7.4f} {'-' if row['buckets_per_step'] is None else format(row['buckets_per_step'], '.1f'):>7} {row['cpu_bound']:>9.3f} {row['dense_all_reduce']:>9.3f} {row['bound']:>7.3f} {row['ratio']:>10.2f} {vs:>11}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -35,8 +35,8 @@ bucket's step is done. What that means:
   bucket's call hands out at once the mean of the **step before** and leaves this step's
   exchange running behind the next forward and backward pass (started per bucket as in the
   overlapped mode, with its requirements); the optimizer applies every mean one step late.
-  The delay acts as momentum of its own: with SGD, lower the optimizer's momentum (0 in the
-  measured example) and keep its effective step ``lr / (1 - momentum)`` (docs/python.md).
+  The delay acts as momentum of its own: with SGD, lower the optimizer's momentum (the DDP
+  example uses 0) and keep its effective step ``lr / (1 - momentum)`` (docs/python.md).
   The first step hands out zeros (no mean exists yet: an optimizer with weight decay or
   momentum still moves at that step, as it would for a zero gradient). Memory: one
   model-sized copy of the gradients in their dtype (the step in flight, then its mean), a
