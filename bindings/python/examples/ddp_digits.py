@@ -87,7 +87,7 @@ def worker(rank, world_size, port, out, mode, steps, seed, momentum, lr):
         allreduce = gradwire.AllReduce(METHOD, TorchDistributed(dist.new_group()), seed=seed)
         state = gwt.HookState(ddp, allreduce, overlap=True, delay=mode == "delayed")
         ddp.register_comm_hook(state, gwt.comm_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=momentum)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
     shard = torch.arange(rank, len(y), world_size)  # each rank its own samples
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     digests = []

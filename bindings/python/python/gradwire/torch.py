@@ -41,8 +41,9 @@ bucket's step is done. What that means:
   momentum still moves at that step, as it would for a zero gradient). Memory: one
   model-sized copy of the gradients in their dtype (the step in flight, then its mean), a
   scratch of the largest parameter, and, while the step is in flight (all of the next
-  step), the library's float32 copy of it (``start_``; kept between steps for the next), plus a float32 work copy for float16,
-  bfloat16 or CUDA gradients: two to three model-sized buffers. Up to 64 buckets of a step go
+  step), the library's float32 copy of it (``start_``; kept between steps for the next),
+  plus a float32 work copy for float16, bfloat16 or CUDA gradients: two to three model-sized
+  buffers. Up to 64 buckets of a step go
   out at once (a 65th waits for the first's exchange). An error of step t's exchange (the
   group's: every rank alike) is raised by every rank at step t + 1, whose own exchange still
   starts, so the step after goes on; a rank that cannot start a bucket's exchange hands out
@@ -127,6 +128,11 @@ class HookState:
                 "delay=True with a loss scaler: a step's verdict (skip or not) would come one "
                 "step after the optimizer used it; use overlap=True or the blocking hook"
             )
+        if self.delay and (skip_non_finite or (skip_non_finite is None and allreduce.skip_non_finite)):
+            raise ValueError(
+                "delay=True does not skip non-finite steps (a step's verdict would come one step "
+                "after the optimizer used it): use overlap=True or the blocking hook"
+            )
         if self.delay and getattr(model, "find_unused_parameters", False) and not getattr(model, "static_graph", False):
             raise ValueError(
                 "delay=True with find_unused_parameters=True: DDP leaves the gradient of a "
@@ -134,7 +140,7 @@ class HookState:
                 "it would be lost; use static_graph=True or every parameter in every step"
             )
         if self.overlap:
-            _check_overlap(model, allreduce, skip_non_finite, "delay=True" if self.delay else "overlap=True")
+            _check_overlap(model, allreduce, "delay=True" if self.delay else "overlap=True")
         if self.delay:
             self.allreduce.skip_non_finite = False
         elif skip_non_finite is not None:
@@ -499,7 +505,7 @@ class HookState:
 
 
 def _check_overlap(
-    model: torch.nn.Module, allreduce: AllReduce, skip_non_finite: Optional[bool], mode: str
+    model: torch.nn.Module, allreduce: AllReduce, mode: str
 ) -> None:
     """``ValueError`` for an all-reduce the overlapped (or delayed: ``mode``) hook of
     ``model`` (a DDP model) cannot run (see the module docs)."""
@@ -526,11 +532,6 @@ def _check_overlap(
         raise ValueError(
             f"{mode} calls the transport from the library's thread: give the AllReduce a "
             "communicator of its own (gradwire.comm.Mpi4py(MPI.COMM_WORLD.Dup()))"
-        )
-    if mode == "delay=True" and (skip_non_finite or (skip_non_finite is None and allreduce.skip_non_finite)):
-        raise ValueError(
-            f"{mode} does not skip non-finite steps (a step's verdict would come one step "
-            "after the optimizer used it): use overlap=True or the blocking hook"
         )
 
 
